@@ -1,0 +1,53 @@
+//! Names of the environment variables accelerate-rs reads and the launcher sets.
+//!
+//! The torchrun names are read first, then SLURM's, then Open MPI's; see the precedence table in the
+//! crate documentation.
+
+/// Global rank of this process (torchrun).
+pub const RANK: &str = "RANK";
+/// Number of processes in the whole run (torchrun).
+pub const WORLD_SIZE: &str = "WORLD_SIZE";
+/// Rank of this process on its machine (torchrun).
+pub const LOCAL_RANK: &str = "LOCAL_RANK";
+/// Number of processes on this machine (torchrun).
+pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+/// Address of the machine hosting rank 0 and the rendezvous store (torchrun).
+pub const MASTER_ADDR: &str = "MASTER_ADDR";
+/// Port of the rendezvous store (torchrun).
+pub const MASTER_PORT: &str = "MASTER_PORT";
+
+/// SLURM: global rank.
+pub const SLURM_PROCID: &str = "SLURM_PROCID";
+/// SLURM: number of tasks (world size).
+pub const SLURM_NTASKS: &str = "SLURM_NTASKS";
+/// SLURM: rank on the node.
+pub const SLURM_LOCALID: &str = "SLURM_LOCALID";
+/// SLURM: number of tasks on this node.
+pub const SLURM_NTASKS_PER_NODE: &str = "SLURM_NTASKS_PER_NODE";
+
+/// Open MPI: global rank.
+pub const OMPI_RANK: &str = "OMPI_COMM_WORLD_RANK";
+/// Open MPI: world size.
+pub const OMPI_SIZE: &str = "OMPI_COMM_WORLD_SIZE";
+/// Open MPI: rank on the node.
+pub const OMPI_LOCAL_RANK: &str = "OMPI_COMM_WORLD_LOCAL_RANK";
+/// Open MPI: processes on the node.
+pub const OMPI_LOCAL_SIZE: &str = "OMPI_COMM_WORLD_LOCAL_SIZE";
+
+/// Per-run secret carried in every connection handshake (set by `accelerate-rs launch`).
+pub const SECRET: &str = "ACCELERATE_RS_SECRET";
+/// Force CPU even when GPUs are present (`1`/`true`/`yes`, `0`/`false`/`no`).
+pub const USE_CPU: &str = "ACCELERATE_RS_USE_CPU";
+/// Timeout of every collective, in seconds (float allowed).
+pub const TIMEOUT_SECS: &str = "ACCELERATE_RS_TIMEOUT_SECS";
+/// Gradient bucket cap in MiB.
+pub const BUCKET_CAP_MB: &str = "ACCELERATE_RS_BUCKET_CAP_MB";
+/// Path of the config file (overrides the platform default location).
+pub const CONFIG_FILE: &str = "ACCELERATE_RS_CONFIG_FILE";
+/// How many times the launcher restarted the worker group (0 on the first run).
+pub const RESTART_COUNT: &str = "ACCELERATE_RS_RESTART_COUNT";
+
+/// Rayon's thread-count variable (Candle's CPU kernels honour it).
+pub const RAYON_NUM_THREADS: &str = "RAYON_NUM_THREADS";
+/// OpenMP's thread-count variable.
+pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
