@@ -2,9 +2,7 @@
 #![deny(missing_docs)]
 
 pub mod collective;
-pub mod data;
 pub mod env;
 pub mod error;
-pub mod launch;
 
 pub use error::{Error, Result};

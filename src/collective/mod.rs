@@ -1,1 +1,189 @@
-//! Collectives.
+//! Collective communication: one [`Collective`] trait, several backends.
+//!
+//! | backend | when | file |
+//! |---|---|---|
+//! | [`SingleProcess`] | world size 1: every call returns at once, no socket is opened | `single.rs` |
+//! | [`TcpCollective`] | several processes (one or many machines): rendezvous store + ring over TCP | `tcp/` |
+//! | [`ThreadGroup`] | several ranks as threads of one process (tests, DP over CPU replicas) | `threads.rs` |
+//!
+//! Every operation has a timeout, and every backend fails (never hangs) when a peer disappears,
+//! naming the operation, its own rank and the peer.
+//!
+//! ```
+//! use accelerate_rs::collective::{Collective, ReduceOp, ThreadGroup};
+//! # fn main() -> accelerate_rs::Result<()> {
+//! let ranks = ThreadGroup::new(3, std::time::Duration::from_secs(10))?;
+//! let handles: Vec<_> = ranks
+//!     .into_iter()
+//!     .map(|c| {
+//!         std::thread::spawn(move || {
+//!             let mut v = vec![c.rank() as f32; 4];
+//!             c.all_reduce((&mut v[..]).into(), ReduceOp::Sum).map(|_| v)
+//!         })
+//!     })
+//!     .collect();
+//! for h in handles {
+//!     assert_eq!(h.join().unwrap()?, vec![3.0; 4]); // 0 + 1 + 2
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+mod buffer;
+mod reduce;
+mod single;
+pub mod tcp;
+mod threads;
+
+use candle_core::Tensor;
+
+pub use buffer::{AlignedBytes, Buffer, BufferMut, ElemType, Element, OwnedBuffer};
+pub use reduce::ReduceOp;
+pub use single::SingleProcess;
+pub use tcp::{TcpCollective, TcpOptions};
+pub use threads::{ThreadCollective, ThreadGroup};
+
+pub(crate) use buffer::{tensor_from_bytes, HostVec};
+pub(crate) use reduce::{check_reducible, finish_mean, reduce_into};
+
+use crate::error::{Error, Result};
+
+/// Collective operations among the ranks of one run.
+///
+/// All ranks must call the same operations in the same order with matching sizes and element
+/// types; a mismatch is detected and reported as [`Error::Mismatch`] rather than corrupting data.
+/// Implementations short-circuit when [`world_size`](Collective::world_size) is 1.
+pub trait Collective: Send + Sync + std::fmt::Debug {
+    /// This process's rank, `0..world_size`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// Backend name, for logs (`single`, `tcp`, `threads`, `nccl`).
+    fn backend(&self) -> &'static str;
+
+    /// Combines `buf` element-wise across ranks; every rank ends with the same result.
+    fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp) -> Result<()>;
+    /// Copies `root`'s `buf` into every other rank's `buf` (same length everywhere).
+    fn broadcast(&self, buf: BufferMut<'_>, root: usize) -> Result<()>;
+    /// Every rank's buffer, in rank order. Lengths may differ between ranks; element types may not.
+    fn all_gather(&self, buf: Buffer<'_>) -> Result<Vec<OwnedBuffer>>;
+    /// Returns once every rank has called it.
+    fn barrier(&self) -> Result<()>;
+
+    /// [`all_reduce`](Collective::all_reduce) on a tensor; returns a new tensor of the same shape
+    /// on the same device. Backends with device memory (NCCL) override this to avoid host copies.
+    fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        if self.world_size() == 1 {
+            return Ok(t.clone());
+        }
+        let mut host = HostVec::from_tensor(t, "all_reduce")?;
+        self.all_reduce(host.as_buffer_mut(), op)?;
+        host.into_tensor(t.shape().clone(), t.device())
+    }
+
+    /// [`broadcast`](Collective::broadcast) on a tensor: returns `root`'s tensor on every rank.
+    fn broadcast_tensor(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        if self.world_size() == 1 {
+            return Ok(t.clone());
+        }
+        let mut host = HostVec::from_tensor(t, "broadcast")?;
+        self.broadcast(host.as_buffer_mut(), root)?;
+        host.into_tensor(t.shape().clone(), t.device())
+    }
+
+    /// Concatenates every rank's tensor along dim 0, in rank order. The first dimension may differ
+    /// between ranks; the other dimensions and the dtype must match (the error lists every rank's
+    /// shape otherwise).
+    fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        if self.world_size() == 1 {
+            return Ok(t.clone());
+        }
+        gather_tensor_via_host(self, t)
+    }
+}
+
+/// Shapes are gathered first so that a mismatch is reported with every rank's shape.
+fn gather_tensor_via_host<C: Collective + ?Sized>(c: &C, t: &Tensor) -> Result<Tensor> {
+    let elem = ElemType::from_dtype(t.dtype()).ok_or_else(|| Error::UnsupportedDType {
+        op: "all_gather".into(),
+        dtype: format!("{:?}", t.dtype()),
+    })?;
+    if t.rank() == 0 {
+        return Err(Error::invalid(
+            "all_gather tensor",
+            "a scalar has no dim 0 to concatenate along; reshape it to [1]",
+        ));
+    }
+    let mut meta: Vec<u8> = vec![elem.code()];
+    for d in t.dims() {
+        meta.extend_from_slice(&(*d as u64).to_le_bytes());
+    }
+    let metas = c.all_gather(Buffer::from(&meta[..]))?;
+    let describe = |m: &[u8]| -> String {
+        let dims: Vec<u64> = m
+            .get(1..)
+            .unwrap_or(&[])
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+            .collect();
+        let ty = [
+            ElemType::U8,
+            ElemType::F16,
+            ElemType::BF16,
+            ElemType::F32,
+            ElemType::F64,
+        ]
+        .into_iter()
+        .find(|e| Some(&e.code()) == m.first())
+        .map(|e| e.name())
+        .unwrap_or("?");
+        format!("{ty}{dims:?}")
+    };
+    let mine = &meta;
+    let consistent = metas.iter().all(|m| {
+        let b = m.bytes();
+        b.len() == mine.len() && b[0] == mine[0] && b.get(9..) == mine.get(9..)
+    });
+    if !consistent {
+        let all: Vec<String> = metas
+            .iter()
+            .enumerate()
+            .map(|(r, m)| format!("rank {r}: {}", describe(m.bytes())))
+            .collect();
+        return Err(Error::Mismatch {
+            rank: c.rank(),
+            op: "all_gather".into(),
+            detail: format!(
+                "tensors must share dtype and all dims but the first; got {}",
+                all.join(", ")
+            ),
+        });
+    }
+    let mut host = HostVec::from_tensor(t, "all_gather")?;
+    let parts = c.all_gather(host.as_buffer_mut().as_buffer())?;
+    let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.bytes().len()).sum());
+    let mut rows = 0usize;
+    for (p, m) in parts.iter().zip(&metas) {
+        bytes.extend_from_slice(p.bytes());
+        rows += m
+            .bytes()
+            .get(1..9)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+            .unwrap_or(0) as usize;
+    }
+    let mut dims = t.dims().to_vec();
+    dims[0] = rows;
+    tensor_from_bytes(&bytes, elem, dims, t.device())
+}
+
+/// Checks the `root` argument of a broadcast.
+pub(crate) fn check_root(root: usize, world_size: usize, rank: usize) -> Result<()> {
+    if root >= world_size {
+        return Err(Error::invalid(
+            "broadcast root",
+            format!("rank {rank}: root {root} is not a rank of a world of size {world_size}"),
+        ));
+    }
+    Ok(())
+}

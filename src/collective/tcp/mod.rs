@@ -1,0 +1,322 @@
+//! Multi-process collectives over TCP.
+//!
+//! 1. Rank 0 hosts a rendezvous store at `MASTER_ADDR:MASTER_PORT` ([`store`]).
+//! 2. Every rank listens on an ephemeral port of the interface that reaches rank 0, publishes
+//!    `peer/<rank>` in the store, connects to the next rank and accepts the previous one. Every
+//!    connection opens with a handshake carrying the run's secret ([`wire`]).
+//! 3. Collectives run over that ring ([`ring`](self)): all-reduce is reduce-scatter + all-gather
+//!    over `world` chunks, streamed in segments.
+
+mod ring;
+mod store;
+pub mod wire;
+
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use ring::Ring;
+use store::{StoreClient, StoreServer};
+use wire::{Hello, Role};
+
+use super::{check_reducible, check_root, Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp};
+use crate::error::{Error, Result};
+
+/// Where and how to form a TCP group.
+#[derive(Clone, Debug)]
+pub struct TcpOptions {
+    /// This process's rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Address of rank 0 (`MASTER_ADDR`).
+    pub master_addr: String,
+    /// Port of the rendezvous store (`MASTER_PORT`).
+    pub master_port: u16,
+    /// The run's secret (`ACCELERATE_RS_SECRET`); empty means unauthenticated.
+    pub secret: Vec<u8>,
+    /// Timeout of every collective, and of forming the group.
+    pub timeout: Duration,
+}
+
+/// A rank of a multi-process group connected in a ring over TCP.
+#[derive(Debug)]
+pub struct TcpCollective {
+    rank: usize,
+    world: usize,
+    ring: Option<Mutex<Ring>>,
+    _store: Option<StoreServer>,
+}
+
+fn bind_addr_for(master: SocketAddr) -> SocketAddr {
+    // Bind exactly the loopback address when the run is local; otherwise listen on every
+    // interface, since MASTER_ADDR may name this machine by an address it cannot bind directly.
+    if master.ip().is_loopback() {
+        master
+    } else {
+        let any = match master.ip() {
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        };
+        SocketAddr::new(any, master.port())
+    }
+}
+
+impl TcpCollective {
+    /// Forms the group: waits (up to `opts.timeout`) until every rank has joined.
+    pub fn connect(opts: &TcpOptions) -> Result<Self> {
+        let (rank, world) = (opts.rank, opts.world_size);
+        if world == 0 || rank >= world {
+            return Err(Error::invalid(
+                "rank",
+                format!("rank {rank} is not in a world of size {world}"),
+            ));
+        }
+        if opts.secret.len() > wire::MAX_SECRET {
+            return Err(Error::invalid(
+                "secret",
+                format!(
+                    "{} bytes is over the {}-byte limit",
+                    opts.secret.len(),
+                    wire::MAX_SECRET
+                ),
+            ));
+        }
+        let master = format!("{}:{}", opts.master_addr, opts.master_port);
+        let deadline = Instant::now() + opts.timeout;
+        let store = if rank == 0 {
+            let resolved = master
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+                .ok_or_else(|| Error::Rendezvous {
+                    rank,
+                    addr: master.clone(),
+                    reason: "MASTER_ADDR does not resolve to an address".into(),
+                    source: None,
+                })?;
+            let bind = bind_addr_for(resolved);
+            let server = StoreServer::start(bind, opts.secret.clone(), rank).map_err(|e| {
+                let reason = if e.kind() == io::ErrorKind::AddrInUse {
+                    format!("port {} is already in use on this machine (another run?); choose another MASTER_PORT, or let `accelerate-rs launch` pick a free one", opts.master_port)
+                } else {
+                    format!("cannot host the rendezvous store on {bind}")
+                };
+                Error::Rendezvous {
+                    rank,
+                    addr: master.clone(),
+                    reason,
+                    source: Some(e),
+                }
+            })?;
+            Some(server)
+        } else {
+            None
+        };
+        if world == 1 {
+            return Ok(TcpCollective {
+                rank,
+                world,
+                ring: None,
+                _store: store,
+            });
+        }
+        let mut client = StoreClient::connect(&master, rank, world, &opts.secret, deadline)?;
+        let local_ip = client.local_addr()?.ip();
+        let listener = TcpListener::bind((local_ip, 0)).map_err(|e| Error::Rendezvous {
+            rank,
+            addr: format!("{local_ip}:0"),
+            reason: "cannot listen for peer connections".into(),
+            source: Some(e),
+        })?;
+        let my_addr = listener
+            .local_addr()
+            .map_err(|e| Error::Rendezvous {
+                rank,
+                addr: format!("{local_ip}:0"),
+                reason: "cannot read the listener's address".into(),
+                source: Some(e),
+            })?
+            .to_string();
+        client.set(&format!("peer/{rank}"), my_addr.as_bytes())?;
+        let (next_rank, prev_rank) = ((rank + 1) % world, (rank + world - 1) % world);
+        let next_addr = client.get(&format!("peer/{next_rank}"), deadline)?;
+        let next_addr = String::from_utf8_lossy(&next_addr).into_owned();
+        let hello = Hello {
+            role: Role::Peer,
+            rank: rank as u32,
+            world: world as u32,
+            secret: opts.secret.clone(),
+        };
+        let mut next = connect_peer(&next_addr, rank, next_rank, deadline)?;
+        next.write_all(&hello.encode())
+            .map_err(|e| peer_setup_err(rank, &next_addr, "sending the handshake failed", e))?;
+        let prev = accept_peer(&listener, rank, prev_rank, world, &opts.secret, deadline)?;
+        drop(listener);
+        // The next rank acknowledges our handshake once it has accepted it.
+        next.set_read_timeout(Some(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(100)),
+        ))
+        .map_err(|e| peer_setup_err(rank, &next_addr, "socket setup failed", e))?;
+        let mut ack = [0u8; 1];
+        next.read_exact(&mut ack).map_err(|e| {
+            peer_setup_err(
+                rank,
+                &next_addr,
+                &format!("rank {next_rank} did not accept our handshake (different ACCELERATE_RS_SECRET, WORLD_SIZE or accelerate-rs version?)"),
+                e,
+            )
+        })?;
+        let ring = Ring::new(rank, world, opts.timeout, next, prev)
+            .map_err(|e| peer_setup_err(rank, &next_addr, "socket setup failed", e))?;
+        log::debug!("rank {rank}: ring formed (next {next_addr})");
+        Ok(TcpCollective {
+            rank,
+            world,
+            ring: Some(Mutex::new(ring)),
+            _store: store,
+        })
+    }
+
+    fn ring(&self) -> Option<MutexGuard<'_, Ring>> {
+        self.ring
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+fn peer_setup_err(rank: usize, addr: &str, reason: &str, e: io::Error) -> Error {
+    Error::Rendezvous {
+        rank,
+        addr: addr.to_string(),
+        reason: reason.to_string(),
+        source: Some(e),
+    }
+}
+
+fn connect_peer(addr: &str, rank: usize, peer: usize, deadline: Instant) -> Result<TcpStream> {
+    let sock: SocketAddr = addr.parse().map_err(|_| Error::Rendezvous {
+        rank,
+        addr: addr.to_string(),
+        reason: format!("rank {peer} published an invalid address"),
+        source: None,
+    })?;
+    loop {
+        match TcpStream::connect_timeout(&sock, Duration::from_secs(2)) {
+            Ok(s) => {
+                s.set_nodelay(true)
+                    .map_err(|e| peer_setup_err(rank, addr, "socket setup failed", e))?;
+                return Ok(s);
+            }
+            Err(e) if Instant::now() >= deadline => {
+                return Err(peer_setup_err(
+                    rank,
+                    addr,
+                    &format!("cannot connect to rank {peer}"),
+                    e,
+                ))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// Accepts connections until the previous rank's valid handshake arrives; anything else is logged
+/// and dropped.
+fn accept_peer(
+    listener: &TcpListener,
+    rank: usize,
+    prev: usize,
+    world: usize,
+    secret: &[u8],
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let addr = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| peer_setup_err(rank, &addr, "socket setup failed", e))?;
+    loop {
+        match listener.accept() {
+            Ok((mut s, from)) => {
+                let setup = s
+                    .set_nonblocking(false)
+                    .and_then(|_| s.set_read_timeout(Some(Duration::from_secs(10))));
+                if let Err(e) = setup {
+                    log::warn!("rank {rank}: dropped connection from {from}: {e}");
+                    continue;
+                }
+                match Hello::read_checked(&mut s, secret) {
+                    Ok(h) if h.role == Role::Peer && h.rank as usize == prev && h.world as usize == world => {
+                        s.write_all(&[0]).map_err(|e| {
+                            peer_setup_err(rank, &from.to_string(), "acknowledging the handshake failed", e)
+                        })?;
+                        return Ok(s);
+                    }
+                    Ok(h) => log::warn!(
+                        "rank {rank}: rejected connection from {from}: it says it is rank {} of {} ({:?}); expected rank {prev} of {world}",
+                        h.rank, h.world, h.role
+                    ),
+                    Err(reason) => {
+                        log::warn!("rank {rank}: rejected connection from {from}: {reason}")
+                    }
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    return Err(Error::Rendezvous {
+                        rank,
+                        addr,
+                        reason: format!("rank {prev} never connected"),
+                        source: None,
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => log::warn!("rank {rank}: accept failed: {e}"),
+        }
+    }
+}
+
+impl Collective for TcpCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn backend(&self) -> &'static str {
+        "tcp"
+    }
+    fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp) -> Result<()> {
+        check_reducible(buf.elem(), op)?;
+        match self.ring() {
+            Some(mut ring) => ring.all_reduce(buf, op),
+            None => Ok(()),
+        }
+    }
+    fn broadcast(&self, buf: BufferMut<'_>, root: usize) -> Result<()> {
+        check_root(root, self.world, self.rank)?;
+        match self.ring() {
+            Some(mut ring) => ring.broadcast(buf, root),
+            None => Ok(()),
+        }
+    }
+    fn all_gather(&self, buf: Buffer<'_>) -> Result<Vec<OwnedBuffer>> {
+        match self.ring() {
+            Some(mut ring) => ring.all_gather(buf),
+            None => super::SingleProcess.all_gather(buf),
+        }
+    }
+    fn barrier(&self) -> Result<()> {
+        match self.ring() {
+            Some(mut ring) => ring.barrier(),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! The wire protocol: connection handshake, store frames and collective headers.
+//!
+//! Every connection (to the rendezvous store or between peers) starts with a [`Hello`]:
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 4 | magic `ACRS` |
+//! | 2 | protocol version (little endian) |
+//! | 1 | role: 1 = store client, 2 = peer |
+//! | 1 | reserved (0) |
+//! | 4 | rank |
+//! | 4 | world size |
+//! | 2 | secret length (at most [`MAX_SECRET`]) |
+//! | n | secret |
+//!
+//! Every length or count read from a socket is checked against a bound before anything is
+//! allocated; a connection that breaks a bound, has the wrong magic, version or secret is dropped
+//! and logged, and the run goes on.
+
+use std::io::{self, Read, Write};
+
+/// Magic bytes that open every connection.
+pub const MAGIC: [u8; 4] = *b"ACRS";
+/// Protocol version; both ends must agree.
+pub const VERSION: u16 = 1;
+/// Longest secret accepted, in bytes.
+pub const MAX_SECRET: usize = 256;
+/// Longest store key, in bytes.
+pub const MAX_KEY: usize = 1024;
+/// Largest store value, in bytes.
+pub const MAX_VALUE: usize = 1 << 20;
+/// Largest block one rank may contribute to an all-gather, in bytes (64 GiB).
+pub const MAX_GATHER_BYTES: u64 = 1 << 36;
+
+/// Who opens a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A rank talking to the rendezvous store.
+    StoreClient = 1,
+    /// A rank connecting to its ring neighbour.
+    Peer = 2,
+}
+
+/// The first frame of every connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Who is connecting.
+    pub role: Role,
+    /// The connecting rank.
+    pub rank: u32,
+    /// The world size it believes in.
+    pub world: u32,
+    /// The per-run secret.
+    pub secret: Vec<u8>,
+}
+
+impl Hello {
+    /// Serialises the frame.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(18 + self.secret.len());
+        b.extend_from_slice(&MAGIC);
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.push(self.role as u8);
+        b.push(0);
+        b.extend_from_slice(&self.rank.to_le_bytes());
+        b.extend_from_slice(&self.world.to_le_bytes());
+        b.extend_from_slice(&(self.secret.len() as u16).to_le_bytes());
+        b.extend_from_slice(&self.secret);
+        b
+    }
+
+    /// Reads and validates a frame. `Err` carries a reason fit for a log line; the caller drops
+    /// the connection.
+    pub fn read_checked(r: &mut impl Read, secret: &[u8]) -> Result<Hello, String> {
+        let mut head = [0u8; 18];
+        r.read_exact(&mut head)
+            .map_err(|e| format!("incomplete handshake: {e}"))?;
+        if head[0..4] != MAGIC {
+            return Err(format!(
+                "not an accelerate-rs connection (magic {:02x?})",
+                &head[0..4]
+            ));
+        }
+        let version = u16::from_le_bytes([head[4], head[5]]);
+        if version != VERSION {
+            return Err(format!(
+                "protocol version {version}, this build speaks {VERSION}"
+            ));
+        }
+        let role = match head[6] {
+            1 => Role::StoreClient,
+            2 => Role::Peer,
+            other => return Err(format!("unknown role {other}")),
+        };
+        let rank = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
+        let world = u32::from_le_bytes([head[12], head[13], head[14], head[15]]);
+        let len = u16::from_le_bytes([head[16], head[17]]) as usize;
+        if len > MAX_SECRET {
+            return Err(format!(
+                "secret of {len} bytes is over the {MAX_SECRET}-byte limit"
+            ));
+        }
+        let mut got = vec![0u8; len];
+        r.read_exact(&mut got)
+            .map_err(|e| format!("incomplete handshake: {e}"))?;
+        if !constant_time_eq(&got, secret) {
+            return Err("wrong secret (is ACCELERATE_RS_SECRET the same on every rank?)".into());
+        }
+        Ok(Hello {
+            role,
+            rank,
+            world,
+            secret: got,
+        })
+    }
+}
+
+/// Compares without an early exit, so timing does not reveal how much of a secret matched.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Store request codes.
+pub const STORE_SET: u8 = 1;
+/// Store request: wait for a key.
+pub const STORE_GET: u8 = 2;
+
+/// Store reply status: done.
+pub const STATUS_OK: u8 = 0;
+/// Store reply status: the key did not appear in time.
+pub const STATUS_TIMEOUT: u8 = 1;
+
+/// Reads a `u32` length and checks it against `max` before allocating, then reads the bytes.
+pub fn read_bounded(r: &mut impl Read, max: usize, what: &str) -> io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{what} of {len} bytes is over the {max}-byte limit"),
+        ));
+    }
+    let mut b = vec![0u8; len];
+    r.read_exact(&mut b)?;
+    Ok(b)
+}
+
+/// Writes a `u32` length then the bytes.
+pub fn write_bytes(w: &mut impl Write, b: &[u8]) -> io::Result<()> {
+    let len = u32::try_from(b.len()).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} bytes do not fit a frame", b.len()),
+        )
+    })?;
+    w.write_all(&len.to_le_bytes())?;
+    w.write_all(b)
+}
+
+/// Operation codes carried in [`OpHeader`].
+pub mod op {
+    /// all_reduce
+    pub const ALL_REDUCE: u8 = 1;
+    /// broadcast
+    pub const BROADCAST: u8 = 2;
+    /// all_gather
+    pub const ALL_GATHER: u8 = 3;
+    /// barrier
+    pub const BARRIER: u8 = 4;
+
+    /// Name of an operation code.
+    pub fn name(code: u8) -> &'static str {
+        match code {
+            ALL_REDUCE => "all_reduce",
+            BROADCAST => "broadcast",
+            ALL_GATHER => "all_gather",
+            BARRIER => "barrier",
+            _ => "unknown operation",
+        }
+    }
+}
+
+/// Sent to the next rank at the start of every collective so that ranks calling different
+/// operations, sizes or element types are caught instead of exchanging garbage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpHeader {
+    /// Operation code ([`op`]).
+    pub op: u8,
+    /// Element type code.
+    pub elem: u8,
+    /// Sequence number of the collective on this communicator.
+    pub seq: u64,
+    /// Element count (0 for all_gather, whose sizes may differ).
+    pub count: u64,
+    /// Root of a broadcast or code of a reduction.
+    pub aux: u64,
+}
+
+/// Size of an encoded [`OpHeader`].
+pub const HEADER_LEN: usize = 32;
+const HEADER_MAGIC: [u8; 4] = *b"ACop";
+
+impl OpHeader {
+    /// Serialises the header.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&HEADER_MAGIC);
+        b[4] = self.op;
+        b[5] = self.elem;
+        b[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        b[16..24].copy_from_slice(&self.count.to_le_bytes());
+        b[24..32].copy_from_slice(&self.aux.to_le_bytes());
+        b
+    }
+
+    /// Parses a header; `None` when the bytes are not one.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Option<Self> {
+        if b[0..4] != HEADER_MAGIC {
+            return None;
+        }
+        let u = |r: std::ops::Range<usize>| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[r]);
+            u64::from_le_bytes(x)
+        };
+        Some(OpHeader {
+            op: b[4],
+            elem: b[5],
+            seq: u(8..16),
+            count: u(16..24),
+            aux: u(24..32),
+        })
+    }
+
+    /// Human readable form for mismatch reports.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} #{} (elem code {}, count {}, aux {})",
+            op::name(self.op),
+            self.seq,
+            self.elem,
+            self.count,
+            self.aux
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_round_trip_and_rejections() {
+        let h = Hello {
+            role: Role::Peer,
+            rank: 3,
+            world: 4,
+            secret: b"s3cret".to_vec(),
+        };
+        let bytes = h.encode();
+        assert_eq!(
+            Hello::read_checked(&mut &bytes[..], b"s3cret"),
+            Ok(h.clone())
+        );
+        let err = Hello::read_checked(&mut &bytes[..], b"other").unwrap_err();
+        assert!(err.contains("wrong secret"), "{err}");
+        let err = Hello::read_checked(&mut &b"GET / HTTP/1.1\r\n\r\n"[..], b"").unwrap_err();
+        assert!(err.contains("not an accelerate-rs connection"), "{err}");
+        let mut long = bytes[..16].to_vec();
+        long.extend_from_slice(&60000u16.to_le_bytes());
+        let err = Hello::read_checked(&mut &long[..], b"").unwrap_err();
+        assert!(err.contains("limit"), "{err}");
+        let mut v2 = bytes.clone();
+        v2[4] = 9;
+        let err = Hello::read_checked(&mut &v2[..], b"s3cret").unwrap_err();
+        assert!(err.contains("version 9"), "{err}");
+    }
+
+    #[test]
+    fn bounded_reads_refuse_before_allocating() {
+        let mut frame = (u32::MAX).to_le_bytes().to_vec();
+        frame.extend_from_slice(b"abc");
+        let err = read_bounded(&mut &frame[..], MAX_VALUE, "value").unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        let mut ok = Vec::new();
+        write_bytes(&mut ok, b"hello").unwrap();
+        assert_eq!(read_bounded(&mut &ok[..], 5, "value").unwrap(), b"hello");
+    }
+
+    #[test]
+    fn header_round_trip() {
+        let h = OpHeader {
+            op: op::BROADCAST,
+            elem: 4,
+            seq: 7,
+            count: 1 << 40,
+            aux: 2,
+        };
+        assert_eq!(OpHeader::decode(&h.encode()), Some(h));
+        assert_eq!(OpHeader::decode(&[0u8; HEADER_LEN]), None);
+    }
+}

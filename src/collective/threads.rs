@@ -1,0 +1,363 @@
+//! Several ranks as threads of one process, meeting in shared memory.
+//!
+//! Each operation is a rendezvous: every rank deposits its contribution, the last one to arrive
+//! opens the gate, every rank computes its result from all contributions (in rank order, so all
+//! ranks get bit-identical results), and the slots are cleared once all have read them.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{
+    check_reducible, check_root, finish_mean, reduce_into, AlignedBytes, Buffer, BufferMut,
+    Collective, ElemType, OwnedBuffer, ReduceOp,
+};
+use crate::error::{Error, Result};
+
+/// Creates the ranks of an in-process group.
+#[derive(Debug)]
+pub struct ThreadGroup;
+
+impl ThreadGroup {
+    /// `world_size` communicators, one per rank; move each into its own thread. Every operation
+    /// waits at most `timeout` for the other ranks.
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(world_size: usize, timeout: Duration) -> Result<Vec<ThreadCollective>> {
+        if world_size == 0 {
+            return Err(Error::invalid(
+                "world size",
+                "a thread group needs at least 1 rank",
+            ));
+        }
+        let shared = Arc::new(Shared {
+            n: world_size,
+            timeout,
+            state: Mutex::new(State {
+                collecting: true,
+                slots: (0..world_size).map(|_| None).collect(),
+                arrived: 0,
+                read: 0,
+                departed: vec![false; world_size],
+                broken: None,
+            }),
+            cv: Condvar::new(),
+        });
+        Ok((0..world_size)
+            .map(|rank| ThreadCollective {
+                rank,
+                shared: shared.clone(),
+            })
+            .collect())
+    }
+}
+
+/// One rank of a [`ThreadGroup`].
+#[derive(Debug)]
+pub struct ThreadCollective {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    n: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+struct OpDesc {
+    op: &'static str,
+    elem: ElemType,
+    /// Element count, for operations that need equal sizes.
+    count: Option<usize>,
+    /// Root or reduce op.
+    aux: u64,
+}
+
+impl std::fmt::Display for OpDesc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.count {
+            Some(c) => write!(f, "{}({} x {c}, {})", self.op, self.elem, self.aux),
+            None => write!(f, "{}({})", self.op, self.elem),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    /// True while ranks are depositing; false while they read the results.
+    collecting: bool,
+    slots: Vec<Option<(OpDesc, AlignedBytes)>>,
+    arrived: usize,
+    read: usize,
+    departed: Vec<bool>,
+    broken: Option<String>,
+}
+
+impl ThreadCollective {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic in another rank's thread must not take this one down with it: the state is
+        // still consistent because every mutation completes under the lock.
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn wait<'a>(
+        &self,
+        st: MutexGuard<'a, State>,
+        deadline: Instant,
+    ) -> (MutexGuard<'a, State>, bool) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (st, res) = self
+            .shared
+            .cv
+            .wait_timeout(st, left)
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        (st, res.timed_out() && Instant::now() >= deadline)
+    }
+
+    fn fail(&self, st: &mut State, err: Error) -> Error {
+        if st.broken.is_none() {
+            st.broken = Some(err.to_string());
+        }
+        self.shared.cv.notify_all();
+        err
+    }
+
+    fn rendezvous<R>(
+        &self,
+        desc: OpDesc,
+        data: AlignedBytes,
+        compute: impl FnOnce(&[Option<(OpDesc, AlignedBytes)>]) -> Result<R>,
+    ) -> Result<R> {
+        let n = self.shared.n;
+        let op = desc.op;
+        let deadline = Instant::now() + self.shared.timeout;
+        let mut st = self.lock();
+        // Wait until the previous operation's results have been read by everyone.
+        while !st.collecting {
+            if let Some(first) = &st.broken {
+                return Err(self.broken(op, first));
+            }
+            let (g, timed_out) = self.wait(st, deadline);
+            st = g;
+            if timed_out && !st.collecting {
+                let err = Error::Timeout {
+                    rank: self.rank,
+                    peer: self.first_missing(&st).unwrap_or(self.rank),
+                    op: op.into(),
+                    timeout: self.shared.timeout,
+                };
+                return Err(self.fail(&mut st, err));
+            }
+        }
+        if let Some(first) = &st.broken {
+            return Err(self.broken(op, first));
+        }
+        st.slots[self.rank] = Some((desc, data));
+        st.arrived += 1;
+        if st.arrived == n {
+            st.collecting = false;
+            self.shared.cv.notify_all();
+        }
+        while st.collecting {
+            if let Some(first) = &st.broken {
+                let err = self.broken(op, first);
+                return Err(err);
+            }
+            if let Some(peer) = (0..n).find(|&r| st.departed[r] && st.slots[r].is_none()) {
+                let err = Error::Peer {
+                    rank: self.rank,
+                    peer,
+                    op: op.into(),
+                    reason: "that rank left the group (its communicator was dropped)".into(),
+                    source: None,
+                };
+                return Err(self.fail(&mut st, err));
+            }
+            let (g, timed_out) = self.wait(st, deadline);
+            st = g;
+            if timed_out && st.collecting {
+                let err = Error::Timeout {
+                    rank: self.rank,
+                    peer: self.first_missing(&st).unwrap_or(self.rank),
+                    op: op.into(),
+                    timeout: self.shared.timeout,
+                };
+                return Err(self.fail(&mut st, err));
+            }
+        }
+        let result = match mismatch(&st.slots) {
+            Some(detail) => Err(Error::Mismatch {
+                rank: self.rank,
+                op: op.into(),
+                detail,
+            }),
+            None => compute(&st.slots),
+        };
+        if let Err(e) = &result {
+            if st.broken.is_none() {
+                st.broken = Some(e.to_string());
+            }
+        }
+        st.read += 1;
+        if st.read == n {
+            st.slots.iter_mut().for_each(|s| *s = None);
+            st.arrived = 0;
+            st.read = 0;
+            st.collecting = true;
+            self.shared.cv.notify_all();
+        }
+        result
+    }
+
+    fn first_missing(&self, st: &State) -> Option<usize> {
+        (0..self.shared.n).find(|&r| st.slots[r].is_none())
+    }
+
+    fn broken(&self, op: &str, first: &str) -> Error {
+        Error::Broken {
+            rank: self.rank,
+            op: op.into(),
+            first: first.into(),
+        }
+    }
+}
+
+fn mismatch(slots: &[Option<(OpDesc, AlignedBytes)>]) -> Option<String> {
+    let first = slots.first()?.as_ref()?.0.clone();
+    if slots
+        .iter()
+        .all(|s| s.as_ref().is_some_and(|(d, _)| *d == first))
+    {
+        return None;
+    }
+    let all: Vec<String> = slots
+        .iter()
+        .enumerate()
+        .map(|(r, s)| match s {
+            Some((d, _)) => format!("rank {r}: {d}"),
+            None => format!("rank {r}: -"),
+        })
+        .collect();
+    Some(all.join(", "))
+}
+
+fn slot(slots: &[Option<(OpDesc, AlignedBytes)>], r: usize) -> Result<&AlignedBytes> {
+    slots
+        .get(r)
+        .and_then(|s| s.as_ref())
+        .map(|(_, d)| d)
+        .ok_or_else(|| Error::invalid("thread group", format!("rank {r} has no contribution")))
+}
+
+impl Collective for ThreadCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.shared.n
+    }
+    fn backend(&self) -> &'static str {
+        "threads"
+    }
+
+    fn all_reduce(&self, mut buf: BufferMut<'_>, op: ReduceOp) -> Result<()> {
+        check_reducible(buf.elem(), op)?;
+        if self.shared.n == 1 {
+            return Ok(());
+        }
+        let elem = buf.elem();
+        let desc = OpDesc {
+            op: "all_reduce",
+            elem,
+            count: Some(buf.len()),
+            aux: op.code() as u64,
+        };
+        let n = self.shared.n;
+        let out = buf.bytes_mut();
+        self.rendezvous(desc, AlignedBytes::copy_from(out), |slots| {
+            let mut acc = slot(slots, 0)?.clone();
+            for r in 1..n {
+                reduce_into(elem, op, acc.as_mut(), slot(slots, r)?.as_ref())?;
+            }
+            if op == ReduceOp::Mean {
+                finish_mean(elem, acc.as_mut(), n)?;
+            }
+            out.copy_from_slice(acc.as_ref());
+            Ok(())
+        })
+    }
+
+    fn broadcast(&self, mut buf: BufferMut<'_>, root: usize) -> Result<()> {
+        check_root(root, self.shared.n, self.rank)?;
+        if self.shared.n == 1 {
+            return Ok(());
+        }
+        let desc = OpDesc {
+            op: "broadcast",
+            elem: buf.elem(),
+            count: Some(buf.len()),
+            aux: root as u64,
+        };
+        let data = if self.rank == root {
+            AlignedBytes::copy_from(buf.bytes())
+        } else {
+            AlignedBytes::default()
+        };
+        let me = self.rank;
+        let out = buf.bytes_mut();
+        self.rendezvous(desc, data, |slots| {
+            if me != root {
+                out.copy_from_slice(slot(slots, root)?.as_ref());
+            }
+            Ok(())
+        })
+    }
+
+    fn all_gather(&self, buf: Buffer<'_>) -> Result<Vec<OwnedBuffer>> {
+        let elem = buf.elem();
+        if self.shared.n == 1 {
+            return Ok(vec![OwnedBuffer::new(
+                AlignedBytes::copy_from(buf.bytes()),
+                elem,
+            )]);
+        }
+        let desc = OpDesc {
+            op: "all_gather",
+            elem,
+            count: None,
+            aux: 0,
+        };
+        let n = self.shared.n;
+        self.rendezvous(desc, AlignedBytes::copy_from(buf.bytes()), |slots| {
+            (0..n)
+                .map(|r| Ok(OwnedBuffer::new(slot(slots, r)?.clone(), elem)))
+                .collect()
+        })
+    }
+
+    fn barrier(&self) -> Result<()> {
+        if self.shared.n == 1 {
+            return Ok(());
+        }
+        let desc = OpDesc {
+            op: "barrier",
+            elem: ElemType::U8,
+            count: Some(0),
+            aux: 0,
+        };
+        self.rendezvous(desc, AlignedBytes::default(), |_| Ok(()))
+    }
+}
+
+impl Drop for ThreadCollective {
+    fn drop(&mut self) {
+        let mut st = self.lock();
+        st.departed[self.rank] = true;
+        self.shared.cv.notify_all();
+    }
+}

@@ -1,0 +1,68 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::time::Duration;
+
+use accelerate_rs::collective::{TcpCollective, TcpOptions};
+
+/// A port that was free a moment ago on loopback.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free loopback port")
+}
+
+/// Options for rank `rank` of `world` on loopback.
+pub fn tcp_options(rank: usize, world: usize, port: u16, timeout: Duration) -> TcpOptions {
+    TcpOptions {
+        rank,
+        world_size: world,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        secret: b"test-secret".to_vec(),
+        timeout,
+    }
+}
+
+/// Forms a TCP group of `world` ranks inside this process (one thread per rank, real sockets).
+pub fn tcp_group(world: usize, timeout: Duration) -> Vec<TcpCollective> {
+    let port = free_port();
+    let handles: Vec<_> = (0..world)
+        .map(|r| {
+            std::thread::spawn(move || {
+                TcpCollective::connect(&tcp_options(r, world, port, timeout))
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| {
+            h.join()
+                .expect("rank thread panicked")
+                .expect("connect failed")
+        })
+        .collect()
+}
+
+/// Runs `f` on every rank in its own thread and returns the results in rank order.
+pub fn on_each<C, R, F>(ranks: Vec<C>, f: F) -> Vec<R>
+where
+    C: Send + 'static,
+    R: Send + 'static,
+    F: Fn(&C) -> R + Send + Sync + 'static,
+{
+    let f = std::sync::Arc::new(f);
+    let handles: Vec<_> = ranks
+        .into_iter()
+        .map(|c| {
+            let f = f.clone();
+            std::thread::spawn(move || f(&c))
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread panicked"))
+        .collect()
+}
