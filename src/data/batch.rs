@@ -1,0 +1,66 @@
+//! [`Batch`]: one batch yielded by a [`DataLoader`](super::DataLoader).
+
+use std::ops::Deref;
+
+use candle_core::Tensor;
+
+/// One batch: one tensor per field, stacked along dim 0, plus where it sits in the epoch.
+///
+/// Derefs to `[Tensor]`, so `&batch[0]` is the first field.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    tensors: Vec<Tensor>,
+    index: usize,
+    padding: usize,
+    num_batches: usize,
+}
+
+impl Batch {
+    /// Assembles a batch (used by the loader; public for custom loops and tests).
+    pub fn new(tensors: Vec<Tensor>, index: usize, padding: usize, num_batches: usize) -> Self {
+        Batch {
+            tensors,
+            index,
+            padding,
+            num_batches,
+        }
+    }
+
+    /// The batch number in the epoch (0-based).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// How many samples of this batch (on this rank) are padding duplicates.
+    pub fn padding(&self) -> usize {
+        self.padding
+    }
+
+    /// The number of batches this rank yields in the epoch.
+    pub fn num_batches(&self) -> usize {
+        self.num_batches
+    }
+
+    /// Whether this is the epoch's last batch.
+    pub fn is_last(&self) -> bool {
+        self.index + 1 == self.num_batches
+    }
+
+    /// The tensors, one per field.
+    pub fn tensors(&self) -> &[Tensor] {
+        &self.tensors
+    }
+
+    /// Takes the tensors out.
+    pub fn into_tensors(self) -> Vec<Tensor> {
+        self.tensors
+    }
+}
+
+impl Deref for Batch {
+    type Target = [Tensor];
+
+    fn deref(&self) -> &[Tensor] {
+        &self.tensors
+    }
+}
