@@ -190,6 +190,17 @@ pub enum Error {
     /// An error from Candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+
+    /// The launcher received SIGINT or SIGTERM and stopped its workers.
+    #[error("launch: interrupted by {signal}; stopped {stopped} worker(s)")]
+    Interrupted {
+        /// The signal received (`SIGINT` or `SIGTERM`).
+        signal: String,
+        /// Exit code to propagate: 128 + the signal number (130 for SIGINT).
+        code: i32,
+        /// How many workers were still running and had to be stopped.
+        stopped: usize,
+    },
 }
 
 impl Error {
