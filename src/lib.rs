@@ -1,11 +1,96 @@
-//! accelerate-rs (work in progress skeleton)
+//! # accelerate-rs
+//!
+//! Data-parallel training for [Candle](https://github.com/huggingface/candle) on many CPUs or
+//! GPUs, without rewriting the training loop: Hugging Face Accelerate + PyTorch DDP + torchrun,
+//! in Rust.
+//!
+//! A plain Candle loop becomes a distributed one with a handful of lines: create an
+//! [`Accelerator`], build the model on [`Accelerator::device`], and hand model, optimizer and
+//! [`DataLoader`] to [`Accelerator::prepare`]. `opt.backward_step(&loss)` then averages the
+//! gradients across ranks before stepping. Run it as is for one process, or under
+//! `accelerate-rs launch --cpu -n 4 ./train` for four.
+//!
+//! ```
+//! use accelerate_rs::{Accelerator, DataLoader, TensorDataset};
+//! use candle_core::{DType, Module, Tensor};
+//! use candle_nn::{linear, loss, Optimizer, VarBuilder, VarMap, SGD};
+//!
+//! fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let accelerator = Accelerator::new()?;
+//!     let device = accelerator.device().clone();
+//!     let x = Tensor::randn(0f32, 1.0, (64, 4), &device)?;
+//!     let y = x.sum_keepdim(1)?;
+//!
+//!     let varmap = VarMap::new();
+//!     let model = linear(4, 1, VarBuilder::from_varmap(&varmap, DType::F32, &device).pp("fc"))?;
+//!     let opt = SGD::new(varmap.all_vars(), 0.05)?;
+//!     let loader = DataLoader::new(TensorDataset::new(vec![x, y])?, 16).shuffle(true);
+//!     let (mut opt, mut loader) = accelerator.prepare(&varmap, opt, loader)?;
+//!
+//!     for epoch in 0..30 {
+//!         loader.set_epoch(epoch);
+//!         for batch in loader.iter()? {
+//!             let batch = batch?;
+//!             let loss = loss::mse(&model.forward(&batch[0])?, &batch[1])?;
+//!             opt.backward_step(&loss)?;
+//!         }
+//!     }
+//!     Ok(())
+//! }
+//! ```
+//!
+//! ## Settings and their precedence
+//!
+//! Every setting is resolved the same way: **builder call > environment variable > config file >
+//! default**. The config file is `ACCELERATE_RS_CONFIG_FILE` if set, else
+//! `<config dir>/accelerate-rs/default_config.toml` (e.g. `~/.config/...` on Linux).
+//!
+//! | setting | builder | environment | config key | default |
+//! |---|---|---|---|---|
+//! | rank | [`rank`](AcceleratorBuilder::rank) | `RANK`, else `SLURM_PROCID`, else `OMPI_COMM_WORLD_RANK` | - | 0 |
+//! | world size | [`world_size`](AcceleratorBuilder::world_size) | `WORLD_SIZE` / `SLURM_NTASKS` / `OMPI_COMM_WORLD_SIZE` | - | 1 |
+//! | local rank | [`local_rank`](AcceleratorBuilder::local_rank) | `LOCAL_RANK` / `SLURM_LOCALID` / `OMPI_COMM_WORLD_LOCAL_RANK` | - | the rank |
+//! | local world size | - | `LOCAL_WORLD_SIZE` / `SLURM_NTASKS_PER_NODE` / `OMPI_COMM_WORLD_LOCAL_SIZE` | - | the world size |
+//! | rank 0's address | [`master_addr`](AcceleratorBuilder::master_addr) | `MASTER_ADDR` | `main_process_ip` | required when world size > 1 |
+//! | rendezvous port | [`master_port`](AcceleratorBuilder::master_port) | `MASTER_PORT` | `main_process_port` | 29500 |
+//! | run secret | [`secret`](AcceleratorBuilder::secret) | `ACCELERATE_RS_SECRET` | - | none (unauthenticated, warned) |
+//! | collective timeout | [`timeout`](AcceleratorBuilder::timeout) | `ACCELERATE_RS_TIMEOUT_SECS` | `collective_timeout_secs` | 1800 s |
+//! | gradient bucket cap | [`bucket_cap_mb`](AcceleratorBuilder::bucket_cap_mb) | `ACCELERATE_RS_BUCKET_CAP_MB` | `bucket_cap_mb` | 25 MiB |
+//! | force CPU | [`cpu`](AcceleratorBuilder::cpu) | `ACCELERATE_RS_USE_CPU` | `use_cpu` | false |
+//! | config file | [`config_file`](AcceleratorBuilder::config_file) | `ACCELERATE_RS_CONFIG_FILE` | - | platform config dir |
+//!
+//! The launcher families are not mixed: the first of torchrun, SLURM, Open MPI whose rank
+//! variable is set provides rank, world size and local rank. Inconsistent values (a rank not below
+//! the world size, a world size without a rank, a missing `MASTER_ADDR`, a number that does not
+//! parse) are errors naming the variable and its value.
+//!
+//! ## Modules
+//!
+//! - [`accelerator`]: [`Accelerator`] and its builder; `prepare`, `backward`.
+//! - [`collective`]: the [`Collective`](collective::Collective) trait and its backends (single
+//!   process, TCP ring, in-process threads).
+//! - [`data`]: [`Dataset`], [`TensorDataset`], [`DistributedSampler`], [`DataLoader`].
+//! - [`launch`]: the launcher behind `accelerate-rs launch`.
+//! - [`config`], [`state`], [`env`]: settings, their sources and the variable names.
+//! - [`error`]: the typed [`Error`].
 #![deny(missing_docs)]
 
+pub mod accelerator;
 pub mod collective;
 pub mod config;
 pub mod data;
 pub mod env;
 pub mod error;
 pub mod launch;
+pub mod optimizer;
+pub mod params;
+pub mod state;
 
+pub use accelerator::{Accelerator, AcceleratorBuilder};
+pub use collective::{Collective, ReduceOp};
+pub use config::ConfigFile;
+pub use data::{Batch, DataLoader, Dataset, DistributedSampler, EvenBatches, TensorDataset};
 pub use error::{Error, Result};
+pub use optimizer::AcceleratedOptimizer;
+pub use params::Parameters;
+pub use state::{DistributedType, ProcessState};

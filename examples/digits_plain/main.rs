@@ -1,0 +1,51 @@
+//! The digits MLP as a plain Candle training loop: one process, no accelerate-rs Accelerator.
+//! Compare with `examples/digits/main.rs` (the README shows the diff).
+//!
+//!     cargo run --release --example digits_plain
+#[path = "../digits/data.rs"]
+mod data;
+
+use accelerate_rs::{DataLoader, TensorDataset};
+use anyhow::Result;
+use candle_core::{DType, Device, Module};
+use candle_nn::{loss, AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use clap::Parser;
+
+fn main() -> Result<()> {
+    let args = data::Args::parse();
+    let device = Device::Cpu;
+    let (train, test) = data::load(&args.data, args.seed, &device)?;
+
+    let varmap = VarMap::new();
+    let model = data::Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &device))?;
+    let mut opt = AdamW::new(
+        varmap.all_vars(),
+        ParamsAdamW {
+            lr: args.lr,
+            ..Default::default()
+        },
+    )?;
+    let mut loader = DataLoader::new(TensorDataset::new(vec![train.x, train.y])?, args.batch_size)
+        .shuffle(true)
+        .seed(args.seed);
+
+    for epoch in 0..args.epochs {
+        loader.set_epoch(epoch);
+        let mut sum_loss = 0f32;
+        for batch in loader.iter()? {
+            let batch = batch?;
+            let logits = model.forward(&batch[0])?;
+            let loss = loss::cross_entropy(&logits, &batch[1])?;
+            opt.backward_step(&loss)?;
+            sum_loss += loss.to_scalar::<f32>()?;
+        }
+        let acc = data::accuracy(&model, &test)?;
+        println!(
+            "epoch {epoch:3} loss {:.4} test accuracy {acc:.4}",
+            sum_loss / loader.len() as f32
+        );
+    }
+    let acc = data::accuracy(&model, &test)?;
+    println!("final test accuracy {acc:.4}");
+    data::check(acc, &args)
+}

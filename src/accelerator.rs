@@ -1,0 +1,325 @@
+//! [`Accelerator`]: the object a training script creates first. It knows the process's place in the
+//! run, owns the collective, prepares the model, optimizer and data loader, and averages
+//! gradients in [`backward`](Accelerator::backward).
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor};
+use candle_nn::Optimizer;
+
+use crate::collective::{Collective, SingleProcess, TcpCollective, TcpOptions};
+use crate::data::DataLoader;
+use crate::error::{Error, Result};
+use crate::optimizer::AcceleratedOptimizer;
+use crate::params::{ParamSet, Parameters};
+use crate::state::{DistributedType, Overrides, ProcessState};
+
+/// State shared by the accelerator and the objects it prepares.
+pub(crate) struct Shared {
+    state: ProcessState,
+    collective: Arc<dyn Collective>,
+    params: Mutex<Option<Arc<ParamSet>>>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("state", &self.state)
+            .field("collective", &self.collective.backend())
+            .finish()
+    }
+}
+
+impl Shared {
+    fn params(&self) -> Option<Arc<ParamSet>> {
+        self.params
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub(crate) fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        let mut grads = loss.backward()?;
+        if self.collective.world_size() > 1 {
+            self.average(&mut grads)?;
+        }
+        Ok(grads)
+    }
+
+    fn average(&self, grads: &mut GradStore) -> Result<()> {
+        let params = self.params().ok_or_else(|| {
+            Error::invalid(
+                "backward",
+                format!(
+                    "rank {}: no model was prepared; call `accelerator.prepare(&varmap, optimizer, loader)` (or `prepare_model`) before `backward` so gradients can be averaged across the {} ranks",
+                    self.state.rank(),
+                    self.collective.world_size()
+                ),
+            )
+        })?;
+        params.average_gradients(self.collective.as_ref(), grads)
+    }
+}
+
+/// Sets up an [`Accelerator`]. Every setting follows one precedence: a builder call beats the
+/// environment variable, which beats the config file, which beats the default (see the table in
+/// the crate documentation).
+#[derive(Default)]
+pub struct AcceleratorBuilder {
+    o: Overrides,
+    collective: Option<Arc<dyn Collective>>,
+}
+
+impl std::fmt::Debug for AcceleratorBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AcceleratorBuilder")
+            .field("overrides", &self.o)
+            .finish()
+    }
+}
+
+impl AcceleratorBuilder {
+    /// Force the CPU even when GPUs are present.
+    pub fn cpu(mut self, cpu: bool) -> Self {
+        self.o.cpu = Some(cpu);
+        self
+    }
+    /// Timeout of every collective (default 30 minutes).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.o.timeout = Some(timeout);
+        self
+    }
+    /// Gradient bucket cap in MiB (default 25).
+    pub fn bucket_cap_mb(mut self, mb: f64) -> Self {
+        self.o.bucket_cap_mb = Some(mb);
+        self
+    }
+    /// Read this config file instead of the default one.
+    pub fn config_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.o.config_file = Some(path.into());
+        self
+    }
+    /// This process's rank (instead of `RANK`).
+    pub fn rank(mut self, rank: usize) -> Self {
+        self.o.rank = Some(rank);
+        self
+    }
+    /// Number of processes (instead of `WORLD_SIZE`).
+    pub fn world_size(mut self, world_size: usize) -> Self {
+        self.o.world_size = Some(world_size);
+        self
+    }
+    /// Rank on this machine (instead of `LOCAL_RANK`).
+    pub fn local_rank(mut self, local_rank: usize) -> Self {
+        self.o.local_rank = Some(local_rank);
+        self
+    }
+    /// Address of rank 0 (instead of `MASTER_ADDR`).
+    pub fn master_addr(mut self, addr: impl Into<String>) -> Self {
+        self.o.master_addr = Some(addr.into());
+        self
+    }
+    /// Rendezvous port (instead of `MASTER_PORT`).
+    pub fn master_port(mut self, port: u16) -> Self {
+        self.o.master_port = Some(port);
+        self
+    }
+    /// The run's secret (instead of `ACCELERATE_RS_SECRET`).
+    pub fn secret(mut self, secret: impl Into<String>) -> Self {
+        self.o.secret = Some(secret.into());
+        self
+    }
+    /// Use an existing collective (e.g. one rank of a [`ThreadGroup`](crate::collective::ThreadGroup));
+    /// rank and world size are taken from it and no connection is made.
+    pub fn collective(mut self, collective: Arc<dyn Collective>) -> Self {
+        self.o.rank = Some(collective.rank());
+        self.o.world_size = Some(collective.world_size());
+        self.o.local_rank = Some(collective.rank());
+        self.o.local_world_size = Some(collective.world_size());
+        self.o.external_collective = true;
+        self.collective = Some(collective);
+        self
+    }
+
+    /// Resolves the settings and joins the run (for several processes: waits until every rank
+    /// has connected, up to the timeout).
+    pub fn build(self) -> Result<Accelerator> {
+        let state = ProcessState::resolve(&self.o, &|k| std::env::var(k).ok())?;
+        let collective: Arc<dyn Collective> = match self.collective {
+            Some(c) => c,
+            None if state.world_size() == 1 => Arc::new(SingleProcess),
+            None => Arc::new(TcpCollective::connect(&TcpOptions {
+                rank: state.rank(),
+                world_size: state.world_size(),
+                master_addr: state.master_addr().unwrap_or("127.0.0.1").to_string(),
+                master_port: state.master_port(),
+                secret: state.secret().to_vec(),
+                timeout: state.timeout(),
+            })?),
+        };
+        if state.world_size() > 1 && state.secret().is_empty() && state.is_main_process() {
+            log::warn!("ACCELERATE_RS_SECRET is not set: connections between ranks are not authenticated (`accelerate-rs launch` sets it)");
+        }
+        log::debug!(
+            "rank {}: {} with {} rank(s), backend {}",
+            state.rank(),
+            state.distributed_type(),
+            state.world_size(),
+            collective.backend()
+        );
+        Ok(Accelerator {
+            shared: Arc::new(Shared {
+                state,
+                collective,
+                params: Mutex::new(None),
+            }),
+        })
+    }
+}
+
+/// The entry point of a distributed training script.
+///
+/// ```no_run
+/// # fn main() -> accelerate_rs::Result<()> {
+/// let accelerator = accelerate_rs::Accelerator::new()?;
+/// println!("rank {} of {}", accelerator.rank(), accelerator.world_size());
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct Accelerator {
+    shared: Arc<Shared>,
+}
+
+impl Accelerator {
+    /// Reads the environment and the config file and joins the run.
+    pub fn new() -> Result<Self> {
+        Self::builder().build()
+    }
+
+    /// A builder to override settings in code.
+    pub fn builder() -> AcceleratorBuilder {
+        AcceleratorBuilder::default()
+    }
+
+    /// This process's state and settings.
+    pub fn state(&self) -> &ProcessState {
+        &self.shared.state
+    }
+    /// Global rank.
+    pub fn rank(&self) -> usize {
+        self.shared.state.rank()
+    }
+    /// Rank on this machine.
+    pub fn local_rank(&self) -> usize {
+        self.shared.state.local_rank()
+    }
+    /// Number of processes.
+    pub fn world_size(&self) -> usize {
+        self.shared.state.world_size()
+    }
+    /// The device to create the model and tensors on.
+    pub fn device(&self) -> &Device {
+        self.shared.state.device()
+    }
+    /// How the run is distributed.
+    pub fn distributed_type(&self) -> DistributedType {
+        self.shared.state.distributed_type()
+    }
+    /// Whether this is rank 0 (the one that should print, log and save).
+    pub fn is_main_process(&self) -> bool {
+        self.shared.state.is_main_process()
+    }
+    /// Whether this is local rank 0 (once per machine).
+    pub fn is_local_main_process(&self) -> bool {
+        self.shared.state.is_local_main_process()
+    }
+    /// The collective used between ranks.
+    pub fn collective(&self) -> &Arc<dyn Collective> {
+        &self.shared.collective
+    }
+
+    /// Prepares the three pieces of a training loop: checks that every rank has the same
+    /// parameters and gives them rank 0's values, wraps the optimizer, and shards the loader so
+    /// each rank sees its own part of every global batch.
+    pub fn prepare<P: Parameters + ?Sized, O: Optimizer>(
+        &self,
+        model: &P,
+        optimizer: O,
+        loader: DataLoader,
+    ) -> Result<(AcceleratedOptimizer<O>, DataLoader)> {
+        self.prepare_model(model)?;
+        Ok((
+            self.prepare_optimizer(optimizer),
+            self.prepare_data_loader(loader)?,
+        ))
+    }
+
+    /// Registers a model's parameters (adding to any registered before), verifies them across
+    /// ranks and broadcasts rank 0's values.
+    pub fn prepare_model<P: Parameters + ?Sized>(&self, model: &P) -> Result<()> {
+        let mut named = model.named_parameters();
+        if named.is_empty() {
+            return Err(Error::invalid(
+                "model",
+                "it has no parameters; create them through the VarMap before calling prepare",
+            ));
+        }
+        if let Some(old) = self.shared.params() {
+            named.extend(old.named());
+        }
+        let set = ParamSet::new(named, self.shared.state.bucket_cap_bytes())?;
+        let c = self.shared.collective.as_ref();
+        set.verify(c)?;
+        set.broadcast_from_main(c)?;
+        log::debug!(
+            "rank {}: prepared {} parameters in {} bucket(s)",
+            self.rank(),
+            set.len(),
+            set.num_buckets()
+        );
+        *self.shared.params.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(set));
+        Ok(())
+    }
+
+    /// Wraps an optimizer (see [`AcceleratedOptimizer`]).
+    pub fn prepare_optimizer<O: Optimizer>(&self, optimizer: O) -> AcceleratedOptimizer<O> {
+        AcceleratedOptimizer::new(optimizer, self.shared.clone())
+    }
+
+    /// Shards a loader for this rank and moves its batches to this process's device.
+    pub fn prepare_data_loader(&self, loader: DataLoader) -> Result<DataLoader> {
+        Ok(loader
+            .shard(self.rank(), self.world_size())?
+            .device(self.device()))
+    }
+
+    /// Runs `loss.backward()` and averages the gradients across ranks (bucketed, one collective
+    /// per bucket). With one process it is exactly `loss.backward()`.
+    pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        self.shared.backward(loss)
+    }
+
+    /// Averages gradients computed elsewhere across ranks, in place.
+    pub fn reduce_gradients(&self, grads: &mut GradStore) -> Result<()> {
+        if self.world_size() == 1 {
+            return Ok(());
+        }
+        self.shared.average(grads)
+    }
+
+    /// Prints a line on the main process only (other ranks print nothing).
+    pub fn print(&self, line: impl std::fmt::Display) {
+        if self.is_main_process() {
+            println!("{line}");
+        }
+    }
+
+    /// Returns once every rank has reached this point.
+    pub fn wait_for_everyone(&self) -> Result<()> {
+        self.shared.collective.barrier()
+    }
+}

@@ -1,0 +1,586 @@
+//! Who am I in the run? Rank, world size, device and settings, resolved with one precedence:
+//! builder call > environment variable > config file > default.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use candle_core::Device;
+
+use crate::config::ConfigFile;
+use crate::env;
+use crate::error::{Error, Result};
+
+/// Default timeout of every collective.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+/// Default gradient bucket cap, in MiB.
+pub const DEFAULT_BUCKET_CAP_MB: f64 = 25.0;
+/// Default rendezvous port (torchrun's).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// How the run is distributed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DistributedType {
+    /// One process on CPU.
+    No,
+    /// One process on one GPU.
+    SingleGpu,
+    /// One process driving several GPUs, one thread and model replica per device.
+    Dp,
+    /// One process per GPU, gradients all-reduced with NCCL.
+    Ddp,
+    /// Several CPU processes, gradients all-reduced over TCP.
+    MultiCpu,
+}
+
+impl std::fmt::Display for DistributedType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DistributedType::No => "NO (single process, CPU)",
+            DistributedType::SingleGpu => "SINGLE_GPU",
+            DistributedType::Dp => "DP (one process, several GPUs)",
+            DistributedType::Ddp => "DDP (one process per GPU)",
+            DistributedType::MultiCpu => "MULTI_CPU (one process per CPU worker, TCP)",
+        })
+    }
+}
+
+/// Values set by builder calls; `None` defers to the environment, then the config file.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Overrides {
+    pub cpu: Option<bool>,
+    pub timeout: Option<Duration>,
+    pub bucket_cap_mb: Option<f64>,
+    pub config_file: Option<PathBuf>,
+    pub rank: Option<usize>,
+    pub world_size: Option<usize>,
+    pub local_rank: Option<usize>,
+    pub local_world_size: Option<usize>,
+    pub master_addr: Option<String>,
+    pub master_port: Option<u16>,
+    pub secret: Option<String>,
+    /// A collective was handed in: no rendezvous address is needed.
+    pub external_collective: bool,
+}
+
+/// This process's place in the run and the settings in force.
+#[derive(Clone)]
+pub struct ProcessState {
+    rank: usize,
+    local_rank: usize,
+    world_size: usize,
+    local_world_size: usize,
+    distributed_type: DistributedType,
+    device: Device,
+    master_addr: Option<String>,
+    master_port: u16,
+    timeout: Duration,
+    bucket_cap_bytes: usize,
+    secret: Vec<u8>,
+    launcher: &'static str,
+    config_path: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for ProcessState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessState")
+            .field("rank", &self.rank)
+            .field("local_rank", &self.local_rank)
+            .field("world_size", &self.world_size)
+            .field("local_world_size", &self.local_world_size)
+            .field("distributed_type", &self.distributed_type)
+            .field("device", &self.device)
+            .field("master_addr", &self.master_addr)
+            .field("master_port", &self.master_port)
+            .field("timeout", &self.timeout)
+            .field("bucket_cap_bytes", &self.bucket_cap_bytes)
+            .field(
+                "secret",
+                &if self.secret.is_empty() {
+                    "(none)"
+                } else {
+                    "(set)"
+                },
+            )
+            .field("launcher", &self.launcher)
+            .field("config_path", &self.config_path)
+            .finish()
+    }
+}
+
+/// Reads one variable, treating an empty value as unset.
+fn get(getenv: &dyn Fn(&str) -> Option<String>, var: &str) -> Option<String> {
+    getenv(var).filter(|v| !v.trim().is_empty())
+}
+
+fn parse_usize(var: &str, value: &str) -> Result<usize> {
+    // SLURM_NTASKS_PER_NODE may read "4(x2)": the leading count is what matters.
+    let digits: String = value
+        .trim()
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect();
+    let rest = &value.trim()[digits.len()..];
+    if digits.is_empty() || !(rest.is_empty() || rest.starts_with("(x")) {
+        return Err(Error::Env {
+            var: var.into(),
+            value: value.into(),
+            reason: "expected a non-negative integer".into(),
+        });
+    }
+    digits.parse().map_err(|_| Error::Env {
+        var: var.into(),
+        value: value.into(),
+        reason: "integer out of range".into(),
+    })
+}
+
+fn parse_bool(var: &str, value: &str) -> Result<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(Error::Env {
+            var: var.into(),
+            value: value.into(),
+            reason: "expected 1/0, true/false, yes/no or on/off".into(),
+        }),
+    }
+}
+
+fn parse_positive_f64(var: &str, value: &str) -> Result<f64> {
+    match value.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(Error::Env {
+            var: var.into(),
+            value: value.into(),
+            reason: "expected a positive number".into(),
+        }),
+    }
+}
+
+/// A family of launcher variables (torchrun, SLURM, Open MPI).
+struct Family {
+    name: &'static str,
+    rank: &'static str,
+    world: &'static str,
+    local_rank: &'static str,
+    local_world: &'static str,
+}
+
+const FAMILIES: [Family; 3] = [
+    Family {
+        name: "torchrun",
+        rank: env::RANK,
+        world: env::WORLD_SIZE,
+        local_rank: env::LOCAL_RANK,
+        local_world: env::LOCAL_WORLD_SIZE,
+    },
+    Family {
+        name: "slurm",
+        rank: env::SLURM_PROCID,
+        world: env::SLURM_NTASKS,
+        local_rank: env::SLURM_LOCALID,
+        local_world: env::SLURM_NTASKS_PER_NODE,
+    },
+    Family {
+        name: "mpi",
+        rank: env::OMPI_RANK,
+        world: env::OMPI_SIZE,
+        local_rank: env::OMPI_LOCAL_RANK,
+        local_world: env::OMPI_LOCAL_SIZE,
+    },
+];
+
+impl ProcessState {
+    /// Resolves the state from builder overrides, the environment (`getenv`) and the config file.
+    pub(crate) fn resolve(o: &Overrides, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+        let (cfg, config_path) = ConfigFile::load_located(o.config_file.as_deref(), getenv)?;
+
+        // Rank and world size: builder, else the first launcher family whose rank is set.
+        let family = FAMILIES.iter().find(|f| get(getenv, f.rank).is_some());
+        if family.is_none() {
+            for f in &FAMILIES {
+                if let Some(w) = get(getenv, f.world) {
+                    if o.rank.is_none() && parse_usize(f.world, &w)? > 1 {
+                        return Err(Error::Env {
+                            var: f.rank.into(),
+                            value: String::new(),
+                            reason: format!("{}={w} is set but {} is not; set both (or run under `accelerate-rs launch`)", f.world, f.rank),
+                        });
+                    }
+                }
+            }
+        }
+        let from_env = |var: Option<&'static str>| -> Result<Option<(usize, &'static str)>> {
+            match var.and_then(|v| get(getenv, v).map(|val| (v, val))) {
+                Some((v, val)) => Ok(Some((parse_usize(v, &val)?, v))),
+                None => Ok(None),
+            }
+        };
+        let env_rank = from_env(family.map(|f| f.rank))?;
+        let env_world = from_env(family.map(|f| f.world))?;
+        if let (Some(f), Some(_), None) = (family, env_rank, env_world) {
+            if o.world_size.is_none() {
+                return Err(Error::Env {
+                    var: f.world.into(),
+                    value: String::new(),
+                    reason: format!("{} is set but {} is not; set both", f.rank, f.world),
+                });
+            }
+        }
+        let rank = o.rank.or(env_rank.map(|r| r.0)).unwrap_or(0);
+        let world_size = o.world_size.or(env_world.map(|w| w.0)).unwrap_or(1);
+        let (rank_var, world_var) = (
+            env_rank.map_or("rank (builder)", |r| r.1),
+            env_world.map_or("world_size (builder)", |w| w.1),
+        );
+        if world_size == 0 {
+            return Err(Error::Env {
+                var: world_var.into(),
+                value: "0".into(),
+                reason: "the world size must be at least 1".into(),
+            });
+        }
+        if rank >= world_size {
+            return Err(Error::Env {
+                var: rank_var.into(),
+                value: rank.to_string(),
+                reason: format!(
+                    "rank {rank} is not below the world size {world_size} ({world_var})"
+                ),
+            });
+        }
+        let env_local_rank = from_env(family.map(|f| f.local_rank))?;
+        let env_local_world = from_env(family.map(|f| f.local_world))?;
+        let local_world_size = o
+            .local_world_size
+            .or(env_local_world.map(|v| v.0))
+            .unwrap_or(world_size);
+        // Without a local rank, assume every rank runs on this machine.
+        let local_rank = o.local_rank.or(env_local_rank.map(|v| v.0)).unwrap_or(rank);
+        if local_world_size == 0 || local_rank >= local_world_size {
+            let var = env_local_rank.map_or("local_rank", |v| v.1);
+            return Err(Error::Env {
+                var: var.into(),
+                value: local_rank.to_string(),
+                reason: format!(
+                    "local rank {local_rank} is not below the local world size {local_world_size}"
+                ),
+            });
+        }
+
+        let master_addr = o
+            .master_addr
+            .clone()
+            .or_else(|| get(getenv, env::MASTER_ADDR))
+            .or(cfg.main_process_ip.clone());
+        if world_size > 1 && master_addr.is_none() && !o.external_collective {
+            return Err(Error::Env {
+                var: env::MASTER_ADDR.into(),
+                value: String::new(),
+                reason: format!("must be set when the world size is {world_size}: the address of the machine running rank 0 (or start the program with `accelerate-rs launch`)"),
+            });
+        }
+        let master_port = match (o.master_port, get(getenv, env::MASTER_PORT)) {
+            (Some(p), _) => p,
+            (None, Some(v)) => v.trim().parse::<u16>().map_err(|_| Error::Env {
+                var: env::MASTER_PORT.into(),
+                value: v.clone(),
+                reason: "expected a port number 0-65535".into(),
+            })?,
+            (None, None) => cfg.main_process_port.unwrap_or(DEFAULT_MASTER_PORT),
+        };
+        if world_size > 1 && master_port == 0 && !o.external_collective {
+            return Err(Error::Env {
+                var: env::MASTER_PORT.into(),
+                value: "0".into(),
+                reason: "every rank must know rank 0's port: set a real port (`accelerate-rs launch` picks a free one)".into(),
+            });
+        }
+
+        let timeout = match (o.timeout, get(getenv, env::TIMEOUT_SECS)) {
+            (Some(t), _) => t,
+            (None, Some(v)) => Duration::from_secs_f64(parse_positive_f64(env::TIMEOUT_SECS, &v)?),
+            (None, None) => cfg
+                .collective_timeout_secs
+                .map(Duration::from_secs_f64)
+                .unwrap_or(DEFAULT_TIMEOUT),
+        };
+        if timeout.is_zero() {
+            return Err(Error::invalid("timeout", "must be longer than zero"));
+        }
+        let bucket_cap_mb = match (o.bucket_cap_mb, get(getenv, env::BUCKET_CAP_MB)) {
+            (Some(b), _) => b,
+            (None, Some(v)) => parse_positive_f64(env::BUCKET_CAP_MB, &v)?,
+            (None, None) => cfg.bucket_cap_mb.unwrap_or(DEFAULT_BUCKET_CAP_MB),
+        };
+        if !(bucket_cap_mb.is_finite() && bucket_cap_mb > 0.0) {
+            return Err(Error::invalid(
+                "bucket_cap_mb",
+                format!("expected a positive number, got {bucket_cap_mb}"),
+            ));
+        }
+        let use_cpu = match (o.cpu, get(getenv, env::USE_CPU)) {
+            (Some(c), _) => c,
+            (None, Some(v)) => parse_bool(env::USE_CPU, &v)?,
+            (None, None) => cfg.use_cpu.unwrap_or(false),
+        };
+        let secret = o
+            .secret
+            .clone()
+            .or_else(|| get(getenv, env::SECRET))
+            .unwrap_or_default()
+            .into_bytes();
+
+        // This build drives CPUs only; GPU support arrives with the `cuda` feature.
+        let _ = use_cpu;
+        let device = Device::Cpu;
+        let distributed_type = if world_size > 1 {
+            DistributedType::MultiCpu
+        } else {
+            DistributedType::No
+        };
+
+        Ok(ProcessState {
+            rank,
+            local_rank,
+            world_size,
+            local_world_size,
+            distributed_type,
+            device,
+            master_addr,
+            master_port,
+            timeout,
+            bucket_cap_bytes: (bucket_cap_mb * 1024.0 * 1024.0) as usize,
+            secret,
+            launcher: match (o.rank, family) {
+                (Some(_), _) => "builder",
+                (None, Some(f)) => f.name,
+                (None, None) => "none",
+            },
+            config_path,
+        })
+    }
+
+    /// Global rank, `0..world_size`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    /// Rank on this machine.
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+    /// Number of processes in the run.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+    /// Number of processes on this machine.
+    pub fn local_world_size(&self) -> usize {
+        self.local_world_size
+    }
+    /// How the run is distributed.
+    pub fn distributed_type(&self) -> DistributedType {
+        self.distributed_type
+    }
+    /// The device this process computes on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    /// Rank 0?
+    pub fn is_main_process(&self) -> bool {
+        self.rank == 0
+    }
+    /// Local rank 0?
+    pub fn is_local_main_process(&self) -> bool {
+        self.local_rank == 0
+    }
+    /// Address of rank 0, when distributed.
+    pub fn master_addr(&self) -> Option<&str> {
+        self.master_addr.as_deref()
+    }
+    /// Rendezvous port.
+    pub fn master_port(&self) -> u16 {
+        self.master_port
+    }
+    /// Timeout of every collective.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+    /// Gradient bucket cap in bytes.
+    pub fn bucket_cap_bytes(&self) -> usize {
+        self.bucket_cap_bytes
+    }
+    /// Which launcher's variables were used: `torchrun`, `slurm`, `mpi`, `builder` or `none`.
+    pub fn launcher(&self) -> &'static str {
+        self.launcher
+    }
+    /// The config file that was read, if any.
+    pub fn config_path(&self) -> Option<&std::path::Path> {
+        self.config_path.as_deref()
+    }
+    pub(crate) fn secret(&self) -> &[u8] {
+        &self.secret
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// Resolves with a private empty config file unless the test names one, so that a config
+    /// file on the developer's machine cannot change the outcome.
+    fn resolve(vars: &[(&str, &str)], o: Overrides) -> Result<ProcessState> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let empty = tempfile::NamedTempFile::new().unwrap();
+        let o = Overrides {
+            config_file: o.config_file.clone().or(Some(empty.path().to_path_buf())),
+            ..o
+        };
+        ProcessState::resolve(&o, &|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn defaults_to_a_single_cpu_process() {
+        let s = resolve(&[], Overrides::default()).unwrap();
+        assert_eq!((s.rank(), s.world_size(), s.local_rank()), (0, 1, 0));
+        assert_eq!(s.distributed_type(), DistributedType::No);
+        assert!(s.is_main_process() && s.is_local_main_process());
+        assert_eq!(s.timeout(), DEFAULT_TIMEOUT);
+        assert_eq!(s.bucket_cap_bytes(), 25 * 1024 * 1024);
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let s = resolve(
+            &[
+                ("RANK", "3"),
+                ("WORLD_SIZE", "4"),
+                ("LOCAL_RANK", "1"),
+                ("LOCAL_WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "10.0.0.1"),
+                ("MASTER_PORT", "1234"),
+            ],
+            Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!((s.rank(), s.world_size(), s.local_rank()), (3, 4, 1));
+        assert_eq!(s.local_world_size(), 2);
+        assert!(!s.is_main_process() && !s.is_local_main_process());
+        assert_eq!(s.master_addr(), Some("10.0.0.1"));
+        assert_eq!(s.master_port(), 1234);
+        assert_eq!(s.distributed_type(), DistributedType::MultiCpu);
+        assert_eq!(s.launcher(), "torchrun");
+    }
+
+    #[test]
+    fn slurm_and_mpi_variables() {
+        let s = resolve(
+            &[
+                ("SLURM_PROCID", "5"),
+                ("SLURM_NTASKS", "8"),
+                ("SLURM_LOCALID", "1"),
+                ("SLURM_NTASKS_PER_NODE", "4(x2)"),
+                ("MASTER_ADDR", "node1"),
+            ],
+            Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                s.rank(),
+                s.world_size(),
+                s.local_rank(),
+                s.local_world_size()
+            ),
+            (5, 8, 1, 4)
+        );
+        assert_eq!(s.launcher(), "slurm");
+        let s = resolve(
+            &[
+                ("OMPI_COMM_WORLD_RANK", "1"),
+                ("OMPI_COMM_WORLD_SIZE", "2"),
+                ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+                ("MASTER_ADDR", "127.0.0.1"),
+            ],
+            Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!((s.rank(), s.world_size(), s.local_rank()), (1, 2, 1));
+        assert_eq!(s.launcher(), "mpi");
+    }
+
+    #[test]
+    fn inconsistent_environment_names_the_variable_and_value() {
+        let err =
+            |vars: &[(&str, &str)]| resolve(vars, Overrides::default()).unwrap_err().to_string();
+        let e = err(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "x")]);
+        assert!(e.contains("RANK") && e.contains("\"2\""), "{e}");
+        let e = err(&[("RANK", "0"), ("WORLD_SIZE", "2")]);
+        assert!(e.contains("MASTER_ADDR"), "{e}");
+        let e = err(&[("RANK", "zero"), ("WORLD_SIZE", "2")]);
+        assert!(e.contains("RANK") && e.contains("zero"), "{e}");
+        let e = err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "x"),
+            ("MASTER_PORT", "99999"),
+        ]);
+        assert!(e.contains("MASTER_PORT") && e.contains("99999"), "{e}");
+        let e = err(&[("WORLD_SIZE", "2")]);
+        assert!(e.contains("RANK"), "{e}");
+        let e = err(&[("RANK", "1")]);
+        assert!(e.contains("WORLD_SIZE"), "{e}");
+        let e = err(&[("ACCELERATE_RS_TIMEOUT_SECS", "-3")]);
+        assert!(
+            e.contains("ACCELERATE_RS_TIMEOUT_SECS") && e.contains("-3"),
+            "{e}"
+        );
+        let e = err(&[("ACCELERATE_RS_USE_CPU", "maybe")]);
+        assert!(
+            e.contains("ACCELERATE_RS_USE_CPU") && e.contains("maybe"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn builder_beats_env_beats_config_beats_default() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("c.toml");
+        std::fs::write(
+            &cfg,
+            "collective_timeout_secs = 7\nbucket_cap_mb = 3\nmain_process_port = 4444\n",
+        )
+        .unwrap();
+        let with_cfg = || Overrides {
+            config_file: Some(cfg.clone()),
+            ..Overrides::default()
+        };
+        // config beats default
+        let s = resolve(&[], with_cfg()).unwrap();
+        assert_eq!(s.timeout(), Duration::from_secs(7));
+        assert_eq!(s.bucket_cap_bytes(), 3 * 1024 * 1024);
+        assert_eq!(s.master_port(), 4444);
+        assert_eq!(s.config_path(), Some(cfg.as_path()));
+        // env beats config
+        let s = resolve(
+            &[("ACCELERATE_RS_TIMEOUT_SECS", "9"), ("MASTER_PORT", "5555")],
+            with_cfg(),
+        )
+        .unwrap();
+        assert_eq!(s.timeout(), Duration::from_secs(9));
+        assert_eq!(s.master_port(), 5555);
+        // builder beats env
+        let s = resolve(
+            &[("ACCELERATE_RS_TIMEOUT_SECS", "9")],
+            Overrides {
+                timeout: Some(Duration::from_secs(11)),
+                ..with_cfg()
+            },
+        )
+        .unwrap();
+        assert_eq!(s.timeout(), Duration::from_secs(11));
+    }
+}
