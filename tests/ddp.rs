@@ -1,0 +1,321 @@
+//! prepare / backward end to end: real processes under `accelerate-rs launch`, and in-process
+//! ranks over the threads backend.
+//!
+//! The multi-process tests re-run this test binary as the workers: `ddp_worker` does nothing
+//! unless `ACCEL_TEST_ROLE` is set.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use accelerate_rs::collective::ThreadGroup;
+use accelerate_rs::{Accelerator, DataLoader, Error, TensorDataset};
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_nn::{loss, Linear, Optimizer, SGD};
+
+const IN: usize = 8;
+const HIDDEN: usize = 16;
+const CLASSES: usize = 4;
+const B: usize = 8; // per-rank batch
+const K: usize = 6; // SGD steps
+const LR: f64 = 0.1;
+
+fn det(shape: &[usize], salt: usize, scale: f32) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| (((i * 37 + salt * 101) % 97) as f32 / 97.0 - 0.5) * scale)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// Named parameters; `offset` perturbs the values (ranks other than 0 start elsewhere, so the
+/// broadcast in `prepare` matters) and `hidden` lets a rank disagree on a shape.
+fn params(offset: f32, hidden: usize) -> Vec<(String, Var)> {
+    let mk = |shape: &[usize], salt| {
+        Var::from_tensor(&(det(shape, salt, 0.6) + offset as f64).unwrap()).unwrap()
+    };
+    vec![
+        ("fc1.weight".into(), mk(&[hidden, IN], 1)),
+        ("fc1.bias".into(), mk(&[hidden], 2)),
+        ("fc2.weight".into(), mk(&[CLASSES, hidden], 3)),
+        ("fc2.bias".into(), mk(&[CLASSES], 4)),
+    ]
+}
+
+fn forward(p: &[(String, Var)], x: &Tensor) -> candle_core::Result<Tensor> {
+    let get = |n: &str| {
+        p.iter()
+            .find(|(k, _)| k == n)
+            .unwrap()
+            .1
+            .as_tensor()
+            .clone()
+    };
+    let l1 = Linear::new(get("fc1.weight"), Some(get("fc1.bias")));
+    let l2 = Linear::new(get("fc2.weight"), Some(get("fc2.bias")));
+    l2.forward(&l1.forward(x)?.relu()?)
+}
+
+fn dataset(n: usize) -> TensorDataset {
+    let x = det(&[n, IN], 9, 2.0);
+    let y: Vec<u32> = (0..n).map(|i| ((i * 7) % CLASSES) as u32).collect();
+    TensorDataset::new(vec![x, Tensor::new(y, &Device::Cpu).unwrap()]).unwrap()
+}
+
+fn snapshot(p: &[(String, Var)]) -> HashMap<String, Tensor> {
+    p.iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect()
+}
+
+/// Trains K steps of per-rank batch `batch` through an accelerator.
+fn train(acc: &Accelerator, p: &[(String, Var)], batch: usize) -> accelerate_rs::Result<()> {
+    let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
+    let opt = SGD::new(vars, LR)?;
+    let loader = DataLoader::new(dataset(2 * B * K), batch);
+    let (mut opt, loader) = acc.prepare(p, opt, loader)?;
+    let mut steps = 0;
+    for b in loader.iter()? {
+        let b = b?;
+        let loss = loss::cross_entropy(&forward(p, &b[0])?, &b[1])?;
+        opt.backward_step(&loss)?;
+        steps += 1;
+    }
+    assert_eq!(steps, K);
+    Ok(())
+}
+
+/// The plain single-process reference: batch 2B, no accelerate-rs in the loop.
+fn reference() -> HashMap<String, Tensor> {
+    let p = params(0.0, HIDDEN);
+    let mut opt = SGD::new(p.iter().map(|(_, v)| v.clone()).collect(), LR).unwrap();
+    let data = dataset(2 * B * K);
+    let loader = DataLoader::new(data, 2 * B);
+    for b in loader.iter().unwrap() {
+        let b = b.unwrap();
+        let loss = loss::cross_entropy(&forward(&p, &b[0]).unwrap(), &b[1]).unwrap();
+        opt.backward_step(&loss).unwrap();
+    }
+    snapshot(&p)
+}
+
+fn max_abs_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .map(|(k, t)| {
+            (t - &b[k])
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        })
+        .fold(0.0, f32::max)
+}
+
+fn worker(role: &str) -> accelerate_rs::Result<()> {
+    let acc = Accelerator::builder()
+        .timeout(Duration::from_secs(60))
+        .build()?;
+    let rank = acc.rank();
+    match role {
+        "equivalence" => {
+            let p = params(rank as f32 * 0.25, HIDDEN);
+            train(&acc, &p, B)?;
+            if acc.is_main_process() {
+                let out = std::env::var("ACCEL_TEST_OUT")
+                    .map_err(|_| Error::invalid("ACCEL_TEST_OUT", "unset"))?;
+                candle_core::safetensors::save(&snapshot(&p), out)?;
+            }
+            Ok(())
+        }
+        "mismatch" => {
+            let p = params(0.0, if rank == 1 { HIDDEN + 1 } else { HIDDEN });
+            train(&acc, &p, B)
+        }
+        other => Err(Error::invalid("ACCEL_TEST_ROLE", other.to_string())),
+    }
+}
+
+#[test]
+fn ddp_worker() {
+    let Ok(role) = std::env::var("ACCEL_TEST_ROLE") else {
+        return;
+    };
+    match worker(&role) {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("worker failed: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+fn launch(n: usize, role: &str, out: Option<&Path>) -> std::process::Output {
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"));
+    cmd.args(["launch", "--cpu", "-n", &n.to_string()])
+        .arg(exe)
+        .args(["--exact", "ddp_worker", "--nocapture", "--test-threads=1"])
+        .env("ACCEL_TEST_ROLE", role);
+    if let Some(out) = out {
+        cmd.env("ACCEL_TEST_OUT", out);
+    }
+    cmd.output().unwrap()
+}
+
+#[test]
+fn two_processes_with_batch_b_equal_one_process_with_batch_2b() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("params.safetensors");
+    let res = launch(2, "equivalence", Some(&out));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&res.stdout),
+        String::from_utf8_lossy(&res.stderr)
+    );
+    assert!(res.status.success(), "launch failed:\n{text}");
+    let ddp = candle_core::safetensors::load(&out, &Device::Cpu).unwrap();
+    let single = reference();
+    let diff = max_abs_diff(&ddp, &single);
+    assert!(diff <= 1e-5, "max abs diff {diff}");
+    // And training moved the parameters, so the comparison means something.
+    let init = snapshot(&params(0.0, HIDDEN));
+    assert!(max_abs_diff(&init, &single) > 1e-3);
+}
+
+#[test]
+fn mismatched_parameter_shapes_fail_every_rank_naming_the_parameter() {
+    let res = launch(2, "mismatch", None);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success(), "launch should fail:\n{err}");
+    assert!(err.contains("parameter `fc1.bias`"), "{err}");
+    assert!(
+        err.contains("rank 0 has F32[16]") && err.contains("rank 1 has F32[17]"),
+        "{err}"
+    );
+    // Both ranks report it (neither hangs waiting for the other).
+    assert!(
+        err.contains("[rank 0] worker failed") || err.contains("[rank 1] worker failed"),
+        "{err}"
+    );
+}
+
+/// Runs `f` on `n` in-process ranks sharing a thread-group collective.
+fn in_process<R: Send + 'static>(
+    n: usize,
+    f: impl Fn(Accelerator) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let f = Arc::new(f);
+    let handles: Vec<_> = ThreadGroup::new(n, Duration::from_secs(30))
+        .unwrap()
+        .into_iter()
+        .map(|c| {
+            let f = f.clone();
+            std::thread::spawn(move || {
+                let acc = Accelerator::builder()
+                    .collective(Arc::new(c))
+                    .build()
+                    .unwrap();
+                f(acc)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn in_process_ranks_match_the_reference_and_each_other() {
+    let results = in_process(2, |acc| {
+        let p = params(acc.rank() as f32, HIDDEN);
+        train(&acc, &p, B).unwrap();
+        snapshot(&p)
+    });
+    let single = reference();
+    for r in &results {
+        assert!(max_abs_diff(r, &single) <= 1e-5);
+        assert_eq!(
+            max_abs_diff(r, &results[0]),
+            0.0,
+            "replicas must be bit-identical"
+        );
+    }
+}
+
+#[test]
+fn backward_before_prepare_is_an_error_not_a_silent_local_step() {
+    let errs = in_process(2, |acc| {
+        let p = params(0.0, HIDDEN);
+        let d = dataset(4);
+        let loss =
+            loss::cross_entropy(&forward(&p, &d.tensors()[0]).unwrap(), &d.tensors()[1]).unwrap();
+        acc.backward(&loss).unwrap_err().to_string()
+    });
+    for e in errs {
+        assert!(e.contains("prepare"), "{e}");
+    }
+}
+
+#[test]
+fn parameters_unused_on_some_ranks_still_get_averaged_gradients() {
+    let results = in_process(3, |acc| {
+        let w = Var::from_tensor(&Tensor::new(&[1.0f32, 2.0], &Device::Cpu).unwrap()).unwrap();
+        let u = Var::from_tensor(&Tensor::new(&[5.0f32], &Device::Cpu).unwrap()).unwrap();
+        let never = Var::from_tensor(&Tensor::new(&[7.0f32], &Device::Cpu).unwrap()).unwrap();
+        let named = vec![
+            ("w".to_string(), w.clone()),
+            ("u".to_string(), u.clone()),
+            ("never".to_string(), never.clone()),
+        ];
+        acc.prepare_model(&named).unwrap();
+        // Only rank 0 uses `u`; nobody uses `never`.
+        let mut loss = (w.as_tensor() * (acc.rank() as f64 + 1.0))
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        if acc.rank() == 0 {
+            loss = (loss + u.as_tensor().sum_all().unwrap() * 3.0).unwrap();
+        }
+        let grads = acc.backward(&loss).unwrap();
+        (
+            grads.get(w.as_tensor()).unwrap().to_vec1::<f32>().unwrap(),
+            grads
+                .get(u.as_tensor())
+                .map(|g| g.to_vec1::<f32>().unwrap()),
+            grads.get(never.as_tensor()).is_none(),
+        )
+    });
+    for (w, u, never_absent) in results {
+        assert_eq!(w, vec![2.0, 2.0]); // mean of 1, 2, 3
+        assert_eq!(u, Some(vec![1.0])); // (3 + 0 + 0) / 3
+        assert!(never_absent);
+    }
+}
+
+#[test]
+fn world_size_one_backward_is_plain_backward() {
+    let acc = Accelerator::builder()
+        .rank(0)
+        .world_size(1)
+        .build()
+        .unwrap();
+    assert_eq!(acc.collective().backend(), "single");
+    let p = params(0.0, HIDDEN);
+    let d = dataset(4);
+    let loss =
+        loss::cross_entropy(&forward(&p, &d.tensors()[0]).unwrap(), &d.tensors()[1]).unwrap();
+    let a = acc.backward(&loss).unwrap();
+    let b = loss.backward().unwrap();
+    for (_, v) in &p {
+        let (ga, gb) = (a.get(v.as_tensor()).unwrap(), b.get(v.as_tensor()).unwrap());
+        assert_eq!(
+            ga.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            gb.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+    }
+    let _ = DType::F32;
+}
