@@ -105,9 +105,8 @@ fn store_rejects_bad_connections_while_the_run_goes_on() {
     let timeout = Duration::from_secs(30);
 
     // Rank 0 first: it hosts the store and then waits for the others.
-    let rank0 = std::thread::spawn(move || {
-        TcpCollective::connect(&tcp_options(0, WORLD, port, timeout))
-    });
+    let rank0 =
+        std::thread::spawn(move || TcpCollective::connect(&tcp_options(0, WORLD, port, timeout)));
     let up_by = Instant::now() + Duration::from_secs(10);
     while TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(Instant::now() < up_by, "the store never came up");
@@ -174,7 +173,10 @@ fn store_rejects_bad_connections_while_the_run_goes_on() {
     let wait_for_progress = |at_least: usize| {
         let by = Instant::now() + Duration::from_secs(10);
         while iterations.load(Ordering::SeqCst) < at_least {
-            assert!(Instant::now() < by, "the collectives stopped making progress");
+            assert!(
+                Instant::now() < by,
+                "the collectives stopped making progress"
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
     };
