@@ -107,10 +107,9 @@ impl ConfigFile {
             reason,
         };
         let positive = |key: &str, v: Option<f64>| match v {
-            Some(x) if !(x.is_finite() && x > 0.0) => Err(bad(
-                key,
-                format!("expected a positive number, got {x}"),
-            )),
+            Some(x) if !(x.is_finite() && x > 0.0) => {
+                Err(bad(key, format!("expected a positive number, got {x}")))
+            }
             _ => Ok(()),
         };
         positive("collective_timeout_secs", self.collective_timeout_secs)?;

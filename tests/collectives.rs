@@ -315,7 +315,7 @@ fn a_rank_that_never_arrives_times_out_naming_it() {
                 return None;
             }
             let start = Instant::now();
-            let mut v = vec![1.0f32; 8];
+            let mut v = [1.0f32; 8];
             let err = c
                 .all_reduce(BufferMut::from(&mut v[..]), ReduceOp::Sum)
                 .unwrap_err();
@@ -380,7 +380,7 @@ fn a_dropped_rank_fails_the_others_quickly() {
 #[test]
 fn unsupported_dtype_and_bad_root_are_rejected_up_front() {
     on_each(tcp_group(2, TIMEOUT), |c| {
-        let mut b = vec![1u8; 4];
+        let mut b = [1u8; 4];
         let err = c
             .all_reduce(BufferMut::from(&mut b[..]), ReduceOp::Sum)
             .unwrap_err();
