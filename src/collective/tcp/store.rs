@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,6 +15,9 @@ use crate::error::{Error, Result};
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most keys the store holds (bounds the memory an authenticated client can claim).
 const MAX_KEYS: usize = 1 << 16;
+/// Most connections served at once; more are closed at once (bounds the threads a flood of
+/// connections to `MASTER_PORT` can take).
+const MAX_CONNECTIONS: usize = 512;
 
 type Map = Arc<(Mutex<HashMap<String, Vec<u8>>>, Condvar)>;
 
@@ -34,6 +37,7 @@ impl StoreServer {
         let map: Map = Arc::new((Mutex::new(HashMap::new()), Condvar::new()));
         let secret = Arc::new(secret);
         let stop2 = stop.clone();
+        let live = Arc::new(AtomicUsize::new(0));
         std::thread::Builder::new()
             .name("accelerate-rs-store".into())
             .spawn(move || {
@@ -42,11 +46,21 @@ impl StoreServer {
                         break;
                     }
                     let Ok(stream) = conn else { continue };
-                    let (map, secret) = (map.clone(), secret.clone());
+                    if live.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+                        let from = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                        log::warn!("rank {rank}: rendezvous store: dropped connection from {from}: already serving {MAX_CONNECTIONS} connections");
+                        continue;
+                    }
+                    live.fetch_add(1, Ordering::SeqCst);
+                    let (map, secret, live2) = (map.clone(), secret.clone(), live.clone());
                     let spawned = std::thread::Builder::new()
                         .name("accelerate-rs-store-conn".into())
-                        .spawn(move || serve(stream, &map, &secret, rank));
+                        .spawn(move || {
+                            serve(stream, &map, &secret, rank);
+                            live2.fetch_sub(1, Ordering::SeqCst);
+                        });
                     if let Err(e) = spawned {
+                        live.fetch_sub(1, Ordering::SeqCst);
                         log::warn!("rank {rank}: rendezvous store: cannot serve a connection: {e}");
                     }
                 }
