@@ -36,6 +36,67 @@ pub struct ConfigFile {
     /// Gradient bucket cap, in MiB.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bucket_cap_mb: Option<f64>,
+    /// GPUs the launcher makes visible (`CUDA_VISIBLE_DEVICES`): `all` or a list such as `0,1,3`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_ids: Option<String>,
+    /// Mixed precision mode.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mixed_precision: Option<MixedPrecision>,
+    /// Micro-batches whose gradients are accumulated before each optimizer step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gradient_accumulation_steps: Option<usize>,
+    /// How many times `launch` restarts the worker group after a failure.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_restarts: Option<usize>,
+    /// How often `launch` checks its workers, in seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub monitor_interval_secs: Option<f64>,
+}
+
+/// Mixed precision modes (`no`, `bf16`, `fp16`), as in Accelerate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MixedPrecision {
+    /// Full precision (f32).
+    #[default]
+    No,
+    /// bfloat16 compute with f32 master weights.
+    Bf16,
+    /// f16 compute with f32 master weights and dynamic loss scaling.
+    #[serde(alias = "f16")]
+    Fp16,
+}
+
+impl MixedPrecision {
+    /// The name used in config files, flags and `ACCELERATE_RS_MIXED_PRECISION`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MixedPrecision::No => "no",
+            MixedPrecision::Bf16 => "bf16",
+            MixedPrecision::Fp16 => "fp16",
+        }
+    }
+}
+
+impl std::fmt::Display for MixedPrecision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for MixedPrecision {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "no" | "none" | "fp32" | "f32" => Ok(MixedPrecision::No),
+            "bf16" => Ok(MixedPrecision::Bf16),
+            "fp16" | "f16" => Ok(MixedPrecision::Fp16),
+            other => Err(Error::invalid(
+                "mixed precision",
+                format!("`{other}` is not one of no, bf16, fp16"),
+            )),
+        }
+    }
 }
 
 impl ConfigFile {
@@ -114,12 +175,28 @@ impl ConfigFile {
         };
         positive("collective_timeout_secs", self.collective_timeout_secs)?;
         positive("bucket_cap_mb", self.bucket_cap_mb)?;
+        positive("monitor_interval_secs", self.monitor_interval_secs)?;
         for (key, v) in [
             ("num_processes", self.num_processes),
             ("num_machines", self.num_machines),
+            (
+                "gradient_accumulation_steps",
+                self.gradient_accumulation_steps,
+            ),
         ] {
             if v == Some(0) {
                 return Err(bad(key, "expected an integer of at least 1, got 0".into()));
+            }
+        }
+        if let Some(ids) = &self.gpu_ids {
+            let ok = ids.trim() == "all"
+                || (!ids.trim().is_empty()
+                    && ids.split(',').all(|p| p.trim().parse::<usize>().is_ok()));
+            if !ok {
+                return Err(bad(
+                    "gpu_ids",
+                    format!("expected `all` or comma-separated GPU indices such as \"0,1\", got {ids:?}"),
+                ));
             }
         }
         if let (Some(r), Some(m)) = (self.machine_rank, self.num_machines) {
@@ -163,6 +240,31 @@ mod tests {
         assert_eq!(c.collective_timeout_secs, Some(12.5));
         let back = ConfigFile::parse(&c.to_toml().unwrap(), Path::new("c.toml")).unwrap();
         assert_eq!(back, c);
+    }
+
+    #[test]
+    fn mixed_precision_and_gpu_ids() {
+        let c = ConfigFile::parse(
+            "mixed_precision = \"bf16\"\ngpu_ids = \"0, 2\"\n",
+            Path::new("c.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.mixed_precision, Some(MixedPrecision::Bf16));
+        let err = ConfigFile::parse("mixed_precision = \"fp8\"\n", Path::new("c.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("mixed_precision") && err.contains("fp8"),
+            "{err}"
+        );
+        let err = ConfigFile::parse("gpu_ids = \"zero\"\n", Path::new("c.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("gpu_ids") && err.contains("all"), "{err}");
+        assert_eq!(
+            "f16".parse::<MixedPrecision>().unwrap(),
+            MixedPrecision::Fp16
+        );
     }
 
     #[test]

@@ -42,10 +42,17 @@ pub const USE_CPU: &str = "ACCELERATE_RS_USE_CPU";
 pub const TIMEOUT_SECS: &str = "ACCELERATE_RS_TIMEOUT_SECS";
 /// Gradient bucket cap in MiB.
 pub const BUCKET_CAP_MB: &str = "ACCELERATE_RS_BUCKET_CAP_MB";
+/// Mixed precision mode: `no`, `bf16` or `fp16`.
+pub const MIXED_PRECISION: &str = "ACCELERATE_RS_MIXED_PRECISION";
+/// Gradient accumulation steps.
+pub const GRADIENT_ACCUMULATION_STEPS: &str = "ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS";
 /// Path of the config file (overrides the platform default location).
 pub const CONFIG_FILE: &str = "ACCELERATE_RS_CONFIG_FILE";
 /// How many times the launcher restarted the worker group (0 on the first run).
 pub const RESTART_COUNT: &str = "ACCELERATE_RS_RESTART_COUNT";
+
+/// GPUs visible to CUDA programs.
+pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 
 /// Rayon's thread-count variable (Candle's CPU kernels honour it).
 pub const RAYON_NUM_THREADS: &str = "RAYON_NUM_THREADS";

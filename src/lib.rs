@@ -70,12 +70,13 @@
 //! - [`collective`]: the [`Collective`](collective::Collective) trait and its backends (single
 //!   process, TCP ring, in-process threads).
 //! - [`data`]: [`Dataset`], [`TensorDataset`], [`DistributedSampler`], [`DataLoader`].
-//! - [`launch`]: the launcher behind `accelerate-rs launch`.
+//! - [`launch`]: the launcher behind `accelerate-rs launch`; [`cli`]: the `accelerate-rs` command.
 //! - [`config`], [`state`], [`env`]: settings, their sources and the variable names.
 //! - [`error`]: the typed [`Error`].
 #![deny(missing_docs)]
 
 pub mod accelerator;
+pub mod cli;
 pub mod collective;
 pub mod config;
 pub mod data;
@@ -88,7 +89,7 @@ pub mod state;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};
 pub use collective::{Collective, ReduceOp};
-pub use config::ConfigFile;
+pub use config::{ConfigFile, MixedPrecision};
 pub use data::{Batch, DataLoader, Dataset, DistributedSampler, EvenBatches, TensorDataset};
 pub use error::{Error, Result};
 pub use optimizer::AcceleratedOptimizer;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use candle_core::Device;
 
-use crate::config::ConfigFile;
+use crate::config::{ConfigFile, MixedPrecision};
 use crate::env;
 use crate::error::{Error, Result};
 
@@ -58,6 +58,8 @@ pub(crate) struct Overrides {
     pub master_addr: Option<String>,
     pub master_port: Option<u16>,
     pub secret: Option<String>,
+    pub mixed_precision: Option<MixedPrecision>,
+    pub gradient_accumulation_steps: Option<usize>,
     /// A collective was handed in: no rendezvous address is needed.
     pub external_collective: bool,
 }
@@ -76,6 +78,8 @@ pub struct ProcessState {
     timeout: Duration,
     bucket_cap_bytes: usize,
     secret: Vec<u8>,
+    mixed_precision: MixedPrecision,
+    gradient_accumulation_steps: usize,
     launcher: &'static str,
     config_path: Option<PathBuf>,
 }
@@ -100,6 +104,11 @@ impl std::fmt::Debug for ProcessState {
                 } else {
                     "(set)"
                 },
+            )
+            .field("mixed_precision", &self.mixed_precision)
+            .field(
+                "gradient_accumulation_steps",
+                &self.gradient_accumulation_steps,
             )
             .field("launcher", &self.launcher)
             .field("config_path", &self.config_path)
@@ -331,6 +340,30 @@ impl ProcessState {
             .unwrap_or_default()
             .into_bytes();
 
+        let mixed_precision = match (o.mixed_precision, get(getenv, env::MIXED_PRECISION)) {
+            (Some(m), _) => m,
+            (None, Some(v)) => v.parse::<MixedPrecision>().map_err(|_| Error::Env {
+                var: env::MIXED_PRECISION.into(),
+                value: v.clone(),
+                reason: "expected no, bf16 or fp16".into(),
+            })?,
+            (None, None) => cfg.mixed_precision.unwrap_or_default(),
+        };
+        let gradient_accumulation_steps = match (
+            o.gradient_accumulation_steps,
+            get(getenv, env::GRADIENT_ACCUMULATION_STEPS),
+        ) {
+            (Some(n), _) => n,
+            (None, Some(v)) => parse_usize(env::GRADIENT_ACCUMULATION_STEPS, &v)?,
+            (None, None) => cfg.gradient_accumulation_steps.unwrap_or(1),
+        };
+        if gradient_accumulation_steps == 0 {
+            return Err(Error::invalid(
+                "gradient_accumulation_steps",
+                "must be at least 1, got 0",
+            ));
+        }
+
         // This build drives CPUs only; GPU support arrives with the `cuda` feature.
         let _ = use_cpu;
         let device = Device::Cpu;
@@ -352,6 +385,8 @@ impl ProcessState {
             timeout,
             bucket_cap_bytes: (bucket_cap_mb * 1024.0 * 1024.0) as usize,
             secret,
+            mixed_precision,
+            gradient_accumulation_steps,
             launcher: match (o.rank, family) {
                 (Some(_), _) => "builder",
                 (None, Some(f)) => f.name,
@@ -416,6 +451,17 @@ impl ProcessState {
     /// The config file that was read, if any.
     pub fn config_path(&self) -> Option<&std::path::Path> {
         self.config_path.as_deref()
+    }
+    /// Mixed precision mode requested through `ACCELERATE_RS_MIXED_PRECISION` (set by
+    /// `launch --mixed-precision`) or the config file. accelerate-rs does not apply it to the
+    /// model yet: read it to choose your compute dtype.
+    pub fn mixed_precision(&self) -> MixedPrecision {
+        self.mixed_precision
+    }
+    /// Gradient accumulation steps requested through `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS`
+    /// or the config file (1 = step every batch). Not applied automatically yet.
+    pub fn gradient_accumulation_steps(&self) -> usize {
+        self.gradient_accumulation_steps
     }
     pub(crate) fn secret(&self) -> &[u8] {
         &self.secret
