@@ -2,6 +2,7 @@
 //! (`src/main.rs`) only calls [`main`].
 
 mod launch;
+mod test;
 
 use std::error::Error as _;
 use std::process::ExitCode;
@@ -23,6 +24,11 @@ pub struct Cli {
 enum Command {
     /// Run N local copies of PROGRAM with the torchrun environment (RANK, WORLD_SIZE, ...).
     Launch(launch::LaunchArgs),
+    /// Run a multi-process sanity check (collectives, sampler, DDP steps) and say if it passed.
+    Test(test::TestArgs),
+    /// One worker of `accelerate-rs test` (started by it).
+    #[command(hide = true)]
+    TestWorker,
 }
 
 pub(crate) fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -38,6 +44,8 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Launch(args) => launch::run(args),
+        Command::Test(args) => test::run(args),
+        Command::TestWorker => test::worker(),
     };
     exit_code(result)
 }

@@ -1,0 +1,287 @@
+//! `accelerate-rs test`: a built-in multi-process sanity check. It launches this same binary as N
+//! workers (hidden `test-worker` subcommand) that exercise every collective, the distributed
+//! sampler and a few DDP steps against a single-process reference, and ends with one line saying
+//! that it passed or what failed.
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{Optimizer, SGD};
+use clap::Args;
+use half::{bf16, f16};
+
+use crate::collective::{Buffer, BufferMut, ReduceOp};
+use crate::config::ConfigFile;
+use crate::data::{DataLoader, DistributedSampler, TensorDataset};
+use crate::error::{Error, Result};
+use crate::launch::{launch, LaunchOptions};
+use crate::Accelerator;
+
+/// Arguments of `accelerate-rs test`.
+#[derive(Debug, Args)]
+pub(crate) struct TestArgs {
+    /// Number of worker processes (default: the config file's num_processes, else 2).
+    #[arg(short = 'n', long, value_name = "N")]
+    num_processes: Option<usize>,
+    /// Config file to read instead of the default one.
+    #[arg(long, value_name = "PATH")]
+    config_file: Option<PathBuf>,
+}
+
+/// Runs the check under the launcher and prints the verdict.
+pub(crate) fn run(args: TestArgs) -> Result<()> {
+    let getenv = |k: &str| std::env::var(k).ok();
+    let (cfg, _) = ConfigFile::load_located(args.config_file.as_deref(), &getenv)?;
+    let n = args.num_processes.or(cfg.num_processes).unwrap_or(2);
+    let exe = std::env::current_exe().map_err(|e| Error::Io {
+        context: "cannot locate the accelerate-rs executable".into(),
+        path: PathBuf::from("/proc/self/exe"),
+        source: e,
+    })?;
+    println!("accelerate-rs test: {n} CPU process(es): collectives, sampler, DDP steps");
+    let res = launch(&LaunchOptions {
+        num_processes: n,
+        cpu: true,
+        program: exe.to_string_lossy().into_owned(),
+        args: vec!["test-worker".into()],
+        ..LaunchOptions::default()
+    });
+    match res {
+        Ok(()) => {
+            println!("accelerate-rs test: PASSED on {n} process(es)");
+            Ok(())
+        }
+        Err(e) => {
+            println!("accelerate-rs test: FAILED: {e} (see the [rank i] lines above)");
+            Err(e)
+        }
+    }
+}
+
+/// One worker of the check: runs every check (so all ranks call the same collectives even when
+/// one check fails locally), then agrees with the others on the verdict.
+pub(crate) fn worker() -> Result<()> {
+    let acc = Accelerator::builder().cpu(true).build()?;
+    let c = acc.collective().as_ref();
+    let checks: [(&str, fn(&Accelerator) -> Result<()>); 5] = [
+        (
+            "all_reduce (sum, mean, max; f32, f64, f16, bf16)",
+            check_all_reduce,
+        ),
+        ("broadcast from every root", check_broadcast),
+        ("all_gather with uneven sizes, barrier", check_all_gather),
+        ("distributed sampler", check_sampler),
+        ("DDP steps equal a single-process reference", check_ddp),
+    ];
+    let mut failed = Vec::new();
+    for (name, check) in checks {
+        match check(&acc) {
+            Ok(()) => acc.print(format!("ok: {name}")),
+            Err(e) => {
+                eprintln!("rank {}: FAILED: {name}: {e}", acc.rank());
+                failed.push(name);
+            }
+        }
+    }
+    // Agree on the verdict so that every rank exits the same way.
+    let mut flag = [failed.len() as f32];
+    c.all_reduce(BufferMut::from(&mut flag[..]), ReduceOp::Max)?;
+    if flag[0] > 0.0 {
+        return Err(Error::Mismatch {
+            rank: acc.rank(),
+            op: "accelerate-rs test".into(),
+            detail: if failed.is_empty() {
+                "a check failed on another rank".into()
+            } else {
+                format!("failed here: {}", failed.join("; "))
+            },
+        });
+    }
+    Ok(())
+}
+
+fn value(rank: usize, i: usize) -> f64 {
+    ((rank * 5 + i * 3) % 13) as f64 - 6.0
+}
+
+fn fail(what: String) -> Error {
+    Error::Data { reason: what }
+}
+
+fn check_all_reduce(acc: &Accelerator) -> Result<()> {
+    let c = acc.collective().as_ref();
+    let (rank, n) = (acc.rank(), acc.world_size());
+    let len = 2 * n + 1;
+    for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+        let want: Vec<f64> = (0..len)
+            .map(|i| {
+                let vals = (0..n).map(|r| value(r, i));
+                match op {
+                    ReduceOp::Sum => vals.sum(),
+                    ReduceOp::Mean => vals.sum::<f64>() / n as f64,
+                    ReduceOp::Max => vals.fold(f64::MIN, f64::max),
+                }
+            })
+            .collect();
+        let check = |got: Vec<f64>, ty: &str, tol: f64| -> Result<()> {
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                if (g - w).abs() > tol * (1.0 + w.abs()) {
+                    return Err(fail(format!("{ty} {op:?} [{i}]: got {g}, want {w}")));
+                }
+            }
+            Ok(())
+        };
+        let mut a: Vec<f32> = (0..len).map(|i| value(rank, i) as f32).collect();
+        c.all_reduce(BufferMut::from(&mut a[..]), op)?;
+        check(a.iter().map(|&x| x as f64).collect(), "f32", 1e-6)?;
+        let mut b: Vec<f64> = (0..len).map(|i| value(rank, i)).collect();
+        c.all_reduce(BufferMut::from(&mut b[..]), op)?;
+        check(b, "f64", 1e-12)?;
+        let mut h: Vec<f16> = (0..len).map(|i| f16::from_f64(value(rank, i))).collect();
+        c.all_reduce(BufferMut::from(&mut h[..]), op)?;
+        check(h.iter().map(|x| x.to_f64()).collect(), "f16", 1e-3)?;
+        let mut z: Vec<bf16> = (0..len).map(|i| bf16::from_f64(value(rank, i))).collect();
+        c.all_reduce(BufferMut::from(&mut z[..]), op)?;
+        check(z.iter().map(|x| x.to_f64()).collect(), "bf16", 8e-3)?;
+    }
+    Ok(())
+}
+
+fn check_broadcast(acc: &Accelerator) -> Result<()> {
+    let c = acc.collective().as_ref();
+    for root in 0..acc.world_size() {
+        let mut v: Vec<f32> = (0..7).map(|i| value(acc.rank(), i) as f32).collect();
+        c.broadcast(BufferMut::from(&mut v[..]), root)?;
+        let want: Vec<f32> = (0..7).map(|i| value(root, i) as f32).collect();
+        if v != want {
+            return Err(fail(format!("from root {root}: got {v:?}, want {want:?}")));
+        }
+    }
+    Ok(())
+}
+
+fn check_all_gather(acc: &Accelerator) -> Result<()> {
+    let c = acc.collective().as_ref();
+    let mine: Vec<f64> = (0..acc.rank() + 1).map(|i| value(acc.rank(), i)).collect();
+    let all = c.all_gather(Buffer::from(&mine[..]))?;
+    for (r, b) in all.iter().enumerate() {
+        let want: Vec<f64> = (0..r + 1).map(|i| value(r, i)).collect();
+        if b.as_slice::<f64>()? != want.as_slice() {
+            return Err(fail(format!("block of rank {r} is wrong")));
+        }
+    }
+    c.barrier()
+}
+
+/// Every rank's batches, gathered: equal counts, every index present, extras only as padding.
+fn check_sampler(acc: &Accelerator) -> Result<()> {
+    let c = acc.collective().as_ref();
+    let (n, batch) = (10 * acc.world_size() + 3, 4);
+    let mut sampler = DistributedSampler::new(n, batch)
+        .shuffle(true)
+        .seed(7)
+        .shard(acc.rank(), acc.world_size())?;
+    sampler.set_epoch(3);
+    let batches = sampler.batches()?;
+    let flat: Vec<f64> = batches.iter().flatten().map(|&i| i as f64).collect();
+    let counts = c.all_gather(Buffer::from(&[batches.len() as f64][..]))?;
+    let all = c.all_gather(Buffer::from(&flat[..]))?;
+    let counts: Vec<f64> = counts
+        .iter()
+        .map(|b| b.as_slice::<f64>().map(|s| s[0]))
+        .collect::<Result<_>>()?;
+    if counts.iter().any(|&k| k != counts[0]) {
+        return Err(fail(format!(
+            "ranks yield different batch counts: {counts:?}"
+        )));
+    }
+    let mut seen = vec![0usize; n];
+    for b in &all {
+        for &i in b.as_slice::<f64>()? {
+            seen[i as usize] += 1;
+        }
+    }
+    if let Some(missing) = seen.iter().position(|&k| k == 0) {
+        return Err(fail(format!("index {missing} is never yielded")));
+    }
+    let extra: usize = seen.iter().map(|&k| k - 1).sum();
+    if extra != sampler.total_padding() {
+        return Err(fail(format!(
+            "{extra} duplicated samples but {} reported as padding",
+            sampler.total_padding()
+        )));
+    }
+    Ok(())
+}
+
+const B: usize = 4;
+const STEPS: usize = 3;
+const LR: f64 = 0.05;
+
+fn regression_data(n: usize) -> Result<TensorDataset> {
+    let x: Vec<f32> = (0..n * 3)
+        .map(|i| ((i * 7) % 11) as f32 / 11.0 - 0.5)
+        .collect();
+    let x = Tensor::from_vec(x, (n, 3), &Device::Cpu)?;
+    let y = (x.sum_keepdim(1)? * 2.0)?;
+    TensorDataset::new(vec![x, y])
+}
+
+fn weights(offset: f32) -> Result<Vec<(String, Var)>> {
+    let w = Tensor::new(&[[0.1f32], [-0.2], [0.3]], &Device::Cpu)?;
+    Ok(vec![
+        ("w".to_string(), Var::from_tensor(&(w + offset as f64)?)?),
+        ("b".to_string(), Var::zeros(1, DType::F32, &Device::Cpu)?),
+    ])
+}
+
+fn mse(p: &[(String, Var)], x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let pred = x
+        .matmul(p[0].1.as_tensor())?
+        .broadcast_add(p[1].1.as_tensor())?;
+    Ok(candle_nn::loss::mse(&pred, y)?)
+}
+
+fn params_of(p: &[(String, Var)]) -> Result<Vec<f32>> {
+    let mut out = p[0].1.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+    out.extend(p[1].1.as_tensor().to_vec1::<f32>()?);
+    Ok(out)
+}
+
+/// DDP with per-rank batch B must equal plain SGD with batch world × B.
+fn check_ddp(acc: &Accelerator) -> Result<()> {
+    let world = acc.world_size();
+    let data = regression_data(world * B * STEPS)?;
+    // Ranks start from different values: prepare must give them rank 0's.
+    let p = weights(acc.rank() as f32)?;
+    let opt = SGD::new(p.iter().map(|(_, v)| v.clone()).collect(), LR)?;
+    let (mut opt, loader) = acc.prepare(&p, opt, DataLoader::new(data.clone(), B))?;
+    for batch in loader.iter()? {
+        let batch = batch?;
+        opt.backward_step(&mse(&p, &batch[0], &batch[1])?)?;
+    }
+    let got = params_of(&p)?;
+
+    let r = weights(0.0)?;
+    let mut sgd = SGD::new(r.iter().map(|(_, v)| v.clone()).collect(), LR)?;
+    for batch in DataLoader::new(data, world * B).iter()? {
+        let batch = batch?;
+        sgd.backward_step(&mse(&r, &batch[0], &batch[1])?)?;
+    }
+    let want = params_of(&r)?;
+    let diff = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    if diff > 1e-5 {
+        return Err(fail(format!(
+            "max abs diff {diff} between DDP ({got:?}) and the reference ({want:?})"
+        )));
+    }
+    let all = acc.collective().all_gather(Buffer::from(&got[..]))?;
+    if all.iter().any(|b| b.bytes() != all[0].bytes()) {
+        return Err(fail("replicas differ after the steps".into()));
+    }
+    Ok(())
+}

@@ -1,0 +1,101 @@
+//! `accelerate-rs test`: the built-in multi-process sanity check, run for real.
+
+use std::process::Command;
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"));
+    // Never read the developer's own config file.
+    c.env("ACCELERATE_RS_CONFIG_FILE", "");
+    c.env(
+        "XDG_CONFIG_HOME",
+        std::env::temp_dir().join("accelerate-rs-cli-test-none"),
+    );
+    c
+}
+
+#[test]
+fn passes_on_two_cpu_processes_with_every_check_reported() {
+    let out = bin().args(["test", "-n", "2"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for check in [
+        "ok: all_reduce",
+        "ok: broadcast",
+        "ok: all_gather",
+        "ok: distributed sampler",
+        "ok: DDP steps equal a single-process reference",
+    ] {
+        assert!(
+            stdout.contains(&format!("[rank 0] {check}")),
+            "missing `{check}`:\n{stdout}"
+        );
+    }
+    assert_eq!(
+        stdout.lines().last(),
+        Some("accelerate-rs test: PASSED on 2 process(es)")
+    );
+}
+
+#[test]
+fn passes_with_three_processes_and_with_one() {
+    for n in ["3", "1"] {
+        let out = bin().args(["test", "-n", n]).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "n={n}: {stdout}");
+        assert!(
+            stdout.contains(&format!("PASSED on {n} process(es)")),
+            "{stdout}"
+        );
+    }
+}
+
+#[test]
+fn takes_the_process_count_from_the_config_file_and_reports_a_bad_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.toml");
+    std::fs::write(&good, "num_processes = 3\n").unwrap();
+    let out = bin()
+        .args(["test", "--config-file"])
+        .arg(&good)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("PASSED on 3 process(es)"), "{stdout}");
+
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "num_processes = \"many\"\n").unwrap();
+    let out = bin()
+        .args(["test", "--config-file"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("bad.toml") && stderr.contains("num_processes"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_failing_worker_makes_it_fail_with_one_line_saying_what() {
+    // A timeout of 0 s is rejected by every worker: the run must fail, not hang or pass.
+    let out = bin()
+        .args(["test", "-n", "2"])
+        .env("ACCELERATE_RS_TIMEOUT_SECS", "0")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stdout}");
+    let last = stdout.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("accelerate-rs test: FAILED: launch: rank"),
+        "{last}"
+    );
+    assert!(stderr.contains("ACCELERATE_RS_TIMEOUT_SECS"), "{stderr}");
+}
