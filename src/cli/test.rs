@@ -58,12 +58,15 @@ pub(crate) fn run(args: TestArgs) -> Result<()> {
     }
 }
 
+/// One named check run by every worker.
+type Check = fn(&Accelerator) -> Result<()>;
+
 /// One worker of the check: runs every check (so all ranks call the same collectives even when
 /// one check fails locally), then agrees with the others on the verdict.
 pub(crate) fn worker() -> Result<()> {
     let acc = Accelerator::builder().cpu(true).build()?;
     let c = acc.collective().as_ref();
-    let checks: [(&str, fn(&Accelerator) -> Result<()>); 5] = [
+    let checks: [(&str, Check); 5] = [
         (
             "all_reduce (sum, mean, max; f32, f64, f16, bf16)",
             check_all_reduce,
