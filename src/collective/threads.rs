@@ -280,14 +280,15 @@ impl Collective for ThreadCollective {
         let n = self.shared.n;
         let out = buf.bytes_mut();
         self.rendezvous(desc, AlignedBytes::copy_from(out), |slots| {
-            let mut acc = slot(slots, 0)?.clone();
+            // Reduce straight into the caller's buffer, always in rank order, so every rank
+            // computes bit-identical results without a temporary.
+            out.copy_from_slice(slot(slots, 0)?.as_ref());
             for r in 1..n {
-                reduce_into(elem, op, acc.as_mut(), slot(slots, r)?.as_ref())?;
+                reduce_into(elem, op, out, slot(slots, r)?.as_ref())?;
             }
             if op == ReduceOp::Mean {
-                finish_mean(elem, acc.as_mut(), n)?;
+                finish_mean(elem, out, n)?;
             }
-            out.copy_from_slice(acc.as_ref());
             Ok(())
         })
     }
