@@ -32,6 +32,8 @@ const BATCH: usize = 64;
 const LR: f64 = 0.01;
 const DATA_SEED: u64 = 0x5eed;
 const WEIGHT_SEED: u64 = 0x3e16;
+/// Timed all-reduces of a gradient-sized buffer per DDP worker run.
+const ALLREDUCE_REPS: usize = 10;
 
 /// Set in the children: the role the process plays.
 const ROLE_ENV: &str = "ACCELERATE_RS_BENCH_OVERHEAD_ROLE";
@@ -44,8 +46,12 @@ struct Plan {
     warmup: usize,
     /// Timed steps per block.
     steps: usize,
-    /// Blocks per variant (section 1) / runs per world size (section 2).
+    /// Timed blocks per variant (section 1).
     rounds: usize,
+    /// Timed steps per worker run (section 2).
+    ddp_steps: usize,
+    /// Runs per world size (section 2).
+    ddp_runs: usize,
 }
 
 impl Plan {
@@ -55,12 +61,16 @@ impl Plan {
                 warmup: 3,
                 steps: 10,
                 rounds: 2,
+                ddp_steps: 20,
+                ddp_runs: 1,
             }
         } else {
             Plan {
                 warmup: 15,
-                steps: 40,
-                rounds: 6,
+                steps: 30,
+                rounds: 10,
+                ddp_steps: 100,
+                ddp_runs: 3,
             }
         }
     }
@@ -81,10 +91,13 @@ fn main() -> Result<()> {
         "warm-up {} steps, {} timed blocks of {} steps per variant",
         plan.warmup, plan.rounds, plan.steps
     );
+    println!("load average before: {}", load_average());
     println!();
     wrapper_overhead(plan)?;
     println!();
     ddp_throughput(plan)?;
+    println!();
+    println!("load average after: {}", load_average());
     Ok(())
 }
 
@@ -181,6 +194,13 @@ fn median(xs: &[f64]) -> f64 {
     } else {
         (v[n / 2 - 1] + v[n / 2]) / 2.0
     }
+}
+
+/// `/proc/loadavg`'s first three fields (other work on the machine skews every number here).
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "n/a".into())
 }
 
 fn ms(d: Duration) -> f64 {
@@ -399,6 +419,9 @@ fn wrapper_overhead(plan: Plan) -> Result<()> {
 struct RunResult {
     mean_ms: f64,
     median_ms: f64,
+    /// Median time of one all-reduce of all the gradients (0 for one process).
+    allreduce_ms: f64,
+    grad_elems: f64,
 }
 
 fn free_port() -> Result<u16> {
@@ -489,6 +512,8 @@ fn parse_result(stdout: &str) -> Result<RunResult> {
     Ok(RunResult {
         mean_ms: field("ms_per_step")?,
         median_ms: field("median_ms")?,
+        allreduce_ms: field("allreduce_ms")?,
+        grad_elems: field("grad_elems")?,
     })
 }
 
@@ -497,7 +522,7 @@ fn ddp_throughput(plan: Plan) -> Result<()> {
     let worlds = [1usize, 2];
     // Alternate 1- and 2-process runs so that drift hits both alike.
     let mut results: Vec<Vec<RunResult>> = vec![Vec::new(); worlds.len()];
-    let runs = plan.rounds.div_ceil(2).max(1);
+    let runs = plan.ddp_runs;
     for _ in 0..runs {
         for (i, &w) in worlds.iter().enumerate() {
             results[i].push(run_workers(w, quick)?);
@@ -505,31 +530,41 @@ fn ddp_throughput(plan: Plan) -> Result<()> {
     }
     println!(
         "## 2. DDP throughput (separate processes, 1 Rayon thread each, TCP ring on 127.0.0.1; {runs} run(s) per size, {} timed steps each after {} warm-up)",
-        plan.steps * plan.rounds.min(3),
-        plan.warmup
+        plan.ddp_steps, plan.warmup
     );
     println!();
     println!(
-        "| processes | ms/step mean | ms/step median | samples/s total | scaling efficiency |"
+        "| processes | ms/step mean | ms/step median | samples/s total | scaling efficiency | all-reduce of grads, ms |"
     );
-    println!("|---:|---:|---:|---:|---:|");
-    let summary: Vec<(f64, f64, f64)> = worlds
+    println!("|---:|---:|---:|---:|---:|---:|");
+    let summary: Vec<(f64, f64, f64, f64)> = worlds
         .iter()
         .zip(&results)
         .map(|(&w, rs)| {
             let m = mean(&rs.iter().map(|r| r.mean_ms).collect::<Vec<_>>());
             let md = median(&rs.iter().map(|r| r.median_ms).collect::<Vec<_>>());
-            (m, md, (w * BATCH) as f64 * 1e3 / m)
+            let ar = median(&rs.iter().map(|r| r.allreduce_ms).collect::<Vec<_>>());
+            (m, md, (w * BATCH) as f64 * 1e3 / m, ar)
         })
         .collect();
     let single = summary[0].2;
-    for (&w, &(m, md, sps)) in worlds.iter().zip(&summary) {
+    for (&w, &(m, md, sps, ar)) in worlds.iter().zip(&summary) {
+        let ar = if w == 1 {
+            "-".to_string()
+        } else {
+            format!("{ar:.2}")
+        };
         println!(
-            "| {w} | {m:.2} | {md:.2} | {sps:.0} | {:.1}% |",
+            "| {w} | {m:.2} | {md:.2} | {sps:.0} | {:.1}% | {ar} |",
             sps / (w as f64 * single) * 100.0
         );
     }
     println!();
+    let elems = results[1].first().map(|r| r.grad_elems).unwrap_or(0.0);
+    println!(
+        "all-reduce: median of {ALLREDUCE_REPS} standalone all_reduce_tensor(Mean) calls on {elems:.0} f32 ({:.2} MB, the gradient size), measured after the timed steps",
+        elems * 4.0 / 1e6
+    );
     println!(
         "samples/s = processes x {BATCH} / mean step time; efficiency = samples/s(N) / (N x samples/s(1))"
     );
@@ -543,7 +578,7 @@ fn worker(plan: Plan) -> Result<()> {
     let accelerator = Accelerator::builder().cpu(true).build()?;
     let world = accelerator.world_size();
     let device = accelerator.device().clone();
-    let timed_steps = plan.steps * plan.rounds.min(3);
+    let timed_steps = plan.ddp_steps;
     // Each rank gets exactly `warmup + timed_steps` batches of its own in one epoch.
     let samples = world * BATCH * (plan.warmup + timed_steps);
     let (x, y) = synthetic_data(samples, &device)?;
@@ -568,12 +603,30 @@ fn worker(plan: Plan) -> Result<()> {
             times.push(ms(start.elapsed()));
         }
     }
+    // Where the time goes: the all-reduce alone, on a buffer the size of all the gradients (what
+    // `backward_step` reduces each step; they fit one bucket at the default 25 MiB cap).
+    let numel: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
+    let flat = Tensor::zeros(numel, DType::F32, &device)?;
+    let mut reduce_times = Vec::new();
+    if world > 1 {
+        let c = accelerator.collective();
+        c.barrier()?;
+        for rep in 0..ALLREDUCE_REPS + 2 {
+            let start = Instant::now();
+            let out = c.all_reduce_tensor(&flat, accelerate_rs::ReduceOp::Mean)?;
+            if rep >= 2 {
+                reduce_times.push(ms(start.elapsed()));
+            }
+            drop(out);
+        }
+    }
     if accelerator.is_main_process() {
         println!(
-            "RESULT world={world} steps={} ms_per_step={:.4} median_ms={:.4}",
+            "RESULT world={world} steps={} ms_per_step={:.4} median_ms={:.4} allreduce_ms={:.4} grad_elems={numel}",
             times.len(),
             mean(&times),
-            median(&times)
+            median(&times),
+            if reduce_times.is_empty() { 0.0 } else { median(&reduce_times) },
         );
     }
     accelerator.collective().barrier()?;
