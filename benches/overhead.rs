@@ -67,8 +67,8 @@ impl Plan {
         } else {
             Plan {
                 warmup: 15,
-                steps: 30,
-                rounds: 10,
+                steps: 20,
+                rounds: 16,
                 ddp_steps: 100,
                 ddp_runs: 3,
             }
@@ -407,6 +407,28 @@ fn wrapper_overhead(plan: Plan) -> Result<()> {
         "overhead of accelerate-rs vs plain Candle with pre-sliced batches: {:+.2}% (mean), {:+.2}% (median)",
         (acc_mean / sl_mean - 1.0) * 100.0,
         (acc_median / sl_median - 1.0) * 100.0
+    );
+    // Paired per round (the blocks of one round ran back to back), so slow drift cancels.
+    let paired = |base: usize| -> Vec<f64> {
+        block_means[2]
+            .iter()
+            .zip(&block_means[base])
+            .map(|(a, b)| (a / b - 1.0) * 100.0)
+            .collect()
+    };
+    let (vs_loader, vs_sliced) = (paired(1), paired(0));
+    let spread = |v: &[f64]| {
+        let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        format!("{lo:+.1}%..{hi:+.1}%")
+    };
+    println!(
+        "paired per round (median of {} block-mean ratios): vs candle+DataLoader {:+.2}% (rounds {}), vs pre-sliced {:+.2}% (rounds {})",
+        vs_loader.len(),
+        median(&vs_loader),
+        spread(&vs_loader),
+        median(&vs_sliced),
+        spread(&vs_sliced)
     );
     Ok(())
 }
