@@ -1,1 +1,656 @@
-fn main() {}
+//! Wrapper overhead and DDP throughput of accelerate-rs on the CPU.
+//!
+//!     cargo bench --bench overhead              # full run
+//!     cargo bench --bench overhead -- --quick   # fewer steps
+//!
+//! Model: MLP 784-1024-1024-10 (ReLU), f32, batch 64 per process, SGD (lr 0.01), cross-entropy,
+//! on synthetic random data generated from a fixed seed (identical in every variant and process).
+//!
+//! 1. **Wrapper overhead at world size 1**: the same training step as a plain Candle loop and
+//!    through accelerate-rs (`Accelerator::builder().build()`, `prepare`, `backward_step`), timed
+//!    in alternating blocks so that drift (thermal, other load) hits every variant alike.
+//! 2. **2-process DDP throughput**: the bench re-executes itself as the workers of a 1-process and
+//!    a 2-process run (`RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`/`ACCELERATE_RS_SECRET`, one
+//!    Rayon thread each, a free port picked per run); rank 0 prints `RESULT ...` on stdout.
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use accelerate_rs::{Accelerator, DataLoader, TensorDataset};
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder, VarMap, SGD};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const INPUT: usize = 784;
+const HIDDEN: usize = 1024;
+const CLASSES: usize = 10;
+const BATCH: usize = 64;
+const LR: f64 = 0.01;
+const DATA_SEED: u64 = 0x5eed;
+const WEIGHT_SEED: u64 = 0x3e16;
+/// Timed all-reduces of a gradient-sized buffer per DDP worker run.
+const ALLREDUCE_REPS: usize = 10;
+
+/// Set in the children: the role the process plays.
+const ROLE_ENV: &str = "ACCELERATE_RS_BENCH_OVERHEAD_ROLE";
+const ROLE_WORKER: &str = "ddp-worker";
+
+/// How much to measure.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    /// Untimed steps per variant before the first timed block.
+    warmup: usize,
+    /// Timed steps per block.
+    steps: usize,
+    /// Timed blocks per variant (section 1).
+    rounds: usize,
+    /// Timed steps per worker run (section 2).
+    ddp_steps: usize,
+    /// Runs per world size (section 2).
+    ddp_runs: usize,
+}
+
+impl Plan {
+    fn new(quick: bool) -> Self {
+        if quick {
+            Plan {
+                warmup: 3,
+                steps: 10,
+                rounds: 2,
+                ddp_steps: 20,
+                ddp_runs: 1,
+            }
+        } else {
+            Plan {
+                warmup: 15,
+                steps: 20,
+                rounds: 16,
+                ddp_steps: 100,
+                ddp_runs: 3,
+            }
+        }
+    }
+}
+
+fn main() -> Result<()> {
+    // Cargo passes `--bench` (and maybe a filter); only `--quick` means something here.
+    let quick = std::env::args().skip(1).any(|a| a == "--quick");
+    let plan = Plan::new(quick);
+    if std::env::var(ROLE_ENV).as_deref() == Ok(ROLE_WORKER) {
+        return worker(plan);
+    }
+    println!(
+        "accelerate-rs overhead bench: MLP {INPUT}-{HIDDEN}-{HIDDEN}-{CLASSES} (ReLU), f32, batch {BATCH}/process, SGD lr {LR}, synthetic data{}",
+        if quick { " (--quick)" } else { "" }
+    );
+    println!(
+        "warm-up {} steps, {} timed blocks of {} steps per variant",
+        plan.warmup, plan.rounds, plan.steps
+    );
+    println!("load average before: {}", load_average());
+    println!();
+    wrapper_overhead(plan)?;
+    println!();
+    ddp_throughput(plan)?;
+    println!();
+    println!("load average after: {}", load_average());
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model and data
+
+struct Mlp {
+    fc1: Linear,
+    fc2: Linear,
+    fc3: Linear,
+}
+
+impl Mlp {
+    fn new(vb: VarBuilder) -> Result<Self> {
+        Ok(Mlp {
+            fc1: linear(INPUT, HIDDEN, vb.pp("fc1"))?,
+            fc2: linear(HIDDEN, HIDDEN, vb.pp("fc2"))?,
+            fc3: linear(HIDDEN, CLASSES, vb.pp("fc3"))?,
+        })
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let xs = self.fc1.forward(xs)?.relu()?;
+        let xs = self.fc2.forward(&xs)?.relu()?;
+        self.fc3.forward(&xs)
+    }
+}
+
+/// A model with deterministic weights (the same in every variant and process).
+fn build_model(device: &Device) -> Result<(VarMap, Mlp)> {
+    let varmap = VarMap::new();
+    let model = Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, device))?;
+    let mut vars: Vec<_> = varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow!("VarMap lock poisoned"))?
+        .iter()
+        .map(|(name, var)| (name.clone(), var.clone()))
+        .collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut rng = ChaCha8Rng::seed_from_u64(WEIGHT_SEED);
+    for (_, var) in vars {
+        let fan_in = *var.dims().last().unwrap_or(&1);
+        let bound = 1.0 / (fan_in as f32).sqrt();
+        let values: Vec<f32> = (0..var.elem_count())
+            .map(|_| rng.random_range(-bound..bound))
+            .collect();
+        var.set(&Tensor::from_vec(values, var.shape(), device)?)?;
+    }
+    Ok((varmap, model))
+}
+
+/// `samples` random inputs in [-1, 1) and labels in 0..10, from a fixed seed.
+fn synthetic_data(samples: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+    let mut rng = ChaCha8Rng::seed_from_u64(DATA_SEED);
+    let x: Vec<f32> = (0..samples * INPUT)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let y: Vec<u32> = (0..samples)
+        .map(|_| rng.random_range(0..CLASSES as u32))
+        .collect();
+    Ok((
+        Tensor::from_vec(x, (samples, INPUT), device)?,
+        Tensor::from_vec(y, samples, device)?,
+    ))
+}
+
+fn loader(x: &Tensor, y: &Tensor) -> Result<DataLoader> {
+    Ok(
+        DataLoader::new(TensorDataset::new(vec![x.clone(), y.clone()])?, BATCH)
+            .shuffle(true)
+            .seed(DATA_SEED),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Statistics
+
+fn mean(xs: &[f64]) -> f64 {
+    xs.iter().sum::<f64>() / xs.len().max(1) as f64
+}
+
+fn median(xs: &[f64]) -> f64 {
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// `/proc/loadavg`'s first three fields (other work on the machine skews every number here).
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "n/a".into())
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Wrapper overhead at world size 1
+
+/// One way of running the training step; `run` does `n` steps and returns their times in ms.
+trait Variant {
+    fn name(&self) -> &'static str;
+    fn run(&mut self, n: usize) -> Result<Vec<f64>>;
+}
+
+/// Plain Candle: `candle_nn::SGD`, batches pre-sliced from the data (no DataLoader).
+struct RawSliced {
+    model: Mlp,
+    opt: SGD,
+    batches: Vec<(Tensor, Tensor)>,
+    next: usize,
+}
+
+impl Variant for RawSliced {
+    fn name(&self) -> &'static str {
+        "candle, pre-sliced batches"
+    }
+    fn run(&mut self, n: usize) -> Result<Vec<f64>> {
+        let mut times = Vec::with_capacity(n);
+        for _ in 0..n {
+            let start = Instant::now();
+            let (x, y) = &self.batches[self.next % self.batches.len()];
+            self.next += 1;
+            let logits = self.model.forward(x)?;
+            let loss = loss::cross_entropy(&logits, y)?;
+            self.opt.backward_step(&loss)?;
+            times.push(ms(start.elapsed()));
+        }
+        Ok(times)
+    }
+}
+
+/// Plain Candle: `candle_nn::SGD` over an unprepared accelerate-rs DataLoader (as in
+/// `examples/digits_plain`).
+struct RawLoader {
+    model: Mlp,
+    opt: SGD,
+    loader: DataLoader,
+}
+
+impl Variant for RawLoader {
+    fn name(&self) -> &'static str {
+        "candle, DataLoader"
+    }
+    fn run(&mut self, n: usize) -> Result<Vec<f64>> {
+        let mut times = Vec::with_capacity(n);
+        let mut start = Instant::now();
+        for batch in self.loader.iter()?.take(n) {
+            let batch = batch?;
+            let logits = self.model.forward(&batch[0])?;
+            let loss = loss::cross_entropy(&logits, &batch[1])?;
+            self.opt.backward_step(&loss)?;
+            let now = Instant::now();
+            times.push(ms(now - start));
+            start = now;
+        }
+        self.loader.set_epoch(self.loader.epoch() + 1);
+        Ok(times)
+    }
+}
+
+/// accelerate-rs: `Accelerator`, `prepare`, `AcceleratedOptimizer::backward_step`.
+struct Accelerated {
+    _accelerator: Accelerator,
+    model: Mlp,
+    opt: accelerate_rs::AcceleratedOptimizer<SGD>,
+    loader: DataLoader,
+}
+
+impl Variant for Accelerated {
+    fn name(&self) -> &'static str {
+        "accelerate-rs (prepare + backward_step)"
+    }
+    fn run(&mut self, n: usize) -> Result<Vec<f64>> {
+        let mut times = Vec::with_capacity(n);
+        let mut start = Instant::now();
+        for batch in self.loader.iter()?.take(n) {
+            let batch = batch?;
+            let logits = self.model.forward(&batch[0])?;
+            let loss = loss::cross_entropy(&logits, &batch[1])?;
+            self.opt.backward_step(&loss)?;
+            let now = Instant::now();
+            times.push(ms(now - start));
+            start = now;
+        }
+        self.loader.set_epoch(self.loader.epoch() + 1);
+        Ok(times)
+    }
+}
+
+fn wrapper_overhead(plan: Plan) -> Result<()> {
+    let device = Device::Cpu;
+    // One epoch covers the longest block, so a block never straddles two epochs.
+    let samples = BATCH * plan.steps.max(plan.warmup);
+    let (x, y) = synthetic_data(samples, &device)?;
+
+    let raw_sliced = {
+        let (varmap, model) = build_model(&device)?;
+        let opt = SGD::new(varmap.all_vars(), LR)?;
+        let batches = (0..samples / BATCH)
+            .map(|i| {
+                Ok((
+                    x.narrow(0, i * BATCH, BATCH)?,
+                    y.narrow(0, i * BATCH, BATCH)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        RawSliced {
+            model,
+            opt,
+            batches,
+            next: 0,
+        }
+    };
+    let raw_loader = {
+        let (varmap, model) = build_model(&device)?;
+        let opt = SGD::new(varmap.all_vars(), LR)?;
+        RawLoader {
+            model,
+            opt,
+            loader: loader(&x, &y)?,
+        }
+    };
+    let accelerated = {
+        let accelerator = Accelerator::builder().build()?;
+        if accelerator.world_size() != 1 {
+            bail!(
+                "section 1 needs world size 1, the environment says {} (unset RANK/WORLD_SIZE)",
+                accelerator.world_size()
+            );
+        }
+        let (varmap, model) = build_model(accelerator.device())?;
+        let opt = SGD::new(varmap.all_vars(), LR)?;
+        let (opt, loader) = accelerator.prepare(&varmap, opt, loader(&x, &y)?)?;
+        Accelerated {
+            _accelerator: accelerator,
+            model,
+            opt,
+            loader,
+        }
+    };
+    let mut variants: Vec<Box<dyn Variant>> = vec![
+        Box::new(raw_sliced),
+        Box::new(raw_loader),
+        Box::new(accelerated),
+    ];
+
+    for v in variants.iter_mut() {
+        v.run(plan.warmup)?;
+    }
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    let mut block_means: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    for round in 0..plan.rounds {
+        // Rotate the order so that no variant always runs first or last.
+        for k in 0..variants.len() {
+            let i = (round + k) % variants.len();
+            let t = variants[i].run(plan.steps)?;
+            block_means[i].push(mean(&t));
+            times[i].extend(t);
+        }
+    }
+
+    println!(
+        "## 1. Wrapper overhead, world size 1 (this process, {} Rayon threads)",
+        candle_core::utils::get_num_threads()
+    );
+    println!();
+    println!(
+        "| variant | steps | ms/step mean | ms/step median | block means min..max | vs candle+DataLoader (mean / median) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    let (base_mean, base_median) = (mean(&times[1]), median(&times[1]));
+    for (i, v) in variants.iter().enumerate() {
+        let (m, md) = (mean(&times[i]), median(&times[i]));
+        let lo = block_means[i].iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = block_means[i].iter().copied().fold(0.0, f64::max);
+        println!(
+            "| {} | {} | {m:.2} | {md:.2} | {lo:.2}..{hi:.2} | {:+.2}% / {:+.2}% |",
+            v.name(),
+            times[i].len(),
+            (m / base_mean - 1.0) * 100.0,
+            (md / base_median - 1.0) * 100.0,
+        );
+    }
+    let (acc_mean, acc_median) = (mean(&times[2]), median(&times[2]));
+    let (sl_mean, sl_median) = (mean(&times[0]), median(&times[0]));
+    println!();
+    println!(
+        "overhead of accelerate-rs vs the same loop in plain Candle (both with DataLoader): {:+.2}% (mean), {:+.2}% (median)",
+        (acc_mean / base_mean - 1.0) * 100.0,
+        (acc_median / base_median - 1.0) * 100.0
+    );
+    println!(
+        "overhead of accelerate-rs vs plain Candle with pre-sliced batches: {:+.2}% (mean), {:+.2}% (median)",
+        (acc_mean / sl_mean - 1.0) * 100.0,
+        (acc_median / sl_median - 1.0) * 100.0
+    );
+    // Paired per round (the blocks of one round ran back to back), so slow drift cancels.
+    let paired = |base: usize| -> Vec<f64> {
+        block_means[2]
+            .iter()
+            .zip(&block_means[base])
+            .map(|(a, b)| (a / b - 1.0) * 100.0)
+            .collect()
+    };
+    let (vs_loader, vs_sliced) = (paired(1), paired(0));
+    let spread = |v: &[f64]| {
+        let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        format!("{lo:+.1}%..{hi:+.1}%")
+    };
+    println!(
+        "paired per round (median of {} block-mean ratios): vs candle+DataLoader {:+.2}% (rounds {}), vs pre-sliced {:+.2}% (rounds {})",
+        vs_loader.len(),
+        median(&vs_loader),
+        spread(&vs_loader),
+        median(&vs_sliced),
+        spread(&vs_sliced)
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. DDP throughput: parent
+
+/// What rank 0 of one run reported.
+#[derive(Debug, Clone, Copy)]
+struct RunResult {
+    mean_ms: f64,
+    median_ms: f64,
+    /// Median time of one all-reduce of all the gradients (0 for one process).
+    allreduce_ms: f64,
+    grad_elems: f64,
+}
+
+fn free_port() -> Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("binding an ephemeral port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+fn random_secret() -> String {
+    let mut rng = rand::rng();
+    (0..32)
+        .map(|_| format!("{:02x}", rng.random::<u8>()))
+        .collect()
+}
+
+/// Runs `world` worker processes (this executable, one Rayon thread each) and returns rank 0's
+/// result.
+fn run_workers(world: usize, quick: bool) -> Result<RunResult> {
+    let exe = std::env::current_exe().context("locating the bench executable")?;
+    let port = free_port()?;
+    let secret = random_secret();
+    let mut children: Vec<Child> = Vec::with_capacity(world);
+    for rank in 0..world {
+        let mut cmd = Command::new(&exe);
+        if quick {
+            cmd.arg("--quick");
+        }
+        cmd.env(ROLE_ENV, ROLE_WORKER)
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("ACCELERATE_RS_SECRET", &secret)
+            .env("ACCELERATE_RS_TIMEOUT_SECS", "300")
+            .env("RAYON_NUM_THREADS", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        match cmd.spawn() {
+            Ok(child) => children.push(child),
+            Err(e) => {
+                kill_all(&mut children);
+                return Err(e).context("spawning a worker");
+            }
+        }
+    }
+    let mut outputs = Vec::with_capacity(world);
+    let mut failure = None;
+    for (rank, child) in children.iter_mut().enumerate() {
+        let mut out = String::new();
+        if let Some(mut stdout) = child.stdout.take() {
+            stdout.read_to_string(&mut out)?;
+        }
+        let status = child.wait()?;
+        if !status.success() && failure.is_none() {
+            failure = Some(format!(
+                "worker rank {rank} of {world} exited with {status}"
+            ));
+        }
+        outputs.push(out);
+    }
+    if let Some(f) = failure {
+        bail!("{f}");
+    }
+    parse_result(&outputs[0]).with_context(|| format!("rank 0 printed: {:?}", outputs[0]))
+}
+
+fn kill_all(children: &mut [Child]) {
+    for c in children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+fn parse_result(stdout: &str) -> Result<RunResult> {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("RESULT "))
+        .ok_or_else(|| anyhow!("no RESULT line"))?;
+    let field = |key: &str| -> Result<f64> {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+            .ok_or_else(|| anyhow!("no {key} in {line:?}"))?
+            .parse::<f64>()
+            .with_context(|| format!("parsing {key} in {line:?}"))
+    };
+    Ok(RunResult {
+        mean_ms: field("ms_per_step")?,
+        median_ms: field("median_ms")?,
+        allreduce_ms: field("allreduce_ms")?,
+        grad_elems: field("grad_elems")?,
+    })
+}
+
+fn ddp_throughput(plan: Plan) -> Result<()> {
+    let quick = std::env::args().skip(1).any(|a| a == "--quick");
+    let worlds = [1usize, 2];
+    // Alternate 1- and 2-process runs so that drift hits both alike.
+    let mut results: Vec<Vec<RunResult>> = vec![Vec::new(); worlds.len()];
+    let runs = plan.ddp_runs;
+    for _ in 0..runs {
+        for (i, &w) in worlds.iter().enumerate() {
+            results[i].push(run_workers(w, quick)?);
+        }
+    }
+    println!(
+        "## 2. DDP throughput (separate processes, 1 Rayon thread each, TCP ring on 127.0.0.1; {runs} run(s) per size, {} timed steps each after {} warm-up)",
+        plan.ddp_steps, plan.warmup
+    );
+    println!();
+    println!(
+        "| processes | ms/step mean | ms/step median | samples/s total | scaling efficiency | all-reduce of grads, ms |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
+    let summary: Vec<(f64, f64, f64, f64)> = worlds
+        .iter()
+        .zip(&results)
+        .map(|(&w, rs)| {
+            let m = mean(&rs.iter().map(|r| r.mean_ms).collect::<Vec<_>>());
+            let md = median(&rs.iter().map(|r| r.median_ms).collect::<Vec<_>>());
+            let ar = median(&rs.iter().map(|r| r.allreduce_ms).collect::<Vec<_>>());
+            (m, md, (w * BATCH) as f64 * 1e3 / m, ar)
+        })
+        .collect();
+    let single = summary[0].2;
+    for (&w, &(m, md, sps, ar)) in worlds.iter().zip(&summary) {
+        let ar = if w == 1 {
+            "-".to_string()
+        } else {
+            format!("{ar:.2}")
+        };
+        println!(
+            "| {w} | {m:.2} | {md:.2} | {sps:.0} | {:.1}% | {ar} |",
+            sps / (w as f64 * single) * 100.0
+        );
+    }
+    println!();
+    let elems = results[1].first().map(|r| r.grad_elems).unwrap_or(0.0);
+    println!(
+        "all-reduce: median of {ALLREDUCE_REPS} standalone all_reduce_tensor(Mean) calls on {elems:.0} f32 ({:.2} MB, the gradient size), measured after the timed steps",
+        elems * 4.0 / 1e6
+    );
+    println!(
+        "samples/s = processes x {BATCH} / mean step time; efficiency = samples/s(N) / (N x samples/s(1))"
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. DDP throughput: worker
+
+fn worker(plan: Plan) -> Result<()> {
+    let accelerator = Accelerator::builder().cpu(true).build()?;
+    let world = accelerator.world_size();
+    let device = accelerator.device().clone();
+    let timed_steps = plan.ddp_steps;
+    // Each rank gets exactly `warmup + timed_steps` batches of its own in one epoch.
+    let samples = world * BATCH * (plan.warmup + timed_steps);
+    let (x, y) = synthetic_data(samples, &device)?;
+    let (varmap, model) = build_model(&device)?;
+    let opt = SGD::new(varmap.all_vars(), LR)?;
+    let (mut opt, loader) = accelerator.prepare(&varmap, opt, loader(&x, &y)?)?;
+
+    let mut times = Vec::with_capacity(timed_steps);
+    let mut iter = loader.iter()?;
+    for step in 0..plan.warmup + timed_steps {
+        if step == plan.warmup {
+            accelerator.collective().barrier()?;
+        }
+        let start = Instant::now();
+        let batch = iter
+            .next()
+            .ok_or_else(|| anyhow!("the loader ran out of batches at step {step}"))??;
+        let logits = model.forward(&batch[0])?;
+        let loss = loss::cross_entropy(&logits, &batch[1])?;
+        opt.backward_step(&loss)?;
+        if step >= plan.warmup {
+            times.push(ms(start.elapsed()));
+        }
+    }
+    // Where the time goes: the all-reduce alone, on a buffer the size of all the gradients (what
+    // `backward_step` reduces each step; they fit one bucket at the default 25 MiB cap).
+    let numel: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
+    let flat = Tensor::zeros(numel, DType::F32, &device)?;
+    let mut reduce_times = Vec::new();
+    if world > 1 {
+        let c = accelerator.collective();
+        c.barrier()?;
+        for rep in 0..ALLREDUCE_REPS + 2 {
+            let start = Instant::now();
+            let out = c.all_reduce_tensor(&flat, accelerate_rs::ReduceOp::Mean)?;
+            if rep >= 2 {
+                reduce_times.push(ms(start.elapsed()));
+            }
+            drop(out);
+        }
+    }
+    if accelerator.is_main_process() {
+        println!(
+            "RESULT world={world} steps={} ms_per_step={:.4} median_ms={:.4} allreduce_ms={:.4} grad_elems={numel}",
+            times.len(),
+            mean(&times),
+            median(&times),
+            if reduce_times.is_empty() { 0.0 } else { median(&reduce_times) },
+        );
+    }
+    accelerator.collective().barrier()?;
+    Ok(())
+}
