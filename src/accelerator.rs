@@ -10,7 +10,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
 use candle_nn::Optimizer;
 
-use crate::collective::{Collective, SingleProcess, TcpCollective, TcpOptions};
+use crate::collective::{Collective, NcclCollective, SingleProcess, TcpCollective, TcpOptions};
 use crate::data::DataLoader;
 use crate::error::{Error, Result};
 use crate::optimizer::AcceleratedOptimizer;
@@ -148,17 +148,21 @@ impl AcceleratorBuilder {
     /// has connected, up to the timeout).
     pub fn build(self) -> Result<Accelerator> {
         let state = ProcessState::resolve(&self.o, &|k| std::env::var(k).ok())?;
+        let tcp = || TcpOptions {
+            rank: state.rank(),
+            world_size: state.world_size(),
+            master_addr: state.master_addr().unwrap_or("127.0.0.1").to_string(),
+            master_port: state.master_port(),
+            secret: state.secret().to_vec(),
+            timeout: state.timeout(),
+        };
         let collective: Arc<dyn Collective> = match self.collective {
             Some(c) => c,
             None if state.world_size() == 1 => Arc::new(SingleProcess),
-            None => Arc::new(TcpCollective::connect(&TcpOptions {
-                rank: state.rank(),
-                world_size: state.world_size(),
-                master_addr: state.master_addr().unwrap_or("127.0.0.1").to_string(),
-                master_port: state.master_port(),
-                secret: state.secret().to_vec(),
-                timeout: state.timeout(),
-            })?),
+            None if state.distributed_type() == DistributedType::Ddp => {
+                Arc::new(NcclCollective::connect(&tcp(), state.device())?)
+            }
+            None => Arc::new(TcpCollective::connect(&tcp())?),
         };
         if state.world_size() > 1 && state.secret().is_empty() && state.is_main_process() {
             log::warn!("ACCELERATE_RS_SECRET is not set: connections between ranks are not authenticated (`accelerate-rs launch` sets it)");

@@ -58,3 +58,10 @@ pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 pub const RAYON_NUM_THREADS: &str = "RAYON_NUM_THREADS";
 /// OpenMP's thread-count variable.
 pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
+
+/// ` (CUDA_VISIBLE_DEVICES=...)` when the variable is set, for error messages about GPUs.
+pub(crate) fn cuda_visible_devices_note() -> String {
+    std::env::var(CUDA_VISIBLE_DEVICES)
+        .map(|v| format!(" (CUDA_VISIBLE_DEVICES={v})"))
+        .unwrap_or_default()
+}

@@ -72,6 +72,7 @@
 //! - [`data`]: [`Dataset`], [`TensorDataset`], [`DistributedSampler`], [`DataLoader`].
 //! - [`launch`]: the launcher behind `accelerate-rs launch`; [`cli`]: the `accelerate-rs` command.
 //! - [`config`], [`state`], [`env`]: settings, their sources and the variable names.
+//! - [`gpu`]: GPU discovery (`gpu_stub.rs` in a build without the `cuda` feature).
 //! - [`error`]: the typed [`Error`].
 #![deny(missing_docs)]
 
@@ -82,6 +83,11 @@ pub mod config;
 pub mod data;
 pub mod env;
 pub mod error;
+#[cfg(feature = "cuda")]
+pub mod gpu;
+#[cfg(not(feature = "cuda"))]
+#[path = "gpu_stub.rs"]
+pub mod gpu;
 pub mod launch;
 pub mod optimizer;
 pub mod params;

@@ -199,6 +199,57 @@ const FAMILIES: [Family; 3] = [
     },
 ];
 
+/// CPU when asked (or when no GPU is available and none was asked for), else GPU `local_rank`.
+fn select_device(
+    use_cpu: Option<bool>,
+    rank: usize,
+    local_rank: usize,
+    world_size: usize,
+) -> Result<(Device, DistributedType)> {
+    let cpu = (
+        Device::Cpu,
+        if world_size > 1 {
+            DistributedType::MultiCpu
+        } else {
+            DistributedType::No
+        },
+    );
+    if use_cpu == Some(true) {
+        return Ok(cpu);
+    }
+    let gpus_requested = use_cpu == Some(false);
+    match crate::gpu::device_count() {
+        Ok(n) if n > 0 => {
+            if local_rank >= n {
+                return Err(Error::Env {
+                    var: env::LOCAL_RANK.into(),
+                    value: local_rank.to_string(),
+                    reason: format!(
+                        "rank {rank} needs GPU {local_rank} of this machine but only {n} GPU(s) are visible{}; start at most {n} processes per machine, or use the CPU",
+                        env::cuda_visible_devices_note()
+                    ),
+                });
+            }
+            let device = crate::gpu::device(local_rank)?;
+            let kind = if world_size > 1 {
+                DistributedType::Ddp
+            } else {
+                DistributedType::SingleGpu
+            };
+            Ok((device, kind))
+        }
+        Ok(_) if gpus_requested => Err(Error::NotAvailable {
+            what: "GPU".into(),
+            reason: format!(
+                "use_cpu is false but no GPU is visible{}",
+                env::cuda_visible_devices_note()
+            ),
+        }),
+        Err(e) if gpus_requested => Err(e),
+        _ => Ok(cpu),
+    }
+}
+
 impl ProcessState {
     /// Resolves the state from builder overrides, the environment (`getenv`) and the config file.
     pub(crate) fn resolve(o: &Overrides, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
@@ -328,10 +379,11 @@ impl ProcessState {
                 format!("expected a positive number, got {bucket_cap_mb}"),
             ));
         }
+        // `None`: nobody said; GPUs are used when this build and machine have them.
         let use_cpu = match (o.cpu, get(getenv, env::USE_CPU)) {
-            (Some(c), _) => c,
-            (None, Some(v)) => parse_bool(env::USE_CPU, &v)?,
-            (None, None) => cfg.use_cpu.unwrap_or(false),
+            (Some(c), _) => Some(c),
+            (None, Some(v)) => Some(parse_bool(env::USE_CPU, &v)?),
+            (None, None) => cfg.use_cpu,
         };
         let secret = o
             .secret
@@ -364,14 +416,7 @@ impl ProcessState {
             ));
         }
 
-        // This build drives CPUs only; GPU support arrives with the `cuda` feature.
-        let _ = use_cpu;
-        let device = Device::Cpu;
-        let distributed_type = if world_size > 1 {
-            DistributedType::MultiCpu
-        } else {
-            DistributedType::No
-        };
+        let (device, distributed_type) = select_device(use_cpu, rank, local_rank, world_size)?;
 
         Ok(ProcessState {
             rank,
@@ -589,6 +634,20 @@ mod tests {
             e.contains("ACCELERATE_RS_USE_CPU") && e.contains("maybe"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn gpus_asked_of_a_build_without_cuda_is_a_clear_error() {
+        if crate::gpu::BUILT_WITH_CUDA {
+            return;
+        }
+        let err = resolve(&[("ACCELERATE_RS_USE_CPU", "0")], Overrides::default())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("built without the `cuda` feature"), "{err}");
+        // Nobody asked: the CPU is used quietly.
+        let s = resolve(&[], Overrides::default()).unwrap();
+        assert!(matches!(s.device(), Device::Cpu));
     }
 
     #[test]

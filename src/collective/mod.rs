@@ -5,6 +5,7 @@
 //! | [`SingleProcess`] | world size 1: every call returns at once, no socket is opened | `single.rs` |
 //! | [`TcpCollective`] | several processes (one or many machines): rendezvous store + ring over TCP | `tcp/` |
 //! | [`ThreadGroup`] | several ranks as threads of one process (tests, DP over CPU replicas) | `threads.rs` |
+//! | [`NcclCollective`] | GPU tensors: DDP (one process per GPU) and DP (one thread per GPU); needs the `cuda` feature | `nccl.rs` (`nccl_stub.rs` without it) |
 //!
 //! Every operation has a timeout, and every backend fails (never hangs) when a peer disappears,
 //! naming the operation, its own rank and the peer.
@@ -30,6 +31,11 @@
 //! ```
 
 mod buffer;
+#[cfg(feature = "cuda")]
+mod nccl;
+#[cfg(not(feature = "cuda"))]
+#[path = "nccl_stub.rs"]
+mod nccl;
 mod reduce;
 mod single;
 pub mod tcp;
@@ -38,6 +44,7 @@ mod threads;
 use candle_core::Tensor;
 
 pub use buffer::{AlignedBytes, Buffer, BufferMut, ElemType, Element, OwnedBuffer};
+pub use nccl::NcclCollective;
 pub use reduce::ReduceOp;
 pub use single::SingleProcess;
 pub use tcp::{TcpCollective, TcpOptions};
@@ -69,6 +76,13 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     fn all_gather(&self, buf: Buffer<'_>) -> Result<Vec<OwnedBuffer>>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
+
+    /// Checks, without blocking, that the peers this rank talks to are still there (used by
+    /// backends whose device operations cannot notice a dead peer themselves). The default has
+    /// nothing to check.
+    fn check_peers(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// [`all_reduce`](Collective::all_reduce) on a tensor; returns a new tensor of the same shape
     /// on the same device. Backends with device memory (NCCL) override this to avoid host copies.
@@ -102,8 +116,9 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// Shapes are gathered first so that a mismatch is reported with every rank's shape.
-fn gather_tensor_via_host<C: Collective + ?Sized>(c: &C, t: &Tensor) -> Result<Tensor> {
+/// Gathers every rank's dtype and dims and checks that the dtype and all dims but the first agree
+/// (the error lists every rank's shape otherwise). Returns each rank's first dim, in rank order.
+pub(crate) fn agree_on_rows<C: Collective + ?Sized>(c: &C, t: &Tensor) -> Result<Vec<usize>> {
     let elem = ElemType::from_dtype(t.dtype()).ok_or_else(|| Error::UnsupportedDType {
         op: "all_gather".into(),
         dtype: format!("{:?}", t.dtype()),
@@ -119,36 +134,28 @@ fn gather_tensor_via_host<C: Collective + ?Sized>(c: &C, t: &Tensor) -> Result<T
         meta.extend_from_slice(&(*d as u64).to_le_bytes());
     }
     let metas = c.all_gather(Buffer::from(&meta[..]))?;
-    let describe = |m: &[u8]| -> String {
-        let dims: Vec<u64> = m
-            .get(1..)
+    let dims_of = |m: &[u8]| -> Vec<u64> {
+        m.get(1..)
             .unwrap_or(&[])
             .chunks_exact(8)
             .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
-            .collect();
-        let ty = [
-            ElemType::U8,
-            ElemType::F16,
-            ElemType::BF16,
-            ElemType::F32,
-            ElemType::F64,
-        ]
-        .into_iter()
-        .find(|e| Some(&e.code()) == m.first())
-        .map(|e| e.name())
-        .unwrap_or("?");
-        format!("{ty}{dims:?}")
+            .collect()
     };
-    let mine = &meta;
     let consistent = metas.iter().all(|m| {
         let b = m.bytes();
-        b.len() == mine.len() && b[0] == mine[0] && b.get(9..) == mine.get(9..)
+        b.len() == meta.len() && b[0] == meta[0] && b.get(9..) == meta.get(9..)
     });
     if !consistent {
         let all: Vec<String> = metas
             .iter()
             .enumerate()
-            .map(|(r, m)| format!("rank {r}: {}", describe(m.bytes())))
+            .map(|(r, m)| {
+                let ty = ALL_ELEMS
+                    .into_iter()
+                    .find(|e| Some(&e.code()) == m.bytes().first())
+                    .map_or("?", |e| e.name());
+                format!("rank {r}: {ty}{:?}", dims_of(m.bytes()))
+            })
             .collect();
         return Err(Error::Mismatch {
             rank: c.rank(),
@@ -159,18 +166,32 @@ fn gather_tensor_via_host<C: Collective + ?Sized>(c: &C, t: &Tensor) -> Result<T
             ),
         });
     }
+    Ok(metas
+        .iter()
+        .map(|m| dims_of(m.bytes()).first().copied().unwrap_or(0) as usize)
+        .collect())
+}
+
+const ALL_ELEMS: [ElemType; 5] = [
+    ElemType::U8,
+    ElemType::F16,
+    ElemType::BF16,
+    ElemType::F32,
+    ElemType::F64,
+];
+
+/// The host path of `all_gather_tensor`: shapes first, then the data, concatenated on dim 0.
+fn gather_tensor_via_host<C: Collective + ?Sized>(c: &C, t: &Tensor) -> Result<Tensor> {
+    let rows: usize = agree_on_rows(c, t)?.iter().sum();
+    let elem = ElemType::from_dtype(t.dtype()).ok_or_else(|| Error::UnsupportedDType {
+        op: "all_gather".into(),
+        dtype: format!("{:?}", t.dtype()),
+    })?;
     let mut host = HostVec::from_tensor(t, "all_gather")?;
     let parts = c.all_gather(host.as_buffer_mut().as_buffer())?;
     let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.bytes().len()).sum());
-    let mut rows = 0usize;
-    for (p, m) in parts.iter().zip(&metas) {
+    for p in &parts {
         bytes.extend_from_slice(p.bytes());
-        rows += m
-            .bytes()
-            .get(1..9)
-            .and_then(|b| b.try_into().ok())
-            .map(u64::from_le_bytes)
-            .unwrap_or(0) as usize;
     }
     let mut dims = t.dims().to_vec();
     dims[0] = rows;

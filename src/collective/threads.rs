@@ -353,6 +353,23 @@ impl Collective for ThreadCollective {
         };
         self.rendezvous(desc, AlignedBytes::default(), |_| Ok(()))
     }
+
+    fn check_peers(&self) -> Result<()> {
+        let st = self.lock();
+        if let Some(first) = &st.broken {
+            return Err(self.broken("check_peers", first));
+        }
+        match st.departed.iter().position(|&d| d) {
+            Some(peer) => Err(Error::Peer {
+                rank: self.rank,
+                peer,
+                op: "check_peers".into(),
+                reason: "that rank left the group (its communicator was dropped)".into(),
+                source: None,
+            }),
+            None => Ok(()),
+        }
+    }
 }
 
 impl Drop for ThreadCollective {

@@ -319,4 +319,10 @@ impl Collective for TcpCollective {
             None => Ok(()),
         }
     }
+    fn check_peers(&self) -> Result<()> {
+        match self.ring() {
+            Some(ring) => ring.check_peers(),
+            None => Ok(()),
+        }
+    }
 }

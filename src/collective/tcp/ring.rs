@@ -282,6 +282,46 @@ impl Ring {
         }
     }
 
+    /// Checks without blocking that both neighbours' connections are still open.
+    pub(crate) fn check_peers(&self) -> Result<()> {
+        if let Some(first) = &self.broken {
+            return Err(Error::Broken {
+                rank: self.rank,
+                op: "check_peers".into(),
+                first: first.clone(),
+            });
+        }
+        for (sock, peer) in [
+            (&self.next, self.next_rank()),
+            (&self.prev, self.prev_rank()),
+        ] {
+            let mut b = [0u8; 1];
+            let gone = match sock.peek(&mut b) {
+                // Data waiting means the neighbour already started its next operation.
+                Ok(n) => (n == 0).then_some(None),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) =>
+                {
+                    None
+                }
+                Err(e) => Some(Some(e)),
+            };
+            if let Some(source) = gone {
+                return Err(Error::Peer {
+                    rank: self.rank,
+                    peer,
+                    op: "check_peers".into(),
+                    reason: "connection closed (did that process exit or crash?)".into(),
+                    source,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Ring all-reduce: reduce-scatter then all-gather over `world` chunks.
     pub(crate) fn all_reduce(&mut self, mut buf: BufferMut<'_>, rop: ReduceOp) -> Result<()> {
         let elem = buf.elem();

@@ -1,0 +1,67 @@
+//! NCCL collectives in a build without the `cuda` feature: the same API as `nccl.rs`; every
+//! constructor explains that CUDA was not built in, so no value of this type can exist.
+
+use std::time::Duration;
+
+use candle_core::Device;
+
+use super::{Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp, TcpOptions};
+use crate::error::{Error, Result};
+
+/// One rank of an NCCL group. This build has no CUDA: it cannot be constructed.
+#[derive(Debug)]
+pub struct NcclCollective {
+    never: std::convert::Infallible,
+}
+
+impl NcclCollective {
+    /// DDP over NCCL: always an error in this build.
+    pub fn connect(_opts: &TcpOptions, _device: &Device) -> Result<Self> {
+        Err(built_without_cuda())
+    }
+
+    /// DP over NCCL: always an error in this build.
+    pub fn group(_ordinals: &[usize], _timeout: Duration) -> Result<Vec<(Device, NcclCollective)>> {
+        Err(built_without_cuda())
+    }
+
+    /// The GPU this rank drives.
+    pub fn device(&self) -> &Device {
+        match self.never {}
+    }
+}
+
+/// The "built without CUDA" error of `gpu_stub.rs`.
+fn built_without_cuda() -> Error {
+    match crate::gpu::device_count() {
+        Err(e) => e,
+        Ok(_) => Error::NotAvailable {
+            what: "NCCL".into(),
+            reason: "this accelerate-rs was built without the `cuda` feature".into(),
+        },
+    }
+}
+
+impl Collective for NcclCollective {
+    fn rank(&self) -> usize {
+        match self.never {}
+    }
+    fn world_size(&self) -> usize {
+        match self.never {}
+    }
+    fn backend(&self) -> &'static str {
+        match self.never {}
+    }
+    fn all_reduce(&self, _: BufferMut<'_>, _: ReduceOp) -> Result<()> {
+        match self.never {}
+    }
+    fn broadcast(&self, _: BufferMut<'_>, _: usize) -> Result<()> {
+        match self.never {}
+    }
+    fn all_gather(&self, _: Buffer<'_>) -> Result<Vec<OwnedBuffer>> {
+        match self.never {}
+    }
+    fn barrier(&self) -> Result<()> {
+        match self.never {}
+    }
+}

@@ -1,0 +1,26 @@
+//! GPU discovery in a build without the `cuda` feature: the same API as `gpu.rs`, every call
+//! explaining that CUDA was not built in.
+
+use candle_core::Device;
+
+use crate::error::{Error, Result};
+
+/// Whether this build can drive GPUs.
+pub const BUILT_WITH_CUDA: bool = false;
+
+fn not_built() -> Error {
+    Error::NotAvailable {
+        what: "CUDA".into(),
+        reason: "this accelerate-rs was built without the `cuda` feature; rebuild with `cargo build --features cuda`, or run on CPU (`--cpu`, ACCELERATE_RS_USE_CPU=1, `use_cpu = true`)".into(),
+    }
+}
+
+/// Number of GPUs this process can see: always an error in this build.
+pub fn device_count() -> Result<usize> {
+    Err(not_built())
+}
+
+/// The Candle device for GPU `ordinal`: always an error in this build.
+pub fn device(_ordinal: usize) -> Result<Device> {
+    Err(not_built())
+}
