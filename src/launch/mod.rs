@@ -288,12 +288,14 @@ fn plan(opts: &LaunchOptions) -> Result<Plan> {
                         .collect::<Vec<_>>()
                         .join(","),
                 ),
-                _ => return Err(Error::invalid(
-                    "--gpu-ids",
-                    format!(
+                _ => {
+                    return Err(Error::invalid(
+                        "--gpu-ids",
+                        format!(
                         "expected `all` or comma-separated GPU indices such as 0,1, got {ids:?}"
                     ),
-                )),
+                    ))
+                }
             }
         }
     };
@@ -535,6 +537,7 @@ fn run_group(
         source,
     })?;
     let (tx, rx) = channel();
+    let mut workers = Vec::with_capacity(opts.num_processes);
     let spawned = workers::spawn_all(
         opts.num_processes,
         &opts.program,
@@ -542,15 +545,13 @@ fn run_group(
         env,
         &mut output,
         &tx,
+        &mut workers,
     );
-    let mut workers = match spawned {
-        Ok(workers) => workers,
-        Err((mut started, e)) => {
-            supervise::stop_all(&mut started, &rx, signals, Duration::ZERO, tick);
-            output.finish(opts.grace_period);
-            return Err(e);
-        }
-    };
+    if let Err(e) = spawned {
+        supervise::stop_all(&mut workers, &rx, signals, Duration::ZERO, tick);
+        output.finish(opts.grace_period);
+        return Err(e);
+    }
     let outcome = supervise::supervise(&mut workers, &rx, signals, opts.grace_period, tick);
     let tails = output.finish(opts.grace_period.max(Duration::from_secs(1)));
     if let Outcome::Failed {

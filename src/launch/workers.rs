@@ -14,7 +14,7 @@ use nix::unistd::Pid;
 use super::output::{Forwarder, Stream};
 use super::signals::signal_name;
 use super::worker_env::CommonEnv;
-use crate::error::Error;
+use crate::error::{Error, Result};
 
 /// A worker's exit, as reported by its waiter thread.
 pub(crate) struct Exit {
@@ -78,8 +78,9 @@ pub(crate) fn describe(status: ExitStatus) -> (i32, String) {
 
 /// Starts `env`'s local workers running `program args`, each in its own process group with its
 /// rank's environment, stdout and stderr forwarded through `output`, and a waiter thread that
-/// sends its [`Exit`] on `exits`. If one cannot be started, the error comes back with the
-/// workers already running, for the caller to stop.
+/// sends its [`Exit`] on `exits`. They are pushed onto `workers`; if one cannot be started, the
+/// error is returned and the workers already running are left in `workers` for the caller to
+/// stop.
 pub(crate) fn spawn_all(
     num_processes: usize,
     program: &str,
@@ -87,8 +88,8 @@ pub(crate) fn spawn_all(
     env: &CommonEnv,
     output: &mut Forwarder,
     exits: &Sender<Exit>,
-) -> std::result::Result<Vec<Worker>, (Vec<Worker>, Error)> {
-    let mut workers: Vec<Worker> = Vec::with_capacity(num_processes);
+    workers: &mut Vec<Worker>,
+) -> Result<()> {
     for index in 0..num_processes {
         let rank = env.global_rank(index);
         match spawn_one(index, rank, program, args, env, output, exits) {
@@ -97,16 +98,15 @@ pub(crate) fn spawn_all(
                 workers.push(worker);
             }
             Err(source) => {
-                let err = Error::Spawn {
+                return Err(Error::Spawn {
                     rank,
                     program: program.to_string(),
                     source,
-                };
-                return Err((workers, err));
+                });
             }
         }
     }
-    Ok(workers)
+    Ok(())
 }
 
 fn spawn_one(
