@@ -40,7 +40,12 @@
 //! process group, SIGKILL after [`LaunchOptions::grace_period`]), prints the failed rank, its
 //! status and its last 20 lines of output, and with [`LaunchOptions::max_restarts`] `K` starts
 //! the whole group again, up to `K` times. Ctrl-C (SIGINT) or SIGTERM stops the workers and is
-//! never followed by a restart; a second signal SIGKILLs them at once.
+//! never followed by a restart; a second signal SIGKILLs them at once. A restart gets a fresh
+//! free port on a single machine unless a port was given. With several machines each launcher
+//! restarts its own group: a failure on one machine breaks the collectives of the others, so
+//! every launcher restarts (each counting its own restarts) and the groups meet again at the
+//! same port. [`LaunchOptions::monitor_interval`] is how often signals are checked; exits are
+//! seen as they happen.
 //!
 //! # Output
 //!
