@@ -1,10 +1,54 @@
 //! Output forwarding: one reader thread per worker pipe, one writer thread that prints whole
-//! lines prefixed with `[rank i]`, so that lines from different ranks never mix.
+//! lines prefixed with `[rank i]`, so that lines from different ranks never mix. The writer also
+//! keeps the last lines of every rank (shown again when that rank fails) and, with `--tee`,
+//! copies each rank's lines into `rank_<i>.stdout.log` / `rank_<i>.stderr.log`.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::collections::{HashMap, VecDeque};
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, LineWriter, Read, Write};
+use std::path::{Path, PathBuf};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
+
+/// How many of each rank's last lines (stdout and stderr together) are kept.
+pub(crate) const TAIL_LINES: usize = 20;
+
+/// The last lines of each rank, oldest first.
+pub(crate) type Tails = HashMap<usize, VecDeque<String>>;
+
+/// Where `--tee` writes: `dir/rank_<rank>.<stream>.log`.
+pub(crate) fn log_path(dir: &Path, rank: usize, stream: Stream) -> PathBuf {
+    let name = match stream {
+        Stream::Stdout => "stdout",
+        Stream::Stderr => "stderr",
+    };
+    dir.join(format!("rank_{rank}.{name}.log"))
+}
+
+/// Opens the log files of `ranks` in `dir` (created if needed): truncated when `append` is
+/// false, appended to otherwise (later attempts of a restarted run).
+pub(crate) fn open_logs(
+    dir: &Path,
+    ranks: impl IntoIterator<Item = usize>,
+    append: bool,
+) -> std::io::Result<HashMap<(usize, Stream), LineWriter<File>>> {
+    std::fs::create_dir_all(dir)?;
+    let mut files = HashMap::new();
+    for rank in ranks {
+        for stream in [Stream::Stdout, Stream::Stderr] {
+            let file = OpenOptions::new()
+                .create(true)
+                .write(true)
+                .append(append)
+                .truncate(!append)
+                .open(log_path(dir, rank, stream))?;
+            files.insert((rank, stream), LineWriter::new(file));
+        }
+    }
+    Ok(files)
+}
 
 /// Longest line forwarded in one piece; longer lines are cut into several prefixed lines.
 const MAX_LINE: usize = 1 << 20;
@@ -12,7 +56,7 @@ const MAX_LINE: usize = 1 << 20;
 const QUEUE: usize = 4096;
 
 /// Which of the launcher's streams a line goes to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Stream {
     /// The worker's stdout, printed on the launcher's stdout.
     Stdout,
@@ -31,19 +75,23 @@ pub(crate) struct Forwarder {
     tx: Option<SyncSender<Line>>,
     readers: Vec<JoinHandle<()>>,
     writer: JoinHandle<()>,
+    tails: Arc<Mutex<Tails>>,
 }
 
 impl Forwarder {
-    /// Starts the writer thread.
-    pub(crate) fn start() -> std::io::Result<Self> {
+    /// Starts the writer thread; `logs` are the `--tee` files (empty without `--tee`).
+    pub(crate) fn start(logs: HashMap<(usize, Stream), LineWriter<File>>) -> std::io::Result<Self> {
         let (tx, rx) = sync_channel(QUEUE);
+        let tails = Arc::new(Mutex::new(Tails::new()));
+        let t = Arc::clone(&tails);
         let writer = thread::Builder::new()
             .name("launch-output".into())
-            .spawn(move || write_lines(rx))?;
+            .spawn(move || write_lines(rx, logs, &t))?;
         Ok(Forwarder {
             tx: Some(tx),
             readers: Vec::new(),
             writer,
+            tails,
         })
     }
 
@@ -67,7 +115,8 @@ impl Forwarder {
 
     /// Waits until every pipe is closed and every line is written, at most `timeout` (a process a
     /// worker left behind may keep a pipe open forever; its output is then no longer waited for).
-    pub(crate) fn finish(mut self, timeout: Duration) {
+    /// Returns the last [`TAIL_LINES`] lines of every rank.
+    pub(crate) fn finish(mut self, timeout: Duration) -> Tails {
         drop(self.tx.take());
         let deadline = Instant::now() + timeout;
         while !self.writer.is_finished() && Instant::now() < deadline {
@@ -78,12 +127,20 @@ impl Forwarder {
                 "launch: a worker's output pipe is still open after all workers exited \
                  (a process it started?); not waiting for it"
             );
-            return;
+            return take_tails(&self.tails);
         }
         for reader in self.readers {
             let _ = reader.join();
         }
         let _ = self.writer.join();
+        take_tails(&self.tails)
+    }
+}
+
+fn take_tails(tails: &Mutex<Tails>) -> Tails {
+    match tails.lock() {
+        Ok(mut t) => std::mem::take(&mut *t),
+        Err(poisoned) => std::mem::take(&mut *poisoned.into_inner()),
     }
 }
 
@@ -115,11 +172,35 @@ fn read_lines(rank: usize, stream: Stream, pipe: impl Read, tx: SyncSender<Line>
     }
 }
 
-/// Writes each line whole, prefixed, to the launcher's stdout or stderr, flushing after each.
+/// Writes each line whole, prefixed, to the launcher's stdout or stderr, flushing after each,
+/// and unprefixed to the rank's log file if there is one; remembers the last lines per rank.
 /// Write errors (e.g. a closed terminal) are ignored so that workers are never blocked.
-fn write_lines(rx: Receiver<Line>) {
+fn write_lines(
+    rx: Receiver<Line>,
+    mut logs: HashMap<(usize, Stream), LineWriter<File>>,
+    tails: &Mutex<Tails>,
+) {
     let mut buf = Vec::with_capacity(1024);
+    let mut failed_logs = false;
     for line in rx {
+        if let Some(file) = logs.get_mut(&(line.rank, line.stream)) {
+            let written = file
+                .write_all(line.text.as_bytes())
+                .and_then(|()| file.write_all(b"\n"));
+            if let Err(e) = written {
+                if !failed_logs {
+                    log::warn!("launch: writing rank {}'s log file failed: {e}", line.rank);
+                    failed_logs = true;
+                }
+            }
+        }
+        if let Ok(mut tails) = tails.lock() {
+            let tail = tails.entry(line.rank).or_default();
+            if tail.len() == TAIL_LINES {
+                tail.pop_front();
+            }
+            tail.push_back(line.text.clone());
+        }
         buf.clear();
         buf.extend_from_slice(format!("[rank {}] ", line.rank).as_bytes());
         buf.extend_from_slice(line.text.as_bytes());

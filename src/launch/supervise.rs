@@ -1,15 +1,14 @@
-//! The monitor loop: watch the workers, and stop all of them when one fails or the launcher is
-//! interrupted (SIGTERM to each group, SIGKILL after the grace period or on a second signal).
+//! The monitor loop: collect worker exits from the waiter threads in the order they happened,
+//! and stop all workers when one fails or the launcher is interrupted (SIGTERM to each group,
+//! SIGKILL after the grace period or on a second signal).
 
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 
 use super::signals::SignalWatch;
-use super::workers::{describe, Worker};
-
-/// How often the workers are polled.
-const POLL: Duration = Duration::from_millis(20);
+use super::workers::{describe, Exit, Worker};
 
 /// How a group of workers ended.
 pub(crate) enum Outcome {
@@ -33,79 +32,115 @@ pub(crate) enum Outcome {
     WaitFailed { rank: usize, source: std::io::Error },
 }
 
-/// Runs until every worker exited 0, one failed, or the launcher was interrupted. Every
-/// worker has been reaped when this returns.
-pub(crate) fn supervise(workers: &mut [Worker], signals: &SignalWatch, grace: Duration) -> Outcome {
+/// Records `exit` on its worker.
+fn record(workers: &mut [Worker], exit: &Exit) {
+    if let Some(w) = workers.get_mut(exit.index) {
+        w.status = Some(match &exit.status {
+            Ok(s) => Ok(*s),
+            Err(e) => Err(e.to_string()),
+        });
+    }
+}
+
+/// Runs until every worker exited 0, one failed, or the launcher was interrupted; `tick` is how
+/// often the launcher's signals are checked. Every worker has exited when this returns.
+///
+/// When several workers end close together, the one whose exit was seen first (by its waiter
+/// thread's clock) is blamed, not the one with the lowest rank.
+pub(crate) fn supervise(
+    workers: &mut [Worker],
+    exits: &Receiver<Exit>,
+    signals: &SignalWatch,
+    grace: Duration,
+    tick: Duration,
+) -> Outcome {
     loop {
         if let Some((signo, signal)) = signals.first() {
             log::info!("launch: received {signal}; stopping the workers");
-            let stopped = stop_all(workers, signals, grace);
+            let stopped = stop_all(workers, exits, signals, grace, tick);
             return Outcome::Interrupted {
                 signo,
                 signal,
                 stopped,
             };
         }
-        for i in 0..workers.len() {
-            let polled = workers[i].poll();
-            let (rank, pid) = (workers[i].rank, workers[i].pid());
-            match polled {
-                Ok(Some(status)) if status.success() => {
-                    log::debug!("launch: rank {rank} (pid {pid}) exited with code 0");
-                }
-                Ok(Some(status)) => {
-                    let (code, status) = describe(status);
-                    log::info!("launch: rank {rank} (pid {pid}) {status}; stopping the others");
-                    let stopped = stop_all(workers, signals, grace);
-                    return Outcome::Failed {
-                        rank,
-                        pid,
-                        code,
-                        status,
-                        stopped,
-                    };
-                }
-                Ok(None) => {}
-                Err(source) => {
-                    stop_all(workers, signals, grace);
-                    return Outcome::WaitFailed { rank, source };
-                }
-            }
-        }
         if workers.iter().all(|w| !w.running()) {
             return Outcome::Success;
         }
-        std::thread::sleep(POLL);
+        let first = match exits.recv_timeout(tick) {
+            Ok(exit) => exit,
+            Err(RecvTimeoutError::Timeout) => continue,
+            // Every waiter is gone without reporting: nothing left to watch.
+            Err(RecvTimeoutError::Disconnected) => return Outcome::Success,
+        };
+        // Take every exit already reported too, and look at them in the order they happened.
+        let mut batch = vec![first];
+        batch.extend(exits.try_iter());
+        batch.sort_by_key(|e| e.at);
+        for exit in &batch {
+            record(workers, exit);
+        }
+        let failure = batch
+            .into_iter()
+            .find(|e| !matches!(&e.status, Ok(s) if s.success()));
+        let Some(exit) = failure else {
+            continue;
+        };
+        let (rank, pid) = workers
+            .get(exit.index)
+            .map_or((exit.index, 0), |w| (w.rank, w.pid()));
+        match exit.status {
+            Ok(status) => {
+                let (code, status) = describe(status);
+                log::info!("launch: rank {rank} (pid {pid}) {status}; stopping the others");
+                let stopped = stop_all(workers, exits, signals, grace, tick);
+                return Outcome::Failed {
+                    rank,
+                    pid,
+                    code,
+                    status,
+                    stopped,
+                };
+            }
+            Err(source) => {
+                stop_all(workers, exits, signals, grace, tick);
+                return Outcome::WaitFailed { rank, source };
+            }
+        }
     }
 }
 
 /// SIGTERMs every running worker's group, waits up to `grace` (less if another signal reaches
-/// the launcher), SIGKILLs the groups still alive and reaps everyone. Returns how many workers
-/// were running when it was called.
-fn stop_all(workers: &mut [Worker], signals: &SignalWatch, grace: Duration) -> usize {
+/// the launcher), SIGKILLs the groups still alive and waits for every exit. Returns how many
+/// workers were running when it was called.
+pub(crate) fn stop_all(
+    workers: &mut [Worker],
+    exits: &Receiver<Exit>,
+    signals: &SignalWatch,
+    grace: Duration,
+    tick: Duration,
+) -> usize {
     let stopped = workers.iter().filter(|w| w.running()).count();
     let signals_seen = signals.count();
     for w in workers.iter() {
         w.signal_group(Signal::SIGTERM);
     }
     let deadline = Instant::now() + grace;
-    loop {
-        for w in workers.iter_mut() {
-            if let Err(e) = w.poll() {
-                log::warn!("launch: waiting for rank {} failed: {e}", w.rank);
-            }
-        }
-        if workers.iter().all(|w| !w.running()) {
-            break;
-        }
+    let step = tick.min(Duration::from_millis(50));
+    while workers.iter().any(Worker::running) {
         if signals.count() > signals_seen {
             log::info!("launch: signal received again; killing the workers now");
             break;
         }
-        if Instant::now() >= deadline {
+        let now = Instant::now();
+        if now >= deadline {
             break;
         }
-        std::thread::sleep(POLL);
+        match exits.recv_timeout(step.min(deadline - now)) {
+            Ok(exit) => record(workers, &exit),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return stopped,
+        }
     }
     for w in workers.iter() {
         if w.running() {
@@ -117,8 +152,11 @@ fn stop_all(workers: &mut [Worker], signals: &SignalWatch, grace: Duration) -> u
         }
         w.signal_group(Signal::SIGKILL);
     }
-    for w in workers.iter_mut() {
-        w.reap();
+    while workers.iter().any(Worker::running) {
+        match exits.recv() {
+            Ok(exit) => record(workers, &exit),
+            Err(_) => break,
+        }
     }
     stopped
 }

@@ -1,54 +1,120 @@
-//! The environment every worker is started with (torchrun names plus accelerate-rs's own).
+//! The environment every worker is started with (torchrun names plus accelerate-rs's own), the
+//! per-run secret and the rendezvous port.
 
 use std::net::{Ipv4Addr, TcpListener};
 use std::path::PathBuf;
 
+use crate::config::MixedPrecision;
 use crate::env;
 use crate::error::{Error, Result};
 
 /// Loopback address the rendezvous store listens on for a single-machine launch.
 pub(crate) const LOOPBACK: &str = "127.0.0.1";
+/// This machine's index among the machines of the run (torchrun's name).
+pub(crate) const GROUP_RANK: &str = "GROUP_RANK";
+/// This machine's index among the machines of the run (accelerate-rs's name).
+pub(crate) const NODE_RANK: &str = "ACCELERATE_RS_NODE_RANK";
+/// Number of machines of the run.
+pub(crate) const NUM_NODES: &str = "ACCELERATE_RS_NUM_MACHINES";
+
+/// Everything the environment of one attempt depends on.
+pub(crate) struct EnvSpec {
+    /// Processes on this machine.
+    pub(crate) local_world_size: usize,
+    /// Number of machines.
+    pub(crate) num_machines: usize,
+    /// This machine's index.
+    pub(crate) machine_rank: usize,
+    /// Address of the machine running rank 0.
+    pub(crate) master_addr: String,
+    /// Port of the rendezvous store.
+    pub(crate) port: u16,
+    /// The per-run secret.
+    pub(crate) secret: String,
+    /// Attempt number (0 on the first run).
+    pub(crate) restart_count: usize,
+    /// Force CPU.
+    pub(crate) cpu: bool,
+    /// Threads per worker.
+    pub(crate) threads: usize,
+    /// `CUDA_VISIBLE_DEVICES` to set (`None`: leave the launcher's own value).
+    pub(crate) gpu_ids: Option<String>,
+    /// Mixed precision mode to export.
+    pub(crate) mixed_precision: Option<MixedPrecision>,
+    /// Gradient accumulation steps to export.
+    pub(crate) gradient_accumulation_steps: Option<usize>,
+    /// Collective timeout to export, in seconds.
+    pub(crate) timeout_secs: Option<f64>,
+    /// Gradient bucket cap to export, in MiB.
+    pub(crate) bucket_cap_mb: Option<f64>,
+}
 
 /// Variables shared by every rank of one launch.
 pub(crate) struct CommonEnv {
     vars: Vec<(&'static str, String)>,
+    local_world_size: usize,
+    machine_rank: usize,
 }
 
 impl CommonEnv {
     /// Builds the shared variables. `already_set` tells whether the launcher's own environment
     /// holds a variable (the thread-count variables are then inherited unchanged).
-    pub(crate) fn new(
-        world_size: usize,
-        port: u16,
-        cpu: bool,
-        secret: String,
-        threads: usize,
-        already_set: impl Fn(&str) -> bool,
-    ) -> Self {
+    pub(crate) fn new(spec: &EnvSpec, already_set: impl Fn(&str) -> bool) -> Self {
+        let world_size = spec.local_world_size * spec.num_machines;
         let mut vars = vec![
             (env::WORLD_SIZE, world_size.to_string()),
-            (env::LOCAL_WORLD_SIZE, world_size.to_string()),
-            (env::MASTER_ADDR, LOOPBACK.to_string()),
-            (env::MASTER_PORT, port.to_string()),
-            (env::SECRET, secret),
-            (env::RESTART_COUNT, "0".to_string()),
+            (env::LOCAL_WORLD_SIZE, spec.local_world_size.to_string()),
+            (env::MASTER_ADDR, spec.master_addr.clone()),
+            (env::MASTER_PORT, spec.port.to_string()),
+            (env::SECRET, spec.secret.clone()),
+            (env::RESTART_COUNT, spec.restart_count.to_string()),
+            (GROUP_RANK, spec.machine_rank.to_string()),
+            (NODE_RANK, spec.machine_rank.to_string()),
+            (NUM_NODES, spec.num_machines.to_string()),
         ];
-        if cpu {
+        if spec.cpu {
             vars.push((env::USE_CPU, "1".to_string()));
+        }
+        if let Some(ids) = &spec.gpu_ids {
+            vars.push((env::CUDA_VISIBLE_DEVICES, ids.clone()));
+        }
+        if let Some(mp) = spec.mixed_precision {
+            vars.push((env::MIXED_PRECISION, mp.as_str().to_string()));
+        }
+        if let Some(n) = spec.gradient_accumulation_steps {
+            vars.push((env::GRADIENT_ACCUMULATION_STEPS, n.to_string()));
+        }
+        if let Some(t) = spec.timeout_secs {
+            vars.push((env::TIMEOUT_SECS, t.to_string()));
+        }
+        if let Some(b) = spec.bucket_cap_mb {
+            vars.push((env::BUCKET_CAP_MB, b.to_string()));
         }
         for var in [env::RAYON_NUM_THREADS, env::OMP_NUM_THREADS] {
             if !already_set(var) {
-                vars.push((var, threads.to_string()));
+                vars.push((var, spec.threads.to_string()));
             }
         }
-        CommonEnv { vars }
+        CommonEnv {
+            vars,
+            local_world_size: spec.local_world_size,
+            machine_rank: spec.machine_rank,
+        }
     }
 
-    /// The full set of variables for one rank (shared ones plus RANK and LOCAL_RANK).
-    pub(crate) fn for_rank(&self, rank: usize) -> Vec<(&'static str, String)> {
-        let mut vars = self.vars.clone();
-        vars.push((env::RANK, rank.to_string()));
-        vars.push((env::LOCAL_RANK, rank.to_string()));
+    /// The global rank of local rank `local_rank` on this machine.
+    pub(crate) fn global_rank(&self, local_rank: usize) -> usize {
+        self.machine_rank * self.local_world_size + local_rank
+    }
+
+    /// The full set of variables for one local rank (RANK and LOCAL_RANK first, then the
+    /// shared ones).
+    pub(crate) fn for_rank(&self, local_rank: usize) -> Vec<(&'static str, String)> {
+        let mut vars = vec![
+            (env::RANK, self.global_rank(local_rank).to_string()),
+            (env::LOCAL_RANK, local_rank.to_string()),
+        ];
+        vars.extend(self.vars.iter().cloned());
         vars
     }
 }
@@ -77,9 +143,46 @@ pub(crate) fn free_port() -> Result<u16> {
     Ok(port)
 }
 
+/// Whether `port` can be bound right now on every interface (so on loopback too). A port some
+/// process listens on, on any address, cannot.
+pub(crate) fn port_is_free(port: u16) -> bool {
+    TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).is_ok()
+}
+
+/// `s` quoted for a POSIX shell when it needs to be (for `--dry-run`).
+pub(crate) fn shell_quote(s: &str) -> String {
+    let plain = !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_./=:,@%+".contains(&b));
+    if plain {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn spec() -> EnvSpec {
+        EnvSpec {
+            local_world_size: 2,
+            num_machines: 1,
+            machine_rank: 0,
+            master_addr: LOOPBACK.into(),
+            port: 1234,
+            secret: "s".into(),
+            restart_count: 0,
+            cpu: true,
+            threads: 3,
+            gpu_ids: None,
+            mixed_precision: None,
+            gradient_accumulation_steps: None,
+            timeout_secs: None,
+            bucket_cap_mb: None,
+        }
+    }
 
     #[test]
     fn secret_is_64_hex_and_fresh() {
@@ -91,7 +194,7 @@ mod tests {
 
     #[test]
     fn thread_vars_respect_the_launcher_environment() {
-        let e = CommonEnv::new(2, 1234, true, "s".into(), 3, |v| v == env::OMP_NUM_THREADS);
+        let e = CommonEnv::new(&spec(), |v| v == env::OMP_NUM_THREADS);
         let vars = e.for_rank(1);
         let get = |k: &str| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
         assert_eq!(get(env::RAYON_NUM_THREADS).as_deref(), Some("3"));
@@ -99,11 +202,52 @@ mod tests {
         assert_eq!(get(env::USE_CPU).as_deref(), Some("1"));
         assert_eq!(get(env::RANK).as_deref(), Some("1"));
         assert_eq!(get(env::MASTER_PORT).as_deref(), Some("1234"));
+        assert_eq!(get(env::MIXED_PRECISION), None);
+        assert_eq!(get(env::CUDA_VISIBLE_DEVICES), None);
+    }
+
+    #[test]
+    fn multi_machine_ranks_are_offset_by_the_machine_rank() {
+        let e = CommonEnv::new(
+            &EnvSpec {
+                num_machines: 3,
+                machine_rank: 2,
+                mixed_precision: Some(MixedPrecision::Bf16),
+                gpu_ids: Some("0,1".into()),
+                ..spec()
+            },
+            |_| false,
+        );
+        let vars = e.for_rank(1);
+        let get = |k: &str| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+        assert_eq!(get(env::RANK).as_deref(), Some("5"));
+        assert_eq!(get(env::LOCAL_RANK).as_deref(), Some("1"));
+        assert_eq!(get(env::WORLD_SIZE).as_deref(), Some("6"));
+        assert_eq!(get(env::LOCAL_WORLD_SIZE).as_deref(), Some("2"));
+        assert_eq!(get(NODE_RANK).as_deref(), Some("2"));
+        assert_eq!(get(env::MIXED_PRECISION).as_deref(), Some("bf16"));
+        assert_eq!(get(env::CUDA_VISIBLE_DEVICES).as_deref(), Some("0,1"));
     }
 
     #[test]
     fn threads_are_at_least_one() {
         assert_eq!(threads_per_worker(usize::MAX), 1);
         assert!(threads_per_worker(1) >= 1);
+    }
+
+    #[test]
+    fn shell_quoting() {
+        assert_eq!(shell_quote("abc-1"), "abc-1");
+        assert_eq!(shell_quote("a b"), "'a b'");
+        assert_eq!(shell_quote("it's"), "'it'\\''s'");
+        assert_eq!(shell_quote(""), "''");
+    }
+
+    #[test]
+    fn a_listened_port_is_busy() {
+        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let port = l.local_addr().unwrap().port();
+        assert!(!port_is_free(port));
+        drop(l);
     }
 }

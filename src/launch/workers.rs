@@ -1,7 +1,11 @@
-//! The worker processes: spawning each in its own process group, polling, signalling groups.
+//! The worker processes: spawning each in its own process group with a waiter thread that
+//! blocks in `wait()` and reports the exit (with the instant it was seen) on a channel, and
+//! signalling groups.
 
 use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::mpsc::Sender;
+use std::time::Instant;
 
 use nix::errno::Errno;
 use nix::sys::signal::{killpg, Signal};
@@ -12,44 +16,34 @@ use super::signals::signal_name;
 use super::worker_env::CommonEnv;
 use crate::error::{Error, Result};
 
+/// A worker's exit, as reported by its waiter thread.
+pub(crate) struct Exit {
+    /// Index of the worker in the group (its local rank).
+    pub(crate) index: usize,
+    /// What `wait()` returned.
+    pub(crate) status: std::io::Result<ExitStatus>,
+    /// When `wait()` returned: exits are ordered by this, not by arrival.
+    pub(crate) at: Instant,
+}
+
 /// One running (or finished) worker.
 pub(crate) struct Worker {
-    /// Its rank.
+    /// Its global rank.
     pub(crate) rank: usize,
-    child: Child,
-    /// Its exit status once reaped.
-    pub(crate) status: Option<ExitStatus>,
+    pid: u32,
+    /// Its exit status once its waiter reported it (`Err` text when waiting failed).
+    pub(crate) status: Option<std::result::Result<ExitStatus, String>>,
 }
 
 impl Worker {
     /// Its process id (also its process group id).
     pub(crate) fn pid(&self) -> u32 {
-        self.child.id()
+        self.pid
     }
 
-    /// Whether it has not been reaped yet.
+    /// Whether its exit has not been reported yet.
     pub(crate) fn running(&self) -> bool {
         self.status.is_none()
-    }
-
-    /// Reaps it if it has exited; returns the status the first time it is seen.
-    pub(crate) fn poll(&mut self) -> std::io::Result<Option<ExitStatus>> {
-        if self.status.is_some() {
-            return Ok(None);
-        }
-        let status = self.child.try_wait()?;
-        self.status = status;
-        Ok(status)
-    }
-
-    /// Blocks until it exits (call after SIGKILL).
-    pub(crate) fn reap(&mut self) {
-        if self.status.is_none() {
-            match self.child.wait() {
-                Ok(status) => self.status = Some(status),
-                Err(e) => log::warn!("launch: waiting for rank {} failed: {e}", self.rank),
-            }
-        }
     }
 
     /// Sends `sig` to its whole process group, if it is still running.
@@ -57,7 +51,7 @@ impl Worker {
         if !self.running() {
             return;
         }
-        let Ok(pgid) = i32::try_from(self.pid()) else {
+        let Ok(pgid) = i32::try_from(self.pid) else {
             return;
         };
         match killpg(Pid::from_raw(pgid), sig) {
@@ -82,30 +76,28 @@ pub(crate) fn describe(status: ExitStatus) -> (i32, String) {
     }
 }
 
-/// Starts `num_processes` workers running `program args`, each in its own process group with
-/// its rank's environment, stdout and stderr forwarded through `output`. If one cannot be
-/// started, those already running are killed and reaped.
+/// Starts `env`'s local workers running `program args`, each in its own process group with its
+/// rank's environment, stdout and stderr forwarded through `output`, and a waiter thread that
+/// sends its [`Exit`] on `exits`. They are pushed onto `workers`; if one cannot be started, the
+/// error is returned and the workers already running are left in `workers` for the caller to
+/// stop.
 pub(crate) fn spawn_all(
     num_processes: usize,
     program: &str,
     args: &[String],
     env: &CommonEnv,
     output: &mut Forwarder,
-) -> Result<Vec<Worker>> {
-    let mut workers: Vec<Worker> = Vec::with_capacity(num_processes);
-    for rank in 0..num_processes {
-        match spawn_one(rank, program, args, env, output) {
+    exits: &Sender<Exit>,
+    workers: &mut Vec<Worker>,
+) -> Result<()> {
+    for index in 0..num_processes {
+        let rank = env.global_rank(index);
+        match spawn_one(index, rank, program, args, env, output, exits) {
             Ok(worker) => {
                 log::debug!("launch: started rank {rank} (pid {})", worker.pid());
                 workers.push(worker);
             }
             Err(source) => {
-                for w in &workers {
-                    w.signal_group(Signal::SIGKILL);
-                }
-                for w in &mut workers {
-                    w.reap();
-                }
                 return Err(Error::Spawn {
                     rank,
                     program: program.to_string(),
@@ -114,30 +106,28 @@ pub(crate) fn spawn_all(
             }
         }
     }
-    Ok(workers)
+    Ok(())
 }
 
 fn spawn_one(
+    index: usize,
     rank: usize,
     program: &str,
     args: &[String],
     env: &CommonEnv,
     output: &mut Forwarder,
+    exits: &Sender<Exit>,
 ) -> std::io::Result<Worker> {
     let mut child = Command::new(program)
         .args(args)
-        .envs(env.for_rank(rank))
+        .envs(env.for_rank(index))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
         .spawn()?;
+    let pid = child.id();
     let pipes = (child.stdout.take(), child.stderr.take());
-    let mut worker = Worker {
-        rank,
-        child,
-        status: None,
-    };
     let attached = (|| {
         if let Some(out) = pipes.0 {
             output.attach(rank, Stream::Stdout, out)?;
@@ -147,10 +137,26 @@ fn spawn_one(
         }
         Ok(())
     })();
-    if let Err(e) = attached {
-        worker.signal_group(Signal::SIGKILL);
-        worker.reap();
+    let tx = exits.clone();
+    let waiter = attached.and_then(|()| {
+        std::thread::Builder::new()
+            .name(format!("launch-wait-rank{rank}"))
+            .spawn(move || {
+                let status = child.wait();
+                let at = Instant::now();
+                let _ = tx.send(Exit { index, status, at });
+            })
+    });
+    if let Err(e) = waiter {
+        // The child may still be ours to reap (the waiter never started).
+        if let Ok(pgid) = i32::try_from(pid) {
+            let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
+        }
         return Err(e);
     }
-    Ok(worker)
+    Ok(Worker {
+        rank,
+        pid,
+        status: None,
+    })
 }
