@@ -69,6 +69,7 @@
 //! - [`accelerator`]: [`Accelerator`] and its builder; `prepare`, `backward`.
 //! - [`collective`]: the [`Collective`](collective::Collective) trait and its backends (single
 //!   process, TCP ring, in-process threads).
+//! - [`dp`]: DP, one process driving several model replicas, one thread each ([`AcceleratorBuilder::run`]).
 //! - [`data`]: [`Dataset`], [`TensorDataset`], [`DistributedSampler`], [`DataLoader`].
 //! - [`launch`]: the launcher behind `accelerate-rs launch`; [`cli`]: the `accelerate-rs` command.
 //! - [`config`], [`state`], [`env`]: settings, their sources and the variable names.
@@ -80,6 +81,8 @@ pub mod cli;
 pub mod collective;
 pub mod config;
 pub mod data;
+pub mod dp;
+mod dp_gpu_stub; // TEMPORARY: until `collective::gpu_group` / `gpu_device` land.
 pub mod env;
 pub mod error;
 pub mod launch;
@@ -91,6 +94,7 @@ pub use accelerator::{Accelerator, AcceleratorBuilder};
 pub use collective::{Collective, ReduceOp};
 pub use config::{ConfigFile, MixedPrecision};
 pub use data::{Batch, DataLoader, Dataset, DistributedSampler, EvenBatches, TensorDataset};
+pub use dp::ReplicaFailure;
 pub use error::{Error, Result};
 pub use optimizer::AcceleratedOptimizer;
 pub use params::Parameters;
