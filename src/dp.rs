@@ -21,7 +21,7 @@
 //! ```
 //! use accelerate_rs::{Accelerator, AcceleratorBuilder, DataLoader, TensorDataset};
 //! use candle_core::{DType, Device, Module, Tensor};
-//! use candle_nn::{linear, loss, VarBuilder, VarMap, SGD};
+//! use candle_nn::{linear, loss, Optimizer, VarBuilder, VarMap, SGD};
 //!
 //! /// The training closure: the same code for DP, DDP and one process.
 //! fn train(accelerator: Accelerator) -> accelerate_rs::Result<f32> {
