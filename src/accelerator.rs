@@ -144,10 +144,40 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// DP: this process drives `replicas` model replicas, one thread each: GPUs `0..replicas`, or
+    /// CPU replicas with [`cpu(true)`](Self::cpu) (instead of `ACCELERATE_RS_DATA_PARALLEL`;
+    /// 1 = no DP). Start them with [`run`](Self::run); see [`crate::dp`].
+    pub fn data_parallel(mut self, replicas: usize) -> Self {
+        self.o.data_parallel = Some(replicas);
+        self
+    }
+
+    /// Runs `f` once per replica, each with its own [`Accelerator`] (DP, see [`crate::dp`]), or
+    /// exactly once on the calling thread (every other mode). Results come back in replica order.
+    /// If any replica fails (error or panic), returns the first failure, naming the replica; the
+    /// other replicas do not hang, their collectives fail once the failed replica's is dropped.
+    pub fn run<R, F>(self, f: F) -> Result<Vec<R>>
+    where
+        R: Send,
+        F: Fn(Accelerator) -> Result<R> + Send + Sync,
+    {
+        crate::dp::run(self.o, self.collective, &|k| std::env::var(k).ok(), f)
+    }
+
+    /// A builder from resolved-later parts (used by [`crate::dp`] for each replica).
+    pub(crate) fn from_parts(o: Overrides, collective: Option<Arc<dyn Collective>>) -> Self {
+        AcceleratorBuilder { o, collective }
+    }
+
     /// Resolves the settings and joins the run (for several processes: waits until every rank
     /// has connected, up to the timeout).
     pub fn build(self) -> Result<Accelerator> {
-        let state = ProcessState::resolve(&self.o, &|k| std::env::var(k).ok())?;
+        self.build_with(&|k| std::env::var(k).ok())
+    }
+
+    /// [`build`](Self::build) reading the environment through `getenv`.
+    pub(crate) fn build_with(self, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Accelerator> {
+        let state = ProcessState::resolve(&self.o, getenv)?;
         let tcp = || TcpOptions {
             rank: state.rank(),
             world_size: state.world_size(),

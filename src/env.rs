@@ -46,6 +46,8 @@ pub const BUCKET_CAP_MB: &str = "ACCELERATE_RS_BUCKET_CAP_MB";
 pub const MIXED_PRECISION: &str = "ACCELERATE_RS_MIXED_PRECISION";
 /// Gradient accumulation steps.
 pub const GRADIENT_ACCUMULATION_STEPS: &str = "ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS";
+/// DP: number of model replicas this one process drives, one thread each (`1` = no DP).
+pub const DATA_PARALLEL: &str = "ACCELERATE_RS_DATA_PARALLEL";
 /// Path of the config file (overrides the platform default location).
 pub const CONFIG_FILE: &str = "ACCELERATE_RS_CONFIG_FILE";
 /// How many times the launcher restarted the worker group (0 on the first run).

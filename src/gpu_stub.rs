@@ -11,7 +11,7 @@ pub const BUILT_WITH_CUDA: bool = false;
 fn not_built() -> Error {
     Error::NotAvailable {
         what: "CUDA".into(),
-        reason: "this accelerate-rs was built without the `cuda` feature; rebuild with `cargo build --features cuda`, or run on CPU (`--cpu`, ACCELERATE_RS_USE_CPU=1, `use_cpu = true`)".into(),
+        reason: "this accelerate-rs was built without the `cuda` feature; rebuild with `cargo build --features cuda`, or run on the CPU (`.cpu(true)`, `--cpu`, ACCELERATE_RS_USE_CPU=1 or `use_cpu = true`)".into(),
     }
 }
 

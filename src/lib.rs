@@ -69,6 +69,7 @@
 //! - [`accelerator`]: [`Accelerator`] and its builder; `prepare`, `backward`.
 //! - [`collective`]: the [`Collective`](collective::Collective) trait and its backends (single
 //!   process, TCP ring, in-process threads).
+//! - [`dp`]: DP, one process driving several model replicas, one thread each ([`AcceleratorBuilder::run`]).
 //! - [`data`]: [`Dataset`], [`TensorDataset`], [`DistributedSampler`], [`DataLoader`].
 //! - [`launch`]: the launcher behind `accelerate-rs launch`; [`cli`]: the `accelerate-rs` command.
 //! - [`config`], [`state`], [`env`]: settings, their sources and the variable names.
@@ -81,6 +82,7 @@ pub mod cli;
 pub mod collective;
 pub mod config;
 pub mod data;
+pub mod dp;
 pub mod env;
 pub mod error;
 #[cfg(feature = "cuda")]
@@ -97,6 +99,7 @@ pub use accelerator::{Accelerator, AcceleratorBuilder};
 pub use collective::{Collective, ReduceOp};
 pub use config::{ConfigFile, MixedPrecision};
 pub use data::{Batch, DataLoader, Dataset, DistributedSampler, EvenBatches, TensorDataset};
+pub use dp::ReplicaFailure;
 pub use error::{Error, Result};
 pub use optimizer::AcceleratedOptimizer;
 pub use params::Parameters;

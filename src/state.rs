@@ -24,7 +24,7 @@ pub enum DistributedType {
     No,
     /// One process on one GPU.
     SingleGpu,
-    /// One process driving several GPUs, one thread and model replica per device.
+    /// One process driving several model replicas, one thread each (GPUs, or CPU replicas).
     Dp,
     /// One process per GPU, gradients all-reduced with NCCL.
     Ddp,
@@ -37,7 +37,7 @@ impl std::fmt::Display for DistributedType {
         f.write_str(match self {
             DistributedType::No => "NO (single process, CPU)",
             DistributedType::SingleGpu => "SINGLE_GPU",
-            DistributedType::Dp => "DP (one process, several GPUs)",
+            DistributedType::Dp => "DP (one process, one thread per model replica)",
             DistributedType::Ddp => "DDP (one process per GPU)",
             DistributedType::MultiCpu => "MULTI_CPU (one process per CPU worker, TCP)",
         })
@@ -62,6 +62,11 @@ pub(crate) struct Overrides {
     pub gradient_accumulation_steps: Option<usize>,
     /// A collective was handed in: no rendezvous address is needed.
     pub external_collective: bool,
+    /// DP replicas asked for with `data_parallel` (`None` defers to `ACCELERATE_RS_DATA_PARALLEL`).
+    pub data_parallel: Option<usize>,
+    /// Set by `AcceleratorBuilder::run` for each DP replica: its device. The state then resolves
+    /// to [`DistributedType::Dp`] on that device.
+    pub replica_device: Option<Device>,
 }
 
 /// This process's place in the run and the settings in force.
@@ -82,6 +87,7 @@ pub struct ProcessState {
     gradient_accumulation_steps: usize,
     launcher: &'static str,
     config_path: Option<PathBuf>,
+    use_cpu: bool,
 }
 
 impl std::fmt::Debug for ProcessState {
@@ -309,6 +315,13 @@ impl ProcessState {
                 ),
             });
         }
+        // DP: one process, several replicas (see `crate::dp`). Only `run` may start replicas.
+        let replicas = crate::dp::replicas(o.data_parallel, getenv)?;
+        if o.replica_device.is_none() && replicas > 1 {
+            crate::dp::check_single_process(replicas, world_size)?;
+            return Err(crate::dp::needs_run(replicas));
+        }
+
         let env_local_rank = from_env(family.map(|f| f.local_rank))?;
         let env_local_world = from_env(family.map(|f| f.local_world))?;
         let local_world_size = o
@@ -416,7 +429,10 @@ impl ProcessState {
             ));
         }
 
-        let (device, distributed_type) = select_device(use_cpu, rank, local_rank, world_size)?;
+        let (device, distributed_type) = match &o.replica_device {
+            Some(d) => (d.clone(), DistributedType::Dp),
+            None => select_device(use_cpu, rank, local_rank, world_size)?,
+        };
 
         Ok(ProcessState {
             rank,
@@ -438,6 +454,7 @@ impl ProcessState {
                 (None, None) => "none",
             },
             config_path,
+            use_cpu: use_cpu == Some(true),
         })
     }
 
@@ -510,6 +527,10 @@ impl ProcessState {
     }
     pub(crate) fn secret(&self) -> &[u8] {
         &self.secret
+    }
+    /// Whether the CPU was asked for (builder, `ACCELERATE_RS_USE_CPU` or `use_cpu`).
+    pub(crate) fn use_cpu(&self) -> bool {
+        self.use_cpu
     }
 }
 

@@ -23,7 +23,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run N local copies of PROGRAM with the torchrun environment (RANK, WORLD_SIZE, ...).
-    Launch(launch::LaunchArgs),
+    Launch(Box<launch::LaunchArgs>),
     /// Run a multi-process sanity check (collectives, sampler, DDP steps) and say if it passed.
     Test(test::TestArgs),
     /// One worker of `accelerate-rs test` (started by it).
@@ -43,7 +43,7 @@ pub fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Launch(args) => launch::run(args),
+        Command::Launch(args) => launch::run(*args),
         Command::Test(args) => test::run(args),
         Command::TestWorker => test::worker(),
     };

@@ -1,0 +1,461 @@
+//! DP: one process drives several model replicas, one thread each.
+//!
+//! Rust has no global interpreter lock, so a thread per replica scales like a process per
+//! replica (DDP) without a launcher: each replica gets its own [`Accelerator`] (rank = replica
+//! index, world size = number of replicas, [`DistributedType::Dp`](crate::DistributedType::Dp)),
+//! and the replicas average their gradients through an in-process collective: NCCL
+//! communicators between GPUs `0..replicas`, or a [`ThreadGroup`] for CPU replicas
+//! ([`cpu(true)`](crate::AcceleratorBuilder::cpu)).
+//!
+//! Ask for DP with [`data_parallel(n)`](crate::AcceleratorBuilder::data_parallel) or
+//! `ACCELERATE_RS_DATA_PARALLEL=n` (the builder wins; `1` means no DP), then start the training
+//! closure with [`run`](crate::AcceleratorBuilder::run). `run` calls the closure once per
+//! replica on threads named `accelerate-rs-replica-<i>`, or exactly once on the calling thread in
+//! every other mode, so the same closure serves DP, DDP and a single process. Only replica 0 is
+//! the main process: [`Accelerator::print`] prints once.
+//!
+//! DP runs in one process: combining it with a world size above 1 (`RANK`/`WORLD_SIZE`) is an
+//! error; use `accelerate-rs launch -n N` (DDP) for several processes. `build()` and
+//! [`Accelerator::new`] refuse a DP request too, since they make a single accelerator.
+//!
+//! ```
+//! use accelerate_rs::{Accelerator, AcceleratorBuilder, DataLoader, TensorDataset};
+//! use candle_core::{DType, Device, Module, Tensor};
+//! use candle_nn::{linear, loss, Optimizer, VarBuilder, VarMap, SGD};
+//!
+//! /// The training closure: the same code for DP, DDP and one process.
+//! fn train(accelerator: Accelerator) -> accelerate_rs::Result<f32> {
+//!     let device = accelerator.device().clone();
+//!     let x = Tensor::arange(0f32, 64.0, &Device::Cpu)?.reshape((16, 4))?.affine(0.01, 0.0)?;
+//!     let y = x.sum_keepdim(1)?;
+//!     let varmap = VarMap::new();
+//!     let model = linear(4, 1, VarBuilder::from_varmap(&varmap, DType::F32, &device).pp("fc"))?;
+//!     let opt = SGD::new(varmap.all_vars(), 0.1)?;
+//!     let loader = DataLoader::new(TensorDataset::new(vec![x, y])?, 4);
+//!     let (mut opt, loader) = accelerator.prepare(&varmap, opt, loader)?;
+//!     let mut last = 0.0;
+//!     for _epoch in 0..5 {
+//!         for batch in loader.iter()? {
+//!             let batch = batch?;
+//!             let loss = loss::mse(&model.forward(&batch[0])?, &batch[1])?;
+//!             opt.backward_step(&loss)?;
+//!             last = loss.to_scalar::<f32>()?;
+//!         }
+//!     }
+//!     accelerator.print(format!("{}: last loss {last}", accelerator.distributed_type()));
+//!     Ok(last)
+//! }
+//!
+//! fn main() -> accelerate_rs::Result<()> {
+//!     // DP: two CPU replicas, one thread each; one result per replica, in replica order.
+//!     let per_replica = Accelerator::builder().cpu(true).data_parallel(2).run(train)?;
+//!     assert_eq!(per_replica.len(), 2);
+//!     // Without DP the same closure runs once, on this thread.
+//!     let single = AcceleratorBuilder::default().cpu(true).data_parallel(1).run(train)?;
+//!     assert_eq!(single.len(), 1);
+//!     Ok(())
+//! }
+//! ```
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use candle_core::Device;
+
+use crate::accelerator::{Accelerator, AcceleratorBuilder};
+use crate::collective::{Collective, NcclCollective, ThreadGroup};
+use crate::env;
+use crate::error::{Error, Result};
+use crate::state::{Overrides, ProcessState};
+
+/// A DP replica that failed: returned (inside [`Error::Candle`]) by
+/// [`run`](crate::AcceleratorBuilder::run), naming the replica.
+#[derive(Debug)]
+pub struct ReplicaFailure {
+    /// The replica's index (its rank).
+    pub replica: usize,
+    /// How many replicas the run had.
+    pub replicas: usize,
+    /// What happened: the closure's error, or the panic message.
+    pub cause: ReplicaCause,
+}
+
+/// Why a DP replica failed.
+#[derive(Debug)]
+pub enum ReplicaCause {
+    /// The replica (or its setup) returned this error.
+    Error(Error),
+    /// The replica's thread panicked with this message.
+    Panic(String),
+}
+
+impl std::fmt::Display for ReplicaFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (i, n) = (self.replica, self.replicas);
+        match &self.cause {
+            ReplicaCause::Error(e) => write!(f, "DP replica {i} of {n} failed: {e}"),
+            ReplicaCause::Panic(m) => write!(f, "DP replica {i} of {n} panicked: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for ReplicaFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.cause {
+            ReplicaCause::Error(e) => Some(e),
+            ReplicaCause::Panic(_) => None,
+        }
+    }
+}
+
+impl From<ReplicaFailure> for Error {
+    fn from(f: ReplicaFailure) -> Self {
+        Error::Candle(candle_core::Error::Wrapped(Box::new(f)))
+    }
+}
+
+/// Number of DP replicas: the builder's value, else `ACCELERATE_RS_DATA_PARALLEL`, else 1.
+/// Zero is an error.
+pub(crate) fn replicas(
+    builder: Option<usize>,
+    getenv: &dyn Fn(&str) -> Option<String>,
+) -> Result<usize> {
+    let n = match builder {
+        Some(n) => n,
+        None => match getenv(env::DATA_PARALLEL).filter(|v| !v.trim().is_empty()) {
+            None => 1,
+            Some(v) => v.trim().parse::<usize>().map_err(|_| Error::Env {
+                var: env::DATA_PARALLEL.into(),
+                value: v.clone(),
+                reason: "expected the number of DP replicas (1 = no DP)".into(),
+            })?,
+        },
+    };
+    if n == 0 {
+        return Err(match builder {
+            Some(_) => Error::invalid("data_parallel", "DP needs at least 1 replica, got 0"),
+            None => Error::Env {
+                var: env::DATA_PARALLEL.into(),
+                value: "0".into(),
+                reason: "DP needs at least 1 replica (1 = no DP)".into(),
+            },
+        });
+    }
+    Ok(n)
+}
+
+/// DP runs in one process: a world size above 1 is an error.
+pub(crate) fn check_single_process(replicas: usize, world_size: usize) -> Result<()> {
+    if world_size > 1 {
+        return Err(Error::invalid(
+            "data_parallel",
+            format!(
+                "{replicas} DP replicas were asked for (`data_parallel` / {}) but the world size is {world_size}: DP runs all its replicas in one process; for several processes use `accelerate-rs launch -n N` (DDP) without DP",
+                env::DATA_PARALLEL
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The error of `build()` / `Accelerator::new()` when DP is asked for.
+pub(crate) fn needs_run(replicas: usize) -> Error {
+    Error::invalid(
+        "data_parallel",
+        format!(
+            "{replicas} DP replicas were asked for (`data_parallel` / {}): DP drives one accelerator per replica, so start them with `AcceleratorBuilder::run(|accelerator| ...)` instead of `build()` / `Accelerator::new()`",
+            env::DATA_PARALLEL
+        ),
+    )
+}
+
+/// `AcceleratorBuilder::run`: `getenv` reads the environment.
+pub(crate) fn run<R, F>(
+    o: Overrides,
+    collective: Option<Arc<dyn Collective>>,
+    getenv: &(dyn Fn(&str) -> Option<String> + Sync),
+    f: F,
+) -> Result<Vec<R>>
+where
+    R: Send,
+    F: Fn(Accelerator) -> Result<R> + Send + Sync,
+{
+    let n = replicas(o.data_parallel, getenv)?;
+    if n == 1 {
+        let acc = AcceleratorBuilder::from_parts(o, collective).build_with(getenv)?;
+        return Ok(vec![f(acc)?]);
+    }
+    if collective.is_some() {
+        return Err(Error::invalid(
+            "data_parallel",
+            format!("{n} DP replicas were asked for together with an existing collective (`collective`); DP creates its own, one per replica"),
+        ));
+    }
+    // Resolve once without DP to validate the settings and learn the world size and timeout.
+    let probe = ProcessState::resolve(
+        &Overrides {
+            data_parallel: Some(1),
+            external_collective: true,
+            ..o.clone()
+        },
+        getenv,
+    )?;
+    check_single_process(n, probe.world_size())?;
+    let (collectives, devices) = if probe.use_cpu() {
+        cpu_replicas(n, probe.timeout())?
+    } else {
+        gpu_replicas(n, probe.timeout())?
+    };
+    log::debug!(
+        "DP: {n} replicas on {}",
+        if probe.use_cpu() { "the CPU" } else { "GPUs" }
+    );
+    run_replicas(&o, collectives, devices, getenv, &f)
+}
+
+type Replicas = (Vec<Arc<dyn Collective>>, Vec<Device>);
+
+fn cpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
+    let collectives = ThreadGroup::new(n, timeout)?
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Collective>)
+        .collect();
+    Ok((collectives, vec![Device::Cpu; n]))
+}
+
+fn gpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
+    let ordinals: Vec<usize> = (0..n).collect();
+    let group = NcclCollective::group(&ordinals, timeout).map_err(|e| match e {
+        Error::NotAvailable { what, reason } => Error::NotAvailable {
+            what,
+            reason: format!(
+                "{reason}; DP over {n} GPUs needs a build with CUDA, and `.cpu(true)` (or {}=1) runs the {n} replicas on the CPU instead",
+                env::USE_CPU
+            ),
+        },
+        other => other,
+    })?;
+    if group.len() != n {
+        return Err(Error::invalid(
+            "data_parallel",
+            format!("asked for {n} GPU communicators, got {}", group.len()),
+        ));
+    }
+    // Each replica computes on the very device (and stream) its communicator was built on.
+    Ok(group
+        .into_iter()
+        .map(|(device, c)| (Arc::new(c) as Arc<dyn Collective>, device))
+        .unzip())
+}
+
+/// Records the order in which replicas fail, so that `run` reports the first failure (the cause)
+/// rather than the replicas that failed because of it.
+struct FailureOrder<'a> {
+    order: &'a Mutex<Vec<usize>>,
+    replica: usize,
+    armed: bool,
+}
+
+impl Drop for FailureOrder<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.order
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(self.replica);
+        }
+    }
+}
+
+fn run_replicas<R, F>(
+    o: &Overrides,
+    collectives: Vec<Arc<dyn Collective>>,
+    devices: Vec<Device>,
+    getenv: &(dyn Fn(&str) -> Option<String> + Sync),
+    f: &F,
+) -> Result<Vec<R>>
+where
+    R: Send,
+    F: Fn(Accelerator) -> Result<R> + Send + Sync,
+{
+    let n = collectives.len();
+    let order = Mutex::new(Vec::with_capacity(n));
+    let outcomes: Vec<std::result::Result<R, ReplicaCause>> = std::thread::scope(|s| {
+        let mut handles = Vec::with_capacity(n);
+        for (i, (c, device)) in collectives.into_iter().zip(devices).enumerate() {
+            let order = &order;
+            let o = Overrides {
+                data_parallel: Some(n),
+                replica_device: Some(device),
+                ..o.clone()
+            };
+            let body = move || -> Result<R> {
+                // Declared before the guard, so dropped after it: this replica's failure is
+                // recorded before its collective goes and the other replicas fail in turn.
+                let keep = c.clone();
+                let mut guard = FailureOrder {
+                    order,
+                    replica: i,
+                    armed: true,
+                };
+                let result = AcceleratorBuilder::from_parts(o, None)
+                    .collective(c)
+                    .build_with(getenv)
+                    .and_then(f);
+                guard.armed = result.is_err();
+                drop(guard);
+                drop(keep);
+                result
+            };
+            let spawned = std::thread::Builder::new()
+                .name(format!("accelerate-rs-replica-{i}"))
+                .spawn_scoped(s, body);
+            handles.push(spawned.map_err(|e| {
+                order.lock().unwrap_or_else(|p| p.into_inner()).push(i);
+                ReplicaCause::Error(Error::invalid(
+                    "data_parallel",
+                    format!("could not start the thread of DP replica {i}: {e}"),
+                ))
+            }));
+        }
+        handles
+            .into_iter()
+            .map(|h| match h?.join() {
+                Ok(Ok(r)) => Ok(r),
+                Ok(Err(e)) => Err(ReplicaCause::Error(e)),
+                Err(payload) => Err(ReplicaCause::Panic(panic_message(payload.as_ref()))),
+            })
+            .collect()
+    });
+    let mut outcomes: Vec<Option<_>> = outcomes.into_iter().map(Some).collect();
+    let order = order.into_inner().unwrap_or_else(|p| p.into_inner());
+    // The first replica to fail, else (should the order be incomplete) the lowest failed index.
+    let failed = order
+        .into_iter()
+        .chain(0..n)
+        .find(|&i| matches!(outcomes.get(i), Some(Some(Err(_)))));
+    if let Some(i) = failed {
+        if let Some(Some(Err(cause))) = outcomes.get_mut(i).map(Option::take) {
+            return Err(ReplicaFailure {
+                replica: i,
+                replicas: n,
+                cause,
+            }
+            .into());
+        }
+    }
+    outcomes
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| match r {
+            Some(Ok(r)) => Ok(r),
+            _ => Err(Error::invalid(
+                "data_parallel",
+                format!("DP replica {i} returned no result"),
+            )),
+        })
+        .collect()
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(a panic payload that is not a string)".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env_of(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + Sync {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| map.get(k).cloned()
+    }
+
+    /// Overrides with a private empty config file, so a developer's config cannot interfere.
+    fn overrides(cfg: &tempfile::NamedTempFile) -> Overrides {
+        Overrides {
+            config_file: Some(cfg.path().to_path_buf()),
+            ..Overrides::default()
+        }
+    }
+
+    #[test]
+    fn replicas_come_from_builder_then_env_then_default() {
+        let dp3 = env_of(&[(env::DATA_PARALLEL, "3")]);
+        assert_eq!(replicas(None, &env_of(&[])).unwrap(), 1);
+        assert_eq!(replicas(None, &dp3).unwrap(), 3);
+        assert_eq!(replicas(Some(2), &dp3).unwrap(), 2);
+        assert_eq!(replicas(Some(1), &dp3).unwrap(), 1);
+        assert_eq!(
+            replicas(None, &env_of(&[(env::DATA_PARALLEL, " ")])).unwrap(),
+            1
+        );
+        let e = replicas(None, &env_of(&[(env::DATA_PARALLEL, "two")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ACCELERATE_RS_DATA_PARALLEL") && e.contains("two"),
+            "{e}"
+        );
+        let e = replicas(None, &env_of(&[(env::DATA_PARALLEL, "0")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("ACCELERATE_RS_DATA_PARALLEL"), "{e}");
+        assert!(replicas(Some(0), &env_of(&[])).is_err());
+    }
+
+    #[test]
+    fn run_reads_the_replica_count_from_the_environment() {
+        let cfg = tempfile::NamedTempFile::new().unwrap();
+        let getenv = env_of(&[(env::DATA_PARALLEL, "3"), (env::USE_CPU, "1")]);
+        let out = run(overrides(&cfg), None, &getenv, |acc| {
+            Ok((acc.rank(), acc.world_size(), acc.distributed_type()))
+        })
+        .unwrap();
+        assert_eq!(
+            out,
+            (0..3)
+                .map(|r| (r, 3, crate::DistributedType::Dp))
+                .collect::<Vec<_>>()
+        );
+        // The builder beats the environment.
+        let o = Overrides {
+            data_parallel: Some(1),
+            ..overrides(&cfg)
+        };
+        let out = run(o, None, &getenv, |acc| Ok(acc.distributed_type())).unwrap();
+        assert_eq!(out, vec![crate::DistributedType::No]);
+    }
+
+    #[test]
+    fn env_dp_with_several_processes_or_build_is_an_error() {
+        let cfg = tempfile::NamedTempFile::new().unwrap();
+        let getenv = env_of(&[
+            (env::DATA_PARALLEL, "2"),
+            (env::RANK, "0"),
+            (env::WORLD_SIZE, "2"),
+            (env::MASTER_ADDR, "127.0.0.1"),
+        ]);
+        let e = ProcessState::resolve(&overrides(&cfg), &getenv)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one process") && e.contains("launch -n"), "{e}");
+        let e = run(overrides(&cfg), None, &getenv, |_| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one process") && e.contains("launch -n"), "{e}");
+        // A single accelerator cannot be DP.
+        let getenv = env_of(&[(env::DATA_PARALLEL, "2")]);
+        let e = ProcessState::resolve(&overrides(&cfg), &getenv)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("run"), "{e}");
+    }
+}
