@@ -154,7 +154,7 @@ impl ConfigFile {
             Error::Config {
                 path: path.to_path_buf(),
                 key,
-                reason: e.message().trim().to_string(),
+                reason: plain_types(e.message().trim()),
             }
         })?;
         cfg.validate(path)?;
@@ -318,6 +318,18 @@ impl ConfigFile {
     pub fn to_toml(&self) -> Result<String> {
         toml::to_string(self).map_err(|e| Error::invalid("config", e.to_string()))
     }
+}
+
+/// Serde's Rust type names in a message, spelled for users.
+fn plain_types(message: &str) -> String {
+    [
+        ("expected usize", "expected a whole number such as 2"),
+        ("expected u16", "expected a port number from 1 to 65535"),
+        ("expected f64", "expected a number such as 1.5"),
+        ("expected a boolean", "expected true or false"),
+    ]
+    .iter()
+    .fold(message.to_string(), |m, (from, to)| m.replace(from, to))
 }
 
 /// Whether `ids` is `all` or a comma-separated list of GPU indices.
