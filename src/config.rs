@@ -446,6 +446,25 @@ mod tests {
     }
 
     #[test]
+    fn write_atomic_creates_dirs_and_reads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a/b/c.toml");
+        let cfg = ConfigFile::suggested();
+        let text = cfg.write_atomic(&path).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
+        assert_eq!(ConfigFile::load(&path).unwrap(), cfg);
+        let left: Vec<_> = std::fs::read_dir(path.parent().unwrap()).unwrap().collect();
+        assert_eq!(left.len(), 1, "temporary file left behind");
+        let bad = ConfigFile {
+            num_processes: Some(0),
+            ..cfg
+        };
+        let err = bad.write_atomic(&path).unwrap_err().to_string();
+        assert!(err.contains("num_processes"), "{err}");
+        assert_eq!(ConfigFile::load(&path).unwrap(), ConfigFile::suggested());
+    }
+
+    #[test]
     fn explicit_missing_file_is_an_error_default_missing_is_not() {
         let none = |_: &str| None;
         let err = ConfigFile::load_located(Some(Path::new("/nonexistent/x.toml")), &none)

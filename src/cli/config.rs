@@ -235,6 +235,12 @@ pub(crate) fn run(args: ConfigArgs) -> Result<()> {
                 let mut prompts = std::io::stderr();
                 ask_all(&mut input, &mut prompts, echo)?
             };
+            if cfg.use_cpu == Some(false) && !cuda_built() {
+                eprintln!(
+                    "note: this config asks for GPUs, but this build has no CUDA support; \
+                     runs need a build with the `cuda` feature"
+                );
+            }
             let text = cfg.write_atomic(&path)?;
             print_written(&path, &text);
             Ok(())
@@ -420,9 +426,6 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
         },
     )?;
     let gpu = cfg.use_cpu == Some(false);
-    if gpu && !cuda_built() {
-        a.say("note: the file will ask for GPUs, but this build cannot use them; run with a build that has the `cuda` feature")?;
-    }
     a.ask(
         &mut cfg,
         "num_machines",
