@@ -15,13 +15,10 @@ pub struct ConfigFile {
     /// Run on CPU even when GPUs are present.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub use_cpu: Option<bool>,
-    /// Processes per machine that `accelerate-rs launch` starts.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub num_processes: Option<usize>,
     /// Number of machines.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub num_machines: Option<usize>,
-    /// This machine's index among `num_machines`.
+    /// This machine's index among `num_machines`, from 0 (the machine running rank 0).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub machine_rank: Option<usize>,
     /// Address of the machine running rank 0 (becomes `MASTER_ADDR`).
@@ -30,21 +27,24 @@ pub struct ConfigFile {
     /// Port of the rendezvous store (becomes `MASTER_PORT`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub main_process_port: Option<u16>,
-    /// Timeout of every collective, in seconds.
+    /// Processes per machine that `accelerate-rs launch` starts.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub collective_timeout_secs: Option<f64>,
-    /// Gradient bucket cap, in MiB.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub bucket_cap_mb: Option<f64>,
+    pub num_processes: Option<usize>,
     /// GPUs the launcher makes visible (`CUDA_VISIBLE_DEVICES`): `all` or a list such as `0,1,3`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu_ids: Option<String>,
-    /// Mixed precision mode.
+    /// Mixed precision mode: `no` (f32), `bf16` or `fp16`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mixed_precision: Option<MixedPrecision>,
     /// Micro-batches whose gradients are accumulated before each optimizer step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gradient_accumulation_steps: Option<usize>,
+    /// Timeout of every collective, in seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub collective_timeout_secs: Option<f64>,
+    /// Gradient bucket cap, in MiB: gradients are all-reduced in buckets of about this size.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bucket_cap_mb: Option<f64>,
     /// How many times `launch` restarts the worker group after a failure.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_restarts: Option<usize>,
@@ -154,7 +154,7 @@ impl ConfigFile {
             Error::Config {
                 path: path.to_path_buf(),
                 key,
-                reason: e.message().trim().to_string(),
+                reason: plain_types(e.message().trim()),
             }
         })?;
         cfg.validate(path)?;
@@ -162,20 +162,32 @@ impl ConfigFile {
     }
 
     fn validate(&self, path: &Path) -> Result<()> {
-        let bad = |key: &str, reason: String| Error::Config {
-            path: path.to_path_buf(),
-            key: Some(key.to_string()),
-            reason,
-        };
-        let positive = |key: &str, v: Option<f64>| match v {
-            Some(x) if !(x.is_finite() && x > 0.0) => {
-                Err(bad(key, format!("expected a positive number, got {x}")))
+        match self.problem() {
+            Some((key, reason)) => Err(Error::Config {
+                path: path.to_path_buf(),
+                key: Some(key.to_string()),
+                reason,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The first key whose value breaks the rules a config file must follow, with what is wrong and
+    /// the expected form; `None` when every value is acceptable. Loading a file, the `config`
+    /// command's questions and its flags all use these rules.
+    pub fn problem(&self) -> Option<(&'static str, String)> {
+        for (key, v) in [
+            ("collective_timeout_secs", self.collective_timeout_secs),
+            ("bucket_cap_mb", self.bucket_cap_mb),
+            ("monitor_interval_secs", self.monitor_interval_secs),
+        ] {
+            match v {
+                Some(x) if !(x.is_finite() && x > 0.0) => {
+                    return Some((key, format!("expected a positive number, got {x}")))
+                }
+                _ => {}
             }
-            _ => Ok(()),
-        };
-        positive("collective_timeout_secs", self.collective_timeout_secs)?;
-        positive("bucket_cap_mb", self.bucket_cap_mb)?;
-        positive("monitor_interval_secs", self.monitor_interval_secs)?;
+        }
         for (key, v) in [
             ("num_processes", self.num_processes),
             ("num_machines", self.num_machines),
@@ -185,34 +197,171 @@ impl ConfigFile {
             ),
         ] {
             if v == Some(0) {
-                return Err(bad(key, "expected an integer of at least 1, got 0".into()));
+                return Some((key, "expected an integer of at least 1, got 0".into()));
+            }
+        }
+        if self.main_process_port == Some(0) {
+            return Some((
+                "main_process_port",
+                "expected a port number from 1 to 65535, got 0".into(),
+            ));
+        }
+        if let Some(ip) = &self.main_process_ip {
+            if ip.trim().is_empty() || ip.trim().contains(char::is_whitespace) {
+                return Some((
+                    "main_process_ip",
+                    format!("expected an IP address or host name such as \"10.0.0.1\", got {ip:?}"),
+                ));
             }
         }
         if let Some(ids) = &self.gpu_ids {
-            let ok = ids.trim() == "all"
-                || (!ids.trim().is_empty()
-                    && ids.split(',').all(|p| p.trim().parse::<usize>().is_ok()));
-            if !ok {
-                return Err(bad(
+            if !gpu_ids_ok(ids) {
+                return Some((
                     "gpu_ids",
                     format!("expected `all` or comma-separated GPU indices such as \"0,1\", got {ids:?}"),
                 ));
             }
         }
-        if let (Some(r), Some(m)) = (self.machine_rank, self.num_machines) {
-            if r >= m {
-                return Err(bad(
+        let machines = self.num_machines.unwrap_or(1);
+        if let Some(r) = self.machine_rank {
+            if r >= machines {
+                return Some((
                     "machine_rank",
-                    format!("{r} is not below num_machines = {m}"),
+                    format!("expected a machine index below num_machines = {machines}, got {r}"),
                 ));
             }
         }
-        Ok(())
+        None
+    }
+
+    /// The path `accelerate-rs config` writes and `config show` reads: `explicit` if given, else
+    /// `ACCELERATE_RS_CONFIG_FILE`, else [`default_path`](ConfigFile::default_path).
+    pub fn target_path(
+        explicit: Option<&Path>,
+        getenv: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<PathBuf> {
+        Self::locate(explicit, getenv)
+            .map(|(p, _)| p)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "config file",
+                    format!(
+                        "this platform has no config directory; pass --config-file PATH or set {}",
+                        env::CONFIG_FILE
+                    ),
+                )
+            })
+    }
+
+    /// A complete config for one machine of this build: CPU unless this build has CUDA support and
+    /// sees a GPU, [`default_num_processes`] processes, full precision, no accumulation and the
+    /// default collective timeout.
+    pub fn suggested() -> ConfigFile {
+        let gpu = cuda_built() && gpus_seen() > 0;
+        ConfigFile {
+            use_cpu: Some(!gpu),
+            num_machines: Some(1),
+            num_processes: Some(default_num_processes(gpu)),
+            gpu_ids: gpu.then(|| "all".to_string()),
+            mixed_precision: Some(MixedPrecision::No),
+            gradient_accumulation_steps: Some(1),
+            collective_timeout_secs: Some(DEFAULT_COLLECTIVE_TIMEOUT_SECS),
+            ..ConfigFile::default()
+        }
+    }
+
+    /// Writes this config (validated, with a header comment) to `path`, creating parent
+    /// directories. The text goes to a temporary file next to `path` that is then renamed over it,
+    /// so readers never see a half-written file. Returns the text written.
+    pub fn write_atomic(&self, path: &Path) -> Result<String> {
+        self.validate(path)?;
+        let text = format!(
+            "# accelerate-rs config, written by `accelerate-rs config`.\n\
+             # Check it with `accelerate-rs config show`; every key is optional.\n{}",
+            self.to_toml()?
+        );
+        let io = |context: &str, p: &Path| {
+            let context = context.to_string();
+            let p = p.to_path_buf();
+            move |source| Error::Io {
+                context,
+                path: p,
+                source,
+            }
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(io("cannot create the config directory", dir))?;
+        }
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "config.toml".into());
+        let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+        let write = || -> std::io::Result<()> {
+            use std::io::Write as _;
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(text.as_bytes())?;
+            f.sync_all()
+        };
+        if let Err(e) = write() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io("cannot write the config file", &tmp)(e));
+        }
+        if let Err(e) = std::fs::rename(&tmp, path) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io("cannot write the config file", path)(e));
+        }
+        Ok(text)
     }
 
     /// The TOML text of this config.
     pub fn to_toml(&self) -> Result<String> {
         toml::to_string(self).map_err(|e| Error::invalid("config", e.to_string()))
+    }
+}
+
+/// Serde's Rust type names in a message, spelled for users.
+fn plain_types(message: &str) -> String {
+    [
+        ("expected usize", "expected a whole number such as 2"),
+        ("expected u16", "expected a port number from 1 to 65535"),
+        ("expected f64", "expected a number such as 1.5"),
+        ("expected a boolean", "expected true or false"),
+    ]
+    .iter()
+    .fold(message.to_string(), |m, (from, to)| m.replace(from, to))
+}
+
+/// Whether `ids` is `all` or a comma-separated list of GPU indices.
+fn gpu_ids_ok(ids: &str) -> bool {
+    ids.trim() == "all"
+        || (!ids.trim().is_empty() && ids.split(',').all(|p| p.trim().parse::<usize>().is_ok()))
+}
+
+/// Default rendezvous port (`main_process_port`, `MASTER_PORT`).
+pub const DEFAULT_MAIN_PROCESS_PORT: u16 = crate::state::DEFAULT_MASTER_PORT;
+
+/// Default collective timeout in seconds (`collective_timeout_secs`).
+pub const DEFAULT_COLLECTIVE_TIMEOUT_SECS: f64 = crate::state::DEFAULT_TIMEOUT.as_secs() as f64;
+
+/// Whether this build can drive CUDA GPUs (the `cuda` cargo feature).
+pub fn cuda_built() -> bool {
+    crate::gpu::BUILT_WITH_CUDA
+}
+
+/// How many GPUs this build sees: 0 without CUDA support or without a usable driver.
+pub fn gpus_seen() -> usize {
+    crate::gpu::device_count().unwrap_or(0)
+}
+
+/// The default number of processes per machine: one per GPU seen (at least one) when `gpu`, else
+/// up to two CPU processes (fewer on a single-core machine) so that each keeps threads for its
+/// kernels.
+pub fn default_num_processes(gpu: bool) -> usize {
+    if gpu {
+        gpus_seen().max(1)
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(2))
     }
 }
 
@@ -293,6 +442,25 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("machine_rank"), "{err}");
+    }
+
+    #[test]
+    fn write_atomic_creates_dirs_and_reads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a/b/c.toml");
+        let cfg = ConfigFile::suggested();
+        let text = cfg.write_atomic(&path).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
+        assert_eq!(ConfigFile::load(&path).unwrap(), cfg);
+        let left: Vec<_> = std::fs::read_dir(path.parent().unwrap()).unwrap().collect();
+        assert_eq!(left.len(), 1, "temporary file left behind");
+        let bad = ConfigFile {
+            num_processes: Some(0),
+            ..cfg
+        };
+        let err = bad.write_atomic(&path).unwrap_err().to_string();
+        assert!(err.contains("num_processes"), "{err}");
+        assert_eq!(ConfigFile::load(&path).unwrap(), ConfigFile::suggested());
     }
 
     #[test]

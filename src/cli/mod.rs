@@ -1,6 +1,8 @@
 //! The `accelerate-rs` command line: argument parsing and one module per subcommand. The binary
 //! (`src/main.rs`) only calls [`main`].
 
+mod config;
+mod env;
 mod launch;
 mod test;
 
@@ -24,6 +26,12 @@ pub struct Cli {
 enum Command {
     /// Run N local copies of PROGRAM with the torchrun environment (RANK, WORLD_SIZE, ...).
     Launch(Box<launch::LaunchArgs>),
+    /// Write the config file by answering questions, from flags, or with defaults; `config show`
+    /// prints it.
+    Config(Box<config::ConfigArgs>),
+    /// Print versions, build, machine, relevant environment variables and the config file, for
+    /// bug reports.
+    Env(env::EnvArgs),
     /// Run a multi-process sanity check (collectives, sampler, DDP steps) and say if it passed.
     Test(test::TestArgs),
     /// One worker of `accelerate-rs test` (started by it).
@@ -44,6 +52,8 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Launch(args) => launch::run(*args),
+        Command::Config(args) => config::run(*args),
+        Command::Env(args) => env::run(args),
         Command::Test(args) => test::run(args),
         Command::TestWorker => test::worker(),
     };
