@@ -186,6 +186,7 @@ impl AcceleratorBuilder {
             secret: state.secret().to_vec(),
             timeout: state.timeout(),
         };
+        let external = self.collective.is_some();
         let collective: Arc<dyn Collective> = match self.collective {
             Some(c) => c,
             None if state.world_size() == 1 => Arc::new(SingleProcess),
@@ -194,7 +195,11 @@ impl AcceleratorBuilder {
             }
             None => Arc::new(TcpCollective::connect(&tcp())?),
         };
-        if state.world_size() > 1 && state.secret().is_empty() && state.is_main_process() {
+        if !external
+            && state.world_size() > 1
+            && state.secret().is_empty()
+            && state.is_main_process()
+        {
             log::warn!("ACCELERATE_RS_SECRET is not set: connections between ranks are not authenticated (`accelerate-rs launch` sets it)");
         }
         log::debug!(

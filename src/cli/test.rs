@@ -26,45 +26,72 @@ pub(crate) struct TestArgs {
     /// Config file to read instead of the default one.
     #[arg(long, value_name = "PATH")]
     config_file: Option<PathBuf>,
+    /// Run on the CPU even when GPUs are present (also `use_cpu = true` in the config).
+    #[arg(long)]
+    cpu: bool,
+    /// Check DP instead: one process driving N replicas, one thread each (GPUs, or CPU replicas
+    /// with --cpu or without GPUs).
+    #[arg(long, value_name = "N")]
+    dp: Option<usize>,
 }
 
-/// Runs the check under the launcher and prints the verdict.
+/// Runs the check (under the launcher, or in this process for DP) and prints the verdict.
 pub(crate) fn run(args: TestArgs) -> Result<()> {
     let getenv = |k: &str| std::env::var(k).ok();
     let (cfg, _) = ConfigFile::load_located(args.config_file.as_deref(), &getenv)?;
-    let n = args.num_processes.or(cfg.num_processes).unwrap_or(2);
-    let exe = std::env::current_exe().map_err(|e| Error::Io {
-        context: "cannot locate the accelerate-rs executable".into(),
-        path: PathBuf::from("/proc/self/exe"),
-        source: e,
-    })?;
-    println!("accelerate-rs test: {n} CPU process(es): collectives, sampler, DDP steps");
-    let res = launch(&LaunchOptions {
-        num_processes: n,
-        cpu: true,
-        program: exe.to_string_lossy().into_owned(),
-        args: vec!["test-worker".into()],
-        ..LaunchOptions::default()
-    });
+    let cpu = args.cpu || cfg.use_cpu == Some(true) || crate::config::gpus_seen() == 0;
+    let kind = if cpu { "CPU" } else { "GPU" };
+    let (what, res) = match args.dp {
+        Some(replicas) => {
+            println!("accelerate-rs test: DP, {replicas} {kind} replica(s) in one process: collectives, sampler, DDP steps");
+            let res = Accelerator::builder()
+                .cpu(cpu)
+                .data_parallel(replicas)
+                .run(|acc| run_checks(&acc))
+                .map(|_| ());
+            (format!("{replicas} DP replica(s)"), res)
+        }
+        None => {
+            let n = args.num_processes.or(cfg.num_processes).unwrap_or(2);
+            let exe = std::env::current_exe().map_err(|e| Error::Io {
+                context: "cannot locate the accelerate-rs executable".into(),
+                path: PathBuf::from("/proc/self/exe"),
+                source: e,
+            })?;
+            println!("accelerate-rs test: {n} {kind} process(es): collectives, sampler, DDP steps");
+            let res = launch(&LaunchOptions {
+                num_processes: n,
+                cpu,
+                program: exe.to_string_lossy().into_owned(),
+                args: vec!["test-worker".into()],
+                ..LaunchOptions::default()
+            });
+            (format!("{n} process(es)"), res)
+        }
+    };
     match res {
         Ok(()) => {
-            println!("accelerate-rs test: PASSED on {n} process(es)");
+            println!("accelerate-rs test: PASSED on {what}");
             Ok(())
         }
         Err(e) => {
-            println!("accelerate-rs test: FAILED: {e} (see the [rank i] lines above)");
+            println!("accelerate-rs test: FAILED: {e} (see the lines above)");
             Err(e)
         }
     }
 }
 
+/// One worker process of the check.
+pub(crate) fn worker() -> Result<()> {
+    run_checks(&Accelerator::new()?)
+}
+
 /// One named check run by every worker.
 type Check = fn(&Accelerator) -> Result<()>;
 
-/// One worker of the check: runs every check (so all ranks call the same collectives even when
-/// one check fails locally), then agrees with the others on the verdict.
-pub(crate) fn worker() -> Result<()> {
-    let acc = Accelerator::builder().cpu(true).build()?;
+/// Runs every check (so all ranks call the same collectives even when one check fails locally),
+/// then agrees with the others on the verdict.
+fn run_checks(acc: &Accelerator) -> Result<()> {
     let c = acc.collective().as_ref();
     let checks: [(&str, Check); 5] = [
         (
@@ -78,7 +105,7 @@ pub(crate) fn worker() -> Result<()> {
     ];
     let mut failed = Vec::new();
     for (name, check) in checks {
-        match check(&acc) {
+        match check(acc) {
             Ok(()) => acc.print(format!("ok: {name}")),
             Err(e) => {
                 eprintln!("rank {}: FAILED: {name}: {e}", acc.rank());
@@ -221,20 +248,20 @@ const B: usize = 4;
 const STEPS: usize = 3;
 const LR: f64 = 0.05;
 
-fn regression_data(n: usize) -> Result<TensorDataset> {
+fn regression_data(n: usize, device: &Device) -> Result<TensorDataset> {
     let x: Vec<f32> = (0..n * 3)
         .map(|i| ((i * 7) % 11) as f32 / 11.0 - 0.5)
         .collect();
-    let x = Tensor::from_vec(x, (n, 3), &Device::Cpu)?;
+    let x = Tensor::from_vec(x, (n, 3), device)?;
     let y = (x.sum_keepdim(1)? * 2.0)?;
     TensorDataset::new(vec![x, y])
 }
 
-fn weights(offset: f32) -> Result<Vec<(String, Var)>> {
-    let w = Tensor::new(&[[0.1f32], [-0.2], [0.3]], &Device::Cpu)?;
+fn weights(offset: f32, device: &Device) -> Result<Vec<(String, Var)>> {
+    let w = Tensor::new(&[[0.1f32], [-0.2], [0.3]], device)?;
     Ok(vec![
         ("w".to_string(), Var::from_tensor(&(w + offset as f64)?)?),
-        ("b".to_string(), Var::zeros(1, DType::F32, &Device::Cpu)?),
+        ("b".to_string(), Var::zeros(1, DType::F32, device)?),
     ])
 }
 
@@ -254,9 +281,10 @@ fn params_of(p: &[(String, Var)]) -> Result<Vec<f32>> {
 /// DDP with per-rank batch B must equal plain SGD with batch world × B.
 fn check_ddp(acc: &Accelerator) -> Result<()> {
     let world = acc.world_size();
-    let data = regression_data(world * B * STEPS)?;
+    let device = acc.device();
+    let data = regression_data(world * B * STEPS, device)?;
     // Ranks start from different values: prepare must give them rank 0's.
-    let p = weights(acc.rank() as f32)?;
+    let p = weights(acc.rank() as f32, device)?;
     let opt = SGD::new(p.iter().map(|(_, v)| v.clone()).collect(), LR)?;
     let (mut opt, loader) = acc.prepare(&p, opt, DataLoader::new(data.clone(), B))?;
     for batch in loader.iter()? {
@@ -265,7 +293,7 @@ fn check_ddp(acc: &Accelerator) -> Result<()> {
     }
     let got = params_of(&p)?;
 
-    let r = weights(0.0)?;
+    let r = weights(0.0, device)?;
     let mut sgd = SGD::new(r.iter().map(|(_, v)| v.clone()).collect(), LR)?;
     for batch in DataLoader::new(data, world * B).iter()? {
         let batch = batch?;
