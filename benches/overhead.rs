@@ -2,6 +2,7 @@
 //!
 //!     cargo bench --bench overhead              # full run
 //!     cargo bench --bench overhead -- --quick   # fewer steps
+//!     cargo bench --features cuda --bench overhead -- --gpu   # section 1 on GPU 0
 //!
 //! Model: MLP 784-1024-1024-10 (ReLU), f32, batch 64 per process, SGD (lr 0.01), cross-entropy,
 //! on synthetic random data generated from a fixed seed (identical in every variant and process).
@@ -79,6 +80,8 @@ impl Plan {
 fn main() -> Result<()> {
     // Cargo passes `--bench` (and maybe a filter); only `--quick` means something here.
     let quick = std::env::args().skip(1).any(|a| a == "--quick");
+    // `--gpu`: section 1 on GPU 0 (needs a build with `--features cuda`); section 2 is skipped.
+    let gpu = std::env::args().skip(1).any(|a| a == "--gpu");
     let plan = Plan::new(quick);
     if std::env::var(ROLE_ENV).as_deref() == Ok(ROLE_WORKER) {
         return worker(plan);
@@ -93,9 +96,16 @@ fn main() -> Result<()> {
     );
     println!("load average before: {}", load_average());
     println!();
-    wrapper_overhead(plan)?;
-    println!();
-    ddp_throughput(plan)?;
+    let device = if gpu {
+        Device::new_cuda(0)?
+    } else {
+        Device::Cpu
+    };
+    wrapper_overhead(plan, &device)?;
+    if !gpu {
+        println!();
+        ddp_throughput(plan)?;
+    }
     println!();
     println!("load average after: {}", load_average());
     Ok(())
@@ -237,6 +247,7 @@ impl Variant for RawSliced {
             let logits = self.model.forward(x)?;
             let loss = loss::cross_entropy(&logits, y)?;
             self.opt.backward_step(&loss)?;
+            loss.device().synchronize()?;
             times.push(ms(start.elapsed()));
         }
         Ok(times)
@@ -263,6 +274,7 @@ impl Variant for RawLoader {
             let logits = self.model.forward(&batch[0])?;
             let loss = loss::cross_entropy(&logits, &batch[1])?;
             self.opt.backward_step(&loss)?;
+            loss.device().synchronize()?;
             let now = Instant::now();
             times.push(ms(now - start));
             start = now;
@@ -292,6 +304,7 @@ impl Variant for Accelerated {
             let logits = self.model.forward(&batch[0])?;
             let loss = loss::cross_entropy(&logits, &batch[1])?;
             self.opt.backward_step(&loss)?;
+            loss.device().synchronize()?;
             let now = Instant::now();
             times.push(ms(now - start));
             start = now;
@@ -301,8 +314,8 @@ impl Variant for Accelerated {
     }
 }
 
-fn wrapper_overhead(plan: Plan) -> Result<()> {
-    let device = Device::Cpu;
+fn wrapper_overhead(plan: Plan, device: &Device) -> Result<()> {
+    let device = device.clone();
     // One epoch covers the longest block, so a block never straddles two epochs.
     let samples = BATCH * plan.steps.max(plan.warmup);
     let (x, y) = synthetic_data(samples, &device)?;

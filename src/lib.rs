@@ -56,7 +56,10 @@
 //! | run secret | [`secret`](AcceleratorBuilder::secret) | `ACCELERATE_RS_SECRET` | - | none (unauthenticated, warned) |
 //! | collective timeout | [`timeout`](AcceleratorBuilder::timeout) | `ACCELERATE_RS_TIMEOUT_SECS` | `collective_timeout_secs` | 1800 s |
 //! | gradient bucket cap | [`bucket_cap_mb`](AcceleratorBuilder::bucket_cap_mb) | `ACCELERATE_RS_BUCKET_CAP_MB` | `bucket_cap_mb` | 25 MiB |
-//! | force CPU | [`cpu`](AcceleratorBuilder::cpu) | `ACCELERATE_RS_USE_CPU` | `use_cpu` | false |
+//! | force CPU | [`cpu`](AcceleratorBuilder::cpu) | `ACCELERATE_RS_USE_CPU` | `use_cpu` | unset: GPUs when built with `cuda` and present, else CPU |
+//! | DP replicas | [`data_parallel`](AcceleratorBuilder::data_parallel) | `ACCELERATE_RS_DATA_PARALLEL` | - | 1 (no DP) |
+//! | mixed precision (read by your code) | - | `ACCELERATE_RS_MIXED_PRECISION` | `mixed_precision` | `no` |
+//! | gradient accumulation (read by your code) | - | `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS` | `gradient_accumulation_steps` | 1 |
 //! | config file | [`config_file`](AcceleratorBuilder::config_file) | `ACCELERATE_RS_CONFIG_FILE` | - | platform config dir |
 //!
 //! The launcher families are not mixed: the first of torchrun, SLURM, Open MPI whose rank
@@ -67,12 +70,12 @@
 //! ## Modules
 //!
 //! - [`accelerator`]: [`Accelerator`] and its builder; `prepare`, `backward`.
-//! - [`collective`]: the [`Collective`](collective::Collective) trait and its backends (single
+//! - [`collective`]: the [`Collective`] trait and its backends (single
 //!   process, TCP ring, in-process threads).
 //! - [`dp`]: DP, one process driving several model replicas, one thread each ([`AcceleratorBuilder::run`]).
 //! - [`data`]: [`Dataset`], [`TensorDataset`], [`DistributedSampler`], [`DataLoader`].
 //! - [`launch`]: the launcher behind `accelerate-rs launch`; [`cli`]: the `accelerate-rs` command.
-//! - [`config`], [`state`], [`env`]: settings, their sources and the variable names.
+//! - [`config`], [`state`], [`env`](mod@env): settings, their sources and the variable names.
 //! - [`gpu`]: GPU discovery (`gpu_stub.rs` in a build without the `cuda` feature).
 //! - [`error`]: the typed [`Error`].
 #![deny(missing_docs)]

@@ -104,7 +104,17 @@ fn a_failing_worker_makes_it_fail_with_one_line_saying_what() {
 fn dp_mode_runs_the_same_checks_on_replicas_in_one_process() {
     let out = bin().args(["test", "--dp", "3", "--cpu"]).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("ok: DDP steps equal a single-process reference"), "{stdout}");
-    assert_eq!(stdout.lines().last(), Some("accelerate-rs test: PASSED on 3 DP replica(s)"));
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("ok: DDP steps equal a single-process reference"),
+        "{stdout}"
+    );
+    assert_eq!(
+        stdout.lines().last(),
+        Some("accelerate-rs test: PASSED on 3 DP replica(s)")
+    );
 }

@@ -16,7 +16,7 @@ pub struct Split {
 }
 
 /// Reads `digits.csv.gz` and splits it 80/20 into train and test with a fixed shuffle.
-pub fn load(path: &Path, seed: u64, device: &Device) -> Result<(Split, Split)> {
+pub fn load(path: &Path, seed: u64, device: &Device, dtype: DType) -> Result<(Split, Split)> {
     let file =
         std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut text = String::new();
@@ -57,7 +57,7 @@ pub fn load(path: &Path, seed: u64, device: &Device) -> Result<(Split, Split)> {
         let x: Vec<f32> = rows.iter().flat_map(|r| r.0.iter().copied()).collect();
         let y: Vec<u32> = rows.iter().map(|r| r.1).collect();
         Ok(Split {
-            x: Tensor::from_vec(x, (rows.len(), 64), device)?,
+            x: Tensor::from_vec(x, (rows.len(), 64), device)?.to_dtype(dtype)?,
             y: Tensor::from_vec(y, rows.len(), device)?,
         })
     };
@@ -111,9 +111,21 @@ pub struct Args {
     pub lr: f64,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
+    /// Compute dtype of the model and inputs: f32, bf16 or f16.
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    pub dtype: DType,
     /// Exit with an error if the final test accuracy is below this.
     #[arg(long)]
     pub min_accuracy: Option<f32>,
+}
+
+fn parse_dtype(s: &str) -> Result<DType> {
+    match s {
+        "f32" => Ok(DType::F32),
+        "bf16" => Ok(DType::BF16),
+        "f16" => Ok(DType::F16),
+        other => bail!("--dtype {other}: expected f32, bf16 or f16"),
+    }
 }
 
 /// Checks `--min-accuracy`.

@@ -15,10 +15,10 @@ fn main() -> Result<()> {
     let args = data::Args::parse();
     let accelerator = Accelerator::new()?;
     let device = accelerator.device().clone();
-    let (train, test) = data::load(&args.data, args.seed, &device)?;
+    let (train, test) = data::load(&args.data, args.seed, &device, args.dtype)?;
 
     let varmap = VarMap::new();
-    let model = data::Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &device))?;
+    let model = data::Mlp::new(VarBuilder::from_varmap(&varmap, args.dtype, &device))?;
     let opt = AdamW::new(
         varmap.all_vars(),
         ParamsAdamW {
@@ -39,7 +39,7 @@ fn main() -> Result<()> {
             let logits = model.forward(&batch[0])?;
             let loss = loss::cross_entropy(&logits, &batch[1])?;
             opt.backward_step(&loss)?;
-            sum_loss += loss.to_scalar::<f32>()?;
+            sum_loss += loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         }
         let acc = data::accuracy(&model, &test)?;
         accelerator.print(format!(

@@ -14,10 +14,10 @@ use clap::Parser;
 fn main() -> Result<()> {
     let args = data::Args::parse();
     let device = Device::Cpu;
-    let (train, test) = data::load(&args.data, args.seed, &device)?;
+    let (train, test) = data::load(&args.data, args.seed, &device, args.dtype)?;
 
     let varmap = VarMap::new();
-    let model = data::Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &device))?;
+    let model = data::Mlp::new(VarBuilder::from_varmap(&varmap, args.dtype, &device))?;
     let mut opt = AdamW::new(
         varmap.all_vars(),
         ParamsAdamW {
@@ -37,7 +37,7 @@ fn main() -> Result<()> {
             let logits = model.forward(&batch[0])?;
             let loss = loss::cross_entropy(&logits, &batch[1])?;
             opt.backward_step(&loss)?;
-            sum_loss += loss.to_scalar::<f32>()?;
+            sum_loss += loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         }
         let acc = data::accuracy(&model, &test)?;
         println!(

@@ -5,12 +5,12 @@
 
 use std::path::PathBuf;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, DeviceLocation, Tensor, Var};
 use candle_nn::{Optimizer, SGD};
 use clap::Args;
 use half::{bf16, f16};
 
-use crate::collective::{Buffer, BufferMut, ReduceOp};
+use crate::collective::{Buffer, BufferMut, Collective, NcclCollective, ReduceOp};
 use crate::config::ConfigFile;
 use crate::data::{DataLoader, DistributedSampler, TensorDataset};
 use crate::error::{Error, Result};
@@ -93,7 +93,7 @@ type Check = fn(&Accelerator) -> Result<()>;
 /// then agrees with the others on the verdict.
 fn run_checks(acc: &Accelerator) -> Result<()> {
     let c = acc.collective().as_ref();
-    let checks: [(&str, Check); 5] = [
+    let checks: [(&str, Check); 6] = [
         (
             "all_reduce (sum, mean, max; f32, f64, f16, bf16)",
             check_all_reduce,
@@ -102,6 +102,10 @@ fn run_checks(acc: &Accelerator) -> Result<()> {
         ("all_gather with uneven sizes, barrier", check_all_gather),
         ("distributed sampler", check_sampler),
         ("DDP steps equal a single-process reference", check_ddp),
+        (
+            "GPU tensors through NCCL (skipped on CPU)",
+            check_gpu_tensors,
+        ),
     ];
     let mut failed = Vec::new();
     for (name, check) in checks {
@@ -239,6 +243,61 @@ fn check_sampler(acc: &Accelerator) -> Result<()> {
         return Err(fail(format!(
             "{extra} duplicated samples but {} reported as padding",
             sampler.total_padding()
+        )));
+    }
+    Ok(())
+}
+
+/// all_reduce / broadcast / all_gather of GPU tensors through NCCL; at world size 1 (where the
+/// accelerator short-circuits) through a one-rank NCCL communicator made for the check.
+fn check_gpu_tensors(acc: &Accelerator) -> Result<()> {
+    let device = acc.device();
+    let DeviceLocation::Cuda { gpu_id } = device.location() else {
+        return Ok(());
+    };
+    let own;
+    let c: &dyn Collective = if acc.world_size() == 1 {
+        own = NcclCollective::group(&[gpu_id], acc.state().timeout())?;
+        own.first()
+            .map(|(_, c)| c as &dyn Collective)
+            .ok_or_else(|| fail("no NCCL communicator was created".into()))?
+    } else {
+        acc.collective().as_ref()
+    };
+    let (rank, n) = (c.rank(), c.world_size());
+    for dtype in [DType::F32, DType::BF16] {
+        let t = Tensor::new(&[rank as f32 + 1.0; 5], device)?.to_dtype(dtype)?;
+        let sum: f32 = (1..=n).map(|r| r as f32).sum();
+        for (op, want) in [
+            (ReduceOp::Sum, sum),
+            (ReduceOp::Mean, sum / n as f32),
+            (ReduceOp::Max, n as f32),
+        ] {
+            let got = c
+                .all_reduce_tensor(&t, op)?
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()?;
+            if got
+                .iter()
+                .any(|g| (g - want).abs() > 1e-2 * want.abs().max(1.0))
+            {
+                return Err(fail(format!("{dtype:?} {op:?}: got {got:?}, want {want}")));
+            }
+        }
+    }
+    let b = c.broadcast_tensor(&Tensor::new(&[rank as f32 + 7.0; 3], device)?, 0)?;
+    if b.to_vec1::<f32>()? != vec![7.0; 3] {
+        return Err(fail(
+            "broadcast of a GPU tensor from rank 0 is wrong".into(),
+        ));
+    }
+    let rows = Tensor::full(rank as f32, (rank + 1, 2), device)?;
+    let g = c.all_gather_tensor(&rows)?;
+    let want_rows: usize = (1..=n).sum();
+    if g.dims() != [want_rows, 2] || !g.device().is_cuda() {
+        return Err(fail(format!(
+            "all_gather of GPU tensors gave {:?}",
+            g.dims()
         )));
     }
     Ok(())

@@ -1,6 +1,6 @@
 //! Multi-process collectives over TCP.
 //!
-//! 1. Rank 0 hosts a rendezvous store at `MASTER_ADDR:MASTER_PORT` ([`store`]).
+//! 1. Rank 0 hosts a rendezvous store at `MASTER_ADDR:MASTER_PORT` (`store.rs`).
 //! 2. Every rank listens on an ephemeral port of the interface that reaches rank 0, publishes
 //!    `peer/<rank>` in the store, connects to the next rank and accepts the previous one. Every
 //!    connection opens with a handshake carrying the run's secret ([`wire`]).
