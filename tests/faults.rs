@@ -367,6 +367,14 @@ fn worker_entry() {
             std::process::exit(7)
         }
         ("killed", _) | ("launch", _) => {
+            if role == "launch" {
+                // The launcher SIGTERMs the survivors as soon as rank 2 exits; keep running until
+                // the error is printed (SIGKILL still comes after the grace period).
+                let _ = signal_hook::flag::register(
+                    signal_hook::consts::SIGTERM,
+                    std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
+                );
+            }
             match reduce_ones(&c, 4 << 20) {
                 Ok(()) => {
                     eprintln!("rank {r}: the all_reduce unexpectedly succeeded");
