@@ -596,9 +596,18 @@ fn a_worker_killed_with_sigkill_takes_the_group_down_within_5_seconds() {
 
 #[test]
 fn max_restarts_1_restarts_once_and_a_second_attempt_can_succeed() {
-    let script = "echo attempt=$ACCELERATE_RS_RESTART_COUNT port=$MASTER_PORT; \
-        if [ \"$ACCELERATE_RS_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then exit 3; fi; \
-        if [ \"$ACCELERATE_RS_RESTART_COUNT\" = 0 ]; then exec sleep 60; fi; exit 0";
+    // Rank 1 fails the first attempt only once rank 0 has printed its line (under load the
+    // launcher could otherwise stop rank 0 before its shell ran `echo`).
+    let dir = tempfile::tempdir().unwrap();
+    let started = dir.path().join("rank0-started");
+    let script = format!(
+        "echo attempt=$ACCELERATE_RS_RESTART_COUNT port=$MASTER_PORT; \
+        if [ \"$ACCELERATE_RS_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 0 ]; then touch '{f}'; fi; \
+        if [ \"$ACCELERATE_RS_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then \
+          i=0; while [ ! -e '{f}' ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done; exit 3; fi; \
+        if [ \"$ACCELERATE_RS_RESTART_COUNT\" = 0 ]; then exec sleep 60; fi; exit 0",
+        f = started.display()
+    );
     let (out, elapsed) = run_with_limit(
         launcher().args([
             "launch",
@@ -608,7 +617,7 @@ fn max_restarts_1_restarts_once_and_a_second_attempt_can_succeed() {
             "2",
             "sh",
             "-c",
-            script,
+            &script,
         ]),
         Duration::from_secs(15),
     );
