@@ -4,118 +4,22 @@
 //! The multi-process tests re-run this test binary as the workers: `ddp_worker` does nothing
 //! unless `ACCEL_TEST_ROLE` is set.
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
 use accelerate_rs::collective::ThreadGroup;
-use accelerate_rs::{Accelerator, DataLoader, Error, TensorDataset};
-use candle_core::{DType, Device, Module, Tensor, Var};
-use candle_nn::{loss, Linear, Optimizer, SGD};
+use accelerate_rs::{Accelerator, Error};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::loss;
 
-const IN: usize = 8;
-const HIDDEN: usize = 16;
-const CLASSES: usize = 4;
+mod common;
+use common::exit_worker;
+use common::tiny::{dataset, forward, max_abs_diff, params, reference, snapshot, train, HIDDEN};
+
 const B: usize = 8; // per-rank batch
 const K: usize = 6; // SGD steps
-const LR: f64 = 0.1;
-
-fn det(shape: &[usize], salt: usize, scale: f32) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| (((i * 37 + salt * 101) % 97) as f32 / 97.0 - 0.5) * scale)
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
-
-/// Named parameters; `offset` perturbs the values (ranks other than 0 start elsewhere, so the
-/// broadcast in `prepare` matters) and `hidden` lets a rank disagree on a shape.
-fn params(offset: f32, hidden: usize) -> Vec<(String, Var)> {
-    let mk = |shape: &[usize], salt| {
-        Var::from_tensor(&(det(shape, salt, 0.6) + offset as f64).unwrap()).unwrap()
-    };
-    vec![
-        ("fc1.weight".into(), mk(&[hidden, IN], 1)),
-        ("fc1.bias".into(), mk(&[hidden], 2)),
-        ("fc2.weight".into(), mk(&[CLASSES, hidden], 3)),
-        ("fc2.bias".into(), mk(&[CLASSES], 4)),
-    ]
-}
-
-fn forward(p: &[(String, Var)], x: &Tensor) -> candle_core::Result<Tensor> {
-    let get = |n: &str| {
-        p.iter()
-            .find(|(k, _)| k == n)
-            .unwrap()
-            .1
-            .as_tensor()
-            .clone()
-    };
-    let l1 = Linear::new(get("fc1.weight"), Some(get("fc1.bias")));
-    let l2 = Linear::new(get("fc2.weight"), Some(get("fc2.bias")));
-    l2.forward(&l1.forward(x)?.relu()?)
-}
-
-fn dataset(n: usize) -> TensorDataset {
-    let x = det(&[n, IN], 9, 2.0);
-    let y: Vec<u32> = (0..n).map(|i| ((i * 7) % CLASSES) as u32).collect();
-    TensorDataset::new(vec![x, Tensor::new(y, &Device::Cpu).unwrap()]).unwrap()
-}
-
-fn snapshot(p: &[(String, Var)]) -> HashMap<String, Tensor> {
-    p.iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-        .collect()
-}
-
-/// Trains K steps of per-rank batch `batch` through an accelerator.
-fn train(acc: &Accelerator, p: &[(String, Var)], batch: usize) -> accelerate_rs::Result<()> {
-    let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
-    let opt = SGD::new(vars, LR)?;
-    let loader = DataLoader::new(dataset(2 * B * K), batch);
-    let (mut opt, loader) = acc.prepare(p, opt, loader)?;
-    let mut steps = 0;
-    for b in loader.iter()? {
-        let b = b?;
-        let loss = loss::cross_entropy(&forward(p, &b[0])?, &b[1])?;
-        opt.backward_step(&loss)?;
-        steps += 1;
-    }
-    assert_eq!(steps, K);
-    Ok(())
-}
-
-/// The plain single-process reference: batch 2B, no accelerate-rs in the loop.
-fn reference() -> HashMap<String, Tensor> {
-    let p = params(0.0, HIDDEN);
-    let mut opt = SGD::new(p.iter().map(|(_, v)| v.clone()).collect(), LR).unwrap();
-    let data = dataset(2 * B * K);
-    let loader = DataLoader::new(data, 2 * B);
-    for b in loader.iter().unwrap() {
-        let b = b.unwrap();
-        let loss = loss::cross_entropy(&forward(&p, &b[0]).unwrap(), &b[1]).unwrap();
-        opt.backward_step(&loss).unwrap();
-    }
-    snapshot(&p)
-}
-
-fn max_abs_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .map(|(k, t)| {
-            (t - &b[k])
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        })
-        .fold(0.0, f32::max)
-}
 
 fn worker(role: &str) -> accelerate_rs::Result<()> {
     let acc = Accelerator::builder()
@@ -125,7 +29,7 @@ fn worker(role: &str) -> accelerate_rs::Result<()> {
     match role {
         "equivalence" => {
             let p = params(rank as f32 * 0.25, HIDDEN);
-            train(&acc, &p, B)?;
+            train(&acc, &p, B, K)?;
             if acc.is_main_process() {
                 let out = std::env::var("ACCEL_TEST_OUT")
                     .map_err(|_| Error::invalid("ACCEL_TEST_OUT", "unset"))?;
@@ -135,7 +39,7 @@ fn worker(role: &str) -> accelerate_rs::Result<()> {
         }
         "mismatch" => {
             let p = params(0.0, if rank == 1 { HIDDEN + 1 } else { HIDDEN });
-            train(&acc, &p, B)
+            train(&acc, &p, B, K)
         }
         other => Err(Error::invalid("ACCEL_TEST_ROLE", other.to_string())),
     }
@@ -146,13 +50,7 @@ fn ddp_worker() {
     let Ok(role) = std::env::var("ACCEL_TEST_ROLE") else {
         return;
     };
-    match worker(&role) {
-        Ok(()) => std::process::exit(0),
-        Err(e) => {
-            eprintln!("worker failed: {e}");
-            std::process::exit(1);
-        }
-    }
+    exit_worker(worker(&role));
 }
 
 fn launch(n: usize, role: &str, out: Option<&Path>) -> std::process::Output {
@@ -180,7 +78,7 @@ fn two_processes_with_batch_b_equal_one_process_with_batch_2b() {
     );
     assert!(res.status.success(), "launch failed:\n{text}");
     let ddp = candle_core::safetensors::load(&out, &Device::Cpu).unwrap();
-    let single = reference();
+    let single = reference(2 * B, K);
     let diff = max_abs_diff(&ddp, &single);
     assert!(diff <= 1e-5, "max abs diff {diff}");
     // And training moved the parameters, so the comparison means something.
@@ -232,10 +130,10 @@ fn in_process<R: Send + 'static>(
 fn in_process_ranks_match_the_reference_and_each_other() {
     let results = in_process(2, |acc| {
         let p = params(acc.rank() as f32, HIDDEN);
-        train(&acc, &p, B).unwrap();
+        train(&acc, &p, B, K).unwrap();
         snapshot(&p)
     });
-    let single = reference();
+    let single = reference(2 * B, K);
     for r in &results {
         assert!(max_abs_diff(r, &single) <= 1e-5);
         assert_eq!(

@@ -1,125 +1,26 @@
 //! DP: one process, several model replicas, one thread each (`AcceleratorBuilder::run`), with
 //! CPU replicas over the in-process threads backend.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use accelerate_rs::{Accelerator, AcceleratorBuilder, DataLoader, DistributedType, Error};
 use accelerate_rs::{ReduceOp, TensorDataset};
-use candle_core::{Device, Module, Tensor, Var};
-use candle_nn::{loss, Linear, Optimizer, SGD};
+use candle_core::{Device, Tensor, Var};
 
-const IN: usize = 8;
-const HIDDEN: usize = 16;
-const CLASSES: usize = 4;
+mod common;
+use common::tiny::{max_abs_diff, params, reference, snapshot, train, HIDDEN};
+
 const B: usize = 8; // per-replica batch
 const K: usize = 6; // SGD steps
-const LR: f64 = 0.1;
 
 fn dp(replicas: usize) -> AcceleratorBuilder {
     Accelerator::builder()
         .cpu(true)
         .data_parallel(replicas)
         .timeout(Duration::from_secs(60))
-}
-
-fn det(shape: &[usize], salt: usize, scale: f32) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| (((i * 37 + salt * 101) % 97) as f32 / 97.0 - 0.5) * scale)
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
-
-/// Named parameters; `offset` perturbs the values (replicas other than 0 start elsewhere, so the
-/// broadcast in `prepare` matters).
-fn params(offset: f32) -> Vec<(String, Var)> {
-    let mk = |shape: &[usize], salt| {
-        Var::from_tensor(&(det(shape, salt, 0.6) + offset as f64).unwrap()).unwrap()
-    };
-    vec![
-        ("fc1.weight".into(), mk(&[HIDDEN, IN], 1)),
-        ("fc1.bias".into(), mk(&[HIDDEN], 2)),
-        ("fc2.weight".into(), mk(&[CLASSES, HIDDEN], 3)),
-        ("fc2.bias".into(), mk(&[CLASSES], 4)),
-    ]
-}
-
-fn forward(p: &[(String, Var)], x: &Tensor) -> candle_core::Result<Tensor> {
-    let get = |n: &str| {
-        p.iter()
-            .find(|(k, _)| k == n)
-            .map(|(_, v)| v.as_tensor().clone())
-            .ok_or_else(|| candle_core::Error::Msg(format!("no parameter {n}")))
-    };
-    let l1 = Linear::new(get("fc1.weight")?, Some(get("fc1.bias")?));
-    let l2 = Linear::new(get("fc2.weight")?, Some(get("fc2.bias")?));
-    l2.forward(&l1.forward(x)?.relu()?)
-}
-
-fn dataset(n: usize) -> TensorDataset {
-    let x = det(&[n, IN], 9, 2.0);
-    let y: Vec<u32> = (0..n).map(|i| ((i * 7) % CLASSES) as u32).collect();
-    TensorDataset::new(vec![x, Tensor::new(y, &Device::Cpu).unwrap()]).unwrap()
-}
-
-fn snapshot(p: &[(String, Var)]) -> HashMap<String, Tensor> {
-    p.iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-        .collect()
-}
-
-/// K SGD steps of per-replica batch `batch` over a dataset of `replicas * batch * K` rows.
-fn train(acc: &Accelerator, p: &[(String, Var)], batch: usize) -> accelerate_rs::Result<()> {
-    let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
-    let opt = SGD::new(vars, LR)?;
-    let loader = DataLoader::new(dataset(acc.world_size() * batch * K), batch);
-    let (mut opt, loader) = acc.prepare(p, opt, loader)?;
-    let mut steps = 0;
-    for b in loader.iter()? {
-        let b = b?;
-        let loss = loss::cross_entropy(&forward(p, &b[0])?, &b[1])?;
-        opt.backward_step(&loss)?;
-        steps += 1;
-    }
-    if steps != K {
-        return Err(Error::invalid("steps", format!("{steps} instead of {K}")));
-    }
-    Ok(())
-}
-
-/// Plain single-process training with batch `batch`, no accelerate-rs in the loop.
-fn reference(batch: usize, rows: usize) -> HashMap<String, Tensor> {
-    let p = params(0.0);
-    let mut opt = SGD::new(p.iter().map(|(_, v)| v.clone()).collect(), LR).unwrap();
-    let loader = DataLoader::new(dataset(rows), batch);
-    let mut steps = 0;
-    for b in loader.iter().unwrap() {
-        let b = b.unwrap();
-        let loss = loss::cross_entropy(&forward(&p, &b[0]).unwrap(), &b[1]).unwrap();
-        opt.backward_step(&loss).unwrap();
-        steps += 1;
-    }
-    assert_eq!(steps, K);
-    snapshot(&p)
-}
-
-fn max_abs_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .map(|(k, t)| {
-            (t - &b[k])
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        })
-        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -226,8 +127,8 @@ fn gradients_are_averaged_across_replicas() {
 fn replicas_are_bit_identical_after_k_steps() {
     let out = dp(3)
         .run(|acc| {
-            let p = params(acc.rank() as f32 * 0.5);
-            train(&acc, &p, B)?;
+            let p = params(acc.rank() as f32 * 0.5, HIDDEN);
+            train(&acc, &p, B, K)?;
             Ok(snapshot(&p))
         })
         .unwrap();
@@ -235,25 +136,25 @@ fn replicas_are_bit_identical_after_k_steps() {
         assert_eq!(max_abs_diff(s, &out[0]), 0.0, "replica {r} differs");
     }
     // Training moved the parameters, so the comparison means something.
-    assert!(max_abs_diff(&snapshot(&params(0.0)), &out[0]) > 1e-3);
+    assert!(max_abs_diff(&snapshot(&params(0.0, HIDDEN)), &out[0]) > 1e-3);
 }
 
 fn check_equivalence(replicas: usize) {
     let out = dp(replicas)
         .run(|acc| {
             // Replicas other than 0 start elsewhere: prepare must broadcast replica 0's values.
-            let p = params(acc.rank() as f32);
-            train(&acc, &p, B)?;
+            let p = params(acc.rank() as f32, HIDDEN);
+            train(&acc, &p, B, K)?;
             Ok(snapshot(&p))
         })
         .unwrap();
     assert_eq!(out.len(), replicas);
-    let single = reference(replicas * B, replicas * B * K);
+    let single = reference(replicas * B, K);
     for (r, s) in out.iter().enumerate() {
         let diff = max_abs_diff(s, &single);
         assert!(diff <= 1e-5, "replica {r}: max abs diff {diff}");
     }
-    assert!(max_abs_diff(&snapshot(&params(0.0)), &single) > 1e-3);
+    assert!(max_abs_diff(&snapshot(&params(0.0, HIDDEN)), &single) > 1e-3);
 }
 
 #[test]

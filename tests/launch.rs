@@ -11,6 +11,9 @@ use accelerate_rs::Error;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+mod common;
+use common::free_port;
+
 /// The launcher binary, with a clean logging / thread-count environment.
 fn launcher() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"));
@@ -70,11 +73,6 @@ fn kv(line: &str) -> HashMap<String, String> {
         .filter_map(|w| w.split_once('='))
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
-}
-
-fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
 }
 
 fn alive(pid: i32) -> bool {

@@ -5,102 +5,23 @@
 //! `ACCEL_MULTINODE_ROLE` is set.
 
 use std::collections::HashMap;
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use accelerate_rs::{Accelerator, DataLoader, Error, TensorDataset};
-use candle_core::{Device, Module, Tensor, Var};
-use candle_nn::{loss, Linear, Optimizer, SGD};
+use accelerate_rs::{Accelerator, Error};
+use candle_core::{Device, Tensor};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-const IN: usize = 8;
-const HIDDEN: usize = 16;
-const CLASSES: usize = 4;
+mod common;
+use common::tiny::{max_abs_diff, params, reference, snapshot, train, HIDDEN};
+use common::{exit_worker, free_port};
+
 const B: usize = 4; // per-rank batch
 const K: usize = 5; // SGD steps
-const LR: f64 = 0.1;
 const WORLD: usize = 4;
 const SECRET: &str = "multinode-test-secret-0123456789abcdef";
-
-fn det(shape: &[usize], salt: usize, scale: f32) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| (((i * 37 + salt * 101) % 97) as f32 / 97.0 - 0.5) * scale)
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
-
-/// Named parameters; `offset` perturbs them (ranks other than 0 start elsewhere, so the
-/// broadcast in `prepare` matters).
-fn params(offset: f32) -> Vec<(String, Var)> {
-    let mk = |shape: &[usize], salt| {
-        Var::from_tensor(&(det(shape, salt, 0.6) + offset as f64).unwrap()).unwrap()
-    };
-    vec![
-        ("fc1.weight".into(), mk(&[HIDDEN, IN], 1)),
-        ("fc1.bias".into(), mk(&[HIDDEN], 2)),
-        ("fc2.weight".into(), mk(&[CLASSES, HIDDEN], 3)),
-        ("fc2.bias".into(), mk(&[CLASSES], 4)),
-    ]
-}
-
-fn forward(p: &[(String, Var)], x: &Tensor) -> candle_core::Result<Tensor> {
-    let get = |n: &str| {
-        p.iter()
-            .find(|(k, _)| k == n)
-            .unwrap()
-            .1
-            .as_tensor()
-            .clone()
-    };
-    let l1 = Linear::new(get("fc1.weight"), Some(get("fc1.bias")));
-    let l2 = Linear::new(get("fc2.weight"), Some(get("fc2.bias")));
-    l2.forward(&l1.forward(x)?.relu()?)
-}
-
-fn dataset(n: usize) -> TensorDataset {
-    let x = det(&[n, IN], 9, 2.0);
-    let y: Vec<u32> = (0..n).map(|i| ((i * 7) % CLASSES) as u32).collect();
-    TensorDataset::new(vec![x, Tensor::new(y, &Device::Cpu).unwrap()]).unwrap()
-}
-
-fn snapshot(p: &[(String, Var)]) -> HashMap<String, Tensor> {
-    p.iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-        .collect()
-}
-
-/// Plain single-process training with the global batch WORLD × B.
-fn reference() -> HashMap<String, Tensor> {
-    let p = params(0.0);
-    let mut opt = SGD::new(p.iter().map(|(_, v)| v.clone()).collect(), LR).unwrap();
-    let loader = DataLoader::new(dataset(WORLD * B * K), WORLD * B);
-    for b in loader.iter().unwrap() {
-        let b = b.unwrap();
-        let loss = loss::cross_entropy(&forward(&p, &b[0]).unwrap(), &b[1]).unwrap();
-        opt.backward_step(&loss).unwrap();
-    }
-    snapshot(&p)
-}
-
-fn max_abs_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .map(|(k, t)| {
-            (t - &b[k])
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        })
-        .fold(0.0, f32::max)
-}
 
 fn env_usize(var: &str) -> accelerate_rs::Result<usize> {
     std::env::var(var)
@@ -124,21 +45,9 @@ fn worker() -> accelerate_rs::Result<()> {
         acc.local_rank(),
         env_usize("ACCELERATE_RS_NODE_RANK")?
     );
-    let p = params(rank as f32 * 0.25);
-    let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
-    let opt = SGD::new(vars, LR)?;
-    let loader = DataLoader::new(dataset(WORLD * B * K), B);
-    let (mut opt, loader) = acc.prepare(&p, opt, loader)?;
-    let mut steps = 0;
-    for b in loader.iter()? {
-        let b = b?;
-        let loss = loss::cross_entropy(&forward(&p, &b[0])?, &b[1])?;
-        opt.backward_step(&loss)?;
-        steps += 1;
-    }
-    if steps != K {
-        return Err(Error::invalid("steps", format!("{steps} instead of {K}")));
-    }
+    let p = params(rank as f32 * 0.25, HIDDEN);
+    // The data set has WORLD * B * K rows (world == WORLD was checked above).
+    train(&acc, &p, B, K)?;
     let dir = std::env::var("ACCEL_MULTINODE_OUT").map_err(|_| Error::invalid("OUT", "unset"))?;
     let out = Path::new(&dir).join(format!("rank_{rank}.safetensors"));
     candle_core::safetensors::save(&snapshot(&p), out)?;
@@ -151,20 +60,7 @@ fn multinode_worker() {
     if std::env::var("ACCEL_MULTINODE_ROLE").is_err() {
         return;
     }
-    match worker() {
-        Ok(()) => std::process::exit(0),
-        Err(e) => {
-            eprintln!("worker failed: {e}");
-            std::process::exit(1);
-        }
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free loopback port")
+    exit_worker(worker());
 }
 
 /// Starts the launcher of "machine" `machine_rank`.
@@ -305,11 +201,11 @@ fn two_machines(machine1_first: bool) {
             "rank {r} differs from rank 0"
         );
     }
-    let single = reference();
+    let single = reference(WORLD * B, K);
     let diff = max_abs_diff(&results[0], &single);
     assert!(diff <= 1e-5, "max abs diff to the reference {diff}");
     // Training moved the parameters, so the comparison means something.
-    assert!(max_abs_diff(&snapshot(&params(0.0)), &single) > 1e-3);
+    assert!(max_abs_diff(&snapshot(&params(0.0, HIDDEN)), &single) > 1e-3);
 }
 
 #[test]

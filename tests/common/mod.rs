@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod tiny;
+
 use std::net::TcpListener;
 use std::time::Duration;
 
@@ -65,4 +67,16 @@ where
         .into_iter()
         .map(|h| h.join().expect("rank thread panicked"))
         .collect()
+}
+
+/// Ends a worker process (a test binary re-run under `accelerate-rs launch`): exit 0 on `Ok`,
+/// otherwise `worker failed: <error>` on stderr (tests look for it) and exit 1.
+pub fn exit_worker(result: accelerate_rs::Result<()>) -> ! {
+    match result {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("worker failed: {e}");
+            std::process::exit(1);
+        }
+    }
 }
