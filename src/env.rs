@@ -50,6 +50,8 @@ pub const GRADIENT_ACCUMULATION_STEPS: &str = "ACCELERATE_RS_GRADIENT_ACCUMULATI
 pub const DATA_PARALLEL: &str = "ACCELERATE_RS_DATA_PARALLEL";
 /// Path of the config file (overrides the platform default location).
 pub const CONFIG_FILE: &str = "ACCELERATE_RS_CONFIG_FILE";
+/// Debug mode (`1`/`true`/`yes`/`on`): `gather`, `reduce` and `broadcast` first check that every rank passes a tensor of the same shape and dtype, listing every rank's shape when not (read once per process).
+pub const DEBUG: &str = "ACCELERATE_RS_DEBUG";
 /// How many times the launcher restarted the worker group (0 on the first run).
 pub const RESTART_COUNT: &str = "ACCELERATE_RS_RESTART_COUNT";
 

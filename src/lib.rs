@@ -72,6 +72,9 @@
 //! - [`accelerator`]: [`Accelerator`] and its builder; `prepare`, `backward`.
 //! - [`collective`]: the [`Collective`] trait and its backends (single
 //!   process, TCP ring, in-process threads).
+//! - [`ops`]: collectives for users on [`Accelerator`]: `gather`, `gather_for_metrics`, `reduce`,
+//!   `broadcast`, `pad_across_processes`, `main_process_first`, `split_between_processes`,
+//!   `set_seed`, `debug_shapes`.
 //! - [`dp`]: DP, one process driving several model replicas, one thread each ([`AcceleratorBuilder::run`]).
 //! - [`data`]: [`Dataset`], [`TensorDataset`], [`DistributedSampler`], [`DataLoader`].
 //! - [`launch`]: the launcher behind `accelerate-rs launch`; [`cli`]: the `accelerate-rs` command.
@@ -94,6 +97,7 @@ pub mod gpu;
 #[path = "gpu_stub.rs"]
 pub mod gpu;
 pub mod launch;
+pub mod ops;
 pub mod optimizer;
 pub mod params;
 pub mod state;

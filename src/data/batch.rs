@@ -12,18 +12,29 @@ pub struct Batch {
     tensors: Vec<Tensor>,
     index: usize,
     padding: usize,
+    global_padding: usize,
     num_batches: usize,
 }
 
 impl Batch {
     /// Assembles a batch (used by the loader; public for custom loops and tests).
+    ///
+    /// The [`global_padding`](Self::global_padding) starts equal to `padding` (right for a single
+    /// process); set it with [`with_global_padding`](Self::with_global_padding) for several.
     pub fn new(tensors: Vec<Tensor>, index: usize, padding: usize, num_batches: usize) -> Self {
         Batch {
             tensors,
             index,
             padding,
+            global_padding: padding,
             num_batches,
         }
+    }
+
+    /// Sets how many samples of the whole global batch (all ranks together) are padding.
+    pub fn with_global_padding(mut self, global_padding: usize) -> Self {
+        self.global_padding = global_padding;
+        self
     }
 
     /// The batch number in the epoch (0-based).
@@ -34,6 +45,15 @@ impl Batch {
     /// How many samples of this batch (on this rank) are padding duplicates.
     pub fn padding(&self) -> usize {
         self.padding
+    }
+
+    /// How many samples of this batch's global batch (this batch on every rank, concatenated in
+    /// rank order) are padding duplicates. They sit at the global batch's tail, so dropping the last
+    /// `global_padding()` rows of a gathered tensor counts every sample exactly once (what
+    /// [`Accelerator::gather_for_metrics`](crate::Accelerator::gather_for_metrics) does). The same on
+    /// every rank; non-zero only in the epoch's last global batch.
+    pub fn global_padding(&self) -> usize {
+        self.global_padding
     }
 
     /// The number of batches this rank yields in the epoch.

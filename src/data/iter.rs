@@ -11,11 +11,13 @@ use candle_core::{Device, Tensor};
 use super::{Batch, Dataset};
 use crate::{Error, Result};
 
-/// One planned batch: its dataset indices and how many of them are padding.
+/// One planned batch: its dataset indices, how many of them are padding, and how many samples of
+/// its global batch (all ranks) are padding.
 #[derive(Debug, Clone)]
 pub(crate) struct BatchPlan {
     pub(crate) indices: Vec<usize>,
     pub(crate) padding: usize,
+    pub(crate) global_padding: usize,
 }
 
 /// Builds one batch on `device`.
@@ -31,7 +33,8 @@ fn build(
         .iter()
         .map(|t| t.to_device(device))
         .collect::<candle_core::Result<Vec<Tensor>>>()?;
-    Ok(Batch::new(tensors, index, plan.padding, num_batches))
+    Ok(Batch::new(tensors, index, plan.padding, num_batches)
+        .with_global_padding(plan.global_padding))
 }
 
 /// The iterator over one epoch of batches. Yields `Err` at most once, and then ends.

@@ -209,9 +209,16 @@ impl DataLoader {
         let plans = batches
             .into_iter()
             .zip(sampler.plan())
-            .map(|(indices, planned)| BatchPlan {
-                indices,
-                padding: sampler.padding_of(&planned),
+            .map(|(indices, planned)| {
+                // Every rank's batch of this global batch has the same length, and rank r's starts
+                // r lengths after the global batch's start; padding is what lies past the dataset.
+                let start = planned.start - sampler.rank() * planned.len;
+                let end = start + sampler.num_replicas() * planned.len;
+                BatchPlan {
+                    indices,
+                    padding: sampler.padding_of(&planned),
+                    global_padding: end.saturating_sub(start.max(sampler.len())),
+                }
             })
             .collect();
         BatchIter::new(
