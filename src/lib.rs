@@ -80,6 +80,10 @@
 //! - [`launch`]: the launcher behind `accelerate-rs launch`; [`cli`]: the `accelerate-rs` command.
 //! - [`config`], [`state`], [`env`](mod@env): settings, their sources and the variable names.
 //! - [`gpu`]: GPU discovery (`gpu_stub.rs` in a build without the `cuda` feature).
+//! - [`optim`]: [`optim::AdamW`] and [`optim::Sgd`] (momentum, Nesterov, weight decay) with
+//!   their state exposed for checkpoints ([`optim::OptimizerState`]).
+//! - [`scheduler`]: learning-rate schedules ([`scheduler::LrScheduler`], warmup + cosine or
+//!   linear decay) and the [`scheduler::Schedule`] driver, stepped once per optimizer step.
 //! - [`error`]: the typed [`Error`].
 #![deny(missing_docs)]
 
@@ -98,8 +102,10 @@ pub mod gpu;
 pub mod gpu;
 pub mod launch;
 pub mod ops;
+pub mod optim;
 pub mod optimizer;
 pub mod params;
+pub mod scheduler;
 pub mod state;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};

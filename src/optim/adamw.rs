@@ -1,0 +1,254 @@
+//! AdamW with exposed state.
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use candle_nn::{Optimizer, ParamsAdamW};
+
+use super::{candle_err, check_lr, fit_tensor, parse_name, OptimizerState};
+use crate::error::{Error, Result};
+
+/// One parameter and its two moments.
+#[derive(Debug)]
+struct Slot {
+    var: Var,
+    m: Tensor,
+    v: Tensor,
+}
+
+/// AdamW (Loshchilov & Hutter): the same update and defaults as [`candle_nn::AdamW`]
+/// ([`ParamsAdamW`]: lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01, bias correction),
+/// with its state exposed for checkpoints ([`state`](Self::state),
+/// [`load_state`](Self::load_state)).
+///
+/// Per parameter θ with gradient g, at step t (from 1):
+/// `m = β1·m + (1−β1)·g`, `v = β2·v + (1−β2)·g²`,
+/// `θ = θ·(1 − lr·λ) − lr · (m / (1−β1ᵗ)) / (sqrt(v / (1−β2ᵗ)) + ε)`.
+/// Parameters without a gradient are left alone (their moments too); the step count advances on
+/// every call, as in Candle. Non-float parameters are dropped at construction.
+#[derive(Debug)]
+pub struct AdamW {
+    slots: Vec<Slot>,
+    step_t: u64,
+    params: ParamsAdamW,
+}
+
+fn check_params(p: &ParamsAdamW) -> Result<()> {
+    check_lr("AdamW lr", p.lr)?;
+    for (name, beta) in [("AdamW beta1", p.beta1), ("AdamW beta2", p.beta2)] {
+        if !(0.0..1.0).contains(&beta) {
+            return Err(Error::invalid(
+                name,
+                format!("must be in [0, 1), got {beta}"),
+            ));
+        }
+    }
+    if !p.eps.is_finite() || p.eps < 0.0 {
+        return Err(Error::invalid(
+            "AdamW eps",
+            format!("must be a finite number >= 0, got {}", p.eps),
+        ));
+    }
+    if !p.weight_decay.is_finite() || p.weight_decay < 0.0 {
+        return Err(Error::invalid(
+            "AdamW weight_decay",
+            format!("must be a finite number >= 0, got {}", p.weight_decay),
+        ));
+    }
+    Ok(())
+}
+
+/// `beta^t`, exact as Candle's `powi` while `t` fits an `i32`.
+fn pow(beta: f64, t: u64) -> f64 {
+    match i32::try_from(t) {
+        Ok(t) => beta.powi(t),
+        Err(_) => beta.powf(t as f64),
+    }
+}
+
+impl Optimizer for AdamW {
+    type Config = ParamsAdamW;
+
+    fn new(vars: Vec<Var>, params: ParamsAdamW) -> candle_core::Result<Self> {
+        check_params(&params).map_err(candle_err)?;
+        let slots = vars
+            .into_iter()
+            .filter(|var| var.dtype().is_float())
+            .map(|var| {
+                let m = Tensor::zeros(var.shape(), var.dtype(), var.device())?;
+                let v = m.clone();
+                Ok(Slot { var, m, v })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(AdamW {
+            slots,
+            step_t: 0,
+            params,
+        })
+    }
+
+    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        self.step_t += 1;
+        let ParamsAdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } = self.params;
+        let scale_m = 1.0 / (1.0 - pow(beta1, self.step_t));
+        // sqrt(v / (1 - β2ᵗ)) = sqrt(v) · sqrt(1 / (1 - β2ᵗ)): one fused affine instead of two ops.
+        let sqrt_scale_v = (1.0 / (1.0 - pow(beta2, self.step_t))).sqrt();
+        let decay = 1.0 - lr * weight_decay;
+        for slot in self.slots.iter_mut() {
+            let Some(g) = grads.get(&slot.var) else {
+                continue;
+            };
+            let m = ((&slot.m * beta1)? + (g * (1.0 - beta1))?)?;
+            let v = ((&slot.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+            let denom = v.sqrt()?.affine(sqrt_scale_v, eps)?;
+            let update = m.div(&denom)?.affine(lr * scale_m, 0.0)?;
+            let theta = slot.var.as_tensor();
+            let next = if weight_decay == 0.0 {
+                theta.sub(&update)?
+            } else {
+                theta.affine(decay, 0.0)?.sub(&update)?
+            };
+            slot.var.set(&next)?;
+            slot.m = m;
+            slot.v = v;
+        }
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.params.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.params.lr = lr
+    }
+}
+
+impl AdamW {
+    /// AdamW with Candle's defaults and learning rate `lr`.
+    pub fn new_lr(vars: Vec<Var>, lr: f64) -> Result<Self> {
+        let params = ParamsAdamW {
+            lr,
+            ..ParamsAdamW::default()
+        };
+        Ok(<Self as Optimizer>::new(vars, params)?)
+    }
+
+    /// The hyper-parameters.
+    pub fn params(&self) -> &ParamsAdamW {
+        &self.params
+    }
+
+    /// Replaces the hyper-parameters (checked as in `new`).
+    pub fn set_params(&mut self, params: ParamsAdamW) -> Result<()> {
+        check_params(&params)?;
+        self.params = params;
+        Ok(())
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn step_count(&self) -> u64 {
+        self.step_t
+    }
+
+    /// The parameters, in index order (the `i` of the state's tensor names).
+    pub fn vars(&self) -> Vec<&Var> {
+        self.slots.iter().map(|s| &s.var).collect()
+    }
+
+    /// The state for a checkpoint: step count, learning rate and `"{i}.m"`, `"{i}.v"` for every
+    /// parameter `i`. Cheap (the tensors are shared, not copied) and a true snapshot: later steps
+    /// replace the moments rather than writing into them.
+    pub fn state(&self) -> OptimizerState {
+        let mut tensors = Vec::with_capacity(2 * self.slots.len());
+        for (i, s) in self.slots.iter().enumerate() {
+            tensors.push((format!("{i}.m"), s.m.clone()));
+            tensors.push((format!("{i}.v"), s.v.clone()));
+        }
+        OptimizerState {
+            step: self.step_t,
+            lr: self.params.lr,
+            tensors,
+        }
+    }
+
+    /// Restores a state taken with [`state`](Self::state) on an optimizer over parameters of the
+    /// same shapes, in the same order. Sets the step count and the learning rate. Tensors are
+    /// copied to the parameters' device and dtype. Errors, naming the offending tensor, on a
+    /// missing, duplicate, unknown or misshapen tensor, or on a wrong count; on error nothing
+    /// changes.
+    pub fn load_state(&mut self, state: OptimizerState) -> Result<()> {
+        check_lr("AdamW state lr", state.lr)?;
+        let n = self.slots.len();
+        if state.tensors.len() != 2 * n {
+            return Err(Error::invalid(
+                "AdamW state",
+                format!(
+                    "has {} tensors, but this optimizer has {n} parameters and expects {} \
+                     (`{{i}}.m` and `{{i}}.v` for each)",
+                    state.tensors.len(),
+                    2 * n
+                ),
+            ));
+        }
+        let mut ms: Vec<Option<Tensor>> = vec![None; n];
+        let mut vs: Vec<Option<Tensor>> = vec![None; n];
+        for (name, tensor) in &state.tensors {
+            let (i, target) = match parse_name(name) {
+                Some((i, "m")) if i < n => (i, &mut ms),
+                Some((i, "v")) if i < n => (i, &mut vs),
+                _ => {
+                    return Err(Error::invalid(
+                        format!("AdamW state tensor `{name}`"),
+                        format!("unknown name: expected `{{i}}.m` or `{{i}}.v` with i < {n}"),
+                    ))
+                }
+            };
+            if target[i].is_some() {
+                return Err(Error::invalid(
+                    format!("AdamW state tensor `{name}`"),
+                    "appears twice",
+                ));
+            }
+            let var = &self.slots[i].var;
+            target[i] = Some(fit_tensor(
+                "AdamW",
+                name,
+                tensor,
+                var.shape(),
+                var.dtype(),
+                var.device(),
+            )?);
+        }
+        let mut fitted = Vec::with_capacity(n);
+        for (i, (m, v)) in ms.into_iter().zip(vs).enumerate() {
+            match (m, v) {
+                (Some(m), Some(v)) => fitted.push((m, v)),
+                (None, _) => {
+                    return Err(Error::invalid(
+                        format!("AdamW state tensor `{i}.m`"),
+                        "is missing",
+                    ))
+                }
+                (_, None) => {
+                    return Err(Error::invalid(
+                        format!("AdamW state tensor `{i}.v`"),
+                        "is missing",
+                    ))
+                }
+            }
+        }
+        for (slot, (m, v)) in self.slots.iter_mut().zip(fitted) {
+            slot.m = m;
+            slot.v = v;
+        }
+        self.step_t = state.step;
+        self.params.lr = state.lr;
+        Ok(())
+    }
+}

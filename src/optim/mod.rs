@@ -1,0 +1,103 @@
+//! Optimizers whose state can be saved and restored: [`AdamW`] and [`Sgd`] (with momentum,
+//! Nesterov and weight decay).
+//!
+//! Both implement [`candle_nn::Optimizer`], so they drop into
+//! [`Accelerator::prepare`](crate::Accelerator::prepare) and
+//! [`AcceleratedOptimizer::backward_step`](crate::AcceleratedOptimizer::backward_step) like
+//! Candle's own. On top of that they expose their state for checkpoints:
+//! [`state`](AdamW::state) returns an [`OptimizerState`] (step count, learning rate and the named
+//! per-parameter moment tensors) and [`load_state`](AdamW::load_state) puts one back, checking
+//! that it fits the parameters. A run resumed from a state continues bit-identically to one that
+//! was never interrupted.
+//!
+//! Tensor names use the parameter's index in the list given to `new` (after dropping the
+//! non-float ones, as Candle does): `"{i}.m"` and `"{i}.v"` for AdamW's first and second moments,
+//! `"{i}.momentum"` for SGD's momentum buffer. Pass the parameters in the same order when
+//! restoring (e.g. sorted by name, as [`Parameters`](crate::Parameters) does).
+//!
+//! The moment tensors are replaced, never written in place, so a state taken with
+//! [`state`](AdamW::state) is a snapshot: later steps do not change it.
+
+mod adamw;
+mod sgd;
+
+pub use adamw::AdamW;
+pub use candle_nn::ParamsAdamW;
+pub use sgd::{Sgd, SgdConfig};
+
+use candle_core::{DType, Device, Shape, Tensor};
+
+use crate::error::{Error, Result};
+
+/// An optimizer's state, for checkpoints: what is needed, besides the parameters, to continue
+/// training exactly where it stopped.
+#[derive(Clone, Debug)]
+pub struct OptimizerState {
+    /// Optimizer steps taken so far.
+    pub step: u64,
+    /// The learning rate in force.
+    pub lr: f64,
+    /// Named per-parameter tensors (`"{i}.m"`, `"{i}.v"`, `"{i}.momentum"`), in parameter order.
+    pub tensors: Vec<(String, Tensor)>,
+}
+
+impl OptimizerState {
+    /// The tensor stored under `name`, if any.
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t)
+    }
+}
+
+/// Checks that `lr` is a usable learning rate.
+pub(crate) fn check_lr(name: &str, lr: f64) -> Result<()> {
+    if !lr.is_finite() || lr < 0.0 {
+        return Err(Error::invalid(
+            name,
+            format!("must be a finite number >= 0, got {lr}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Splits `"{i}.{kind}"` into the parameter index and the kind.
+pub(crate) fn parse_name(name: &str) -> Option<(usize, &str)> {
+    let (index, kind) = name.split_once('.')?;
+    Some((index.parse().ok()?, kind))
+}
+
+/// Checks a loaded tensor against its parameter and brings it to the parameter's dtype and device
+/// (a fresh copy, so the caller's tensor is never aliased).
+pub(crate) fn fit_tensor(
+    optimizer: &str,
+    name: &str,
+    tensor: &Tensor,
+    shape: &Shape,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    if tensor.shape() != shape {
+        return Err(Error::invalid(
+            format!("{optimizer} state tensor `{name}`"),
+            format!(
+                "has shape {:?}, but its parameter has shape {:?}",
+                tensor.dims(),
+                shape.dims()
+            ),
+        ));
+    }
+    if !tensor.dtype().is_float() {
+        return Err(Error::invalid(
+            format!("{optimizer} state tensor `{name}`"),
+            format!("has non-float dtype {:?}", tensor.dtype()),
+        ));
+    }
+    let t = tensor.to_device(device)?.to_dtype(dtype)?;
+    // `to_device`/`to_dtype` return the same storage when nothing changes: copy so that the
+    // optimizer never shares storage with a tensor the caller may still hold (a `Var`).
+    Ok(t.copy()?)
+}
+
+/// Wraps a crate error for [`candle_nn::Optimizer`] methods, which return Candle's `Result`.
+pub(crate) fn candle_err(e: Error) -> candle_core::Error {
+    e.into()
+}

@@ -1,0 +1,290 @@
+//! SGD with momentum, Nesterov and weight decay, with exposed state.
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use candle_nn::Optimizer;
+
+use super::{candle_err, check_lr, fit_tensor, parse_name, OptimizerState};
+use crate::error::{Error, Result};
+
+/// [`Sgd`]'s hyper-parameters (PyTorch's `torch.optim.SGD`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SgdConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum factor (0: plain SGD).
+    pub momentum: f64,
+    /// Dampening of the momentum (0 in most recipes).
+    pub dampening: f64,
+    /// L2 penalty added to the gradient (`g + weight_decay · θ`).
+    pub weight_decay: f64,
+    /// Nesterov momentum (needs `momentum > 0` and `dampening == 0`).
+    pub nesterov: bool,
+}
+
+impl SgdConfig {
+    /// Plain SGD with learning rate `lr`: no momentum, no dampening, no weight decay.
+    pub fn new(lr: f64) -> Self {
+        SgdConfig {
+            lr,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        }
+    }
+
+    /// Sets the momentum factor.
+    pub fn momentum(mut self, momentum: f64) -> Self {
+        self.momentum = momentum;
+        self
+    }
+
+    /// Sets the dampening.
+    pub fn dampening(mut self, dampening: f64) -> Self {
+        self.dampening = dampening;
+        self
+    }
+
+    /// Sets the weight decay.
+    pub fn weight_decay(mut self, weight_decay: f64) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+
+    /// Turns Nesterov momentum on or off.
+    pub fn nesterov(mut self, nesterov: bool) -> Self {
+        self.nesterov = nesterov;
+        self
+    }
+
+    /// Checks the values, naming the first bad field.
+    pub fn validate(&self) -> Result<()> {
+        check_lr("Sgd lr", self.lr)?;
+        for (name, value) in [
+            ("Sgd momentum", self.momentum),
+            ("Sgd dampening", self.dampening),
+            ("Sgd weight_decay", self.weight_decay),
+        ] {
+            if !value.is_finite() || value < 0.0 {
+                return Err(Error::invalid(
+                    name,
+                    format!("must be a finite number >= 0, got {value}"),
+                ));
+            }
+        }
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return Err(Error::invalid(
+                "Sgd nesterov",
+                format!(
+                    "needs momentum > 0 and dampening == 0, got momentum {} and dampening {}",
+                    self.momentum, self.dampening
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl From<f64> for SgdConfig {
+    fn from(lr: f64) -> Self {
+        SgdConfig::new(lr)
+    }
+}
+
+/// One parameter and its momentum buffer (created on its first step with a gradient).
+#[derive(Debug)]
+struct Slot {
+    var: Var,
+    momentum: Option<Tensor>,
+}
+
+/// Stochastic gradient descent with PyTorch's semantics, with its state exposed for checkpoints
+/// ([`state`](Self::state), [`load_state`](Self::load_state)).
+///
+/// Per parameter θ with gradient g:
+/// `d = g + wd·θ`; with momentum μ > 0, `buf = μ·buf + (1 − dampening)·d` (on the first step
+/// `buf = d`) and `d = d + μ·buf` (Nesterov) or `d = buf`; then `θ = θ − lr·d`. With momentum 0
+/// and weight decay 0 this is exactly [`candle_nn::SGD`]. Parameters without a gradient are left
+/// alone (their buffers too). Non-float parameters are dropped at construction.
+#[derive(Debug)]
+pub struct Sgd {
+    slots: Vec<Slot>,
+    step_t: u64,
+    config: SgdConfig,
+}
+
+impl Optimizer for Sgd {
+    type Config = SgdConfig;
+
+    fn new(vars: Vec<Var>, config: SgdConfig) -> candle_core::Result<Self> {
+        config.validate().map_err(candle_err)?;
+        let slots = vars
+            .into_iter()
+            .filter(|var| var.dtype().is_float())
+            .map(|var| Slot {
+                var,
+                momentum: None,
+            })
+            .collect();
+        Ok(Sgd {
+            slots,
+            step_t: 0,
+            config,
+        })
+    }
+
+    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        self.step_t += 1;
+        let SgdConfig {
+            lr,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+        } = self.config;
+        for slot in self.slots.iter_mut() {
+            let Some(g) = grads.get(&slot.var) else {
+                continue;
+            };
+            let theta = slot.var.as_tensor();
+            let d = if weight_decay == 0.0 {
+                g.clone()
+            } else {
+                theta.affine(weight_decay, 0.0)?.add(g)?
+            };
+            let d = if momentum == 0.0 {
+                d
+            } else {
+                let buf = match &slot.momentum {
+                    None => d.clone(),
+                    Some(buf) => (buf * momentum)?.add(&(&d * (1.0 - dampening))?)?,
+                };
+                let d = if nesterov {
+                    d.add(&(&buf * momentum)?)?
+                } else {
+                    buf.clone()
+                };
+                slot.momentum = Some(buf);
+                d
+            };
+            // The same two ops as `candle_nn::SGD`, so plain SGD matches it bit for bit.
+            slot.var.set(&theta.sub(&(d * lr)?)?)?;
+        }
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.config.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.config.lr = lr
+    }
+}
+
+impl Sgd {
+    /// The hyper-parameters.
+    pub fn config(&self) -> &SgdConfig {
+        &self.config
+    }
+
+    /// Replaces the hyper-parameters (checked as in `new`).
+    pub fn set_config(&mut self, config: SgdConfig) -> Result<()> {
+        config.validate()?;
+        self.config = config;
+        Ok(())
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn step_count(&self) -> u64 {
+        self.step_t
+    }
+
+    /// The parameters, in index order (the `i` of the state's tensor names).
+    pub fn vars(&self) -> Vec<&Var> {
+        self.slots.iter().map(|s| &s.var).collect()
+    }
+
+    /// The state for a checkpoint: step count, learning rate and `"{i}.momentum"` for every
+    /// parameter `i` that has a momentum buffer (none without momentum, and none for a parameter
+    /// that never had a gradient). Cheap and a true snapshot, as for [`AdamW`](super::AdamW).
+    pub fn state(&self) -> OptimizerState {
+        let tensors = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                s.momentum
+                    .as_ref()
+                    .map(|m| (format!("{i}.momentum"), m.clone()))
+            })
+            .collect();
+        OptimizerState {
+            step: self.step_t,
+            lr: self.config.lr,
+            tensors,
+        }
+    }
+
+    /// Restores a state taken with [`state`](Self::state) on an optimizer over parameters of the
+    /// same shapes, in the same order. Sets the step count and the learning rate; parameters
+    /// without a `"{i}.momentum"` tensor get no buffer (as before their first step). Errors,
+    /// naming the offending tensor, on a duplicate, unknown or misshapen tensor, or on more
+    /// tensors than parameters; on error nothing changes.
+    pub fn load_state(&mut self, state: OptimizerState) -> Result<()> {
+        check_lr("Sgd state lr", state.lr)?;
+        let n = self.slots.len();
+        if state.tensors.len() > n {
+            return Err(Error::invalid(
+                "Sgd state",
+                format!(
+                    "has {} tensors, but this optimizer has only {n} parameters",
+                    state.tensors.len()
+                ),
+            ));
+        }
+        if self.config.momentum == 0.0 && !state.tensors.is_empty() {
+            return Err(Error::invalid(
+                "Sgd state",
+                format!(
+                    "has {} momentum buffers, but this optimizer has momentum 0",
+                    state.tensors.len()
+                ),
+            ));
+        }
+        let mut bufs: Vec<Option<Tensor>> = vec![None; n];
+        for (name, tensor) in &state.tensors {
+            let i = match parse_name(name) {
+                Some((i, "momentum")) if i < n => i,
+                _ => {
+                    return Err(Error::invalid(
+                        format!("Sgd state tensor `{name}`"),
+                        format!("unknown name: expected `{{i}}.momentum` with i < {n}"),
+                    ))
+                }
+            };
+            if bufs[i].is_some() {
+                return Err(Error::invalid(
+                    format!("Sgd state tensor `{name}`"),
+                    "appears twice",
+                ));
+            }
+            let var = &self.slots[i].var;
+            bufs[i] = Some(fit_tensor(
+                "Sgd",
+                name,
+                tensor,
+                var.shape(),
+                var.dtype(),
+                var.device(),
+            )?);
+        }
+        for (slot, buf) in self.slots.iter_mut().zip(bufs) {
+            slot.momentum = buf;
+        }
+        self.step_t = state.step;
+        self.config.lr = state.lr;
+        Ok(())
+    }
+}
