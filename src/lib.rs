@@ -78,6 +78,9 @@
 //! - [`config`], [`state`], [`env`](mod@env): settings, their sources and the variable names.
 //! - [`gpu`]: GPU discovery (`gpu_stub.rs` in a build without the `cuda` feature).
 //! - [`error`]: the typed [`Error`].
+//! - [`tracking`]: metric trackers (JSON Lines, TensorBoard) written by the main process only,
+//!   and a main-process [`Progress`](tracking::Progress) bar.
+//! - [`logging`]: `env_logger` set-up with a `[rank N]` prefix on each line.
 #![deny(missing_docs)]
 
 pub mod accelerator;
@@ -94,9 +97,11 @@ pub mod gpu;
 #[path = "gpu_stub.rs"]
 pub mod gpu;
 pub mod launch;
+pub mod logging;
 pub mod optimizer;
 pub mod params;
 pub mod state;
+pub mod tracking;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};
 pub use collective::{Collective, ReduceOp};
