@@ -67,7 +67,7 @@ fn crc32c_bitwise(data: &[u8]) -> u32 {
 
 fn masked(data: &[u8]) -> u32 {
     let c = crc32c_bitwise(data);
-    ((c >> 15) | (c << 17)).wrapping_add(0xa282_ead8)
+    c.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
 fn read_records(path: &Path) -> Vec<Vec<u8>> {

@@ -130,7 +130,7 @@ impl Trackers {
 
     /// Adds an already built tracker. On a non-main process it is dropped unused; prefer
     /// [`add_with`](Trackers::add_with) there, so that it is not built at all.
-    pub fn add(mut self, tracker: impl Tracker + 'static) -> Self {
+    pub fn with_tracker(mut self, tracker: impl Tracker + 'static) -> Self {
         if self.active {
             self.members.push(Box::new(tracker));
         }
