@@ -138,9 +138,10 @@ impl Trackers {
     }
 }
 
-impl Tracker for Trackers {
-    /// Logs to every member; all are tried even if one fails, and the first error is returned.
-    fn log(&mut self, metrics: &[(&str, f64)], step: u64) -> Result<()> {
+impl Trackers {
+    /// Logs to every member (nothing on a non-main process); all are tried even if one fails,
+    /// and the first error is returned. Same as [`Tracker::log`], without importing the trait.
+    pub fn log(&mut self, metrics: &[(&str, f64)], step: u64) -> Result<()> {
         let mut first = Ok(());
         for t in &mut self.members {
             if let Err(e) = t.log(metrics, step) {
@@ -153,7 +154,8 @@ impl Tracker for Trackers {
     }
 
     /// Flushes every member; all are tried even if one fails, and the first error is returned.
-    fn flush(&mut self) -> Result<()> {
+    /// Same as [`Tracker::flush`], without importing the trait.
+    pub fn flush(&mut self) -> Result<()> {
         let mut first = Ok(());
         for t in &mut self.members {
             if let Err(e) = t.flush() {
@@ -163,6 +165,16 @@ impl Tracker for Trackers {
             }
         }
         first
+    }
+}
+
+impl Tracker for Trackers {
+    fn log(&mut self, metrics: &[(&str, f64)], step: u64) -> Result<()> {
+        Trackers::log(self, metrics, step)
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        Trackers::flush(self)
     }
 }
 
