@@ -85,6 +85,9 @@
 //! - [`scheduler`]: learning-rate schedules ([`scheduler::LrScheduler`], warmup + cosine or
 //!   linear decay) and the [`scheduler::Schedule`] driver, stepped once per optimizer step.
 //! - [`error`]: the typed [`Error`].
+//! - [`tracking`]: metric trackers (JSON Lines, TensorBoard) written by the main process only,
+//!   and a main-process [`Progress`](tracking::Progress) bar.
+//! - [`logging`]: `env_logger` set-up with a `[rank N]` prefix on each line.
 #![deny(missing_docs)]
 
 pub mod accelerator;
@@ -101,12 +104,14 @@ pub mod gpu;
 #[path = "gpu_stub.rs"]
 pub mod gpu;
 pub mod launch;
+pub mod logging;
 pub mod ops;
 pub mod optim;
 pub mod optimizer;
 pub mod params;
 pub mod scheduler;
 pub mod state;
+pub mod tracking;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};
 pub use collective::{Collective, ReduceOp};

@@ -1,0 +1,205 @@
+//! Experiment trackers: write training metrics to a JSON Lines file or a TensorBoard event file,
+//! from the main process only.
+//!
+//! Every tracker implements [`Tracker`]; a [`Trackers`] set fans each [`log`](Tracker::log) call
+//! out to all of its members. Build the set with [`trackers`] (or [`Trackers::for_process`]) so
+//! that only the main process (rank 0) creates files and writes to them: on every other rank the
+//! set stays empty, the trackers are never constructed and logging is a no-op, so the training
+//! loop can call it unconditionally.
+//!
+//! ```no_run
+//! use accelerate_rs::tracking::{self, progress::Progress};
+//! use accelerate_rs::Accelerator;
+//!
+//! fn main() -> accelerate_rs::Result<()> {
+//!     let accelerator = Accelerator::new()?;
+//!     let mut trackers = tracking::trackers(&accelerator)
+//!         .jsonl("runs/exp1/metrics.jsonl")?
+//!         .tensorboard("runs/exp1")?;
+//!     let progress = Progress::for_accelerator(&accelerator, 100);
+//!     for step in 0..100u64 {
+//!         let loss = 1.0 / (step + 1) as f64;
+//!         trackers.log(&[("loss", loss), ("lr", 0.01)], step)?;
+//!         progress.set_message(format!("loss {loss:.4}"));
+//!         progress.inc(1);
+//!     }
+//!     progress.finish();
+//!     trackers.flush()
+//! }
+//! ```
+
+pub mod jsonl;
+pub mod progress;
+pub mod tensorboard;
+
+use std::path::Path;
+
+pub use jsonl::JsonlTracker;
+pub use progress::Progress;
+pub use tensorboard::TensorBoardTracker;
+
+use crate::{Accelerator, Result};
+
+/// Something that records scalar metrics against a training step.
+pub trait Tracker: Send {
+    /// Records `metrics` (name, value) for `step`.
+    fn log(&mut self, metrics: &[(&str, f64)], step: u64) -> Result<()>;
+
+    /// Pushes everything recorded so far to durable storage.
+    fn flush(&mut self) -> Result<()>;
+}
+
+/// A set of trackers; [`log`](Tracker::log) and [`flush`](Tracker::flush) fan out to every member.
+///
+/// A set made for a non-main process ([`Trackers::for_process`]`(false)`) is inert: adding to it
+/// constructs nothing (the `jsonl`, `tensorboard` and [`add_with`](Trackers::add_with) builders
+/// do not even create the tracker, so no file appears), and logging does nothing.
+pub struct Trackers {
+    active: bool,
+    members: Vec<Box<dyn Tracker>>,
+}
+
+impl Default for Trackers {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for Trackers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trackers")
+            .field("active", &self.active)
+            .field("members", &self.members.len())
+            .finish()
+    }
+}
+
+impl Trackers {
+    /// An active, empty set (for a single-process program).
+    pub fn new() -> Self {
+        Self::for_process(true)
+    }
+
+    /// An empty set that is active only when `is_main` is true; pass
+    /// [`Accelerator::is_main_process`]. See [`trackers`].
+    pub fn for_process(is_main: bool) -> Self {
+        Trackers {
+            active: is_main,
+            members: Vec::new(),
+        }
+    }
+
+    /// Whether this set records anything (true on the main process).
+    pub fn is_active(&self) -> bool {
+        self.active
+    }
+
+    /// How many trackers the set holds (always 0 on a non-main process).
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Whether the set holds no tracker.
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// Adds a [`JsonlTracker`] writing to `path`; on a non-main process, does nothing.
+    pub fn jsonl(self, path: impl AsRef<Path>) -> Result<Self> {
+        self.add_with(|| JsonlTracker::create(path))
+    }
+
+    /// Adds a [`TensorBoardTracker`] writing an event file into `dir`; on a non-main process,
+    /// does nothing.
+    pub fn tensorboard(self, dir: impl AsRef<Path>) -> Result<Self> {
+        self.add_with(|| TensorBoardTracker::create(dir))
+    }
+
+    /// Adds the tracker `make` builds; `make` is called on the main process only, so a tracker
+    /// that creates files (or connects somewhere) does so only there.
+    pub fn add_with<T, F>(mut self, make: F) -> Result<Self>
+    where
+        T: Tracker + 'static,
+        F: FnOnce() -> Result<T>,
+    {
+        if self.active {
+            self.members.push(Box::new(make()?));
+        }
+        Ok(self)
+    }
+
+    /// Adds an already built tracker. On a non-main process it is dropped unused; prefer
+    /// [`add_with`](Trackers::add_with) there, so that it is not built at all.
+    pub fn with_tracker(mut self, tracker: impl Tracker + 'static) -> Self {
+        if self.active {
+            self.members.push(Box::new(tracker));
+        }
+        self
+    }
+}
+
+impl Trackers {
+    /// Logs to every member (nothing on a non-main process); all are tried even if one fails,
+    /// and the first error is returned. Same as [`Tracker::log`], without importing the trait.
+    pub fn log(&mut self, metrics: &[(&str, f64)], step: u64) -> Result<()> {
+        let mut first = Ok(());
+        for t in &mut self.members {
+            if let Err(e) = t.log(metrics, step) {
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
+    }
+
+    /// Flushes every member; all are tried even if one fails, and the first error is returned.
+    /// Same as [`Tracker::flush`], without importing the trait.
+    pub fn flush(&mut self) -> Result<()> {
+        let mut first = Ok(());
+        for t in &mut self.members {
+            if let Err(e) = t.flush() {
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
+    }
+}
+
+impl Tracker for Trackers {
+    fn log(&mut self, metrics: &[(&str, f64)], step: u64) -> Result<()> {
+        Trackers::log(self, metrics, step)
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        Trackers::flush(self)
+    }
+}
+
+/// An empty [`Trackers`] set for this process: active on the main process (rank 0), inert on every
+/// other rank. Same as `Trackers::for_process(accelerator.is_main_process())`.
+pub fn trackers(accelerator: &Accelerator) -> Trackers {
+    Trackers::for_process(accelerator.is_main_process())
+}
+
+/// Seconds since the Unix epoch, as a float (0 if the clock is before 1970).
+pub(crate) fn unix_time() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// Creates the directory `dir` (and its parents), naming it on failure.
+pub(crate) fn create_dir(dir: &Path) -> Result<()> {
+    if dir.as_os_str().is_empty() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(|source| crate::Error::Io {
+        context: "tracking: cannot create directory".into(),
+        path: dir.to_path_buf(),
+        source,
+    })
+}
