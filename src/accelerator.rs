@@ -10,8 +10,9 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
 use candle_nn::Optimizer;
 
+use crate::accumulate::Accumulation;
 use crate::collective::{Collective, NcclCollective, SingleProcess, TcpCollective, TcpOptions};
-use crate::data::DataLoader;
+use crate::data::{Batch, DataLoader};
 use crate::error::{Error, Result};
 use crate::optimizer::AcceleratedOptimizer;
 use crate::params::{ParamSet, Parameters};
@@ -19,9 +20,11 @@ use crate::state::{DistributedType, Overrides, ProcessState};
 
 /// State shared by the accelerator and the objects it prepares.
 pub(crate) struct Shared {
-    state: ProcessState,
-    collective: Arc<dyn Collective>,
+    pub(crate) state: ProcessState,
+    pub(crate) collective: Arc<dyn Collective>,
     params: Mutex<Option<Arc<ParamSet>>>,
+    /// Gradient accumulation state (see [`crate::accumulate`]).
+    pub(crate) accum: Mutex<Accumulation>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -34,7 +37,7 @@ impl std::fmt::Debug for Shared {
 }
 
 impl Shared {
-    fn params(&self) -> Option<Arc<ParamSet>> {
+    pub(crate) fn params(&self) -> Option<Arc<ParamSet>> {
         self.params
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -95,6 +98,12 @@ impl AcceleratorBuilder {
     /// Gradient bucket cap in MiB (default 25).
     pub fn bucket_cap_mb(mut self, mb: f64) -> Self {
         self.o.bucket_cap_mb = Some(mb);
+        self
+    }
+    /// Gradient accumulation steps (instead of `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS`;
+    /// default 1, 0 is rejected by [`build`](Self::build)); see [`crate::accumulate`].
+    pub fn gradient_accumulation_steps(mut self, steps: usize) -> Self {
+        self.o.gradient_accumulation_steps = Some(steps);
         self
     }
     /// Read this config file instead of the default one.
@@ -214,6 +223,7 @@ impl AcceleratorBuilder {
                 state,
                 collective,
                 params: Mutex::new(None),
+                accum: Mutex::new(Accumulation::default()),
             }),
         })
     }
@@ -338,8 +348,63 @@ impl Accelerator {
 
     /// Runs `loss.backward()` and averages the gradients across ranks (bucketed, one collective
     /// per bucket). With one process it is exactly `loss.backward()`.
+    ///
+    /// With gradient accumulation (`N > 1`, see [`crate::accumulate`]) this is one micro-step:
+    /// the loss is scaled by `1/N` and the gradients are summed locally. On a sync step (every
+    /// `N`-th call) the returned store holds the accumulated gradients averaged across ranks; on
+    /// the other calls it holds this rank's local partial sums, which are not to be applied
+    /// ([`AcceleratedOptimizer::step`] skips them by itself; check
+    /// [`sync_gradients`](Self::sync_gradients) before doing anything else with them). Use
+    /// [`backward_batch`](Self::backward_batch) so the loader's last batch syncs too.
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
-        self.shared.backward(loss)
+        self.shared.backward_micro(loss, false)
+    }
+
+    /// [`backward`](Self::backward) that also makes the micro-step a sync step when `batch` is
+    /// the loader's last ([`Batch::is_last`]), so a partial accumulation cycle at the end of an
+    /// epoch is applied rather than carried into the next epoch.
+    pub fn backward_batch(&self, loss: &Tensor, batch: &Batch) -> Result<GradStore> {
+        self.shared.backward_micro(loss, batch.is_last())
+    }
+
+    /// Syncs pending micro-steps now: returns their gradients averaged across ranks (rescaled
+    /// to a mean over the micro-steps seen), or `None` when nothing is pending (then nothing is
+    /// communicated). All ranks must call it at the same point.
+    pub fn flush_gradients(&self) -> Result<Option<GradStore>> {
+        self.shared.flush()
+    }
+
+    /// Whether the last micro-step was a sync step, i.e. the gradients were averaged across ranks
+    /// and the optimizer stepped (true before the first backward and always when `N = 1`). Step
+    /// schedulers, clip and log only when it is true.
+    pub fn sync_gradients(&self) -> bool {
+        self.shared.sync_gradients()
+    }
+
+    /// The number of micro-steps per optimizer step (`N`).
+    pub fn gradient_accumulation_steps(&self) -> usize {
+        self.shared.state.gradient_accumulation_steps()
+    }
+
+    /// Micro-steps accumulated since the last sync step.
+    pub fn pending_micro_steps(&self) -> usize {
+        self.shared.pending_micro_steps()
+    }
+
+    /// Clips gradients by their global L2 norm over all registered parameters (those of
+    /// [`prepare_model`](Self::prepare_model)) and returns that norm (before clipping). Pass the
+    /// gradients of a sync step: they are already averaged, so every rank computes the same norm
+    /// and scales alike. When the norm exceeds `max_norm`, every gradient is multiplied by
+    /// `max_norm / (norm + 1e-6)`. After a non-sync micro-step the gradients are left alone and
+    /// the returned norm is that of this rank's local partial sums.
+    pub fn clip_grad_norm(&self, grads: &mut GradStore, max_norm: f64) -> Result<f64> {
+        self.shared.clip_grad_norm(grads, max_norm)
+    }
+
+    /// Clamps every registered parameter's gradient to `[-clip, clip]` (left alone after a
+    /// non-sync micro-step, like [`clip_grad_norm`](Self::clip_grad_norm)).
+    pub fn clip_grad_value(&self, grads: &mut GradStore, clip: f64) -> Result<()> {
+        self.shared.clip_grad_value(grads, clip)
     }
 
     /// Averages gradients computed elsewhere across ranks, in place.

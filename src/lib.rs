@@ -59,7 +59,7 @@
 //! | force CPU | [`cpu`](AcceleratorBuilder::cpu) | `ACCELERATE_RS_USE_CPU` | `use_cpu` | unset: GPUs when built with `cuda` and present, else CPU |
 //! | DP replicas | [`data_parallel`](AcceleratorBuilder::data_parallel) | `ACCELERATE_RS_DATA_PARALLEL` | - | 1 (no DP) |
 //! | mixed precision (read by your code) | - | `ACCELERATE_RS_MIXED_PRECISION` | `mixed_precision` | `no` |
-//! | gradient accumulation (read by your code) | - | `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS` | `gradient_accumulation_steps` | 1 |
+//! | gradient accumulation | [`gradient_accumulation_steps`](AcceleratorBuilder::gradient_accumulation_steps) | `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS` | `gradient_accumulation_steps` | 1 |
 //! | config file | [`config_file`](AcceleratorBuilder::config_file) | `ACCELERATE_RS_CONFIG_FILE` | - | platform config dir |
 //!
 //! The launcher families are not mixed: the first of torchrun, SLURM, Open MPI whose rank
@@ -70,6 +70,7 @@
 //! ## Modules
 //!
 //! - [`accelerator`]: [`Accelerator`] and its builder; `prepare`, `backward`.
+//! - [`accumulate`]: gradient accumulation (micro-steps, sync steps) and gradient clipping.
 //! - [`collective`]: the [`Collective`] trait and its backends (single
 //!   process, TCP ring, in-process threads).
 //! - [`ops`]: collectives for users on [`Accelerator`]: `gather`, `gather_for_metrics`, `reduce`,
@@ -91,6 +92,7 @@
 #![deny(missing_docs)]
 
 pub mod accelerator;
+pub mod accumulate;
 pub mod cli;
 pub mod collective;
 pub mod config;

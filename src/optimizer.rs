@@ -7,32 +7,110 @@ use candle_core::Tensor;
 use candle_nn::Optimizer;
 
 use crate::accelerator::Shared;
+use crate::data::Batch;
 use crate::error::Result;
 
 /// Wraps a Candle optimizer so that a plain training loop stays unchanged:
 /// [`backward_step`](AcceleratedOptimizer::backward_step) runs backward, averages the gradients
 /// across ranks and steps, exactly where the loop used to call `Optimizer::backward_step`.
+///
+/// With gradient accumulation (`N > 1`, see [`crate::accumulate`]) each call is a micro-step and
+/// the wrapped optimizer steps only on sync steps; use
+/// [`backward_step_batch`](Self::backward_step_batch) so the loader's last batch syncs, and
+/// [`is_sync_step`](Self::is_sync_step) to step schedulers. Optional clipping
+/// ([`set_clip_grad_norm`](Self::set_clip_grad_norm),
+/// [`set_clip_grad_value`](Self::set_clip_grad_value)) is applied in every step that applies
+/// gradients, after they were averaged.
 #[derive(Debug)]
 pub struct AcceleratedOptimizer<O> {
     inner: O,
     shared: Arc<Shared>,
+    clip_norm: Option<f64>,
+    clip_value: Option<f64>,
+    last_norm: Option<f64>,
 }
 
 impl<O: Optimizer> AcceleratedOptimizer<O> {
     pub(crate) fn new(inner: O, shared: Arc<Shared>) -> Self {
-        AcceleratedOptimizer { inner, shared }
+        AcceleratedOptimizer {
+            inner,
+            shared,
+            clip_norm: None,
+            clip_value: None,
+            last_norm: None,
+        }
     }
 
     /// Applies gradients that are already averaged (from
-    /// [`Accelerator::backward`](crate::Accelerator::backward)).
+    /// [`Accelerator::backward`](crate::Accelerator::backward)), clipped first if clipping was
+    /// set. Does nothing when the last micro-step was not a sync step (gradient accumulation),
+    /// so `let grads = accelerator.backward(&loss)?; opt.step(&grads)?;` is right for any `N`.
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
-        Ok(self.inner.step(grads)?)
+        if !self.shared.sync_gradients() {
+            return Ok(());
+        }
+        if self.clip_norm.is_none() && self.clip_value.is_none() {
+            return Ok(self.inner.step(grads)?);
+        }
+        let params = self.shared.require_params("gradient clipping")?;
+        let mut grads = params.copy_grads(grads);
+        if let Some(max) = self.clip_norm {
+            self.last_norm = Some(self.shared.clip_grad_norm(&mut grads, max)?);
+        }
+        if let Some(clip) = self.clip_value {
+            self.shared.clip_grad_value(&mut grads, clip)?;
+        }
+        Ok(self.inner.step(&grads)?)
     }
 
     /// `backward` (with the gradients averaged across ranks) followed by [`step`](Self::step).
+    /// With gradient accumulation: one micro-step, stepping only on sync steps.
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
-        let grads = self.shared.backward(loss)?;
+        let grads = self.shared.backward_micro(loss, false)?;
         self.step(&grads)
+    }
+
+    /// [`backward_step`](Self::backward_step) that also syncs and steps when `batch` is the
+    /// loader's last ([`Batch::is_last`]), so a partial accumulation cycle is applied at the end
+    /// of every epoch. The loop to write with gradient accumulation.
+    pub fn backward_step_batch(&mut self, loss: &Tensor, batch: &Batch) -> Result<()> {
+        let grads = self.shared.backward_micro(loss, batch.is_last())?;
+        self.step(&grads)
+    }
+
+    /// Syncs and applies pending micro-steps now (e.g. after a loop that used
+    /// [`backward_step`](Self::backward_step) over a loader whose length is not a multiple of
+    /// `N`). Returns whether it stepped; with nothing pending it communicates nothing. All ranks
+    /// must call it at the same point.
+    pub fn flush(&mut self) -> Result<bool> {
+        match self.shared.flush()? {
+            Some(grads) => self.step(&grads).map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    /// Whether the last micro-step was a sync step (the wrapped optimizer stepped); always true
+    /// without gradient accumulation. Step learning-rate schedulers only when it is true.
+    pub fn is_sync_step(&self) -> bool {
+        self.shared.sync_gradients()
+    }
+
+    /// Clip gradients to this global L2 norm (see
+    /// [`Accelerator::clip_grad_norm`](crate::Accelerator::clip_grad_norm)) in every step;
+    /// `None` turns it off. The norm is read back with [`last_grad_norm`](Self::last_grad_norm).
+    pub fn set_clip_grad_norm(&mut self, max_norm: Option<f64>) {
+        self.clip_norm = max_norm;
+    }
+
+    /// Clamp every gradient to `[-clip, clip]` in every step (after norm clipping, if set);
+    /// `None` turns it off.
+    pub fn set_clip_grad_value(&mut self, clip: Option<f64>) {
+        self.clip_value = clip;
+    }
+
+    /// The global gradient norm (before clipping) of the last step that clipped by norm.
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.last_norm
     }
 
     /// The learning rate.

@@ -266,6 +266,59 @@ impl ParamSet {
         Ok(())
     }
 
+    /// The registered variables, in name order.
+    pub(crate) fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// A new store holding the registered parameters' gradients of `grads` (shared tensors).
+    pub(crate) fn copy_grads(&self, grads: &GradStore) -> GradStore {
+        let mut out = GradStore::default();
+        for v in &self.vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                out.insert(v.as_tensor(), g.clone());
+            }
+        }
+        out
+    }
+
+    /// Multiplies every registered parameter's gradient by `factor` (keeping its dtype).
+    pub(crate) fn scale_grads(&self, grads: &mut GradStore, factor: f64) -> Result<()> {
+        for v in &self.vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                let scaled = g.affine(factor, 0.0)?;
+                grads.insert(v.as_tensor(), scaled);
+            }
+        }
+        Ok(())
+    }
+
+    /// Clamps every registered parameter's gradient to `[-clip, clip]`.
+    pub(crate) fn clamp_grads(&self, grads: &mut GradStore, clip: f64) -> Result<()> {
+        for v in &self.vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                let clamped = g.clamp(-clip, clip)?;
+                grads.insert(v.as_tensor(), clamped);
+            }
+        }
+        Ok(())
+    }
+
+    /// The L2 norm of all registered parameters' gradients together (computed in f64).
+    pub(crate) fn grad_norm(&self, grads: &GradStore) -> Result<f64> {
+        let mut sum = 0f64;
+        for v in &self.vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                sum += g
+                    .to_dtype(DType::F64)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f64>()?;
+            }
+        }
+        Ok(sum.sqrt())
+    }
+
     fn name_of(&self, v: &Var) -> &str {
         self.vars
             .iter()
