@@ -521,7 +521,7 @@ impl ProcessState {
         self.mixed_precision
     }
     /// Gradient accumulation steps requested through `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS`
-    /// or the config file (1 = step every batch). Not applied automatically yet.
+    /// or the config file (1 = step every batch); see [`crate::accumulate`].
     pub fn gradient_accumulation_steps(&self) -> usize {
         self.gradient_accumulation_steps
     }
