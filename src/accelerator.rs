@@ -12,8 +12,10 @@ use candle_nn::Optimizer;
 
 use crate::accumulate::Accumulation;
 use crate::collective::{Collective, NcclCollective, SingleProcess, TcpCollective, TcpOptions};
+use crate::config::MixedPrecision;
 use crate::data::{Batch, DataLoader};
 use crate::error::{Error, Result};
+use crate::mixed_precision::MixedPrecisionOptimizer;
 use crate::optimizer::AcceleratedOptimizer;
 use crate::params::{ParamSet, Parameters};
 use crate::state::{DistributedType, Overrides, ProcessState};
@@ -104,6 +106,12 @@ impl AcceleratorBuilder {
     /// default 1, 0 is rejected by [`build`](Self::build)); see [`crate::accumulate`].
     pub fn gradient_accumulation_steps(mut self, steps: usize) -> Self {
         self.o.gradient_accumulation_steps = Some(steps);
+        self
+    }
+    /// Mixed precision (instead of `ACCELERATE_RS_MIXED_PRECISION`), used by
+    /// [`Accelerator::prepare_mixed`]; see [`crate::mixed_precision`].
+    pub fn mixed_precision(mut self, mode: MixedPrecision) -> Self {
+        self.o.mixed_precision = Some(mode);
         self
     }
     /// Read this config file instead of the default one.
@@ -305,6 +313,24 @@ impl Accelerator {
             self.prepare_optimizer(optimizer),
             self.prepare_data_loader(loader)?,
         ))
+    }
+
+    /// [`prepare`](Self::prepare) for mixed precision (the mode of
+    /// [`ProcessState::mixed_precision`]): `model` holds the f32 master weights and `optimizer`
+    /// steps them; returns the optimizer, the loader and a `VarMap` of working copies in the
+    /// compute dtype to build the model from (see [`crate::mixed_precision`]). With
+    /// [`MixedPrecision::No`] it is `prepare` and the `VarMap` is `model`'s variables.
+    pub fn prepare_mixed<P: Parameters + ?Sized, O: Optimizer>(
+        &self,
+        model: &P,
+        optimizer: O,
+        loader: DataLoader,
+    ) -> Result<(MixedPrecisionOptimizer<O>, DataLoader, candle_nn::VarMap)> {
+        let (opt, loader) = self.prepare(model, optimizer, loader)?;
+        let mode = self.shared.state.mixed_precision();
+        let opt = MixedPrecisionOptimizer::new(opt, self.shared.clone(), mode, model)?;
+        let work = opt.working_vars().clone();
+        Ok((opt, loader, work))
     }
 
     /// Registers a model's parameters (adding to any registered before), verifies them across

@@ -58,7 +58,7 @@
 //! | gradient bucket cap | [`bucket_cap_mb`](AcceleratorBuilder::bucket_cap_mb) | `ACCELERATE_RS_BUCKET_CAP_MB` | `bucket_cap_mb` | 25 MiB |
 //! | force CPU | [`cpu`](AcceleratorBuilder::cpu) | `ACCELERATE_RS_USE_CPU` | `use_cpu` | unset: GPUs when built with `cuda` and present, else CPU |
 //! | DP replicas | [`data_parallel`](AcceleratorBuilder::data_parallel) | `ACCELERATE_RS_DATA_PARALLEL` | - | 1 (no DP) |
-//! | mixed precision (read by your code) | - | `ACCELERATE_RS_MIXED_PRECISION` | `mixed_precision` | `no` |
+//! | mixed precision (used by [`prepare_mixed`](Accelerator::prepare_mixed)) | [`mixed_precision`](AcceleratorBuilder::mixed_precision) | `ACCELERATE_RS_MIXED_PRECISION` | `mixed_precision` | `no` |
 //! | gradient accumulation | [`gradient_accumulation_steps`](AcceleratorBuilder::gradient_accumulation_steps) | `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS` | `gradient_accumulation_steps` | 1 |
 //! | config file | [`config_file`](AcceleratorBuilder::config_file) | `ACCELERATE_RS_CONFIG_FILE` | - | platform config dir |
 //!
@@ -71,6 +71,8 @@
 //!
 //! - [`accelerator`]: [`Accelerator`] and its builder; `prepare`, `backward`.
 //! - [`accumulate`]: gradient accumulation (micro-steps, sync steps) and gradient clipping.
+//! - [`mixed_precision`]: bf16/f16 compute with f32 master weights and f16 loss scaling
+//!   ([`Accelerator::prepare_mixed`]).
 //! - [`collective`]: the [`Collective`] trait and its backends (single
 //!   process, TCP ring, in-process threads).
 //! - [`ops`]: collectives for users on [`Accelerator`]: `gather`, `gather_for_metrics`, `reduce`,
@@ -107,6 +109,7 @@ pub mod gpu;
 pub mod gpu;
 pub mod launch;
 pub mod logging;
+pub mod mixed_precision;
 pub mod ops;
 pub mod optim;
 pub mod optimizer;
@@ -121,6 +124,7 @@ pub use config::{ConfigFile, MixedPrecision};
 pub use data::{Batch, DataLoader, Dataset, DistributedSampler, EvenBatches, TensorDataset};
 pub use dp::ReplicaFailure;
 pub use error::{Error, Result};
+pub use mixed_precision::{LossScaler, MixedPrecisionOptimizer};
 pub use optimizer::AcceleratedOptimizer;
 pub use params::Parameters;
 pub use state::{DistributedType, ProcessState};
