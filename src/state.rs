@@ -514,9 +514,9 @@ impl ProcessState {
     pub fn config_path(&self) -> Option<&std::path::Path> {
         self.config_path.as_deref()
     }
-    /// Mixed precision mode requested through `ACCELERATE_RS_MIXED_PRECISION` (set by
-    /// `launch --mixed-precision`) or the config file. accelerate-rs does not apply it to the
-    /// model yet: read it to choose your compute dtype.
+    /// Mixed precision mode requested through the builder, `ACCELERATE_RS_MIXED_PRECISION` (set by
+    /// `launch --mixed-precision`) or the config file; applied by
+    /// [`Accelerator::prepare_mixed`](crate::Accelerator::prepare_mixed).
     pub fn mixed_precision(&self) -> MixedPrecision {
         self.mixed_precision
     }
