@@ -71,6 +71,9 @@
 //!
 //! - [`accelerator`]: [`Accelerator`] and its builder; `prepare`, `backward`.
 //! - [`accumulate`]: gradient accumulation (micro-steps, sync steps) and gradient clipping.
+//! - [`checkpoint`]: `save_state` / `load_state` / `save_model` on [`Accelerator`], atomic
+//!   checkpoint directories with rotation ([`checkpoint::latest_checkpoint`]), and mid-epoch
+//!   resume ([`DataLoader::resume_at`]).
 //! - [`collective`]: the [`Collective`] trait and its backends (single
 //!   process, TCP ring, in-process threads).
 //! - [`ops`]: collectives for users on [`Accelerator`]: `gather`, `gather_for_metrics`, `reduce`,
@@ -93,6 +96,7 @@
 
 pub mod accelerator;
 pub mod accumulate;
+pub mod checkpoint;
 pub mod cli;
 pub mod collective;
 pub mod config;
@@ -116,6 +120,7 @@ pub mod state;
 pub mod tracking;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};
+pub use checkpoint::{latest_checkpoint, CheckpointParts, LoaderPosition, StatefulOptimizer};
 pub use collective::{Collective, ReduceOp};
 pub use config::{ConfigFile, MixedPrecision};
 pub use data::{Batch, DataLoader, Dataset, DistributedSampler, EvenBatches, TensorDataset};
