@@ -73,6 +73,9 @@
 //! - [`accumulate`]: gradient accumulation (micro-steps, sync steps) and gradient clipping.
 //! - [`mixed_precision`]: bf16/f16 compute with f32 master weights and f16 loss scaling
 //!   ([`Accelerator::prepare_mixed`]).
+//! - [`checkpoint`]: `save_state` / `load_state` / `save_model` on [`Accelerator`], atomic
+//!   checkpoint directories with rotation ([`checkpoint::latest_checkpoint`]), and mid-epoch
+//!   resume ([`DataLoader::resume_at`]).
 //! - [`collective`]: the [`Collective`] trait and its backends (single
 //!   process, TCP ring, in-process threads).
 //! - [`ops`]: collectives for users on [`Accelerator`]: `gather`, `gather_for_metrics`, `reduce`,
@@ -95,6 +98,7 @@
 
 pub mod accelerator;
 pub mod accumulate;
+pub mod checkpoint;
 pub mod cli;
 pub mod collective;
 pub mod config;
@@ -119,6 +123,7 @@ pub mod state;
 pub mod tracking;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};
+pub use checkpoint::{latest_checkpoint, CheckpointParts, LoaderPosition, StatefulOptimizer};
 pub use collective::{Collective, ReduceOp};
 pub use config::{ConfigFile, MixedPrecision};
 pub use data::{Batch, DataLoader, Dataset, DistributedSampler, EvenBatches, TensorDataset};

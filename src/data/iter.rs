@@ -77,14 +77,18 @@ impl Drop for Prefetcher {
 }
 
 impl BatchIter {
-    pub(crate) fn new(
+    /// The iterator over `plans`, skipping the first `first` batches (indices keep counting from
+    /// 0, so the first batch yielded has index `first`).
+    pub(crate) fn starting_at(
         dataset: Arc<dyn Dataset>,
         device: Device,
         plans: Vec<BatchPlan>,
         prefetch: usize,
+        first: usize,
     ) -> Result<Self> {
         let num_batches = plans.len();
-        let inner = if prefetch == 0 || num_batches == 0 {
+        let first = first.min(num_batches);
+        let inner = if prefetch == 0 || num_batches == first {
             Inner::Sync {
                 dataset,
                 device,
@@ -97,7 +101,7 @@ impl BatchIter {
             let handle = std::thread::Builder::new()
                 .name("accelerate-data-prefetch".into())
                 .spawn(move || {
-                    for (index, plan) in plans.iter().enumerate() {
+                    for (index, plan) in plans.iter().enumerate().skip(first) {
                         if stop_flag.load(Ordering::Relaxed) {
                             return;
                         }
@@ -119,7 +123,7 @@ impl BatchIter {
         };
         Ok(BatchIter {
             inner,
-            next_index: 0,
+            next_index: first,
             num_batches,
             done: false,
         })

@@ -38,6 +38,8 @@ pub struct DataLoader {
     epoch: u64,
     rank: usize,
     world: usize,
+    /// `(epoch, batches_done)` set by [`DataLoader::resume_at`].
+    resume: Option<(u64, usize)>,
 }
 
 impl DataLoader {
@@ -61,6 +63,7 @@ impl DataLoader {
             epoch: 0,
             rank: 0,
             world: 1,
+            resume: None,
         }
     }
 
@@ -110,9 +113,40 @@ impl DataLoader {
         Ok(self)
     }
 
-    /// Set the epoch; with shuffling on, each epoch gets a different order.
+    /// Set the epoch; with shuffling on, each epoch gets a different order. Moving to an epoch
+    /// other than the one given to [`resume_at`](Self::resume_at) drops the resume position.
     pub fn set_epoch(&mut self, epoch: u64) {
+        if self.resume.is_some_and(|(e, _)| e != epoch) {
+            self.resume = None;
+        }
         self.epoch = epoch;
+    }
+
+    /// Resumes in the middle of an epoch (e.g. from a checkpoint's
+    /// [`LoaderPosition`](crate::checkpoint::LoaderPosition)): sets the epoch to `epoch`, and
+    /// [`iter`](Self::iter) for that epoch then skips its first `batches_done` batches, in the
+    /// same order as an uninterrupted run (same seed, same shard). The yielded batches keep their
+    /// indices within the epoch ([`Batch::index`](super::Batch::index), `is_last`). Later
+    /// epochs start from their first batch: [`set_epoch`](Self::set_epoch) with another epoch,
+    /// or [`clear_resume`](Self::clear_resume), drops the position. `batches_done` at or past
+    /// the epoch's length gives an empty epoch.
+    pub fn resume_at(&mut self, epoch: u64, batches_done: usize) {
+        self.epoch = epoch;
+        self.resume = Some((epoch, batches_done));
+    }
+
+    /// Forgets the position set by [`resume_at`](Self::resume_at).
+    pub fn clear_resume(&mut self) {
+        self.resume = None;
+    }
+
+    /// The batches [`iter`](Self::iter) skips at the start of the current epoch (0 unless
+    /// [`resume_at`](Self::resume_at) was called for this epoch).
+    pub fn skipped_batches(&self) -> usize {
+        match self.resume {
+            Some((e, k)) if e == self.epoch => k,
+            _ => 0,
+        }
     }
 
     /// The current epoch.
@@ -221,11 +255,12 @@ impl DataLoader {
                 }
             })
             .collect();
-        BatchIter::new(
+        BatchIter::starting_at(
             Arc::clone(&self.dataset),
             self.device.clone(),
             plans,
             self.prefetch,
+            self.skipped_batches(),
         )
     }
 }
@@ -244,6 +279,7 @@ impl std::fmt::Debug for DataLoader {
             .field("epoch", &self.epoch)
             .field("rank", &self.rank)
             .field("world", &self.world)
+            .field("resume", &self.resume)
             .finish()
     }
 }
