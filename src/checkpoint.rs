@@ -357,11 +357,11 @@ fn sync_dir(path: &Path) {
     }
 }
 
-/// Test-only hook: `ACCELERATE_RS_TEST_CRASH_AFTER=<file>` makes the main process exit (code 3)
+/// Test-only hook ([`crate::env::TEST_CRASH_AFTER`]`=<file>`): the main process exits (code 3)
 /// right after writing that file of a checkpoint, as a kill would.
 fn crash_hook(file: &str) {
-    if std::env::var("ACCELERATE_RS_TEST_CRASH_AFTER").is_ok_and(|v| v == file) {
-        log::error!("ACCELERATE_RS_TEST_CRASH_AFTER={file}: exiting mid-save");
+    if std::env::var(crate::env::TEST_CRASH_AFTER).is_ok_and(|v| v == file) {
+        log::error!("{}={file}: exiting mid-save", crate::env::TEST_CRASH_AFTER);
         std::process::exit(3);
     }
 }

@@ -55,6 +55,10 @@ pub const DEBUG: &str = "ACCELERATE_RS_DEBUG";
 /// How many times the launcher restarted the worker group (0 on the first run).
 pub const RESTART_COUNT: &str = "ACCELERATE_RS_RESTART_COUNT";
 
+/// Fault injection for tests: the main process exits (code 3) right after writing the named
+/// checkpoint file, as if killed mid-save. Not for production use.
+pub const TEST_CRASH_AFTER: &str = "ACCELERATE_RS_TEST_CRASH_AFTER";
+
 /// GPUs visible to CUDA programs.
 pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 
