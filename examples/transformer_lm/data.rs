@@ -39,14 +39,16 @@ pub struct Args {
     /// Sequences per micro-batch on each process.
     #[arg(long, default_value_t = 8)]
     pub batch_size: usize,
-    /// Micro-batches accumulated per optimizer step (passed to the Accelerator builder).
-    #[arg(long, default_value_t = 2)]
-    pub grad_accum: usize,
+    /// Micro-batches accumulated per optimizer step, given to the Accelerator builder. Unset:
+    /// the launcher's `--gradient-accumulation-steps`
+    /// (`ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS`), else the config file, else 1.
+    #[arg(long)]
+    pub grad_accum: Option<usize>,
     /// Optimizer steps to train for (the cosine schedule ends there).
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 100)]
     pub max_steps: u64,
     /// Steps of linear learning-rate warmup from 0.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 10)]
     pub warmup_steps: u64,
     /// Peak learning rate.
     #[arg(long, default_value_t = 2e-3)]
@@ -61,7 +63,7 @@ pub struct Args {
     #[arg(long, default_value_t = 1.0)]
     pub clip_grad_norm: f64,
     /// Print (main process) and log metrics every N optimizer steps.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 10)]
     pub log_every: u64,
     /// Held-out batches (of --batch-size sequences, across all processes) for the final
     /// evaluation loss; 0 evaluates the whole held-out split.

@@ -29,9 +29,11 @@ use model::{Config, TransformerLm};
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let accelerator = Accelerator::builder()
-        .gradient_accumulation_steps(args.grad_accum)
-        .build()?;
+    let mut builder = Accelerator::builder();
+    if let Some(steps) = args.grad_accum {
+        builder = builder.gradient_accumulation_steps(steps);
+    }
+    let accelerator = builder.build()?;
     accelerator.set_seed(args.seed)?;
     let device = accelerator.device().clone();
 
@@ -80,7 +82,7 @@ fn main() -> Result<()> {
     }
     let mut schedule = Schedule::new(LinearWarmupCosine::new(
         args.lr,
-        args.warmup_steps,
+        args.warmup_steps.min(args.max_steps),
         args.max_steps,
         args.lr * args.min_lr_ratio,
     )?);
