@@ -7,7 +7,7 @@
 //! both have no backward pass.
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
-use candle_nn::{embedding, linear, ops, Embedding, Init, Linear, VarBuilder};
+use candle_nn::{linear, ops, Embedding, Init, Linear, VarBuilder};
 
 /// Architecture hyper-parameters.
 #[derive(Clone, Copy, Debug)]
@@ -168,6 +168,19 @@ impl TransformerLm {
             None => x.broadcast_matmul(&self.tok.embeddings().t()?),
         }
     }
+}
+
+/// An embedding table initialized N(0, 0.02) as in GPT-2 (Candle's `embedding` draws N(0, 1),
+/// which makes a tied output head start with huge logits).
+fn embedding(n: usize, dim: usize, vb: VarBuilder) -> Result<Embedding> {
+    let init = Init::Randn {
+        mean: 0.0,
+        stdev: 0.02,
+    };
+    Ok(Embedding::new(
+        vb.get_with_hints((n, dim), "weight", init)?,
+        dim,
+    ))
 }
 
 /// `[T, T]`: 0 where a position may attend (itself and earlier ones), -inf after.
