@@ -131,7 +131,15 @@ impl TransformerLm {
         let head = if cfg.tie_weights {
             None
         } else {
-            Some(linear(cfg.d_model, cfg.vocab_size, vb.pp("head"))?)
+            // N(0, 0.02) like the embeddings, so the first loss is about ln(vocab).
+            let vb = vb.pp("head");
+            let init = Init::Randn {
+                mean: 0.0,
+                stdev: 0.02,
+            };
+            let weight = vb.get_with_hints((cfg.vocab_size, cfg.d_model), "weight", init)?;
+            let bias = vb.get_with_hints(cfg.vocab_size, "bias", Init::Const(0.0))?;
+            Some(Linear::new(weight, Some(bias)))
         };
         let mask = causal_mask(cfg.seq_len, vb.dtype(), vb.device())?;
         Ok(TransformerLm {
