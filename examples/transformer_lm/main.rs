@@ -11,6 +11,10 @@
 //!     cargo run --release -- launch --cpu -n 2 target/release/examples/transformer_lm
 //!
 //! `--help` lists the flags (architecture: `--layers 4 --d-model 256 --heads 8 --seq-len 128`).
+//! The defaults (100 steps of 2 x 8 x 128 characters) take about 2 minutes on 2 CPU cores in
+//! release, the training loss falling from about ln(vocab) = 4.7 to about 2.7; metrics go to
+//! `runs/transformer_lm/metrics.jsonl` (`--log-dir`). Add `--grad-accum N` (or the launcher's
+//! `--gradient-accumulation-steps N`) to accumulate gradients over N micro-batches.
 mod data;
 mod model;
 
