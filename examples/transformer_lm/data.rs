@@ -1,0 +1,220 @@
+//! Command-line arguments, the character-level corpus and the two-group AdamW of the
+//! transformer_lm example.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use accelerate_rs::optim::{AdamW, ParamsAdamW};
+use anyhow::{bail, Context, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor, Var};
+use candle_nn::Optimizer;
+use clap::Parser;
+
+/// Train a small decoder-only Transformer language model on a character-level corpus.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+pub struct Args {
+    /// The text corpus (UTF-8); its last `--val-fraction` is held out for evaluation.
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/data/corpus.txt"))]
+    pub corpus: PathBuf,
+    /// Fraction of the corpus (its end) held out for the evaluation loss.
+    #[arg(long, default_value_t = 0.1)]
+    pub val_fraction: f64,
+    /// Transformer blocks.
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    /// Model (embedding) width.
+    #[arg(long, default_value_t = 256)]
+    pub d_model: usize,
+    /// Attention heads (must divide --d-model).
+    #[arg(long, default_value_t = 8)]
+    pub heads: usize,
+    /// Context length in characters.
+    #[arg(long, default_value_t = 128)]
+    pub seq_len: usize,
+    /// Tie the output head to the token embedding.
+    #[arg(long)]
+    pub tie_weights: bool,
+    /// Sequences per micro-batch on each process.
+    #[arg(long, default_value_t = 8)]
+    pub batch_size: usize,
+    /// Micro-batches accumulated per optimizer step, given to the Accelerator builder. Unset:
+    /// the launcher's `--gradient-accumulation-steps`
+    /// (`ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS`), else the config file, else 1.
+    #[arg(long)]
+    pub grad_accum: Option<usize>,
+    /// Optimizer steps to train for (the cosine schedule ends there).
+    #[arg(long, default_value_t = 100)]
+    pub max_steps: u64,
+    /// Steps of linear learning-rate warmup from 0.
+    #[arg(long, default_value_t = 10)]
+    pub warmup_steps: u64,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 2e-3)]
+    pub lr: f64,
+    /// Final learning rate, as a fraction of --lr.
+    #[arg(long, default_value_t = 0.1)]
+    pub min_lr_ratio: f64,
+    /// AdamW weight decay, on weight matrices and embeddings only.
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f64,
+    /// Global gradient-norm clipping threshold (0 turns it off).
+    #[arg(long, default_value_t = 1.0)]
+    pub clip_grad_norm: f64,
+    /// Print (main process) and log metrics every N optimizer steps.
+    #[arg(long, default_value_t = 10)]
+    pub log_every: u64,
+    /// Held-out batches (of --batch-size sequences, across all processes) for the final
+    /// evaluation loss; 0 evaluates the whole held-out split.
+    #[arg(long, default_value_t = 8)]
+    pub eval_batches: usize,
+    /// Where the main process writes `metrics.jsonl`.
+    #[arg(long, default_value = "runs/transformer_lm")]
+    pub log_dir: PathBuf,
+    /// Seed for initialization and shuffling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// A character-level vocabulary: the sorted distinct characters of the corpus.
+pub struct Vocab {
+    chars: Vec<char>,
+    index: BTreeMap<char, u32>,
+}
+
+impl Vocab {
+    pub fn new(text: &str) -> Self {
+        let mut chars: Vec<char> = text.chars().collect();
+        chars.sort_unstable();
+        chars.dedup();
+        let index = chars
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| (c, i as u32))
+            .collect();
+        Vocab { chars, index }
+    }
+
+    pub fn len(&self) -> usize {
+        self.chars.len()
+    }
+
+    pub fn encode(&self, text: &str) -> Vec<u32> {
+        text.chars().map(|c| self.index[&c]).collect()
+    }
+}
+
+/// The tokenized corpus split in two: training and held-out tokens.
+pub struct Corpus {
+    pub vocab: Vocab,
+    pub train: Vec<u32>,
+    pub val: Vec<u32>,
+}
+
+pub fn load(args: &Args) -> Result<Corpus> {
+    let text = std::fs::read_to_string(&args.corpus)
+        .with_context(|| format!("reading the corpus {}", args.corpus.display()))?;
+    if !(0.0..1.0).contains(&args.val_fraction) {
+        bail!(
+            "--val-fraction must be in [0, 1), got {}",
+            args.val_fraction
+        );
+    }
+    let vocab = Vocab::new(&text);
+    let tokens = vocab.encode(&text);
+    let n_val = (tokens.len() as f64 * args.val_fraction) as usize;
+    let (train, val) = tokens.split_at(tokens.len() - n_val);
+    let min = args.seq_len + 1;
+    if train.len() < min || (n_val > 0 && val.len() < min) {
+        bail!(
+            "corpus too small for --seq-len {}: {} training and {} held-out characters",
+            args.seq_len,
+            train.len(),
+            val.len()
+        );
+    }
+    Ok(Corpus {
+        vocab,
+        train: train.to_vec(),
+        val: val.to_vec(),
+    })
+}
+
+/// Non-overlapping windows of `seq_len + 1` tokens as inputs `x: [N, T]` and next-token targets
+/// `y: [N, T]` (`u32`), at most `limit` of them.
+pub fn windows(
+    tokens: &[u32],
+    seq_len: usize,
+    limit: Option<usize>,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let mut n = (tokens.len() - 1) / seq_len;
+    if let Some(limit) = limit {
+        n = n.min(limit);
+    }
+    let mut x = Vec::with_capacity(n * seq_len);
+    let mut y = Vec::with_capacity(n * seq_len);
+    for i in 0..n {
+        let start = i * seq_len;
+        x.extend_from_slice(&tokens[start..start + seq_len]);
+        y.extend_from_slice(&tokens[start + 1..start + seq_len + 1]);
+    }
+    Ok((
+        Tensor::from_vec(x, (n, seq_len), device)?,
+        Tensor::from_vec(y, (n, seq_len), device)?,
+    ))
+}
+
+/// AdamW with two parameter groups, as in GPT-2/nanoGPT: weight decay on the matrices (linear
+/// weights, embeddings), none on biases and LayerNorm gains. Both groups share the learning
+/// rate, so a schedule drives them together.
+pub struct GroupedAdamW {
+    decay: AdamW,
+    no_decay: AdamW,
+}
+
+impl GroupedAdamW {
+    /// Splits `params` by rank: 2-D and up decay, 1-D do not.
+    pub fn grouped(params: Vec<(String, Var)>, config: ParamsAdamW) -> candle_core::Result<Self> {
+        let (decay, no_decay): (Vec<_>, Vec<_>) =
+            params.into_iter().partition(|(_, v)| v.rank() >= 2);
+        let vars = |group: Vec<(String, Var)>| group.into_iter().map(|(_, v)| v).collect();
+        Ok(GroupedAdamW {
+            decay: AdamW::new(vars(decay), config.clone())?,
+            no_decay: AdamW::new(
+                vars(no_decay),
+                ParamsAdamW {
+                    weight_decay: 0.0,
+                    ..config
+                },
+            )?,
+        })
+    }
+}
+
+impl Optimizer for GroupedAdamW {
+    type Config = ParamsAdamW;
+
+    /// Without names to split by: every parameter in the decay group.
+    fn new(vars: Vec<Var>, config: ParamsAdamW) -> candle_core::Result<Self> {
+        Ok(GroupedAdamW {
+            decay: AdamW::new(vars, config.clone())?,
+            no_decay: AdamW::new(vec![], config)?,
+        })
+    }
+
+    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        self.decay.step(grads)?;
+        self.no_decay.step(grads)
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.decay.learning_rate()
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.decay.set_learning_rate(lr);
+        self.no_decay.set_learning_rate(lr);
+    }
+}

@@ -1,0 +1,200 @@
+//! A small decoder-only Transformer (GPT-style) in plain candle-nn: token + learned position
+//! embeddings, pre-LayerNorm blocks with causal multi-head self-attention and a 4x GELU MLP, a
+//! final LayerNorm and an output head (tied to the token embedding or not).
+//!
+//! LayerNorm and softmax are written with differentiable primitives
+//! (`candle_nn::ops::layer_norm_slow`, `candle_nn::ops::softmax`): Candle's fused CPU kernels for
+//! both have no backward pass.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{linear, ops, Embedding, Init, Linear, VarBuilder};
+
+/// Architecture hyper-parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct Config {
+    pub vocab_size: usize,
+    pub seq_len: usize,
+    pub d_model: usize,
+    pub heads: usize,
+    pub layers: usize,
+    pub tie_weights: bool,
+}
+
+/// LayerNorm with weight and bias, through differentiable ops.
+struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl LayerNorm {
+    fn new(dim: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(LayerNorm {
+            weight: vb.get_with_hints(dim, "weight", Init::Const(1.0))?,
+            bias: vb.get_with_hints(dim, "bias", Init::Const(0.0))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        ops::layer_norm_slow(x, &self.weight, &self.bias, 1e-5)
+    }
+}
+
+/// Causal multi-head self-attention.
+struct Attention {
+    qkv: Linear,
+    proj: Linear,
+    heads: usize,
+}
+
+impl Attention {
+    fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
+        Ok(Attention {
+            qkv: linear(cfg.d_model, 3 * cfg.d_model, vb.pp("qkv"))?,
+            proj: linear(cfg.d_model, cfg.d_model, vb.pp("proj"))?,
+            heads: cfg.heads,
+        })
+    }
+
+    /// `x`: `[B, T, C]`; `mask`: `[T, T]`, 0 on and below the diagonal, -inf above.
+    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let hd = c / self.heads;
+        // [B, T, 3, H, hd] -> 3 x [B, H, T, hd]
+        let qkv = self.qkv.forward(x)?.reshape((b, t, 3, self.heads, hd))?;
+        let qkv = qkv.permute((2, 0, 3, 1, 4))?;
+        let q = qkv.get(0)?.contiguous()?;
+        let k = qkv.get(1)?.contiguous()?;
+        let v = qkv.get(2)?.contiguous()?;
+        let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
+        let scores = scores.broadcast_add(mask)?;
+        let att = ops::softmax(&scores, D::Minus1)?;
+        let y = att.matmul(&v)?; // [B, H, T, hd]
+        let y = y.transpose(1, 2)?.reshape((b, t, c))?;
+        self.proj.forward(&y)
+    }
+}
+
+/// Pre-LN block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`.
+struct Block {
+    ln1: LayerNorm,
+    attn: Attention,
+    ln2: LayerNorm,
+    fc: Linear,
+    fc_out: Linear,
+}
+
+impl Block {
+    fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
+        Ok(Block {
+            ln1: LayerNorm::new(cfg.d_model, vb.pp("ln1"))?,
+            attn: Attention::new(cfg, vb.pp("attn"))?,
+            ln2: LayerNorm::new(cfg.d_model, vb.pp("ln2"))?,
+            fc: linear(cfg.d_model, 4 * cfg.d_model, vb.pp("mlp.fc"))?,
+            fc_out: linear(4 * cfg.d_model, cfg.d_model, vb.pp("mlp.proj"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let x = (x + self.attn.forward(&self.ln1.forward(x)?, mask)?)?;
+        let h = self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?;
+        x + self.fc_out.forward(&h)?
+    }
+}
+
+/// The language model: token ids `[B, T]` to logits `[B, T, vocab]`.
+pub struct TransformerLm {
+    tok: Embedding,
+    pos: Embedding,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    /// `None` when the head is tied to the token embedding.
+    head: Option<Linear>,
+    mask: Tensor,
+    cfg: Config,
+}
+
+impl TransformerLm {
+    pub fn new(cfg: Config, vb: VarBuilder) -> Result<Self> {
+        if cfg.d_model % cfg.heads != 0 {
+            candle_core::bail!(
+                "--d-model ({}) must be a multiple of --heads ({})",
+                cfg.d_model,
+                cfg.heads
+            );
+        }
+        let tok = embedding(cfg.vocab_size, cfg.d_model, vb.pp("tok_emb"))?;
+        let pos = embedding(cfg.seq_len, cfg.d_model, vb.pp("pos_emb"))?;
+        let blocks = (0..cfg.layers)
+            .map(|i| Block::new(&cfg, vb.pp(format!("blocks.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let ln_f = LayerNorm::new(cfg.d_model, vb.pp("ln_f"))?;
+        let head = if cfg.tie_weights {
+            None
+        } else {
+            // N(0, 0.02) like the embeddings, so the first loss is about ln(vocab).
+            let vb = vb.pp("head");
+            let init = Init::Randn {
+                mean: 0.0,
+                stdev: 0.02,
+            };
+            let weight = vb.get_with_hints((cfg.vocab_size, cfg.d_model), "weight", init)?;
+            let bias = vb.get_with_hints(cfg.vocab_size, "bias", Init::Const(0.0))?;
+            Some(Linear::new(weight, Some(bias)))
+        };
+        let mask = causal_mask(cfg.seq_len, vb.dtype(), vb.device())?;
+        Ok(TransformerLm {
+            tok,
+            pos,
+            blocks,
+            ln_f,
+            head,
+            mask,
+            cfg,
+        })
+    }
+
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let (_b, t) = ids.dims2()?;
+        if t > self.cfg.seq_len {
+            candle_core::bail!(
+                "sequence of {t} tokens, longer than --seq-len {}",
+                self.cfg.seq_len
+            );
+        }
+        let positions = Tensor::arange(0u32, t as u32, ids.device())?;
+        let mut x = self
+            .tok
+            .forward(ids)?
+            .broadcast_add(&self.pos.forward(&positions)?)?;
+        let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?.contiguous()?;
+        for block in &self.blocks {
+            x = block.forward(&x, &mask)?;
+        }
+        let x = self.ln_f.forward(&x)?;
+        match &self.head {
+            Some(head) => head.forward(&x),
+            None => x.broadcast_matmul(&self.tok.embeddings().t()?),
+        }
+    }
+}
+
+/// An embedding table initialized N(0, 0.02) as in GPT-2 (Candle's `embedding` draws N(0, 1),
+/// which makes a tied output head start with huge logits).
+fn embedding(n: usize, dim: usize, vb: VarBuilder) -> Result<Embedding> {
+    let init = Init::Randn {
+        mean: 0.0,
+        stdev: 0.02,
+    };
+    Ok(Embedding::new(
+        vb.get_with_hints((n, dim), "weight", init)?,
+        dim,
+    ))
+}
+
+/// `[T, T]`: 0 where a position may attend (itself and earlier ones), -inf after.
+fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(mask, (t, t), device)?.to_dtype(dtype)
+}
