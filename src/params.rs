@@ -16,14 +16,20 @@ use crate::error::{Error, Result};
 /// Parameters are always processed in name order: a `VarMap`'s iteration order differs between
 /// processes, so it can never be used to pair up tensors across ranks.
 pub trait Parameters {
-    /// `(name, variable)` pairs; names must be unique.
+    /// `(name, variable)` pairs; names must be unique. The maps' implementations return them
+    /// sorted by name, so the order is the same in every process.
     fn named_parameters(&self) -> Vec<(String, Var)>;
+}
+
+fn sorted(mut named: Vec<(String, Var)>) -> Vec<(String, Var)> {
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
 }
 
 impl Parameters for VarMap {
     fn named_parameters(&self) -> Vec<(String, Var)> {
         let data = self.data().lock().unwrap_or_else(|p| p.into_inner());
-        data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        sorted(data.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
     }
 }
 
@@ -41,7 +47,7 @@ impl Parameters for Vec<(String, Var)> {
 
 impl Parameters for HashMap<String, Var> {
     fn named_parameters(&self) -> Vec<(String, Var)> {
-        self.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        sorted(self.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
     }
 }
 

@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use accelerate_rs::optim::{AdamW, ParamsAdamW};
+use accelerate_rs::checkpoint::StatefulOptimizer;
+use accelerate_rs::optim::{AdamW, OptimizerState, ParamsAdamW};
 use anyhow::{bail, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
@@ -72,6 +73,16 @@ pub struct Args {
     /// Where the main process writes `metrics.jsonl`.
     #[arg(long, default_value = "runs/transformer_lm")]
     pub log_dir: PathBuf,
+    /// Save a checkpoint every this many optimizer steps (0: never) under `--log-dir`/checkpoints.
+    #[arg(long, default_value_t = 50)]
+    pub checkpoint_every: u64,
+    /// How many checkpoints to keep.
+    #[arg(long, default_value_t = 2)]
+    pub keep_checkpoints: usize,
+    /// Resume from the newest complete checkpoint, if there is one (automatic after a restart by
+    /// `accelerate-rs launch --max-restarts`).
+    #[arg(long)]
+    pub resume: bool,
     /// Seed for initialization and shuffling.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -190,6 +201,52 @@ impl GroupedAdamW {
                 },
             )?,
         })
+    }
+}
+
+/// Both groups' states in one, their tensor names prefixed `decay/` and `no_decay/`.
+impl StatefulOptimizer for GroupedAdamW {
+    fn optimizer_state(&self) -> OptimizerState {
+        let (d, n) = (self.decay.state(), self.no_decay.state());
+        let mut tensors = Vec::with_capacity(d.tensors.len() + n.tensors.len());
+        tensors.extend(
+            d.tensors
+                .into_iter()
+                .map(|(k, t)| (format!("decay/{k}"), t)),
+        );
+        tensors.extend(
+            n.tensors
+                .into_iter()
+                .map(|(k, t)| (format!("no_decay/{k}"), t)),
+        );
+        OptimizerState {
+            step: d.step,
+            lr: d.lr,
+            tensors,
+        }
+    }
+
+    fn load_optimizer_state(&mut self, state: OptimizerState) -> accelerate_rs::Result<()> {
+        let (mut d, mut n) = (Vec::new(), Vec::new());
+        for (k, t) in state.tensors {
+            match (k.strip_prefix("decay/"), k.strip_prefix("no_decay/")) {
+                (Some(k), _) => d.push((k.to_string(), t)),
+                (_, Some(k)) => n.push((k.to_string(), t)),
+                _ => {
+                    return Err(accelerate_rs::Error::invalid(
+                        format!("optimizer state tensor `{k}`"),
+                        "expected a `decay/` or `no_decay/` prefix",
+                    ))
+                }
+            }
+        }
+        let part = |tensors| OptimizerState {
+            step: state.step,
+            lr: state.lr,
+            tensors,
+        };
+        self.decay.load_state(part(d))?;
+        self.no_decay.load_state(part(n))
     }
 }
 

@@ -20,6 +20,7 @@ mod model;
 
 use std::time::Instant;
 
+use accelerate_rs::checkpoint::{latest_checkpoint, CheckpointParts, LoaderPosition};
 use accelerate_rs::optim::ParamsAdamW;
 use accelerate_rs::scheduler::{LinearWarmupCosine, Schedule};
 use accelerate_rs::{tracking, Accelerator, DataLoader, Parameters, ReduceOp, TensorDataset};
@@ -97,12 +98,28 @@ fn main() -> Result<()> {
     let tokens_per_micro = (args.batch_size * args.seq_len * accelerator.world_size()) as f64;
     let start = Instant::now();
     let mut step = 0u64;
+    let mut epoch = 0;
+    // Resume mid-epoch from the newest complete checkpoint: parameters, optimizer moments,
+    // schedule and loader position (the loader skips the batches already seen this epoch).
+    let checkpoints = args.log_dir.join("checkpoints");
+    let restarted = std::env::var(accelerate_rs::env::RESTART_COUNT).is_ok_and(|c| c != "0");
+    if args.resume || restarted {
+        if let Some(dir) = latest_checkpoint(&checkpoints) {
+            let m = accelerator.load_state(&dir, &varmap, Some(&mut opt))?;
+            step = m.step;
+            schedule.set_step(m.schedule_step.unwrap_or(step));
+            if let Some(pos) = m.loader {
+                loader.resume_at(pos.epoch, pos.batches_done);
+                epoch = pos.epoch;
+            }
+            accelerator.print(format!("resumed from {} at step {step}", dir.display()));
+        }
+    }
     // The learning rate of the next optimizer step; the schedule advances on sync steps only.
     let mut lr = schedule.step_accelerated(&mut opt);
     let (mut window_loss, mut window_micro) = (0f64, 0usize);
     let mut window_start = Instant::now();
     let (mut first_loss, mut last_loss) = (None, 0f64);
-    let mut epoch = 0;
     'train: while step < args.max_steps {
         loader.set_epoch(epoch);
         for batch in loader.iter()? {
@@ -142,8 +159,19 @@ fn main() -> Result<()> {
                 (window_loss, window_micro) = (0.0, 0);
                 window_start = Instant::now();
             }
-            // checkpointing: see issue "checkpointing" (`Accelerator::save_state`, being built):
-            // every K steps, save model, optimizer and schedule state here, on a sync step.
+            if args.checkpoint_every > 0 && step % args.checkpoint_every == 0 {
+                let parts = CheckpointParts::new(&varmap)
+                    .optimizer(&opt)
+                    .schedule_step(schedule.current_step())
+                    .loader(LoaderPosition {
+                        epoch,
+                        batches_done: batch.index() + 1,
+                    })
+                    .step(step);
+                let dir =
+                    accelerator.save_state_auto(&checkpoints, &parts, args.keep_checkpoints)?;
+                accelerator.print(format!("saved {}", dir.display()));
+            }
             if step >= args.max_steps {
                 break 'train;
             }
