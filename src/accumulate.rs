@@ -77,6 +77,20 @@ impl Shared {
         }
         let params = self.require_params("backward")?;
         let grads = (loss / n as f64)?.backward()?;
+        self.accumulate(&params, grads, end)
+    }
+
+    /// Adds one micro-step's gradients of the registered parameters (already divided by N) to
+    /// the local sums; at a sync step (the N-th micro-step, or `end`) returns the sums averaged
+    /// across ranks, otherwise this rank's partial sums. Used by [`Self::backward_micro`] and by
+    /// mixed precision, whose gradients come from the half-precision working copies.
+    pub(crate) fn accumulate(
+        &self,
+        params: &ParamSet,
+        grads: GradStore,
+        end: bool,
+    ) -> Result<GradStore> {
+        let n = self.state.gradient_accumulation_steps();
         let mut acc = self.accumulation();
         let previous = std::mem::take(&mut acc.pending);
         let mut summed = GradStore::default();
@@ -100,7 +114,7 @@ impl Shared {
         let k = std::mem::take(&mut acc.micro);
         acc.synced = true;
         drop(acc);
-        self.finish_cycle(&params, summed, k, n)
+        self.finish_cycle(params, summed, k, n)
     }
 
     /// Syncs the pending micro-steps now, if any.

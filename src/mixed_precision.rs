@@ -59,8 +59,8 @@
 //! [`mixed_precision`](crate::AcceleratorBuilder::mixed_precision) (see
 //! [`ProcessState::mixed_precision`](crate::ProcessState::mixed_precision)).
 //!
-//! Limitation: gradient accumulation (`N > 1`) is not supported together with bf16/f16 yet;
-//! `prepare_mixed` rejects that combination.
+//! Gradient accumulation (`N > 1`) works with bf16/f16: f32 gradients are summed locally and the
+//! masters step on sync steps.
 //!
 //! [`loss_scale`]: MixedPrecisionOptimizer::loss_scale
 
@@ -72,6 +72,7 @@ use candle_nn::{Optimizer, VarMap};
 
 use crate::accelerator::Shared;
 use crate::config::MixedPrecision;
+use crate::data::Batch;
 use crate::error::{Error, Result};
 use crate::optimizer::AcceleratedOptimizer;
 use crate::params::Parameters;
@@ -189,15 +190,6 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
                 data.insert(name, v);
             }
         } else {
-            if shared.state.gradient_accumulation_steps() > 1 {
-                return Err(Error::invalid(
-                    "mixed precision",
-                    format!(
-                        "{mode} with gradient accumulation ({} steps) is not supported yet; use one of them",
-                        shared.state.gradient_accumulation_steps()
-                    ),
-                ));
-            }
             let dtype = compute_dtype(mode);
             let mut data = work.data().lock().unwrap_or_else(|p| p.into_inner());
             for (name, master) in named {
@@ -262,17 +254,48 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
 
     /// Backward through the working copies, f32 gradients averaged across ranks, step of the
     /// masters, masters copied back (see [the module](self)). Returns whether it stepped (false
-    /// when an f16 step was skipped, or on a non-sync micro-step without mixed precision).
+    /// when an f16 step was skipped, or on a non-sync micro-step of gradient accumulation).
+    ///
+    /// With gradient accumulation (N > 1) each call is one micro-step: the f32 gradients are
+    /// summed locally and the masters step every N-th call; use
+    /// [`backward_step_batch`](Self::backward_step_batch) so that the loader's last batch also
+    /// syncs, or call [`flush`](Self::flush) after the loop.
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<bool> {
+        self.micro_step(loss, false)
+    }
+
+    /// [`backward_step`](Self::backward_step) that also syncs on the loader's last batch.
+    pub fn backward_step_batch(&mut self, loss: &Tensor, batch: &Batch) -> Result<bool> {
+        self.micro_step(loss, batch.is_last())
+    }
+
+    /// Steps with the micro-steps accumulated so far, if any (the end of a loader that was not
+    /// iterated with [`backward_step_batch`](Self::backward_step_batch)). Returns whether it
+    /// stepped.
+    pub fn flush(&mut self) -> Result<bool> {
         if self.mode == MixedPrecision::No {
-            self.inner.backward_step(loss)?;
+            return self.inner.flush();
+        }
+        match self.shared.flush()? {
+            Some(grads) => self.apply(grads),
+            None => Ok(false),
+        }
+    }
+
+    fn micro_step(&mut self, loss: &Tensor, end: bool) -> Result<bool> {
+        if self.mode == MixedPrecision::No {
+            let grads = self.shared.backward_micro(loss, end)?;
+            self.inner.step(&grads)?;
             return Ok(self.inner.is_sync_step());
         }
+        let n = self.shared.state.gradient_accumulation_steps();
         let scale = self.loss_scale();
-        let scaled = if scale == 1.0 {
+        // The loss scale (f16) and the 1/N of accumulation folded into one multiplication.
+        let factor = scale / n as f64;
+        let scaled = if factor == 1.0 {
             loss.clone()
         } else {
-            loss.affine(scale, 0.0)?
+            loss.affine(factor, 0.0)?
         };
         let half = scaled.backward()?;
         let mut grads = GradStore::default();
@@ -285,11 +308,25 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
                 grads.insert(master.as_tensor(), g);
             }
         }
+        if n > 1 {
+            let params = self.shared.require_params("backward_step")?;
+            let summed = self.shared.accumulate(&params, grads, end)?;
+            if !self.shared.sync_gradients() {
+                return Ok(false);
+            }
+            return self.apply(summed);
+        }
         let c = self.shared.collective.as_ref();
         if c.world_size() > 1 {
             let params = self.shared.require_params("backward_step")?;
             params.average_gradients(c, &mut grads)?;
         }
+        self.apply(grads)
+    }
+
+    /// The sync step on gradients already averaged across ranks: overflow check (f16), step of
+    /// the masters, copy back into the working copies.
+    fn apply(&mut self, grads: GradStore) -> Result<bool> {
         if let Some(scaler) = self.scaler.as_mut() {
             let clean = all_finite(&self.pairs, &grads)?;
             scaler.update(clean);
