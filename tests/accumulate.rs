@@ -5,13 +5,15 @@
 //! The multi-process test re-runs this test binary as the workers: `accumulate_worker` does
 //! nothing unless `ACCEL_TEST_ROLE` is set.
 
+mod common;
+
 use std::collections::HashMap;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use accelerate_rs::collective::{Buffer, BufferMut, OwnedBuffer, ThreadGroup};
+use accelerate_rs::collective::{Buffer, BufferMut, OwnedBuffer};
 use accelerate_rs::{Accelerator, Collective, DataLoader, Error, ReduceOp, TensorDataset};
 use candle_core::{Device, Module, Tensor, Var};
 use candle_nn::{loss, Linear, Optimizer, SGD};
@@ -140,31 +142,23 @@ fn train(acc: &Accelerator, p: &[(String, Var)], path: Path) -> accelerate_rs::R
     Ok(syncs)
 }
 
-/// Runs `f` on `n` in-process ranks; `wrap` may wrap each rank's collective.
+/// Runs `f` on `n` in-process ranks with `steps` accumulation steps; `wrap` may wrap each rank's
+/// collective.
 fn in_process<R: Send + 'static>(
     n: usize,
     steps: usize,
     wrap: impl Fn(Arc<dyn Collective>) -> Arc<dyn Collective>,
     f: impl Fn(Accelerator) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    let f = Arc::new(f);
-    let handles: Vec<_> = ThreadGroup::new(n, Duration::from_secs(30))
-        .unwrap()
-        .into_iter()
-        .map(|c| {
-            let c = wrap(Arc::new(c));
-            let f = f.clone();
-            std::thread::spawn(move || {
-                let acc = Accelerator::builder()
-                    .collective(c)
-                    .gradient_accumulation_steps(steps)
-                    .build()
-                    .unwrap();
-                f(acc)
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    common::in_process_with(
+        n,
+        |c| {
+            Accelerator::builder()
+                .collective(wrap(c))
+                .gradient_accumulation_steps(steps)
+        },
+        f,
+    )
 }
 
 #[test]

@@ -6,17 +6,15 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::sync::Arc;
 use std::time::Duration;
 
-use accelerate_rs::collective::ThreadGroup;
 use accelerate_rs::{Accelerator, Error};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::loss;
 
 mod common;
-use common::exit_worker;
 use common::tiny::{dataset, forward, max_abs_diff, params, reference, snapshot, train, HIDDEN};
+use common::{exit_worker, in_process};
 
 const B: usize = 8; // per-rank batch
 const K: usize = 6; // SGD steps
@@ -101,29 +99,6 @@ fn mismatched_parameter_shapes_fail_every_rank_naming_the_parameter() {
         err.contains("[rank 0] worker failed") || err.contains("[rank 1] worker failed"),
         "{err}"
     );
-}
-
-/// Runs `f` on `n` in-process ranks sharing a thread-group collective.
-fn in_process<R: Send + 'static>(
-    n: usize,
-    f: impl Fn(Accelerator) -> R + Send + Sync + 'static,
-) -> Vec<R> {
-    let f = Arc::new(f);
-    let handles: Vec<_> = ThreadGroup::new(n, Duration::from_secs(30))
-        .unwrap()
-        .into_iter()
-        .map(|c| {
-            let f = f.clone();
-            std::thread::spawn(move || {
-                let acc = Accelerator::builder()
-                    .collective(Arc::new(c))
-                    .build()
-                    .unwrap();
-                f(acc)
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
 #[test]

@@ -2,38 +2,17 @@
 //! real multi-process run under `accelerate-rs launch` (re-running this test binary: `ops_worker`
 //! does nothing unless `ACCEL_TEST_ROLE` is set).
 
+mod common;
+
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use accelerate_rs::collective::ThreadGroup;
 use accelerate_rs::{Accelerator, DataLoader, Error, ReduceOp, TensorDataset};
 use candle_core::{DType, Device, Tensor};
+use common::in_process;
 use rand::RngCore;
-
-/// Runs `f` on `n` in-process ranks sharing a thread-group collective; results in rank order.
-fn in_process<R: Send + 'static>(
-    n: usize,
-    f: impl Fn(Accelerator) -> R + Send + Sync + 'static,
-) -> Vec<R> {
-    let f = Arc::new(f);
-    let handles: Vec<_> = ThreadGroup::new(n, Duration::from_secs(30))
-        .unwrap()
-        .into_iter()
-        .map(|c| {
-            let f = f.clone();
-            std::thread::spawn(move || {
-                let acc = Accelerator::builder()
-                    .collective(Arc::new(c))
-                    .build()
-                    .unwrap();
-                f(acc)
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
-}
 
 /// A dataset of the values `0..n` (one f32 field).
 fn values(n: usize) -> TensorDataset {

@@ -6,7 +6,10 @@ pub mod tiny;
 use std::net::TcpListener;
 use std::time::Duration;
 
-use accelerate_rs::collective::{TcpCollective, TcpOptions};
+use std::sync::Arc;
+
+use accelerate_rs::collective::{Collective, TcpCollective, TcpOptions, ThreadGroup};
+use accelerate_rs::{Accelerator, AcceleratorBuilder};
 
 /// A port that was free a moment ago on loopback.
 pub fn free_port() -> u16 {
@@ -79,4 +82,32 @@ pub fn exit_worker(result: accelerate_rs::Result<()>) -> ! {
             std::process::exit(1);
         }
     }
+}
+
+/// Runs `f` on `n` in-process ranks sharing a thread-group collective (30 s timeout), each with
+/// the accelerator `builder` makes from its collective. Results in rank order.
+pub fn in_process_with<R: Send + 'static>(
+    n: usize,
+    builder: impl Fn(Arc<dyn Collective>) -> AcceleratorBuilder,
+    f: impl Fn(Accelerator) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let f = Arc::new(f);
+    let handles: Vec<_> = ThreadGroup::new(n, Duration::from_secs(30))
+        .unwrap()
+        .into_iter()
+        .map(|c| {
+            let b = builder(Arc::new(c));
+            let f = f.clone();
+            std::thread::spawn(move || f(b.build().unwrap()))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// [`in_process_with`] with a plain builder.
+pub fn in_process<R: Send + 'static>(
+    n: usize,
+    f: impl Fn(Accelerator) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    in_process_with(n, |c| Accelerator::builder().collective(c), f)
 }
