@@ -15,79 +15,21 @@ use std::time::Duration;
 
 use accelerate_rs::collective::{Buffer, BufferMut, OwnedBuffer};
 use accelerate_rs::{Accelerator, Collective, DataLoader, Error, ReduceOp, TensorDataset};
-use candle_core::{Device, Module, Tensor, Var};
-use candle_nn::{loss, Linear, Optimizer, SGD};
+use candle_core::{Device, Tensor, Var};
+use candle_nn::{loss, Optimizer, SGD};
+use common::tiny::{self, forward, max_abs_diff, snapshot, HIDDEN, LR};
 
-const IN: usize = 8;
-const HIDDEN: usize = 16;
-const CLASSES: usize = 4;
 const B: usize = 4; // per-rank micro-batch
 const M: usize = 5; // micro-batches per rank per epoch: not a multiple of 2 or 3
 const EPOCHS: u64 = 2;
-const LR: f64 = 0.1;
-
-fn det(shape: &[usize], salt: usize, scale: f32) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| (((i * 37 + salt * 101) % 97) as f32 / 97.0 - 0.5) * scale)
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
 
 fn params(offset: f32) -> Vec<(String, Var)> {
-    let mk = |shape: &[usize], salt| {
-        Var::from_tensor(&(det(shape, salt, 0.6) + offset as f64).unwrap()).unwrap()
-    };
-    vec![
-        ("fc1.weight".into(), mk(&[HIDDEN, IN], 1)),
-        ("fc1.bias".into(), mk(&[HIDDEN], 2)),
-        ("fc2.weight".into(), mk(&[CLASSES, HIDDEN], 3)),
-        ("fc2.bias".into(), mk(&[CLASSES], 4)),
-    ]
-}
-
-fn forward(p: &[(String, Var)], x: &Tensor) -> candle_core::Result<Tensor> {
-    let get = |n: &str| {
-        p.iter()
-            .find(|(k, _)| k == n)
-            .unwrap()
-            .1
-            .as_tensor()
-            .clone()
-    };
-    let l1 = Linear::new(get("fc1.weight"), Some(get("fc1.bias")));
-    let l2 = Linear::new(get("fc2.weight"), Some(get("fc2.bias")));
-    l2.forward(&l1.forward(x)?.relu()?)
+    tiny::params(offset, HIDDEN)
 }
 
 /// `2 * B * M` samples: M full micro-batches of B per rank on 2 ranks.
 fn dataset() -> TensorDataset {
-    let n = 2 * B * M;
-    let x = det(&[n, IN], 9, 2.0);
-    let y: Vec<u32> = (0..n).map(|i| ((i * 7) % CLASSES) as u32).collect();
-    TensorDataset::new(vec![x, Tensor::new(y, &Device::Cpu).unwrap()]).unwrap()
-}
-
-fn snapshot(p: &[(String, Var)]) -> HashMap<String, Tensor> {
-    p.iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().copy().unwrap()))
-        .collect()
-}
-
-fn max_abs_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .map(|(k, t)| {
-            (t - &b[k])
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        })
-        .fold(0.0, f32::max)
+    tiny::dataset(2 * B * M)
 }
 
 /// Plain Candle, one process: batch `2 * n * B` (the last batch of an epoch is shorter).

@@ -58,7 +58,7 @@ pub fn dataset(n: usize) -> TensorDataset {
 
 pub fn snapshot(p: &[(String, Var)]) -> HashMap<String, Tensor> {
     p.iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .map(|(k, v)| (k.clone(), v.as_tensor().copy().unwrap()))
         .collect()
 }
 
