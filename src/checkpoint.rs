@@ -82,13 +82,13 @@ pub const AUTO_PREFIX: &str = "checkpoint_";
 /// [`AcceleratedOptimizer`] wrapping one of them.
 pub trait StatefulOptimizer {
     /// A snapshot of the state (see [`OptimizerState`]).
-    fn optimizer_state(&self) -> OptimizerState;
+    fn optimizer_state(&self) -> Result<OptimizerState>;
     /// Puts a state back; errors (changing nothing) when it does not fit the parameters.
     fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()>;
 }
 
 impl StatefulOptimizer for AdamW {
-    fn optimizer_state(&self) -> OptimizerState {
+    fn optimizer_state(&self) -> Result<OptimizerState> {
         self.state()
     }
     fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
@@ -97,7 +97,7 @@ impl StatefulOptimizer for AdamW {
 }
 
 impl StatefulOptimizer for Sgd {
-    fn optimizer_state(&self) -> OptimizerState {
+    fn optimizer_state(&self) -> Result<OptimizerState> {
         self.state()
     }
     fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
@@ -106,7 +106,7 @@ impl StatefulOptimizer for Sgd {
 }
 
 impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for AcceleratedOptimizer<O> {
-    fn optimizer_state(&self) -> OptimizerState {
+    fn optimizer_state(&self) -> Result<OptimizerState> {
         self.inner().optimizer_state()
     }
     fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
@@ -374,7 +374,7 @@ fn write_checkpoint(tmp: &Path, parts: &CheckpointParts<'_>, world_size: usize) 
     crash_hook(MODEL_FILE);
     let optimizer = match parts.optimizer {
         Some(opt) => {
-            let state = opt.optimizer_state();
+            let state = opt.optimizer_state()?;
             write_safetensors(&tmp.join(OPTIMIZER_FILE), &state.tensors)?;
             crash_hook(OPTIMIZER_FILE);
             Some(OptimizerManifest {

@@ -111,6 +111,7 @@ pub mod gpu;
 #[cfg(not(feature = "cuda"))]
 #[path = "gpu_stub.rs"]
 pub mod gpu;
+mod inplace;
 pub mod launch;
 pub mod logging;
 pub mod mixed_precision;

@@ -277,13 +277,19 @@ fn save_and_load_round_trip_with_optimizer() {
     let m = acc.load_state(&ck, &q, Some(&mut opt2)).unwrap();
     assert_eq!(m.step, 2);
     assert_eq!(opt2.step_count(), 1);
-    assert_eq!(opt2.state().lr, 0.05);
+    assert_eq!(opt2.state().unwrap().lr, 0.05);
     for ((_, a), (_, b)) in p.iter().zip(&q) {
         let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(a, b);
     }
-    for ((_, a), (_, b)) in opt.state().tensors.iter().zip(&opt2.state().tensors) {
+    for ((_, a), (_, b)) in opt
+        .state()
+        .unwrap()
+        .tensors
+        .iter()
+        .zip(&opt2.state().unwrap().tensors)
+    {
         let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(a, b);

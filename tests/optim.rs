@@ -111,7 +111,7 @@ fn adamw_skips_parameters_without_gradient() {
         opt.step(&store(&vars, &grads_for(step, Some(1)))).unwrap();
     }
     assert_eq!(flat(&vars[1..2]), before);
-    let state = opt.state();
+    let state = opt.state().unwrap();
     let m1 = state.get("1.m").unwrap();
     assert_eq!(
         m1.abs()
@@ -136,7 +136,7 @@ fn sgd_plain_equals_candle_sgd_exactly() {
         theirs.step(&store(&theirs_vars, &g)).unwrap();
     }
     assert_eq!(flat(&ours_vars), flat(&theirs_vars));
-    assert!(ours.state().tensors.is_empty());
+    assert!(ours.state().unwrap().tensors.is_empty());
 }
 
 /// Two steps on a scalar parameter (p = 1, g = 0.5 then 0.25, lr = 0.1), against values worked
@@ -242,7 +242,7 @@ fn round_trip<O: Optimizer>(
 fn adamw_state_round_trip_is_bit_identical() {
     round_trip(
         |vars| AdamW::new_lr(vars, 0.01).unwrap(),
-        |o| o.state(),
+        |o| o.state().unwrap(),
         |o, s| o.load_state(s).unwrap(),
     );
 }
@@ -256,7 +256,7 @@ fn sgd_state_round_trip_is_bit_identical() {
     ] {
         round_trip(
             |vars| Sgd::new(vars, config.clone()).unwrap(),
-            |o| o.state(),
+            |o| o.state().unwrap(),
             |o, s| o.load_state(s).unwrap(),
         );
     }
@@ -267,7 +267,7 @@ fn state_names_step_and_lr() {
     let vars = params(5);
     let mut opt = AdamW::new_lr(vars.clone(), 0.02).unwrap();
     opt.step(&store(&vars, &grads_for(0, None))).unwrap();
-    let s = opt.state();
+    let s = opt.state().unwrap();
     assert_eq!((s.step, s.lr), (1, 0.02));
     let names: Vec<&str> = s.tensors.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(
@@ -277,7 +277,13 @@ fn state_names_step_and_lr() {
 
     let mut sgd = Sgd::new(vars.clone(), SgdConfig::new(0.1).momentum(0.9)).unwrap();
     sgd.step(&store(&vars, &grads_for(0, Some(2)))).unwrap();
-    let names: Vec<String> = sgd.state().tensors.into_iter().map(|(n, _)| n).collect();
+    let names: Vec<String> = sgd
+        .state()
+        .unwrap()
+        .tensors
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
     assert_eq!(names, ["0.momentum", "1.momentum", "3.momentum"]);
 }
 
@@ -293,7 +299,7 @@ fn load_state_rejects_mismatches_naming_them() {
     let vars = params(6);
     let mut opt = AdamW::new_lr(vars.clone(), 0.01).unwrap();
     opt.step(&store(&vars, &grads_for(0, None))).unwrap();
-    let good = opt.state();
+    let good = opt.state().unwrap();
 
     // Wrong shape.
     let mut bad = good.clone();
@@ -331,7 +337,7 @@ fn load_state_rejects_mismatches_naming_them() {
     // Sgd: shape, unknown name, buffers for a momentum-free optimizer.
     let mut sgd = Sgd::new(vars.clone(), SgdConfig::new(0.1).momentum(0.9)).unwrap();
     sgd.step(&store(&vars, &grads_for(0, None))).unwrap();
-    let good = sgd.state();
+    let good = sgd.state().unwrap();
     let mut bad = good.clone();
     bad.tensors[0].1 = Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap();
     let e = sgd.load_state(bad).unwrap_err();

@@ -206,8 +206,8 @@ impl GroupedAdamW {
 
 /// Both groups' states in one, their tensor names prefixed `decay/` and `no_decay/`.
 impl StatefulOptimizer for GroupedAdamW {
-    fn optimizer_state(&self) -> OptimizerState {
-        let (d, n) = (self.decay.state(), self.no_decay.state());
+    fn optimizer_state(&self) -> accelerate_rs::Result<OptimizerState> {
+        let (d, n) = (self.decay.state()?, self.no_decay.state()?);
         let mut tensors = Vec::with_capacity(d.tensors.len() + n.tensors.len());
         tensors.extend(
             d.tensors
@@ -219,11 +219,11 @@ impl StatefulOptimizer for GroupedAdamW {
                 .into_iter()
                 .map(|(k, t)| (format!("no_decay/{k}"), t)),
         );
-        OptimizerState {
+        Ok(OptimizerState {
             step: d.step,
             lr: d.lr,
             tensors,
-        }
+        })
     }
 
     fn load_optimizer_state(&mut self, state: OptimizerState) -> accelerate_rs::Result<()> {

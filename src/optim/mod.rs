@@ -15,10 +15,13 @@
 //! `"{i}.momentum"` for SGD's momentum buffer. Pass the parameters in the same order when
 //! restoring (e.g. sorted by name, as [`Parameters`](crate::Parameters) does).
 //!
-//! The moment tensors are replaced, never written in place, so a state taken with
-//! [`state`](AdamW::state) is a snapshot: later steps do not change it.
+//! On the CPU both update every parameter in one fused, in-place pass (parameter, gradient and
+//! state read once and written where they are, no tensor allocated per step); on other devices
+//! they run the same formulas as tensor ops. Because the state is written in place,
+//! [`state`](AdamW::state) copies it: a state taken is a snapshot that later steps do not change.
 
 mod adamw;
+mod fused;
 mod sgd;
 
 pub use adamw::AdamW;

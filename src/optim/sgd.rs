@@ -4,6 +4,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::Optimizer;
 
+use super::fused::{self, SgdScalars};
 use super::{candle_err, check_lr, fit_tensor, parse_name, OptimizerState};
 use crate::error::{Error, Result};
 
@@ -107,6 +108,10 @@ struct Slot {
 /// `buf = d`) and `d = d + μ·buf` (Nesterov) or `d = buf`; then `θ = θ − lr·d`. With momentum 0
 /// and weight decay 0 this is exactly [`candle_nn::SGD`]. Parameters without a gradient are left
 /// alone (their buffers too). Non-float parameters are dropped at construction.
+///
+/// On the CPU (f32, f64, bf16, f16) each parameter is updated by one fused, in-place pass over
+/// parameter, gradient and momentum buffer, allocating nothing per step; elsewhere the update
+/// runs as a chain of tensor ops.
 #[derive(Debug)]
 pub struct Sgd {
     slots: Vec<Slot>,
@@ -148,6 +153,29 @@ impl Optimizer for Sgd {
                 continue;
             };
             let theta = slot.var.as_tensor();
+            if fused::fusable(theta, g) {
+                let first = momentum != 0.0 && slot.momentum.is_none();
+                if first {
+                    slot.momentum =
+                        Some(Tensor::zeros(theta.shape(), theta.dtype(), theta.device())?);
+                }
+                let scalars = SgdScalars {
+                    lr,
+                    momentum,
+                    dampening,
+                    weight_decay,
+                    nesterov,
+                    first,
+                };
+                let buf = if momentum == 0.0 {
+                    None
+                } else {
+                    slot.momentum.as_ref()
+                };
+                fused::sgd(theta, buf, g, scalars).map_err(candle_err)?;
+                continue;
+            }
+            // Other devices (CUDA): the same update as a chain of tensor ops.
             let d = if weight_decay == 0.0 {
                 g.clone()
             } else {
@@ -208,23 +236,20 @@ impl Sgd {
 
     /// The state for a checkpoint: step count, learning rate and `"{i}.momentum"` for every
     /// parameter `i` that has a momentum buffer (none without momentum, and none for a parameter
-    /// that never had a gradient). Cheap and a true snapshot, as for [`AdamW`](super::AdamW).
-    pub fn state(&self) -> OptimizerState {
-        let tensors = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| {
-                s.momentum
-                    .as_ref()
-                    .map(|m| (format!("{i}.momentum"), m.clone()))
-            })
-            .collect();
-        OptimizerState {
+    /// that never had a gradient). A snapshot: the buffers are copied, since later steps write
+    /// into them.
+    pub fn state(&self) -> Result<OptimizerState> {
+        let mut tensors = Vec::new();
+        for (i, s) in self.slots.iter().enumerate() {
+            if let Some(m) = &s.momentum {
+                tensors.push((format!("{i}.momentum"), m.copy()?));
+            }
+        }
+        Ok(OptimizerState {
             step: self.step_t,
             lr: self.config.lr,
             tensors,
-        }
+        })
     }
 
     /// Restores a state taken with [`state`](Self::state) on an optimizer over parameters of the

@@ -1,0 +1,278 @@
+//! Fused, in-place optimizer kernels for CPU tensors: one pass over each parameter that reads the
+//! gradient and updates the parameter and its state where they are, allocating nothing.
+//!
+//! Each kernel mirrors the tensor-op chain of the optimizer it fuses (same formulas, same order,
+//! the scalars rounded to the storage's arithmetic type as Candle's `affine` rounds them), so
+//! results match the unfused chain to rounding. Large tensors are split into chunks processed by
+//! Rayon's pool (one thread when `RAYON_NUM_THREADS=1`, as the launcher sets it).
+//!
+//! [`fusable`] says whether a parameter/gradient pair can take this path (CPU; f32, f64, bf16 or
+//! f16; the same dtype and shape); the optimizers fall back to tensor ops otherwise (CUDA).
+
+use candle_core::{CpuStorage, DType, Tensor};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::inplace::{with_cpu_mut, with_cpu_mut_src, Elem, Real};
+
+/// Elements per parallel chunk (256 KiB of f32: big enough to amortise scheduling).
+const CHUNK: usize = 1 << 16;
+
+/// Whether `param` with gradient `grad` can be updated by the fused CPU kernels.
+pub(crate) fn fusable(param: &Tensor, grad: &Tensor) -> bool {
+    param.device().is_cpu()
+        && grad.device().is_cpu()
+        && matches!(
+            param.dtype(),
+            DType::F32 | DType::F64 | DType::BF16 | DType::F16
+        )
+        && grad.dtype() == param.dtype()
+        && grad.shape() == param.shape()
+        && param.is_contiguous()
+}
+
+/// AdamW's scalars for one step (see [`super::AdamW`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AdamScalars {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// `1 − lr·λ`.
+    pub decay: f64,
+    /// `1 / (1 − β1ᵗ)`.
+    pub scale_m: f64,
+    /// `1 / (1 − β2ᵗ)`.
+    pub scale_v: f64,
+}
+
+/// SGD's scalars for one step (see [`super::Sgd`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SgdScalars {
+    pub lr: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub weight_decay: f64,
+    pub nesterov: bool,
+    /// The momentum buffer has never been written: it becomes `d` (PyTorch's first step).
+    pub first: bool,
+}
+
+/// `grad`, contiguous (a copy only when it is not).
+fn contiguous(grad: &Tensor) -> Result<Tensor> {
+    Ok(if grad.is_contiguous() {
+        grad.clone()
+    } else {
+        grad.contiguous()?
+    })
+}
+
+fn dtype_err(what: &str) -> Error {
+    Error::invalid(
+        what,
+        "parameter, gradient and optimizer state must share one float dtype (f32, f64, bf16, f16)",
+    )
+}
+
+fn len_err(what: &str) -> Error {
+    Error::invalid(
+        what,
+        "parameter, gradient and optimizer state differ in length",
+    )
+}
+
+/// Updates `param`, `m` and `v` in place by one AdamW step with gradient `grad`.
+pub(crate) fn adamw(
+    param: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    grad: &Tensor,
+    s: AdamScalars,
+) -> Result<()> {
+    const WHAT: &str = "AdamW fused step";
+    let grad = contiguous(grad)?;
+    with_cpu_mut_src(param, &grad, WHAT, |ps, pr, gs, gr| {
+        with_cpu_mut(m, WHAT, |ms, mr| {
+            with_cpu_mut(v, WHAT, |vs, vr| {
+                let n = pr.len();
+                if mr.len() != n || vr.len() != n || gr.len() != n {
+                    return Err(len_err(WHAT));
+                }
+                match (ps, ms, vs, gs) {
+                    (
+                        CpuStorage::F32(p),
+                        CpuStorage::F32(m),
+                        CpuStorage::F32(v),
+                        CpuStorage::F32(g),
+                    ) => adamw_kernel::<f32, f32>(&mut p[pr], &mut m[mr], &mut v[vr], &g[gr], s),
+                    (
+                        CpuStorage::F64(p),
+                        CpuStorage::F64(m),
+                        CpuStorage::F64(v),
+                        CpuStorage::F64(g),
+                    ) => adamw_kernel::<f64, f64>(&mut p[pr], &mut m[mr], &mut v[vr], &g[gr], s),
+                    (
+                        CpuStorage::BF16(p),
+                        CpuStorage::BF16(m),
+                        CpuStorage::BF16(v),
+                        CpuStorage::BF16(g),
+                    ) => adamw_kernel::<bf16, f32>(&mut p[pr], &mut m[mr], &mut v[vr], &g[gr], s),
+                    (
+                        CpuStorage::F16(p),
+                        CpuStorage::F16(m),
+                        CpuStorage::F16(v),
+                        CpuStorage::F16(g),
+                    ) => adamw_kernel::<f16, f32>(&mut p[pr], &mut m[mr], &mut v[vr], &g[gr], s),
+                    _ => return Err(dtype_err(WHAT)),
+                }
+                Ok(())
+            })
+        })
+    })
+}
+
+fn adamw_kernel<T: Elem<C>, C: Real>(
+    p: &mut [T],
+    m: &mut [T],
+    v: &mut [T],
+    g: &[T],
+    s: AdamScalars,
+) {
+    let (b1, b2) = (C::of(s.beta1), C::of(s.beta2));
+    let (c1, c2) = (C::of(1.0 - s.beta1), C::of(1.0 - s.beta2));
+    let (sm, sv, eps) = (C::of(s.scale_m), C::of(s.scale_v), C::of(s.eps));
+    let (decay, lr) = (C::of(s.decay), C::of(s.lr));
+    let body = |p: &mut [T], m: &mut [T], v: &mut [T], g: &[T]| {
+        for (((p, m), v), g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+            let g = g.get();
+            let mi = m.get() * b1 + g * c1;
+            let vi = v.get() * b2 + (g * g) * c2;
+            let adjusted = (mi * sm) / ((vi * sv).sqrt() + eps);
+            *p = T::put(p.get() * decay - adjusted * lr);
+            *m = T::put(mi);
+            *v = T::put(vi);
+        }
+    };
+    if p.len() <= CHUNK {
+        body(p, m, v, g);
+    } else {
+        p.par_chunks_mut(CHUNK)
+            .zip(m.par_chunks_mut(CHUNK))
+            .zip(v.par_chunks_mut(CHUNK))
+            .zip(g.par_chunks(CHUNK))
+            .for_each(|(((p, m), v), g)| body(p, m, v, g));
+    }
+}
+
+/// Updates `param` (and `buf`, the momentum buffer, when momentum is on) in place by one SGD
+/// step with gradient `grad`.
+pub(crate) fn sgd(
+    param: &Tensor,
+    buf: Option<&Tensor>,
+    grad: &Tensor,
+    s: SgdScalars,
+) -> Result<()> {
+    const WHAT: &str = "Sgd fused step";
+    let grad = contiguous(grad)?;
+    with_cpu_mut_src(param, &grad, WHAT, |ps, pr, gs, gr| {
+        let n = pr.len();
+        if gr.len() != n {
+            return Err(len_err(WHAT));
+        }
+        let Some(buf) = buf else {
+            return match (ps, gs) {
+                (CpuStorage::F32(p), CpuStorage::F32(g)) => {
+                    sgd_kernel::<f32, f32>(&mut p[pr], None, &g[gr], s);
+                    Ok(())
+                }
+                (CpuStorage::F64(p), CpuStorage::F64(g)) => {
+                    sgd_kernel::<f64, f64>(&mut p[pr], None, &g[gr], s);
+                    Ok(())
+                }
+                (CpuStorage::BF16(p), CpuStorage::BF16(g)) => {
+                    sgd_kernel::<bf16, f32>(&mut p[pr], None, &g[gr], s);
+                    Ok(())
+                }
+                (CpuStorage::F16(p), CpuStorage::F16(g)) => {
+                    sgd_kernel::<f16, f32>(&mut p[pr], None, &g[gr], s);
+                    Ok(())
+                }
+                _ => Err(dtype_err(WHAT)),
+            };
+        };
+        with_cpu_mut(buf, WHAT, |bs, br| {
+            if br.len() != n {
+                return Err(len_err(WHAT));
+            }
+            match (ps, bs, gs) {
+                (CpuStorage::F32(p), CpuStorage::F32(b), CpuStorage::F32(g)) => {
+                    sgd_kernel::<f32, f32>(&mut p[pr], Some(&mut b[br]), &g[gr], s)
+                }
+                (CpuStorage::F64(p), CpuStorage::F64(b), CpuStorage::F64(g)) => {
+                    sgd_kernel::<f64, f64>(&mut p[pr], Some(&mut b[br]), &g[gr], s)
+                }
+                (CpuStorage::BF16(p), CpuStorage::BF16(b), CpuStorage::BF16(g)) => {
+                    sgd_kernel::<bf16, f32>(&mut p[pr], Some(&mut b[br]), &g[gr], s)
+                }
+                (CpuStorage::F16(p), CpuStorage::F16(b), CpuStorage::F16(g)) => {
+                    sgd_kernel::<f16, f32>(&mut p[pr], Some(&mut b[br]), &g[gr], s)
+                }
+                _ => return Err(dtype_err(WHAT)),
+            }
+            Ok(())
+        })
+    })
+}
+
+fn sgd_kernel<T: Elem<C>, C: Real>(p: &mut [T], buf: Option<&mut [T]>, g: &[T], s: SgdScalars) {
+    let (lr, wd) = (C::of(s.lr), C::of(s.weight_decay));
+    let (mu, c) = (C::of(s.momentum), C::of(1.0 - s.dampening));
+    let decay = s.weight_decay != 0.0;
+    let d_of = move |p: T, g: T| {
+        if decay {
+            p.get() * wd + g.get()
+        } else {
+            g.get()
+        }
+    };
+    match buf {
+        None => {
+            let body = |p: &mut [T], g: &[T]| {
+                for (p, g) in p.iter_mut().zip(g) {
+                    let d = d_of(*p, *g);
+                    *p = T::put(p.get() - d * lr);
+                }
+            };
+            if p.len() <= CHUNK {
+                body(p, g);
+            } else {
+                p.par_chunks_mut(CHUNK)
+                    .zip(g.par_chunks(CHUNK))
+                    .for_each(|(p, g)| body(p, g));
+            }
+        }
+        Some(buf) => {
+            let (first, nesterov) = (s.first, s.nesterov);
+            let body = |p: &mut [T], b: &mut [T], g: &[T]| {
+                for ((p, b), g) in p.iter_mut().zip(b.iter_mut()).zip(g) {
+                    let d = d_of(*p, *g);
+                    let bi = if first { d } else { b.get() * mu + d * c };
+                    // The buffer is stored (and rounded) before it is used, as in the tensor chain.
+                    *b = T::put(bi);
+                    let bi = b.get();
+                    let step = if nesterov { d + bi * mu } else { bi };
+                    *p = T::put(p.get() - step * lr);
+                }
+            };
+            if p.len() <= CHUNK {
+                body(p, buf, g);
+            } else {
+                p.par_chunks_mut(CHUNK)
+                    .zip(buf.par_chunks_mut(CHUNK))
+                    .zip(g.par_chunks(CHUNK))
+                    .for_each(|((p, b), g)| body(p, b, g));
+            }
+        }
+    }
+}
