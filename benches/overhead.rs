@@ -3,9 +3,12 @@
 //!     cargo bench --bench overhead              # full run
 //!     cargo bench --bench overhead -- --quick   # fewer steps
 //!     cargo bench --features cuda --bench overhead -- --gpu   # section 1 on GPU 0
+//!     cargo bench --bench overhead -- --ddp-only  # section 2 only, plus `RESULT-DDP` lines
+//!                                                 # (read by scripts/pytorch_ddp_bench.py)
 //!
-//! Model: MLP 784-1024-1024-10 (ReLU), f32, batch 64 per process, SGD (lr 0.01), cross-entropy,
-//! on synthetic random data generated from a fixed seed (identical in every variant and process).
+//! Model: MLP 784-1024-1024-10 (ReLU), f32, batch 64 per process, cross-entropy, on synthetic
+//! random data generated from a fixed seed (identical in every variant and process). Section 1
+//! steps with SGD (lr 0.01), section 2 with AdamW (lr 1e-3, accelerate-rs's fused one).
 //!
 //! 1. **Wrapper overhead at world size 1**: the same training step as a plain Candle loop and
 //!    through accelerate-rs (`Accelerator::builder().build()`, `prepare`, `backward_step`), timed
@@ -31,6 +34,8 @@ const HIDDEN: usize = 1024;
 const CLASSES: usize = 10;
 const BATCH: usize = 64;
 const LR: f64 = 0.01;
+/// Section 2's AdamW learning rate (the workload: AdamW with Candle's other defaults).
+const ADAMW_LR: f64 = 1e-3;
 const DATA_SEED: u64 = 0x5eed;
 const WEIGHT_SEED: u64 = 0x3e16;
 /// Timed all-reduces of a gradient-sized buffer per DDP worker run.
@@ -82,9 +87,16 @@ fn main() -> Result<()> {
     let quick = std::env::args().skip(1).any(|a| a == "--quick");
     // `--gpu`: section 1 on GPU 0 (needs a build with `--features cuda`); section 2 is skipped.
     let gpu = std::env::args().skip(1).any(|a| a == "--gpu");
+    let ddp_only = std::env::args().skip(1).any(|a| a == "--ddp-only");
     let plan = Plan::new(quick);
     if std::env::var(ROLE_ENV).as_deref() == Ok(ROLE_WORKER) {
         return worker(plan);
+    }
+    if ddp_only {
+        println!("load average before: {}", load_average());
+        ddp_throughput(plan)?;
+        println!("load average after: {}", load_average());
+        return Ok(());
     }
     println!(
         "accelerate-rs overhead bench: MLP {INPUT}-{HIDDEN}-{HIDDEN}-{CLASSES} (ReLU), f32, batch {BATCH}/process, SGD lr {LR}, synthetic data{}",
@@ -454,6 +466,11 @@ fn wrapper_overhead(plan: Plan, device: &Device) -> Result<()> {
 struct RunResult {
     mean_ms: f64,
     median_ms: f64,
+    /// Mean time of the forward pass, of `backward` (with the gradient all-reduce) and of the
+    /// optimizer step.
+    forward_ms: f64,
+    backward_ms: f64,
+    step_ms: f64,
     /// Median time of one all-reduce of all the gradients (0 for one process).
     allreduce_ms: f64,
     grad_elems: f64,
@@ -547,9 +564,21 @@ fn parse_result(stdout: &str) -> Result<RunResult> {
     Ok(RunResult {
         mean_ms: field("ms_per_step")?,
         median_ms: field("median_ms")?,
+        forward_ms: field("forward_ms")?,
+        backward_ms: field("backward_ms")?,
+        step_ms: field("step_ms")?,
         allreduce_ms: field("allreduce_ms")?,
         grad_elems: field("grad_elems")?,
     })
+}
+
+fn ddp_only() -> bool {
+    std::env::args().skip(1).any(|a| a == "--ddp-only")
+}
+
+/// The transport the workers use: `ACCELERATE_RS_TRANSPORT` if set, else the automatic choice.
+fn transport_name() -> String {
+    std::env::var("ACCELERATE_RS_TRANSPORT").unwrap_or_else(|_| "auto".to_string())
 }
 
 fn ddp_throughput(plan: Plan) -> Result<()> {
@@ -564,35 +593,39 @@ fn ddp_throughput(plan: Plan) -> Result<()> {
         }
     }
     println!(
-        "## 2. DDP throughput (separate processes, 1 Rayon thread each, TCP ring on 127.0.0.1; {runs} run(s) per size, {} timed steps each after {} warm-up)",
+        "## 2. DDP throughput (AdamW, separate processes, 1 Rayon thread each, on 127.0.0.1; {runs} run(s) per size, {} timed steps each after {} warm-up)",
         plan.ddp_steps, plan.warmup
     );
     println!();
     println!(
-        "| processes | ms/step mean | ms/step median | samples/s total | scaling efficiency | all-reduce of grads, ms |"
+        "| processes | transport | ms/step mean | ms/step median | samples/s total | scaling efficiency | forward / backward+all-reduce / step, ms | all-reduce alone, ms |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|");
-    let summary: Vec<(f64, f64, f64, f64)> = worlds
-        .iter()
-        .zip(&results)
-        .map(|(&w, rs)| {
-            let m = mean(&rs.iter().map(|r| r.mean_ms).collect::<Vec<_>>());
-            let md = median(&rs.iter().map(|r| r.median_ms).collect::<Vec<_>>());
-            let ar = median(&rs.iter().map(|r| r.allreduce_ms).collect::<Vec<_>>());
-            (m, md, (w * BATCH) as f64 * 1e3 / m, ar)
-        })
-        .collect();
-    let single = summary[0].2;
-    for (&w, &(m, md, sps, ar)) in worlds.iter().zip(&summary) {
-        let ar = if w == 1 {
-            "-".to_string()
+    println!("|---:|---|---:|---:|---:|---:|---|---:|");
+    let avg =
+        |rs: &[RunResult], f: fn(&RunResult) -> f64| mean(&rs.iter().map(f).collect::<Vec<_>>());
+    let single = BATCH as f64 * 1e3 / avg(&results[0], |r| r.mean_ms);
+    for (&w, rs) in worlds.iter().zip(&results) {
+        let m = avg(rs, |r| r.mean_ms);
+        let md = median(&rs.iter().map(|r| r.median_ms).collect::<Vec<_>>());
+        let sps = (w * BATCH) as f64 * 1e3 / m;
+        let ar = median(&rs.iter().map(|r| r.allreduce_ms).collect::<Vec<_>>());
+        let (ar, transport) = if w == 1 {
+            ("-".to_string(), "-".to_string())
         } else {
-            format!("{ar:.2}")
+            (format!("{ar:.2}"), transport_name())
         };
         println!(
-            "| {w} | {m:.2} | {md:.2} | {sps:.0} | {:.1}% | {ar} |",
-            sps / (w as f64 * single) * 100.0
+            "| {w} | {transport} | {m:.2} | {md:.2} | {sps:.0} | {:.1}% | {:.2} / {:.2} / {:.2} | {ar} |",
+            sps / (w as f64 * single) * 100.0,
+            avg(rs, |r| r.forward_ms),
+            avg(rs, |r| r.backward_ms),
+            avg(rs, |r| r.step_ms),
         );
+        if ddp_only() {
+            println!(
+                "RESULT-DDP world={w} ms_mean={m:.3} ms_median={md:.3} samples_per_s={sps:.1}"
+            );
+        }
     }
     println!();
     let elems = results[1].first().map(|r| r.grad_elems).unwrap_or(0.0);
@@ -618,10 +651,11 @@ fn worker(plan: Plan) -> Result<()> {
     let samples = world * BATCH * (plan.warmup + timed_steps);
     let (x, y) = synthetic_data(samples, &device)?;
     let (varmap, model) = build_model(&device)?;
-    let opt = SGD::new(varmap.all_vars(), LR)?;
+    let opt = accelerate_rs::optim::AdamW::new_lr(varmap.all_vars(), ADAMW_LR)?;
     let (mut opt, loader) = accelerator.prepare(&varmap, opt, loader(&x, &y)?)?;
 
     let mut times = Vec::with_capacity(timed_steps);
+    let (mut fwd, mut bwd, mut stp) = (Vec::new(), Vec::new(), Vec::new());
     let mut iter = loader.iter()?;
     for step in 0..plan.warmup + timed_steps {
         if step == plan.warmup {
@@ -633,9 +667,16 @@ fn worker(plan: Plan) -> Result<()> {
             .ok_or_else(|| anyhow!("the loader ran out of batches at step {step}"))??;
         let logits = model.forward(&batch[0])?;
         let loss = loss::cross_entropy(&logits, &batch[1])?;
-        opt.backward_step(&loss)?;
+        let t1 = Instant::now();
+        // `backward_step` split in its two halves, to time them.
+        let grads = accelerator.backward(&loss)?;
+        let t2 = Instant::now();
+        opt.step(&grads)?;
         if step >= plan.warmup {
             times.push(ms(start.elapsed()));
+            fwd.push(ms(t1 - start));
+            bwd.push(ms(t2 - t1));
+            stp.push(ms(t2.elapsed()));
         }
     }
     // Where the time goes: the all-reduce alone, on a buffer the size of all the gradients (what
@@ -657,10 +698,13 @@ fn worker(plan: Plan) -> Result<()> {
     }
     if accelerator.is_main_process() {
         println!(
-            "RESULT world={world} steps={} ms_per_step={:.4} median_ms={:.4} allreduce_ms={:.4} grad_elems={numel}",
+            "RESULT world={world} steps={} ms_per_step={:.4} median_ms={:.4} forward_ms={:.4} backward_ms={:.4} step_ms={:.4} allreduce_ms={:.4} grad_elems={numel}",
             times.len(),
             mean(&times),
             median(&times),
+            mean(&fwd),
+            mean(&bwd),
+            mean(&stp),
             if reduce_times.is_empty() { 0.0 } else { median(&reduce_times) },
         );
     }

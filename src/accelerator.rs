@@ -102,6 +102,12 @@ impl AcceleratorBuilder {
         self.o.bucket_cap_mb = Some(mb);
         self
     }
+    /// Whether to tune glibc's allocator for training (default true; see
+    /// [`crate::allocator`]).
+    pub fn tune_malloc(mut self, on: bool) -> Self {
+        self.o.tune_malloc = Some(on);
+        self
+    }
     /// Gradient accumulation steps (instead of `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS`;
     /// default 1, 0 is rejected by [`build`](Self::build)); see [`crate::accumulate`].
     pub fn gradient_accumulation_steps(mut self, steps: usize) -> Self {
@@ -195,6 +201,9 @@ impl AcceleratorBuilder {
     /// [`build`](Self::build) reading the environment through `getenv`.
     pub(crate) fn build_with(self, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Accelerator> {
         let state = ProcessState::resolve(&self.o, getenv)?;
+        if state.tune_malloc() {
+            crate::allocator::tune();
+        }
         let tcp = || TcpOptions {
             rank: state.rank(),
             world_size: state.world_size(),

@@ -45,6 +45,10 @@ pub struct ConfigFile {
     /// Gradient bucket cap, in MiB: gradients are all-reduced in buckets of about this size.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bucket_cap_mb: Option<f64>,
+    /// Tune glibc's allocator for training (keep freed memory instead of unmapping it; default
+    /// true), see `accelerate_rs::allocator`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tune_malloc: Option<bool>,
     /// How many times `launch` restarts the worker group after a failure.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_restarts: Option<usize>,

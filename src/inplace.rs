@@ -8,9 +8,11 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use candle_core::{CpuStorage, InplaceOp1, InplaceOp2, Layout, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, InplaceOp1, InplaceOp2, Layout, Storage, Tensor};
 use half::{bf16, f16};
 
+use crate::collective::BufferMut;
 use crate::error::{Error, Result};
 
 /// The contiguous element range of `layout` in its storage, or an error naming `what`.
@@ -208,6 +210,76 @@ impl Real for f64 {
     fn sqrt(self) -> Self {
         f64::sqrt(self)
     }
+}
+
+/// The address of `t`'s storage: equal for tensors that share it (views, clones).
+pub(crate) fn storage_addr(t: &Tensor) -> usize {
+    let (guard, _) = t.storage_and_layout();
+    std::ptr::from_ref::<Storage>(&guard) as usize
+}
+
+fn unsupported(op: &str, s: &CpuStorage) -> Error {
+    Error::UnsupportedDType {
+        op: op.to_string(),
+        dtype: format!("{:?}", s.dtype()),
+    }
+}
+
+/// Copies `src[sr]` into `dst[dr]` (same float dtype and length).
+pub(crate) fn copy_cpu(
+    dst: &mut CpuStorage,
+    dr: Range<usize>,
+    src: &CpuStorage,
+    sr: Range<usize>,
+) -> Result<()> {
+    if dr.len() != sr.len() {
+        return Err(Error::invalid(
+            "gradient bucket",
+            format!("copying {} elements into {}", sr.len(), dr.len()),
+        ));
+    }
+    match (dst, src) {
+        (CpuStorage::F32(d), CpuStorage::F32(s)) => d[dr].copy_from_slice(&s[sr]),
+        (CpuStorage::F64(d), CpuStorage::F64(s)) => d[dr].copy_from_slice(&s[sr]),
+        (CpuStorage::BF16(d), CpuStorage::BF16(s)) => d[dr].copy_from_slice(&s[sr]),
+        (CpuStorage::F16(d), CpuStorage::F16(s)) => d[dr].copy_from_slice(&s[sr]),
+        (d, _) => return Err(unsupported("gradient bucket copy", d)),
+    }
+    Ok(())
+}
+
+/// Sets `dst[dr]` to `value` (rounded to the storage's float dtype).
+pub(crate) fn fill_cpu(dst: &mut CpuStorage, dr: Range<usize>, value: f64) -> Result<()> {
+    match dst {
+        CpuStorage::F32(d) => d[dr].fill(value as f32),
+        CpuStorage::F64(d) => d[dr].fill(value),
+        CpuStorage::BF16(d) => d[dr].fill(bf16::from_f64(value)),
+        CpuStorage::F16(d) => d[dr].fill(f16::from_f64(value)),
+        d => return Err(unsupported("gradient bucket fill", d)),
+    }
+    Ok(())
+}
+
+/// `src[sr]` widened to f64.
+pub(crate) fn read_f64(src: &CpuStorage, sr: Range<usize>) -> Result<Vec<f64>> {
+    Ok(match src {
+        CpuStorage::F32(s) => s[sr].iter().map(|&x| f64::from(x)).collect(),
+        CpuStorage::F64(s) => s[sr].to_vec(),
+        CpuStorage::BF16(s) => s[sr].iter().map(|x| x.to_f64()).collect(),
+        CpuStorage::F16(s) => s[sr].iter().map(|x| x.to_f64()).collect(),
+        s => return Err(unsupported("gradient bucket read", s)),
+    })
+}
+
+/// `dst[dr]` as a typed buffer for the collectives (no copy).
+pub(crate) fn buffer_mut(dst: &mut CpuStorage, dr: Range<usize>) -> Result<BufferMut<'_>> {
+    Ok(match dst {
+        CpuStorage::F32(d) => BufferMut::from(&mut d[dr]),
+        CpuStorage::F64(d) => BufferMut::from(&mut d[dr]),
+        CpuStorage::BF16(d) => BufferMut::from(&mut d[dr]),
+        CpuStorage::F16(d) => BufferMut::from(&mut d[dr]),
+        d => return Err(unsupported("gradient bucket all_reduce", d)),
+    })
 }
 
 #[cfg(test)]

@@ -56,6 +56,7 @@
 //! | run secret | [`secret`](AcceleratorBuilder::secret) | `ACCELERATE_RS_SECRET` | - | none (unauthenticated, warned) |
 //! | collective timeout | [`timeout`](AcceleratorBuilder::timeout) | `ACCELERATE_RS_TIMEOUT_SECS` | `collective_timeout_secs` | 1800 s |
 //! | gradient bucket cap | [`bucket_cap_mb`](AcceleratorBuilder::bucket_cap_mb) | `ACCELERATE_RS_BUCKET_CAP_MB` | `bucket_cap_mb` | 25 MiB |
+//! | allocator tuning ([`allocator`]) | [`tune_malloc`](AcceleratorBuilder::tune_malloc) | `ACCELERATE_RS_TUNE_MALLOC` | `tune_malloc` | on |
 //! | force CPU | [`cpu`](AcceleratorBuilder::cpu) | `ACCELERATE_RS_USE_CPU` | `use_cpu` | unset: GPUs when built with `cuda` and present, else CPU |
 //! | DP replicas | [`data_parallel`](AcceleratorBuilder::data_parallel) | `ACCELERATE_RS_DATA_PARALLEL` | - | 1 (no DP) |
 //! | mixed precision (used by [`prepare_mixed`](Accelerator::prepare_mixed)) | [`mixed_precision`](AcceleratorBuilder::mixed_precision) | `ACCELERATE_RS_MIXED_PRECISION` | `mixed_precision` | `no` |
@@ -98,6 +99,7 @@
 
 pub mod accelerator;
 pub mod accumulate;
+pub mod allocator;
 pub mod checkpoint;
 pub mod cli;
 pub mod collective;

@@ -3,13 +3,20 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
+use std::sync::Mutex;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Storage, Tensor, Var};
 use candle_nn::VarMap;
 
 use crate::collective::{Buffer, Collective, ReduceOp};
 use crate::error::{Error, Result};
+use crate::inplace::{buffer_mut, copy_cpu, fill_cpu, read_f64, storage_addr, with_cpu_mut};
+
+/// Float dtypes whose CPU gradients take the flat, in-place bucket path.
+fn fusable_dtype(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+}
 
 /// Anything that can list a model's trainable parameters by name.
 ///
@@ -64,11 +71,25 @@ struct Bucket {
 }
 
 /// The registered parameters of a prepared model.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub(crate) struct ParamSet {
     names: Vec<String>,
     vars: Vec<Var>,
     buckets: Vec<Bucket>,
+    /// One flat host tensor per bucket, allocated on first use and reused by every
+    /// [`average_gradients`](Self::average_gradients) (CPU gradients only).
+    flat: Mutex<Vec<Option<Tensor>>>,
+}
+
+impl Clone for ParamSet {
+    fn clone(&self) -> Self {
+        ParamSet {
+            names: self.names.clone(),
+            vars: self.vars.clone(),
+            buckets: self.buckets.clone(),
+            flat: Mutex::new(vec![None; self.buckets.len()]),
+        }
+    }
 }
 
 fn describe(v: &Var) -> String {
@@ -108,6 +129,7 @@ impl ParamSet {
         Ok(ParamSet {
             names,
             vars,
+            flat: Mutex::new(vec![None; buckets.len()]),
             buckets,
         })
     }
@@ -213,6 +235,9 @@ impl ParamSet {
     /// A parameter without a gradient on this rank contributes zeros; it gets the averaged
     /// gradient if any rank had one, and stays without one only if no rank had one (so that
     /// optimizers skip it everywhere alike).
+    ///
+    /// CPU gradients are copied once into the bucket's reusable flat tensor and reduced there in
+    /// place; the averaged gradients are views into it, valid until the next call.
     pub(crate) fn average_gradients(
         &self,
         c: &dyn Collective,
@@ -221,26 +246,20 @@ impl ParamSet {
         if c.world_size() == 1 {
             return Ok(());
         }
-        for b in &self.buckets {
+        let mut flat = self.flat.lock().unwrap_or_else(|p| p.into_inner());
+        for (b, slot) in self.buckets.iter().zip(flat.iter_mut()) {
             let vars = &self.vars[b.members.clone()];
+            if vars[0].device().is_cpu() && fusable_dtype(vars[0].dtype()) {
+                self.average_bucket_cpu(c, vars, grads, slot)?;
+                continue;
+            }
             let (dtype, device) = (vars[0].dtype(), vars[0].device().clone());
             let mut parts = Vec::with_capacity(vars.len() + 1);
             let mut present = Vec::with_capacity(vars.len());
             for v in vars {
                 match grads.get(v.as_tensor()) {
                     Some(g) => {
-                        if g.dims() != v.dims() {
-                            return Err(Error::invalid(
-                                "gradient",
-                                format!(
-                                    "rank {}: gradient of `{}` has shape {:?}, the parameter {:?}",
-                                    c.rank(),
-                                    self.name_of(v),
-                                    g.dims(),
-                                    v.dims()
-                                ),
-                            ));
-                        }
+                        self.check_grad_shape(c, v, g)?;
                         parts.push(g.to_dtype(dtype)?.flatten_all()?);
                         present.push(1f64);
                     }
@@ -268,6 +287,100 @@ impl ParamSet {
                 }
                 off += n;
             }
+        }
+        Ok(())
+    }
+
+    /// One bucket of CPU gradients: copied into the reusable flat tensor `slot` (followed by one
+    /// presence flag per parameter), averaged there in place, handed back as views.
+    fn average_bucket_cpu(
+        &self,
+        c: &dyn Collective,
+        vars: &[Var],
+        grads: &mut GradStore,
+        slot: &mut Option<Tensor>,
+    ) -> Result<()> {
+        let dtype = vars[0].dtype();
+        let total: usize = vars.iter().map(|v| v.elem_count()).sum();
+        let len = total + vars.len();
+        let flat = match slot {
+            Some(t) if t.dtype() == dtype && t.elem_count() == len => t.clone(),
+            _ => {
+                let t = Tensor::zeros(len, dtype, &candle_core::Device::Cpu)?;
+                *slot = Some(t.clone());
+                t
+            }
+        };
+        let flat_addr = storage_addr(&flat);
+        let mut sources = Vec::with_capacity(vars.len());
+        for v in vars {
+            let Some(g) = grads.get(v.as_tensor()) else {
+                sources.push(None);
+                continue;
+            };
+            self.check_grad_shape(c, v, g)?;
+            let mut g = g.to_dtype(dtype)?;
+            // A contiguous CPU tensor not sharing the bucket's storage (a gradient handed back
+            // from an earlier call would otherwise be read while being overwritten).
+            if !g.is_contiguous() || !g.device().is_cpu() || storage_addr(&g) == flat_addr {
+                g = g.to_device(&candle_core::Device::Cpu)?.copy()?;
+            }
+            sources.push(Some(g));
+        }
+        let mut flags = Vec::new();
+        with_cpu_mut(&flat, "gradient bucket", |dst, range| {
+            let mut off = range.start;
+            for (v, g) in vars.iter().zip(&sources) {
+                let n = v.elem_count();
+                match g {
+                    Some(g) => {
+                        let (src, layout) = g.storage_and_layout();
+                        let Storage::Cpu(src) = &*src else {
+                            return Err(Error::invalid("gradient", "is not on the CPU"));
+                        };
+                        let start = layout.start_offset();
+                        copy_cpu(dst, off..off + n, src, start..start + n)?;
+                    }
+                    None => fill_cpu(dst, off..off + n, 0.0)?,
+                }
+                off += n;
+            }
+            for (i, g) in sources.iter().enumerate() {
+                fill_cpu(
+                    dst,
+                    off + i..off + i + 1,
+                    if g.is_some() { 1.0 } else { 0.0 },
+                )?;
+            }
+            c.all_reduce(buffer_mut(dst, range.clone())?, ReduceOp::Mean)?;
+            flags = read_f64(dst, off..range.end)?;
+            Ok(())
+        })?;
+        let mut off = 0;
+        for (v, flag) in vars.iter().zip(flags) {
+            let n = v.elem_count();
+            if flag > 0.0 {
+                grads.insert(v.as_tensor(), flat.narrow(0, off, n)?.reshape(v.shape())?);
+            } else {
+                grads.remove(v.as_tensor());
+            }
+            off += n;
+        }
+        Ok(())
+    }
+
+    fn check_grad_shape(&self, c: &dyn Collective, v: &Var, g: &Tensor) -> Result<()> {
+        if g.dims() != v.dims() {
+            return Err(Error::invalid(
+                "gradient",
+                format!(
+                    "rank {}: gradient of `{}` has shape {:?}, the parameter {:?}",
+                    c.rank(),
+                    self.name_of(v),
+                    g.dims(),
+                    v.dims()
+                ),
+            ));
         }
         Ok(())
     }
@@ -357,6 +470,54 @@ mod tests {
         let b: Vec<_> = p.buckets.iter().map(|b| b.members.clone()).collect();
         // a+b = 80 bytes fit; c starts a new bucket; d is over the cap alone; e has another dtype.
         assert_eq!(b, vec![0..2, 2..3, 3..4, 4..5]);
+    }
+
+    #[test]
+    fn cpu_buckets_average_in_place_and_survive_their_own_output() {
+        use crate::collective::ThreadGroup;
+        let group = ThreadGroup::new(2, std::time::Duration::from_secs(20)).unwrap();
+        let handles: Vec<_> = group
+            .into_iter()
+            .map(|c| {
+                std::thread::spawn(move || {
+                    let r = c.rank() as f32;
+                    let vars: Vec<Var> = (0..3).map(|_| var(5, DType::F32)).collect();
+                    let named = vars
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| (format!("p{i}"), v.clone()))
+                        .collect();
+                    // Buckets of 2 parameters and 1: both flat tensors are exercised.
+                    let set = ParamSet::new(named, 40).unwrap();
+                    let mut grads = GradStore::default();
+                    for (i, v) in vars.iter().enumerate() {
+                        // `p2` has a gradient on rank 1 only.
+                        if i < 2 || r == 1.0 {
+                            let g = Tensor::full(r + i as f32, 5, &Device::Cpu).unwrap();
+                            grads.insert(v.as_tensor(), g);
+                        }
+                    }
+                    set.average_gradients(&c, &mut grads).unwrap();
+                    let got = |g: &GradStore, i: usize| {
+                        g.get(vars[i].as_tensor())
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap()
+                    };
+                    let first: Vec<Vec<f32>> = (0..3).map(|i| got(&grads, i)).collect();
+                    // Feed the averaged gradients (views into the flat tensors) back in.
+                    set.average_gradients(&c, &mut grads).unwrap();
+                    let second: Vec<Vec<f32>> = (0..3).map(|i| got(&grads, i)).collect();
+                    (first, second)
+                })
+            })
+            .collect();
+        for h in handles {
+            let (first, second) = h.join().unwrap();
+            // Means of (0, 1), (1, 2) and (absent = 0, 3).
+            assert_eq!(first, vec![vec![0.5; 5], vec![1.5; 5], vec![1.5; 5]]);
+            assert_eq!(second, first);
+        }
     }
 
     #[test]

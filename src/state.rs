@@ -50,6 +50,7 @@ pub(crate) struct Overrides {
     pub cpu: Option<bool>,
     pub timeout: Option<Duration>,
     pub bucket_cap_mb: Option<f64>,
+    pub tune_malloc: Option<bool>,
     pub config_file: Option<PathBuf>,
     pub rank: Option<usize>,
     pub world_size: Option<usize>,
@@ -82,6 +83,7 @@ pub struct ProcessState {
     master_port: u16,
     timeout: Duration,
     bucket_cap_bytes: usize,
+    tune_malloc: bool,
     secret: Vec<u8>,
     mixed_precision: MixedPrecision,
     gradient_accumulation_steps: usize,
@@ -103,6 +105,7 @@ impl std::fmt::Debug for ProcessState {
             .field("master_port", &self.master_port)
             .field("timeout", &self.timeout)
             .field("bucket_cap_bytes", &self.bucket_cap_bytes)
+            .field("tune_malloc", &self.tune_malloc)
             .field(
                 "secret",
                 &if self.secret.is_empty() {
@@ -392,6 +395,11 @@ impl ProcessState {
                 format!("expected a positive number, got {bucket_cap_mb}"),
             ));
         }
+        let tune_malloc = match (o.tune_malloc, get(getenv, env::TUNE_MALLOC)) {
+            (Some(t), _) => t,
+            (None, Some(v)) => parse_bool(env::TUNE_MALLOC, &v)?,
+            (None, None) => cfg.tune_malloc.unwrap_or(true),
+        };
         // `None`: nobody said; GPUs are used when this build and machine have them.
         let use_cpu = match (o.cpu, get(getenv, env::USE_CPU)) {
             (Some(c), _) => Some(c),
@@ -445,6 +453,7 @@ impl ProcessState {
             master_port,
             timeout,
             bucket_cap_bytes: (bucket_cap_mb * 1024.0 * 1024.0) as usize,
+            tune_malloc,
             secret,
             mixed_precision,
             gradient_accumulation_steps,
@@ -505,6 +514,11 @@ impl ProcessState {
     /// Gradient bucket cap in bytes.
     pub fn bucket_cap_bytes(&self) -> usize {
         self.bucket_cap_bytes
+    }
+
+    /// Whether glibc's allocator is tuned for training (see [`crate::allocator`]).
+    pub fn tune_malloc(&self) -> bool {
+        self.tune_malloc
     }
     /// Which launcher's variables were used: `torchrun`, `slurm`, `mpi`, `builder` or `none`.
     pub fn launcher(&self) -> &'static str {
@@ -669,6 +683,33 @@ mod tests {
         // Nobody asked: the CPU is used quietly.
         let s = resolve(&[], Overrides::default()).unwrap();
         assert!(matches!(s.device(), Device::Cpu));
+    }
+
+    #[test]
+    fn tune_malloc_precedence_and_bad_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("c.toml");
+        std::fs::write(&cfg, "tune_malloc = false\n").unwrap();
+        let with_cfg = || Overrides {
+            config_file: Some(cfg.clone()),
+            ..Overrides::default()
+        };
+        assert!(resolve(&[], Overrides::default()).unwrap().tune_malloc());
+        assert!(!resolve(&[], with_cfg()).unwrap().tune_malloc());
+        let env_on = [("ACCELERATE_RS_TUNE_MALLOC", "1")];
+        assert!(resolve(&env_on, with_cfg()).unwrap().tune_malloc());
+        let builder_off = Overrides {
+            tune_malloc: Some(false),
+            ..with_cfg()
+        };
+        assert!(!resolve(&env_on, builder_off).unwrap().tune_malloc());
+        let err = resolve(
+            &[("ACCELERATE_RS_TUNE_MALLOC", "maybe")],
+            Overrides::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("ACCELERATE_RS_TUNE_MALLOC"), "{err}");
     }
 
     #[test]

@@ -173,6 +173,7 @@ impl AnswerFlags {
             max_restarts: self.max_restarts,
             monitor_interval_secs: self.monitor_interval_secs,
             bucket_cap_mb: self.bucket_cap_mb,
+            tune_malloc: None,
         };
         if let Some((key, reason)) = cfg.problem() {
             return Err(flag_error(key, reason));
