@@ -13,6 +13,18 @@ use crate::collective::{Buffer, Collective, ReduceOp};
 use crate::error::{Error, Result};
 use crate::inplace::{buffer_mut, copy_cpu, fill_cpu, read_f64, storage_addr, with_cpu_mut};
 
+/// Whether the CPU gradient buckets are reduced on a communication thread while the next ones
+/// are flattened (`ACCELERATE_RS_OVERLAP`, default on).
+fn overlap_enabled() -> bool {
+    static ON: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| {
+        !matches!(
+            std::env::var(crate::env::OVERLAP).as_deref().map(str::trim),
+            Ok("0" | "false" | "no" | "off")
+        )
+    });
+    *ON
+}
+
 /// Float dtypes whose CPU gradients take the flat, in-place bucket path.
 fn fusable_dtype(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
@@ -246,13 +258,16 @@ impl ParamSet {
         if c.world_size() == 1 {
             return Ok(());
         }
-        let mut flat = self.flat.lock().unwrap_or_else(|p| p.into_inner());
-        for (b, slot) in self.buckets.iter().zip(flat.iter_mut()) {
+        let mut slots = self.flat.lock().unwrap_or_else(|p| p.into_inner());
+        let all_cpu = self.buckets.iter().all(|b| {
+            let v = &self.vars[b.members.start];
+            v.device().is_cpu() && fusable_dtype(v.dtype())
+        });
+        if all_cpu {
+            return self.average_cpu(c, grads, &mut slots, overlap_enabled());
+        }
+        for b in &self.buckets {
             let vars = &self.vars[b.members.clone()];
-            if vars[0].device().is_cpu() && fusable_dtype(vars[0].dtype()) {
-                self.average_bucket_cpu(c, vars, grads, slot)?;
-                continue;
-            }
             let (dtype, device) = (vars[0].dtype(), vars[0].device().clone());
             let mut parts = Vec::with_capacity(vars.len() + 1);
             let mut present = Vec::with_capacity(vars.len());
@@ -291,15 +306,15 @@ impl ParamSet {
         Ok(())
     }
 
-    /// One bucket of CPU gradients: copied into the reusable flat tensor `slot` (followed by one
-    /// presence flag per parameter), averaged there in place, handed back as views.
-    fn average_bucket_cpu(
+    /// One bucket of CPU gradients copied into its reusable flat tensor `slot` (followed by one
+    /// presence flag per parameter, 1 or 0); returns the flat tensor, ready to be reduced.
+    fn flatten_bucket_cpu(
         &self,
         c: &dyn Collective,
         vars: &[Var],
-        grads: &mut GradStore,
+        grads: &GradStore,
         slot: &mut Option<Tensor>,
-    ) -> Result<()> {
+    ) -> Result<Tensor> {
         let dtype = vars[0].dtype();
         let total: usize = vars.iter().map(|v| v.elem_count()).sum();
         let len = total + vars.len();
@@ -327,7 +342,6 @@ impl ParamSet {
             }
             sources.push(Some(g));
         }
-        let mut flags = Vec::new();
         with_cpu_mut(&flat, "gradient bucket", |dst, range| {
             let mut off = range.start;
             for (v, g) in vars.iter().zip(&sources) {
@@ -346,25 +360,102 @@ impl ParamSet {
                 off += n;
             }
             for (i, g) in sources.iter().enumerate() {
-                fill_cpu(
-                    dst,
-                    off + i..off + i + 1,
-                    if g.is_some() { 1.0 } else { 0.0 },
-                )?;
+                let flag = if g.is_some() { 1.0 } else { 0.0 };
+                fill_cpu(dst, off + i..off + i + 1, flag)?;
             }
-            c.all_reduce(buffer_mut(dst, range.clone())?, ReduceOp::Mean)?;
-            flags = read_f64(dst, off..range.end)?;
             Ok(())
         })?;
+        Ok(flat)
+    }
+
+    /// Averages a flat bucket across ranks in place; returns its `members` presence flags
+    /// (averaged: > 0 when some rank had the gradient).
+    fn reduce_bucket_cpu(c: &dyn Collective, flat: &Tensor, members: usize) -> Result<Vec<f64>> {
+        let mut flags = Vec::new();
+        with_cpu_mut(flat, "gradient bucket", |dst, range| {
+            c.all_reduce(buffer_mut(dst, range.clone())?, ReduceOp::Mean)?;
+            flags = read_f64(dst, range.end - members..range.end)?;
+            Ok(())
+        })?;
+        Ok(flags)
+    }
+
+    /// Puts the averaged gradients of one bucket (views into `flat`) into `grads`, or removes
+    /// those no rank had.
+    fn install_bucket(
+        vars: &[Var],
+        flat: &Tensor,
+        flags: &[f64],
+        grads: &mut GradStore,
+    ) -> Result<()> {
         let mut off = 0;
         for (v, flag) in vars.iter().zip(flags) {
             let n = v.elem_count();
-            if flag > 0.0 {
+            if *flag > 0.0 {
                 grads.insert(v.as_tensor(), flat.narrow(0, off, n)?.reshape(v.shape())?);
             } else {
                 grads.remove(v.as_tensor());
             }
             off += n;
+        }
+        Ok(())
+    }
+
+    /// The CPU path of [`average_gradients`](Self::average_gradients) when every bucket is on the
+    /// CPU. With several buckets and `overlap`, a communication thread reduces bucket `k` while
+    /// this thread flattens bucket `k + 1`.
+    fn average_cpu(
+        &self,
+        c: &dyn Collective,
+        grads: &mut GradStore,
+        slots: &mut [Option<Tensor>],
+        overlap: bool,
+    ) -> Result<()> {
+        let members = |b: &Bucket| &self.vars[b.members.clone()];
+        if !overlap || self.buckets.len() < 2 {
+            for (b, slot) in self.buckets.iter().zip(slots.iter_mut()) {
+                let flat = self.flatten_bucket_cpu(c, members(b), grads, slot)?;
+                let flags = Self::reduce_bucket_cpu(c, &flat, b.members.len())?;
+                Self::install_bucket(members(b), &flat, &flags, grads)?;
+            }
+            return Ok(());
+        }
+        let (flats, flags) = std::thread::scope(|s| -> Result<_> {
+            let (tx, rx) = std::sync::mpsc::channel::<(Tensor, usize)>();
+            let comm = s.spawn(move || -> Result<Vec<Vec<f64>>> {
+                rx.into_iter()
+                    .map(|(flat, n)| Self::reduce_bucket_cpu(c, &flat, n))
+                    .collect()
+            });
+            let mut flats = Vec::with_capacity(self.buckets.len());
+            let mut failed = None;
+            for (b, slot) in self.buckets.iter().zip(slots.iter_mut()) {
+                match self.flatten_bucket_cpu(c, members(b), grads, slot) {
+                    Ok(flat) => {
+                        // A send fails only when the thread has stopped on an error: joined below.
+                        let _ = tx.send((flat.clone(), b.members.len()));
+                        flats.push(flat);
+                    }
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+            drop(tx);
+            let reduced = comm.join().map_err(|_| {
+                Error::invalid(
+                    "gradient all-reduce",
+                    format!("rank {}: the communication thread panicked", c.rank()),
+                )
+            })?;
+            match failed {
+                Some(e) => Err(e),
+                None => Ok((flats, reduced?)),
+            }
+        })?;
+        for ((b, flat), flags) in self.buckets.iter().zip(&flats).zip(&flags) {
+            Self::install_bucket(members(b), flat, flags, grads)?;
         }
         Ok(())
     }
