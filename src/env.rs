@@ -58,6 +58,9 @@ pub const DATA_PARALLEL: &str = "ACCELERATE_RS_DATA_PARALLEL";
 pub const CONFIG_FILE: &str = "ACCELERATE_RS_CONFIG_FILE";
 /// Debug mode (`1`/`true`/`yes`/`on`): `gather`, `reduce` and `broadcast` first check that every rank passes a tensor of the same shape and dtype, listing every rank's shape when not (read once per process).
 pub const DEBUG: &str = "ACCELERATE_RS_DEBUG";
+/// Data path of multi-process CPU `all_reduce` and `broadcast`: `auto` (default: shared memory
+/// when every rank is on the same host, else TCP), `tcp`, or `shm` (an error on several hosts).
+pub const TRANSPORT: &str = "ACCELERATE_RS_TRANSPORT";
 /// How many times the launcher restarted the worker group (0 on the first run).
 pub const RESTART_COUNT: &str = "ACCELERATE_RS_RESTART_COUNT";
 

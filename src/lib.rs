@@ -62,6 +62,7 @@
 //! | mixed precision (used by [`prepare_mixed`](Accelerator::prepare_mixed)) | [`mixed_precision`](AcceleratorBuilder::mixed_precision) | `ACCELERATE_RS_MIXED_PRECISION` | `mixed_precision` | `no` |
 //! | gradient accumulation | [`gradient_accumulation_steps`](AcceleratorBuilder::gradient_accumulation_steps) | `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS` | `gradient_accumulation_steps` | 1 |
 //! | config file | [`config_file`](AcceleratorBuilder::config_file) | `ACCELERATE_RS_CONFIG_FILE` | - | platform config dir |
+//! | CPU collective transport (several processes) | - | `ACCELERATE_RS_TRANSPORT`: `auto`, `tcp` or `shm` | - | `auto`: shared memory when every rank is on one host, else TCP |
 //!
 //! The launcher families are not mixed: the first of torchrun, SLURM, Open MPI whose rank
 //! variable is set provides rank, world size and local rank. Inconsistent values (a rank not below
@@ -78,7 +79,7 @@
 //!   checkpoint directories with rotation ([`checkpoint::latest_checkpoint`]), and mid-epoch
 //!   resume ([`DataLoader::resume_at`]).
 //! - [`collective`]: the [`Collective`] trait and its backends (single
-//!   process, TCP ring, in-process threads).
+//!   process, TCP ring with a same-host shared-memory data path, in-process threads).
 //! - [`ops`]: collectives for users on [`Accelerator`]: `gather`, `gather_for_metrics`, `reduce`,
 //!   `broadcast`, `pad_across_processes`, `main_process_first`, `split_between_processes`,
 //!   `set_seed`, `debug_shapes`.

@@ -3,7 +3,7 @@
 //! | backend | when | file |
 //! |---|---|---|
 //! | [`SingleProcess`] | world size 1: every call returns at once, no socket is opened | `single.rs` |
-//! | [`TcpCollective`] | several processes (one or many machines): rendezvous store + ring over TCP | `tcp/` |
+//! | [`TcpCollective`] | several processes (one or many machines): rendezvous store + ring over TCP; `all_reduce` and `broadcast` through shared memory when all ranks share a host | `tcp/` |
 //! | [`ThreadGroup`] | several ranks as threads of one process (tests, DP over CPU replicas) | `threads.rs` |
 //! | [`NcclCollective`] | GPU tensors: DDP (one process per GPU) and DP (one thread per GPU); needs the `cuda` feature | `nccl.rs` (`nccl_stub.rs` without it) |
 //!

@@ -6,8 +6,14 @@
 //!    connection opens with a handshake carrying the run's secret ([`wire`]).
 //! 3. Collectives run over that ring ([`ring`](self)): all-reduce is reduce-scatter + all-gather
 //!    over `world` chunks, streamed in segments.
+//! 4. When every rank is on the same host (same hostname and boot id), `all_reduce` and
+//!    `broadcast` go through a shared-memory segment instead (`shm.rs`); the ring still carries
+//!    `all_gather` and `barrier` and tells a waiting rank when a peer dies.
+//!    `ACCELERATE_RS_TRANSPORT` = `auto` (default) | `tcp` | `shm` overrides the choice;
+//!    [`TcpCollective::transport`] says which one is in use.
 
 mod ring;
+mod shm;
 mod store;
 pub mod wire;
 
@@ -17,11 +23,13 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ring::Ring;
+use shm::Shm;
 use store::{StoreClient, StoreServer};
 use wire::{Hello, Role};
 
 use super::{check_reducible, check_root, Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp};
 use crate::error::{Error, Result};
+use wire::op;
 
 /// Where and how to form a TCP group.
 #[derive(Clone, Debug)]
@@ -40,13 +48,23 @@ pub struct TcpOptions {
     pub timeout: Duration,
 }
 
-/// A rank of a multi-process group connected in a ring over TCP.
+/// A rank of a multi-process group connected in a ring over TCP; `all_reduce` and `broadcast`
+/// use shared memory instead when every rank is on the same host (see
+/// [`transport`](TcpCollective::transport)).
 #[derive(Debug)]
 pub struct TcpCollective {
     rank: usize,
     world: usize,
-    ring: Option<Mutex<Ring>>,
+    link: Option<Mutex<Link>>,
+    transport: &'static str,
     _store: Option<StoreServer>,
+}
+
+/// The connections of a group of more than one rank.
+#[derive(Debug)]
+struct Link {
+    ring: Ring,
+    shm: Option<Shm>,
 }
 
 fn bind_addr_for(master: SocketAddr) -> SocketAddr {
@@ -83,6 +101,7 @@ impl TcpCollective {
                 ),
             ));
         }
+        let mode = shm::Mode::from_env()?;
         let master = format!("{}:{}", opts.master_addr, opts.master_port);
         let deadline = Instant::now() + opts.timeout;
         let store = if rank == 0 {
@@ -118,7 +137,8 @@ impl TcpCollective {
             return Ok(TcpCollective {
                 rank,
                 world,
-                ring: None,
+                link: None,
+                transport: "tcp",
                 _store: store,
             });
         }
@@ -170,19 +190,31 @@ impl TcpCollective {
                 e,
             )
         })?;
-        let ring = Ring::new(rank, world, opts.timeout, next, prev)
+        let mut ring = Ring::new(rank, world, opts.timeout, next, prev)
             .map_err(|e| peer_setup_err(rank, &next_addr, "socket setup failed", e))?;
         log::debug!("rank {rank}: ring formed (next {next_addr})");
+        let shm = shm::setup(&mut ring, mode)?;
+        let transport = if shm.is_some() { "shm" } else { "tcp" };
+        log::debug!("rank {rank}: all_reduce and broadcast use the {transport} transport");
         Ok(TcpCollective {
             rank,
             world,
-            ring: Some(Mutex::new(ring)),
+            link: Some(Mutex::new(Link { ring, shm })),
+            transport,
             _store: store,
         })
     }
 
-    fn ring(&self) -> Option<MutexGuard<'_, Ring>> {
-        self.ring
+    /// The data path of `all_reduce` and `broadcast`: `"shm"` (a shared-memory segment, chosen
+    /// when every rank is on this host) or `"tcp"` (the ring; also for a world of one, where
+    /// nothing moves). `all_gather` and `barrier` always use the ring. Set
+    /// `ACCELERATE_RS_TRANSPORT` to `tcp` or `shm` to force one.
+    pub fn transport(&self) -> &'static str {
+        self.transport
+    }
+
+    fn link(&self) -> Option<MutexGuard<'_, Link>> {
+        self.link
             .as_ref()
             .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
     }
@@ -293,35 +325,61 @@ impl Collective for TcpCollective {
     fn backend(&self) -> &'static str {
         "tcp"
     }
-    fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp) -> Result<()> {
-        check_reducible(buf.elem(), op)?;
-        match self.ring() {
-            Some(mut ring) => ring.all_reduce(buf, op),
-            None => Ok(()),
+    fn all_reduce(&self, mut buf: BufferMut<'_>, rop: ReduceOp) -> Result<()> {
+        check_reducible(buf.elem(), rop)?;
+        let Some(mut link) = self.link() else {
+            return Ok(());
+        };
+        let Link { ring, shm } = &mut *link;
+        match shm {
+            Some(shm) => {
+                let (elem, count) = (buf.elem(), buf.len());
+                let h = ring.header(op::ALL_REDUCE, elem, count, rop.code() as u64);
+                ring.run("all_reduce", |ring, deadline| {
+                    shm.all_reduce(ring, deadline, h, elem, rop, buf.bytes_mut())
+                })
+            }
+            None => ring.all_reduce(buf, rop),
         }
     }
-    fn broadcast(&self, buf: BufferMut<'_>, root: usize) -> Result<()> {
+    fn broadcast(&self, mut buf: BufferMut<'_>, root: usize) -> Result<()> {
         check_root(root, self.world, self.rank)?;
-        match self.ring() {
-            Some(mut ring) => ring.broadcast(buf, root),
-            None => Ok(()),
+        let Some(mut link) = self.link() else {
+            return Ok(());
+        };
+        let Link { ring, shm } = &mut *link;
+        match shm {
+            Some(shm) => {
+                let (elem, count) = (buf.elem(), buf.len());
+                let h = ring.header(op::BROADCAST, elem, count, root as u64);
+                ring.run("broadcast", |ring, deadline| {
+                    shm.broadcast(ring, deadline, h, elem, root, buf.bytes_mut())
+                })
+            }
+            None => ring.broadcast(buf, root),
         }
     }
     fn all_gather(&self, buf: Buffer<'_>) -> Result<Vec<OwnedBuffer>> {
-        match self.ring() {
-            Some(mut ring) => ring.all_gather(buf),
+        match self.link() {
+            Some(mut link) => link.ring.all_gather(buf),
             None => super::SingleProcess.all_gather(buf),
         }
     }
     fn barrier(&self) -> Result<()> {
-        match self.ring() {
-            Some(mut ring) => ring.barrier(),
+        match self.link() {
+            Some(mut link) => link.ring.barrier(),
             None => Ok(()),
         }
     }
     fn check_peers(&self) -> Result<()> {
-        match self.ring() {
-            Some(ring) => ring.check_peers(),
+        match self.link() {
+            Some(link) => {
+                link.ring.check_peers()?;
+                match &link.shm {
+                    Some(shm) => shm.check_abort("check_peers"),
+                    None => Ok(()),
+                }
+            }
             None => Ok(()),
         }
     }

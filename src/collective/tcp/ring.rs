@@ -271,7 +271,8 @@ impl Ring {
         Ok(())
     }
 
-    fn header(&mut self, code: u8, elem: ElemType, count: usize, aux: u64) -> OpHeader {
+    /// The header of this rank's next collective (advances the sequence number).
+    pub(crate) fn header(&mut self, code: u8, elem: ElemType, count: usize, aux: u64) -> OpHeader {
         self.seq += 1;
         OpHeader {
             op: code,
@@ -317,6 +318,60 @@ impl Ring {
                     reason: "connection closed (did that process exit or crash?)".into(),
                     source,
                 });
+            }
+        }
+        Ok(())
+    }
+
+    /// For waits that are not on the sockets (the shared-memory transport, running `mine`):
+    /// checks without blocking that both neighbours' connections are open and that the previous
+    /// rank has not started a TCP collective, which this rank is not running.
+    pub(crate) fn probe(&self, name: &str, mine: &OpHeader) -> Result<()> {
+        for (sock, peer, is_prev) in [
+            (&self.next, self.next_rank(), false),
+            (&self.prev, self.prev_rank(), true),
+        ] {
+            let mut b = [0u8; HEADER_LEN];
+            match sock.peek(&mut b) {
+                Ok(0) => {
+                    return Err(Error::Peer {
+                        rank: self.rank,
+                        peer,
+                        op: name.into(),
+                        reason: "connection closed (did that process exit or crash?)".into(),
+                        source: None,
+                    })
+                }
+                Ok(n) if is_prev => {
+                    let theirs = (n == HEADER_LEN)
+                        .then(|| OpHeader::decode(&b))
+                        .flatten()
+                        .map_or_else(|| "a TCP collective".to_string(), |h| h.describe());
+                    return Err(Error::Mismatch {
+                        rank: self.rank,
+                        op: name.into(),
+                        detail: format!(
+                            "rank {} called {} but rank {peer} called {theirs}",
+                            self.rank,
+                            mine.describe()
+                        ),
+                    });
+                }
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => {
+                    return Err(Error::Peer {
+                        rank: self.rank,
+                        peer,
+                        op: name.into(),
+                        reason: "connection lost (did that process exit or crash?)".into(),
+                        source: Some(e),
+                    })
+                }
             }
         }
         Ok(())
