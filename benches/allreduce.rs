@@ -1,11 +1,12 @@
-//! All-reduce (sum, f32) latency and bandwidth: TCP between 2 processes on loopback, and the
-//! in-process `ThreadGroup` (2 threads) for comparison.
+//! All-reduce (sum, f32) latency and bandwidth between 2 processes, over TCP on loopback and
+//! through the same-host shared-memory transport, and the in-process `ThreadGroup` (2 threads) for
+//! comparison.
 //!
 //! `cargo bench --bench allreduce [-- --quick]`
 //!
 //! The bench process is rank 0 and does the timing; it re-runs itself with
-//! `ACCEL_BENCH_ROLE=worker` (plus `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) for rank 1,
-//! which only participates. Unknown arguments (such as the `--bench` that cargo passes) are
+//! `ACCEL_BENCH_ROLE=worker` (plus `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and
+//! `ACCELERATE_RS_TRANSPORT`) for rank 1, which only participates. Unknown arguments (such as the `--bench` that cargo passes) are
 //! ignored.
 
 use std::net::TcpListener;
@@ -17,6 +18,7 @@ use accelerate_rs::collective::{
 };
 
 const ROLE_VAR: &str = "ACCEL_BENCH_ROLE";
+const TRANSPORT_VAR: &str = accelerate_rs::env::TRANSPORT;
 const SECRET: &str = "allreduce-bench";
 const KIB: usize = 1024;
 const SIZES: [usize; 8] = [
@@ -174,14 +176,10 @@ fn worker(plan: Plan) {
     run_sizes(&c, plan);
 }
 
-fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
-    let plan = Plan::new(quick);
-    if std::env::var_os(ROLE_VAR).is_some() {
-        worker(plan);
-        return;
-    }
-
+/// Rank 0 of a 2-process run whose `all_reduce` uses `transport` (`tcp` or `shm`).
+fn two_processes(transport: &str, quick: bool, plan: Plan) -> Vec<Row> {
+    // Read by `TcpCollective::connect` here and in the worker; no other thread runs yet.
+    std::env::set_var(TRANSPORT_VAR, transport);
     let port = TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -194,6 +192,7 @@ fn main() {
         .env("WORLD_SIZE", "2")
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
+        .env(TRANSPORT_VAR, transport)
         .stdin(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| fail(format!("cannot start rank 1: {e}")));
@@ -201,12 +200,29 @@ fn main() {
         let _ = child.kill();
         fail(e.to_string())
     });
-    let tcp = run_sizes(&c, plan);
+    if c.transport() != transport {
+        let _ = child.kill();
+        fail(format!("asked for {transport}, got {}", c.transport()));
+    }
+    let rows = run_sizes(&c, plan);
     drop(c);
     let status = child.wait().unwrap_or_else(|e| fail(e.to_string()));
     if !status.success() {
-        fail(format!("rank 1 {status}"));
+        fail(format!("rank 1 ({transport}) {status}"));
     }
+    rows
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let plan = Plan::new(quick);
+    if std::env::var_os(ROLE_VAR).is_some() {
+        worker(plan);
+        return;
+    }
+
+    let tcp = two_processes("tcp", quick, plan);
+    let shm = two_processes("shm", quick, plan);
 
     let threads =
         ThreadGroup::new(2, Duration::from_secs(120)).unwrap_or_else(|e| fail(e.to_string()));
@@ -231,6 +247,7 @@ fn main() {
         if quick { " (--quick)" } else { "" }
     );
     print_table("tcp: 2 processes on loopback", &tcp);
+    print_table("shm: 2 processes, shared-memory transport", &shm);
     print_table(
         "threads: ThreadGroup, 2 threads in one process",
         &thread_rows,
