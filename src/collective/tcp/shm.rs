@@ -626,7 +626,12 @@ impl Shm {
             if now >= next_probe {
                 if let Err(e) = ring.probe(name, mine) {
                     // A peer that finished this collective may already have moved on or exited.
-                    return if pending().is_none() { Ok(()) } else { Err(e) };
+                    if pending().is_none() {
+                        return Ok(());
+                    }
+                    // A rank that failed records why before closing its sockets: prefer that.
+                    self.check_abort(name)?;
+                    return Err(e);
                 }
                 if now >= deadline {
                     return Err(Error::Timeout {
