@@ -379,10 +379,11 @@ fn create_segment(
                 continue;
             }
         };
-        let guard = Unlink(Some(path.clone()));
+        let mut guard = Unlink(Some(path.clone()));
         match size_and_map(&file, len) {
             Ok(map) => {
-                std::mem::forget(guard);
+                // The caller removes it once every rank has mapped it.
+                guard.0 = None;
                 // SAFETY: the mapping is `len` bytes long and page aligned; the header words are
                 // 8-aligned and within the first page; no other process knows the file yet.
                 unsafe {
