@@ -128,7 +128,7 @@ const SLOT_CAP: usize = 1 << 20;
 const DIRECT_MAX: usize = 32 * 1024;
 
 /// Spin this long before yielding.
-const SPIN_FOR: Duration = Duration::from_micros(50);
+const SPIN_FOR: Duration = Duration::from_micros(3);
 /// Yield until this long, then sleep.
 const YIELD_FOR: Duration = Duration::from_millis(2);
 /// Longest nap.
