@@ -18,7 +18,7 @@
 //! | 0 | magic, token, world size, slot capacity |
 //! | 64 | abort word: who gave up, about whom, why |
 //! | 4096 + 256 r | rank r's control: `state` (own cache line), then one 4-word operation header per buffer set |
-//! | data | rank r's two slots (buffer sets 0 and 1) of `cap` bytes each |
+//! | data | rank r's two slots (buffer sets 0 and 1) of `cap` bytes each (1 MiB up to 16 ranks, down to 256 KiB for more) |
 //!
 //! ## Protocol
 //!
@@ -121,8 +121,13 @@ const OFF_WORLD: usize = 16;
 const OFF_CAP: usize = 24;
 const OFF_ABORT: usize = 64;
 
-/// Bytes of one slot (per rank, per buffer set): the chunk size.
+/// Bytes of one slot (per rank, per buffer set): the chunk size, for up to 16 ranks.
 const SLOT_CAP: usize = 1 << 20;
+/// Smallest slot, for many ranks.
+const MIN_SLOT_CAP: usize = 256 * 1024;
+/// The slots of all ranks together stay within this (with at least `MIN_SLOT_CAP` each), so that
+/// a small `/dev/shm` (64 MiB in a default Docker container) still holds the segment.
+const SLOTS_BUDGET: usize = 32 << 20;
 /// Up to this many bytes, every rank folds all slots itself (one synchronisation per chunk);
 /// above, the chunk is reduce-scattered (two synchronisations, each rank reduces `1/n`).
 const DIRECT_MAX: usize = 32 * 1024;
@@ -162,6 +167,11 @@ impl std::fmt::Debug for Shm {
             .field("gen", &self.gen)
             .finish()
     }
+}
+
+/// Slot size for `world` ranks: a multiple of the page size.
+fn slot_cap(world: usize) -> usize {
+    (SLOTS_BUDGET / (2 * world.max(1))).clamp(MIN_SLOT_CAP, SLOT_CAP) / PAGE * PAGE
 }
 
 fn data_offset(world: usize) -> usize {
@@ -282,7 +292,7 @@ pub(crate) fn setup(ring: &mut Ring, mode: Mode) -> Result<Option<Shm>> {
     }
 
     // Rank 0 creates the segment; the others learn its name, size and token.
-    let cap = SLOT_CAP;
+    let cap = slot_cap(world);
     let len = segment_len(world, cap);
     let mut unlink = Unlink(None);
     let mut created: Option<Shm> = None;
@@ -794,12 +804,15 @@ impl Shm {
         }
 
         // 3. Combine.
-        // SAFETY (for every `slot_ref` below): every rank published chunk `g` with the same
-        // `len` (headers compared above), and slots of this set are only written again at chunk
-        // `g + 2`, after every rank (this one included) has published `2(g + 1) + 1`, i.e. after
-        // this rank has finished with them. Shared slices of a slot never coexist with a mutable
-        // one of the same bytes in this process.
         let slot_ref = |r: usize, range: std::ops::Range<usize>| -> &[u8] {
+            debug_assert!(range.end <= len);
+            // SAFETY: `range` lies within the `len <= cap` bytes that rank `r` wrote into its
+            // slot of this set for chunk `g` (every rank's header, hence `len`, was compared
+            // above), and it published them (`2g + 1`, or `2g + 2` for reduced shares) before
+            // this rank read them. Slots of this set are only written again at chunk `g + 2`,
+            // after every rank, this one included, has published `2(g + 1) + 1`, i.e. after this
+            // rank is done with them. In this process, a shared slice of slot bytes never
+            // coexists with a mutable one of the same bytes.
             unsafe { std::slice::from_raw_parts(self.slot(r, set).add(range.start), range.len()) }
         };
         match kind {
@@ -864,5 +877,35 @@ fn acc_op(rop: ReduceOp) -> ReduceOp {
         ReduceOp::Max
     } else {
         ReduceOp::Sum
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_fits_and_is_aligned() {
+        for world in [1, 2, 3, 4, 8, 16, 17, 64, 256, 1000] {
+            let cap = slot_cap(world);
+            assert!((MIN_SLOT_CAP..=SLOT_CAP).contains(&cap), "{world}: {cap}");
+            assert_eq!(cap % PAGE, 0);
+            let data = data_offset(world);
+            assert_eq!(data % PAGE, 0);
+            assert!(data >= PAGE + world * CTRL_STRIDE);
+            assert_eq!(segment_len(world, cap), data + 2 * world * cap);
+            if world <= 16 {
+                assert_eq!(cap, SLOT_CAP);
+            }
+        }
+    }
+
+    #[test]
+    fn transport_values() {
+        for (s, m) in [("auto", Mode::Auto), ("tcp", Mode::Tcp), ("shm", Mode::Shm)] {
+            assert_eq!(Mode::parse(s), Some(m));
+            assert_eq!(m.name(), s);
+        }
+        assert_eq!(Mode::parse("ib"), None);
     }
 }
