@@ -42,6 +42,9 @@ pub const USE_CPU: &str = "ACCELERATE_RS_USE_CPU";
 pub const TIMEOUT_SECS: &str = "ACCELERATE_RS_TIMEOUT_SECS";
 /// Gradient bucket cap in MiB.
 pub const BUCKET_CAP_MB: &str = "ACCELERATE_RS_BUCKET_CAP_MB";
+/// Whether optimizers use their fused in-place kernels (`0` turns them off for optimizers created
+/// afterwards; default on). See [`crate::optim`].
+pub const FUSED_OPTIM: &str = "ACCELERATE_RS_FUSED_OPTIM";
 /// Whether CPU gradient buckets are all-reduced on a communication thread while the next bucket
 /// is flattened (`0` turns it off; default on). Read once per process.
 pub const OVERLAP: &str = "ACCELERATE_RS_OVERLAP";

@@ -93,7 +93,7 @@ type Check = fn(&Accelerator) -> Result<()>;
 /// then agrees with the others on the verdict.
 fn run_checks(acc: &Accelerator) -> Result<()> {
     let c = acc.collective().as_ref();
-    let checks: [(&str, Check); 6] = [
+    let checks: [(&str, Check); 7] = [
         (
             "all_reduce (sum, mean, max; f32, f64, f16, bf16)",
             check_all_reduce,
@@ -105,6 +105,10 @@ fn run_checks(acc: &Accelerator) -> Result<()> {
         (
             "GPU tensors through NCCL (skipped on CPU)",
             check_gpu_tensors,
+        ),
+        (
+            "fused AdamW and SGD kernels equal the tensor-op chain on this device",
+            check_fused_optimizers,
         ),
     ];
     let mut failed = Vec::new();
@@ -130,6 +134,81 @@ fn run_checks(acc: &Accelerator) -> Result<()> {
                 format!("failed here: {}", failed.join("; "))
             },
         });
+    }
+    Ok(())
+}
+
+/// 100 AdamW steps and 50 SGD (momentum, Nesterov, weight decay) steps on this rank's device,
+/// fused and unfused, from the same start with the same gradients: the results must agree.
+fn check_fused_optimizers(acc: &Accelerator) -> Result<()> {
+    use crate::optim::{AdamW, Sgd, SgdConfig};
+    let device = acc.device();
+    let shapes: [&[usize]; 3] = [&[300, 257], &[300], &[7, 13]];
+    let start = |k: usize| -> Result<Vec<Var>> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let n: usize = s.iter().product();
+                let v: Vec<f32> = (0..n).map(|j| value(i + k, j) as f32 * 0.1).collect();
+                Ok(Var::from_tensor(&Tensor::from_vec(v, *s, device)?)?)
+            })
+            .collect()
+    };
+    let grads = |vars: &[Var], step: usize| -> Result<candle_core::backprop::GradStore> {
+        let mut g = candle_core::backprop::GradStore::default();
+        for (i, v) in vars.iter().enumerate() {
+            let n = v.elem_count();
+            let x: Vec<f32> = (0..n)
+                .map(|j| value(step + i, j * 7 + step) as f32 * 0.01)
+                .collect();
+            g.insert(v.as_tensor(), Tensor::from_vec(x, v.shape(), device)?);
+        }
+        Ok(g)
+    };
+    let diff = |a: &[Var], b: &[Var]| -> Result<f32> {
+        let mut d = 0f32;
+        for (x, y) in a.iter().zip(b) {
+            let m = (x.as_tensor() - y.as_tensor())?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            d = d.max(m);
+        }
+        Ok(d)
+    };
+    let (a, b) = (start(0)?, start(0)?);
+    let mut fused = AdamW::new_lr(a.clone(), 1e-2)?;
+    let mut chain = AdamW::new_lr(b.clone(), 1e-2)?;
+    chain.set_fused(false);
+    for step in 0..100 {
+        fused.step(&grads(&a, step)?)?;
+        chain.step(&grads(&b, step)?)?;
+    }
+    let d = diff(&a, &b)?;
+    if d > 1e-5 {
+        return Err(fail(format!(
+            "AdamW on {device:?}: fused and unfused differ by {d} after 100 steps"
+        )));
+    }
+    let config = SgdConfig::new(0.05)
+        .momentum(0.9)
+        .nesterov(true)
+        .weight_decay(1e-3);
+    let (a, b) = (start(1)?, start(1)?);
+    let mut fused = Sgd::new(a.clone(), config.clone())?;
+    let mut chain = Sgd::new(b.clone(), config)?;
+    chain.set_fused(false);
+    for step in 0..50 {
+        fused.step(&grads(&a, step)?)?;
+        chain.step(&grads(&b, step)?)?;
+    }
+    let d = diff(&a, &b)?;
+    if d > 1e-5 {
+        return Err(fail(format!(
+            "Sgd on {device:?}: fused and unfused differ by {d} after 50 steps"
+        )));
     }
     Ok(())
 }

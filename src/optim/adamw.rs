@@ -5,6 +5,7 @@ use candle_core::{Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 
 use super::fused::{self, AdamScalars};
+use super::fused_cuda;
 use super::{candle_err, check_lr, fit_tensor, parse_name, OptimizerState};
 use crate::error::{Error, Result};
 
@@ -36,6 +37,7 @@ pub struct AdamW {
     slots: Vec<Slot>,
     step_t: u64,
     params: ParamsAdamW,
+    fused: bool,
 }
 
 fn check_params(p: &ParamsAdamW) -> Result<()> {
@@ -90,6 +92,7 @@ impl Optimizer for AdamW {
             slots,
             step_t: 0,
             params,
+            fused: fused::default_on(),
         })
     }
 
@@ -120,12 +123,17 @@ impl Optimizer for AdamW {
             let Some(g) = grads.get(&slot.var) else {
                 continue;
             };
-            if fused::fusable(slot.var.as_tensor(), g) {
-                fused::adamw(slot.var.as_tensor(), &slot.m, &slot.v, g, scalars)
-                    .map_err(candle_err)?;
-                continue;
+            if self.fused {
+                let theta = slot.var.as_tensor();
+                if fused::fusable(theta, g) {
+                    fused::adamw(theta, &slot.m, &slot.v, g, scalars).map_err(candle_err)?;
+                    continue;
+                }
+                if fused_cuda::adamw(theta, &slot.m, &slot.v, g, scalars).map_err(candle_err)? {
+                    continue;
+                }
             }
-            // Other devices (CUDA): the same update as a chain of tensor ops.
+            // Unfused (other dtypes and devices, or fusion turned off): a chain of tensor ops.
             let m = ((&slot.m * beta1)? + (g * (1.0 - beta1))?)?;
             let v = ((&slot.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
             let denom = v.sqrt()?.affine(sqrt_scale_v, eps)?;
@@ -172,6 +180,18 @@ impl AdamW {
         check_params(&params)?;
         self.params = params;
         Ok(())
+    }
+
+    /// Whether steps use the fused in-place kernels where they apply (CPU; f32 on CUDA). On by
+    /// default; `ACCELERATE_RS_FUSED_OPTIM=0` turns it off for optimizers created afterwards.
+    pub fn fused(&self) -> bool {
+        self.fused
+    }
+
+    /// Turns the fused kernels on or off (off: every step is the chain of tensor ops that
+    /// `candle_nn::AdamW` runs; useful to compare or debug).
+    pub fn set_fused(&mut self, on: bool) {
+        self.fused = on;
     }
 
     /// Optimizer steps taken so far.

@@ -16,6 +16,17 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::inplace::{with_cpu_mut, with_cpu_mut_src, Elem, Real};
 
+/// Whether new optimizers use the fused kernels: yes unless `ACCELERATE_RS_FUSED_OPTIM` is `0`,
+/// `false`, `no` or `off`.
+pub(crate) fn default_on() -> bool {
+    !matches!(
+        std::env::var(crate::env::FUSED_OPTIM)
+            .map(|v| v.trim().to_ascii_lowercase())
+            .as_deref(),
+        Ok("0" | "false" | "no" | "off")
+    )
+}
+
 /// Elements per parallel chunk (256 KiB of f32: big enough to amortise scheduling).
 const CHUNK: usize = 1 << 16;
 

@@ -16,12 +16,20 @@
 //! restoring (e.g. sorted by name, as [`Parameters`](crate::Parameters) does).
 //!
 //! On the CPU both update every parameter in one fused, in-place pass (parameter, gradient and
-//! state read once and written where they are, no tensor allocated per step); on other devices
-//! they run the same formulas as tensor ops. Because the state is written in place,
+//! state read once and written where they are, no tensor allocated per step). On CUDA (f32) one
+//! kernel launch per parameter does the same; it is compiled with NVRTC at first use, and if that
+//! fails the optimizers warn once and fall back. Elsewhere, or with fusion off
+//! ([`AdamW::set_fused`], `ACCELERATE_RS_FUSED_OPTIM=0`), they run the same formulas as tensor
+//! ops. Because the state is written in place,
 //! [`state`](AdamW::state) copies it: a state taken is a snapshot that later steps do not change.
 
 mod adamw;
 mod fused;
+#[cfg(feature = "cuda")]
+mod fused_cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "fused_cuda_stub.rs"]
+mod fused_cuda;
 mod sgd;
 
 pub use adamw::AdamW;

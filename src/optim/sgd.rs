@@ -5,6 +5,7 @@ use candle_core::{Tensor, Var};
 use candle_nn::Optimizer;
 
 use super::fused::{self, SgdScalars};
+use super::fused_cuda;
 use super::{candle_err, check_lr, fit_tensor, parse_name, OptimizerState};
 use crate::error::{Error, Result};
 
@@ -117,6 +118,7 @@ pub struct Sgd {
     slots: Vec<Slot>,
     step_t: u64,
     config: SgdConfig,
+    fused: bool,
 }
 
 impl Optimizer for Sgd {
@@ -136,6 +138,7 @@ impl Optimizer for Sgd {
             slots,
             step_t: 0,
             config,
+            fused: fused::default_on(),
         })
     }
 
@@ -153,7 +156,7 @@ impl Optimizer for Sgd {
                 continue;
             };
             let theta = slot.var.as_tensor();
-            if fused::fusable(theta, g) {
+            if self.fused {
                 let first = momentum != 0.0 && slot.momentum.is_none();
                 if first {
                     slot.momentum =
@@ -172,10 +175,21 @@ impl Optimizer for Sgd {
                 } else {
                     slot.momentum.as_ref()
                 };
-                fused::sgd(theta, buf, g, scalars).map_err(candle_err)?;
-                continue;
+                let done = if fused::fusable(theta, g) {
+                    fused::sgd(theta, buf, g, scalars).map_err(candle_err)?;
+                    true
+                } else {
+                    fused_cuda::sgd(theta, buf, g, scalars).map_err(candle_err)?
+                };
+                if done {
+                    continue;
+                }
+                if first {
+                    // Not fused after all: the chain below creates the buffer itself.
+                    slot.momentum = None;
+                }
             }
-            // Other devices (CUDA): the same update as a chain of tensor ops.
+            // Unfused (other dtypes and devices, or fusion turned off): a chain of tensor ops.
             let d = if weight_decay == 0.0 {
                 g.clone()
             } else {
@@ -222,6 +236,18 @@ impl Sgd {
         config.validate()?;
         self.config = config;
         Ok(())
+    }
+
+    /// Whether steps use the fused in-place kernels where they apply (CPU; f32 on CUDA). On by
+    /// default; `ACCELERATE_RS_FUSED_OPTIM=0` turns it off for optimizers created afterwards.
+    pub fn fused(&self) -> bool {
+        self.fused
+    }
+
+    /// Turns the fused kernels on or off (off: every step is a chain of tensor ops, as in
+    /// Candle; useful to compare or debug).
+    pub fn set_fused(&mut self, on: bool) {
+        self.fused = on;
     }
 
     /// Optimizer steps taken so far.

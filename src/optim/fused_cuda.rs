@@ -1,0 +1,373 @@
+//! Fused CUDA kernels for AdamW and SGD (f32): one launch per parameter updates the parameter and
+//! its state in place, instead of a chain of about a dozen elementwise ops.
+//!
+//! The kernels are compiled with NVRTC on first use (once per process) and loaded into each
+//! device through Candle's custom-module cache. If compiling or loading fails, one warning is
+//! logged and the optimizers use the tensor-op chain for the rest of the run: a missing fast path
+//! never stops training. The arithmetic mirrors the CPU kernels in `fused.rs` operation by
+//! operation.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Tensor};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use once_cell::sync::OnceCell;
+
+use super::fused::{AdamScalars, SgdScalars};
+use crate::error::{Error, Result};
+
+const MODULE: &str = "accelerate_rs_fused_optim";
+
+const SOURCE: &str = r#"
+extern "C" __global__ void adamw_f32(float* p, float* m, float* v, const float* g,
+        unsigned long long n, float b1, float c1, float b2, float c2, float sm, float sv,
+        float eps, float decay, float lr) {
+    unsigned long long stride = (unsigned long long)blockDim.x * gridDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+            i += stride) {
+        float gi = g[i];
+        float mi = m[i] * b1 + gi * c1;
+        float vi = v[i] * b2 + (gi * gi) * c2;
+        float adjusted = (mi * sm) / (sqrtf(vi * sv) + eps);
+        p[i] = p[i] * decay - adjusted * lr;
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+extern "C" __global__ void sgd_f32(float* p, float* buf, const float* g, unsigned long long n,
+        float lr, float wd, int decay, float mu, float c, int use_buf, int first, int nesterov) {
+    unsigned long long stride = (unsigned long long)blockDim.x * gridDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+            i += stride) {
+        float d = decay ? p[i] * wd + g[i] : g[i];
+        float step = d;
+        if (use_buf) {
+            float b = first ? d : buf[i] * mu + d * c;
+            buf[i] = b;
+            step = nesterov ? d + b * mu : b;
+        }
+        p[i] = p[i] - step * lr;
+    }
+}
+"#;
+
+/// Set once compiling or loading failed: the tensor-op path is used from then on.
+static DISABLED: AtomicBool = AtomicBool::new(false);
+static PTX: OnceCell<std::result::Result<String, String>> = OnceCell::new();
+
+fn disable(why: &str) {
+    if !DISABLED.swap(true, Ordering::Relaxed) {
+        log::warn!("fused CUDA optimizer kernels unavailable ({why}); using tensor ops instead");
+    }
+}
+
+/// The kernel `name` on `dev`, or `None` (after one warning) when it cannot be had.
+fn kernel(dev: &CudaDevice, name: &str) -> Option<candle_core::cuda_backend::CudaFunc> {
+    if DISABLED.load(Ordering::Relaxed) {
+        return None;
+    }
+    let ptx = PTX.get_or_init(|| {
+        cudarc::nvrtc::compile_ptx(SOURCE)
+            .map(|p| p.to_src())
+            .map_err(|e| format!("NVRTC: {e:?}"))
+    });
+    let ptx = match ptx {
+        Ok(p) => p,
+        Err(e) => {
+            disable(e);
+            return None;
+        }
+    };
+    match dev.get_or_load_custom_func(name, MODULE, ptx) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            disable(&format!("loading `{name}`: {e}"));
+            None
+        }
+    }
+}
+
+/// A grid-stride launch over `n` elements.
+fn launch_config(n: usize) -> LaunchConfig {
+    const THREADS: usize = 256;
+    let blocks = n.div_ceil(THREADS).clamp(1, 4096);
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn range(layout: &Layout, what: &str) -> Result<std::ops::Range<usize>> {
+    layout
+        .contiguous_offsets()
+        .map(|(a, b)| a..b)
+        .ok_or_else(|| Error::invalid(what, "is not contiguous in memory; cannot update in place"))
+}
+
+fn not_cuda() -> candle_core::Error {
+    candle_core::Error::Msg("fused CUDA update called on a CPU tensor".into())
+}
+
+type MutFn<'a> = Box<dyn FnOnce(&mut CudaStorage, &Layout) -> Result<()> + 'a>;
+type MutSrcFn<'a> =
+    Box<dyn FnOnce(&mut CudaStorage, &Layout, &CudaStorage, &Layout) -> Result<()> + 'a>;
+
+struct MutOp<'a> {
+    f: RefCell<Option<MutFn<'a>>>,
+    out: RefCell<Option<Result<()>>>,
+}
+
+impl InplaceOp1 for MutOp<'_> {
+    fn name(&self) -> &'static str {
+        "accelerate-rs fused CUDA update"
+    }
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        Err(not_cuda())
+    }
+    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
+        if let Some(f) = self.f.borrow_mut().take() {
+            *self.out.borrow_mut() = Some(f(s, l));
+        }
+        Ok(())
+    }
+}
+
+struct MutSrcOp<'a> {
+    f: RefCell<Option<MutSrcFn<'a>>>,
+    out: RefCell<Option<Result<()>>>,
+}
+
+impl InplaceOp2 for MutSrcOp<'_> {
+    fn name(&self) -> &'static str {
+        "accelerate-rs fused CUDA update"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        Err(not_cuda())
+    }
+    fn cuda_fwd(
+        &self,
+        s1: &mut CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        if let Some(f) = self.f.borrow_mut().take() {
+            *self.out.borrow_mut() = Some(f(s1, l1, s2, l2));
+        }
+        Ok(())
+    }
+}
+
+fn with_mut<'a>(
+    t: &Tensor,
+    f: impl FnOnce(&mut CudaStorage, &Layout) -> Result<()> + 'a,
+) -> Result<()> {
+    let op = MutOp {
+        f: RefCell::new(Some(Box::new(f))),
+        out: RefCell::new(None),
+    };
+    t.inplace_op1(&op)?;
+    op.out
+        .into_inner()
+        .unwrap_or_else(|| Err(Error::invalid("fused CUDA update", "did not run")))
+}
+
+fn with_mut_src<'a>(
+    t: &Tensor,
+    src: &Tensor,
+    f: impl FnOnce(&mut CudaStorage, &Layout, &CudaStorage, &Layout) -> Result<()> + 'a,
+) -> Result<()> {
+    let op = MutSrcOp {
+        f: RefCell::new(Some(Box::new(f))),
+        out: RefCell::new(None),
+    };
+    t.inplace_op2(src, &op)?;
+    op.out
+        .into_inner()
+        .unwrap_or_else(|| Err(Error::invalid("fused CUDA update", "did not run")))
+}
+
+/// Whether `param`/`grad` can take the fused CUDA path, and the device to run it on.
+fn device_for(param: &Tensor, grad: &Tensor) -> Option<CudaDevice> {
+    if param.dtype() != DType::F32
+        || grad.dtype() != DType::F32
+        || grad.shape() != param.shape()
+        || !param.is_contiguous()
+    {
+        return None;
+    }
+    match (param.device(), grad.device()) {
+        (candle_core::Device::Cuda(d), candle_core::Device::Cuda(g)) if d.same_device(g) => {
+            Some(d.clone())
+        }
+        _ => None,
+    }
+}
+
+fn launch_err(name: &str, e: impl std::fmt::Debug) -> Error {
+    candle_core::Error::Msg(format!("launching the fused `{name}` kernel: {e:?}")).into()
+}
+
+/// One AdamW step of `param` (and its moments `m`, `v`) with `grad`, fused on the GPU. `Ok(false)`
+/// when this path does not apply (not CUDA f32, or the kernels are unavailable).
+pub(crate) fn adamw(
+    param: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    grad: &Tensor,
+    s: AdamScalars,
+) -> Result<bool> {
+    const NAME: &str = "adamw_f32";
+    let Some(dev) = device_for(param, grad) else {
+        return Ok(false);
+    };
+    let Some(func) = kernel(&dev, NAME) else {
+        return Ok(false);
+    };
+    let grad = grad.contiguous()?;
+    with_mut_src(param, &grad, |ps, pl, gs, gl| {
+        with_mut(m, |ms, ml| {
+            with_mut(v, |vs, vl| {
+                let (pr, gr) = (range(pl, "parameter")?, range(gl, "gradient")?);
+                let (mr, vr) = (range(ml, "AdamW m")?, range(vl, "AdamW v")?);
+                let n = pr.len();
+                if gr.len() != n || mr.len() != n || vr.len() != n {
+                    return Err(Error::invalid(
+                        "AdamW fused step",
+                        "parameter, gradient and moments differ in length",
+                    ));
+                }
+                let mut p = ps.as_cuda_slice_mut::<f32>()?.slice_mut(pr);
+                let mut m = ms.as_cuda_slice_mut::<f32>()?.slice_mut(mr);
+                let mut v = vs.as_cuda_slice_mut::<f32>()?.slice_mut(vr);
+                let g = gs.as_cuda_slice::<f32>()?.slice(gr);
+                let n64 = n as u64;
+                let scalars = [
+                    s.beta1 as f32,
+                    (1.0 - s.beta1) as f32,
+                    s.beta2 as f32,
+                    (1.0 - s.beta2) as f32,
+                    s.scale_m as f32,
+                    s.scale_v as f32,
+                    s.eps as f32,
+                    s.decay as f32,
+                    s.lr as f32,
+                ];
+                let mut b = func.builder();
+                b.arg(&mut p).arg(&mut m).arg(&mut v).arg(&g).arg(&n64);
+                for x in &scalars {
+                    b.arg(x);
+                }
+                // SAFETY: the arguments match `adamw_f32`'s signature in order and type (three
+                // mutable f32 device views, one read-only f32 view, an unsigned 64-bit count,
+                // nine f32 scalars); the four views hold exactly `n` elements each (checked
+                // above), and the kernel touches indices below `n` only. The views borrow the
+                // storages under Candle's write locks (read lock for the gradient), which stay
+                // held until the launch is queued on the device's stream, where later uses of
+                // these tensors are ordered after it.
+                unsafe { b.launch(launch_config(n)) }.map_err(|e| launch_err(NAME, e))?;
+                Ok(())
+            })
+        })
+    })?;
+    Ok(true)
+}
+
+/// One SGD step of `param` (and its momentum buffer `buf`, when momentum is on) with `grad`,
+/// fused on the GPU. `Ok(false)` when this path does not apply.
+pub(crate) fn sgd(
+    param: &Tensor,
+    buf: Option<&Tensor>,
+    grad: &Tensor,
+    s: SgdScalars,
+) -> Result<bool> {
+    const NAME: &str = "sgd_f32";
+    let Some(dev) = device_for(param, grad) else {
+        return Ok(false);
+    };
+    if buf.is_some_and(|b| b.dtype() != DType::F32 || b.shape() != param.shape()) {
+        return Ok(false);
+    }
+    let Some(func) = kernel(&dev, NAME) else {
+        return Ok(false);
+    };
+    let grad = grad.contiguous()?;
+    let flags = [
+        i32::from(s.weight_decay != 0.0),
+        i32::from(buf.is_some()),
+        i32::from(s.first),
+        i32::from(s.nesterov),
+    ];
+    let scalars = [
+        s.lr as f32,
+        s.weight_decay as f32,
+        s.momentum as f32,
+        (1.0 - s.dampening) as f32,
+    ];
+    let run = |ps: &mut CudaStorage,
+               pl: &Layout,
+               gs: &CudaStorage,
+               gl: &Layout,
+               bs: Option<(&mut CudaStorage, &Layout)>|
+     -> Result<()> {
+        let (pr, gr) = (range(pl, "parameter")?, range(gl, "gradient")?);
+        let n = pr.len();
+        let mut p = ps.as_cuda_slice_mut::<f32>()?.slice_mut(pr);
+        let g = gs.as_cuda_slice::<f32>()?.slice(gr.clone());
+        if gr.len() != n {
+            return Err(Error::invalid(
+                "Sgd fused step",
+                "parameter and gradient differ in length",
+            ));
+        }
+        let n64 = n as u64;
+        let mut b = func.builder();
+        let mut buf_view;
+        let unused = gs.as_cuda_slice::<f32>()?.slice(gr);
+        b.arg(&mut p);
+        match bs {
+            Some((bs, bl)) => {
+                let br = range(bl, "Sgd momentum buffer")?;
+                if br.len() != n {
+                    return Err(Error::invalid(
+                        "Sgd fused step",
+                        "parameter and momentum buffer differ in length",
+                    ));
+                }
+                buf_view = bs.as_cuda_slice_mut::<f32>()?.slice_mut(br);
+                b.arg(&mut buf_view);
+            }
+            // No buffer: the kernel never reads it (`use_buf == 0`); any valid pointer will do.
+            None => {
+                b.arg(&unused);
+            }
+        }
+        b.arg(&g).arg(&n64);
+        b.arg(&scalars[0]).arg(&scalars[1]).arg(&flags[0]);
+        b.arg(&scalars[2]).arg(&scalars[3]);
+        b.arg(&flags[1]).arg(&flags[2]).arg(&flags[3]);
+        // SAFETY: the arguments match `sgd_f32`'s signature in order and type (parameter and
+        // buffer as f32 device pointers, the gradient, an unsigned 64-bit count, then f32 lr,
+        // f32 wd, int decay, f32 mu, f32 c, int use_buf, int first, int nesterov). Parameter,
+        // gradient and (when used) buffer views hold exactly `n` elements (checked above) and
+        // the kernel touches indices below `n` only; without a buffer it never dereferences the
+        // placeholder. Candle's storage locks are held until the launch is queued.
+        unsafe { b.launch(launch_config(n)) }.map_err(|e| launch_err(NAME, e))?;
+        Ok(())
+    };
+    with_mut_src(param, &grad, |ps, pl, gs, gl| match buf {
+        Some(buf) => with_mut(buf, |bs, bl| run(ps, pl, gs, gl, Some((bs, bl)))),
+        None => run(ps, pl, gs, gl, None),
+    })?;
+    Ok(true)
+}
