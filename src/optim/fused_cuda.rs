@@ -10,6 +10,7 @@
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Tensor};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -64,8 +65,8 @@ fn disable(why: &str) {
     }
 }
 
-/// The kernel `name` on `dev`, or `None` (after one warning) when it cannot be had.
-fn kernel(dev: &CudaDevice, name: &str) -> Option<candle_core::cuda_backend::CudaFunc> {
+/// The compiled kernels' PTX, or `None` (after one warning) when they cannot be had.
+fn ptx() -> Option<&'static str> {
     if DISABLED.load(Ordering::Relaxed) {
         return None;
     }
@@ -74,20 +75,31 @@ fn kernel(dev: &CudaDevice, name: &str) -> Option<candle_core::cuda_backend::Cud
             .map(|p| p.to_src())
             .map_err(|e| format!("NVRTC: {e:?}"))
     });
-    let ptx = match ptx {
-        Ok(p) => p,
+    match ptx {
+        Ok(p) => Some(p.as_str()),
         Err(e) => {
             disable(e);
-            return None;
-        }
-    };
-    match dev.get_or_load_custom_func(name, MODULE, ptx) {
-        Ok(f) => Some(f),
-        Err(e) => {
-            disable(&format!("loading `{name}`: {e}"));
             None
         }
     }
+}
+
+/// Loads kernel `$name` on `$dev` (Candle caches the module per device); returns `Ok(false)` from
+/// the calling function, after one warning, when it cannot be had. (A macro: Candle does not
+/// export the type of the loaded function.)
+macro_rules! load_kernel {
+    ($dev:expr, $name:expr) => {{
+        let Some(ptx) = ptx() else {
+            return Ok(false);
+        };
+        match $dev.get_or_load_custom_func($name, MODULE, ptx) {
+            Ok(f) => f,
+            Err(e) => {
+                disable(&format!("loading `{}`: {e}", $name));
+                return Ok(false);
+            }
+        }
+    }};
 }
 
 /// A grid-stride launch over `n` elements.
@@ -231,9 +243,7 @@ pub(crate) fn adamw(
     let Some(dev) = device_for(param, grad) else {
         return Ok(false);
     };
-    let Some(func) = kernel(&dev, NAME) else {
-        return Ok(false);
-    };
+    let func = load_kernel!(dev, NAME);
     let grad = grad.contiguous()?;
     with_mut_src(param, &grad, |ps, pl, gs, gl| {
         with_mut(m, |ms, ml| {
@@ -298,9 +308,7 @@ pub(crate) fn sgd(
     if buf.is_some_and(|b| b.dtype() != DType::F32 || b.shape() != param.shape()) {
         return Ok(false);
     }
-    let Some(func) = kernel(&dev, NAME) else {
-        return Ok(false);
-    };
+    let func = load_kernel!(dev, NAME);
     let grad = grad.contiguous()?;
     let flags = [
         i32::from(s.weight_decay != 0.0),
