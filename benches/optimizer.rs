@@ -5,7 +5,9 @@
 //!
 //! Parameters: the MLP 784-1024-1024-10 (1,863,690 f32 in 6 tensors), with fixed random
 //! gradients. One compute thread (`RAYON_NUM_THREADS=1`, unless already set), as in a DDP worker
-//! on a 2-core machine. Variants run in alternating blocks so that drift hits them alike.
+//! on a 2-core machine, and the allocator settings an `Accelerator` applies
+//! (`accelerate_rs::allocator::tune`). Variants run in alternating blocks so that drift hits them
+//! alike.
 
 use std::time::Instant;
 
@@ -81,6 +83,8 @@ fn main() -> Result<()> {
         std::env::set_var("RAYON_NUM_THREADS", "1");
     }
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_default();
+    // The allocator settings an `Accelerator` applies, for every variant alike.
+    let tuned = accelerate_rs::allocator::tune();
     let (warmup, block, rounds) = if quick { (2, 5, 2) } else { (5, 10, 6) };
     let adamw = ParamsAdamW {
         lr: 1e-3,
@@ -115,7 +119,7 @@ fn main() -> Result<()> {
     let params: usize = SHAPES.iter().map(|s| s.iter().product::<usize>()).sum();
     println!(
         "## Optimizer step on the MLP 784-1024-1024-10 ({params} f32 parameters, {:.2} MB), \
-         RAYON_NUM_THREADS={threads}{}",
+         RAYON_NUM_THREADS={threads}, allocator tuned: {tuned}{}",
         (params * DType::F32.size_in_bytes()) as f64 / 1e6,
         if quick { " (--quick)" } else { "" }
     );

@@ -238,7 +238,6 @@ pub(crate) fn sgd(
 
 fn sgd_kernel<T: Elem<C>, C: Real>(p: &mut [T], buf: Option<&mut [T]>, g: &[T], s: SgdScalars) {
     let (lr, wd) = (C::of(s.lr), C::of(s.weight_decay));
-    let (mu, c) = (C::of(s.momentum), C::of(1.0 - s.dampening));
     let decay = s.weight_decay != 0.0;
     let d_of = move |p: T, g: T| {
         if decay {
@@ -263,27 +262,56 @@ fn sgd_kernel<T: Elem<C>, C: Real>(p: &mut [T], buf: Option<&mut [T]>, g: &[T], 
                     .for_each(|(p, g)| body(p, g));
             }
         }
-        Some(buf) => {
-            let (first, nesterov) = (s.first, s.nesterov);
-            let body = |p: &mut [T], b: &mut [T], g: &[T]| {
-                for ((p, b), g) in p.iter_mut().zip(b.iter_mut()).zip(g) {
-                    let d = d_of(*p, *g);
-                    let bi = if first { d } else { b.get() * mu + d * c };
-                    // The buffer is stored (and rounded) before it is used, as in the tensor chain.
-                    *b = T::put(bi);
-                    let bi = b.get();
-                    let step = if nesterov { d + bi * mu } else { bi };
-                    *p = T::put(p.get() - step * lr);
-                }
-            };
-            if p.len() <= CHUNK {
-                body(p, buf, g);
+        Some(buf) => match (s.first, s.nesterov, decay) {
+            (false, false, false) => momentum_pass::<T, C, false, false, false>(p, buf, g, s),
+            (false, false, true) => momentum_pass::<T, C, false, false, true>(p, buf, g, s),
+            (false, true, false) => momentum_pass::<T, C, false, true, false>(p, buf, g, s),
+            (false, true, true) => momentum_pass::<T, C, false, true, true>(p, buf, g, s),
+            (true, false, false) => momentum_pass::<T, C, true, false, false>(p, buf, g, s),
+            (true, false, true) => momentum_pass::<T, C, true, false, true>(p, buf, g, s),
+            (true, true, false) => momentum_pass::<T, C, true, true, false>(p, buf, g, s),
+            (true, true, true) => momentum_pass::<T, C, true, true, true>(p, buf, g, s),
+        },
+    }
+}
+
+/// SGD with a momentum buffer; the options are constants so that each combination compiles to a
+/// branch-free (vectorizable) loop.
+fn momentum_pass<
+    T: Elem<C>,
+    C: Real,
+    const FIRST: bool,
+    const NESTEROV: bool,
+    const DECAY: bool,
+>(
+    p: &mut [T],
+    buf: &mut [T],
+    g: &[T],
+    s: SgdScalars,
+) {
+    let (lr, wd) = (C::of(s.lr), C::of(s.weight_decay));
+    let (mu, c) = (C::of(s.momentum), C::of(1.0 - s.dampening));
+    let body = |p: &mut [T], b: &mut [T], g: &[T]| {
+        for ((p, b), g) in p.iter_mut().zip(b.iter_mut()).zip(g) {
+            let d = if DECAY {
+                p.get() * wd + g.get()
             } else {
-                p.par_chunks_mut(CHUNK)
-                    .zip(buf.par_chunks_mut(CHUNK))
-                    .zip(g.par_chunks(CHUNK))
-                    .for_each(|((p, b), g)| body(p, b, g));
-            }
+                g.get()
+            };
+            // The buffer is rounded to its storage type before it is used, as in the tensor chain.
+            let bi = T::put(if FIRST { d } else { b.get() * mu + d * c });
+            *b = bi;
+            let bi = bi.get();
+            let step = if NESTEROV { d + bi * mu } else { bi };
+            *p = T::put(p.get() - step * lr);
         }
+    };
+    if p.len() <= CHUNK {
+        body(p, buf, g);
+    } else {
+        p.par_chunks_mut(CHUNK)
+            .zip(buf.par_chunks_mut(CHUNK))
+            .zip(g.par_chunks(CHUNK))
+            .for_each(|((p, b), g)| body(p, b, g));
     }
 }
