@@ -2,6 +2,7 @@
 //!
 //!     cargo bench --bench optimizer              # full run
 //!     cargo bench --bench optimizer -- --quick   # fewer steps
+//!     cargo bench --bench optimizer -- --default-allocator   # without the allocator tuning
 //!
 //! Parameters: the MLP 784-1024-1024-10 (1,863,690 f32 in 6 tensors), with fixed random
 //! gradients. One compute thread (`RAYON_NUM_THREADS=1`, unless already set), as in a DDP worker
@@ -84,7 +85,9 @@ fn main() -> Result<()> {
     }
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_default();
     // The allocator settings an `Accelerator` applies, for every variant alike.
-    let tuned = accelerate_rs::allocator::tune();
+    // `--default-allocator`: glibc's defaults instead (what a program without an Accelerator gets).
+    let default_allocator = std::env::args().skip(1).any(|a| a == "--default-allocator");
+    let tuned = !default_allocator && accelerate_rs::allocator::tune();
     let (warmup, block, rounds) = if quick { (2, 5, 2) } else { (5, 10, 6) };
     let adamw = ParamsAdamW {
         lr: 1e-3,

@@ -150,21 +150,7 @@ fn adamw_kernel<T: Elem<C>, C: Real>(
     g: &[T],
     s: AdamScalars,
 ) {
-    let (b1, b2) = (C::of(s.beta1), C::of(s.beta2));
-    let (c1, c2) = (C::of(1.0 - s.beta1), C::of(1.0 - s.beta2));
-    let (sm, sv, eps) = (C::of(s.scale_m), C::of(s.scale_v), C::of(s.eps));
-    let (decay, lr) = (C::of(s.decay), C::of(s.lr));
-    let body = |p: &mut [T], m: &mut [T], v: &mut [T], g: &[T]| {
-        for (((p, m), v), g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
-            let g = g.get();
-            let mi = m.get() * b1 + g * c1;
-            let vi = v.get() * b2 + (g * g) * c2;
-            let adjusted = (mi * sm) / ((vi * sv).sqrt() + eps);
-            *p = T::put(p.get() * decay - adjusted * lr);
-            *m = T::put(mi);
-            *v = T::put(vi);
-        }
-    };
+    let body = |p: &mut [T], m: &mut [T], v: &mut [T], g: &[T]| adamw_chunk(p, m, v, g, s);
     if p.len() <= CHUNK {
         body(p, m, v, g);
     } else {
@@ -173,6 +159,55 @@ fn adamw_kernel<T: Elem<C>, C: Real>(
             .zip(v.par_chunks_mut(CHUNK))
             .zip(g.par_chunks(CHUNK))
             .for_each(|(((p, m), v), g)| body(p, m, v, g));
+    }
+}
+
+/// One chunk of AdamW: with AVX when the CPU has it (the square roots and divisions dominate,
+/// and AVX does twice as many per instruction as the SSE2 baseline), else the portable loop.
+/// Both compute the same IEEE operations in the same order, so the results are identical.
+fn adamw_chunk<T: Elem<C>, C: Real>(
+    p: &mut [T],
+    m: &mut [T],
+    v: &mut [T],
+    g: &[T],
+    s: AdamScalars,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: `adamw_chunk_avx` only differs from `adamw_loop` by being compiled with AVX
+        // enabled, and AVX support was just detected on this CPU.
+        unsafe { adamw_chunk_avx(p, m, v, g, s) };
+        return;
+    }
+    adamw_loop(p, m, v, g, s);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn adamw_chunk_avx<T: Elem<C>, C: Real>(
+    p: &mut [T],
+    m: &mut [T],
+    v: &mut [T],
+    g: &[T],
+    s: AdamScalars,
+) {
+    adamw_loop(p, m, v, g, s);
+}
+
+#[inline(always)]
+fn adamw_loop<T: Elem<C>, C: Real>(p: &mut [T], m: &mut [T], v: &mut [T], g: &[T], s: AdamScalars) {
+    let (b1, b2) = (C::of(s.beta1), C::of(s.beta2));
+    let (c1, c2) = (C::of(1.0 - s.beta1), C::of(1.0 - s.beta2));
+    let (sm, sv, eps) = (C::of(s.scale_m), C::of(s.scale_v), C::of(s.eps));
+    let (decay, lr) = (C::of(s.decay), C::of(s.lr));
+    for (((p, m), v), g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+        let g = g.get();
+        let mi = m.get() * b1 + g * c1;
+        let vi = v.get() * b2 + (g * g) * c2;
+        let adjusted = (mi * sm) / ((vi * sv).sqrt() + eps);
+        *p = T::put(p.get() * decay - adjusted * lr);
+        *m = T::put(mi);
+        *v = T::put(vi);
     }
 }
 
