@@ -90,7 +90,9 @@
 //! - [`config`], [`state`], [`env`](mod@env): settings, their sources and the variable names.
 //! - [`gpu`]: GPU discovery (`gpu_stub.rs` in a build without the `cuda` feature).
 //! - [`optim`]: [`optim::AdamW`] and [`optim::Sgd`] (momentum, Nesterov, weight decay) with
-//!   their state exposed for checkpoints ([`optim::OptimizerState`]).
+//!   their state exposed for checkpoints ([`optim::OptimizerState`]), updating parameters with
+//!   fused in-place kernels on the CPU and on CUDA.
+//! - [`allocator`]: glibc allocator tuning for training loops (applied by [`Accelerator`]).
 //! - [`scheduler`]: learning-rate schedules ([`scheduler::LrScheduler`], warmup + cosine or
 //!   linear decay) and the [`scheduler::Schedule`] driver, stepped once per optimizer step.
 //! - [`error`]: the typed [`Error`].
