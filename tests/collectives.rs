@@ -3,71 +3,20 @@
 
 mod common;
 
-use std::fmt::Debug;
 use std::time::{Duration, Instant};
 
 use accelerate_rs::collective::{
-    Buffer, BufferMut, Collective, Element, ReduceOp, SingleProcess, ThreadGroup,
+    Buffer, BufferMut, Collective, ReduceOp, SingleProcess, ThreadGroup,
 };
 use accelerate_rs::Error;
 use candle_core::{Device, Tensor};
+use common::elems::{value, TestElem};
 use common::{on_each, tcp_group};
 use half::{bf16, f16};
 
 const LENGTHS: &[usize] = &[0, 1, 2, 3, 5, 7, 13, 1000, 4099];
 const OPS: &[ReduceOp] = &[ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max];
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-trait TestElem: Element + Debug + PartialEq
-where
-    for<'a> BufferMut<'a>: From<&'a mut [Self]>,
-    for<'a> Buffer<'a>: From<&'a [Self]>,
-{
-    fn of(v: f64) -> Self;
-    fn f(self) -> f64;
-    const TOL: f64;
-}
-impl TestElem for f32 {
-    fn of(v: f64) -> Self {
-        v as f32
-    }
-    fn f(self) -> f64 {
-        self as f64
-    }
-    const TOL: f64 = 1e-6;
-}
-impl TestElem for f64 {
-    fn of(v: f64) -> Self {
-        v
-    }
-    fn f(self) -> f64 {
-        self
-    }
-    const TOL: f64 = 1e-12;
-}
-impl TestElem for f16 {
-    fn of(v: f64) -> Self {
-        f16::from_f64(v)
-    }
-    fn f(self) -> f64 {
-        self.to_f64()
-    }
-    const TOL: f64 = 1e-3;
-}
-impl TestElem for bf16 {
-    fn of(v: f64) -> Self {
-        bf16::from_f64(v)
-    }
-    fn f(self) -> f64 {
-        self.to_f64()
-    }
-    const TOL: f64 = 8e-3;
-}
-
-/// Small integers: exact in every dtype, so sums and maxima are exact too.
-fn value(rank: usize, i: usize) -> f64 {
-    ((rank * 7 + i * 3) % 11) as f64 - 5.0
-}
 
 fn byte_buffer(b: &[u8]) -> Buffer<'_> {
     Buffer::from(b)

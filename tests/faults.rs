@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use accelerate_rs::collective::tcp::wire::{Hello, Role};
 use accelerate_rs::collective::{BufferMut, Collective, ReduceOp, TcpCollective, TcpOptions};
-use common::{free_port, tcp_options};
+use common::{free_port, reduce_ones, tcp_options};
 
 const ROLE_VAR: &str = "ACCEL_FAULT_ROLE";
 const READY_MARKER: &str = "ACCEL-FAULT-READY";
@@ -313,18 +313,6 @@ fn options_from_env(timeout: Duration) -> TcpOptions {
             .into_bytes(),
         timeout,
     }
-}
-
-/// One all_reduce of `len` ones; checks the result.
-fn reduce_ones(c: &TcpCollective, len: usize) -> accelerate_rs::Result<()> {
-    let mut v = vec![1.0f32; len];
-    c.all_reduce(BufferMut::from(&mut v[..]), ReduceOp::Sum)?;
-    let want = c.world_size() as f32;
-    if let Some(i) = v.iter().position(|&x| x != want) {
-        eprintln!("element {i} is {}, want {want}", v[i]);
-        std::process::exit(3);
-    }
-    Ok(())
 }
 
 fn sleep_forever() -> ! {

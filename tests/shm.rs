@@ -21,7 +21,8 @@ use accelerate_rs::collective::{
     Buffer, BufferMut, Collective, Element, ReduceOp, TcpCollective, TcpOptions,
 };
 use accelerate_rs::Error;
-use common::{free_port, on_each, tcp_group};
+use common::elems::{value, TestElem};
+use common::{free_port, on_each, reduce_ones, tcp_group};
 use half::{bf16, f16};
 
 const ROLE_VAR: &str = "ACCEL_SHM_ROLE";
@@ -35,57 +36,6 @@ const GROUP_DEADLINE: Duration = Duration::from_secs(240);
 
 // ---------------------------------------------------------------------------------------------
 // Reference values.
-
-trait TestElem: Element + Debug + PartialEq
-where
-    for<'a> BufferMut<'a>: From<&'a mut [Self]>,
-    for<'a> Buffer<'a>: From<&'a [Self]>,
-{
-    fn of(v: f64) -> Self;
-    fn f(self) -> f64;
-    const TOL: f64;
-}
-impl TestElem for f32 {
-    fn of(v: f64) -> Self {
-        v as f32
-    }
-    fn f(self) -> f64 {
-        self as f64
-    }
-    const TOL: f64 = 1e-6;
-}
-impl TestElem for f64 {
-    fn of(v: f64) -> Self {
-        v
-    }
-    fn f(self) -> f64 {
-        self
-    }
-    const TOL: f64 = 1e-12;
-}
-impl TestElem for f16 {
-    fn of(v: f64) -> Self {
-        f16::from_f64(v)
-    }
-    fn f(self) -> f64 {
-        self.to_f64()
-    }
-    const TOL: f64 = 1e-3;
-}
-impl TestElem for bf16 {
-    fn of(v: f64) -> Self {
-        bf16::from_f64(v)
-    }
-    fn f(self) -> f64 {
-        self.to_f64()
-    }
-    const TOL: f64 = 8e-3;
-}
-
-/// Small integers: exact in every dtype, so sums and maxima are exact too.
-fn value(rank: usize, i: usize) -> f64 {
-    ((rank * 7 + i * 3) % 11) as f64 - 5.0
-}
 
 fn reference(op: ReduceOp, world: usize, i: usize) -> f64 {
     let vals = (0..world).map(|r| value(r, i));
@@ -219,17 +169,6 @@ fn options_from_env() -> TcpOptions {
         // Long: failures must be noticed from the peers, not by timing out.
         timeout: Duration::from_secs(300),
     }
-}
-
-fn reduce_ones(c: &TcpCollective, len: usize) -> accelerate_rs::Result<()> {
-    let mut v = vec![1.0f32; len];
-    c.all_reduce(BufferMut::from(&mut v[..]), ReduceOp::Sum)?;
-    let want = c.world_size() as f32;
-    if let Some(i) = v.iter().position(|&x| x != want) {
-        eprintln!("element {i} is {}, want {want}", v[i]);
-        std::process::exit(3);
-    }
-    Ok(())
 }
 
 fn worker_fail(msg: impl std::fmt::Display) -> ! {

@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod elems;
 pub mod tiny;
 
 use std::net::TcpListener;
@@ -8,7 +9,9 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use accelerate_rs::collective::{Collective, TcpCollective, TcpOptions, ThreadGroup};
+use accelerate_rs::collective::{
+    BufferMut, Collective, ReduceOp, TcpCollective, TcpOptions, ThreadGroup,
+};
 use accelerate_rs::{Accelerator, AcceleratorBuilder};
 
 /// A port that was free a moment ago on loopback.
@@ -110,4 +113,16 @@ pub fn in_process<R: Send + 'static>(
     f: impl Fn(Accelerator) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
     in_process_with(n, |c| Accelerator::builder().collective(c), f)
+}
+
+/// One all_reduce of `len` ones; checks the result.
+pub fn reduce_ones(c: &TcpCollective, len: usize) -> accelerate_rs::Result<()> {
+    let mut v = vec![1.0f32; len];
+    c.all_reduce(BufferMut::from(&mut v[..]), ReduceOp::Sum)?;
+    let want = c.world_size() as f32;
+    if let Some(i) = v.iter().position(|&x| x != want) {
+        eprintln!("element {i} is {}, want {want}", v[i]);
+        std::process::exit(3);
+    }
+    Ok(())
 }
