@@ -10,7 +10,7 @@
 #   scripts/gpu-smoke.sh [TARGET_DIR]        # default: target/release
 #
 # Steps: digits on 1 GPU; NCCL collectives at world size 1 (and DDP on 2 ranks when the machine
-# has 2 GPUs); DP over the GPUs the machine has; a bf16 run; raw Candle vs accelerate-rs step time
+# has 2 GPUs), with the fused CUDA AdamW/SGD kernels checked against the unfused path; DP over the GPUs the machine has; a bf16 run; raw Candle vs accelerate-rs step time
 # on the GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +27,7 @@ fi
 echo "== 1. digits on 1 GPU"
 CUDA_VISIBLE_DEVICES=0 "$T/examples/digits" --min-accuracy 0.95
 
-echo "== 2. NCCL collectives, world size 1 (and 2 ranks over NCCL if there are 2 GPUs)"
+echo "== 2. NCCL collectives and fused CUDA optimizers, world size 1 (and 2 ranks over NCCL if there are 2 GPUs)"
 CUDA_VISIBLE_DEVICES=0 "$T/accelerate-rs" test -n 1
 if [ "$N" -ge 2 ]; then
   "$T/accelerate-rs" test -n 2

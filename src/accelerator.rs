@@ -391,6 +391,11 @@ impl Accelerator {
     /// ([`AcceleratedOptimizer::step`] skips them by itself; check
     /// [`sync_gradients`](Self::sync_gradients) before doing anything else with them). Use
     /// [`backward_batch`](Self::backward_batch) so the loader's last batch syncs too.
+    ///
+    /// With several processes on the CPU, the averaged gradients are views into reusable flat
+    /// buffers (one per bucket, as in PyTorch DDP): they stay valid until the next averaging
+    /// `backward` of this accelerator, which overwrites them. Copy a gradient (`Tensor::copy`) to
+    /// keep it longer.
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
         self.shared.backward_micro(loss, false)
     }
