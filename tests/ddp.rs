@@ -52,8 +52,18 @@ fn ddp_worker() {
 }
 
 fn launch(n: usize, role: &str, out: Option<&Path>) -> std::process::Output {
+    launch_with(n, role, out, &[])
+}
+
+fn launch_with(
+    n: usize,
+    role: &str,
+    out: Option<&Path>,
+    envs: &[(&str, &str)],
+) -> std::process::Output {
     let exe = std::env::current_exe().unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"));
+    cmd.envs(envs.iter().copied());
     cmd.args(["launch", "--cpu", "-n", &n.to_string()])
         .arg(exe)
         .args(["--exact", "ddp_worker", "--nocapture", "--test-threads=1"])
@@ -82,6 +92,31 @@ fn two_processes_with_batch_b_equal_one_process_with_batch_2b() {
     // And training moved the parameters, so the comparison means something.
     let init = snapshot(&params(0.0, HIDDEN));
     assert!(max_abs_diff(&init, &single) > 1e-3);
+}
+
+/// Every parameter in its own bucket (so the communication thread reduces one bucket while the
+/// next is flattened), over shared memory and over TCP, with 3 processes: still the reference.
+#[test]
+fn many_buckets_with_overlap_over_either_transport_equal_one_process() {
+    for transport in ["shm", "tcp"] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("params.safetensors");
+        let envs = [
+            ("ACCELERATE_RS_BUCKET_CAP_MB", "0.00001"),
+            ("ACCELERATE_RS_OVERLAP", "1"),
+            ("ACCELERATE_RS_TRANSPORT", transport),
+        ];
+        let res = launch_with(3, "equivalence", Some(&out), &envs);
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&res.stdout),
+            String::from_utf8_lossy(&res.stderr)
+        );
+        assert!(res.status.success(), "{transport}: launch failed:\n{text}");
+        let ddp = candle_core::safetensors::load(&out, &Device::Cpu).unwrap();
+        let diff = max_abs_diff(&ddp, &reference(3 * B, K));
+        assert!(diff <= 1e-5, "{transport}: max abs diff {diff}");
+    }
 }
 
 #[test]
