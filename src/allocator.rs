@@ -8,8 +8,9 @@
 //! and the top padding to 64 MiB (glibc's `mallopt`), so that freed blocks stay in the process and
 //! are reused, much as PyTorch's caching allocator keeps them.
 //!
-//! On the MLP 784-1024-1024-10 (batch 64, one thread) this takes a CPU training step from about
-//! 35 to 22 ms (`cargo bench --bench overhead`, BENCHMARKS.md). The price is that memory freed by
+//! On the MLP 784-1024-1024-10 (batch 64, AdamW, one thread) this takes a CPU training step from
+//! about 29 to 22 ms (`cargo bench --bench overhead -- --ddp-only` with and without
+//! `ACCELERATE_RS_TUNE_MALLOC=0`, BENCHMARKS.md). The price is that memory freed by
 //! the program stays reserved by the process (up to the thresholds above) instead of returning to
 //! the system.
 //!
