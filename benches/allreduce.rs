@@ -160,6 +160,8 @@ fn tcp_options(rank: usize, port: u16) -> TcpOptions {
         master_port: port,
         secret: SECRET.as_bytes().to_vec(),
         timeout: Duration::from_secs(120),
+        // Each table's transport comes from ACCELERATE_RS_TRANSPORT, set per worker.
+        transport: None,
     }
 }
 

@@ -102,6 +102,14 @@ impl AcceleratorBuilder {
         self.o.bucket_cap_mb = Some(mb);
         self
     }
+    /// The data path between processes on the CPU (default [`Transport::Auto`]: shared memory
+    /// when every rank is on one host, else TCP).
+    ///
+    /// [`Transport::Auto`]: crate::collective::Transport::Auto
+    pub fn transport(mut self, transport: crate::collective::Transport) -> Self {
+        self.o.transport = Some(transport);
+        self
+    }
     /// Whether to tune glibc's allocator for training (default true; see
     /// [`crate::allocator`]).
     pub fn tune_malloc(mut self, on: bool) -> Self {
@@ -211,6 +219,7 @@ impl AcceleratorBuilder {
             master_port: state.master_port(),
             secret: state.secret().to_vec(),
             timeout: state.timeout(),
+            transport: Some(state.transport()),
         };
         let external = self.collective.is_some();
         let collective: Arc<dyn Collective> = match self.collective {

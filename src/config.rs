@@ -45,6 +45,10 @@ pub struct ConfigFile {
     /// Gradient bucket cap, in MiB: gradients are all-reduced in buckets of about this size.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bucket_cap_mb: Option<f64>,
+    /// Data path between processes on one machine: `auto` (shared memory when every rank is on
+    /// one host), `tcp` or `shm`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub transport: Option<crate::collective::Transport>,
     /// Tune glibc's allocator for training (keep freed memory instead of unmapping it; default
     /// true), see `accelerate_rs::allocator`.
     #[serde(skip_serializing_if = "Option::is_none")]

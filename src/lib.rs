@@ -62,7 +62,7 @@
 //! | mixed precision (used by [`prepare_mixed`](Accelerator::prepare_mixed)) | [`mixed_precision`](AcceleratorBuilder::mixed_precision) | `ACCELERATE_RS_MIXED_PRECISION` | `mixed_precision` | `no` |
 //! | gradient accumulation | [`gradient_accumulation_steps`](AcceleratorBuilder::gradient_accumulation_steps) | `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS` | `gradient_accumulation_steps` | 1 |
 //! | config file | [`config_file`](AcceleratorBuilder::config_file) | `ACCELERATE_RS_CONFIG_FILE` | - | platform config dir |
-//! | CPU collective transport (several processes) | - | `ACCELERATE_RS_TRANSPORT`: `auto`, `tcp` or `shm` | - | `auto`: shared memory when every rank is on one host, else TCP |
+//! | CPU collective transport (several processes) | [`transport`](AcceleratorBuilder::transport) | `ACCELERATE_RS_TRANSPORT`: `auto`, `tcp` or `shm` | `transport` | `auto`: shared memory when every rank is on one host, else TCP |
 //! | reduce CPU gradient buckets on a communication thread while the next is flattened | - | `ACCELERATE_RS_OVERLAP`: `1` or `0` | - | on |
 //! | fused optimizer kernels ([`optim`]) | [`AdamW::set_fused`](optim::AdamW::set_fused), [`Sgd::set_fused`](optim::Sgd::set_fused) | `ACCELERATE_RS_FUSED_OPTIM`: `1` or `0` | - | on |
 //!

@@ -51,6 +51,7 @@ pub(crate) struct Overrides {
     pub timeout: Option<Duration>,
     pub bucket_cap_mb: Option<f64>,
     pub tune_malloc: Option<bool>,
+    pub transport: Option<crate::collective::Transport>,
     pub config_file: Option<PathBuf>,
     pub rank: Option<usize>,
     pub world_size: Option<usize>,
@@ -84,6 +85,7 @@ pub struct ProcessState {
     timeout: Duration,
     bucket_cap_bytes: usize,
     tune_malloc: bool,
+    transport: crate::collective::Transport,
     secret: Vec<u8>,
     mixed_precision: MixedPrecision,
     gradient_accumulation_steps: usize,
@@ -106,6 +108,7 @@ impl std::fmt::Debug for ProcessState {
             .field("timeout", &self.timeout)
             .field("bucket_cap_bytes", &self.bucket_cap_bytes)
             .field("tune_malloc", &self.tune_malloc)
+            .field("transport", &self.transport)
             .field(
                 "secret",
                 &if self.secret.is_empty() {
@@ -400,6 +403,15 @@ impl ProcessState {
             (None, Some(v)) => parse_bool(env::TUNE_MALLOC, &v)?,
             (None, None) => cfg.tune_malloc.unwrap_or(true),
         };
+        let transport = match (o.transport, get(getenv, env::TRANSPORT)) {
+            (Some(t), _) => t,
+            (None, Some(v)) => v.parse().map_err(|reason| Error::Env {
+                var: env::TRANSPORT.into(),
+                value: v.clone(),
+                reason,
+            })?,
+            (None, None) => cfg.transport.unwrap_or_default(),
+        };
         // `None`: nobody said; GPUs are used when this build and machine have them.
         let use_cpu = match (o.cpu, get(getenv, env::USE_CPU)) {
             (Some(c), _) => Some(c),
@@ -454,6 +466,7 @@ impl ProcessState {
             timeout,
             bucket_cap_bytes: (bucket_cap_mb * 1024.0 * 1024.0) as usize,
             tune_malloc,
+            transport,
             secret,
             mixed_precision,
             gradient_accumulation_steps,
@@ -514,6 +527,11 @@ impl ProcessState {
     /// Gradient bucket cap in bytes.
     pub fn bucket_cap_bytes(&self) -> usize {
         self.bucket_cap_bytes
+    }
+
+    /// The data path between processes ([`Transport`](crate::collective::Transport)).
+    pub fn transport(&self) -> crate::collective::Transport {
+        self.transport
     }
 
     /// Whether glibc's allocator is tuned for training (see [`crate::allocator`]).
@@ -710,6 +728,38 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("ACCELERATE_RS_TUNE_MALLOC"), "{err}");
+    }
+
+    #[test]
+    fn transport_precedence_and_bad_values() {
+        use crate::collective::Transport;
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("c.toml");
+        std::fs::write(&cfg, "transport = \"tcp\"\n").unwrap();
+        let with_cfg = || Overrides {
+            config_file: Some(cfg.clone()),
+            ..Overrides::default()
+        };
+        let t = |env: &[(&str, &str)], o: Overrides| resolve(env, o).unwrap().transport();
+        assert_eq!(t(&[], Overrides::default()), Transport::Auto);
+        assert_eq!(t(&[], with_cfg()), Transport::Tcp);
+        let env_shm = [("ACCELERATE_RS_TRANSPORT", "SHM")];
+        assert_eq!(t(&env_shm, with_cfg()), Transport::Shm);
+        let builder = Overrides {
+            transport: Some(Transport::Auto),
+            ..with_cfg()
+        };
+        assert_eq!(t(&env_shm, builder), Transport::Auto);
+        let err = resolve(&[("ACCELERATE_RS_TRANSPORT", "ib")], Overrides::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("ACCELERATE_RS_TRANSPORT") && err.contains("\"ib\""),
+            "{err}"
+        );
+        std::fs::write(&cfg, "transport = \"ib\"\n").unwrap();
+        let err = resolve(&[], with_cfg()).unwrap_err().to_string();
+        assert!(err.contains("transport"), "{err}");
     }
 
     #[test]

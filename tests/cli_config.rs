@@ -277,6 +277,7 @@ fn flags_round_trip_without_questions() {
         collective_timeout_secs: Some(30.5),
         bucket_cap_mb: Some(10.0),
         tune_malloc: None,
+        transport: None,
         max_restarts: Some(2),
         monitor_interval_secs: Some(0.5),
     };

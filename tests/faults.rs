@@ -312,6 +312,7 @@ fn options_from_env(timeout: Duration) -> TcpOptions {
             .unwrap_or_default()
             .into_bytes(),
         timeout,
+        transport: None,
     }
 }
 

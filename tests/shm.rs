@@ -168,6 +168,7 @@ fn options_from_env() -> TcpOptions {
         secret: env_var("ACCELERATE_RS_SECRET").into_bytes(),
         // Long: failures must be noticed from the peers, not by timing out.
         timeout: Duration::from_secs(300),
+        transport: None,
     }
 }
 

@@ -174,6 +174,7 @@ impl AnswerFlags {
             monitor_interval_secs: self.monitor_interval_secs,
             bucket_cap_mb: self.bucket_cap_mb,
             tune_malloc: None,
+            transport: None,
         };
         if let Some((key, reason)) = cfg.problem() {
             return Err(flag_error(key, reason));

@@ -31,6 +31,7 @@ pub fn tcp_options(rank: usize, world: usize, port: u16, timeout: Duration) -> T
         master_port: port,
         secret: b"test-secret".to_vec(),
         timeout,
+        transport: None,
     }
 }
 

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use ring::Ring;
 use shm::Shm;
+pub use shm::Transport;
 use store::{StoreClient, StoreServer};
 use wire::{Hello, Role};
 
@@ -46,6 +47,9 @@ pub struct TcpOptions {
     pub secret: Vec<u8>,
     /// Timeout of every collective, and of forming the group.
     pub timeout: Duration,
+    /// Data path for `all_reduce` and `broadcast`; `None` reads `ACCELERATE_RS_TRANSPORT`
+    /// (default `auto`).
+    pub transport: Option<Transport>,
 }
 
 /// A rank of a multi-process group connected in a ring over TCP; `all_reduce` and `broadcast`
@@ -101,7 +105,10 @@ impl TcpCollective {
                 ),
             ));
         }
-        let mode = shm::Mode::from_env()?;
+        let mode = match opts.transport {
+            Some(t) => t,
+            None => Transport::from_env()?,
+        };
         let master = format!("{}:{}", opts.master_addr, opts.master_port);
         let deadline = Instant::now() + opts.timeout;
         let store = if rank == 0 {

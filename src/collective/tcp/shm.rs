@@ -64,11 +64,13 @@ use crate::collective::{finish_mean, reduce_into, Buffer, ElemType, ReduceOp};
 use crate::env;
 use crate::error::{Error, Result};
 
-/// Which data path `TcpCollective` uses for `all_reduce` and `broadcast`
-/// (`ACCELERATE_RS_TRANSPORT`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Mode {
+/// Which data path [`TcpCollective`](super::TcpCollective) uses for `all_reduce` and `broadcast`:
+/// the `transport` setting (builder, `ACCELERATE_RS_TRANSPORT`, config file key `transport`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
     /// Shared memory when every rank is on one host, else TCP.
+    #[default]
     Auto,
     /// Always TCP.
     Tcp,
@@ -76,35 +78,46 @@ pub(crate) enum Mode {
     Shm,
 }
 
-impl Mode {
+impl std::str::FromStr for Transport {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Transport::parse(&s.trim().to_ascii_lowercase())
+            .ok_or_else(|| format!("expected `auto`, `tcp` or `shm`, got {s:?}"))
+    }
+}
+
+impl Transport {
     /// Reads `ACCELERATE_RS_TRANSPORT` (unset or empty = `auto`).
-    pub(crate) fn from_env() -> Result<Mode> {
+    pub(crate) fn from_env() -> Result<Transport> {
         let value = std::env::var(env::TRANSPORT).unwrap_or_default();
-        match value.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(Mode::Auto),
-            "tcp" => Ok(Mode::Tcp),
-            "shm" => Ok(Mode::Shm),
-            _ => Err(Error::Env {
-                var: env::TRANSPORT.into(),
-                value,
-                reason: "expected `auto`, `tcp` or `shm`".into(),
-            }),
+        if value.trim().is_empty() {
+            return Ok(Transport::Auto);
         }
+        value.parse().map_err(|reason| Error::Env {
+            var: env::TRANSPORT.into(),
+            value,
+            reason,
+        })
+    }
+
+    /// The setting's name: `auto`, `tcp` or `shm`.
+    pub fn as_str(self) -> &'static str {
+        self.name()
     }
 
     fn name(self) -> &'static str {
         match self {
-            Mode::Auto => "auto",
-            Mode::Tcp => "tcp",
-            Mode::Shm => "shm",
+            Transport::Auto => "auto",
+            Transport::Tcp => "tcp",
+            Transport::Shm => "shm",
         }
     }
 
-    fn parse(s: &str) -> Option<Mode> {
+    fn parse(s: &str) -> Option<Transport> {
         match s {
-            "auto" => Some(Mode::Auto),
-            "tcp" => Some(Mode::Tcp),
-            "shm" => Some(Mode::Shm),
+            "auto" => Some(Transport::Auto),
+            "tcp" => Some(Transport::Tcp),
+            "shm" => Some(Transport::Shm),
             _ => None,
         }
     }
@@ -224,7 +237,7 @@ fn gather_strings(ring: &mut Ring, mine: &str) -> Result<Vec<String>> {
 
 /// Decides the transport with the other ranks and, for shared memory, sets up the segment.
 /// `Ok(None)`: use TCP.
-pub(crate) fn setup(ring: &mut Ring, mode: Mode) -> Result<Option<Shm>> {
+pub(crate) fn setup(ring: &mut Ring, mode: Transport) -> Result<Option<Shm>> {
     let (rank, world) = (ring.rank, ring.world);
     let (host, boot) = host_identity();
     let infos = gather_strings(ring, &format!("{}\n{host}\n{boot}", mode.name()))?;
@@ -234,7 +247,7 @@ pub(crate) fn setup(ring: &mut Ring, mode: Mode) -> Result<Option<Shm>> {
         let mut parts = info.splitn(3, '\n');
         let m = parts
             .next()
-            .and_then(Mode::parse)
+            .and_then(Transport::parse)
             .ok_or_else(|| Error::Peer {
                 rank,
                 peer: r,
@@ -254,14 +267,14 @@ pub(crate) fn setup(ring: &mut Ring, mode: Mode) -> Result<Option<Shm>> {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    let wants_tcp = modes.contains(&Mode::Tcp);
-    let required = modes.contains(&Mode::Shm);
+    let wants_tcp = modes.contains(&Transport::Tcp);
+    let required = modes.contains(&Transport::Shm);
     if wants_tcp && required {
         return Err(Error::Env {
             var: env::TRANSPORT.into(),
             value: mode.name().into(),
             reason: format!(
-                "ranks disagree ({}); set the same value everywhere",
+                "ranks disagree on the transport ({}); set the same value everywhere",
                 list(&|r| modes[r].name().to_string())
             ),
         });
@@ -902,10 +915,14 @@ mod tests {
 
     #[test]
     fn transport_values() {
-        for (s, m) in [("auto", Mode::Auto), ("tcp", Mode::Tcp), ("shm", Mode::Shm)] {
-            assert_eq!(Mode::parse(s), Some(m));
+        for (s, m) in [
+            ("auto", Transport::Auto),
+            ("tcp", Transport::Tcp),
+            ("shm", Transport::Shm),
+        ] {
+            assert_eq!(Transport::parse(s), Some(m));
             assert_eq!(m.name(), s);
         }
-        assert_eq!(Mode::parse("ib"), None);
+        assert_eq!(Transport::parse("ib"), None);
     }
 }
