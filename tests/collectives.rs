@@ -10,7 +10,7 @@ use accelerate_rs::collective::{
 };
 use accelerate_rs::Error;
 use candle_core::{Device, Tensor};
-use common::elems::{value, TestElem};
+use common::elems::{reference, value, TestElem};
 use common::{on_each, tcp_group};
 use half::{bf16, f16};
 
@@ -20,15 +20,6 @@ const TIMEOUT: Duration = Duration::from_secs(60);
 
 fn byte_buffer(b: &[u8]) -> Buffer<'_> {
     Buffer::from(b)
-}
-
-fn reference(op: ReduceOp, world: usize, i: usize) -> f64 {
-    let vals = (0..world).map(|r| value(r, i));
-    match op {
-        ReduceOp::Sum => vals.sum(),
-        ReduceOp::Mean => vals.sum::<f64>() / world as f64,
-        ReduceOp::Max => vals.fold(f64::MIN, f64::max),
-    }
 }
 
 fn all_reduce_suite<T, C>(c: &C)

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use accelerate_rs::collective::tcp::wire::{Hello, Role};
 use accelerate_rs::collective::{BufferMut, Collective, ReduceOp, TcpCollective, TcpOptions};
-use common::{free_port, reduce_ones, tcp_options};
+use common::{free_port, reduce_ones, tcp_options, Children};
 
 const ROLE_VAR: &str = "ACCEL_FAULT_ROLE";
 const READY_MARKER: &str = "ACCEL-FAULT-READY";
@@ -252,19 +252,6 @@ fn store_rejects_bad_connections_while_the_run_goes_on() {
 
 // ---------------------------------------------------------------------------------------------
 // Worker processes.
-
-/// Kills and reaps every child on drop, so that no failure path leaves processes behind.
-#[derive(Default)]
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 /// Reads a pipe to the end in a thread.
 fn drain(r: impl Read + Send + 'static) -> JoinHandle<String> {

@@ -13,7 +13,7 @@ mod common;
 
 use std::fmt::Debug;
 use std::io::{BufReader, Read};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -21,8 +21,8 @@ use accelerate_rs::collective::{
     Buffer, BufferMut, Collective, Element, ReduceOp, TcpCollective, TcpOptions,
 };
 use accelerate_rs::Error;
-use common::elems::{value, TestElem};
-use common::{free_port, on_each, reduce_ones, tcp_group};
+use common::elems::{reference, value, TestElem};
+use common::{free_port, on_each, reduce_ones, tcp_group, Children};
 use half::{bf16, f16};
 
 const ROLE_VAR: &str = "ACCEL_SHM_ROLE";
@@ -36,15 +36,6 @@ const GROUP_DEADLINE: Duration = Duration::from_secs(240);
 
 // ---------------------------------------------------------------------------------------------
 // Reference values.
-
-fn reference(op: ReduceOp, world: usize, i: usize) -> f64 {
-    let vals = (0..world).map(|r| value(r, i));
-    match op {
-        ReduceOp::Sum => vals.sum(),
-        ReduceOp::Mean => vals.sum::<f64>() / world as f64,
-        ReduceOp::Max => vals.fold(f64::MIN, f64::max),
-    }
-}
 
 /// Odd lengths, lengths around the small/large switch, and buffers of several chunks (with a
 /// last chunk shorter than the world size).
@@ -274,18 +265,6 @@ fn drain(r: impl Read + Send + 'static) -> JoinHandle<String> {
         let _ = BufReader::new(r).read_to_string(&mut s);
         s
     })
-}
-
-/// Kills and reaps every child on drop, so that no failure path leaves processes behind.
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 /// Runs `world` workers in `role`, rank `r` with the extra variables `env(r)`, and waits for all

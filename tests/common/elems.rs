@@ -3,7 +3,7 @@
 
 use std::fmt::Debug;
 
-use accelerate_rs::collective::{Buffer, BufferMut, Element};
+use accelerate_rs::collective::{Buffer, BufferMut, Element, ReduceOp};
 use half::{bf16, f16};
 
 /// A float element type the collectives move, with a tolerance for reduced results.
@@ -56,4 +56,14 @@ impl TestElem for bf16 {
 /// Small integers: exact in every dtype, so sums and maxima are exact too.
 pub fn value(rank: usize, i: usize) -> f64 {
     ((rank * 7 + i * 3) % 11) as f64 - 5.0
+}
+
+/// What `op` over every rank's `value(rank, i)` gives.
+pub fn reference(op: ReduceOp, world: usize, i: usize) -> f64 {
+    let vals = (0..world).map(|r| value(r, i));
+    match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Mean => vals.sum::<f64>() / world as f64,
+        ReduceOp::Max => vals.fold(f64::MIN, f64::max),
+    }
 }

@@ -127,3 +127,16 @@ pub fn reduce_ones(c: &TcpCollective, len: usize) -> accelerate_rs::Result<()> {
     }
     Ok(())
 }
+
+/// Kills and reaps every child on drop, so that no failure path leaves processes behind.
+#[derive(Default)]
+pub struct Children(pub Vec<std::process::Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
