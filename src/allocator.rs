@@ -46,9 +46,8 @@ pub fn tune() -> bool {
     if GLIBC_VARS.iter().any(|v| std::env::var_os(v).is_some()) {
         return false;
     }
-    let mut applied = false;
-    TUNE.call_once(|| applied = apply());
-    applied || tuned()
+    TUNE.call_once(apply);
+    tuned()
 }
 
 static TUNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -59,7 +58,7 @@ pub fn tuned() -> bool {
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn apply() -> bool {
+fn apply() {
     let settings = [
         (libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD),
         (libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD),
@@ -74,13 +73,11 @@ fn apply() -> bool {
     }
     log::debug!("glibc malloc tuned for training: {ok}");
     TUNED.store(ok, std::sync::atomic::Ordering::Relaxed);
-    ok
 }
 
+/// Not glibc: nothing to tune.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn apply() -> bool {
-    false
-}
+fn apply() {}
 
 #[cfg(test)]
 mod tests {

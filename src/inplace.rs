@@ -1,19 +1,31 @@
-//! In-place access to the host memory of CPU tensors, through Candle's in-place custom ops (the
-//! storage's write lock is held while the closure runs; Candle rejects a source that shares
-//! storage with the destination, so a closure never sees aliased slices).
+//! In-place access to tensor storage, through Candle's in-place custom ops (the storage's write
+//! lock is held while the closure runs; Candle rejects a source that shares storage with the
+//! destination, so a closure never sees aliased memory).
 //!
-//! Used by the fused optimizers ([`crate::optim`]) and the gradient buckets ([`crate::params`]) to
-//! update tensors without allocating new ones.
+//! Used by the fused optimizers ([`crate::optim`], CPU and CUDA) and the gradient buckets
+//! ([`crate::params`]) to update tensors without allocating new ones.
 
 use std::cell::RefCell;
 use std::ops::Range;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, InplaceOp1, InplaceOp2, Layout, Storage, Tensor};
+use candle_core::{CpuStorage, CudaStorage, InplaceOp1, InplaceOp2, Layout, Storage, Tensor};
 use half::{bf16, f16};
 
 use crate::collective::BufferMut;
 use crate::error::{Error, Result};
+
+/// The storage of the tensor being updated, on its device.
+pub(crate) enum DstMut<'a> {
+    Cpu(&'a mut CpuStorage),
+    Cuda(&'a mut CudaStorage),
+}
+
+/// The storage of a read-only source tensor, on its device.
+pub(crate) enum Src<'a> {
+    Cpu(&'a CpuStorage),
+    Cuda(&'a CudaStorage),
+}
 
 /// The contiguous element range of `layout` in its storage, or an error naming `what`.
 fn range_of(layout: &Layout, what: &str) -> Result<Range<usize>> {
@@ -23,14 +35,25 @@ fn range_of(layout: &Layout, what: &str) -> Result<Range<usize>> {
         .ok_or_else(|| Error::invalid(what, "is not contiguous in memory; cannot update in place"))
 }
 
-type MutFn<'a> = Box<dyn FnOnce(&mut CpuStorage, Range<usize>) -> Result<()> + 'a>;
+type MutFn<'a> = Box<dyn FnOnce(DstMut<'_>, Range<usize>) -> Result<()> + 'a>;
 type MutSrcFn<'a> =
-    Box<dyn FnOnce(&mut CpuStorage, Range<usize>, &CpuStorage, Range<usize>) -> Result<()> + 'a>;
+    Box<dyn FnOnce(DstMut<'_>, Range<usize>, Src<'_>, Range<usize>) -> Result<()> + 'a>;
 
 struct MutOp<'a> {
     what: &'a str,
     f: RefCell<Option<MutFn<'a>>>,
     out: RefCell<Option<Result<()>>>,
+}
+
+impl MutOp<'_> {
+    fn run(&self, dst: DstMut<'_>, layout: &Layout) -> candle_core::Result<()> {
+        let result = match self.f.borrow_mut().take() {
+            Some(f) => range_of(layout, self.what).and_then(|r| f(dst, r)),
+            None => Err(Error::invalid(self.what, "in-place update ran twice")),
+        };
+        *self.out.borrow_mut() = Some(result);
+        Ok(())
+    }
 }
 
 impl InplaceOp1 for MutOp<'_> {
@@ -39,12 +62,11 @@ impl InplaceOp1 for MutOp<'_> {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let result = match self.f.borrow_mut().take() {
-            Some(f) => range_of(layout, self.what).and_then(|r| f(storage, r)),
-            None => Err(Error::invalid(self.what, "in-place update ran twice")),
-        };
-        *self.out.borrow_mut() = Some(result);
-        Ok(())
+        self.run(DstMut::Cpu(storage), layout)
+    }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        self.run(DstMut::Cuda(storage), layout)
     }
 }
 
@@ -54,16 +76,12 @@ struct MutSrcOp<'a> {
     out: RefCell<Option<Result<()>>>,
 }
 
-impl InplaceOp2 for MutSrcOp<'_> {
-    fn name(&self) -> &'static str {
-        "accelerate-rs in-place update"
-    }
-
-    fn cpu_fwd(
+impl MutSrcOp<'_> {
+    fn run(
         &self,
-        dst: &mut CpuStorage,
+        dst: DstMut<'_>,
         dst_layout: &Layout,
-        src: &CpuStorage,
+        src: Src<'_>,
         src_layout: &Layout,
     ) -> candle_core::Result<()> {
         let result = match self.f.borrow_mut().take() {
@@ -78,12 +96,45 @@ impl InplaceOp2 for MutSrcOp<'_> {
     }
 }
 
+impl InplaceOp2 for MutSrcOp<'_> {
+    fn name(&self) -> &'static str {
+        "accelerate-rs in-place update"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_layout: &Layout,
+        src: &CpuStorage,
+        src_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        self.run(DstMut::Cpu(dst), dst_layout, Src::Cpu(src), src_layout)
+    }
+
+    fn cuda_fwd(
+        &self,
+        dst: &mut CudaStorage,
+        dst_layout: &Layout,
+        src: &CudaStorage,
+        src_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        self.run(DstMut::Cuda(dst), dst_layout, Src::Cuda(src), src_layout)
+    }
+}
+
+fn did_not_run(what: &str) -> Error {
+    Error::invalid(
+        what,
+        "the in-place update did not run (a device without in-place support?)",
+    )
+}
+
 /// Runs `f` on `t`'s storage and the element range `t` occupies in it, holding the storage's
-/// write lock. `t` must be a contiguous CPU tensor; `what` names it in errors.
-pub(crate) fn with_cpu_mut<'a>(
+/// write lock. `t` must be contiguous, on the CPU or a CUDA GPU; `what` names it in errors.
+pub(crate) fn with_mut<'a>(
     t: &Tensor,
     what: &'a str,
-    f: impl FnOnce(&mut CpuStorage, Range<usize>) -> Result<()> + 'a,
+    f: impl FnOnce(DstMut<'_>, Range<usize>) -> Result<()> + 'a,
 ) -> Result<()> {
     let op = MutOp {
         what,
@@ -91,21 +142,18 @@ pub(crate) fn with_cpu_mut<'a>(
         out: RefCell::new(None),
     };
     t.inplace_op1(&op)?;
-    op.out.into_inner().unwrap_or_else(|| {
-        Err(Error::invalid(
-            what,
-            "the in-place update did not run (not a CPU tensor?)",
-        ))
-    })
+    op.out
+        .into_inner()
+        .unwrap_or_else(|| Err(did_not_run(what)))
 }
 
-/// [`with_cpu_mut`] with a second, read-only CPU tensor `src` (contiguous, not sharing storage
-/// with `t`).
-pub(crate) fn with_cpu_mut_src<'a>(
+/// [`with_mut`] with a second, read-only tensor `src` on the same device (contiguous, not sharing
+/// storage with `t`).
+pub(crate) fn with_mut_src<'a>(
     t: &Tensor,
     src: &Tensor,
     what: &'a str,
-    f: impl FnOnce(&mut CpuStorage, Range<usize>, &CpuStorage, Range<usize>) -> Result<()> + 'a,
+    f: impl FnOnce(DstMut<'_>, Range<usize>, Src<'_>, Range<usize>) -> Result<()> + 'a,
 ) -> Result<()> {
     let op = MutSrcOp {
         what,
@@ -113,11 +161,41 @@ pub(crate) fn with_cpu_mut_src<'a>(
         out: RefCell::new(None),
     };
     t.inplace_op2(src, &op)?;
-    op.out.into_inner().unwrap_or_else(|| {
-        Err(Error::invalid(
-            what,
-            "the in-place update did not run (not a CPU tensor?)",
-        ))
+    op.out
+        .into_inner()
+        .unwrap_or_else(|| Err(did_not_run(what)))
+}
+
+fn not_cpu(what: &str, on_gpu: &CudaStorage) -> Error {
+    Error::invalid(
+        what,
+        format!("is a CUDA {:?} tensor, not on the CPU", on_gpu.dtype()),
+    )
+}
+
+/// [`with_mut`] for a CPU tensor.
+pub(crate) fn with_cpu_mut<'a>(
+    t: &Tensor,
+    what: &'a str,
+    f: impl FnOnce(&mut CpuStorage, Range<usize>) -> Result<()> + 'a,
+) -> Result<()> {
+    with_mut(t, what, |dst, r| match dst {
+        DstMut::Cpu(s) => f(s, r),
+        DstMut::Cuda(s) => Err(not_cpu(what, s)),
+    })
+}
+
+/// [`with_mut_src`] for CPU tensors.
+pub(crate) fn with_cpu_mut_src<'a>(
+    t: &Tensor,
+    src: &Tensor,
+    what: &'a str,
+    f: impl FnOnce(&mut CpuStorage, Range<usize>, &CpuStorage, Range<usize>) -> Result<()> + 'a,
+) -> Result<()> {
+    with_mut_src(t, src, what, |dst, d, src, s| match (dst, src) {
+        (DstMut::Cpu(dst), Src::Cpu(src)) => f(dst, d, src, s),
+        (DstMut::Cuda(gpu), _) => Err(not_cpu(what, gpu)),
+        (_, Src::Cuda(gpu)) => Err(not_cpu(what, gpu)),
     })
 }
 

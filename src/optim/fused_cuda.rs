@@ -7,17 +7,18 @@
 //! never stops training. The arithmetic mirrors the CPU kernels in `fused.rs` operation by
 //! operation.
 
-use std::cell::RefCell;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
-use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Tensor};
+use candle_core::{DType, Tensor};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use once_cell::sync::OnceCell;
 
 use super::fused::{AdamScalars, SgdScalars};
 use crate::error::{Error, Result};
+use crate::inplace::{with_mut, with_mut_src, DstMut, Src};
 
 const MODULE: &str = "accelerate_rs_fused_optim";
 
@@ -113,100 +114,36 @@ fn launch_config(n: usize) -> LaunchConfig {
     }
 }
 
-fn range(layout: &Layout, what: &str) -> Result<std::ops::Range<usize>> {
-    layout
-        .contiguous_offsets()
-        .map(|(a, b)| a..b)
-        .ok_or_else(|| Error::invalid(what, "is not contiguous in memory; cannot update in place"))
+fn not_cuda(what: &str) -> Error {
+    Error::invalid(
+        what,
+        "fused CUDA update called on a tensor that is not on a CUDA GPU",
+    )
 }
 
-fn not_cuda() -> candle_core::Error {
-    candle_core::Error::Msg("fused CUDA update called on a CPU tensor".into())
-}
-
-type MutFn<'a> = Box<dyn FnOnce(&mut CudaStorage, &Layout) -> Result<()> + 'a>;
-type MutSrcFn<'a> =
-    Box<dyn FnOnce(&mut CudaStorage, &Layout, &CudaStorage, &Layout) -> Result<()> + 'a>;
-
-struct MutOp<'a> {
-    f: RefCell<Option<MutFn<'a>>>,
-    out: RefCell<Option<Result<()>>>,
-}
-
-impl InplaceOp1 for MutOp<'_> {
-    fn name(&self) -> &'static str {
-        "accelerate-rs fused CUDA update"
-    }
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        Err(not_cuda())
-    }
-    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
-        if let Some(f) = self.f.borrow_mut().take() {
-            *self.out.borrow_mut() = Some(f(s, l));
-        }
-        Ok(())
-    }
-}
-
-struct MutSrcOp<'a> {
-    f: RefCell<Option<MutSrcFn<'a>>>,
-    out: RefCell<Option<Result<()>>>,
-}
-
-impl InplaceOp2 for MutSrcOp<'_> {
-    fn name(&self) -> &'static str {
-        "accelerate-rs fused CUDA update"
-    }
-    fn cpu_fwd(
-        &self,
-        _: &mut CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<()> {
-        Err(not_cuda())
-    }
-    fn cuda_fwd(
-        &self,
-        s1: &mut CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<()> {
-        if let Some(f) = self.f.borrow_mut().take() {
-            *self.out.borrow_mut() = Some(f(s1, l1, s2, l2));
-        }
-        Ok(())
-    }
-}
-
-fn with_mut<'a>(
+/// `t`'s CUDA storage, mutable, and its element range.
+fn cuda_mut<'a>(
     t: &Tensor,
-    f: impl FnOnce(&mut CudaStorage, &Layout) -> Result<()> + 'a,
+    what: &'a str,
+    f: impl FnOnce(&mut CudaStorage, Range<usize>) -> Result<()> + 'a,
 ) -> Result<()> {
-    let op = MutOp {
-        f: RefCell::new(Some(Box::new(f))),
-        out: RefCell::new(None),
-    };
-    t.inplace_op1(&op)?;
-    op.out
-        .into_inner()
-        .unwrap_or_else(|| Err(Error::invalid("fused CUDA update", "did not run")))
+    with_mut(t, what, |dst, r| match dst {
+        DstMut::Cuda(s) => f(s, r),
+        DstMut::Cpu(_) => Err(not_cuda(what)),
+    })
 }
 
-fn with_mut_src<'a>(
+/// `t`'s CUDA storage, mutable, and `src`'s, read-only, with their element ranges.
+fn cuda_mut_src<'a>(
     t: &Tensor,
     src: &Tensor,
-    f: impl FnOnce(&mut CudaStorage, &Layout, &CudaStorage, &Layout) -> Result<()> + 'a,
+    what: &'a str,
+    f: impl FnOnce(&mut CudaStorage, Range<usize>, &CudaStorage, Range<usize>) -> Result<()> + 'a,
 ) -> Result<()> {
-    let op = MutSrcOp {
-        f: RefCell::new(Some(Box::new(f))),
-        out: RefCell::new(None),
-    };
-    t.inplace_op2(src, &op)?;
-    op.out
-        .into_inner()
-        .unwrap_or_else(|| Err(Error::invalid("fused CUDA update", "did not run")))
+    with_mut_src(t, src, what, |dst, d, src, s| match (dst, src) {
+        (DstMut::Cuda(dst), Src::Cuda(src)) => f(dst, d, src, s),
+        _ => Err(not_cuda(what)),
+    })
 }
 
 /// Whether `param`/`grad` can take the fused CUDA path, and the device to run it on.
@@ -245,15 +182,14 @@ pub(crate) fn adamw(
     };
     let func = load_kernel!(dev, NAME);
     let grad = grad.contiguous()?;
-    with_mut_src(param, &grad, |ps, pl, gs, gl| {
-        with_mut(m, |ms, ml| {
-            with_mut(v, |vs, vl| {
-                let (pr, gr) = (range(pl, "parameter")?, range(gl, "gradient")?);
-                let (mr, vr) = (range(ml, "AdamW m")?, range(vl, "AdamW v")?);
+    const WHAT: &str = "AdamW fused step";
+    cuda_mut_src(param, &grad, WHAT, |ps, pr, gs, gr| {
+        cuda_mut(m, WHAT, |ms, mr| {
+            cuda_mut(v, WHAT, |vs, vr| {
                 let n = pr.len();
                 if gr.len() != n || mr.len() != n || vr.len() != n {
                     return Err(Error::invalid(
-                        "AdamW fused step",
+                        WHAT,
                         "parameter, gradient and moments differ in length",
                     ));
                 }
@@ -322,19 +258,19 @@ pub(crate) fn sgd(
         s.momentum as f32,
         (1.0 - s.dampening) as f32,
     ];
+    const WHAT: &str = "Sgd fused step";
     let run = |ps: &mut CudaStorage,
-               pl: &Layout,
+               pr: Range<usize>,
                gs: &CudaStorage,
-               gl: &Layout,
-               bs: Option<(&mut CudaStorage, &Layout)>|
+               gr: Range<usize>,
+               bs: Option<(&mut CudaStorage, Range<usize>)>|
      -> Result<()> {
-        let (pr, gr) = (range(pl, "parameter")?, range(gl, "gradient")?);
         let n = pr.len();
         let mut p = ps.as_cuda_slice_mut::<f32>()?.slice_mut(pr);
         let g = gs.as_cuda_slice::<f32>()?.slice(gr.clone());
         if gr.len() != n {
             return Err(Error::invalid(
-                "Sgd fused step",
+                WHAT,
                 "parameter and gradient differ in length",
             ));
         }
@@ -344,11 +280,10 @@ pub(crate) fn sgd(
         let unused = gs.as_cuda_slice::<f32>()?.slice(gr);
         b.arg(&mut p);
         match bs {
-            Some((bs, bl)) => {
-                let br = range(bl, "Sgd momentum buffer")?;
+            Some((bs, br)) => {
                 if br.len() != n {
                     return Err(Error::invalid(
-                        "Sgd fused step",
+                        WHAT,
                         "parameter and momentum buffer differ in length",
                     ));
                 }
@@ -373,9 +308,9 @@ pub(crate) fn sgd(
         unsafe { b.launch(launch_config(n)) }.map_err(|e| launch_err(NAME, e))?;
         Ok(())
     };
-    with_mut_src(param, &grad, |ps, pl, gs, gl| match buf {
-        Some(buf) => with_mut(buf, |bs, bl| run(ps, pl, gs, gl, Some((bs, bl)))),
-        None => run(ps, pl, gs, gl, None),
+    cuda_mut_src(param, &grad, WHAT, |ps, pr, gs, gr| match buf {
+        Some(buf) => cuda_mut(buf, WHAT, |bs, br| run(ps, pr, gs, gr, Some((bs, br)))),
+        None => run(ps, pr, gs, gr, None),
     })?;
     Ok(true)
 }
