@@ -126,6 +126,7 @@ pub mod ops;
 pub mod optim;
 pub mod optimizer;
 pub mod params;
+mod placement;
 pub mod scheduler;
 pub mod state;
 pub mod tracking;
