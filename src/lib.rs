@@ -103,32 +103,23 @@
 #![deny(missing_docs)]
 
 pub mod accelerator;
-pub mod accumulate;
 pub mod allocator;
-pub mod checkpoint;
 pub mod cli;
 pub mod collective;
-pub mod config;
 pub mod data;
-pub mod dp;
-pub mod env;
 pub mod error;
-#[cfg(feature = "cuda")]
-pub mod gpu;
-#[cfg(not(feature = "cuda"))]
-#[path = "gpu_stub.rs"]
-pub mod gpu;
 mod inplace;
 pub mod launch;
 pub mod logging;
-pub mod mixed_precision;
-pub mod ops;
 pub mod optim;
-pub mod optimizer;
-pub mod params;
-pub mod scheduler;
-pub mod state;
+mod settings;
 pub mod tracking;
+mod train;
+
+pub use accelerator::dp;
+pub use accelerator::ops;
+pub use settings::{config, env, gpu, state};
+pub use train::{accumulate, checkpoint, mixed_precision, optimizer, params, scheduler};
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};
 pub use checkpoint::{latest_checkpoint, CheckpointParts, LoaderPosition, StatefulOptimizer};

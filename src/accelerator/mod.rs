@@ -2,6 +2,9 @@
 //! run, owns the collective, prepares the model, optimizer and data loader, and averages
 //! gradients in [`backward`](Accelerator::backward).
 
+pub mod dp;
+pub mod ops;
+
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
