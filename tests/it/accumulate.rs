@@ -5,7 +5,7 @@
 //! The multi-process test re-runs this test binary as the workers: `accumulate_worker` does
 //! nothing unless `ACCEL_TEST_ROLE` is set.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::process::Command;
@@ -13,11 +13,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::common::tiny::{self, forward, max_abs_diff, snapshot, HIDDEN, LR};
 use accelerate_rs::collective::{Buffer, BufferMut, OwnedBuffer};
 use accelerate_rs::{Accelerator, Collective, DataLoader, Error, ReduceOp, TensorDataset};
 use candle_core::{Device, Tensor, Var};
 use candle_nn::{loss, Optimizer, SGD};
-use common::tiny::{self, forward, max_abs_diff, snapshot, HIDDEN, LR};
 
 const B: usize = 4; // per-rank micro-batch
 const M: usize = 5; // micro-batches per rank per epoch: not a multiple of 2 or 3
@@ -451,7 +451,7 @@ fn two_processes_accumulating_3_steps_equal_one_process_with_batch_6b() {
         .arg(exe)
         .args([
             "--exact",
-            "accumulate_worker",
+            "accumulate::accumulate_worker",
             "--nocapture",
             "--test-threads=1",
         ])

@@ -10,8 +10,7 @@ use accelerate_rs::{Accelerator, AcceleratorBuilder, DataLoader, DistributedType
 use accelerate_rs::{ReduceOp, TensorDataset};
 use candle_core::{Device, Tensor, Var};
 
-mod common;
-use common::tiny::{max_abs_diff, params, reference, snapshot, train, HIDDEN};
+use crate::common::tiny::{max_abs_diff, params, reference, snapshot, train, HIDDEN};
 
 const B: usize = 8; // per-replica batch
 const K: usize = 6; // SGD steps
@@ -305,7 +304,12 @@ fn dp_env_child() {
 #[test]
 fn the_environment_variable_asks_for_dp() {
     let res = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "dp_env_child", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "dp::dp_env_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("ACCEL_TEST_DP_CHILD", "1")
         .env("ACCELERATE_RS_DATA_PARALLEL", "3")
         .env("ACCELERATE_RS_USE_CPU", "1")

@@ -6,8 +6,6 @@
 //! [`worker_entry`], with `ACCEL_FAULT_ROLE` naming what the worker does; without that variable
 //! `worker_entry` returns at once.
 
-mod common;
-
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -16,9 +14,9 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::common::{free_port, reduce_ones, tcp_options, Children};
 use accelerate_rs::collective::tcp::wire::{Hello, Role};
 use accelerate_rs::collective::{BufferMut, Collective, ReduceOp, TcpCollective, TcpOptions};
-use common::{free_port, reduce_ones, tcp_options, Children};
 
 const ROLE_VAR: &str = "ACCEL_FAULT_ROLE";
 const READY_MARKER: &str = "ACCEL-FAULT-READY";
@@ -278,10 +276,15 @@ fn wait_until(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
 /// This test binary restricted to [`worker_entry`].
 fn worker_command(role: &str) -> Command {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", "worker_entry", "--nocapture", "--test-threads=1"])
-        .env(ROLE_VAR, role)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null());
+    cmd.args([
+        "--exact",
+        "faults::worker_entry",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(ROLE_VAR, role)
+    .env_remove("RUST_LOG")
+    .stdin(Stdio::null());
     cmd
 }
 
@@ -456,7 +459,12 @@ fn launch_exits_nonzero_naming_the_failed_worker_in_a_real_collective_run() {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"));
     cmd.args(["launch", "--cpu", "-n", "3"])
         .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "worker_entry", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "faults::worker_entry",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(ROLE_VAR, "launch")
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())

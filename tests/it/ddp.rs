@@ -12,9 +12,10 @@ use accelerate_rs::{Accelerator, Error};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::loss;
 
-mod common;
-use common::tiny::{dataset, forward, max_abs_diff, params, reference, snapshot, train, HIDDEN};
-use common::{exit_worker, in_process};
+use crate::common::tiny::{
+    dataset, forward, max_abs_diff, params, reference, snapshot, train, HIDDEN,
+};
+use crate::common::{exit_worker, in_process};
 
 const B: usize = 8; // per-rank batch
 const K: usize = 6; // SGD steps
@@ -66,7 +67,12 @@ fn launch_with(
     cmd.envs(envs.iter().copied());
     cmd.args(["launch", "--cpu", "-n", &n.to_string()])
         .arg(exe)
-        .args(["--exact", "ddp_worker", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "ddp::ddp_worker",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("ACCEL_TEST_ROLE", role);
     if let Some(out) = out {
         cmd.env("ACCEL_TEST_OUT", out);

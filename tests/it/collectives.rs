@@ -1,17 +1,15 @@
 //! Every backend's collectives against a plain reference: world sizes 2, 3, 4, lengths that do not
 //! divide by the world size (including shorter than it), every dtype and reduction.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
+use crate::common::elems::{reference, value, TestElem};
+use crate::common::{on_each, tcp_group};
 use accelerate_rs::collective::{
     Buffer, BufferMut, Collective, ReduceOp, SingleProcess, ThreadGroup,
 };
 use accelerate_rs::Error;
 use candle_core::{Device, Tensor};
-use common::elems::{reference, value, TestElem};
-use common::{on_each, tcp_group};
 use half::{bf16, f16};
 
 const LENGTHS: &[usize] = &[0, 1, 2, 3, 5, 7, 13, 1000, 4099];

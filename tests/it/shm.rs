@@ -9,20 +9,18 @@
 //! dead peer runs under a 300 s collective timeout, and the test only checks that it ended with a
 //! peer error well before the test's own (generous) deadline.
 
-mod common;
-
 use std::fmt::Debug;
 use std::io::{BufReader, Read};
 use std::process::{Command, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::common::elems::{reference, value, TestElem};
+use crate::common::{free_port, on_each, reduce_ones, tcp_group, Children};
 use accelerate_rs::collective::{
     Buffer, BufferMut, Collective, Element, ReduceOp, TcpCollective, TcpOptions,
 };
 use accelerate_rs::Error;
-use common::elems::{reference, value, TestElem};
-use common::{free_port, on_each, reduce_ones, tcp_group, Children};
 use half::{bf16, f16};
 
 const ROLE_VAR: &str = "ACCEL_SHM_ROLE";
@@ -279,19 +277,24 @@ fn run_group(
     let mut pipes = Vec::new();
     for rank in 0..world {
         let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args(["--exact", "worker_entry", "--nocapture", "--test-threads=1"])
-            .env(ROLE_VAR, role)
-            .env_remove("RUST_LOG")
-            .env_remove(TRANSPORT)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", &port)
-            .env("ACCELERATE_RS_SECRET", SECRET)
-            .envs(env(rank))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+        cmd.args([
+            "--exact",
+            "shm::worker_entry",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE_VAR, role)
+        .env_remove("RUST_LOG")
+        .env_remove(TRANSPORT)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", &port)
+        .env("ACCELERATE_RS_SECRET", SECRET)
+        .envs(env(rank))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
         let mut child = cmd.spawn().unwrap();
         pipes.push((
             drain(child.stdout.take().unwrap()),

@@ -11,8 +11,7 @@ use accelerate_rs::Error;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-mod common;
-use common::free_port;
+use crate::common::free_port;
 
 /// The launcher binary, with a clean logging / thread-count environment.
 fn launcher() -> Command {

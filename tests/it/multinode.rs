@@ -14,9 +14,8 @@ use candle_core::{Device, Tensor};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-mod common;
-use common::tiny::{max_abs_diff, params, reference, snapshot, train, HIDDEN};
-use common::{exit_worker, free_port};
+use crate::common::tiny::{max_abs_diff, params, reference, snapshot, train, HIDDEN};
+use crate::common::{exit_worker, free_port};
 
 const B: usize = 4; // per-rank batch
 const K: usize = 5; // SGD steps
@@ -87,7 +86,7 @@ fn start_machine(machine_rank: usize, port: u16, out: &Path) -> Child {
         .arg(exe)
         .args([
             "--exact",
-            "multinode_worker",
+            "multinode::multinode_worker",
             "--nocapture",
             "--test-threads=1",
         ])

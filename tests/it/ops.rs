@@ -2,16 +2,14 @@
 //! real multi-process run under `accelerate-rs launch` (re-running this test binary: `ops_worker`
 //! does nothing unless `ACCEL_TEST_ROLE` is set).
 
-mod common;
-
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::common::in_process;
 use accelerate_rs::{Accelerator, DataLoader, Error, ReduceOp, TensorDataset};
 use candle_core::{DType, Device, Tensor};
-use common::in_process;
 use rand::RngCore;
 
 /// A dataset of the values `0..n` (one f32 field).
@@ -381,7 +379,12 @@ fn gather_for_metrics_across_three_processes() {
     let res = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
         .args(["launch", "--cpu", "-n", "3"])
         .arg(exe)
-        .args(["--exact", "ops_worker", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "ops::ops_worker",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("ACCEL_TEST_ROLE", "ops")
         .env("ACCELERATE_RS_DEBUG", "1")
         .output()

@@ -17,9 +17,8 @@ use accelerate_rs::{latest_checkpoint, Accelerator, CheckpointParts, DataLoader,
 use candle_core::{Device, Tensor, Var};
 use candle_nn::loss;
 
-mod common;
-use common::exit_worker;
-use common::tiny::{dataset, forward, params, snapshot, HIDDEN};
+use crate::common::exit_worker;
+use crate::common::tiny::{dataset, forward, params, snapshot, HIDDEN};
 
 const B: usize = 4; // per-rank batch
 const ROWS: usize = 40; // 5 global batches of 8 per epoch
@@ -140,7 +139,7 @@ fn launch(role: &str, root: &Path, out: &Path, extra: &[&str]) {
         .arg(exe)
         .args([
             "--exact",
-            "checkpoint_worker",
+            "checkpoint::checkpoint_worker",
             "--nocapture",
             "--test-threads=1",
         ])
@@ -342,7 +341,7 @@ fn crash_hook_in_a_real_process_leaves_the_previous_checkpoint() {
         let mut cmd = Command::new(&exe);
         cmd.args([
             "--exact",
-            "single_save_worker",
+            "checkpoint::single_save_worker",
             "--nocapture",
             "--test-threads=1",
         ])
