@@ -102,7 +102,7 @@
 //! - [`logging`]: `env_logger` set-up with a `[rank N]` prefix on each line.
 #![deny(missing_docs)]
 
-pub mod accelerator;
+mod accelerator;
 pub mod allocator;
 pub mod cli;
 pub mod collective;
@@ -116,19 +116,17 @@ mod settings;
 pub mod tracking;
 mod train;
 
-pub use accelerator::dp;
-pub use accelerator::ops;
 pub use settings::{config, env, gpu, state};
-pub use train::{accumulate, checkpoint, mixed_precision, optimizer, params, scheduler};
+pub use train::{checkpoint, mixed_precision, optimizer, params, scheduler};
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};
 pub use checkpoint::{latest_checkpoint, CheckpointParts, LoaderPosition, StatefulOptimizer};
 pub use collective::{Collective, ReduceOp};
 pub use config::{ConfigFile, MixedPrecision};
 pub use data::{Batch, DataLoader, Dataset, DistributedSampler, EvenBatches, TensorDataset};
-pub use dp::ReplicaFailure;
-pub use error::{Error, Result};
+pub use error::{Error, ReplicaCause, ReplicaFailure, Result};
 pub use mixed_precision::{LossScaler, MixedPrecisionOptimizer};
-pub use optimizer::AcceleratedOptimizer;
+pub use optimizer::{AcceleratedOptimizer, TrainOptimizer};
 pub use params::Parameters;
+pub use settings::Transport;
 pub use state::{DistributedType, ProcessState};

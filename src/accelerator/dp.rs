@@ -62,101 +62,10 @@ use std::time::Duration;
 
 use candle_core::Device;
 
-use crate::accelerator::{Accelerator, AcceleratorBuilder};
+use super::Accelerator;
 use crate::collective::{Collective, NcclCollective, ThreadGroup};
-use crate::env;
-use crate::error::{Error, Result};
-use crate::state::{Overrides, ProcessState};
-
-/// A DP replica that failed: returned (inside [`Error::Candle`]) by
-/// [`run`](crate::AcceleratorBuilder::run), naming the replica.
-#[derive(Debug)]
-pub struct ReplicaFailure {
-    /// The replica's index (its rank).
-    pub replica: usize,
-    /// How many replicas the run had.
-    pub replicas: usize,
-    /// What happened: the closure's error, or the panic message.
-    pub cause: ReplicaCause,
-}
-
-/// Why a DP replica failed.
-#[derive(Debug)]
-pub enum ReplicaCause {
-    /// The replica (or its setup) returned this error.
-    Error(Error),
-    /// The replica's thread panicked with this message.
-    Panic(String),
-}
-
-impl std::fmt::Display for ReplicaFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (i, n) = (self.replica, self.replicas);
-        match &self.cause {
-            ReplicaCause::Error(e) => write!(f, "DP replica {i} of {n} failed: {e}"),
-            ReplicaCause::Panic(m) => write!(f, "DP replica {i} of {n} panicked: {m}"),
-        }
-    }
-}
-
-impl std::error::Error for ReplicaFailure {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match &self.cause {
-            ReplicaCause::Error(e) => Some(e),
-            ReplicaCause::Panic(_) => None,
-        }
-    }
-}
-
-impl From<ReplicaFailure> for Error {
-    fn from(f: ReplicaFailure) -> Self {
-        Error::Candle(candle_core::Error::Wrapped(Box::new(f)))
-    }
-}
-
-/// Number of DP replicas: the builder's value, else `ACCELERATE_RS_DATA_PARALLEL`, else 1.
-/// Zero is an error.
-pub(crate) fn replicas(
-    builder: Option<usize>,
-    getenv: &dyn Fn(&str) -> Option<String>,
-) -> Result<usize> {
-    let n = match builder {
-        Some(n) => n,
-        None => match getenv(env::DATA_PARALLEL).filter(|v| !v.trim().is_empty()) {
-            None => 1,
-            Some(v) => v.trim().parse::<usize>().map_err(|_| Error::Env {
-                var: env::DATA_PARALLEL.into(),
-                value: v.clone(),
-                reason: "expected the number of DP replicas (1 = no DP)".into(),
-            })?,
-        },
-    };
-    if n == 0 {
-        return Err(match builder {
-            Some(_) => Error::invalid("data_parallel", "DP needs at least 1 replica, got 0"),
-            None => Error::Env {
-                var: env::DATA_PARALLEL.into(),
-                value: "0".into(),
-                reason: "DP needs at least 1 replica (1 = no DP)".into(),
-            },
-        });
-    }
-    Ok(n)
-}
-
-/// DP runs in one process: a world size above 1 is an error.
-pub(crate) fn check_single_process(replicas: usize, world_size: usize) -> Result<()> {
-    if world_size > 1 {
-        return Err(Error::invalid(
-            "data_parallel",
-            format!(
-                "{replicas} DP replicas were asked for (`data_parallel` / {}) but the world size is {world_size}: DP runs all its replicas in one process; for several processes use `accelerate-rs launch -n N` (DDP) without DP",
-                env::DATA_PARALLEL
-            ),
-        ));
-    }
-    Ok(())
-}
+use crate::error::{panic_message, Error, ReplicaCause, ReplicaFailure, Result};
+use crate::settings::{env, Overrides, ProcessState};
 
 /// The error of `build()` / `Accelerator::new()` when DP is asked for.
 pub(crate) fn needs_run(replicas: usize) -> Error {
@@ -180,10 +89,16 @@ where
     R: Send,
     F: Fn(Accelerator) -> Result<R> + Send + Sync,
 {
-    let n = replicas(o.data_parallel, getenv)?;
+    // Resolved once as a whole: the settings are checked, and the replica count, the device kind
+    // and the timeout are known.
+    let probe = ProcessState::resolve(&o, getenv)?;
+    let n = probe.data_parallel();
     if n == 1 {
-        let acc = AcceleratorBuilder::from_parts(o, collective).build_with(getenv)?;
-        return Ok(vec![f(acc)?]);
+        let collective = match collective {
+            Some(c) => c,
+            None => super::builder::connect(&probe)?,
+        };
+        return Ok(vec![f(Accelerator::from_parts(probe, collective))?]);
     }
     if collective.is_some() {
         return Err(Error::invalid(
@@ -191,16 +106,6 @@ where
             format!("{n} DP replicas were asked for together with an existing collective (`collective`); DP creates its own, one per replica"),
         ));
     }
-    // Resolve once without DP to validate the settings and learn the world size and timeout.
-    let probe = ProcessState::resolve(
-        &Overrides {
-            data_parallel: Some(1),
-            external_collective: true,
-            ..o.clone()
-        },
-        getenv,
-    )?;
-    check_single_process(n, probe.world_size())?;
     let (collectives, devices) = if probe.use_cpu() {
         cpu_replicas(n, probe.timeout())?
     } else {
@@ -287,6 +192,11 @@ where
             let o = Overrides {
                 data_parallel: Some(n),
                 replica_device: Some(device),
+                rank: Some(i),
+                world_size: Some(n),
+                local_rank: Some(i),
+                local_world_size: Some(n),
+                external_collective: true,
                 ..o.clone()
             };
             let body = move || -> Result<R> {
@@ -298,9 +208,8 @@ where
                     replica: i,
                     armed: true,
                 };
-                let result = AcceleratorBuilder::from_parts(o, None)
-                    .collective(c)
-                    .build_with(getenv)
+                let result = ProcessState::resolve(&o, getenv)
+                    .map(|state| Accelerator::from_parts(state, c))
                     .and_then(f);
                 guard.armed = result.is_err();
                 drop(guard);
@@ -349,25 +258,19 @@ where
         .enumerate()
         .map(|(i, r)| match r {
             Some(Ok(r)) => Ok(r),
-            _ => Err(Error::invalid(
-                "data_parallel",
-                format!("DP replica {i} returned no result"),
-            )),
+            _ => Err(Error::ReplicaMissing {
+                replica: i,
+                replicas: n,
+            }),
         })
         .collect()
-}
-
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(a panic payload that is not a string)".into())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::settings::state::data_parallel as replicas;
+    use crate::AcceleratorBuilder;
     use std::collections::HashMap;
 
     fn env_of(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + Sync {
@@ -453,9 +356,11 @@ mod tests {
         assert!(e.contains("one process") && e.contains("launch -n"), "{e}");
         // A single accelerator cannot be DP.
         let getenv = env_of(&[(env::DATA_PARALLEL, "2")]);
-        let e = ProcessState::resolve(&overrides(&cfg), &getenv)
-            .unwrap_err()
-            .to_string();
+        let builder = AcceleratorBuilder {
+            o: overrides(&cfg),
+            collective: None,
+        };
+        let e = builder.build_with(&getenv).unwrap_err().to_string();
         assert!(e.contains("run"), "{e}");
     }
 }

@@ -30,29 +30,15 @@
 //! ```
 
 use std::ops::Range;
-use std::sync::OnceLock;
 
 use candle_core::{Device, Tensor};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use super::Accelerator;
 use crate::collective::{check_root, Buffer, ReduceOp};
 use crate::data::Batch;
 use crate::error::{Error, Result};
-use crate::Accelerator;
-
-/// Whether `ACCELERATE_RS_DEBUG` is on (read once per process).
-fn debug_mode() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var(crate::env::DEBUG).is_ok_and(|v| {
-            matches!(
-                v.trim().to_ascii_lowercase().as_str(),
-                "1" | "true" | "yes" | "on"
-            )
-        })
-    })
-}
 
 /// The contiguous range of `n` items that `rank` of `world` gets: sizes differ by at most 1, the
 /// first `n % world` ranks get one more.
@@ -143,7 +129,7 @@ impl Accelerator {
         } else {
             t.clone()
         };
-        if debug_mode() {
+        if self.state().debug() {
             self.debug_gather_shapes(&t)?;
         }
         self.collective().all_gather_tensor(&t)
@@ -183,7 +169,7 @@ impl Accelerator {
         if self.world_size() == 1 {
             return Ok(t.clone());
         }
-        if debug_mode() {
+        if self.state().debug() {
             self.debug_shapes("reduce", t)?;
         }
         self.collective().all_reduce_tensor(t, op)
@@ -195,7 +181,7 @@ impl Accelerator {
         if self.world_size() == 1 {
             return Ok(t.clone());
         }
-        if debug_mode() {
+        if self.state().debug() {
             self.debug_shapes("broadcast", t)?;
         }
         self.collective().broadcast_tensor(t, root)

@@ -47,7 +47,7 @@ pub use buffer::{AlignedBytes, Buffer, BufferMut, ElemType, Element, OwnedBuffer
 pub use nccl::NcclCollective;
 pub use reduce::ReduceOp;
 pub use single::SingleProcess;
-pub use tcp::{TcpCollective, TcpOptions, Transport};
+pub use tcp::{TcpCollective, TcpOptions};
 pub use threads::{ThreadCollective, ThreadGroup};
 
 pub(crate) use buffer::{tensor_from_bytes, HostVec};

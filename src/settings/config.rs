@@ -48,7 +48,7 @@ pub struct ConfigFile {
     /// Data path between processes on one machine: `auto` (shared memory when every rank is on
     /// one host), `tcp` or `shm`.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub transport: Option<crate::collective::Transport>,
+    pub transport: Option<crate::settings::Transport>,
     /// Tune glibc's allocator for training (keep freed memory instead of unmapping it; default
     /// true), see `accelerate_rs::allocator`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -347,19 +347,20 @@ fn gpu_ids_ok(ids: &str) -> bool {
 }
 
 /// Default rendezvous port (`main_process_port`, `MASTER_PORT`).
-pub const DEFAULT_MAIN_PROCESS_PORT: u16 = crate::state::DEFAULT_MASTER_PORT;
+pub const DEFAULT_MAIN_PROCESS_PORT: u16 = crate::settings::state::DEFAULT_MASTER_PORT;
 
 /// Default collective timeout in seconds (`collective_timeout_secs`).
-pub const DEFAULT_COLLECTIVE_TIMEOUT_SECS: f64 = crate::state::DEFAULT_TIMEOUT.as_secs() as f64;
+pub const DEFAULT_COLLECTIVE_TIMEOUT_SECS: f64 =
+    crate::settings::state::DEFAULT_TIMEOUT.as_secs() as f64;
 
 /// Whether this build can drive CUDA GPUs (the `cuda` cargo feature).
 pub fn cuda_built() -> bool {
-    crate::gpu::BUILT_WITH_CUDA
+    crate::settings::gpu::BUILT_WITH_CUDA
 }
 
 /// How many GPUs this build sees: 0 without CUDA support or without a usable driver.
 pub fn gpus_seen() -> usize {
-    crate::gpu::device_count().unwrap_or(0)
+    crate::settings::gpu::device_count().unwrap_or(0)
 }
 
 /// The default number of processes per machine: one per GPU seen (at least one) when `gpu`, else

@@ -1,5 +1,7 @@
-//! Settings, the bottom floor: the resolved process state, the config file, the names of the
-//! environment variables and GPU discovery.
+//! Settings, the bottom floor: the resolved process state ([`ProcessState`]), the config file
+//! ([`ConfigFile`]), the names of every environment variable ([`env`]), GPU discovery,
+//! [`Transport`], and the one precedence ([`parse::pick`]) and strict parser
+//! ([`parse::env_value`]) every setting goes through. Nothing here imports the floors above.
 
 pub mod config;
 pub mod env;
@@ -8,4 +10,11 @@ pub mod gpu;
 #[cfg(not(feature = "cuda"))]
 #[path = "gpu_stub.rs"]
 pub mod gpu;
+pub(crate) mod parse;
 pub mod state;
+mod transport;
+
+pub use config::{ConfigFile, MixedPrecision};
+pub(crate) use state::Overrides;
+pub use state::{DistributedType, ProcessState};
+pub use transport::Transport;

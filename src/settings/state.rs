@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use candle_core::Device;
 
-use crate::config::{ConfigFile, MixedPrecision};
-use crate::env;
 use crate::error::{Error, Result};
+use crate::settings::parse::{env_value, pick, Count, Positive};
+use crate::settings::{env, ConfigFile, MixedPrecision, Transport};
 
 /// Default timeout of every collective.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
@@ -51,7 +51,7 @@ pub(crate) struct Overrides {
     pub timeout: Option<Duration>,
     pub bucket_cap_mb: Option<f64>,
     pub tune_malloc: Option<bool>,
-    pub transport: Option<crate::collective::Transport>,
+    pub transport: Option<Transport>,
     pub config_file: Option<PathBuf>,
     pub rank: Option<usize>,
     pub world_size: Option<usize>,
@@ -85,7 +85,10 @@ pub struct ProcessState {
     timeout: Duration,
     bucket_cap_bytes: usize,
     tune_malloc: bool,
-    transport: crate::collective::Transport,
+    transport: Transport,
+    overlap: bool,
+    debug: bool,
+    data_parallel: usize,
     secret: Vec<u8>,
     mixed_precision: MixedPrecision,
     gradient_accumulation_steps: usize,
@@ -109,6 +112,9 @@ impl std::fmt::Debug for ProcessState {
             .field("bucket_cap_bytes", &self.bucket_cap_bytes)
             .field("tune_malloc", &self.tune_malloc)
             .field("transport", &self.transport)
+            .field("overlap", &self.overlap)
+            .field("debug", &self.debug)
+            .field("data_parallel", &self.data_parallel)
             .field(
                 "secret",
                 &if self.secret.is_empty() {
@@ -125,56 +131,6 @@ impl std::fmt::Debug for ProcessState {
             .field("launcher", &self.launcher)
             .field("config_path", &self.config_path)
             .finish()
-    }
-}
-
-/// Reads one variable, treating an empty value as unset.
-fn get(getenv: &dyn Fn(&str) -> Option<String>, var: &str) -> Option<String> {
-    getenv(var).filter(|v| !v.trim().is_empty())
-}
-
-fn parse_usize(var: &str, value: &str) -> Result<usize> {
-    // SLURM_NTASKS_PER_NODE may read "4(x2)": the leading count is what matters.
-    let digits: String = value
-        .trim()
-        .chars()
-        .take_while(|c| c.is_ascii_digit())
-        .collect();
-    let rest = &value.trim()[digits.len()..];
-    if digits.is_empty() || !(rest.is_empty() || rest.starts_with("(x")) {
-        return Err(Error::Env {
-            var: var.into(),
-            value: value.into(),
-            reason: "expected a non-negative integer".into(),
-        });
-    }
-    digits.parse().map_err(|_| Error::Env {
-        var: var.into(),
-        value: value.into(),
-        reason: "integer out of range".into(),
-    })
-}
-
-fn parse_bool(var: &str, value: &str) -> Result<bool> {
-    match value.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(Error::Env {
-            var: var.into(),
-            value: value.into(),
-            reason: "expected 1/0, true/false, yes/no or on/off".into(),
-        }),
-    }
-}
-
-fn parse_positive_f64(var: &str, value: &str) -> Result<f64> {
-    match value.trim().parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
-        _ => Err(Error::Env {
-            var: var.into(),
-            value: value.into(),
-            reason: "expected a positive number".into(),
-        }),
     }
 }
 
@@ -230,7 +186,7 @@ fn select_device(
         return Ok(cpu);
     }
     let gpus_requested = use_cpu == Some(false);
-    match crate::gpu::device_count() {
+    match crate::settings::gpu::device_count() {
         Ok(n) if n > 0 => {
             if local_rank >= n {
                 return Err(Error::Env {
@@ -242,7 +198,7 @@ fn select_device(
                     ),
                 });
             }
-            let device = crate::gpu::device(local_rank)?;
+            let device = crate::settings::gpu::device(local_rank)?;
             let kind = if world_size > 1 {
                 DistributedType::Ddp
             } else {
@@ -262,17 +218,63 @@ fn select_device(
     }
 }
 
+/// Number of DP replicas: the builder's value, else `ACCELERATE_RS_DATA_PARALLEL`, else 1.
+/// Zero is an error.
+pub(crate) fn data_parallel(
+    builder: Option<usize>,
+    getenv: &dyn Fn(&str) -> Option<String>,
+) -> Result<usize> {
+    let from_env = match builder {
+        Some(_) => None,
+        None => env_value::<usize>(getenv, env::DATA_PARALLEL).map_err(|e| match e {
+            Error::Env { var, value, .. } => Error::Env {
+                var,
+                value,
+                reason: "expected the number of DP replicas (1 = no DP)".into(),
+            },
+            other => other,
+        })?,
+    };
+    match pick(builder, from_env, None, 1) {
+        0 if builder.is_some() => Err(Error::invalid(
+            "data_parallel",
+            "DP needs at least 1 replica, got 0",
+        )),
+        0 => Err(Error::Env {
+            var: env::DATA_PARALLEL.into(),
+            value: "0".into(),
+            reason: "DP needs at least 1 replica (1 = no DP)".into(),
+        }),
+        n => Ok(n),
+    }
+}
+
+/// DP runs in one process: a world size above 1 is an error.
+fn check_single_process(replicas: usize, world_size: usize) -> Result<()> {
+    if world_size > 1 {
+        return Err(Error::invalid(
+            "data_parallel",
+            format!(
+                "{replicas} DP replicas were asked for (`data_parallel` / {}) but the world size is {world_size}: DP runs all its replicas in one process; for several processes use `accelerate-rs launch -n N` (DDP) without DP",
+                env::DATA_PARALLEL
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl ProcessState {
     /// Resolves the state from builder overrides, the environment (`getenv`) and the config file.
     pub(crate) fn resolve(o: &Overrides, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
         let (cfg, config_path) = ConfigFile::load_located(o.config_file.as_deref(), getenv)?;
 
+        let get = |var: &str| getenv(var).filter(|v| !v.trim().is_empty());
         // Rank and world size: builder, else the first launcher family whose rank is set.
-        let family = FAMILIES.iter().find(|f| get(getenv, f.rank).is_some());
-        if family.is_none() {
+        let family = FAMILIES.iter().find(|f| get(f.rank).is_some());
+        if family.is_none() && o.rank.is_none() {
             for f in &FAMILIES {
-                if let Some(w) = get(getenv, f.world) {
-                    if o.rank.is_none() && parse_usize(f.world, &w)? > 1 {
+                if let Some(Count(w)) = env_value(getenv, f.world)? {
+                    if w > 1 {
                         return Err(Error::Env {
                             var: f.rank.into(),
                             value: String::new(),
@@ -283,8 +285,8 @@ impl ProcessState {
             }
         }
         let from_env = |var: Option<&'static str>| -> Result<Option<(usize, &'static str)>> {
-            match var.and_then(|v| get(getenv, v).map(|val| (v, val))) {
-                Some((v, val)) => Ok(Some((parse_usize(v, &val)?, v))),
+            match var {
+                Some(v) => Ok(env_value::<Count>(getenv, v)?.map(|c| (c.0, v))),
                 None => Ok(None),
             }
         };
@@ -299,8 +301,8 @@ impl ProcessState {
                 });
             }
         }
-        let rank = o.rank.or(env_rank.map(|r| r.0)).unwrap_or(0);
-        let world_size = o.world_size.or(env_world.map(|w| w.0)).unwrap_or(1);
+        let rank = pick(o.rank, env_rank.map(|r| r.0), None, 0);
+        let world_size = pick(o.world_size, env_world.map(|w| w.0), None, 1);
         let (rank_var, world_var) = (
             env_rank.map_or("rank (builder)", |r| r.1),
             env_world.map_or("world_size (builder)", |w| w.1),
@@ -321,21 +323,23 @@ impl ProcessState {
                 ),
             });
         }
-        // DP: one process, several replicas (see `crate::dp`). Only `run` may start replicas.
-        let replicas = crate::dp::replicas(o.data_parallel, getenv)?;
-        if o.replica_device.is_none() && replicas > 1 {
-            crate::dp::check_single_process(replicas, world_size)?;
-            return Err(crate::dp::needs_run(replicas));
+        // DP: one process, several replicas, started by `AcceleratorBuilder::run` (a replica's
+        // world is its replicas).
+        let data_parallel = data_parallel(o.data_parallel, getenv)?;
+        if data_parallel > 1 && o.replica_device.is_none() {
+            check_single_process(data_parallel, world_size)?;
         }
 
         let env_local_rank = from_env(family.map(|f| f.local_rank))?;
         let env_local_world = from_env(family.map(|f| f.local_world))?;
-        let local_world_size = o
-            .local_world_size
-            .or(env_local_world.map(|v| v.0))
-            .unwrap_or(world_size);
+        let local_world_size = pick(
+            o.local_world_size,
+            env_local_world.map(|v| v.0),
+            None,
+            world_size,
+        );
         // Without a local rank, assume every rank runs on this machine.
-        let local_rank = o.local_rank.or(env_local_rank.map(|v| v.0)).unwrap_or(rank);
+        let local_rank = pick(o.local_rank, env_local_rank.map(|v| v.0), None, rank);
         if local_world_size == 0 || local_rank >= local_world_size {
             let var = env_local_rank.map_or("local_rank", |v| v.1);
             return Err(Error::Env {
@@ -350,7 +354,7 @@ impl ProcessState {
         let master_addr = o
             .master_addr
             .clone()
-            .or_else(|| get(getenv, env::MASTER_ADDR))
+            .or(env_value::<String>(getenv, env::MASTER_ADDR)?)
             .or(cfg.main_process_ip.clone());
         if world_size > 1 && master_addr.is_none() && !o.external_collective {
             return Err(Error::Env {
@@ -359,15 +363,12 @@ impl ProcessState {
                 reason: format!("must be set when the world size is {world_size}: the address of the machine running rank 0 (or start the program with `accelerate-rs launch`)"),
             });
         }
-        let master_port = match (o.master_port, get(getenv, env::MASTER_PORT)) {
-            (Some(p), _) => p,
-            (None, Some(v)) => v.trim().parse::<u16>().map_err(|_| Error::Env {
-                var: env::MASTER_PORT.into(),
-                value: v.clone(),
-                reason: "expected a port number 0-65535".into(),
-            })?,
-            (None, None) => cfg.main_process_port.unwrap_or(DEFAULT_MASTER_PORT),
-        };
+        let master_port = pick(
+            o.master_port,
+            env_value(getenv, env::MASTER_PORT)?,
+            cfg.main_process_port,
+            DEFAULT_MASTER_PORT,
+        );
         if world_size > 1 && master_port == 0 && !o.external_collective {
             return Err(Error::Env {
                 var: env::MASTER_PORT.into(),
@@ -376,72 +377,63 @@ impl ProcessState {
             });
         }
 
-        let timeout = match (o.timeout, get(getenv, env::TIMEOUT_SECS)) {
-            (Some(t), _) => t,
-            (None, Some(v)) => Duration::from_secs_f64(parse_positive_f64(env::TIMEOUT_SECS, &v)?),
-            (None, None) => cfg
-                .collective_timeout_secs
-                .map(Duration::from_secs_f64)
-                .unwrap_or(DEFAULT_TIMEOUT),
-        };
+        let secs = |p: Option<Positive>| p.map(|p| Duration::from_secs_f64(p.0));
+        let timeout = pick(
+            o.timeout,
+            secs(env_value(getenv, env::TIMEOUT_SECS)?),
+            cfg.collective_timeout_secs.map(Duration::from_secs_f64),
+            DEFAULT_TIMEOUT,
+        );
         if timeout.is_zero() {
             return Err(Error::invalid("timeout", "must be longer than zero"));
         }
-        let bucket_cap_mb = match (o.bucket_cap_mb, get(getenv, env::BUCKET_CAP_MB)) {
-            (Some(b), _) => b,
-            (None, Some(v)) => parse_positive_f64(env::BUCKET_CAP_MB, &v)?,
-            (None, None) => cfg.bucket_cap_mb.unwrap_or(DEFAULT_BUCKET_CAP_MB),
-        };
+        let bucket_cap_mb = pick(
+            o.bucket_cap_mb,
+            env_value::<Positive>(getenv, env::BUCKET_CAP_MB)?.map(|p| p.0),
+            cfg.bucket_cap_mb,
+            DEFAULT_BUCKET_CAP_MB,
+        );
         if !(bucket_cap_mb.is_finite() && bucket_cap_mb > 0.0) {
             return Err(Error::invalid(
                 "bucket_cap_mb",
                 format!("expected a positive number, got {bucket_cap_mb}"),
             ));
         }
-        let tune_malloc = match (o.tune_malloc, get(getenv, env::TUNE_MALLOC)) {
-            (Some(t), _) => t,
-            (None, Some(v)) => parse_bool(env::TUNE_MALLOC, &v)?,
-            (None, None) => cfg.tune_malloc.unwrap_or(true),
-        };
-        let transport = match (o.transport, get(getenv, env::TRANSPORT)) {
-            (Some(t), _) => t,
-            (None, Some(v)) => v.parse().map_err(|reason| Error::Env {
-                var: env::TRANSPORT.into(),
-                value: v.clone(),
-                reason,
-            })?,
-            (None, None) => cfg.transport.unwrap_or_default(),
-        };
+        let tune_malloc = pick(
+            o.tune_malloc,
+            env_value(getenv, env::TUNE_MALLOC)?,
+            cfg.tune_malloc,
+            true,
+        );
+        let transport = pick(
+            o.transport,
+            env_value(getenv, env::TRANSPORT)?,
+            cfg.transport,
+            Transport::Auto,
+        );
+        let overlap = pick(None, env_value(getenv, env::OVERLAP)?, None, true);
+        let debug = pick(None, env_value(getenv, env::DEBUG)?, None, false);
         // `None`: nobody said; GPUs are used when this build and machine have them.
-        let use_cpu = match (o.cpu, get(getenv, env::USE_CPU)) {
-            (Some(c), _) => Some(c),
-            (None, Some(v)) => Some(parse_bool(env::USE_CPU, &v)?),
-            (None, None) => cfg.use_cpu,
-        };
-        let secret = o
-            .secret
-            .clone()
-            .or_else(|| get(getenv, env::SECRET))
-            .unwrap_or_default()
-            .into_bytes();
-
-        let mixed_precision = match (o.mixed_precision, get(getenv, env::MIXED_PRECISION)) {
-            (Some(m), _) => m,
-            (None, Some(v)) => v.parse::<MixedPrecision>().map_err(|_| Error::Env {
-                var: env::MIXED_PRECISION.into(),
-                value: v.clone(),
-                reason: "expected no, bf16 or fp16".into(),
-            })?,
-            (None, None) => cfg.mixed_precision.unwrap_or_default(),
-        };
-        let gradient_accumulation_steps = match (
+        let use_cpu = o.cpu.or(env_value(getenv, env::USE_CPU)?).or(cfg.use_cpu);
+        let secret = pick(
+            o.secret.clone(),
+            env_value(getenv, env::SECRET)?,
+            None,
+            String::new(),
+        )
+        .into_bytes();
+        let mixed_precision = pick(
+            o.mixed_precision,
+            env_value(getenv, env::MIXED_PRECISION)?,
+            cfg.mixed_precision,
+            MixedPrecision::No,
+        );
+        let gradient_accumulation_steps = pick(
             o.gradient_accumulation_steps,
-            get(getenv, env::GRADIENT_ACCUMULATION_STEPS),
-        ) {
-            (Some(n), _) => n,
-            (None, Some(v)) => parse_usize(env::GRADIENT_ACCUMULATION_STEPS, &v)?,
-            (None, None) => cfg.gradient_accumulation_steps.unwrap_or(1),
-        };
+            env_value(getenv, env::GRADIENT_ACCUMULATION_STEPS)?,
+            cfg.gradient_accumulation_steps,
+            1,
+        );
         if gradient_accumulation_steps == 0 {
             return Err(Error::invalid(
                 "gradient_accumulation_steps",
@@ -467,6 +459,9 @@ impl ProcessState {
             bucket_cap_bytes: (bucket_cap_mb * 1024.0 * 1024.0) as usize,
             tune_malloc,
             transport,
+            overlap,
+            debug,
+            data_parallel,
             secret,
             mixed_precision,
             gradient_accumulation_steps,
@@ -529,9 +524,26 @@ impl ProcessState {
         self.bucket_cap_bytes
     }
 
-    /// The data path between processes ([`Transport`](crate::collective::Transport)).
-    pub fn transport(&self) -> crate::collective::Transport {
+    /// The data path between processes ([`Transport`]).
+    pub fn transport(&self) -> Transport {
         self.transport
+    }
+
+    /// Whether CPU gradient buckets are all-reduced on a communication thread while the next is
+    /// flattened (`ACCELERATE_RS_OVERLAP`, default on).
+    pub fn overlap(&self) -> bool {
+        self.overlap
+    }
+
+    /// Whether collectives check shapes across ranks first (`ACCELERATE_RS_DEBUG`, default off).
+    pub fn debug(&self) -> bool {
+        self.debug
+    }
+
+    /// DP replicas driven by this process (builder `data_parallel`,
+    /// `ACCELERATE_RS_DATA_PARALLEL`; 1 = no DP).
+    pub fn data_parallel(&self) -> usize {
+        self.data_parallel
     }
 
     /// Whether glibc's allocator is tuned for training (see [`crate::allocator`]).
@@ -553,7 +565,7 @@ impl ProcessState {
         self.mixed_precision
     }
     /// Gradient accumulation steps requested through `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS`
-    /// or the config file (1 = step every batch); see [`crate::accumulate`].
+    /// or the config file (1 = step every batch); see [`Accelerator::backward`](crate::Accelerator::backward).
     pub fn gradient_accumulation_steps(&self) -> usize {
         self.gradient_accumulation_steps
     }
@@ -691,7 +703,7 @@ mod tests {
 
     #[test]
     fn gpus_asked_of_a_build_without_cuda_is_a_clear_error() {
-        if crate::gpu::BUILT_WITH_CUDA {
+        if crate::settings::gpu::BUILT_WITH_CUDA {
             return;
         }
         let err = resolve(&[("ACCELERATE_RS_USE_CPU", "0")], Overrides::default())
@@ -732,7 +744,7 @@ mod tests {
 
     #[test]
     fn transport_precedence_and_bad_values() {
-        use crate::collective::Transport;
+        use crate::settings::Transport;
         let dir = tempfile::tempdir().unwrap();
         let cfg = dir.path().join("c.toml");
         std::fs::write(&cfg, "transport = \"tcp\"\n").unwrap();

@@ -63,11 +63,12 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::accelerator::Accelerator;
+use crate::collective::Collective;
 use crate::error::{Error, Result};
 use crate::optim::{AdamW, OptimizerState, Sgd};
-use crate::optimizer::AcceleratedOptimizer;
-use crate::params::Parameters;
+use crate::train::mixed_precision::MixedPrecisionOptimizer;
+use crate::train::optimizer::AcceleratedOptimizer;
+use crate::train::params::Parameters;
 
 /// The model file inside a checkpoint.
 pub const MODEL_FILE: &str = "model.safetensors";
@@ -111,6 +112,18 @@ impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for Accelera
     }
     fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
         self.inner_mut().load_optimizer_state(state)
+    }
+}
+
+/// The state of the optimizer stepping the f32 masters; load the masters themselves with
+/// [`Accelerator::load_state`](crate::Accelerator::load_state) and then call
+/// [`sync_working_copies`](MixedPrecisionOptimizer::sync_working_copies).
+impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for MixedPrecisionOptimizer<O> {
+    fn optimizer_state(&self) -> Result<OptimizerState> {
+        self.accelerated().optimizer_state()
+    }
+    fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
+        self.accelerated_mut().load_optimizer_state(state)
     }
 }
 
@@ -357,11 +370,12 @@ fn sync_dir(path: &Path) {
     }
 }
 
-/// Test-only hook ([`crate::env::TEST_CRASH_AFTER`]`=<file>`): the main process exits (code 3)
+/// Test-only hook ([`env::TEST_CRASH_AFTER`](crate::env::TEST_CRASH_AFTER)`=<file>`): the main process exits (code 3)
 /// right after writing that file of a checkpoint, as a kill would.
 fn crash_hook(file: &str) {
-    if std::env::var(crate::env::TEST_CRASH_AFTER).is_ok_and(|v| v == file) {
-        log::error!("{}={file}: exiting mid-save", crate::env::TEST_CRASH_AFTER);
+    let var = crate::settings::env::TEST_CRASH_AFTER;
+    if matches!(crate::settings::parse::process_env::<String>(var), Ok(Some(v)) if v == file) {
+        log::error!("{var}={file}: exiting mid-save");
         std::process::exit(3);
     }
 }
@@ -485,159 +499,145 @@ fn fit_model(
     Ok(out)
 }
 
-impl Accelerator {
-    /// Saves a checkpoint of `parts` into `dir` (replacing a previous one there, atomically; see
-    /// the [module docs](crate::checkpoint)). Every rank must call it; the main process writes,
-    /// the others wait and return its error, if any.
-    pub fn save_state(&self, dir: impl AsRef<Path>, parts: &CheckpointParts<'_>) -> Result<()> {
-        let dir = dir.as_ref();
-        let result = if self.is_main_process() {
-            save_atomic(dir, parts, self.world_size())
-        } else {
-            Ok(())
-        };
-        self.agree("save_state", dir, result)
-    }
+// Checkpoint writing and reading across the ranks of one run, on a collective (the
+// `Accelerator` methods of the same names call these).
 
-    /// Saves a checkpoint as `root/checkpoint_<N>`, `N` one more than the largest found under
-    /// `root` (0 for the first), and then removes the oldest `checkpoint_*` directories so that
-    /// at most `total_limit` remain (0 keeps all), together with leftovers of crashed saves
-    /// (`checkpoint_*.tmp-*`, `checkpoint_*.old` next to a complete checkpoint). Returns the new
-    /// directory. Every rank must call it (see [`save_state`](Self::save_state)).
-    pub fn save_state_auto(
-        &self,
-        root: impl AsRef<Path>,
-        parts: &CheckpointParts<'_>,
-        total_limit: usize,
-    ) -> Result<PathBuf> {
-        let root = root.as_ref();
-        // Every rank lists `root` before anyone writes, so all pick the same N.
-        let next = auto_entries(root)
-            .iter()
-            .map(|(n, _)| n + 1)
-            .chain(latest_number(root).map(|n| n + 1))
-            .max()
-            .unwrap_or(0);
-        self.wait_for_everyone()?;
-        let dir = root.join(format!("{AUTO_PREFIX}{next}"));
-        let result = if self.is_main_process() {
-            fs::create_dir_all(root)
-                .map_err(|e| io_err("creating", root, e))
-                .and_then(|()| save_atomic(&dir, parts, self.world_size()))
-                .and_then(|()| rotate(root, total_limit))
-        } else {
-            Ok(())
-        };
-        self.agree("save_state_auto", &dir, result)?;
-        Ok(dir)
-    }
-
-    /// Saves the model's parameters only, as one safetensors file under their names (what
-    /// inference needs). Every rank must call it; the main process writes (atomically, through
-    /// `<path>.tmp-<pid>`).
-    pub fn save_model(&self, path: impl AsRef<Path>, model: &dyn Parameters) -> Result<()> {
-        let path = path.as_ref();
-        let result = if self.is_main_process() {
-            let tmp = with_suffix(path, &format!(".tmp-{}", std::process::id()));
-            named_tensors(model)
-                .and_then(|t| write_safetensors(&tmp, &t))
-                .and_then(|()| {
-                    fs::rename(&tmp, path).map_err(|e| io_err("renaming the model into", path, e))
-                })
-        } else {
-            Ok(())
-        };
-        self.agree("save_model", path, result)
-    }
-
-    /// Loads the checkpoint in `dir` (or its `.old` copy, after a crash mid-save) into `model`
-    /// and, if given, `optimizer`, and returns its [`Manifest`] for the rest (loader position,
-    /// schedule step, `extra`). Every rank reads the files itself; nothing communicates. Checks
-    /// everything before changing anything: errors name the file and the parameter or tensor
-    /// that is missing, unexpected or of the wrong shape.
-    pub fn load_state(
-        &self,
-        dir: impl AsRef<Path>,
-        model: &dyn Parameters,
-        optimizer: Option<&mut dyn StatefulOptimizer>,
-    ) -> Result<Manifest> {
-        let dir = dir.as_ref();
-        let manifest = read_manifest(dir)?;
-        let found = resolve_checkpoint(dir).unwrap_or_else(|| dir.to_path_buf());
-        if found != dir {
-            log::warn!(
-                "checkpoint {} is incomplete; loading {} (a save was interrupted)",
-                dir.display(),
-                found.display()
-            );
-        }
-        if manifest.world_size != self.world_size() {
-            log::info!(
-                "checkpoint {} was written by {} process(es), loading into {}",
-                found.display(),
-                manifest.world_size,
-                self.world_size()
-            );
-        }
-        let device = self.device();
-        let model_path = found.join(MODEL_FILE);
-        let sets = fit_model(&model_path, read_safetensors(&model_path, device)?, model)?;
-        let opt_state = match (&optimizer, &manifest.optimizer) {
-            (Some(_), Some(m)) => {
-                let path = found.join(OPTIMIZER_FILE);
-                let mut tensors = read_safetensors(&path, device)?;
-                let mut ordered = Vec::with_capacity(m.tensors.len());
-                for name in &m.tensors {
-                    let t = tensors.remove(name).ok_or_else(|| {
-                        checkpoint_err(&path, format!("optimizer tensor `{name}` is missing"))
-                    })?;
-                    ordered.push((name.clone(), t));
-                }
-                Some(OptimizerState {
-                    step: m.step,
-                    lr: m.lr,
-                    tensors: ordered,
-                })
-            }
-            (Some(_), None) => {
-                return Err(checkpoint_err(
-                    &found,
-                    "an optimizer was given, but the checkpoint holds no optimizer state",
-                ))
-            }
-            (None, _) => None,
-        };
-        if let (Some(opt), Some(state)) = (optimizer, opt_state) {
-            opt.load_optimizer_state(state).map_err(|e| {
-                checkpoint_err(
-                    &found.join(OPTIMIZER_FILE),
-                    format!("does not fit the optimizer: {e}"),
-                )
-            })?;
-        }
-        for (var, t) in sets {
-            var.set(&t)?;
-        }
-        Ok(manifest)
-    }
-
-    /// Makes every rank return the main process's result of a write.
-    fn agree(&self, op: &str, path: &Path, result: Result<()>) -> Result<()> {
-        if self.world_size() == 1 {
-            return result;
-        }
-        let ok = if result.is_ok() { 1f32 } else { 0f32 };
-        let flag = self.broadcast(&Tensor::new(&[ok], self.device())?, 0)?;
-        let ok = flag.to_vec1::<f32>()?.first().copied().unwrap_or(0.0) == 1.0;
-        result?;
-        if !ok {
-            return Err(checkpoint_err(
-                path,
-                format!("{op} failed on the main process (see its error)"),
-            ));
-        }
+/// See [`Accelerator::save_state`](crate::Accelerator::save_state).
+pub(crate) fn save_state(
+    c: &dyn Collective,
+    dir: &Path,
+    parts: &CheckpointParts<'_>,
+) -> Result<()> {
+    let result = if c.rank() == 0 {
+        save_atomic(dir, parts, c.world_size())
+    } else {
         Ok(())
+    };
+    agree(c, "save_state", dir, result)
+}
+
+/// See [`Accelerator::save_state_auto`](crate::Accelerator::save_state_auto).
+pub(crate) fn save_state_auto(
+    c: &dyn Collective,
+    root: &Path,
+    parts: &CheckpointParts<'_>,
+    total_limit: usize,
+) -> Result<PathBuf> {
+    // Every rank lists `root` before anyone writes, so all pick the same N.
+    let next = auto_entries(root)
+        .iter()
+        .map(|(n, _)| n + 1)
+        .chain(latest_number(root).map(|n| n + 1))
+        .max()
+        .unwrap_or(0);
+    c.barrier()?;
+    let dir = root.join(format!("{AUTO_PREFIX}{next}"));
+    let result = if c.rank() == 0 {
+        fs::create_dir_all(root)
+            .map_err(|e| io_err("creating", root, e))
+            .and_then(|()| save_atomic(&dir, parts, c.world_size()))
+            .and_then(|()| rotate(root, total_limit))
+    } else {
+        Ok(())
+    };
+    agree(c, "save_state_auto", &dir, result)?;
+    Ok(dir)
+}
+
+/// See [`Accelerator::save_model`](crate::Accelerator::save_model).
+pub(crate) fn save_model(c: &dyn Collective, path: &Path, model: &dyn Parameters) -> Result<()> {
+    let result = if c.rank() == 0 {
+        let tmp = with_suffix(path, &format!(".tmp-{}", std::process::id()));
+        named_tensors(model)
+            .and_then(|t| write_safetensors(&tmp, &t))
+            .and_then(|()| {
+                fs::rename(&tmp, path).map_err(|e| io_err("renaming the model into", path, e))
+            })
+    } else {
+        Ok(())
+    };
+    agree(c, "save_model", path, result)
+}
+
+/// See [`Accelerator::load_state`](crate::Accelerator::load_state): reads onto `device`;
+/// `world_size` is only compared with the writer's, for the log.
+pub(crate) fn load_state(
+    device: &Device,
+    world_size: usize,
+    dir: &Path,
+    model: &dyn Parameters,
+    optimizer: Option<&mut dyn StatefulOptimizer>,
+) -> Result<Manifest> {
+    let manifest = read_manifest(dir)?;
+    let found = resolve_checkpoint(dir).unwrap_or_else(|| dir.to_path_buf());
+    if found != dir {
+        log::warn!(
+            "checkpoint {} is incomplete; loading {} (a save was interrupted)",
+            dir.display(),
+            found.display()
+        );
     }
+    if manifest.world_size != world_size {
+        log::info!(
+            "checkpoint {} was written by {} process(es), loading into {}",
+            found.display(),
+            manifest.world_size,
+            world_size
+        );
+    }
+    let model_path = found.join(MODEL_FILE);
+    let sets = fit_model(&model_path, read_safetensors(&model_path, device)?, model)?;
+    let opt_state = match (&optimizer, &manifest.optimizer) {
+        (Some(_), Some(m)) => {
+            let path = found.join(OPTIMIZER_FILE);
+            let mut tensors = read_safetensors(&path, device)?;
+            let mut ordered = Vec::with_capacity(m.tensors.len());
+            for name in &m.tensors {
+                let t = tensors.remove(name).ok_or_else(|| {
+                    checkpoint_err(&path, format!("optimizer tensor `{name}` is missing"))
+                })?;
+                ordered.push((name.clone(), t));
+            }
+            Some(OptimizerState {
+                step: m.step,
+                lr: m.lr,
+                tensors: ordered,
+            })
+        }
+        (Some(_), None) => {
+            return Err(checkpoint_err(
+                &found,
+                "an optimizer was given, but the checkpoint holds no optimizer state",
+            ))
+        }
+        (None, _) => None,
+    };
+    if let (Some(opt), Some(state)) = (optimizer, opt_state) {
+        opt.load_optimizer_state(state).map_err(|e| {
+            checkpoint_err(
+                &found.join(OPTIMIZER_FILE),
+                format!("does not fit the optimizer: {e}"),
+            )
+        })?;
+    }
+    for (var, t) in sets {
+        var.set(&t)?;
+    }
+    Ok(manifest)
+}
+
+/// Makes every rank return the main process's result of a write.
+fn agree(c: &dyn Collective, op: &str, path: &Path, result: Result<()>) -> Result<()> {
+    let mut ok = [if result.is_ok() { 1f32 } else { 0f32 }];
+    c.broadcast((&mut ok[..]).into(), 0)?;
+    result?;
+    if ok[0] != 1.0 {
+        return Err(checkpoint_err(
+            path,
+            format!("{op} failed on the main process (see its error)"),
+        ));
+    }
+    Ok(())
 }
 
 /// The largest `N` of a complete checkpoint under `root`.

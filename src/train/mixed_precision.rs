@@ -59,23 +59,23 @@
 //! [`mixed_precision`](crate::AcceleratorBuilder::mixed_precision) (see
 //! [`ProcessState::mixed_precision`](crate::ProcessState::mixed_precision)).
 //!
+//! Mixed precision adds only the cast to f32 and the loss scaling: accumulation, averaging,
+//! clipping and flushing are the gradient engine's, as for [`AcceleratedOptimizer`].
+//!
 //! Gradient accumulation (`N > 1`) works with bf16/f16: f32 gradients are summed locally and the
 //! masters step on sync steps.
 //!
 //! [`loss_scale`]: MixedPrecisionOptimizer::loss_scale
 
-use std::sync::Arc;
-
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
 
-use crate::accelerator::Shared;
-use crate::config::MixedPrecision;
 use crate::data::Batch;
 use crate::error::{Error, Result};
-use crate::optimizer::AcceleratedOptimizer;
-use crate::params::Parameters;
+use crate::settings::MixedPrecision;
+use crate::train::optimizer::{AcceleratedOptimizer, TrainOptimizer};
+use crate::train::params::Parameters;
 
 /// Dynamic loss scaling for f16 (like PyTorch's `GradScaler`).
 #[derive(Clone, Debug, PartialEq)]
@@ -142,7 +142,6 @@ impl LossScaler {
 /// f32 master weights, half-precision working copies (see [the module](self)).
 pub struct MixedPrecisionOptimizer<O> {
     inner: AcceleratedOptimizer<O>,
-    shared: Arc<Shared>,
     mode: MixedPrecision,
     /// `(master, working copy)` in name order; empty for [`MixedPrecision::No`].
     pairs: Vec<(Var, Var)>,
@@ -176,7 +175,6 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
     /// Builds the working copies of `masters` (already prepared) for `mode`.
     pub(crate) fn new<P: Parameters + ?Sized>(
         inner: AcceleratedOptimizer<O>,
-        shared: Arc<Shared>,
         mode: MixedPrecision,
         masters: &P,
     ) -> Result<Self> {
@@ -210,7 +208,6 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
         let scaler = (mode == MixedPrecision::Fp16).then(LossScaler::default);
         Ok(MixedPrecisionOptimizer {
             inner,
-            shared,
             mode,
             pairs,
             work,
@@ -276,19 +273,20 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
         if self.mode == MixedPrecision::No {
             return self.inner.flush();
         }
-        match self.shared.flush()? {
+        match self.inner.engine().flush()? {
             Some(grads) => self.apply(grads),
             None => Ok(false),
         }
     }
 
+    /// One micro-step: backward through the working copies with the loss scaled by the loss
+    /// scale and `1/N`, f32 gradients of the masters handed to the gradient engine, and the
+    /// sync step ([`apply`](Self::apply)) when the engine returns averaged gradients.
     fn micro_step(&mut self, loss: &Tensor, end: bool) -> Result<bool> {
         if self.mode == MixedPrecision::No {
-            let grads = self.shared.backward_micro(loss, end)?;
-            self.inner.step(&grads)?;
-            return Ok(self.inner.is_sync_step());
+            return self.inner.micro_step(loss, end);
         }
-        let n = self.shared.state.gradient_accumulation_steps();
+        let n = self.inner.engine().steps();
         let scale = self.loss_scale();
         // The loss scale (f16) and the 1/N of accumulation folded into one multiplication.
         let factor = scale / n as f64;
@@ -308,20 +306,10 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
                 grads.insert(master.as_tensor(), g);
             }
         }
-        if n > 1 {
-            let params = self.shared.require_params("backward_step")?;
-            let summed = self.shared.accumulate(&params, grads, end)?;
-            if !self.shared.sync_gradients() {
-                return Ok(false);
-            }
-            return self.apply(summed);
+        match self.inner.engine().accumulate(grads, end)? {
+            Some(averaged) => self.apply(averaged),
+            None => Ok(false),
         }
-        let c = self.shared.collective.as_ref();
-        if c.world_size() > 1 {
-            let params = self.shared.require_params("backward_step")?;
-            params.average_gradients(c, &mut grads)?;
-        }
-        self.apply(grads)
     }
 
     /// The sync step on gradients already averaged across ranks: overflow check (f16), step of
@@ -334,7 +322,7 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
                 self.skipped += 1;
                 log::debug!(
                     "rank {}: f16 gradients overflowed; step skipped, loss scale now {}",
-                    self.shared.state.rank(),
+                    self.inner.engine().rank(),
                     scaler.scale()
                 );
                 return Ok(false);
@@ -364,6 +352,18 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
         self.inner.set_clip_grad_value(clip)
     }
 
+    /// The global norm of the master gradients (before clipping) of the last step that clipped
+    /// by norm.
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.inner.last_grad_norm()
+    }
+
+    /// Whether the last micro-step was a sync step (see
+    /// [`AcceleratedOptimizer::is_sync_step`]).
+    pub fn is_sync_step(&self) -> bool {
+        self.inner.is_sync_step()
+    }
+
     /// The learning rate.
     pub fn learning_rate(&self) -> f64 {
         self.inner.learning_rate()
@@ -375,8 +375,22 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
     }
 
     /// The wrapped [`AcceleratedOptimizer`] (stepping the masters).
-    pub fn accelerated(&mut self) -> &mut AcceleratedOptimizer<O> {
+    pub fn accelerated(&self) -> &AcceleratedOptimizer<O> {
+        &self.inner
+    }
+
+    /// The wrapped [`AcceleratedOptimizer`], mutable.
+    pub fn accelerated_mut(&mut self) -> &mut AcceleratedOptimizer<O> {
         &mut self.inner
+    }
+}
+
+impl<O: Optimizer> TrainOptimizer for MixedPrecisionOptimizer<O> {
+    fn lr(&self) -> f64 {
+        self.inner.lr()
+    }
+    fn set_lr(&mut self, lr: f64) {
+        self.inner.set_lr(lr)
     }
 }
 

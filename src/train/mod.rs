@@ -1,8 +1,8 @@
 //! Training machinery, the middle floor: parameters and gradient buckets, gradient accumulation,
 //! the optimizer wrappers, mixed precision, learning-rate schedules and the checkpoint format.
 
-pub mod accumulate;
 pub mod checkpoint;
+pub(crate) mod grad_sync;
 pub mod mixed_precision;
 pub mod optimizer;
 pub mod params;

@@ -13,18 +13,6 @@ use crate::collective::{Buffer, Collective, ReduceOp};
 use crate::error::{Error, Result};
 use crate::inplace::{buffer_mut, copy_cpu, fill_cpu, read_f64, storage_addr, with_cpu_mut};
 
-/// Whether the CPU gradient buckets are reduced on a communication thread while the next ones
-/// are flattened (`ACCELERATE_RS_OVERLAP`, default on).
-fn overlap_enabled() -> bool {
-    static ON: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| {
-        !matches!(
-            std::env::var(crate::env::OVERLAP).as_deref().map(str::trim),
-            Ok("0" | "false" | "no" | "off")
-        )
-    });
-    *ON
-}
-
 /// Float dtypes whose CPU gradients take the flat, in-place bucket path.
 fn fusable_dtype(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
@@ -91,6 +79,9 @@ pub(crate) struct ParamSet {
     /// One flat host tensor per bucket, allocated on first use and reused by every
     /// [`average_gradients`](Self::average_gradients) (CPU gradients only).
     flat: Mutex<Vec<Option<Tensor>>>,
+    /// Whether CPU buckets are reduced on a communication thread while the next ones are
+    /// flattened (`ACCELERATE_RS_OVERLAP`).
+    overlap: bool,
 }
 
 impl Clone for ParamSet {
@@ -100,6 +91,7 @@ impl Clone for ParamSet {
             vars: self.vars.clone(),
             buckets: self.buckets.clone(),
             flat: Mutex::new(vec![None; self.buckets.len()]),
+            overlap: self.overlap,
         }
     }
 }
@@ -110,8 +102,12 @@ fn describe(v: &Var) -> String {
 
 impl ParamSet {
     /// Sorts by name and groups into buckets of at most `cap_bytes` (a parameter larger than the
-    /// cap gets a bucket of its own).
-    pub(crate) fn new(mut named: Vec<(String, Var)>, cap_bytes: usize) -> Result<Self> {
+    /// cap gets a bucket of its own); `overlap`: see [`ParamSet::average_gradients`].
+    pub(crate) fn new(
+        mut named: Vec<(String, Var)>,
+        cap_bytes: usize,
+        overlap: bool,
+    ) -> Result<Self> {
         named.sort_by(|a, b| a.0.cmp(&b.0));
         if let Some(w) = named.windows(2).find(|w| w[0].0 == w[1].0) {
             return Err(Error::invalid(
@@ -143,6 +139,7 @@ impl ParamSet {
             vars,
             flat: Mutex::new(vec![None; buckets.len()]),
             buckets,
+            overlap,
         })
     }
 
@@ -166,9 +163,6 @@ impl ParamSet {
     /// Checks that every rank registered the same names, shapes and dtypes; the error names the
     /// first differing parameter (in name order) and the two ranks.
     pub(crate) fn verify(&self, c: &dyn Collective) -> Result<()> {
-        if c.world_size() == 1 {
-            return Ok(());
-        }
         let mine: String = self
             .names
             .iter()
@@ -221,9 +215,6 @@ impl ParamSet {
 
     /// Overwrites every rank's parameters with rank 0's, one collective per bucket.
     pub(crate) fn broadcast_from_main(&self, c: &dyn Collective) -> Result<()> {
-        if c.world_size() == 1 {
-            return Ok(());
-        }
         for b in &self.buckets {
             let vars = &self.vars[b.members.clone()];
             let flat: Vec<Tensor> = vars
@@ -255,16 +246,13 @@ impl ParamSet {
         c: &dyn Collective,
         grads: &mut GradStore,
     ) -> Result<()> {
-        if c.world_size() == 1 {
-            return Ok(());
-        }
         let mut slots = self.flat.lock().unwrap_or_else(|p| p.into_inner());
         let all_cpu = self.buckets.iter().all(|b| {
             let v = &self.vars[b.members.start];
             v.device().is_cpu() && fusable_dtype(v.dtype())
         });
         if all_cpu {
-            return self.average_cpu(c, grads, &mut slots, overlap_enabled());
+            return self.average_cpu(c, grads, &mut slots, self.overlap);
         }
         for b in &self.buckets {
             let vars = &self.vars[b.members.clone()];
@@ -443,11 +431,10 @@ impl ParamSet {
                 }
             }
             drop(tx);
-            let reduced = comm.join().map_err(|_| {
-                Error::invalid(
-                    "gradient all-reduce",
-                    format!("rank {}: the communication thread panicked", c.rank()),
-                )
+            let reduced = comm.join().map_err(|p| Error::ThreadPanicked {
+                rank: c.rank(),
+                thread: "the gradient communication thread".into(),
+                message: crate::error::panic_message(p.as_ref()),
             })?;
             match failed {
                 Some(e) => Err(e),
@@ -556,7 +543,7 @@ mod tests {
             ("d".to_string(), var(100, DType::F32)),
             ("e".to_string(), var(4, DType::F64)),
         ];
-        let p = ParamSet::new(named, 80).unwrap();
+        let p = ParamSet::new(named, 80, true).unwrap();
         assert_eq!(p.names, vec!["a", "b", "c", "d", "e"]);
         let b: Vec<_> = p.buckets.iter().map(|b| b.members.clone()).collect();
         // a+b = 80 bytes fit; c starts a new bucket; d is over the cap alone; e has another dtype.
@@ -579,7 +566,7 @@ mod tests {
                         .map(|(i, v)| (format!("p{i}"), v.clone()))
                         .collect();
                     // Buckets of 2 parameters and 1: both flat tensors are exercised.
-                    let set = ParamSet::new(named, 40).unwrap();
+                    let set = ParamSet::new(named, 40, true).unwrap();
                     let mut grads = GradStore::default();
                     for (i, v) in vars.iter().enumerate() {
                         // `p2` has a gradient on rank 1 only.
@@ -617,7 +604,7 @@ mod tests {
             ("w".to_string(), var(1, DType::F32)),
             ("w".to_string(), var(1, DType::F32)),
         ];
-        let err = ParamSet::new(named, 10).unwrap_err().to_string();
+        let err = ParamSet::new(named, 10, true).unwrap_err().to_string();
         assert!(err.contains("`w`"), "{err}");
     }
 }

@@ -33,10 +33,8 @@
 
 use std::f64::consts::PI;
 
-use candle_nn::Optimizer;
-
 use crate::error::{Error, Result};
-use crate::optimizer::AcceleratedOptimizer;
+use crate::train::optimizer::TrainOptimizer;
 
 /// A learning rate as a function of the optimizer step count (0 for the first step).
 pub trait LrScheduler {
@@ -253,17 +251,12 @@ impl<S: LrScheduler> Schedule<S> {
     }
 
     /// Sets `opt`'s learning rate to `lr(current_step)` and advances by one. Returns the rate set.
-    pub fn step(&mut self, opt: &mut impl Optimizer) -> f64 {
+    /// `opt` is any Candle optimizer or either wrapper ([`TrainOptimizer`]).
+    pub fn step(&mut self, opt: &mut impl TrainOptimizer) -> f64 {
         let lr = self.scheduler.lr(self.step);
-        opt.set_learning_rate(lr);
+        opt.set_lr(lr);
         self.step += 1;
         lr
-    }
-
-    /// [`step`](Self::step) for the optimizer returned by
-    /// [`Accelerator::prepare`](crate::Accelerator::prepare).
-    pub fn step_accelerated<O: Optimizer>(&mut self, opt: &mut AcceleratedOptimizer<O>) -> f64 {
-        self.step(opt.inner_mut())
     }
 
     /// The learning rate the next [`step`](Self::step) will set.

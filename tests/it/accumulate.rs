@@ -51,7 +51,7 @@ fn reference(n: usize) -> HashMap<String, Tensor> {
 enum Path {
     /// `opt.backward_step_batch(&loss, &batch)`
     Wrapper,
-    /// `let grads = accelerator.backward_batch(&loss, &batch)?; opt.step(&grads)?`
+    /// `if let Some(grads) = accelerator.backward_batch(&loss, &batch)? { opt.step(&grads)? }`
     Explicit,
     /// `opt.backward_step(&loss)` then `opt.flush()` after the epoch
     Flush,
@@ -69,8 +69,10 @@ fn train(acc: &Accelerator, p: &[(String, Var)], path: Path) -> accelerate_rs::R
             match path {
                 Path::Wrapper => opt.backward_step_batch(&loss, &b)?,
                 Path::Explicit => {
-                    let grads = acc.backward_batch(&loss, &b)?;
-                    opt.step(&grads)?;
+                    // `None` on non-sync micro-steps: nothing to apply.
+                    if let Some(grads) = acc.backward_batch(&loss, &b)? {
+                        opt.step(&grads)?;
+                    }
                 }
                 Path::Flush => opt.backward_step(&loss)?,
             }
@@ -326,15 +328,15 @@ fn clip_grad_norm_uses_the_averaged_gradients_and_agrees_on_every_rank() {
         move |acc| {
             let w = tiny(&acc);
             let r = acc.rank();
-            let _ = acc.backward(&tiny_loss(&w, r, 0)).unwrap();
+            assert!(acc.backward(&tiny_loss(&w, r, 0)).unwrap().is_none());
             assert!(!acc.sync_gradients());
-            let mut grads = acc.backward(&tiny_loss(&w, r, 1)).unwrap();
+            let mut grads = acc.backward(&tiny_loss(&w, r, 1)).unwrap().unwrap();
             assert!(acc.sync_gradients());
             let got = acc.clip_grad_norm(&mut grads, max).unwrap();
             let clipped = grads.get(w.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
             // A norm below max_norm leaves the gradients alone.
-            let _ = acc.backward(&tiny_loss(&w, r, 0)).unwrap();
-            let mut grads = acc.backward(&tiny_loss(&w, r, 1)).unwrap();
+            assert!(acc.backward(&tiny_loss(&w, r, 0)).unwrap().is_none());
+            let mut grads = acc.backward(&tiny_loss(&w, r, 1)).unwrap().unwrap();
             let same = acc.clip_grad_norm(&mut grads, n * 2.0).unwrap();
             let unclipped = grads.get(w.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
             (got, clipped, same, unclipped)
@@ -399,7 +401,7 @@ fn clip_grad_value_clamps_every_gradient() {
         .build()
         .unwrap();
     let w = tiny(&acc);
-    let mut grads = acc.backward(&tiny_loss(&w, 1, 1)).unwrap(); // x = [5, -8, -0.5]
+    let mut grads = acc.backward(&tiny_loss(&w, 1, 1)).unwrap().unwrap(); // x = [5, -8, -0.5]
     acc.clip_grad_value(&mut grads, 2.0).unwrap();
     let g = grads.get(w.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
     assert_eq!(g, vec![2.0, -2.0, -0.5]);

@@ -69,7 +69,7 @@ fn train(acc: &Accelerator, mode: Mode, root: &Path, out: &Path) -> accelerate_r
         loader.set_epoch(epoch);
         for b in loader.iter()? {
             let b = b?;
-            sched.step_accelerated(&mut opt);
+            sched.step(&mut opt);
             let loss = loss::cross_entropy(&forward(&p, &b[0])?, &b[1])?;
             opt.backward_step(&loss)?;
             step += 1;

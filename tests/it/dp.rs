@@ -109,7 +109,9 @@ fn gradients_are_averaged_across_replicas() {
             // Replica r's gradient is (r + 1) * [1, 4, 9]... made replica-dependent and nonlinear.
             let scale = acc.rank() as f64 + 1.0;
             let loss = ((w.as_tensor().sqr()? * scale)?.sum_all()? * 0.5)?;
-            let grads = acc.backward(&loss)?;
+            let grads = acc
+                .backward(&loss)?
+                .ok_or_else(|| Error::invalid("grads", "not a sync step"))?;
             let g = grads
                 .get(w.as_tensor())
                 .ok_or_else(|| Error::invalid("grad", "missing"))?;

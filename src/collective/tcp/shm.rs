@@ -61,67 +61,8 @@ use memmap2::MmapRaw;
 use super::ring::Ring;
 use super::wire::OpHeader;
 use crate::collective::{finish_mean, reduce_into, Buffer, ElemType, ReduceOp};
-use crate::env;
 use crate::error::{Error, Result};
-
-/// Which data path [`TcpCollective`](super::TcpCollective) uses for `all_reduce` and `broadcast`:
-/// the `transport` setting (builder, `ACCELERATE_RS_TRANSPORT`, config file key `transport`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Transport {
-    /// Shared memory when every rank is on one host, else TCP.
-    #[default]
-    Auto,
-    /// Always TCP.
-    Tcp,
-    /// Shared memory; an error when the ranks are on several hosts.
-    Shm,
-}
-
-impl std::str::FromStr for Transport {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        Transport::parse(&s.trim().to_ascii_lowercase())
-            .ok_or_else(|| format!("expected `auto`, `tcp` or `shm`, got {s:?}"))
-    }
-}
-
-impl Transport {
-    /// Reads `ACCELERATE_RS_TRANSPORT` (unset or empty = `auto`).
-    pub(crate) fn from_env() -> Result<Transport> {
-        let value = std::env::var(env::TRANSPORT).unwrap_or_default();
-        if value.trim().is_empty() {
-            return Ok(Transport::Auto);
-        }
-        value.parse().map_err(|reason| Error::Env {
-            var: env::TRANSPORT.into(),
-            value,
-            reason,
-        })
-    }
-
-    /// The setting's name: `auto`, `tcp` or `shm`.
-    pub fn as_str(self) -> &'static str {
-        self.name()
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Transport::Auto => "auto",
-            Transport::Tcp => "tcp",
-            Transport::Shm => "shm",
-        }
-    }
-
-    fn parse(s: &str) -> Option<Transport> {
-        match s {
-            "auto" => Some(Transport::Auto),
-            "tcp" => Some(Transport::Tcp),
-            "shm" => Some(Transport::Shm),
-            _ => None,
-        }
-    }
-}
+use crate::settings::{env, Transport};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"ACRSshm1");
 const PAGE: usize = 4096;
@@ -911,18 +852,5 @@ mod tests {
                 assert_eq!(cap, SLOT_CAP);
             }
         }
-    }
-
-    #[test]
-    fn transport_values() {
-        for (s, m) in [
-            ("auto", Transport::Auto),
-            ("tcp", Transport::Tcp),
-            ("shm", Transport::Shm),
-        ] {
-            assert_eq!(Transport::parse(s), Some(m));
-            assert_eq!(m.name(), s);
-        }
-        assert_eq!(Transport::parse("ib"), None);
     }
 }
