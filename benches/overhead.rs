@@ -3,11 +3,14 @@
 //!     cargo bench --bench overhead              # full run
 //!     cargo bench --bench overhead -- --quick   # fewer steps
 //!     cargo bench --features cuda --bench overhead -- --gpu   # section 1 on GPU 0
+//!     cargo bench --bench overhead -- --model transformer  # section 1 on transformer_lm's model
 //!     cargo bench --bench overhead -- --ddp-only  # section 2 only, plus `RESULT-DDP` lines
 //!                                                 # (read by scripts/pytorch_ddp_bench.py)
 //!
 //! Model: MLP 784-1024-1024-10 (ReLU), f32, batch 64 per process, cross-entropy, on synthetic
-//! random data generated from a fixed seed (identical in every variant and process). Section 1
+//! random data generated from a fixed seed (identical in every variant and process). With
+//! `--model transformer`, section 1 times `examples/transformer_lm`'s model instead (vocab 8000,
+//! d_model 256, 8 heads, 4 layers, sequences of 128 tokens, batch 8, random token ids). Section 1
 //! steps with SGD (lr 0.01), section 2 with AdamW (lr 1e-3, accelerate-rs's fused one).
 //!
 //! 1. **Wrapper overhead at world size 1**: the same training step as a plain Candle loop and
@@ -29,6 +32,11 @@ use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder, VarMap, SGD};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+/// The transformer of `examples/transformer_lm` (section 1 with `--model transformer`).
+#[allow(dead_code)]
+#[path = "../examples/transformer_lm/model.rs"]
+mod lm;
+
 const INPUT: usize = 784;
 const HIDDEN: usize = 1024;
 const CLASSES: usize = 10;
@@ -40,6 +48,38 @@ const DATA_SEED: u64 = 0x5eed;
 const WEIGHT_SEED: u64 = 0x3e16;
 /// Timed all-reduces of a gradient-sized buffer per DDP worker run.
 const ALLREDUCE_REPS: usize = 10;
+
+/// Section 1's model: the MLP (the default) or `--model transformer`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Workload {
+    Mlp,
+    Transformer,
+}
+
+/// The transformer workload's shape (the Transformer LM).
+const LM_VOCAB: usize = 8000;
+const LM_SEQ: usize = 128;
+const LM_BATCH: usize = 8;
+
+impl Workload {
+    fn batch(self) -> usize {
+        match self {
+            Workload::Mlp => BATCH,
+            Workload::Transformer => LM_BATCH,
+        }
+    }
+
+    fn describe(self) -> String {
+        match self {
+            Workload::Mlp => format!(
+                "MLP {INPUT}-{HIDDEN}-{HIDDEN}-{CLASSES} (ReLU), f32, batch {BATCH}/process"
+            ),
+            Workload::Transformer => format!(
+                "transformer_lm (vocab {LM_VOCAB}, d_model 256, 8 heads, 4 layers, seq {LM_SEQ}), f32, batch {LM_BATCH}/process"
+            ),
+        }
+    }
+}
 
 /// Set in the children: the role the process plays.
 const ROLE_ENV: &str = "ACCELERATE_RS_BENCH_OVERHEAD_ROLE";
@@ -88,6 +128,15 @@ fn main() -> Result<()> {
     // `--gpu`: section 1 on GPU 0 (needs a build with `--features cuda`); section 2 is skipped.
     let gpu = std::env::args().skip(1).any(|a| a == "--gpu");
     let ddp_only = std::env::args().skip(1).any(|a| a == "--ddp-only");
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let workload = match args.iter().position(|a| a == "--model") {
+        None => Workload::Mlp,
+        Some(i) => match args.get(i + 1).map(String::as_str) {
+            Some("mlp") => Workload::Mlp,
+            Some("transformer") => Workload::Transformer,
+            other => bail!("--model {other:?}: expected mlp or transformer"),
+        },
+    };
     let plan = Plan::new(quick);
     if std::env::var(ROLE_ENV).as_deref() == Ok(ROLE_WORKER) {
         return worker(plan);
@@ -99,7 +148,8 @@ fn main() -> Result<()> {
         return Ok(());
     }
     println!(
-        "accelerate-rs overhead bench: MLP {INPUT}-{HIDDEN}-{HIDDEN}-{CLASSES} (ReLU), f32, batch {BATCH}/process, SGD lr {LR}, synthetic data{}",
+        "accelerate-rs overhead bench: {}, SGD lr {LR}, synthetic data{}",
+        workload.describe(),
         if quick { " (--quick)" } else { "" }
     );
     println!(
@@ -109,12 +159,15 @@ fn main() -> Result<()> {
     println!("load average before: {}", load_average());
     println!();
     let device = if gpu {
-        Device::new_cuda(0)?
+        // The process's one device (and stream) for GPU 0: the Accelerator built below gets this
+        // very device, so the raw and wrapped variants compute on the same GPU stream with no
+        // device-to-device copies between them.
+        accelerate_rs::gpu::device(0)?
     } else {
         Device::Cpu
     };
-    wrapper_overhead(plan, &device)?;
-    if !gpu {
+    wrapper_overhead(plan, &device, workload)?;
+    if !gpu && workload == Workload::Mlp {
         println!();
         ddp_throughput(plan)?;
     }
@@ -150,10 +203,59 @@ impl Module for Mlp {
     }
 }
 
+/// The transformer as a `Module` from token ids `[B, T]` to logits `[B * T, vocab]`, so that one
+/// cross-entropy against the flattened targets serves both workloads.
+struct Lm(lm::TransformerLm);
+
+impl Module for Lm {
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let logits = self.0.forward(ids)?;
+        let (b, t, v) = logits.dims3()?;
+        logits.reshape((b * t, v))
+    }
+}
+
+/// One training step's loss: cross-entropy of the logits against the (flattened) targets.
+fn step_loss(model: &dyn Module, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+    loss::cross_entropy(&model.forward(x)?, &y.flatten_all()?)
+}
+
+/// Section 1's model with deterministic weights.
+fn build_workload(workload: Workload, device: &Device) -> Result<(VarMap, Box<dyn Module>)> {
+    match workload {
+        Workload::Mlp => {
+            let (varmap, model) = build_model(device)?;
+            Ok((varmap, Box::new(model)))
+        }
+        Workload::Transformer => {
+            let varmap = VarMap::new();
+            let cfg = lm::Config {
+                vocab_size: LM_VOCAB,
+                seq_len: LM_SEQ,
+                d_model: 256,
+                heads: 8,
+                layers: 4,
+                tie_weights: false,
+            };
+            let model =
+                lm::TransformerLm::new(cfg, VarBuilder::from_varmap(&varmap, DType::F32, device))?;
+            init_deterministic(&varmap, device)?;
+            Ok((varmap, Box::new(Lm(model))))
+        }
+    }
+}
+
 /// A model with deterministic weights (the same in every variant and process).
 fn build_model(device: &Device) -> Result<(VarMap, Mlp)> {
     let varmap = VarMap::new();
     let model = Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, device))?;
+    init_deterministic(&varmap, device)?;
+    Ok((varmap, model))
+}
+
+/// Sets every variable of `varmap` (in name order) from a fixed seed, uniform in
+/// ±1/sqrt(fan-in).
+fn init_deterministic(varmap: &VarMap, device: &Device) -> Result<()> {
     let mut vars: Vec<_> = varmap
         .data()
         .lock()
@@ -171,7 +273,28 @@ fn build_model(device: &Device) -> Result<(VarMap, Mlp)> {
             .collect();
         var.set(&Tensor::from_vec(values, var.shape(), device)?)?;
     }
-    Ok((varmap, model))
+    Ok(())
+}
+
+/// Section 1's data: `samples` examples of the workload from a fixed seed.
+fn workload_data(workload: Workload, samples: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+    match workload {
+        Workload::Mlp => synthetic_data(samples, device),
+        Workload::Transformer => {
+            let mut rng = ChaCha8Rng::seed_from_u64(DATA_SEED);
+            let mut ids = |n: usize| -> Vec<u32> {
+                (0..n)
+                    .map(|_| rng.random_range(0..LM_VOCAB as u32))
+                    .collect()
+            };
+            let x = ids(samples * LM_SEQ);
+            let y = ids(samples * LM_SEQ);
+            Ok((
+                Tensor::from_vec(x, (samples, LM_SEQ), device)?,
+                Tensor::from_vec(y, (samples, LM_SEQ), device)?,
+            ))
+        }
+    }
 }
 
 /// `samples` random inputs in [-1, 1) and labels in 0..10, from a fixed seed.
@@ -190,8 +313,12 @@ fn synthetic_data(samples: usize, device: &Device) -> Result<(Tensor, Tensor)> {
 }
 
 fn loader(x: &Tensor, y: &Tensor) -> Result<DataLoader> {
+    loader_of(x, y, BATCH)
+}
+
+fn loader_of(x: &Tensor, y: &Tensor, batch: usize) -> Result<DataLoader> {
     Ok(
-        DataLoader::new(TensorDataset::new(vec![x.clone(), y.clone()])?, BATCH)
+        DataLoader::new(TensorDataset::new(vec![x.clone(), y.clone()])?, batch)
             .shuffle(true)
             .seed(DATA_SEED),
     )
@@ -240,7 +367,7 @@ trait Variant {
 
 /// Plain Candle: `candle_nn::SGD`, batches pre-sliced from the data (no DataLoader).
 struct RawSliced {
-    model: Mlp,
+    model: Box<dyn Module>,
     opt: SGD,
     batches: Vec<(Tensor, Tensor)>,
     next: usize,
@@ -256,8 +383,7 @@ impl Variant for RawSliced {
             let start = Instant::now();
             let (x, y) = &self.batches[self.next % self.batches.len()];
             self.next += 1;
-            let logits = self.model.forward(x)?;
-            let loss = loss::cross_entropy(&logits, y)?;
+            let loss = step_loss(self.model.as_ref(), x, y)?;
             self.opt.backward_step(&loss)?;
             loss.device().synchronize()?;
             times.push(ms(start.elapsed()));
@@ -269,7 +395,7 @@ impl Variant for RawSliced {
 /// Plain Candle: `candle_nn::SGD` over an unprepared accelerate-rs DataLoader (as in
 /// `examples/digits_plain`).
 struct RawLoader {
-    model: Mlp,
+    model: Box<dyn Module>,
     opt: SGD,
     loader: DataLoader,
 }
@@ -283,8 +409,7 @@ impl Variant for RawLoader {
         let mut start = Instant::now();
         for batch in self.loader.iter()?.take(n) {
             let batch = batch?;
-            let logits = self.model.forward(&batch[0])?;
-            let loss = loss::cross_entropy(&logits, &batch[1])?;
+            let loss = step_loss(self.model.as_ref(), &batch[0], &batch[1])?;
             self.opt.backward_step(&loss)?;
             loss.device().synchronize()?;
             let now = Instant::now();
@@ -299,7 +424,7 @@ impl Variant for RawLoader {
 /// accelerate-rs: `Accelerator`, `prepare`, `AcceleratedOptimizer::backward_step`.
 struct Accelerated {
     _accelerator: Accelerator,
-    model: Mlp,
+    model: Box<dyn Module>,
     opt: accelerate_rs::AcceleratedOptimizer<SGD>,
     loader: DataLoader,
 }
@@ -313,8 +438,7 @@ impl Variant for Accelerated {
         let mut start = Instant::now();
         for batch in self.loader.iter()?.take(n) {
             let batch = batch?;
-            let logits = self.model.forward(&batch[0])?;
-            let loss = loss::cross_entropy(&logits, &batch[1])?;
+            let loss = step_loss(self.model.as_ref(), &batch[0], &batch[1])?;
             self.opt.backward_step(&loss)?;
             loss.device().synchronize()?;
             let now = Instant::now();
@@ -326,20 +450,21 @@ impl Variant for Accelerated {
     }
 }
 
-fn wrapper_overhead(plan: Plan, device: &Device) -> Result<()> {
+fn wrapper_overhead(plan: Plan, device: &Device, workload: Workload) -> Result<()> {
+    let batch = workload.batch();
     let device = device.clone();
     // One epoch covers the longest block, so a block never straddles two epochs.
-    let samples = BATCH * plan.steps.max(plan.warmup);
-    let (x, y) = synthetic_data(samples, &device)?;
+    let samples = batch * plan.steps.max(plan.warmup);
+    let (x, y) = workload_data(workload, samples, &device)?;
 
     let raw_sliced = {
-        let (varmap, model) = build_model(&device)?;
+        let (varmap, model) = build_workload(workload, &device)?;
         let opt = SGD::new(varmap.all_vars(), LR)?;
-        let batches = (0..samples / BATCH)
+        let batches = (0..samples / batch)
             .map(|i| {
                 Ok((
-                    x.narrow(0, i * BATCH, BATCH)?,
-                    y.narrow(0, i * BATCH, BATCH)?,
+                    x.narrow(0, i * batch, batch)?,
+                    y.narrow(0, i * batch, batch)?,
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -351,12 +476,12 @@ fn wrapper_overhead(plan: Plan, device: &Device) -> Result<()> {
         }
     };
     let raw_loader = {
-        let (varmap, model) = build_model(&device)?;
+        let (varmap, model) = build_workload(workload, &device)?;
         let opt = SGD::new(varmap.all_vars(), LR)?;
         RawLoader {
             model,
             opt,
-            loader: loader(&x, &y)?,
+            loader: loader_of(&x, &y, batch)?,
         }
     };
     let accelerated = {
@@ -367,9 +492,9 @@ fn wrapper_overhead(plan: Plan, device: &Device) -> Result<()> {
                 accelerator.world_size()
             );
         }
-        let (varmap, model) = build_model(accelerator.device())?;
+        let (varmap, model) = build_workload(workload, accelerator.device())?;
         let opt = SGD::new(varmap.all_vars(), LR)?;
-        let (opt, loader) = accelerator.prepare(&varmap, opt, loader(&x, &y)?)?;
+        let (opt, loader) = accelerator.prepare(&varmap, opt, loader_of(&x, &y, batch)?)?;
         Accelerated {
             _accelerator: accelerator,
             model,

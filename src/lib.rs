@@ -112,6 +112,7 @@ mod inplace;
 pub mod launch;
 pub mod logging;
 pub mod optim;
+mod placement;
 mod settings;
 pub mod tracking;
 mod train;

@@ -15,14 +15,30 @@ pub struct Split {
     pub y: Tensor,
 }
 
-/// Reads `digits.csv.gz` and splits it 80/20 into train and test with a fixed shuffle.
-pub fn load(path: &Path, seed: u64, device: &Device, dtype: DType) -> Result<(Split, Split)> {
-    let file =
-        std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+/// The UCI digits data shipped in `data/digits.csv.gz` (57 KB), inside the binary, so a binary
+/// built on one machine runs on another without the repository.
+const DIGITS_CSV_GZ: &[u8] = include_bytes!("../../data/digits.csv.gz");
+
+/// Reads the gzip'd CSV at `path` (the copy inside the binary when `None`) and splits it 80/20
+/// into train and test with a fixed shuffle.
+pub fn load(
+    path: Option<&Path>,
+    seed: u64,
+    device: &Device,
+    dtype: DType,
+) -> Result<(Split, Split)> {
+    let name = path.map_or_else(
+        || "digits.csv.gz (built in)".to_string(),
+        |p| p.display().to_string(),
+    );
+    let gz = match path {
+        Some(p) => std::fs::read(p).with_context(|| format!("cannot open {name}"))?,
+        None => DIGITS_CSV_GZ.to_vec(),
+    };
     let mut text = String::new();
-    flate2::read::GzDecoder::new(file)
+    flate2::read::GzDecoder::new(&gz[..])
         .read_to_string(&mut text)
-        .with_context(|| format!("{} is not a gzip'd CSV", path.display()))?;
+        .with_context(|| format!("{name} is not a gzip'd CSV"))?;
     let mut rows: Vec<(Vec<f32>, u32)> = Vec::new();
     for (i, line) in text
         .lines()
@@ -32,8 +48,7 @@ pub fn load(path: &Path, seed: u64, device: &Device, dtype: DType) -> Result<(Sp
         let vals: Vec<&str> = line.split(',').collect();
         if vals.len() != 65 {
             bail!(
-                "{}:{}: expected 65 comma-separated values, found {}",
-                path.display(),
+                "{name}:{}: expected 65 comma-separated values, found {}",
                 i + 1,
                 vals.len()
             );
@@ -41,7 +56,7 @@ pub fn load(path: &Path, seed: u64, device: &Device, dtype: DType) -> Result<(Sp
         let parse = |s: &str| -> Result<f32> {
             s.trim()
                 .parse::<f32>()
-                .with_context(|| format!("{}:{}: `{s}` is not a number", path.display(), i + 1))
+                .with_context(|| format!("{name}:{}: `{s}` is not a number", i + 1))
         };
         let x = vals[..64]
             .iter()
@@ -99,9 +114,10 @@ pub fn accuracy(model: &Mlp, split: &Split) -> Result<f32> {
 /// Command-line options shared by both examples.
 #[derive(clap::Parser, Debug)]
 pub struct Args {
-    /// The gzip'd CSV.
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/data/digits.csv.gz"))]
-    pub data: std::path::PathBuf,
+    /// A gzip'd CSV of the same layout (64 pixel values 0..16, then the label), instead of the
+    /// UCI digits data built into this binary.
+    #[arg(long)]
+    pub data: Option<std::path::PathBuf>,
     #[arg(long, default_value_t = 30)]
     pub epochs: u64,
     /// Batch size per process.

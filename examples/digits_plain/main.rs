@@ -14,7 +14,7 @@ use clap::Parser;
 fn main() -> Result<()> {
     let args = data::Args::parse();
     let device = Device::Cpu;
-    let (train, test) = data::load(&args.data, args.seed, &device, args.dtype)?;
+    let (train, test) = data::load(args.data.as_deref(), args.seed, &device, args.dtype)?;
 
     let varmap = VarMap::new();
     let model = data::Mlp::new(VarBuilder::from_varmap(&varmap, args.dtype, &device))?;

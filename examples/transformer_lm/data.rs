@@ -16,9 +16,10 @@ use clap::Parser;
 #[derive(Parser, Debug)]
 #[command(version, about)]
 pub struct Args {
-    /// The text corpus (UTF-8); its last `--val-fraction` is held out for evaluation.
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/data/corpus.txt"))]
-    pub corpus: PathBuf,
+    /// A text corpus (UTF-8) instead of the one built into this binary (`data/corpus.txt`); its
+    /// last `--val-fraction` is held out for evaluation.
+    #[arg(long)]
+    pub corpus: Option<PathBuf>,
     /// Fraction of the corpus (its end) held out for the evaluation loss.
     #[arg(long, default_value_t = 0.1)]
     pub val_fraction: f64,
@@ -123,9 +124,15 @@ pub struct Corpus {
     pub val: Vec<u32>,
 }
 
+/// `data/corpus.txt` (157 KB), inside the binary so that it runs away from the repository.
+const CORPUS: &str = include_str!("../../data/corpus.txt");
+
 pub fn load(args: &Args) -> Result<Corpus> {
-    let text = std::fs::read_to_string(&args.corpus)
-        .with_context(|| format!("reading the corpus {}", args.corpus.display()))?;
+    let text = match &args.corpus {
+        Some(path) => std::fs::read_to_string(path)
+            .with_context(|| format!("reading the corpus {}", path.display()))?,
+        None => CORPUS.to_string(),
+    };
     if !(0.0..1.0).contains(&args.val_fraction) {
         bail!(
             "--val-fraction must be in [0, 1), got {}",

@@ -182,8 +182,32 @@ pub(super) fn connect(state: &ProcessState) -> Result<Arc<dyn Collective>> {
         transport: Some(state.transport()),
     };
     Ok(if state.distributed_type() == DistributedType::Ddp {
-        Arc::new(NcclCollective::connect(&tcp, state.device())?)
+        gpu_collective(state, &tcp)?
     } else {
         Arc::new(TcpCollective::connect(&tcp)?)
     })
+}
+
+/// DDP on GPUs: NCCL when every rank drives its own GPU; when ranks share one (NCCL refuses
+/// that), the host collective itself, which reduces GPU tensors through host memory over shared
+/// memory or TCP, after one warning from the main process.
+fn gpu_collective(state: &ProcessState, opts: &TcpOptions) -> Result<Arc<dyn Collective>> {
+    let host: Arc<dyn Collective> = Arc::new(TcpCollective::connect(opts)?);
+    let id = crate::gpu::identity(state.device())?;
+    match crate::placement::shared_gpu(host.as_ref(), &id)? {
+        Some((a, b)) => {
+            if state.is_main_process() {
+                eprintln!(
+                    "{}",
+                    crate::placement::sharing_warning(a, b, "ranks", "shared memory or TCP")
+                );
+            }
+            Ok(host)
+        }
+        None => Ok(Arc::new(NcclCollective::over(
+            host,
+            state.device(),
+            state.timeout(),
+        )?)),
+    }
 }

@@ -129,8 +129,7 @@ fn cpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
 }
 
 fn gpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
-    let ordinals: Vec<usize> = (0..n).collect();
-    let group = NcclCollective::group(&ordinals, timeout).map_err(|e| match e {
+    let visible = crate::gpu::device_count().map_err(|e| match e {
         Error::NotAvailable { what, reason } => Error::NotAvailable {
             what,
             reason: format!(
@@ -140,6 +139,25 @@ fn gpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
         },
         other => other,
     })?;
+    let ordinals = replica_ordinals(n, visible)?;
+    if let Some((a, b)) = crate::placement::first_shared(&ordinals) {
+        // NCCL cannot put two replicas on one GPU: reduce through host memory in a thread group,
+        // every replica on its GPU's one device (and stream).
+        eprintln!(
+            "{}",
+            crate::placement::sharing_warning(a, b, "DP replicas", "a thread group")
+        );
+        let devices = ordinals
+            .iter()
+            .map(|&o| crate::gpu::device(o))
+            .collect::<Result<Vec<_>>>()?;
+        let collectives = ThreadGroup::new(n, timeout)?
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Collective>)
+            .collect();
+        return Ok((collectives, devices));
+    }
+    let group = NcclCollective::group(&ordinals, timeout)?;
     if group.len() != n {
         return Err(Error::invalid(
             "data_parallel",
@@ -151,6 +169,23 @@ fn gpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
         .into_iter()
         .map(|(device, c)| (Arc::new(c) as Arc<dyn Collective>, device))
         .unzip())
+}
+
+/// The GPU ordinal of each of `n` DP replicas when `visible` GPUs are visible: replica i on GPU
+/// i, wrapping around (and so sharing) when there are more replicas than GPUs.
+fn replica_ordinals(n: usize, visible: usize) -> Result<Vec<usize>> {
+    (0..n)
+        .map(|i| {
+            crate::placement::gpu_ordinal(i, visible).ok_or_else(|| Error::NotAvailable {
+                what: "GPU".into(),
+                reason: format!(
+                    "DP over {n} GPU replicas, but no GPU is visible{}; `.cpu(true)` (or {}=1) runs them on the CPU",
+                    env::cuda_visible_devices_note(),
+                    env::USE_CPU
+                ),
+            })
+        })
+        .collect()
 }
 
 /// Records the order in which replicas fail, so that `run` reports the first failure (the cause)
@@ -287,6 +322,23 @@ mod tests {
             config_file: Some(cfg.path().to_path_buf()),
             ..Overrides::default()
         }
+    }
+
+    #[test]
+    fn replicas_get_their_own_gpus_then_share_and_none_without_gpus() {
+        assert_eq!(replica_ordinals(2, 8).unwrap(), vec![0, 1]);
+        assert_eq!(replica_ordinals(4, 4).unwrap(), vec![0, 1, 2, 3]);
+        // One GPU: every replica on GPU 0 (the thread-group fallback then reduces).
+        let shared = replica_ordinals(3, 1).unwrap();
+        assert_eq!(shared, vec![0, 0, 0]);
+        assert_eq!(crate::placement::first_shared(&shared), Some((0, 1)));
+        assert_eq!(replica_ordinals(3, 2).unwrap(), vec![0, 1, 0]);
+        assert_eq!(
+            crate::placement::first_shared(&replica_ordinals(2, 2).unwrap()),
+            None
+        );
+        let e = replica_ordinals(2, 0).unwrap_err().to_string();
+        assert!(e.contains("no GPU is visible"), "{e}");
     }
 
     #[test]

@@ -20,9 +20,18 @@ pub(crate) struct EnvArgs {
     /// platform config dir).
     #[arg(long, value_name = "PATH")]
     config_file: Option<PathBuf>,
+    /// Print only the number of GPUs this build sees (after CUDA_VISIBLE_DEVICES; 0 without the
+    /// `cuda` feature or a driver), for scripts: unlike `nvidia-smi -L | wc -l` it counts what
+    /// the training program will see, not MIG lines or hidden GPUs.
+    #[arg(long, conflicts_with = "config_file")]
+    gpus: bool,
 }
 
 pub(crate) fn run(args: EnvArgs) -> crate::Result<()> {
+    if args.gpus {
+        println!("{}", gpus_seen());
+        return Ok(());
+    }
     let vars: BTreeMap<String, String> = std::env::vars_os()
         .map(|(k, v)| {
             (

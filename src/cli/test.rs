@@ -86,8 +86,18 @@ pub(crate) fn worker() -> Result<()> {
     run_checks(&Accelerator::new()?)
 }
 
+/// What a check found when it did not fail.
+enum Outcome {
+    /// It ran and passed.
+    Passed,
+    /// It ran and passed; the note says how (e.g. which path the tensors took).
+    PassedVia(String),
+    /// It did not apply here; the reason says why. Printed as `skipped`, never as `ok`.
+    Skipped(&'static str),
+}
+
 /// One named check run by every worker.
-type Check = fn(&Accelerator) -> Result<()>;
+type Check = fn(&Accelerator) -> Result<Outcome>;
 
 /// Runs every check (so all ranks call the same collectives even when one check fails locally),
 /// then agrees with the others on the verdict.
@@ -103,7 +113,7 @@ fn run_checks(acc: &Accelerator) -> Result<()> {
         ("distributed sampler", check_sampler),
         ("DDP steps equal a single-process reference", check_ddp),
         (
-            "GPU tensors through NCCL (skipped on CPU)",
+            "GPU tensors: all_reduce, broadcast, all_gather (f32, bf16, f16)",
             check_gpu_tensors,
         ),
         (
@@ -114,7 +124,9 @@ fn run_checks(acc: &Accelerator) -> Result<()> {
     let mut failed = Vec::new();
     for (name, check) in checks {
         match check(acc) {
-            Ok(()) => acc.print(format!("ok: {name}")),
+            Ok(Outcome::Passed) => acc.print(format!("ok: {name}")),
+            Ok(Outcome::PassedVia(how)) => acc.print(format!("ok: {name} ({how})")),
+            Ok(Outcome::Skipped(why)) => acc.print(format!("skipped: {name} ({why})")),
             Err(e) => {
                 eprintln!("rank {}: FAILED: {name}: {e}", acc.rank());
                 failed.push(name);
@@ -140,9 +152,10 @@ fn run_checks(acc: &Accelerator) -> Result<()> {
 
 /// 100 AdamW steps and 50 SGD (momentum, Nesterov, weight decay) steps on this rank's device,
 /// fused and unfused, from the same start with the same gradients: the results must agree.
-fn check_fused_optimizers(acc: &Accelerator) -> Result<()> {
-    use crate::optim::{AdamW, Sgd, SgdConfig};
+fn check_fused_optimizers(acc: &Accelerator) -> Result<Outcome> {
+    use crate::optim::{cuda_kernel_launches, AdamW, Sgd, SgdConfig};
     let device = acc.device();
+    let launched_before = cuda_kernel_launches();
     let shapes: [&[usize]; 3] = [&[300, 257], &[300], &[7, 13]];
     let start = |k: usize| -> Result<Vec<Var>> {
         shapes
@@ -210,7 +223,20 @@ fn check_fused_optimizers(acc: &Accelerator) -> Result<()> {
             "Sgd on {device:?}: fused and unfused differ by {d} after 50 steps"
         )));
     }
-    Ok(())
+    if device.is_cuda() {
+        // Both sides agreeing proves nothing if the fused side fell back to tensor ops.
+        let launched = cuda_kernel_launches() - launched_before;
+        let want = (100 + 50) * shapes.len() as u64;
+        if launched < want {
+            return Err(fail(format!(
+                "the fused CUDA kernels did not run: {launched} launches for {want} parameter updates (see the warning above: NVRTC or module loading failed)"
+            )));
+        }
+        return Ok(Outcome::PassedVia(format!(
+            "{launched} fused CUDA kernel launches"
+        )));
+    }
+    Ok(Outcome::Passed)
 }
 
 fn value(rank: usize, i: usize) -> f64 {
@@ -221,7 +247,7 @@ fn fail(what: String) -> Error {
     Error::Data { reason: what }
 }
 
-fn check_all_reduce(acc: &Accelerator) -> Result<()> {
+fn check_all_reduce(acc: &Accelerator) -> Result<Outcome> {
     let c = acc.collective().as_ref();
     let (rank, n) = (acc.rank(), acc.world_size());
     let len = 2 * n + 1;
@@ -257,10 +283,10 @@ fn check_all_reduce(acc: &Accelerator) -> Result<()> {
         c.all_reduce(BufferMut::from(&mut z[..]), op)?;
         check(z.iter().map(|x| x.to_f64()).collect(), "bf16", 8e-3)?;
     }
-    Ok(())
+    Ok(Outcome::Passed)
 }
 
-fn check_broadcast(acc: &Accelerator) -> Result<()> {
+fn check_broadcast(acc: &Accelerator) -> Result<Outcome> {
     let c = acc.collective().as_ref();
     for root in 0..acc.world_size() {
         let mut v: Vec<f32> = (0..7).map(|i| value(acc.rank(), i) as f32).collect();
@@ -270,10 +296,10 @@ fn check_broadcast(acc: &Accelerator) -> Result<()> {
             return Err(fail(format!("from root {root}: got {v:?}, want {want:?}")));
         }
     }
-    Ok(())
+    Ok(Outcome::Passed)
 }
 
-fn check_all_gather(acc: &Accelerator) -> Result<()> {
+fn check_all_gather(acc: &Accelerator) -> Result<Outcome> {
     let c = acc.collective().as_ref();
     let mine: Vec<f64> = (0..acc.rank() + 1).map(|i| value(acc.rank(), i)).collect();
     let all = c.all_gather(Buffer::from(&mine[..]))?;
@@ -283,11 +309,11 @@ fn check_all_gather(acc: &Accelerator) -> Result<()> {
             return Err(fail(format!("block of rank {r} is wrong")));
         }
     }
-    c.barrier()
+    c.barrier().map(|()| Outcome::Passed)
 }
 
 /// Every rank's batches, gathered: equal counts, every index present, extras only as padding.
-fn check_sampler(acc: &Accelerator) -> Result<()> {
+fn check_sampler(acc: &Accelerator) -> Result<Outcome> {
     let c = acc.collective().as_ref();
     let (n, batch) = (10 * acc.world_size() + 3, 4);
     let mut sampler = DistributedSampler::new(n, batch)
@@ -324,27 +350,34 @@ fn check_sampler(acc: &Accelerator) -> Result<()> {
             sampler.total_padding()
         )));
     }
-    Ok(())
+    Ok(Outcome::Passed)
 }
 
-/// all_reduce / broadcast / all_gather of GPU tensors through NCCL; at world size 1 (where the
-/// accelerator short-circuits) through a one-rank NCCL communicator made for the check.
-fn check_gpu_tensors(acc: &Accelerator) -> Result<()> {
+/// all_reduce / broadcast / all_gather of GPU tensors in f32, bf16 and f16 through this run's
+/// collective: NCCL, or the host when ranks share a GPU. At world size 1 (where the accelerator
+/// never calls NCCL) through a one-rank NCCL communicator made for the check with
+/// [`NcclCollective::force_calls`], so NCCL really runs; the call count proves it.
+fn check_gpu_tensors(acc: &Accelerator) -> Result<Outcome> {
     let device = acc.device();
     let DeviceLocation::Cuda { gpu_id } = device.location() else {
-        return Ok(());
+        return Ok(Outcome::Skipped("this rank runs on the CPU"));
     };
-    let own;
-    let c: &dyn Collective = if acc.world_size() == 1 {
-        own = NcclCollective::group(&[gpu_id], acc.state().timeout())?;
-        own.first()
-            .map(|(_, c)| c as &dyn Collective)
-            .ok_or_else(|| fail("no NCCL communicator was created".into()))?
+    let own = if acc.world_size() == 1 {
+        let one = NcclCollective::group(&[gpu_id], acc.state().timeout())?
+            .pop()
+            .map(|(_, c)| c.force_calls())
+            .ok_or_else(|| fail("no NCCL communicator was created".into()))?;
+        Some(one)
     } else {
-        acc.collective().as_ref()
+        None
+    };
+    let c: &dyn Collective = match &own {
+        Some(one) => one,
+        None => acc.collective().as_ref(),
     };
     let (rank, n) = (c.rank(), c.world_size());
-    for dtype in [DType::F32, DType::BF16] {
+    let dtypes = [DType::F32, DType::BF16, DType::F16];
+    for dtype in dtypes {
         let t = Tensor::new(&[rank as f32 + 1.0; 5], device)?.to_dtype(dtype)?;
         let sum: f32 = (1..=n).map(|r| r as f32).sum();
         for (op, want) in [
@@ -352,34 +385,58 @@ fn check_gpu_tensors(acc: &Accelerator) -> Result<()> {
             (ReduceOp::Mean, sum / n as f32),
             (ReduceOp::Max, n as f32),
         ] {
-            let got = c
-                .all_reduce_tensor(&t, op)?
-                .to_dtype(DType::F32)?
-                .to_vec1::<f32>()?;
-            if got
-                .iter()
-                .any(|g| (g - want).abs() > 1e-2 * want.abs().max(1.0))
+            let out = c.all_reduce_tensor(&t, op)?;
+            let got = out.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            if !out.device().is_cuda()
+                || got
+                    .iter()
+                    .any(|g| (g - want).abs() > 1e-2 * want.abs().max(1.0))
             {
-                return Err(fail(format!("{dtype:?} {op:?}: got {got:?}, want {want}")));
+                return Err(fail(format!(
+                    "all_reduce {dtype:?} {op:?}: got {got:?} on {:?}, want {want} on the GPU",
+                    out.device()
+                )));
             }
         }
+        let b = c.broadcast_tensor(
+            &Tensor::new(&[rank as f32 + 7.0; 3], device)?.to_dtype(dtype)?,
+            0,
+        )?;
+        let got = b.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        if got != vec![7.0; 3] || !b.device().is_cuda() {
+            return Err(fail(format!(
+                "broadcast {dtype:?} from rank 0: got {got:?} on {:?}",
+                b.device()
+            )));
+        }
+        let rows = Tensor::full(rank as f32, (rank + 1, 2), device)?.to_dtype(dtype)?;
+        let g = c.all_gather_tensor(&rows)?;
+        let want: Vec<f32> = (0..n)
+            .flat_map(|r| std::iter::repeat_n(r as f32, 2 * (r + 1)))
+            .collect();
+        let got = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        if g.dims() != [want.len() / 2, 2] || got != want || !g.device().is_cuda() {
+            return Err(fail(format!(
+                "all_gather {dtype:?}: got {:?} {got:?} on {:?}, want {want:?}",
+                g.dims(),
+                g.device()
+            )));
+        }
     }
-    let b = c.broadcast_tensor(&Tensor::new(&[rank as f32 + 7.0; 3], device)?, 0)?;
-    if b.to_vec1::<f32>()? != vec![7.0; 3] {
-        return Err(fail(
-            "broadcast of a GPU tensor from rank 0 is wrong".into(),
-        ));
-    }
-    let rows = Tensor::full(rank as f32, (rank + 1, 2), device)?;
-    let g = c.all_gather_tensor(&rows)?;
-    let want_rows: usize = (1..=n).sum();
-    if g.dims() != [want_rows, 2] || !g.device().is_cuda() {
-        return Err(fail(format!(
-            "all_gather of GPU tensors gave {:?}",
-            g.dims()
+    if let Some(own) = &own {
+        // 3 dtypes x (3 all_reduce + 1 broadcast + 1 all_gather).
+        let calls = own.nccl_calls();
+        let want = dtypes.len() as u64 * 5;
+        if calls != want {
+            return Err(fail(format!(
+                "{calls} operations went through NCCL, want {want}"
+            )));
+        }
+        return Ok(Outcome::PassedVia(format!(
+            "{calls} NCCL calls on a one-rank communicator"
         )));
     }
-    Ok(())
+    Ok(Outcome::PassedVia(format!("through {}", c.backend())))
 }
 
 const B: usize = 4;
@@ -417,7 +474,7 @@ fn params_of(p: &[(String, Var)]) -> Result<Vec<f32>> {
 }
 
 /// DDP with per-rank batch B must equal plain SGD with batch world × B.
-fn check_ddp(acc: &Accelerator) -> Result<()> {
+fn check_ddp(acc: &Accelerator) -> Result<Outcome> {
     let world = acc.world_size();
     let device = acc.device();
     let data = regression_data(world * B * STEPS, device)?;
@@ -452,5 +509,5 @@ fn check_ddp(acc: &Accelerator) -> Result<()> {
     if all.iter().any(|b| b.bytes() != all[0].bytes()) {
         return Err(fail("replicas differ after the steps".into()));
     }
-    Ok(())
+    Ok(Outcome::Passed)
 }

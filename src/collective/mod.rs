@@ -36,6 +36,9 @@ mod nccl;
 #[cfg(not(feature = "cuda"))]
 #[path = "nccl_stub.rs"]
 mod nccl;
+// Used by nccl.rs (cuda builds only); compiled and tested in every build.
+#[allow(dead_code)]
+mod nccl_dtype;
 mod reduce;
 mod single;
 pub mod tcp;

@@ -20,9 +20,28 @@ impl NcclCollective {
         Err(built_without_cuda())
     }
 
+    /// DDP over an already connected host collective: always an error in this build.
+    pub fn over(
+        _host: std::sync::Arc<dyn Collective>,
+        _device: &Device,
+        _timeout: Duration,
+    ) -> Result<Self> {
+        Err(built_without_cuda())
+    }
+
     /// DP over NCCL: always an error in this build.
     pub fn group(_ordinals: &[usize], _timeout: Duration) -> Result<Vec<(Device, NcclCollective)>> {
         Err(built_without_cuda())
+    }
+
+    /// The diagnostic switch that calls NCCL at world size 1 (no value exists in this build).
+    pub fn force_calls(self) -> Self {
+        match self.never {}
+    }
+
+    /// Number of operations completed through NCCL (no value exists in this build).
+    pub fn nccl_calls(&self) -> u64 {
+        match self.never {}
     }
 
     /// The GPU this rank drives.

@@ -8,7 +8,7 @@
 //! operation.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
@@ -58,6 +58,13 @@ extern "C" __global__ void sgd_f32(float* p, float* buf, const float* g, unsigne
 
 /// Set once compiling or loading failed: the tensor-op path is used from then on.
 static DISABLED: AtomicBool = AtomicBool::new(false);
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+/// Number of fused kernels launched by this process (AdamW and SGD together): a check can tell
+/// that the fused path really ran rather than the tensor-op fallback.
+pub(crate) fn launches() -> u64 {
+    LAUNCHES.load(Ordering::Relaxed)
+}
 static PTX: OnceCell<std::result::Result<String, String>> = OnceCell::new();
 
 fn disable(why: &str) {
@@ -222,6 +229,7 @@ pub(crate) fn adamw(
                 // held until the launch is queued on the device's stream, where later uses of
                 // these tensors are ordered after it.
                 unsafe { b.launch(launch_config(n)) }.map_err(|e| launch_err(NAME, e))?;
+                LAUNCHES.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             })
         })
@@ -306,6 +314,7 @@ pub(crate) fn sgd(
         // the kernel touches indices below `n` only; without a buffer it never dereferences the
         // placeholder. Candle's storage locks are held until the launch is queued.
         unsafe { b.launch(launch_config(n)) }.map_err(|e| launch_err(NAME, e))?;
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
         Ok(())
     };
     cuda_mut_src(param, &grad, WHAT, |ps, pr, gs, gr| match buf {

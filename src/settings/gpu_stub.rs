@@ -24,3 +24,8 @@ pub fn device_count() -> Result<usize> {
 pub fn device(_ordinal: usize) -> Result<Device> {
     Err(not_built())
 }
+
+/// The identity of the GPU behind a device: always an error in this build.
+pub fn identity(_device: &Device) -> Result<Vec<u8>> {
+    Err(not_built())
+}

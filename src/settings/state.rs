@@ -188,17 +188,11 @@ fn select_device(
     let gpus_requested = use_cpu == Some(false);
     match crate::settings::gpu::device_count() {
         Ok(n) if n > 0 => {
-            if local_rank >= n {
-                return Err(Error::Env {
-                    var: env::LOCAL_RANK.into(),
-                    value: local_rank.to_string(),
-                    reason: format!(
-                        "rank {rank} needs GPU {local_rank} of this machine but only {n} GPU(s) are visible{}; start at most {n} processes per machine, or use the CPU",
-                        env::cuda_visible_devices_note()
-                    ),
-                });
-            }
-            let device = crate::settings::gpu::device(local_rank)?;
+            // One visible GPU is GPU 0 whatever the local rank (SLURM --gpus-per-task=1); more
+            // local ranks than GPUs share them, which the accelerator detects and handles.
+            let ordinal = crate::placement::gpu_ordinal(local_rank, n).unwrap_or(0);
+            log::debug!("rank {rank}: local rank {local_rank} drives GPU {ordinal} of {n}");
+            let device = crate::settings::gpu::device(ordinal)?;
             let kind = if world_size > 1 {
                 DistributedType::Ddp
             } else {

@@ -105,3 +105,17 @@ fn env_reports_a_malformed_config_instead_of_failing() {
     );
     assert!(text.contains("(from --config-file)"), "{text}");
 }
+
+#[test]
+fn gpus_prints_only_the_count_this_build_sees() {
+    let home = tempfile::tempdir().unwrap();
+    let out = env_report(home.path(), &["--gpus"], &[("CUDA_VISIBLE_DEVICES", "")]);
+    let text = stdout(&out);
+    let n: usize = text
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("`env --gpus` printed {text:?}, not a count: {e}"));
+    // This test machine has no GPU (and CUDA_VISIBLE_DEVICES="" hides any), so 0.
+    assert_eq!(n, 0, "{text:?}");
+    assert_eq!(text.lines().count(), 1, "{text:?}");
+}

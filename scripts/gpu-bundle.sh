@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Builds the GPU proof bundle ON A MACHINE WITHOUT A GPU (this one, or CI): the `cuda` release
+# binaries that scripts/gpu-smoke.sh runs on a GPU node that has only the driver, NVIDIA's CUDA 13
+# libraries from pip and no Rust toolchain.
+#
+#   scripts/gpu-bundle.sh      # build (a no-op when up to date), strip, compress into gpu-bundle/
+#
+# What goes in: the launcher (accelerate-rs), the digits and transformer_lm examples (their data
+# is inside them) and the overhead bench, stripped, in one xz-compressed tar:
+# gpu-bundle/accelerate-rs-gpu.tar.xz. Its size is printed, and the script fails when it is over
+# $ACCEL_BUNDLE_LIMIT_MB (default 60 MiB, what the device tool carries with room to spare).
+#
+# Then, with the device tool: carry `gpu-bundle` and run `scripts/gpu-smoke.sh` there.
+#
+# Environment: CARGO_TARGET_DIR (default ~/.cache/accelerate-rs-cuda-target, shared with CI's cuda
+# build so the CUDA kernels are compiled once), ACCEL_BUNDLE_DIR (default gpu-bundle),
+# ACCEL_BUNDLE_LIMIT_MB, ACCEL_BUNDLE_BINARIES (pack these files instead of building; tests use
+# it), ACCEL_CUDA_TOOLCHAIN (default ../shared/tools/cuda-toolchain.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+for a in "$@"; do
+  case "$a" in
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "gpu-bundle: unknown argument: $a (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+out="${ACCEL_BUNDLE_DIR:-gpu-bundle}"
+limit_mb="${ACCEL_BUNDLE_LIMIT_MB:-60}"
+case "$limit_mb" in
+  ''|*[!0-9]*) echo "gpu-bundle: ACCEL_BUNDLE_LIMIT_MB=$limit_mb is not a whole number of MiB" >&2; exit 2 ;;
+esac
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/accelerate-rs-cuda-target}"
+
+# The binaries to pack: given, or built now (cargo reports each executable's path).
+bins=()
+if [ -n "${ACCEL_BUNDLE_BINARIES:-}" ]; then
+  read -r -a bins <<<"$ACCEL_BUNDLE_BINARIES"
+else
+  toolchain="${ACCEL_CUDA_TOOLCHAIN:-../shared/tools/cuda-toolchain.sh}"
+  if [ ! -f "$toolchain" ]; then
+    echo "gpu-bundle: $toolchain is missing: it provides nvcc and the link stubs for the cuda build" >&2
+    exit 1
+  fi
+  cargo fetch --quiet
+  # shellcheck disable=SC1090
+  source "$toolchain"
+  cargo_args=(build --release --features cuda --bin accelerate-rs --example digits
+              --example transformer_lm --bench overhead)
+  echo "gpu-bundle: cargo ${cargo_args[*]} (CARGO_TARGET_DIR=$CARGO_TARGET_DIR)"
+  json="$(mktemp)"
+  trap 'rm -f "$json"' EXIT
+  cargo "${cargo_args[@]}" --message-format=json-render-diagnostics >"$json"
+  while IFS= read -r exe; do bins+=("$exe"); done < <(python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["executable"])
+' "$json")
+fi
+if [ "${#bins[@]}" -eq 0 ]; then
+  echo "gpu-bundle: no binaries to pack" >&2
+  exit 1
+fi
+
+stage="$(mktemp -d)"
+trap 'rm -rf "$stage"; rm -f "${json:-}"' EXIT
+mkdir -p "$stage/bin"
+for b in "${bins[@]}"; do
+  if [ ! -f "$b" ]; then
+    echo "gpu-bundle: $b does not exist" >&2
+    exit 1
+  fi
+  name="$(basename "$b")"
+  # Cargo names bench binaries overhead-<hash>; the bundle drops the hash.
+  case "$name" in overhead-*) name=overhead ;; esac
+  cp "$b" "$stage/bin/$name"
+  strip "$stage/bin/$name" 2>/dev/null || echo "gpu-bundle: warning: could not strip $name; packed as is" >&2
+done
+git rev-parse HEAD >"$stage/COMMIT" 2>/dev/null || echo unknown >"$stage/COMMIT"
+mkdir -p "$out"
+tarball="$out/accelerate-rs-gpu.tar.xz"
+tar -C "$stage" -cf - bin COMMIT | xz -T0 -6 >"$tarball.tmp"
+mv "$tarball.tmp" "$tarball"
+bytes="$(stat -c %s "$tarball")"
+mib="$(awk -v b="$bytes" 'BEGIN { printf "%.1f", b / 1048576 }')"
+echo "gpu-bundle: $tarball: $mib MiB ($bytes bytes) for:$(cd "$stage/bin" && printf ' %s' *)"
+if [ "$bytes" -gt $((limit_mb * 1048576)) ]; then
+  echo "gpu-bundle: error: the bundle is $mib MiB, over the limit of $limit_mb MiB (ACCEL_BUNDLE_LIMIT_MB)" >&2
+  exit 1
+fi

@@ -1,0 +1,193 @@
+//! The GPU scripts' behaviour that can be checked without a GPU: `scripts/gpu-env.sh` on fake
+//! library trees (missing folders, a symlinked CUDA folder, `compat` and driver folders, a
+//! missing library) under `set -euo pipefail`, and the size check of `scripts/gpu-bundle.sh`.
+
+use std::os::unix::fs::symlink;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+const LIBS: [&str; 6] = [
+    "libcudart.so.13",
+    "libcublas.so.13",
+    "libcublasLt.so.13",
+    "libcurand.so.10",
+    "libnvrtc.so.13",
+    "libnccl.so.2",
+];
+
+fn touch(path: &Path) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, b"").unwrap();
+}
+
+/// Sources gpu-env.sh the way a strict script would, with `roots` as the search roots, no
+/// nvidia-smi on PATH, and prints LD_LIBRARY_PATH afterwards.
+fn source_env(roots: &str) -> Output {
+    let script = format!(
+        "set -euo pipefail; source {ROOT}/scripts/gpu-env.sh; echo \"RESULT=$LD_LIBRARY_PATH\""
+    );
+    Command::new("bash")
+        .arg("-c")
+        .arg(script)
+        .env("ACCEL_GPU_ENV_ROOTS", roots)
+        .env("PATH", "/usr/bin:/bin")
+        .env_remove("LD_LIBRARY_PATH")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn gpu_env_finds_wheels_through_a_symlink_skips_missing_folders_and_puts_the_driver_last() {
+    let t = tempfile::tempdir().unwrap();
+    let site = t.path().join("site/nvidia");
+    for lib in LIBS {
+        let pkg = if lib.starts_with("libnccl") {
+            "nccl"
+        } else {
+            "cu13"
+        };
+        touch(&site.join(pkg).join("lib").join(lib));
+    }
+    // A driver folder that also holds an old NCCL, and a compat libcuda that must be ignored.
+    let driver = t.path().join("driver");
+    touch(&driver.join("libcuda.so.1"));
+    touch(&driver.join("libnccl.so.2"));
+    touch(&t.path().join("cuda/compat/libcuda.so.1"));
+    // The wheels are reached through a symlinked root, as /usr/local/cuda often is.
+    symlink(t.path().join("site"), t.path().join("linked")).unwrap();
+    let roots = format!(
+        "{missing} {linked} {driver} {cuda}",
+        missing = t.path().join("no-such-folder").display(),
+        linked = t.path().join("linked").display(),
+        driver = driver.display(),
+        cuda = t.path().join("cuda").display(),
+    );
+    let out = source_env(&roots);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let path = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("RESULT="))
+        .unwrap_or_else(|| panic!("no LD_LIBRARY_PATH printed: {stdout}{stderr}"));
+    let dirs: Vec<&str> = path.split(':').collect();
+    let nccl = dirs.iter().position(|d| d.ends_with("nvidia/nccl/lib"));
+    let drv = dirs.iter().position(|d| *d == driver.to_str().unwrap());
+    assert!(nccl.is_some() && drv.is_some(), "{path}");
+    assert!(
+        nccl < drv,
+        "the pip NCCL must come before the driver folder: {path}"
+    );
+    assert_eq!(drv, Some(dirs.len() - 1), "driver folder last: {path}");
+    assert!(!path.contains("compat"), "a compat folder was used: {path}");
+    assert!(stderr.contains("nvidia-smi not found"), "{stderr}");
+}
+
+#[test]
+fn gpu_env_names_a_missing_library_and_fails_instead_of_exiting_silently() {
+    let t = tempfile::tempdir().unwrap();
+    for lib in &LIBS[..5] {
+        touch(&t.path().join("lib").join(lib));
+    }
+    touch(&t.path().join("driver/libcuda.so.1"));
+    let roots = format!(
+        "{} {}",
+        t.path().join("lib").display(),
+        t.path().join("driver").display()
+    );
+    let out = source_env(&roots);
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}{stderr}");
+    assert!(stderr.contains("not found: libnccl.so.2"), "{stderr}");
+    assert!(!stdout.contains("RESULT="), "{stdout}");
+    // Nothing exists at all: still a message, not a silent exit.
+    let out = source_env("/no/such/a /no/such/b");
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(stderr.contains("libcudart.so.13"), "{stderr}");
+    assert!(
+        stderr.contains("none of /no/such/a /no/such/b exists"),
+        "{stderr}"
+    );
+}
+
+/// Runs gpu-bundle.sh on given files (no build) with a size limit, output in a temp folder.
+fn bundle(files: &[&Path], limit_mb: &str, out_dir: &Path) -> Output {
+    let list: Vec<String> = files.iter().map(|p| p.display().to_string()).collect();
+    Command::new("bash")
+        .arg(format!("{ROOT}/scripts/gpu-bundle.sh"))
+        .env("ACCEL_BUNDLE_BINARIES", list.join(" "))
+        .env("ACCEL_BUNDLE_LIMIT_MB", limit_mb)
+        .env("ACCEL_BUNDLE_DIR", out_dir)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+/// `n` bytes that xz cannot shrink much (an xorshift stream).
+fn incompressible(path: &Path, n: usize) {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let bytes: Vec<u8> = (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect();
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn gpu_bundle_packs_strips_names_and_enforces_its_size_limit() {
+    let t = tempfile::tempdir().unwrap();
+    // A real executable (strip must cope) and a bench binary with cargo's hash suffix.
+    let launcher = t.path().join("accelerate-rs");
+    std::fs::copy("/bin/true", &launcher).unwrap();
+    let bench = t.path().join("overhead-0123456789abcdef");
+    incompressible(&bench, 3 << 20);
+    let out = bundle(&[&launcher, &bench], "60", &t.path().join("b1"));
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let tarball = t.path().join("b1/accelerate-rs-gpu.tar.xz");
+    assert!(tarball.exists(), "{stdout}");
+    assert!(stdout.contains("MiB"), "the size is printed: {stdout}");
+    let listing = Command::new("tar")
+        .arg("-tJf")
+        .arg(&tarball)
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    for want in ["bin/accelerate-rs", "bin/overhead", "COMMIT"] {
+        assert!(
+            listing.lines().any(|l| l == want),
+            "{want} not in {listing}"
+        );
+    }
+    // Over the limit: an error naming the size and the limit, non-zero exit.
+    let out = bundle(&[&launcher, &bench], "1", &t.path().join("b2"));
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}{stderr}");
+    assert!(stderr.contains("over the limit of 1 MiB"), "{stderr}");
+    // A missing binary and a bad limit are named.
+    let out = bundle(&[&t.path().join("nope")], "60", &t.path().join("b3"));
+    assert!(
+        text(&out).1.contains("nope does not exist"),
+        "{:?}",
+        text(&out)
+    );
+    let out = bundle(&[&launcher], "lots", &t.path().join("b4"));
+    assert!(
+        text(&out).1.contains("ACCEL_BUNDLE_LIMIT_MB=lots"),
+        "{:?}",
+        text(&out)
+    );
+}
