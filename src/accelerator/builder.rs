@@ -193,13 +193,13 @@ pub(super) fn connect(state: &ProcessState) -> Result<Arc<dyn Collective>> {
 /// memory or TCP, after one warning from the main process.
 fn gpu_collective(state: &ProcessState, opts: &TcpOptions) -> Result<Arc<dyn Collective>> {
     let host: Arc<dyn Collective> = Arc::new(TcpCollective::connect(opts)?);
-    let id = crate::gpu::identity(state.device())?;
-    match crate::placement::shared_gpu(host.as_ref(), &id)? {
+    let id = crate::settings::gpu::identity(state.device())?;
+    match super::placement::shared_gpu(host.as_ref(), &id)? {
         Some((a, b)) => {
             if state.is_main_process() {
                 eprintln!(
                     "{}",
-                    crate::placement::sharing_warning(a, b, "ranks", "shared memory or TCP")
+                    super::placement::sharing_warning(a, b, "ranks", "shared memory or TCP")
                 );
             }
             Ok(host)

@@ -129,7 +129,7 @@ fn cpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
 }
 
 fn gpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
-    let visible = crate::gpu::device_count().map_err(|e| match e {
+    let visible = crate::settings::gpu::device_count().map_err(|e| match e {
         Error::NotAvailable { what, reason } => Error::NotAvailable {
             what,
             reason: format!(
@@ -140,16 +140,16 @@ fn gpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
         other => other,
     })?;
     let ordinals = replica_ordinals(n, visible)?;
-    if let Some((a, b)) = crate::placement::first_shared(&ordinals) {
+    if let Some((a, b)) = crate::accelerator::placement::first_shared(&ordinals) {
         // NCCL cannot put two replicas on one GPU: reduce through host memory in a thread group,
         // every replica on its GPU's one device (and stream).
         eprintln!(
             "{}",
-            crate::placement::sharing_warning(a, b, "DP replicas", "a thread group")
+            crate::accelerator::placement::sharing_warning(a, b, "DP replicas", "a thread group")
         );
         let devices = ordinals
             .iter()
-            .map(|&o| crate::gpu::device(o))
+            .map(|&o| crate::settings::gpu::device(o))
             .collect::<Result<Vec<_>>>()?;
         let collectives = ThreadGroup::new(n, timeout)?
             .into_iter()
@@ -176,7 +176,7 @@ fn gpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
 fn replica_ordinals(n: usize, visible: usize) -> Result<Vec<usize>> {
     (0..n)
         .map(|i| {
-            crate::placement::gpu_ordinal(i, visible).ok_or_else(|| Error::NotAvailable {
+            crate::settings::state::gpu_ordinal(i, visible).ok_or_else(|| Error::NotAvailable {
                 what: "GPU".into(),
                 reason: format!(
                     "DP over {n} GPU replicas, but no GPU is visible{}; `.cpu(true)` (or {}=1) runs them on the CPU",
@@ -331,10 +331,13 @@ mod tests {
         // One GPU: every replica on GPU 0 (the thread-group fallback then reduces).
         let shared = replica_ordinals(3, 1).unwrap();
         assert_eq!(shared, vec![0, 0, 0]);
-        assert_eq!(crate::placement::first_shared(&shared), Some((0, 1)));
+        assert_eq!(
+            crate::accelerator::placement::first_shared(&shared),
+            Some((0, 1))
+        );
         assert_eq!(replica_ordinals(3, 2).unwrap(), vec![0, 1, 0]);
         assert_eq!(
-            crate::placement::first_shared(&replica_ordinals(2, 2).unwrap()),
+            crate::accelerator::placement::first_shared(&replica_ordinals(2, 2).unwrap()),
             None
         );
         let e = replica_ordinals(2, 0).unwrap_err().to_string();

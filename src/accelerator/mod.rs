@@ -8,6 +8,7 @@ mod builder;
 mod checkpoint;
 pub(crate) mod dp;
 mod ops;
+mod placement;
 
 use std::sync::Arc;
 

@@ -1,4 +1,6 @@
-//! Names of the environment variables accelerate-rs reads and the launcher sets.
+//! Names of the environment variables accelerate-rs reads and the launcher sets (every one of
+//! them, in this one place), and the launcher's environment contract ([`EnvSpec`],
+//! [`CommonEnv`]) that [`ProcessState`](crate::ProcessState) reads back.
 //!
 //! The torchrun names are read first, then SLURM's, then Open MPI's; see the precedence table in the
 //! crate documentation.
@@ -15,6 +17,13 @@ pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
 pub const MASTER_ADDR: &str = "MASTER_ADDR";
 /// Port of the rendezvous store (torchrun).
 pub const MASTER_PORT: &str = "MASTER_PORT";
+
+/// This machine's index among the machines of the run (torchrun's name; set by the launcher).
+pub const GROUP_RANK: &str = "GROUP_RANK";
+/// This machine's index among the machines of the run (accelerate-rs's name).
+pub const NODE_RANK: &str = "ACCELERATE_RS_NODE_RANK";
+/// Number of machines of the run.
+pub const NUM_NODES: &str = "ACCELERATE_RS_NUM_MACHINES";
 
 /// SLURM: global rank.
 pub const SLURM_PROCID: &str = "SLURM_PROCID";
@@ -78,6 +87,8 @@ pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 pub const RAYON_NUM_THREADS: &str = "RAYON_NUM_THREADS";
 /// OpenMP's thread-count variable.
 pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
+
+pub use super::worker_env::{CommonEnv, EnvSpec};
 
 /// ` (CUDA_VISIBLE_DEVICES=...)` when the variable is set, for error messages about GPUs.
 pub(crate) fn cuda_visible_devices_note() -> String {

@@ -3,7 +3,7 @@
 //! [`Transport`], and the one precedence ([`parse::pick`]) and strict parser
 //! ([`parse::env_value`]) every setting goes through. Nothing here imports the floors above.
 
-pub mod config;
+pub(crate) mod config;
 pub mod env;
 #[cfg(feature = "cuda")]
 pub mod gpu;
@@ -11,8 +11,9 @@ pub mod gpu;
 #[path = "gpu_stub.rs"]
 pub mod gpu;
 pub(crate) mod parse;
-pub mod state;
+pub(crate) mod state;
 mod transport;
+mod worker_env;
 
 pub use config::{ConfigFile, MixedPrecision};
 pub(crate) use state::Overrides;

@@ -167,6 +167,19 @@ const FAMILIES: [Family; 3] = [
     },
 ];
 
+/// The GPU ordinal (an index among the visible GPUs) a process with local rank `local_rank` drives
+/// when it sees `visible` GPUs: its local rank when there are enough, GPU 0 when it sees exactly
+/// one (SLURM `--gpus-per-task=1`, `CUDA_VISIBLE_DEVICES` set per rank, or several ranks on a
+/// one-GPU machine), else its local rank modulo the count (ranks then share GPUs, which
+/// the accelerator detects). `None` when no GPU is visible.
+pub(crate) fn gpu_ordinal(local_rank: usize, visible: usize) -> Option<usize> {
+    match visible {
+        0 => None,
+        1 => Some(0),
+        n => Some(local_rank % n),
+    }
+}
+
 /// CPU when asked (or when no GPU is available and none was asked for), else GPU `local_rank`.
 fn select_device(
     use_cpu: Option<bool>,
@@ -190,7 +203,7 @@ fn select_device(
         Ok(n) if n > 0 => {
             // One visible GPU is GPU 0 whatever the local rank (SLURM --gpus-per-task=1); more
             // local ranks than GPUs share them, which the accelerator detects and handles.
-            let ordinal = crate::placement::gpu_ordinal(local_rank, n).unwrap_or(0);
+            let ordinal = gpu_ordinal(local_rank, n).unwrap_or(0);
             log::debug!("rank {rank}: local rank {local_rank} drives GPU {ordinal} of {n}");
             let device = crate::settings::gpu::device(ordinal)?;
             let kind = if world_size > 1 {

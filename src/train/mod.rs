@@ -3,7 +3,7 @@
 
 pub mod checkpoint;
 pub(crate) mod grad_sync;
-pub mod mixed_precision;
-pub mod optimizer;
-pub mod params;
+pub(crate) mod mixed_precision;
+pub(crate) mod optimizer;
+pub(crate) mod params;
 pub mod scheduler;

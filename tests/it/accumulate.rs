@@ -14,8 +14,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::tiny::{self, forward, max_abs_diff, snapshot, HIDDEN, LR};
+use accelerate_rs::collective::Collective;
 use accelerate_rs::collective::{Buffer, BufferMut, OwnedBuffer};
-use accelerate_rs::{Accelerator, Collective, DataLoader, Error, ReduceOp, TensorDataset};
+use accelerate_rs::ReduceOp;
+use accelerate_rs::{Accelerator, DataLoader, Error, TensorDataset};
 use candle_core::{Device, Tensor, Var};
 use candle_nn::{loss, Optimizer, SGD};
 
@@ -448,7 +450,7 @@ fn two_processes_accumulating_3_steps_equal_one_process_with_batch_6b() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("params.safetensors");
     let exe = std::env::current_exe().unwrap();
-    let res = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
+    let res = Command::new(crate::common::launcher())
         .args(["launch", "--cpu", "-n", "2"])
         .arg(exe)
         .args([

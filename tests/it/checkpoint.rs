@@ -10,10 +10,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use accelerate_rs::checkpoint::{latest_checkpoint, CheckpointParts};
 use accelerate_rs::checkpoint::{read_manifest, LoaderPosition};
 use accelerate_rs::optim::AdamW;
 use accelerate_rs::scheduler::{LinearWarmupCosine, Schedule};
-use accelerate_rs::{latest_checkpoint, Accelerator, CheckpointParts, DataLoader, Error};
+use accelerate_rs::{Accelerator, DataLoader, Error};
 use candle_core::{Device, Tensor, Var};
 use candle_nn::loss;
 
@@ -133,7 +134,7 @@ fn checkpoint_worker() {
 
 fn launch(role: &str, root: &Path, out: &Path, extra: &[&str]) {
     let exe = std::env::current_exe().unwrap();
-    let res = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
+    let res = Command::new(crate::common::launcher())
         .args(["launch", "--cpu", "-n", "2"])
         .args(extra)
         .arg(exe)

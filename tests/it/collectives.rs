@@ -5,10 +5,9 @@ use std::time::{Duration, Instant};
 
 use crate::common::elems::{reference, value, TestElem};
 use crate::common::{on_each, tcp_group};
-use accelerate_rs::collective::{
-    Buffer, BufferMut, Collective, ReduceOp, SingleProcess, ThreadGroup,
-};
+use accelerate_rs::collective::{Buffer, BufferMut, Collective, SingleProcess, ThreadGroup};
 use accelerate_rs::Error;
+use accelerate_rs::ReduceOp;
 use candle_core::{Device, Tensor};
 use half::{bf16, f16};
 

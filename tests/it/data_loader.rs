@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use accelerate_rs::data::{Batch, DataLoader, Dataset, EvenBatches, TensorDataset};
+use accelerate_rs::{Batch, DataLoader, Dataset, EvenBatches, TensorDataset};
 use accelerate_rs::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 

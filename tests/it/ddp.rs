@@ -63,7 +63,7 @@ fn launch_with(
     envs: &[(&str, &str)],
 ) -> std::process::Output {
     let exe = std::env::current_exe().unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"));
+    let mut cmd = Command::new(crate::common::launcher());
     cmd.envs(envs.iter().copied());
     cmd.args(["launch", "--cpu", "-n", &n.to_string()])
         .arg(exe)

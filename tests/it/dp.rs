@@ -6,8 +6,9 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use accelerate_rs::ReduceOp;
+use accelerate_rs::TensorDataset;
 use accelerate_rs::{Accelerator, AcceleratorBuilder, DataLoader, DistributedType, Error};
-use accelerate_rs::{ReduceOp, TensorDataset};
 use candle_core::{Device, Tensor, Var};
 
 use crate::common::tiny::{max_abs_diff, params, reference, snapshot, train, HIDDEN};

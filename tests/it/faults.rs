@@ -15,8 +15,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::common::{free_port, reduce_ones, tcp_options, Children};
-use accelerate_rs::collective::tcp::wire::{Hello, Role};
-use accelerate_rs::collective::{BufferMut, Collective, ReduceOp, TcpCollective, TcpOptions};
+use accelerate_rs::collective::{BufferMut, Collective, TcpCollective, TcpOptions};
+use accelerate_rs::ReduceOp;
 
 const ROLE_VAR: &str = "ACCEL_FAULT_ROLE";
 const READY_MARKER: &str = "ACCEL-FAULT-READY";
@@ -48,14 +48,18 @@ fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
     }
 }
 
+/// A well-formed version-1 handshake of a store client (rank 1 of 3), as a rogue client would
+/// write it: magic `ACRS`, version, role, padding, rank, world, secret length, secret (all
+/// little-endian). The wire module's unit tests pin this layout.
 fn hello(secret: &[u8]) -> Vec<u8> {
-    Hello {
-        role: Role::StoreClient,
-        rank: 1,
-        world: 3,
-        secret: secret.to_vec(),
-    }
-    .encode()
+    let mut b = b"ACRS".to_vec();
+    b.extend_from_slice(&1u16.to_le_bytes());
+    b.extend_from_slice(&[1, 0]);
+    b.extend_from_slice(&1u32.to_le_bytes());
+    b.extend_from_slice(&3u32.to_le_bytes());
+    b.extend_from_slice(&(secret.len() as u16).to_le_bytes());
+    b.extend_from_slice(secret);
+    b
 }
 
 fn rogue(port: u16) -> TcpStream {
@@ -456,7 +460,7 @@ fn survivor_errors_within_10s_when_peer_is_killed_mid_collective() {
 #[test]
 fn launch_exits_nonzero_naming_the_failed_worker_in_a_real_collective_run() {
     let start = Instant::now();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"));
+    let mut cmd = Command::new(crate::common::launcher());
     cmd.args(["launch", "--cpu", "-n", "3"])
         .arg(std::env::current_exe().unwrap())
         .args([

@@ -5,9 +5,6 @@ mod common;
 
 mod accumulate;
 mod checkpoint;
-mod cli_config;
-mod cli_env;
-mod cli_test;
 mod collectives;
 mod data_loader;
 mod ddp;
@@ -15,7 +12,6 @@ mod dp;
 mod examples;
 mod faults;
 mod fused_optim;
-mod launch;
 mod mixed_precision;
 mod multinode;
 mod ops;

@@ -65,7 +65,7 @@ fn multinode_worker() {
 /// Starts the launcher of "machine" `machine_rank`.
 fn start_machine(machine_rank: usize, port: u16, out: &Path) -> Child {
     let exe = std::env::current_exe().unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"));
+    let mut cmd = Command::new(crate::common::launcher());
     for var in [
         "RUST_LOG",
         "RAYON_NUM_THREADS",

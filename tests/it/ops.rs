@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::in_process;
-use accelerate_rs::{Accelerator, DataLoader, Error, ReduceOp, TensorDataset};
+use accelerate_rs::ReduceOp;
+use accelerate_rs::{Accelerator, DataLoader, Error, TensorDataset};
 use candle_core::{DType, Device, Tensor};
 use rand::RngCore;
 
@@ -376,7 +377,7 @@ fn ops_worker() {
 #[test]
 fn gather_for_metrics_across_three_processes() {
     let exe = std::env::current_exe().unwrap();
-    let res = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
+    let res = Command::new(crate::common::launcher())
         .args(["launch", "--cpu", "-n", "3"])
         .arg(exe)
         .args([

@@ -2,8 +2,8 @@
 
 use std::collections::HashMap;
 
-use accelerate_rs::data::{DistributedSampler, EvenBatches};
 use accelerate_rs::Error;
+use accelerate_rs::{DistributedSampler, EvenBatches};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;

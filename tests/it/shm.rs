@@ -18,9 +18,10 @@ use std::time::{Duration, Instant};
 use crate::common::elems::{reference, value, TestElem};
 use crate::common::{free_port, on_each, reduce_ones, tcp_group, Children};
 use accelerate_rs::collective::{
-    Buffer, BufferMut, Collective, Element, ReduceOp, TcpCollective, TcpOptions,
+    Buffer, BufferMut, Collective, Element, TcpCollective, TcpOptions,
 };
 use accelerate_rs::Error;
+use accelerate_rs::ReduceOp;
 use half::{bf16, f16};
 
 const ROLE_VAR: &str = "ACCEL_SHM_ROLE";

@@ -49,8 +49,8 @@
 //! while this rank is in a shared-memory one ([`Error::Mismatch`]). A rank that fails writes the
 //! abort word, so the ranks waiting on it fail at once instead of at their next socket check.
 
-use std::ffi::OsString;
 use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -138,11 +138,14 @@ fn segment_len(world: usize, cap: usize) -> usize {
 
 /// This host's identity: hostname and boot id (empty boot id when unknown).
 fn host_identity() -> (String, String) {
-    let host = nix::unistd::gethostname()
-        .map(OsString::into_string)
-        .ok()
-        .and_then(|h| h.ok())
-        .unwrap_or_default();
+    let mut name = [0u8; 256];
+    // SAFETY: `name` is valid for writes of `name.len()` bytes, the most gethostname writes.
+    let rc = unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) };
+    let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    let host = match rc {
+        0 => String::from_utf8(name[..end].to_vec()).unwrap_or_default(),
+        _ => String::new(),
+    };
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|s| s.trim().to_string())
         .unwrap_or_default();
@@ -375,9 +378,12 @@ fn create_segment(
 fn size_and_map(file: &File, len: usize) -> std::io::Result<MmapRaw> {
     file.set_len(len as u64)?;
     // Reserve the pages now: on a full tmpfs, touching an unreserved page would be a SIGBUS.
-    match nix::fcntl::posix_fallocate(file, 0, len as i64) {
-        Ok(()) | Err(nix::errno::Errno::EOPNOTSUPP) | Err(nix::errno::Errno::EINVAL) => {}
-        Err(e) => return Err(e.into()),
+    // SAFETY: `file` is an open descriptor for the whole call; posix_fallocate touches no memory
+    // of ours.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+    match rc {
+        0 | libc::EOPNOTSUPP | libc::EINVAL => {}
+        e => return Err(std::io::Error::from_raw_os_error(e)),
     }
     MmapRaw::map_raw(file)
 }

@@ -3,7 +3,8 @@
 
 use std::fmt::Debug;
 
-use accelerate_rs::collective::{Buffer, BufferMut, Element, ReduceOp};
+use accelerate_rs::collective::{Buffer, BufferMut, Element};
+use accelerate_rs::ReduceOp;
 use half::{bf16, f16};
 
 /// A float element type the collectives move, with a tolerance for reduced results.

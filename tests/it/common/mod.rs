@@ -8,10 +8,26 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use accelerate_rs::collective::{
-    BufferMut, Collective, ReduceOp, TcpCollective, TcpOptions, ThreadGroup,
-};
+use accelerate_rs::collective::{BufferMut, Collective, TcpCollective, TcpOptions, ThreadGroup};
+use accelerate_rs::ReduceOp;
 use accelerate_rs::{Accelerator, AcceleratorBuilder};
+
+/// The `accelerate-rs` binary of this build, `target/<profile>/accelerate-rs`: the command line
+/// is a crate of its own (`cli/`), built by `cargo test` from the workspace root.
+pub fn launcher() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("tests run from target/<profile>/deps");
+    let bin = dir.join(format!("accelerate-rs{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo test` from the workspace root (it builds the command line too), or `cargo build -p accelerate-rs-cli` first",
+        bin.display()
+    );
+    bin
+}
 
 /// A port that was free a moment ago on loopback.
 pub fn free_port() -> u16 {

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 
-use crate::config::{cuda_built, gpus_seen, ConfigFile};
-use crate::env;
+use accelerate_rs::config::{cuda_built, gpus_seen};
+use accelerate_rs::{env, ConfigFile};
 
 /// The candle-core version requirement in Cargo.toml (Candle does not expose its version at run
 /// time). A unit test keeps the two in sync.
@@ -27,7 +27,7 @@ pub(crate) struct EnvArgs {
     gpus: bool,
 }
 
-pub(crate) fn run(args: EnvArgs) -> crate::Result<()> {
+pub(crate) fn run(args: EnvArgs) -> accelerate_rs::Result<()> {
     if args.gpus {
         println!("{}", gpus_seen());
         return Ok(());

@@ -6,11 +6,11 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
 
-use crate::config::{
-    cuda_built, default_num_processes, gpus_seen, ConfigFile, MixedPrecision,
-    DEFAULT_COLLECTIVE_TIMEOUT_SECS, DEFAULT_MAIN_PROCESS_PORT,
+use accelerate_rs::config::{
+    cuda_built, default_num_processes, gpus_seen, DEFAULT_COLLECTIVE_TIMEOUT_SECS,
+    DEFAULT_MAIN_PROCESS_PORT,
 };
-use crate::error::{Error, Result};
+use accelerate_rs::{ConfigFile, Error, MixedPrecision, Result};
 
 /// How many answers a question gets before `config` gives up.
 const MAX_ATTEMPTS: usize = 3;

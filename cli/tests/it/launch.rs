@@ -6,12 +6,12 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use accelerate_rs::launch::{launch, LaunchOptions};
 use accelerate_rs::Error;
+use accelerate_rs_cli::launch::{launch, LaunchOptions};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-use crate::common::free_port;
+use crate::free_port;
 
 /// The launcher binary, with a clean logging / thread-count environment.
 fn launcher() -> Command {

@@ -6,7 +6,8 @@ use std::time::Duration;
 use clap::Args;
 
 use super::parse_secs;
-use crate::config::{ConfigFile, MixedPrecision};
+use accelerate_rs::{ConfigFile, MixedPrecision};
+
 use crate::launch::{launch, LaunchOptions};
 
 #[derive(Debug, Args)]
@@ -152,7 +153,7 @@ fn options(args: LaunchArgs, cfg: &ConfigFile) -> LaunchOptions {
     o
 }
 
-pub(crate) fn run(args: LaunchArgs) -> crate::Result<()> {
+pub(crate) fn run(args: LaunchArgs) -> accelerate_rs::Result<()> {
     let getenv = |k: &str| std::env::var(k).ok();
     let (cfg, path) = ConfigFile::load_located(args.config_file.as_deref(), &getenv)?;
     if let Some(path) = &path {

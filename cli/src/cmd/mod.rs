@@ -1,5 +1,5 @@
 //! The `accelerate-rs` command line: argument parsing and one module per subcommand. The binary
-//! (`src/main.rs`) only calls [`main`].
+//! (`cli/src/main.rs`) only calls [`main`].
 
 mod config;
 mod env;
@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
-use crate::error::Error;
+use accelerate_rs::Error;
 
 /// Data-parallel training for Candle: configure and launch multi-process runs.
 #[derive(Debug, Parser)]
@@ -61,7 +61,7 @@ pub fn main() -> ExitCode {
 }
 
 /// Maps a subcommand's result to the process exit code, printing errors with their causes.
-fn exit_code(result: crate::Result<()>) -> ExitCode {
+fn exit_code(result: accelerate_rs::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         // The launcher already printed which rank failed or which signal arrived.

@@ -8,19 +8,8 @@
 
 use crate::collective::{Buffer, Collective};
 use crate::error::{Error, Result};
-
-/// The GPU ordinal (an index among the visible GPUs) a process with local rank `local_rank` drives
-/// when it sees `visible` GPUs: its local rank when there are enough, GPU 0 when it sees exactly
-/// one (SLURM `--gpus-per-task=1`, `CUDA_VISIBLE_DEVICES` set per rank, or several ranks on a
-/// one-GPU machine), else its local rank modulo the count (ranks then share GPUs, which
-/// [`first_shared`] detects). `None` when no GPU is visible.
-pub(crate) fn gpu_ordinal(local_rank: usize, visible: usize) -> Option<usize> {
-    match visible {
-        0 => None,
-        1 => Some(0),
-        n => Some(local_rank % n),
-    }
-}
+#[cfg(test)]
+use crate::settings::state::gpu_ordinal;
 
 /// The first two ranks (in rank order) whose GPU identities are equal, if any.
 pub(crate) fn first_shared<T: PartialEq>(ids: &[T]) -> Option<(usize, usize)> {

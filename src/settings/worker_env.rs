@@ -1,56 +1,47 @@
-//! The environment every worker is started with (torchrun names plus accelerate-rs's own), the
-//! per-run secret and the rendezvous port.
+//! The launcher's environment contract, written here and read by
+//! [`ProcessState::resolve`](super::ProcessState) next door: every variable a worker is started
+//! with (torchrun names plus accelerate-rs's own). `accelerate-rs launch` exports
+//! [`CommonEnv::for_rank`]; a round-trip test checks that resolving it gives back the run.
 
-use std::net::{Ipv4Addr, TcpListener};
-use std::path::PathBuf;
-
-use crate::config::MixedPrecision;
-use crate::env;
-use crate::error::{Error, Result};
-
-/// Loopback address the rendezvous store listens on for a single-machine launch.
-pub(crate) const LOOPBACK: &str = "127.0.0.1";
-/// This machine's index among the machines of the run (torchrun's name).
-pub(crate) const GROUP_RANK: &str = "GROUP_RANK";
-/// This machine's index among the machines of the run (accelerate-rs's name).
-pub(crate) const NODE_RANK: &str = "ACCELERATE_RS_NODE_RANK";
-/// Number of machines of the run.
-pub(crate) const NUM_NODES: &str = "ACCELERATE_RS_NUM_MACHINES";
+use crate::settings::env::{self, GROUP_RANK, NODE_RANK, NUM_NODES};
+use crate::settings::MixedPrecision;
 
 /// Everything the environment of one attempt depends on.
-pub(crate) struct EnvSpec {
+#[derive(Clone, Debug)]
+pub struct EnvSpec {
     /// Processes on this machine.
-    pub(crate) local_world_size: usize,
+    pub local_world_size: usize,
     /// Number of machines.
-    pub(crate) num_machines: usize,
+    pub num_machines: usize,
     /// This machine's index.
-    pub(crate) machine_rank: usize,
+    pub machine_rank: usize,
     /// Address of the machine running rank 0.
-    pub(crate) master_addr: String,
+    pub master_addr: String,
     /// Port of the rendezvous store.
-    pub(crate) port: u16,
+    pub port: u16,
     /// The per-run secret.
-    pub(crate) secret: String,
+    pub secret: String,
     /// Attempt number (0 on the first run).
-    pub(crate) restart_count: usize,
+    pub restart_count: usize,
     /// Force CPU.
-    pub(crate) cpu: bool,
+    pub cpu: bool,
     /// Threads per worker.
-    pub(crate) threads: usize,
+    pub threads: usize,
     /// `CUDA_VISIBLE_DEVICES` to set (`None`: leave the launcher's own value).
-    pub(crate) gpu_ids: Option<String>,
+    pub gpu_ids: Option<String>,
     /// Mixed precision mode to export.
-    pub(crate) mixed_precision: Option<MixedPrecision>,
+    pub mixed_precision: Option<MixedPrecision>,
     /// Gradient accumulation steps to export.
-    pub(crate) gradient_accumulation_steps: Option<usize>,
+    pub gradient_accumulation_steps: Option<usize>,
     /// Collective timeout to export, in seconds.
-    pub(crate) timeout_secs: Option<f64>,
+    pub timeout_secs: Option<f64>,
     /// Gradient bucket cap to export, in MiB.
-    pub(crate) bucket_cap_mb: Option<f64>,
+    pub bucket_cap_mb: Option<f64>,
 }
 
 /// Variables shared by every rank of one launch.
-pub(crate) struct CommonEnv {
+#[derive(Clone, Debug)]
+pub struct CommonEnv {
     vars: Vec<(&'static str, String)>,
     local_world_size: usize,
     machine_rank: usize,
@@ -59,7 +50,7 @@ pub(crate) struct CommonEnv {
 impl CommonEnv {
     /// Builds the shared variables. `already_set` tells whether the launcher's own environment
     /// holds a variable (the thread-count variables are then inherited unchanged).
-    pub(crate) fn new(spec: &EnvSpec, already_set: impl Fn(&str) -> bool) -> Self {
+    pub fn new(spec: &EnvSpec, already_set: impl Fn(&str) -> bool) -> Self {
         let world_size = spec.local_world_size * spec.num_machines;
         let mut vars = vec![
             (env::WORLD_SIZE, world_size.to_string()),
@@ -103,61 +94,19 @@ impl CommonEnv {
     }
 
     /// The global rank of local rank `local_rank` on this machine.
-    pub(crate) fn global_rank(&self, local_rank: usize) -> usize {
+    pub fn global_rank(&self, local_rank: usize) -> usize {
         self.machine_rank * self.local_world_size + local_rank
     }
 
     /// The full set of variables for one local rank (RANK and LOCAL_RANK first, then the
     /// shared ones).
-    pub(crate) fn for_rank(&self, local_rank: usize) -> Vec<(&'static str, String)> {
+    pub fn for_rank(&self, local_rank: usize) -> Vec<(&'static str, String)> {
         let mut vars = vec![
             (env::RANK, self.global_rank(local_rank).to_string()),
             (env::LOCAL_RANK, local_rank.to_string()),
         ];
         vars.extend(self.vars.iter().cloned());
         vars
-    }
-}
-
-/// Threads per worker: the machine's parallelism split evenly, at least one.
-pub(crate) fn threads_per_worker(num_processes: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (cores / num_processes.max(1)).max(1)
-}
-
-/// A fresh per-launch secret: 32 random bytes from rand's OS-seeded generator, as 64 hex digits.
-pub(crate) fn new_secret() -> String {
-    let bytes: [u8; 32] = rand::random();
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// A currently free loopback port: bind port 0, read what the OS chose, release it.
-pub(crate) fn free_port() -> Result<u16> {
-    let io_err = |source| Error::Io {
-        context: "launch: could not find a free port for the rendezvous store at".to_string(),
-        path: PathBuf::from(format!("{LOOPBACK}:0")),
-        source,
-    };
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(io_err)?;
-    let port = listener.local_addr().map_err(io_err)?.port();
-    Ok(port)
-}
-
-/// Whether `port` can be bound right now on every interface (so on loopback too). A port some
-/// process listens on, on any address, cannot.
-pub(crate) fn port_is_free(port: u16) -> bool {
-    TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).is_ok()
-}
-
-/// `s` quoted for a POSIX shell when it needs to be (for `--dry-run`).
-pub(crate) fn shell_quote(s: &str) -> String {
-    let plain = !s.is_empty()
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-_./=:,@%+".contains(&b));
-    if plain {
-        s.to_string()
-    } else {
-        format!("'{}'", s.replace('\'', "'\\''"))
     }
 }
 
@@ -170,7 +119,7 @@ mod tests {
             local_world_size: 2,
             num_machines: 1,
             machine_rank: 0,
-            master_addr: LOOPBACK.into(),
+            master_addr: "127.0.0.1".into(),
             port: 1234,
             secret: "s".into(),
             restart_count: 0,
@@ -182,14 +131,6 @@ mod tests {
             timeout_secs: None,
             bucket_cap_mb: None,
         }
-    }
-
-    #[test]
-    fn secret_is_64_hex_and_fresh() {
-        let a = new_secret();
-        assert_eq!(a.len(), 64);
-        assert!(a.bytes().all(|b| b.is_ascii_hexdigit()));
-        assert_ne!(a, new_secret());
     }
 
     #[test]
@@ -229,25 +170,52 @@ mod tests {
         assert_eq!(get(env::CUDA_VISIBLE_DEVICES).as_deref(), Some("0,1"));
     }
 
+    /// What `launch` exports, read back by the settings: the same run, on every rank.
     #[test]
-    fn threads_are_at_least_one() {
-        assert_eq!(threads_per_worker(usize::MAX), 1);
-        assert!(threads_per_worker(1) >= 1);
-    }
-
-    #[test]
-    fn shell_quoting() {
-        assert_eq!(shell_quote("abc-1"), "abc-1");
-        assert_eq!(shell_quote("a b"), "'a b'");
-        assert_eq!(shell_quote("it's"), "'it'\\''s'");
-        assert_eq!(shell_quote(""), "''");
-    }
-
-    #[test]
-    fn a_listened_port_is_busy() {
-        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
-        let port = l.local_addr().unwrap().port();
-        assert!(!port_is_free(port));
-        drop(l);
+    fn exported_environment_resolves_to_the_same_run() {
+        use crate::settings::{Overrides, ProcessState};
+        use std::collections::HashMap;
+        use std::time::Duration;
+        let spec = EnvSpec {
+            num_machines: 2,
+            machine_rank: 1,
+            master_addr: "10.0.0.7".into(),
+            port: 4321,
+            secret: "s3cret".into(),
+            restart_count: 1,
+            mixed_precision: Some(MixedPrecision::Bf16),
+            gradient_accumulation_steps: Some(4),
+            timeout_secs: Some(12.5),
+            bucket_cap_mb: Some(3.0),
+            ..spec()
+        };
+        let common = CommonEnv::new(&spec, |_| false);
+        let empty = tempfile::NamedTempFile::new().unwrap();
+        for local in 0..spec.local_world_size {
+            let vars: HashMap<String, String> = common
+                .for_rank(local)
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect();
+            let o = Overrides {
+                config_file: Some(empty.path().to_path_buf()),
+                ..Overrides::default()
+            };
+            let s = ProcessState::resolve(&o, &|k| vars.get(k).cloned()).unwrap();
+            assert_eq!(s.rank(), common.global_rank(local));
+            assert_eq!(s.rank(), 2 + local);
+            assert_eq!(s.world_size(), 4);
+            assert_eq!(s.local_rank(), local);
+            assert_eq!(s.local_world_size(), 2);
+            assert_eq!(s.master_addr(), Some("10.0.0.7"));
+            assert_eq!(s.master_port(), 4321);
+            assert_eq!(s.secret(), b"s3cret");
+            assert!(s.use_cpu());
+            assert_eq!(s.mixed_precision(), MixedPrecision::Bf16);
+            assert_eq!(s.gradient_accumulation_steps(), 4);
+            assert_eq!(s.timeout(), Duration::from_secs_f64(12.5));
+            assert_eq!(s.bucket_cap_bytes(), 3 * 1024 * 1024);
+            assert_eq!(s.launcher(), "torchrun");
+        }
     }
 }

@@ -13,8 +13,8 @@ use nix::unistd::Pid;
 
 use super::output::{Forwarder, Stream};
 use super::signals::signal_name;
-use super::worker_env::CommonEnv;
-use crate::error::{Error, Result};
+use accelerate_rs::env::CommonEnv;
+use accelerate_rs::{Error, Result};
 
 /// A worker's exit, as reported by its waiter thread.
 pub(crate) struct Exit {

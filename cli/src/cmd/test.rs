@@ -10,12 +10,13 @@ use candle_nn::{Optimizer, SGD};
 use clap::Args;
 use half::{bf16, f16};
 
-use crate::collective::{Buffer, BufferMut, Collective, NcclCollective, ReduceOp};
-use crate::config::ConfigFile;
-use crate::data::{DataLoader, DistributedSampler, TensorDataset};
-use crate::error::{Error, Result};
+use accelerate_rs::collective::{Buffer, BufferMut, Collective, NcclCollective};
+use accelerate_rs::ReduceOp;
+use accelerate_rs::{
+    Accelerator, ConfigFile, DataLoader, DistributedSampler, Error, Result, TensorDataset,
+};
+
 use crate::launch::{launch, LaunchOptions};
-use crate::Accelerator;
 
 /// Arguments of `accelerate-rs test`.
 #[derive(Debug, Args)]
@@ -39,7 +40,7 @@ pub(crate) struct TestArgs {
 pub(crate) fn run(args: TestArgs) -> Result<()> {
     let getenv = |k: &str| std::env::var(k).ok();
     let (cfg, _) = ConfigFile::load_located(args.config_file.as_deref(), &getenv)?;
-    let cpu = args.cpu || cfg.use_cpu == Some(true) || crate::config::gpus_seen() == 0;
+    let cpu = args.cpu || cfg.use_cpu == Some(true) || accelerate_rs::config::gpus_seen() == 0;
     let kind = if cpu { "CPU" } else { "GPU" };
     let (what, res) = match args.dp {
         Some(replicas) => {
@@ -153,7 +154,7 @@ fn run_checks(acc: &Accelerator) -> Result<()> {
 /// 100 AdamW steps and 50 SGD (momentum, Nesterov, weight decay) steps on this rank's device,
 /// fused and unfused, from the same start with the same gradients: the results must agree.
 fn check_fused_optimizers(acc: &Accelerator) -> Result<Outcome> {
-    use crate::optim::{cuda_kernel_launches, AdamW, Sgd, SgdConfig};
+    use accelerate_rs::optim::{cuda_kernel_launches, AdamW, Sgd, SgdConfig};
     let device = acc.device();
     let launched_before = cuda_kernel_launches();
     let shapes: [&[usize]; 3] = [&[300, 257], &[300], &[7, 13]];

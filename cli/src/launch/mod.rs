@@ -58,10 +58,10 @@
 //! worker's command line and environment additions (the secret as `<redacted>`) and starts
 //! nothing.
 
+mod net;
 mod output;
 mod signals;
 mod supervise;
-mod worker_env;
 mod workers;
 
 use std::io::Write;
@@ -69,11 +69,9 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc::channel;
 use std::time::Duration;
 
-use crate::config::{ConfigFile, MixedPrecision};
-use crate::env;
-use crate::error::{Error, Result};
+use accelerate_rs::env::{CommonEnv, EnvSpec};
+use accelerate_rs::{env, ConfigFile, Error, MixedPrecision, Result};
 use supervise::Outcome;
-use worker_env::{CommonEnv, EnvSpec};
 
 /// Default delay between SIGTERM and SIGKILL when stopping workers.
 pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(3);
@@ -253,7 +251,7 @@ fn plan(opts: &LaunchOptions) -> Result<Plan> {
                 ),
             ))
         }
-        None => worker_env::LOOPBACK.to_string(),
+        None => net::LOOPBACK.to_string(),
     };
     if multi && opts.main_process_port.unwrap_or(0) == 0 {
         return Err(Error::invalid(
@@ -279,7 +277,7 @@ fn plan(opts: &LaunchOptions) -> Result<Plan> {
                 ),
             ))
         }
-        None => worker_env::new_secret(),
+        None => net::new_secret(),
     };
     let gpu_ids = match opts.gpu_ids.as_deref().map(str::trim) {
         None | Some("all") => None,
@@ -326,12 +324,12 @@ fn plan(opts: &LaunchOptions) -> Result<Plan> {
 fn resolve_port(opts: &LaunchOptions) -> Result<u16> {
     let given = opts.main_process_port.filter(|p| *p != 0);
     match given {
-        None => worker_env::free_port(),
+        None => net::free_port(),
         Some(port) if opts.num_machines == 1 => {
-            if worker_env::port_is_free(port) {
+            if net::port_is_free(port) {
                 Ok(port)
             } else {
-                let free = worker_env::free_port()?;
+                let free = net::free_port()?;
                 notice(
                     opts,
                     &format!(
@@ -343,7 +341,7 @@ fn resolve_port(opts: &LaunchOptions) -> Result<u16> {
             }
         }
         Some(port) if opts.machine_rank == 0 => {
-            if worker_env::port_is_free(port) {
+            if net::port_is_free(port) {
                 Ok(port)
             } else {
                 Err(Error::invalid(
@@ -370,7 +368,7 @@ fn env_spec(opts: &LaunchOptions, plan: &Plan, port: u16, restart_count: usize) 
         secret: plan.secret.clone(),
         restart_count,
         cpu: opts.cpu,
-        threads: worker_env::threads_per_worker(opts.num_processes),
+        threads: net::threads_per_worker(opts.num_processes),
         gpu_ids: plan.gpu_ids.clone(),
         mixed_precision: opts.mixed_precision,
         gradient_accumulation_steps: opts.gradient_accumulation_steps,
@@ -388,7 +386,7 @@ fn print_dry_run(opts: &LaunchOptions, env: &CommonEnv, port: u16, master: &str)
     );
     let command: Vec<String> = std::iter::once(&opts.program)
         .chain(&opts.args)
-        .map(|a| worker_env::shell_quote(a))
+        .map(|a| net::shell_quote(a))
         .collect();
     for local in 0..opts.num_processes {
         text.push_str(&format!(
@@ -399,7 +397,7 @@ fn print_dry_run(opts: &LaunchOptions, env: &CommonEnv, port: u16, master: &str)
             let v = if k == env::SECRET {
                 "<redacted>".to_string()
             } else {
-                worker_env::shell_quote(&v)
+                net::shell_quote(&v)
             };
             text.push_str(&format!("  {k}={v}\n"));
         }
