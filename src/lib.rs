@@ -65,11 +65,15 @@
 //! | CPU collective transport (several processes) | [`transport`](AcceleratorBuilder::transport) | `ACCELERATE_RS_TRANSPORT`: `auto`, `tcp` or `shm` | `transport` | `auto`: shared memory when every rank is on one host, else TCP |
 //! | reduce CPU gradient buckets on a communication thread while the next is flattened | - | `ACCELERATE_RS_OVERLAP`: `1` or `0` | - | on |
 //! | fused optimizer kernels ([`optim`]) | [`AdamW::set_fused`](optim::AdamW::set_fused), [`Sgd::set_fused`](optim::Sgd::set_fused) | `ACCELERATE_RS_FUSED_OPTIM`: `1` or `0` | - | on |
+//! | check shapes across ranks before `gather`, `reduce`, `broadcast` | - | `ACCELERATE_RS_DEBUG`: `1` or `0` | - | off |
 //!
 //! The launcher families are not mixed: the first of torchrun, SLURM, Open MPI whose rank
 //! variable is set provides rank, world size and local rank. Inconsistent values (a rank not below
 //! the world size, a world size without a rank, a missing `MASTER_ADDR`, a number that does not
-//! parse) are errors naming the variable and its value.
+//! parse) are errors naming the variable and its value. Every variable is parsed strictly: a
+//! flag takes `1`/`0`, `true`/`false`, `yes`/`no` or `on`/`off`, and anything else (say
+//! `ACCELERATE_RS_OVERLAP=yes-please`) is an error naming the variable and the value, never a
+//! silent "on". An empty value counts as unset.
 //!
 //! ## What is public
 //!

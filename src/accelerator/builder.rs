@@ -194,12 +194,17 @@ pub(super) fn connect(state: &ProcessState) -> Result<Arc<dyn Collective>> {
 fn gpu_collective(state: &ProcessState, opts: &TcpOptions) -> Result<Arc<dyn Collective>> {
     let host: Arc<dyn Collective> = Arc::new(TcpCollective::connect(opts)?);
     let id = crate::settings::gpu::identity(state.device())?;
-    match super::placement::shared_gpu(host.as_ref(), &id)? {
+    match crate::collective::placement::shared_gpu(host.as_ref(), &id)? {
         Some((a, b)) => {
             if state.is_main_process() {
                 eprintln!(
                     "{}",
-                    super::placement::sharing_warning(a, b, "ranks", "shared memory or TCP")
+                    crate::collective::placement::sharing_warning(
+                        a,
+                        b,
+                        "ranks",
+                        "shared memory or TCP"
+                    )
                 );
             }
             Ok(host)

@@ -140,12 +140,12 @@ fn gpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
         other => other,
     })?;
     let ordinals = replica_ordinals(n, visible)?;
-    if let Some((a, b)) = crate::accelerator::placement::first_shared(&ordinals) {
+    if let Some((a, b)) = crate::collective::placement::first_shared(&ordinals) {
         // NCCL cannot put two replicas on one GPU: reduce through host memory in a thread group,
         // every replica on its GPU's one device (and stream).
         eprintln!(
             "{}",
-            crate::accelerator::placement::sharing_warning(a, b, "DP replicas", "a thread group")
+            crate::collective::placement::sharing_warning(a, b, "DP replicas", "a thread group")
         );
         let devices = ordinals
             .iter()
@@ -332,12 +332,12 @@ mod tests {
         let shared = replica_ordinals(3, 1).unwrap();
         assert_eq!(shared, vec![0, 0, 0]);
         assert_eq!(
-            crate::accelerator::placement::first_shared(&shared),
+            crate::collective::placement::first_shared(&shared),
             Some((0, 1))
         );
         assert_eq!(replica_ordinals(3, 2).unwrap(), vec![0, 1, 0]);
         assert_eq!(
-            crate::accelerator::placement::first_shared(&replica_ordinals(2, 2).unwrap()),
+            crate::collective::placement::first_shared(&replica_ordinals(2, 2).unwrap()),
             None
         );
         let e = replica_ordinals(2, 0).unwrap_err().to_string();

@@ -8,7 +8,6 @@ mod builder;
 mod checkpoint;
 pub(crate) mod dp;
 mod ops;
-mod placement;
 
 use std::sync::Arc;
 

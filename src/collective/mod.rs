@@ -40,6 +40,7 @@ mod nccl;
 // Used by nccl.rs (cuda builds only); compiled and tested in every build.
 #[allow(dead_code)]
 mod nccl_dtype;
+pub(crate) mod placement;
 pub(crate) mod reduce;
 mod single;
 mod tcp;

@@ -55,7 +55,7 @@ pub const BUCKET_CAP_MB: &str = "ACCELERATE_RS_BUCKET_CAP_MB";
 /// afterwards; default on). See [`crate::optim`].
 pub const FUSED_OPTIM: &str = "ACCELERATE_RS_FUSED_OPTIM";
 /// Whether CPU gradient buckets are all-reduced on a communication thread while the next bucket
-/// is flattened (`0` turns it off; default on). Read once per process.
+/// is flattened (`0` turns it off; default on). Read when an accelerator is built.
 pub const OVERLAP: &str = "ACCELERATE_RS_OVERLAP";
 /// Whether to tune glibc's allocator for training (`1`/`0`; default on), see
 /// [`crate::allocator`].
@@ -68,7 +68,9 @@ pub const GRADIENT_ACCUMULATION_STEPS: &str = "ACCELERATE_RS_GRADIENT_ACCUMULATI
 pub const DATA_PARALLEL: &str = "ACCELERATE_RS_DATA_PARALLEL";
 /// Path of the config file (overrides the platform default location).
 pub const CONFIG_FILE: &str = "ACCELERATE_RS_CONFIG_FILE";
-/// Debug mode (`1`/`true`/`yes`/`on`): `gather`, `reduce` and `broadcast` first check that every rank passes a tensor of the same shape and dtype, listing every rank's shape when not (read once per process).
+/// Debug mode (a flag, default off): `gather`, `reduce` and `broadcast` first check that every
+/// rank passes a tensor of the same shape and dtype, listing every rank's shape when not. Read
+/// when an accelerator is built.
 pub const DEBUG: &str = "ACCELERATE_RS_DEBUG";
 /// Data path of multi-process CPU `all_reduce` and `broadcast`: `auto` (default: shared memory
 /// when every rank is on the same host, else TCP), `tcp`, or `shm` (an error on several hosts).
