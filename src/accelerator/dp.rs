@@ -96,7 +96,7 @@ where
     if n == 1 {
         let collective = match collective {
             Some(c) => c,
-            None => super::builder::connect(&probe)?,
+            None => super::connect::connect(&probe)?,
         };
         return Ok(vec![f(Accelerator::from_parts(probe, collective))?]);
     }

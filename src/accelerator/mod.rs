@@ -6,6 +6,7 @@
 
 mod builder;
 mod checkpoint;
+mod connect;
 pub(crate) mod dp;
 mod ops;
 
