@@ -133,7 +133,7 @@ impl AcceleratorBuilder {
     /// Runs `f` once per replica, each with its own [`Accelerator`] (DP, see
     /// [`AcceleratorBuilder::data_parallel`]), or exactly once on the calling thread (every other
     /// mode). Results come back in replica order. If any replica fails (error or panic), returns
-    /// [`Error::Replica`] naming the first one to fail; the other replicas do not hang, their
+    /// [`Error::Replica`](crate::Error::Replica) naming the first one to fail; the other replicas do not hang, their
     /// collectives fail once the failed replica's is dropped.
     pub fn run<R, F>(self, f: F) -> Result<Vec<R>>
     where

@@ -144,7 +144,7 @@ impl Accelerator {
     /// [`ProcessState::mixed_precision`]): `model` holds the f32 master weights and `optimizer`
     /// steps them; returns the optimizer, the loader and a `VarMap` of working copies in the
     /// compute dtype to build the model from (see [`MixedPrecisionOptimizer`]). With
-    /// [`MixedPrecision::No`] it is `prepare` and the `VarMap` is `model`'s variables.
+    /// [`MixedPrecision::No`](crate::MixedPrecision::No) it is `prepare` and the `VarMap` is `model`'s variables.
     pub fn prepare_mixed<P: Parameters + ?Sized, O: Optimizer>(
         &self,
         model: &P,

@@ -1,5 +1,5 @@
 //! Checkpoints: save the training state and resume it bit-identically, as methods on
-//! [`Accelerator`] (Hugging Face Accelerate's `save_state` / `load_state` / `save_model`).
+//! [`Accelerator`](crate::Accelerator) (Hugging Face Accelerate's `save_state` / `load_state` / `save_model`).
 //!
 //! A checkpoint is a directory holding
 //!
@@ -9,7 +9,7 @@
 //! | `optimizer.safetensors` | the optimizer's state tensors (`"{i}.m"`, ...; only with an optimizer) |
 //! | `manifest.json` | [`Manifest`]: steps, learning rate, schedule step, loader position, world size, version, `extra` |
 //!
-//! What goes in is named explicitly with [`CheckpointParts`]; [`Accelerator::load_state`] puts
+//! What goes in is named explicitly with [`CheckpointParts`]; [`Accelerator::load_state`](crate::Accelerator::load_state) puts
 //! the model and optimizer back and returns the [`Manifest`], from which the caller restores the
 //! rest ([`DataLoader::resume_at`](crate::DataLoader::resume_at),
 //! [`Schedule::set_step`](crate::scheduler::Schedule::set_step)):
@@ -42,11 +42,11 @@
 //! # Ok(()) }
 //! ```
 //!
-//! **Every rank** must call [`save_state`](Accelerator::save_state),
-//! [`save_state_auto`](Accelerator::save_state_auto) and [`save_model`](Accelerator::save_model)
+//! **Every rank** must call [`save_state`](crate::Accelerator::save_state),
+//! [`save_state_auto`](crate::Accelerator::save_state_auto) and [`save_model`](crate::Accelerator::save_model)
 //! at the same point: only the main process writes, the others wait for it and get its error, if
 //! any. The directory must be visible to every rank (the same machine, or a shared file system)
-//! for [`load_state`](Accelerator::load_state).
+//! for [`load_state`](crate::Accelerator::load_state).
 //!
 //! **Atomicity.** The main process writes everything into `<dir>.tmp-<pid>`, syncs it, and only
 //! then renames it to `<dir>`. A directory cannot be renamed over a non-empty one, so an existing
@@ -76,7 +76,7 @@ pub const MODEL_FILE: &str = "model.safetensors";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// The manifest inside a checkpoint; written last, so its presence marks a complete checkpoint.
 pub const MANIFEST_FILE: &str = "manifest.json";
-/// The prefix of the directories written by [`Accelerator::save_state_auto`].
+/// The prefix of the directories written by [`Accelerator::save_state_auto`](crate::Accelerator::save_state_auto).
 pub const AUTO_PREFIX: &str = "checkpoint_";
 
 /// An optimizer whose state can go into a checkpoint: [`AdamW`], [`Sgd`], and an
@@ -137,7 +137,7 @@ pub struct LoaderPosition {
     pub batches_done: usize,
 }
 
-/// What [`Accelerator::save_state`] writes. Built with [`new`](Self::new) and the setters.
+/// What [`Accelerator::save_state`](crate::Accelerator::save_state) writes. Built with [`new`](Self::new) and the setters.
 pub struct CheckpointParts<'a> {
     /// The model's parameters (required).
     pub model: &'a dyn Parameters,
@@ -216,7 +216,7 @@ pub struct OptimizerManifest {
 }
 
 /// `manifest.json`: everything in a checkpoint besides tensors. Returned by
-/// [`Accelerator::load_state`] and [`read_manifest`].
+/// [`Accelerator::load_state`](crate::Accelerator::load_state) and [`read_manifest`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
     /// The accelerate-rs version that wrote it.
@@ -272,7 +272,7 @@ pub fn resolve_checkpoint(dir: impl AsRef<Path>) -> Option<PathBuf> {
 }
 
 /// Reads a checkpoint's manifest (falling back to `<dir>.old` like
-/// [`Accelerator::load_state`]).
+/// [`Accelerator::load_state`](crate::Accelerator::load_state)).
 pub fn read_manifest(dir: impl AsRef<Path>) -> Result<Manifest> {
     let dir = dir.as_ref();
     let found = resolve_checkpoint(dir).ok_or_else(|| {
@@ -308,7 +308,7 @@ fn auto_entries(root: &Path) -> Vec<(u64, PathBuf)> {
     out
 }
 
-/// The newest complete checkpoint written by [`Accelerator::save_state_auto`] under `root`: the
+/// The newest complete checkpoint written by [`Accelerator::save_state_auto`](crate::Accelerator::save_state_auto) under `root`: the
 /// `checkpoint_<N>` with the largest `N` whose manifest exists (or whose `.old` copy is
 /// complete). Partial directories (`*.tmp-<pid>` of a crashed save) are ignored. `None` when
 /// there is none (or `root` does not exist).

@@ -1,71 +1,4 @@
-//! Mixed precision: compute in bf16 or f16, keep f32 *master* weights on the optimizer side.
-//!
-//! [`Accelerator::prepare_mixed`](crate::Accelerator::prepare_mixed) takes the model's `VarMap`
-//! built in **f32** (the masters), the optimizer built on those f32 variables, and the loader. It
-//! prepares the masters exactly like [`prepare`](crate::Accelerator::prepare) (verified across
-//! ranks, rank 0's values broadcast), then creates a second `VarMap` of *working copies*: one
-//! variable per master, same name, cast to the compute dtype (bf16 or f16). Build the model a
-//! second time from the working copies and run forward and backward with it:
-//!
-//! ```
-//! use accelerate_rs::{Accelerator, DataLoader, MixedPrecision, TensorDataset};
-//! use candle_core::{DType, Module, Tensor};
-//! use candle_nn::{linear, loss, Optimizer, VarBuilder, VarMap, SGD};
-//!
-//! fn main() -> Result<(), Box<dyn std::error::Error>> {
-//!     let accelerator = Accelerator::builder().mixed_precision(MixedPrecision::Bf16).build()?;
-//!     let device = accelerator.device().clone();
-//!     let x = Tensor::randn(0f32, 1.0, (64, 4), &device)?;
-//!     let y = x.sum_keepdim(1)?;
-//!
-//!     let master = VarMap::new(); // f32 masters
-//!     linear(4, 1, VarBuilder::from_varmap(&master, DType::F32, &device).pp("fc"))?;
-//!     let opt = SGD::new(master.all_vars(), 0.05)?;
-//!     let loader = DataLoader::new(TensorDataset::new(vec![x, y])?, 16);
-//!     let (mut opt, mut loader, work) = accelerator.prepare_mixed(&master, opt, loader)?;
-//!     let dtype = opt.compute_dtype(); // bf16
-//!     let model = linear(4, 1, VarBuilder::from_varmap(&work, dtype, &device).pp("fc"))?;
-//!
-//!     for batch in loader.iter()? {
-//!         let batch = batch?;
-//!         let out = model.forward(&batch[0].to_dtype(dtype)?)?.to_dtype(DType::F32)?;
-//!         opt.backward_step(&loss::mse(&out, &batch[1])?)?;
-//!     }
-//!     Ok(())
-//! }
-//! ```
-//!
-//! Each [`MixedPrecisionOptimizer::backward_step`]:
-//!
-//! 1. (f16 only) multiplies the loss by the current loss scale, runs backward through the working
-//!    copies;
-//! 2. casts every working copy's gradient to f32 (and divides it by the loss scale), keyed by its
-//!    master;
-//! 3. averages these f32 gradients across ranks (the usual bucketed all-reduce);
-//! 4. (f16 only) if any averaged gradient holds an inf or NaN, the step is **skipped** on every
-//!    rank alike (they all see the same averaged gradients), the scale is multiplied by 0.5 and the
-//!    skip is counted ([`skipped_steps`](MixedPrecisionOptimizer::skipped_steps)); after
-//!    [`growth_interval`](LossScaler::growth_interval) (2000) clean steps in a row the scale is
-//!    doubled. The initial scale is 2^16;
-//! 5. clips (if set) and steps the wrapped optimizer on the f32 masters;
-//! 6. copies the masters back into the working copies (cast to the compute dtype), so the working
-//!    copies always equal the masters cast.
-//!
-//! bf16 has f32's exponent range and needs no loss scaling ([`loss_scale`] is 1).
-//! With [`MixedPrecision::No`] the working `VarMap` *is* the master `VarMap` and every call is
-//! forwarded to [`AcceleratedOptimizer`]: exactly the behaviour of `prepare`.
-//!
-//! The mode is `ACCELERATE_RS_MIXED_PRECISION` / config `mixed_precision` / the builder's
-//! [`mixed_precision`](crate::AcceleratorBuilder::mixed_precision) (see
-//! [`ProcessState::mixed_precision`](crate::ProcessState::mixed_precision)).
-//!
-//! Mixed precision adds only the cast to f32 and the loss scaling: accumulation, averaging,
-//! clipping and flushing are the gradient engine's, as for [`AcceleratedOptimizer`].
-//!
-//! Gradient accumulation (`N > 1`) works with bf16/f16: f32 gradients are summed locally and the
-//! masters step on sync steps.
-//!
-//! [`loss_scale`]: MixedPrecisionOptimizer::loss_scale
+//! Mixed precision: the optimizer that keeps f32 masters for bf16/f16 working copies.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -139,7 +72,76 @@ impl LossScaler {
 }
 
 /// The optimizer returned by [`Accelerator::prepare_mixed`](crate::Accelerator::prepare_mixed):
-/// f32 master weights, half-precision working copies (see [the module](self)).
+/// f32 master weights, half-precision working copies.
+///
+/// Mixed precision: compute in bf16 or f16, keep f32 *master* weights on the optimizer side.
+///
+/// [`Accelerator::prepare_mixed`](crate::Accelerator::prepare_mixed) takes the model's `VarMap`
+/// built in **f32** (the masters), the optimizer built on those f32 variables, and the loader. It
+/// prepares the masters exactly like [`prepare`](crate::Accelerator::prepare) (verified across
+/// ranks, rank 0's values broadcast), then creates a second `VarMap` of *working copies*: one
+/// variable per master, same name, cast to the compute dtype (bf16 or f16). Build the model a
+/// second time from the working copies and run forward and backward with it:
+///
+/// ```
+/// use accelerate_rs::{Accelerator, DataLoader, MixedPrecision, TensorDataset};
+/// use candle_core::{DType, Module, Tensor};
+/// use candle_nn::{linear, loss, Optimizer, VarBuilder, VarMap, SGD};
+///
+/// fn main() -> Result<(), Box<dyn std::error::Error>> {
+///     let accelerator = Accelerator::builder().mixed_precision(MixedPrecision::Bf16).build()?;
+///     let device = accelerator.device().clone();
+///     let x = Tensor::randn(0f32, 1.0, (64, 4), &device)?;
+///     let y = x.sum_keepdim(1)?;
+///
+///     let master = VarMap::new(); // f32 masters
+///     linear(4, 1, VarBuilder::from_varmap(&master, DType::F32, &device).pp("fc"))?;
+///     let opt = SGD::new(master.all_vars(), 0.05)?;
+///     let loader = DataLoader::new(TensorDataset::new(vec![x, y])?, 16);
+///     let (mut opt, mut loader, work) = accelerator.prepare_mixed(&master, opt, loader)?;
+///     let dtype = opt.compute_dtype(); // bf16
+///     let model = linear(4, 1, VarBuilder::from_varmap(&work, dtype, &device).pp("fc"))?;
+///
+///     for batch in loader.iter()? {
+///         let batch = batch?;
+///         let out = model.forward(&batch[0].to_dtype(dtype)?)?.to_dtype(DType::F32)?;
+///         opt.backward_step(&loss::mse(&out, &batch[1])?)?;
+///     }
+///     Ok(())
+/// }
+/// ```
+///
+/// Each [`backward_step`](MixedPrecisionOptimizer::backward_step):
+///
+/// 1. (f16 only) multiplies the loss by the current loss scale, runs backward through the working
+///    copies;
+/// 2. casts every working copy's gradient to f32 (and divides it by the loss scale), keyed by its
+///    master;
+/// 3. averages these f32 gradients across ranks (the usual bucketed all-reduce);
+/// 4. (f16 only) if any averaged gradient holds an inf or NaN, the step is **skipped** on every
+///    rank alike (they all see the same averaged gradients), the scale is multiplied by 0.5 and the
+///    skip is counted ([`skipped_steps`](MixedPrecisionOptimizer::skipped_steps)); after
+///    [`growth_interval`](LossScaler::growth_interval) (2000) clean steps in a row the scale is
+///    doubled. The initial scale is 2^16;
+/// 5. clips (if set) and steps the wrapped optimizer on the f32 masters;
+/// 6. copies the masters back into the working copies (cast to the compute dtype), so the working
+///    copies always equal the masters cast.
+///
+/// bf16 has f32's exponent range and needs no loss scaling ([`loss_scale`] is 1).
+/// With [`MixedPrecision::No`] the working `VarMap` *is* the master `VarMap` and every call is
+/// forwarded to [`AcceleratedOptimizer`]: exactly the behaviour of `prepare`.
+///
+/// The mode is `ACCELERATE_RS_MIXED_PRECISION` / config `mixed_precision` / the builder's
+/// [`mixed_precision`](crate::AcceleratorBuilder::mixed_precision) (see
+/// [`ProcessState::mixed_precision`](crate::ProcessState::mixed_precision)).
+///
+/// Mixed precision adds only the cast to f32 and the loss scaling: accumulation, averaging,
+/// clipping and flushing are the gradient engine's, as for [`AcceleratedOptimizer`].
+///
+/// Gradient accumulation (`N > 1`) works with bf16/f16: f32 gradients are summed locally and the
+/// masters step on sync steps.
+///
+/// [`loss_scale`]: MixedPrecisionOptimizer::loss_scale
 pub struct MixedPrecisionOptimizer<O> {
     inner: AcceleratedOptimizer<O>,
     mode: MixedPrecision,
@@ -250,7 +252,7 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
     }
 
     /// Backward through the working copies, f32 gradients averaged across ranks, step of the
-    /// masters, masters copied back (see [the module](self)). Returns whether it stepped (false
+    /// masters, masters copied back (see [`MixedPrecisionOptimizer`]). Returns whether it stepped (false
     /// when an f16 step was skipped, or on a non-sync micro-step of gradient accumulation).
     ///
     /// With gradient accumulation (N > 1) each call is one micro-step: the f32 gradients are

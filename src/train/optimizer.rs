@@ -16,7 +16,7 @@ use crate::train::grad_sync::{Clipping, GradSync};
 /// and [`optim::Sgd`](crate::optim::Sgd)) and by both wrappers, [`AcceleratedOptimizer`] and
 /// [`MixedPrecisionOptimizer`](crate::MixedPrecisionOptimizer). The wrappers also share
 /// clipping (`set_clip_grad_norm`, `set_clip_grad_value`, `last_grad_norm`) and checkpoints
-/// ([`StatefulOptimizer`](crate::StatefulOptimizer)).
+/// ([`StatefulOptimizer`](crate::checkpoint::StatefulOptimizer)).
 pub trait TrainOptimizer {
     /// The learning rate.
     fn lr(&self) -> f64;
