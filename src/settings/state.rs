@@ -270,92 +270,123 @@ fn check_single_process(replicas: usize, world_size: usize) -> Result<()> {
     Ok(())
 }
 
+/// Where this process stands: rank, world size, local rank and local world size, and which
+/// launcher's variables said so.
+struct Place {
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+    local_world_size: usize,
+    launcher: &'static str,
+}
+
+/// Rank and world size: the builder, else the first launcher family whose rank is set (the
+/// families are not mixed); local rank and local world size likewise, defaulting to "every rank
+/// on this machine". Inconsistent values are errors naming the variable.
+fn place(o: &Overrides, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Place> {
+    let get = |var: &str| getenv(var).filter(|v| !v.trim().is_empty());
+    // Rank and world size: builder, else the first launcher family whose rank is set.
+    let family = FAMILIES.iter().find(|f| get(f.rank).is_some());
+    if family.is_none() && o.rank.is_none() {
+        for f in &FAMILIES {
+            if let Some(Count(w)) = env_value(getenv, f.world)? {
+                if w > 1 {
+                    return Err(Error::Env {
+                        var: f.rank.into(),
+                        value: String::new(),
+                        reason: format!("{}={w} is set but {} is not; set both (or run under `accelerate-rs launch`)", f.world, f.rank),
+                    });
+                }
+            }
+        }
+    }
+    let from_env = |var: Option<&'static str>| -> Result<Option<(usize, &'static str)>> {
+        match var {
+            Some(v) => Ok(env_value::<Count>(getenv, v)?.map(|c| (c.0, v))),
+            None => Ok(None),
+        }
+    };
+    let env_rank = from_env(family.map(|f| f.rank))?;
+    let env_world = from_env(family.map(|f| f.world))?;
+    if let (Some(f), Some(_), None) = (family, env_rank, env_world) {
+        if o.world_size.is_none() {
+            return Err(Error::Env {
+                var: f.world.into(),
+                value: String::new(),
+                reason: format!("{} is set but {} is not; set both", f.rank, f.world),
+            });
+        }
+    }
+    let rank = pick(o.rank, env_rank.map(|r| r.0), None, 0);
+    let world_size = pick(o.world_size, env_world.map(|w| w.0), None, 1);
+    let (rank_var, world_var) = (
+        env_rank.map_or("rank (builder)", |r| r.1),
+        env_world.map_or("world_size (builder)", |w| w.1),
+    );
+    if world_size == 0 {
+        return Err(Error::Env {
+            var: world_var.into(),
+            value: "0".into(),
+            reason: "the world size must be at least 1".into(),
+        });
+    }
+    if rank >= world_size {
+        return Err(Error::Env {
+            var: rank_var.into(),
+            value: rank.to_string(),
+            reason: format!("rank {rank} is not below the world size {world_size} ({world_var})"),
+        });
+    }
+    let env_local_rank = from_env(family.map(|f| f.local_rank))?;
+    let env_local_world = from_env(family.map(|f| f.local_world))?;
+    let local_world_size = pick(
+        o.local_world_size,
+        env_local_world.map(|v| v.0),
+        None,
+        world_size,
+    );
+    // Without a local rank, assume every rank runs on this machine.
+    let local_rank = pick(o.local_rank, env_local_rank.map(|v| v.0), None, rank);
+    if local_world_size == 0 || local_rank >= local_world_size {
+        let var = env_local_rank.map_or("local_rank", |v| v.1);
+        return Err(Error::Env {
+            var: var.into(),
+            value: local_rank.to_string(),
+            reason: format!(
+                "local rank {local_rank} is not below the local world size {local_world_size}"
+            ),
+        });
+    }
+    Ok(Place {
+        rank,
+        world_size,
+        local_rank,
+        local_world_size,
+        launcher: match (o.rank, family) {
+            (Some(_), _) => "builder",
+            (None, Some(f)) => f.name,
+            (None, None) => "none",
+        },
+    })
+}
+
 impl ProcessState {
     /// Resolves the state from builder overrides, the environment (`getenv`) and the config file.
     pub(crate) fn resolve(o: &Overrides, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
         let (cfg, config_path) = ConfigFile::load_located(o.config_file.as_deref(), getenv)?;
 
-        let get = |var: &str| getenv(var).filter(|v| !v.trim().is_empty());
-        // Rank and world size: builder, else the first launcher family whose rank is set.
-        let family = FAMILIES.iter().find(|f| get(f.rank).is_some());
-        if family.is_none() && o.rank.is_none() {
-            for f in &FAMILIES {
-                if let Some(Count(w)) = env_value(getenv, f.world)? {
-                    if w > 1 {
-                        return Err(Error::Env {
-                            var: f.rank.into(),
-                            value: String::new(),
-                            reason: format!("{}={w} is set but {} is not; set both (or run under `accelerate-rs launch`)", f.world, f.rank),
-                        });
-                    }
-                }
-            }
-        }
-        let from_env = |var: Option<&'static str>| -> Result<Option<(usize, &'static str)>> {
-            match var {
-                Some(v) => Ok(env_value::<Count>(getenv, v)?.map(|c| (c.0, v))),
-                None => Ok(None),
-            }
-        };
-        let env_rank = from_env(family.map(|f| f.rank))?;
-        let env_world = from_env(family.map(|f| f.world))?;
-        if let (Some(f), Some(_), None) = (family, env_rank, env_world) {
-            if o.world_size.is_none() {
-                return Err(Error::Env {
-                    var: f.world.into(),
-                    value: String::new(),
-                    reason: format!("{} is set but {} is not; set both", f.rank, f.world),
-                });
-            }
-        }
-        let rank = pick(o.rank, env_rank.map(|r| r.0), None, 0);
-        let world_size = pick(o.world_size, env_world.map(|w| w.0), None, 1);
-        let (rank_var, world_var) = (
-            env_rank.map_or("rank (builder)", |r| r.1),
-            env_world.map_or("world_size (builder)", |w| w.1),
-        );
-        if world_size == 0 {
-            return Err(Error::Env {
-                var: world_var.into(),
-                value: "0".into(),
-                reason: "the world size must be at least 1".into(),
-            });
-        }
-        if rank >= world_size {
-            return Err(Error::Env {
-                var: rank_var.into(),
-                value: rank.to_string(),
-                reason: format!(
-                    "rank {rank} is not below the world size {world_size} ({world_var})"
-                ),
-            });
-        }
+        let Place {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            launcher,
+        } = place(o, getenv)?;
         // DP: one process, several replicas, started by `AcceleratorBuilder::run` (a replica's
         // world is its replicas).
         let data_parallel = data_parallel(o.data_parallel, getenv)?;
         if data_parallel > 1 && o.replica_device.is_none() {
             check_single_process(data_parallel, world_size)?;
-        }
-
-        let env_local_rank = from_env(family.map(|f| f.local_rank))?;
-        let env_local_world = from_env(family.map(|f| f.local_world))?;
-        let local_world_size = pick(
-            o.local_world_size,
-            env_local_world.map(|v| v.0),
-            None,
-            world_size,
-        );
-        // Without a local rank, assume every rank runs on this machine.
-        let local_rank = pick(o.local_rank, env_local_rank.map(|v| v.0), None, rank);
-        if local_world_size == 0 || local_rank >= local_world_size {
-            let var = env_local_rank.map_or("local_rank", |v| v.1);
-            return Err(Error::Env {
-                var: var.into(),
-                value: local_rank.to_string(),
-                reason: format!(
-                    "local rank {local_rank} is not below the local world size {local_world_size}"
-                ),
-            });
         }
 
         let master_addr = o
@@ -472,11 +503,7 @@ impl ProcessState {
             secret,
             mixed_precision,
             gradient_accumulation_steps,
-            launcher: match (o.rank, family) {
-                (Some(_), _) => "builder",
-                (None, Some(f)) => f.name,
-                (None, None) => "none",
-            },
+            launcher,
             config_path,
             use_cpu: use_cpu == Some(true),
         })
