@@ -13,9 +13,8 @@ use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use accelerate_rs::collective::{
-    BufferMut, Collective, ReduceOp, TcpCollective, TcpOptions, ThreadGroup,
-};
+use accelerate_rs::collective::{BufferMut, Collective, TcpCollective, TcpOptions, ThreadGroup};
+use accelerate_rs::ReduceOp;
 
 const ROLE_VAR: &str = "ACCEL_BENCH_ROLE";
 const TRANSPORT_VAR: &str = accelerate_rs::env::TRANSPORT;

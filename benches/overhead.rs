@@ -796,7 +796,9 @@ fn worker(plan: Plan) -> Result<()> {
         // `backward_step` split in its two halves, to time them.
         let grads = accelerator.backward(&loss)?;
         let t2 = Instant::now();
-        opt.step(&grads)?;
+        if let Some(grads) = grads {
+            opt.step(&grads)?;
+        }
         if step >= plan.warmup {
             times.push(ms(start.elapsed()));
             fwd.push(ms(t1 - start));

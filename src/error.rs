@@ -187,6 +187,32 @@ pub enum Error {
         reason: String,
     },
 
+    /// A thread of accelerate-rs itself panicked (e.g. the communication thread that reduces
+    /// gradient buckets): an internal failure, not a usage error.
+    #[error("rank {rank}: {thread} panicked: {message}")]
+    ThreadPanicked {
+        /// This process's rank.
+        rank: usize,
+        /// Which thread.
+        thread: String,
+        /// The panic message.
+        message: String,
+    },
+
+    /// A DP replica failed ([`AcceleratorBuilder::run`](crate::AcceleratorBuilder::run)): which
+    /// one, and its error or panic. Match it directly; no downcasting needed.
+    #[error(transparent)]
+    Replica(Box<ReplicaFailure>),
+
+    /// A DP replica's thread ended without an error and without a result (an internal failure).
+    #[error("DP replica {replica} of {replicas} returned no result")]
+    ReplicaMissing {
+        /// The replica's index.
+        replica: usize,
+        /// How many replicas the run had.
+        replicas: usize,
+    },
+
     /// An error from Candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
@@ -229,4 +255,59 @@ impl From<Error> for candle_core::Error {
             other => candle_core::Error::wrap(other),
         }
     }
+}
+
+/// A DP replica that failed, returned as [`Error::Replica`] by
+/// [`run`](crate::AcceleratorBuilder::run).
+#[derive(Debug)]
+pub struct ReplicaFailure {
+    /// The replica's index (its rank).
+    pub replica: usize,
+    /// How many replicas the run had.
+    pub replicas: usize,
+    /// What happened: the closure's error, or the panic message.
+    pub cause: ReplicaCause,
+}
+
+/// Why a DP replica failed.
+#[derive(Debug)]
+pub enum ReplicaCause {
+    /// The replica (or its setup) returned this error.
+    Error(Error),
+    /// The replica's thread panicked with this message.
+    Panic(String),
+}
+
+impl std::fmt::Display for ReplicaFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (i, n) = (self.replica, self.replicas);
+        match &self.cause {
+            ReplicaCause::Error(e) => write!(f, "DP replica {i} of {n} failed: {e}"),
+            ReplicaCause::Panic(m) => write!(f, "DP replica {i} of {n} panicked: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for ReplicaFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.cause {
+            ReplicaCause::Error(e) => Some(e),
+            ReplicaCause::Panic(_) => None,
+        }
+    }
+}
+
+impl From<ReplicaFailure> for Error {
+    fn from(f: ReplicaFailure) -> Self {
+        Error::Replica(Box::new(f))
+    }
+}
+
+/// The message of a panic payload (`&str` or `String`), for errors that report a panic.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(a panic payload that is not a string)".into())
 }

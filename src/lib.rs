@@ -65,80 +65,106 @@
 //! | CPU collective transport (several processes) | [`transport`](AcceleratorBuilder::transport) | `ACCELERATE_RS_TRANSPORT`: `auto`, `tcp` or `shm` | `transport` | `auto`: shared memory when every rank is on one host, else TCP |
 //! | reduce CPU gradient buckets on a communication thread while the next is flattened | - | `ACCELERATE_RS_OVERLAP`: `1` or `0` | - | on |
 //! | fused optimizer kernels ([`optim`]) | [`AdamW::set_fused`](optim::AdamW::set_fused), [`Sgd::set_fused`](optim::Sgd::set_fused) | `ACCELERATE_RS_FUSED_OPTIM`: `1` or `0` | - | on |
+//! | check shapes across ranks before `gather`, `reduce`, `broadcast` | - | `ACCELERATE_RS_DEBUG`: `1` or `0` | - | off |
 //!
 //! The launcher families are not mixed: the first of torchrun, SLURM, Open MPI whose rank
 //! variable is set provides rank, world size and local rank. Inconsistent values (a rank not below
 //! the world size, a world size without a rank, a missing `MASTER_ADDR`, a number that does not
-//! parse) are errors naming the variable and its value.
+//! parse) are errors naming the variable and its value. Every variable is parsed strictly: a
+//! flag takes `1`/`0`, `true`/`false`, `yes`/`no` or `on`/`off`, and anything else (say
+//! `ACCELERATE_RS_OVERLAP=yes-please`) is an error naming the variable and the value, never a
+//! silent "on". An empty value counts as unset.
 //!
-//! ## Modules
+//! ## What is public
 //!
-//! - [`accelerator`]: [`Accelerator`] and its builder; `prepare`, `backward`.
-//! - [`accumulate`]: gradient accumulation (micro-steps, sync steps) and gradient clipping.
-//! - [`mixed_precision`]: bf16/f16 compute with f32 master weights and f16 loss scaling
-//!   ([`Accelerator::prepare_mixed`]).
-//! - [`checkpoint`]: `save_state` / `load_state` / `save_model` on [`Accelerator`], atomic
-//!   checkpoint directories with rotation ([`checkpoint::latest_checkpoint`]), and mid-epoch
-//!   resume ([`DataLoader::resume_at`]).
-//! - [`collective`]: the [`Collective`] trait and its backends (single
-//!   process, TCP ring with a same-host shared-memory data path, in-process threads).
-//! - [`ops`]: collectives for users on [`Accelerator`]: `gather`, `gather_for_metrics`, `reduce`,
-//!   `broadcast`, `pad_across_processes`, `main_process_first`, `split_between_processes`,
-//!   `set_seed`, `debug_shapes`.
-//! - [`dp`]: DP, one process driving several model replicas, one thread each ([`AcceleratorBuilder::run`]).
-//! - [`data`]: [`Dataset`], [`TensorDataset`], [`DistributedSampler`], [`DataLoader`].
-//! - [`launch`]: the launcher behind `accelerate-rs launch`; [`cli`]: the `accelerate-rs` command.
-//! - [`config`], [`state`], [`env`](mod@env): settings, their sources and the variable names.
-//! - [`gpu`]: GPU discovery (`gpu_stub.rs` in a build without the `cuda` feature).
+//! Each type has one path. At the root: [`Accelerator`] and [`AcceleratorBuilder`] (with DP,
+//! user collectives such as `gather`/`reduce`/`broadcast`, and `save_state`/`load_state` as its
+//! methods), the optimizer wrappers [`AcceleratedOptimizer`] and [`MixedPrecisionOptimizer`]
+//! (with [`LossScaler`] and the [`TrainOptimizer`] trait they share with every Candle optimizer),
+//! [`Parameters`], the data types ([`DataLoader`], [`Dataset`], [`TensorDataset`],
+//! [`DistributedSampler`], [`Batch`], [`BatchIter`], [`EvenBatches`]), the settings
+//! ([`ProcessState`], [`DistributedType`], [`MixedPrecision`], [`Transport`], [`ConfigFile`]),
+//! [`ReduceOp`], and the typed [`Error`] (with [`ReplicaFailure`]). The modules:
+//!
+//! - [`checkpoint`]: the checkpoint format ([`checkpoint::CheckpointParts`],
+//!   [`checkpoint::StatefulOptimizer`], [`checkpoint::latest_checkpoint`], the manifest); saved
+//!   and loaded with [`Accelerator::save_state`] / [`Accelerator::load_state`].
+//! - [`collective`]: the [`Collective`](collective::Collective) trait and its backends (single
+//!   process, TCP ring with a same-host shared-memory data path, in-process threads, NCCL).
 //! - [`optim`]: [`optim::AdamW`] and [`optim::Sgd`] (momentum, Nesterov, weight decay) with
 //!   their state exposed for checkpoints ([`optim::OptimizerState`]), updating parameters with
 //!   fused in-place kernels on the CPU and on CUDA.
-//! - [`allocator`]: glibc allocator tuning for training loops (applied by [`Accelerator`]).
 //! - [`scheduler`]: learning-rate schedules ([`scheduler::LrScheduler`], warmup + cosine or
 //!   linear decay) and the [`scheduler::Schedule`] driver, stepped once per optimizer step.
-//! - [`error`]: the typed [`Error`].
 //! - [`tracking`]: metric trackers (JSON Lines, TensorBoard) written by the main process only,
-//!   and a main-process [`Progress`](tracking::Progress) bar.
-//! - [`logging`]: `env_logger` set-up with a `[rank N]` prefix on each line.
+//!   and a main-process [`Progress`](tracking::Progress) bar; [`logging`]: `env_logger` set-up
+//!   with a `[rank N]` prefix on each line.
+//! - [`env`](mod@env): the name of every environment variable, and the launcher's environment
+//!   contract ([`env::CommonEnv`]); [`config`]: the settings' defaults; [`gpu`]: GPU discovery.
+//! - [`allocator`]: glibc allocator tuning for training loops (applied by [`Accelerator`]).
+//!
+//! The `accelerate-rs` command line and its launcher are the separate `accelerate-rs-cli` crate
+//! (`cli/` in the repository), so that this library pulls in no clap, nix or signal-hook.
+//!
+//! ## Design: three floors
+//!
+//! The sources are three floors; a floor imports only the floors below it.
+//!
+//! 1. **Settings** (`src/settings/`): the resolved [`ProcessState`], the config file, every
+//!    variable name, GPU discovery, [`Transport`], the launcher's environment contract, and the one
+//!    precedence (`pick(builder, env, file, default)`) and strict parser every setting goes
+//!    through.
+//! 2. **Training machinery** (`src/train/`): parameters and gradient buckets (`params.rs`), the
+//!    gradient engine `GradSync` (`grad_sync.rs`), the optimizer wrappers, mixed precision,
+//!    schedules and the checkpoint format. Beside them, at the same height: `collective/`,
+//!    `data/`, `optim/`.
+//! 3. **The facade** (`src/accelerator/`): [`Accelerator`], its builder, DP replicas, the user
+//!    collectives (`ops.rs`) and the checkpoint methods, all thin over the floors below.
+//!
+//! The path of one gradient: `opt.backward_step(&loss)` (or [`Accelerator::backward`]) hands the
+//! loss to the accelerator's one `GradSync`. It runs `backward` (the loss divided by `N` with
+//! gradient accumulation) and counts the micro-step. On a non-sync micro-step it adds the
+//! registered parameters' gradients to its local sums and returns `None`: nothing is sent and
+//! nothing can be applied. On a sync step it averages the sums across ranks (bucketed, one
+//! collective each; skipped when the rank is alone, the only world-size test of the path) and
+//! returns `Some(gradients)`; the optimizer wrapper clips them (the engine's clipping) and steps
+//! the wrapped optimizer. [`MixedPrecisionOptimizer`] only adds the cast of the half-precision
+//! gradients to f32 (with loss scaling) before handing them to the same engine, and the copy of
+//! the masters back after the step. More in `ARCHITECTURE.md`.
 #![deny(missing_docs)]
 
-pub mod accelerator;
-pub mod accumulate;
+mod accelerator;
 pub mod allocator;
-pub mod checkpoint;
-pub mod cli;
 pub mod collective;
-pub mod config;
-pub mod data;
-pub mod dp;
-pub mod env;
-pub mod error;
-#[cfg(feature = "cuda")]
-pub mod gpu;
-#[cfg(not(feature = "cuda"))]
-#[path = "gpu_stub.rs"]
-pub mod gpu;
+mod data;
+mod error;
 mod inplace;
-pub mod launch;
 pub mod logging;
-pub mod mixed_precision;
-pub mod ops;
 pub mod optim;
-pub mod optimizer;
-pub mod params;
-mod placement;
-pub mod scheduler;
-pub mod state;
+mod settings;
 pub mod tracking;
+mod train;
+
+pub use settings::{env, gpu};
+pub use train::{checkpoint, scheduler};
+
+/// Defaults of the settings, and what this build and machine offer (for the command line and
+/// for config files written by programs).
+pub mod config {
+    pub use crate::settings::config::{
+        cuda_built, default_num_processes, gpus_seen, DEFAULT_COLLECTIVE_TIMEOUT_SECS,
+        DEFAULT_MAIN_PROCESS_PORT,
+    };
+    pub use crate::settings::state::{DEFAULT_BUCKET_CAP_MB, DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT};
+}
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};
-pub use checkpoint::{latest_checkpoint, CheckpointParts, LoaderPosition, StatefulOptimizer};
-pub use collective::{Collective, ReduceOp};
-pub use config::{ConfigFile, MixedPrecision};
-pub use data::{Batch, DataLoader, Dataset, DistributedSampler, EvenBatches, TensorDataset};
-pub use dp::ReplicaFailure;
-pub use error::{Error, Result};
-pub use mixed_precision::{LossScaler, MixedPrecisionOptimizer};
-pub use optimizer::AcceleratedOptimizer;
-pub use params::Parameters;
-pub use state::{DistributedType, ProcessState};
+pub use collective::reduce::ReduceOp;
+pub use data::{
+    Batch, BatchIter, DataLoader, Dataset, DistributedSampler, EvenBatches, TensorDataset,
+};
+pub use error::{Error, ReplicaCause, ReplicaFailure, Result};
+pub use settings::{ConfigFile, DistributedType, MixedPrecision, ProcessState, Transport};
+pub use train::mixed_precision::{LossScaler, MixedPrecisionOptimizer};
+pub use train::optimizer::{AcceleratedOptimizer, TrainOptimizer};
+pub use train::params::Parameters;

@@ -30,9 +30,12 @@ use std::io::Write;
 /// logger was installed, do nothing and never panic. Returns whether this call installed it.
 pub fn init(rank: Option<usize>) -> bool {
     let rank = rank.or_else(|| {
-        std::env::var(crate::env::RANK)
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
+        crate::settings::parse::process_env::<usize>(crate::settings::env::RANK).unwrap_or_else(
+            |e| {
+                eprintln!("warning: {e}; log lines get no rank prefix");
+                None
+            },
+        )
     });
     let mut builder =
         env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));

@@ -116,7 +116,7 @@ fn main() -> Result<()> {
         }
     }
     // The learning rate of the next optimizer step; the schedule advances on sync steps only.
-    let mut lr = schedule.step_accelerated(&mut opt);
+    let mut lr = schedule.step(&mut opt);
     let (mut window_loss, mut window_micro) = (0f64, 0usize);
     let mut window_start = Instant::now();
     let (mut first_loss, mut last_loss) = (None, 0f64);
@@ -175,7 +175,7 @@ fn main() -> Result<()> {
             if step >= args.max_steps {
                 break 'train;
             }
-            lr = schedule.step_accelerated(&mut opt);
+            lr = schedule.step(&mut opt);
         }
         epoch += 1;
     }

@@ -11,7 +11,8 @@
 //! naming the operation, its own rank and the peer.
 //!
 //! ```
-//! use accelerate_rs::collective::{Collective, ReduceOp, ThreadGroup};
+//! use accelerate_rs::collective::{Collective, ThreadGroup};
+//! use accelerate_rs::ReduceOp;
 //! # fn main() -> accelerate_rs::Result<()> {
 //! let ranks = ThreadGroup::new(3, std::time::Duration::from_secs(10))?;
 //! let handles: Vec<_> = ranks
@@ -39,18 +40,19 @@ mod nccl;
 // Used by nccl.rs (cuda builds only); compiled and tested in every build.
 #[allow(dead_code)]
 mod nccl_dtype;
-mod reduce;
+pub(crate) mod placement;
+pub(crate) mod reduce;
 mod single;
-pub mod tcp;
+mod tcp;
 mod threads;
 
 use candle_core::Tensor;
 
 pub use buffer::{AlignedBytes, Buffer, BufferMut, ElemType, Element, OwnedBuffer};
 pub use nccl::NcclCollective;
-pub use reduce::ReduceOp;
+pub(crate) use reduce::ReduceOp;
 pub use single::SingleProcess;
-pub use tcp::{TcpCollective, TcpOptions, Transport};
+pub use tcp::{TcpCollective, TcpOptions};
 pub use threads::{ThreadCollective, ThreadGroup};
 
 pub(crate) use buffer::{tensor_from_bytes, HostVec};

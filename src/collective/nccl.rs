@@ -284,7 +284,7 @@ impl NcclCollective {
     /// collective; move each into its own thread. The ordinals must be distinct (NCCL cannot put
     /// two ranks on one GPU; DP falls back to a thread group then).
     pub fn group(ordinals: &[usize], timeout: Duration) -> Result<Vec<(Device, NcclCollective)>> {
-        if let Some((a, b)) = crate::placement::first_shared(ordinals) {
+        if let Some((a, b)) = super::placement::first_shared(ordinals) {
             return Err(Error::invalid(
                 "NCCL group",
                 format!(

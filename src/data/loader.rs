@@ -12,7 +12,7 @@ use crate::{Error, Result};
 /// Iterates a [`Dataset`] in batches for one rank, following a [`DistributedSampler`] plan.
 ///
 /// ```no_run
-/// # use accelerate_rs::data::{DataLoader, TensorDataset};
+/// # use accelerate_rs::{DataLoader, TensorDataset};
 /// # use candle_core::{Device, Tensor};
 /// # fn main() -> accelerate_rs::Result<()> {
 /// let x = Tensor::zeros((100, 8), candle_core::DType::F32, &Device::Cpu)?;

@@ -92,7 +92,7 @@ impl Optimizer for AdamW {
             slots,
             step_t: 0,
             params,
-            fused: fused::default_on(),
+            fused: fused::default_on()?,
         })
     }
 

@@ -16,15 +16,10 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::inplace::{with_cpu_mut, with_cpu_mut_src, Elem, Real};
 
-/// Whether new optimizers use the fused kernels: yes unless `ACCELERATE_RS_FUSED_OPTIM` is `0`,
-/// `false`, `no` or `off`.
-pub(crate) fn default_on() -> bool {
-    !matches!(
-        std::env::var(crate::env::FUSED_OPTIM)
-            .map(|v| v.trim().to_ascii_lowercase())
-            .as_deref(),
-        Ok("0" | "false" | "no" | "off")
-    )
+/// Whether new optimizers use the fused kernels: `ACCELERATE_RS_FUSED_OPTIM` (a flag, default
+/// on); a value that is not a flag is an error naming it.
+pub(crate) fn default_on() -> Result<bool> {
+    Ok(crate::settings::parse::process_env(crate::settings::env::FUSED_OPTIM)?.unwrap_or(true))
 }
 
 /// Elements per parallel chunk (256 KiB of f32: big enough to amortise scheduling).

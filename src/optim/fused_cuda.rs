@@ -62,7 +62,7 @@ static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 /// Number of fused kernels launched by this process (AdamW and SGD together): a check can tell
 /// that the fused path really ran rather than the tensor-op fallback.
-pub(crate) fn launches() -> u64 {
+pub fn launches() -> u64 {
     LAUNCHES.load(Ordering::Relaxed)
 }
 static PTX: OnceCell<std::result::Result<String, String>> = OnceCell::new();

@@ -36,7 +36,7 @@ pub use adamw::AdamW;
 pub use candle_nn::ParamsAdamW;
 pub use sgd::{Sgd, SgdConfig};
 
-pub(crate) use fused_cuda::launches as cuda_kernel_launches;
+pub use fused_cuda::launches as cuda_kernel_launches;
 
 use candle_core::{DType, Device, Shape, Tensor};
 

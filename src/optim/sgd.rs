@@ -138,7 +138,7 @@ impl Optimizer for Sgd {
             slots,
             step_t: 0,
             config,
-            fused: fused::default_on(),
+            fused: fused::default_on()?,
         })
     }
 

@@ -22,9 +22,9 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, T
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::settings::Transport;
 use ring::Ring;
 use shm::Shm;
-pub use shm::Transport;
 use store::{StoreClient, StoreServer};
 use wire::{Hello, Role};
 

@@ -5,10 +5,8 @@
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::ops::Range;
-use std::os::fd::AsFd;
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
-
-use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use super::wire::{self, op, OpHeader, HEADER_LEN};
 use crate::collective::{
@@ -168,23 +166,32 @@ impl Ring {
         }
         // Wake at least once a second to re-check the deadline.
         let ms = (deadline - now).as_millis().clamp(1, 1000) as u16;
+        let pollfd = |fd: &TcpStream, events| libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events,
+            revents: 0,
+        };
         let mut fds = Vec::with_capacity(2);
         if w {
-            fds.push(PollFd::new(self.next.as_fd(), PollFlags::POLLOUT));
+            fds.push(pollfd(&self.next, libc::POLLOUT));
         }
         if r {
-            fds.push(PollFd::new(self.prev.as_fd(), PollFlags::POLLIN));
+            fds.push(pollfd(&self.prev, libc::POLLIN));
         }
-        match nix::poll::poll(&mut fds, PollTimeout::from(ms)) {
-            Ok(_) | Err(nix::errno::Errno::EINTR) => Ok(()),
-            Err(e) => Err(Error::Peer {
-                rank: self.rank,
-                peer: self.prev_rank(),
-                op: name.into(),
-                reason: "poll failed".into(),
-                source: Some(io::Error::from(e)),
-            }),
+        // SAFETY: `fds` points to `fds.len()` initialised `pollfd`s that live across the call, and
+        // their descriptors belong to `self.next` / `self.prev`, open for as long as `self` is.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, i32::from(ms)) };
+        let e = io::Error::last_os_error();
+        if rc >= 0 || e.kind() == io::ErrorKind::Interrupted {
+            return Ok(());
         }
+        Err(Error::Peer {
+            rank: self.rank,
+            peer: self.prev_rank(),
+            op: name.into(),
+            reason: "poll failed".into(),
+            source: Some(e),
+        })
     }
 
     /// Sends `send` to the next rank while receiving exactly `recv.len()` bytes from the previous

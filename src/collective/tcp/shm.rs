@@ -49,8 +49,8 @@
 //! while this rank is in a shared-memory one ([`Error::Mismatch`]). A rank that fails writes the
 //! abort word, so the ranks waiting on it fail at once instead of at their next socket check.
 
-use std::ffi::OsString;
 use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -61,67 +61,8 @@ use memmap2::MmapRaw;
 use super::ring::Ring;
 use super::wire::OpHeader;
 use crate::collective::{finish_mean, reduce_into, Buffer, ElemType, ReduceOp};
-use crate::env;
 use crate::error::{Error, Result};
-
-/// Which data path [`TcpCollective`](super::TcpCollective) uses for `all_reduce` and `broadcast`:
-/// the `transport` setting (builder, `ACCELERATE_RS_TRANSPORT`, config file key `transport`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Transport {
-    /// Shared memory when every rank is on one host, else TCP.
-    #[default]
-    Auto,
-    /// Always TCP.
-    Tcp,
-    /// Shared memory; an error when the ranks are on several hosts.
-    Shm,
-}
-
-impl std::str::FromStr for Transport {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        Transport::parse(&s.trim().to_ascii_lowercase())
-            .ok_or_else(|| format!("expected `auto`, `tcp` or `shm`, got {s:?}"))
-    }
-}
-
-impl Transport {
-    /// Reads `ACCELERATE_RS_TRANSPORT` (unset or empty = `auto`).
-    pub(crate) fn from_env() -> Result<Transport> {
-        let value = std::env::var(env::TRANSPORT).unwrap_or_default();
-        if value.trim().is_empty() {
-            return Ok(Transport::Auto);
-        }
-        value.parse().map_err(|reason| Error::Env {
-            var: env::TRANSPORT.into(),
-            value,
-            reason,
-        })
-    }
-
-    /// The setting's name: `auto`, `tcp` or `shm`.
-    pub fn as_str(self) -> &'static str {
-        self.name()
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Transport::Auto => "auto",
-            Transport::Tcp => "tcp",
-            Transport::Shm => "shm",
-        }
-    }
-
-    fn parse(s: &str) -> Option<Transport> {
-        match s {
-            "auto" => Some(Transport::Auto),
-            "tcp" => Some(Transport::Tcp),
-            "shm" => Some(Transport::Shm),
-            _ => None,
-        }
-    }
-}
+use crate::settings::{env, Transport};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"ACRSshm1");
 const PAGE: usize = 4096;
@@ -197,11 +138,14 @@ fn segment_len(world: usize, cap: usize) -> usize {
 
 /// This host's identity: hostname and boot id (empty boot id when unknown).
 fn host_identity() -> (String, String) {
-    let host = nix::unistd::gethostname()
-        .map(OsString::into_string)
-        .ok()
-        .and_then(|h| h.ok())
-        .unwrap_or_default();
+    let mut name = [0u8; 256];
+    // SAFETY: `name` is valid for writes of `name.len()` bytes, the most gethostname writes.
+    let rc = unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) };
+    let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    let host = match rc {
+        0 => String::from_utf8(name[..end].to_vec()).unwrap_or_default(),
+        _ => String::new(),
+    };
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|s| s.trim().to_string())
         .unwrap_or_default();
@@ -434,9 +378,12 @@ fn create_segment(
 fn size_and_map(file: &File, len: usize) -> std::io::Result<MmapRaw> {
     file.set_len(len as u64)?;
     // Reserve the pages now: on a full tmpfs, touching an unreserved page would be a SIGBUS.
-    match nix::fcntl::posix_fallocate(file, 0, len as i64) {
-        Ok(()) | Err(nix::errno::Errno::EOPNOTSUPP) | Err(nix::errno::Errno::EINVAL) => {}
-        Err(e) => return Err(e.into()),
+    // SAFETY: `file` is an open descriptor for the whole call; posix_fallocate touches no memory
+    // of ours.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+    match rc {
+        0 | libc::EOPNOTSUPP | libc::EINVAL => {}
+        e => return Err(std::io::Error::from_raw_os_error(e)),
     }
     MmapRaw::map_raw(file)
 }
@@ -911,18 +858,5 @@ mod tests {
                 assert_eq!(cap, SLOT_CAP);
             }
         }
-    }
-
-    #[test]
-    fn transport_values() {
-        for (s, m) in [
-            ("auto", Transport::Auto),
-            ("tcp", Transport::Tcp),
-            ("shm", Transport::Shm),
-        ] {
-            assert_eq!(Transport::parse(s), Some(m));
-            assert_eq!(m.name(), s);
-        }
-        assert_eq!(Transport::parse("ib"), None);
     }
 }

@@ -253,6 +253,22 @@ impl OpHeader {
 mod tests {
     use super::*;
 
+    /// The handshake layout that `tests/it/faults.rs` writes by hand as a rogue client.
+    #[test]
+    fn hello_layout_is_pinned() {
+        let bytes = Hello {
+            role: Role::StoreClient,
+            rank: 1,
+            world: 3,
+            secret: b"xy".to_vec(),
+        }
+        .encode();
+        let mut want = b"ACRS".to_vec();
+        want.extend_from_slice(&[1, 0, 1, 0, 1, 0, 0, 0, 3, 0, 0, 0, 2, 0]);
+        want.extend_from_slice(b"xy");
+        assert_eq!(bytes, want);
+    }
+
     #[test]
     fn hello_round_trip_and_rejections() {
         let h = Hello {

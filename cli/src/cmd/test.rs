@@ -1,0 +1,514 @@
+//! `accelerate-rs test`: a built-in multi-process sanity check. It launches this same binary as N
+//! workers (hidden `test-worker` subcommand) that exercise every collective, the distributed
+//! sampler and a few DDP steps against a single-process reference, and ends with one line saying
+//! that it passed or what failed.
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, DeviceLocation, Tensor, Var};
+use candle_nn::{Optimizer, SGD};
+use clap::Args;
+use half::{bf16, f16};
+
+use accelerate_rs::collective::{Buffer, BufferMut, Collective, NcclCollective};
+use accelerate_rs::ReduceOp;
+use accelerate_rs::{
+    Accelerator, ConfigFile, DataLoader, DistributedSampler, Error, Result, TensorDataset,
+};
+
+use crate::launch::{launch, LaunchOptions};
+
+/// Arguments of `accelerate-rs test`.
+#[derive(Debug, Args)]
+pub(crate) struct TestArgs {
+    /// Number of worker processes (default: the config file's num_processes, else 2).
+    #[arg(short = 'n', long, value_name = "N")]
+    num_processes: Option<usize>,
+    /// Config file to read instead of the default one.
+    #[arg(long, value_name = "PATH")]
+    config_file: Option<PathBuf>,
+    /// Run on the CPU even when GPUs are present (also `use_cpu = true` in the config).
+    #[arg(long)]
+    cpu: bool,
+    /// Check DP instead: one process driving N replicas, one thread each (GPUs, or CPU replicas
+    /// with --cpu or without GPUs).
+    #[arg(long, value_name = "N")]
+    dp: Option<usize>,
+}
+
+/// Runs the check (under the launcher, or in this process for DP) and prints the verdict.
+pub(crate) fn run(args: TestArgs) -> Result<()> {
+    let getenv = |k: &str| std::env::var(k).ok();
+    let (cfg, _) = ConfigFile::load_located(args.config_file.as_deref(), &getenv)?;
+    let cpu = args.cpu || cfg.use_cpu == Some(true) || accelerate_rs::config::gpus_seen() == 0;
+    let kind = if cpu { "CPU" } else { "GPU" };
+    let (what, res) = match args.dp {
+        Some(replicas) => {
+            println!("accelerate-rs test: DP, {replicas} {kind} replica(s) in one process: collectives, sampler, DDP steps");
+            let res = Accelerator::builder()
+                .cpu(cpu)
+                .data_parallel(replicas)
+                .run(|acc| run_checks(&acc))
+                .map(|_| ());
+            (format!("{replicas} DP replica(s)"), res)
+        }
+        None => {
+            let n = args.num_processes.or(cfg.num_processes).unwrap_or(2);
+            let exe = std::env::current_exe().map_err(|e| Error::Io {
+                context: "cannot locate the accelerate-rs executable".into(),
+                path: PathBuf::from("/proc/self/exe"),
+                source: e,
+            })?;
+            println!("accelerate-rs test: {n} {kind} process(es): collectives, sampler, DDP steps");
+            let res = launch(&LaunchOptions {
+                num_processes: n,
+                cpu,
+                program: exe.to_string_lossy().into_owned(),
+                args: vec!["test-worker".into()],
+                ..LaunchOptions::default()
+            });
+            (format!("{n} process(es)"), res)
+        }
+    };
+    match res {
+        Ok(()) => {
+            println!("accelerate-rs test: PASSED on {what}");
+            Ok(())
+        }
+        Err(e) => {
+            println!("accelerate-rs test: FAILED: {e} (see the lines above)");
+            Err(e)
+        }
+    }
+}
+
+/// One worker process of the check.
+pub(crate) fn worker() -> Result<()> {
+    run_checks(&Accelerator::new()?)
+}
+
+/// What a check found when it did not fail.
+enum Outcome {
+    /// It ran and passed.
+    Passed,
+    /// It ran and passed; the note says how (e.g. which path the tensors took).
+    PassedVia(String),
+    /// It did not apply here; the reason says why. Printed as `skipped`, never as `ok`.
+    Skipped(&'static str),
+}
+
+/// One named check run by every worker.
+type Check = fn(&Accelerator) -> Result<Outcome>;
+
+/// Runs every check (so all ranks call the same collectives even when one check fails locally),
+/// then agrees with the others on the verdict.
+fn run_checks(acc: &Accelerator) -> Result<()> {
+    let c = acc.collective().as_ref();
+    let checks: [(&str, Check); 7] = [
+        (
+            "all_reduce (sum, mean, max; f32, f64, f16, bf16)",
+            check_all_reduce,
+        ),
+        ("broadcast from every root", check_broadcast),
+        ("all_gather with uneven sizes, barrier", check_all_gather),
+        ("distributed sampler", check_sampler),
+        ("DDP steps equal a single-process reference", check_ddp),
+        (
+            "GPU tensors: all_reduce, broadcast, all_gather (f32, bf16, f16)",
+            check_gpu_tensors,
+        ),
+        (
+            "fused AdamW and SGD kernels equal the tensor-op chain on this device",
+            check_fused_optimizers,
+        ),
+    ];
+    let mut failed = Vec::new();
+    for (name, check) in checks {
+        match check(acc) {
+            Ok(Outcome::Passed) => acc.print(format!("ok: {name}")),
+            Ok(Outcome::PassedVia(how)) => acc.print(format!("ok: {name} ({how})")),
+            Ok(Outcome::Skipped(why)) => acc.print(format!("skipped: {name} ({why})")),
+            Err(e) => {
+                eprintln!("rank {}: FAILED: {name}: {e}", acc.rank());
+                failed.push(name);
+            }
+        }
+    }
+    // Agree on the verdict so that every rank exits the same way.
+    let mut flag = [failed.len() as f32];
+    c.all_reduce(BufferMut::from(&mut flag[..]), ReduceOp::Max)?;
+    if flag[0] > 0.0 {
+        return Err(Error::Mismatch {
+            rank: acc.rank(),
+            op: "accelerate-rs test".into(),
+            detail: if failed.is_empty() {
+                "a check failed on another rank".into()
+            } else {
+                format!("failed here: {}", failed.join("; "))
+            },
+        });
+    }
+    Ok(())
+}
+
+/// 100 AdamW steps and 50 SGD (momentum, Nesterov, weight decay) steps on this rank's device,
+/// fused and unfused, from the same start with the same gradients: the results must agree.
+fn check_fused_optimizers(acc: &Accelerator) -> Result<Outcome> {
+    use accelerate_rs::optim::{cuda_kernel_launches, AdamW, Sgd, SgdConfig};
+    let device = acc.device();
+    let launched_before = cuda_kernel_launches();
+    let shapes: [&[usize]; 3] = [&[300, 257], &[300], &[7, 13]];
+    let start = |k: usize| -> Result<Vec<Var>> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let n: usize = s.iter().product();
+                let v: Vec<f32> = (0..n).map(|j| value(i + k, j) as f32 * 0.1).collect();
+                Ok(Var::from_tensor(&Tensor::from_vec(v, *s, device)?)?)
+            })
+            .collect()
+    };
+    let grads = |vars: &[Var], step: usize| -> Result<candle_core::backprop::GradStore> {
+        let mut g = candle_core::backprop::GradStore::default();
+        for (i, v) in vars.iter().enumerate() {
+            let n = v.elem_count();
+            let x: Vec<f32> = (0..n)
+                .map(|j| value(step + i, j * 7 + step) as f32 * 0.01)
+                .collect();
+            g.insert(v.as_tensor(), Tensor::from_vec(x, v.shape(), device)?);
+        }
+        Ok(g)
+    };
+    let diff = |a: &[Var], b: &[Var]| -> Result<f32> {
+        let mut d = 0f32;
+        for (x, y) in a.iter().zip(b) {
+            let m = (x.as_tensor() - y.as_tensor())?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            d = d.max(m);
+        }
+        Ok(d)
+    };
+    let (a, b) = (start(0)?, start(0)?);
+    let mut fused = AdamW::new_lr(a.clone(), 1e-2)?;
+    let mut chain = AdamW::new_lr(b.clone(), 1e-2)?;
+    chain.set_fused(false);
+    for step in 0..100 {
+        fused.step(&grads(&a, step)?)?;
+        chain.step(&grads(&b, step)?)?;
+    }
+    let d = diff(&a, &b)?;
+    if d > 1e-5 {
+        return Err(fail(format!(
+            "AdamW on {device:?}: fused and unfused differ by {d} after 100 steps"
+        )));
+    }
+    let config = SgdConfig::new(0.05)
+        .momentum(0.9)
+        .nesterov(true)
+        .weight_decay(1e-3);
+    let (a, b) = (start(1)?, start(1)?);
+    let mut fused = Sgd::new(a.clone(), config.clone())?;
+    let mut chain = Sgd::new(b.clone(), config)?;
+    chain.set_fused(false);
+    for step in 0..50 {
+        fused.step(&grads(&a, step)?)?;
+        chain.step(&grads(&b, step)?)?;
+    }
+    let d = diff(&a, &b)?;
+    if d > 1e-5 {
+        return Err(fail(format!(
+            "Sgd on {device:?}: fused and unfused differ by {d} after 50 steps"
+        )));
+    }
+    if device.is_cuda() {
+        // Both sides agreeing proves nothing if the fused side fell back to tensor ops.
+        let launched = cuda_kernel_launches() - launched_before;
+        let want = (100 + 50) * shapes.len() as u64;
+        if launched < want {
+            return Err(fail(format!(
+                "the fused CUDA kernels did not run: {launched} launches for {want} parameter updates (see the warning above: NVRTC or module loading failed)"
+            )));
+        }
+        return Ok(Outcome::PassedVia(format!(
+            "{launched} fused CUDA kernel launches"
+        )));
+    }
+    Ok(Outcome::Passed)
+}
+
+fn value(rank: usize, i: usize) -> f64 {
+    ((rank * 5 + i * 3) % 13) as f64 - 6.0
+}
+
+fn fail(what: String) -> Error {
+    Error::Data { reason: what }
+}
+
+fn check_all_reduce(acc: &Accelerator) -> Result<Outcome> {
+    let c = acc.collective().as_ref();
+    let (rank, n) = (acc.rank(), acc.world_size());
+    let len = 2 * n + 1;
+    for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+        let want: Vec<f64> = (0..len)
+            .map(|i| {
+                let vals = (0..n).map(|r| value(r, i));
+                match op {
+                    ReduceOp::Sum => vals.sum(),
+                    ReduceOp::Mean => vals.sum::<f64>() / n as f64,
+                    ReduceOp::Max => vals.fold(f64::MIN, f64::max),
+                }
+            })
+            .collect();
+        let check = |got: Vec<f64>, ty: &str, tol: f64| -> Result<()> {
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                if (g - w).abs() > tol * (1.0 + w.abs()) {
+                    return Err(fail(format!("{ty} {op:?} [{i}]: got {g}, want {w}")));
+                }
+            }
+            Ok(())
+        };
+        let mut a: Vec<f32> = (0..len).map(|i| value(rank, i) as f32).collect();
+        c.all_reduce(BufferMut::from(&mut a[..]), op)?;
+        check(a.iter().map(|&x| x as f64).collect(), "f32", 1e-6)?;
+        let mut b: Vec<f64> = (0..len).map(|i| value(rank, i)).collect();
+        c.all_reduce(BufferMut::from(&mut b[..]), op)?;
+        check(b, "f64", 1e-12)?;
+        let mut h: Vec<f16> = (0..len).map(|i| f16::from_f64(value(rank, i))).collect();
+        c.all_reduce(BufferMut::from(&mut h[..]), op)?;
+        check(h.iter().map(|x| x.to_f64()).collect(), "f16", 1e-3)?;
+        let mut z: Vec<bf16> = (0..len).map(|i| bf16::from_f64(value(rank, i))).collect();
+        c.all_reduce(BufferMut::from(&mut z[..]), op)?;
+        check(z.iter().map(|x| x.to_f64()).collect(), "bf16", 8e-3)?;
+    }
+    Ok(Outcome::Passed)
+}
+
+fn check_broadcast(acc: &Accelerator) -> Result<Outcome> {
+    let c = acc.collective().as_ref();
+    for root in 0..acc.world_size() {
+        let mut v: Vec<f32> = (0..7).map(|i| value(acc.rank(), i) as f32).collect();
+        c.broadcast(BufferMut::from(&mut v[..]), root)?;
+        let want: Vec<f32> = (0..7).map(|i| value(root, i) as f32).collect();
+        if v != want {
+            return Err(fail(format!("from root {root}: got {v:?}, want {want:?}")));
+        }
+    }
+    Ok(Outcome::Passed)
+}
+
+fn check_all_gather(acc: &Accelerator) -> Result<Outcome> {
+    let c = acc.collective().as_ref();
+    let mine: Vec<f64> = (0..acc.rank() + 1).map(|i| value(acc.rank(), i)).collect();
+    let all = c.all_gather(Buffer::from(&mine[..]))?;
+    for (r, b) in all.iter().enumerate() {
+        let want: Vec<f64> = (0..r + 1).map(|i| value(r, i)).collect();
+        if b.as_slice::<f64>()? != want.as_slice() {
+            return Err(fail(format!("block of rank {r} is wrong")));
+        }
+    }
+    c.barrier().map(|()| Outcome::Passed)
+}
+
+/// Every rank's batches, gathered: equal counts, every index present, extras only as padding.
+fn check_sampler(acc: &Accelerator) -> Result<Outcome> {
+    let c = acc.collective().as_ref();
+    let (n, batch) = (10 * acc.world_size() + 3, 4);
+    let mut sampler = DistributedSampler::new(n, batch)
+        .shuffle(true)
+        .seed(7)
+        .shard(acc.rank(), acc.world_size())?;
+    sampler.set_epoch(3);
+    let batches = sampler.batches()?;
+    let flat: Vec<f64> = batches.iter().flatten().map(|&i| i as f64).collect();
+    let counts = c.all_gather(Buffer::from(&[batches.len() as f64][..]))?;
+    let all = c.all_gather(Buffer::from(&flat[..]))?;
+    let counts: Vec<f64> = counts
+        .iter()
+        .map(|b| b.as_slice::<f64>().map(|s| s[0]))
+        .collect::<Result<_>>()?;
+    if counts.iter().any(|&k| k != counts[0]) {
+        return Err(fail(format!(
+            "ranks yield different batch counts: {counts:?}"
+        )));
+    }
+    let mut seen = vec![0usize; n];
+    for b in &all {
+        for &i in b.as_slice::<f64>()? {
+            seen[i as usize] += 1;
+        }
+    }
+    if let Some(missing) = seen.iter().position(|&k| k == 0) {
+        return Err(fail(format!("index {missing} is never yielded")));
+    }
+    let extra: usize = seen.iter().map(|&k| k - 1).sum();
+    if extra != sampler.total_padding() {
+        return Err(fail(format!(
+            "{extra} duplicated samples but {} reported as padding",
+            sampler.total_padding()
+        )));
+    }
+    Ok(Outcome::Passed)
+}
+
+/// all_reduce / broadcast / all_gather of GPU tensors in f32, bf16 and f16 through this run's
+/// collective: NCCL, or the host when ranks share a GPU. At world size 1 (where the accelerator
+/// never calls NCCL) through a one-rank NCCL communicator made for the check with
+/// [`NcclCollective::force_calls`], so NCCL really runs; the call count proves it.
+fn check_gpu_tensors(acc: &Accelerator) -> Result<Outcome> {
+    let device = acc.device();
+    let DeviceLocation::Cuda { gpu_id } = device.location() else {
+        return Ok(Outcome::Skipped("this rank runs on the CPU"));
+    };
+    let own = if acc.world_size() == 1 {
+        let one = NcclCollective::group(&[gpu_id], acc.state().timeout())?
+            .pop()
+            .map(|(_, c)| c.force_calls())
+            .ok_or_else(|| fail("no NCCL communicator was created".into()))?;
+        Some(one)
+    } else {
+        None
+    };
+    let c: &dyn Collective = match &own {
+        Some(one) => one,
+        None => acc.collective().as_ref(),
+    };
+    let (rank, n) = (c.rank(), c.world_size());
+    let dtypes = [DType::F32, DType::BF16, DType::F16];
+    for dtype in dtypes {
+        let t = Tensor::new(&[rank as f32 + 1.0; 5], device)?.to_dtype(dtype)?;
+        let sum: f32 = (1..=n).map(|r| r as f32).sum();
+        for (op, want) in [
+            (ReduceOp::Sum, sum),
+            (ReduceOp::Mean, sum / n as f32),
+            (ReduceOp::Max, n as f32),
+        ] {
+            let out = c.all_reduce_tensor(&t, op)?;
+            let got = out.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            if !out.device().is_cuda()
+                || got
+                    .iter()
+                    .any(|g| (g - want).abs() > 1e-2 * want.abs().max(1.0))
+            {
+                return Err(fail(format!(
+                    "all_reduce {dtype:?} {op:?}: got {got:?} on {:?}, want {want} on the GPU",
+                    out.device()
+                )));
+            }
+        }
+        let b = c.broadcast_tensor(
+            &Tensor::new(&[rank as f32 + 7.0; 3], device)?.to_dtype(dtype)?,
+            0,
+        )?;
+        let got = b.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        if got != vec![7.0; 3] || !b.device().is_cuda() {
+            return Err(fail(format!(
+                "broadcast {dtype:?} from rank 0: got {got:?} on {:?}",
+                b.device()
+            )));
+        }
+        let rows = Tensor::full(rank as f32, (rank + 1, 2), device)?.to_dtype(dtype)?;
+        let g = c.all_gather_tensor(&rows)?;
+        let want: Vec<f32> = (0..n)
+            .flat_map(|r| std::iter::repeat_n(r as f32, 2 * (r + 1)))
+            .collect();
+        let got = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        if g.dims() != [want.len() / 2, 2] || got != want || !g.device().is_cuda() {
+            return Err(fail(format!(
+                "all_gather {dtype:?}: got {:?} {got:?} on {:?}, want {want:?}",
+                g.dims(),
+                g.device()
+            )));
+        }
+    }
+    if let Some(own) = &own {
+        // 3 dtypes x (3 all_reduce + 1 broadcast + 1 all_gather).
+        let calls = own.nccl_calls();
+        let want = dtypes.len() as u64 * 5;
+        if calls != want {
+            return Err(fail(format!(
+                "{calls} operations went through NCCL, want {want}"
+            )));
+        }
+        return Ok(Outcome::PassedVia(format!(
+            "{calls} NCCL calls on a one-rank communicator"
+        )));
+    }
+    Ok(Outcome::PassedVia(format!("through {}", c.backend())))
+}
+
+const B: usize = 4;
+const STEPS: usize = 3;
+const LR: f64 = 0.05;
+
+fn regression_data(n: usize, device: &Device) -> Result<TensorDataset> {
+    let x: Vec<f32> = (0..n * 3)
+        .map(|i| ((i * 7) % 11) as f32 / 11.0 - 0.5)
+        .collect();
+    let x = Tensor::from_vec(x, (n, 3), device)?;
+    let y = (x.sum_keepdim(1)? * 2.0)?;
+    TensorDataset::new(vec![x, y])
+}
+
+fn weights(offset: f32, device: &Device) -> Result<Vec<(String, Var)>> {
+    let w = Tensor::new(&[[0.1f32], [-0.2], [0.3]], device)?;
+    Ok(vec![
+        ("w".to_string(), Var::from_tensor(&(w + offset as f64)?)?),
+        ("b".to_string(), Var::zeros(1, DType::F32, device)?),
+    ])
+}
+
+fn mse(p: &[(String, Var)], x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let pred = x
+        .matmul(p[0].1.as_tensor())?
+        .broadcast_add(p[1].1.as_tensor())?;
+    Ok(candle_nn::loss::mse(&pred, y)?)
+}
+
+fn params_of(p: &[(String, Var)]) -> Result<Vec<f32>> {
+    let mut out = p[0].1.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+    out.extend(p[1].1.as_tensor().to_vec1::<f32>()?);
+    Ok(out)
+}
+
+/// DDP with per-rank batch B must equal plain SGD with batch world × B.
+fn check_ddp(acc: &Accelerator) -> Result<Outcome> {
+    let world = acc.world_size();
+    let device = acc.device();
+    let data = regression_data(world * B * STEPS, device)?;
+    // Ranks start from different values: prepare must give them rank 0's.
+    let p = weights(acc.rank() as f32, device)?;
+    let opt = SGD::new(p.iter().map(|(_, v)| v.clone()).collect(), LR)?;
+    let (mut opt, loader) = acc.prepare(&p, opt, DataLoader::new(data.clone(), B))?;
+    for batch in loader.iter()? {
+        let batch = batch?;
+        opt.backward_step(&mse(&p, &batch[0], &batch[1])?)?;
+    }
+    let got = params_of(&p)?;
+
+    let r = weights(0.0, device)?;
+    let mut sgd = SGD::new(r.iter().map(|(_, v)| v.clone()).collect(), LR)?;
+    for batch in DataLoader::new(data, world * B).iter()? {
+        let batch = batch?;
+        sgd.backward_step(&mse(&r, &batch[0], &batch[1])?)?;
+    }
+    let want = params_of(&r)?;
+    let diff = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    if diff > 1e-5 {
+        return Err(fail(format!(
+            "max abs diff {diff} between DDP ({got:?}) and the reference ({want:?})"
+        )));
+    }
+    let all = acc.collective().all_gather(Buffer::from(&got[..]))?;
+    if all.iter().any(|b| b.bytes() != all[0].bytes()) {
+        return Err(fail("replicas differ after the steps".into()));
+    }
+    Ok(Outcome::Passed)
+}

@@ -1,0 +1,162 @@
+//! The worker processes: spawning each in its own process group with a waiter thread that
+//! blocks in `wait()` and reports the exit (with the instant it was seen) on a channel, and
+//! signalling groups.
+
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::mpsc::Sender;
+use std::time::Instant;
+
+use nix::errno::Errno;
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+
+use super::output::{Forwarder, Stream};
+use super::signals::signal_name;
+use accelerate_rs::env::CommonEnv;
+use accelerate_rs::{Error, Result};
+
+/// A worker's exit, as reported by its waiter thread.
+pub(crate) struct Exit {
+    /// Index of the worker in the group (its local rank).
+    pub(crate) index: usize,
+    /// What `wait()` returned.
+    pub(crate) status: std::io::Result<ExitStatus>,
+    /// When `wait()` returned: exits are ordered by this, not by arrival.
+    pub(crate) at: Instant,
+}
+
+/// One running (or finished) worker.
+pub(crate) struct Worker {
+    /// Its global rank.
+    pub(crate) rank: usize,
+    pid: u32,
+    /// Its exit status once its waiter reported it (`Err` text when waiting failed).
+    pub(crate) status: Option<std::result::Result<ExitStatus, String>>,
+}
+
+impl Worker {
+    /// Its process id (also its process group id).
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Whether its exit has not been reported yet.
+    pub(crate) fn running(&self) -> bool {
+        self.status.is_none()
+    }
+
+    /// Sends `sig` to its whole process group, if it is still running.
+    pub(crate) fn signal_group(&self, sig: Signal) {
+        if !self.running() {
+            return;
+        }
+        let Ok(pgid) = i32::try_from(self.pid) else {
+            return;
+        };
+        match killpg(Pid::from_raw(pgid), sig) {
+            Ok(()) | Err(Errno::ESRCH) => {}
+            Err(e) => log::warn!(
+                "launch: sending {sig} to rank {} (pid {pgid}) failed: {e}",
+                self.rank
+            ),
+        }
+    }
+}
+
+/// Exit code to propagate and a human readable description of `status`:
+/// the worker's code, or 128 + signal number when a signal killed it.
+pub(crate) fn describe(status: ExitStatus) -> (i32, String) {
+    if let Some(code) = status.code() {
+        (code, format!("exited with code {code}"))
+    } else if let Some(sig) = status.signal() {
+        (128 + sig, format!("killed by signal {}", signal_name(sig)))
+    } else {
+        (1, status.to_string())
+    }
+}
+
+/// Starts `env`'s local workers running `program args`, each in its own process group with its
+/// rank's environment, stdout and stderr forwarded through `output`, and a waiter thread that
+/// sends its [`Exit`] on `exits`. They are pushed onto `workers`; if one cannot be started, the
+/// error is returned and the workers already running are left in `workers` for the caller to
+/// stop.
+pub(crate) fn spawn_all(
+    num_processes: usize,
+    program: &str,
+    args: &[String],
+    env: &CommonEnv,
+    output: &mut Forwarder,
+    exits: &Sender<Exit>,
+    workers: &mut Vec<Worker>,
+) -> Result<()> {
+    for index in 0..num_processes {
+        let rank = env.global_rank(index);
+        match spawn_one(index, rank, program, args, env, output, exits) {
+            Ok(worker) => {
+                log::debug!("launch: started rank {rank} (pid {})", worker.pid());
+                workers.push(worker);
+            }
+            Err(source) => {
+                return Err(Error::Spawn {
+                    rank,
+                    program: program.to_string(),
+                    source,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn spawn_one(
+    index: usize,
+    rank: usize,
+    program: &str,
+    args: &[String],
+    env: &CommonEnv,
+    output: &mut Forwarder,
+    exits: &Sender<Exit>,
+) -> std::io::Result<Worker> {
+    let mut child = Command::new(program)
+        .args(args)
+        .envs(env.for_rank(index))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()?;
+    let pid = child.id();
+    let pipes = (child.stdout.take(), child.stderr.take());
+    let attached = (|| {
+        if let Some(out) = pipes.0 {
+            output.attach(rank, Stream::Stdout, out)?;
+        }
+        if let Some(err) = pipes.1 {
+            output.attach(rank, Stream::Stderr, err)?;
+        }
+        Ok(())
+    })();
+    let tx = exits.clone();
+    let waiter = attached.and_then(|()| {
+        std::thread::Builder::new()
+            .name(format!("launch-wait-rank{rank}"))
+            .spawn(move || {
+                let status = child.wait();
+                let at = Instant::now();
+                let _ = tx.send(Exit { index, status, at });
+            })
+    });
+    if let Err(e) = waiter {
+        // The child may still be ours to reap (the waiter never started).
+        if let Ok(pgid) = i32::try_from(pid) {
+            let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
+        }
+        return Err(e);
+    }
+    Ok(Worker {
+        rank,
+        pid,
+        status: None,
+    })
+}

@@ -1,0 +1,164 @@
+//! [`AcceleratorBuilder`]: settings given in code, then [`build`](AcceleratorBuilder::build) (one
+//! accelerator) or [`run`](AcceleratorBuilder::run) (one per DP replica).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Accelerator;
+use crate::collective::Collective;
+use crate::error::Result;
+use crate::settings::{MixedPrecision, Overrides, ProcessState, Transport};
+
+/// Sets up an [`Accelerator`]. Every setting follows one precedence: a builder call beats the
+/// environment variable, which beats the config file, which beats the default (see the table in
+/// the crate documentation).
+#[derive(Default)]
+pub struct AcceleratorBuilder {
+    pub(super) o: Overrides,
+    pub(super) collective: Option<Arc<dyn Collective>>,
+}
+
+impl std::fmt::Debug for AcceleratorBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AcceleratorBuilder")
+            .field("overrides", &self.o)
+            .finish()
+    }
+}
+
+impl AcceleratorBuilder {
+    /// Force the CPU even when GPUs are present.
+    pub fn cpu(mut self, cpu: bool) -> Self {
+        self.o.cpu = Some(cpu);
+        self
+    }
+    /// Timeout of every collective (default 30 minutes).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.o.timeout = Some(timeout);
+        self
+    }
+    /// Gradient bucket cap in MiB (default 25).
+    pub fn bucket_cap_mb(mut self, mb: f64) -> Self {
+        self.o.bucket_cap_mb = Some(mb);
+        self
+    }
+    /// The data path between processes on the CPU (default [`Transport::Auto`]: shared memory
+    /// when every rank is on one host, else TCP).
+    ///
+    /// [`Transport::Auto`]: crate::Transport::Auto
+    pub fn transport(mut self, transport: Transport) -> Self {
+        self.o.transport = Some(transport);
+        self
+    }
+    /// Whether to tune glibc's allocator for training (default true; see
+    /// [`allocator`](crate::allocator)).
+    pub fn tune_malloc(mut self, on: bool) -> Self {
+        self.o.tune_malloc = Some(on);
+        self
+    }
+    /// Gradient accumulation steps (instead of `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS`;
+    /// default 1, 0 is rejected by [`build`](Self::build)); see
+    /// [`Accelerator::backward`].
+    pub fn gradient_accumulation_steps(mut self, steps: usize) -> Self {
+        self.o.gradient_accumulation_steps = Some(steps);
+        self
+    }
+    /// Mixed precision (instead of `ACCELERATE_RS_MIXED_PRECISION`), used by
+    /// [`Accelerator::prepare_mixed`]; see [`MixedPrecisionOptimizer`](crate::MixedPrecisionOptimizer).
+    pub fn mixed_precision(mut self, mode: MixedPrecision) -> Self {
+        self.o.mixed_precision = Some(mode);
+        self
+    }
+    /// Read this config file instead of the default one.
+    pub fn config_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.o.config_file = Some(path.into());
+        self
+    }
+    /// This process's rank (instead of `RANK`).
+    pub fn rank(mut self, rank: usize) -> Self {
+        self.o.rank = Some(rank);
+        self
+    }
+    /// Number of processes (instead of `WORLD_SIZE`).
+    pub fn world_size(mut self, world_size: usize) -> Self {
+        self.o.world_size = Some(world_size);
+        self
+    }
+    /// Rank on this machine (instead of `LOCAL_RANK`).
+    pub fn local_rank(mut self, local_rank: usize) -> Self {
+        self.o.local_rank = Some(local_rank);
+        self
+    }
+    /// Address of rank 0 (instead of `MASTER_ADDR`).
+    pub fn master_addr(mut self, addr: impl Into<String>) -> Self {
+        self.o.master_addr = Some(addr.into());
+        self
+    }
+    /// Rendezvous port (instead of `MASTER_PORT`).
+    pub fn master_port(mut self, port: u16) -> Self {
+        self.o.master_port = Some(port);
+        self
+    }
+    /// The run's secret (instead of `ACCELERATE_RS_SECRET`).
+    pub fn secret(mut self, secret: impl Into<String>) -> Self {
+        self.o.secret = Some(secret.into());
+        self
+    }
+    /// Use an existing collective (e.g. one rank of a [`ThreadGroup`](crate::collective::ThreadGroup));
+    /// rank and world size are taken from it and no connection is made.
+    pub fn collective(mut self, collective: Arc<dyn Collective>) -> Self {
+        self.o.rank = Some(collective.rank());
+        self.o.world_size = Some(collective.world_size());
+        self.o.local_rank = Some(collective.rank());
+        self.o.local_world_size = Some(collective.world_size());
+        self.o.external_collective = true;
+        self.collective = Some(collective);
+        self
+    }
+
+    /// DP: this process drives `replicas` model replicas, one thread each: GPUs `0..replicas`, or
+    /// CPU replicas with [`cpu(true)`](Self::cpu) (instead of `ACCELERATE_RS_DATA_PARALLEL`;
+    /// 1 = no DP). Start them with [`run`](Self::run).
+    ///
+    /// DP runs in one process; the closure given to `run` is an ordinary training loop, run once
+    /// per replica with that replica's accelerator (rank = replica index, world size =
+    /// `replicas`). `build()` refuses a DP request, since one accelerator cannot drive several
+    /// replicas.
+    pub fn data_parallel(mut self, replicas: usize) -> Self {
+        self.o.data_parallel = Some(replicas);
+        self
+    }
+
+    /// Runs `f` once per replica, each with its own [`Accelerator`] (DP, see
+    /// [`AcceleratorBuilder::data_parallel`]), or exactly once on the calling thread (every other
+    /// mode). Results come back in replica order. If any replica fails (error or panic), returns
+    /// [`Error::Replica`](crate::Error::Replica) naming the first one to fail; the other replicas do not hang, their
+    /// collectives fail once the failed replica's is dropped.
+    pub fn run<R, F>(self, f: F) -> Result<Vec<R>>
+    where
+        R: Send,
+        F: Fn(Accelerator) -> Result<R> + Send + Sync,
+    {
+        super::dp::run(self.o, self.collective, &|k| std::env::var(k).ok(), f)
+    }
+
+    /// Resolves the settings and joins the run (for several processes: waits until every rank
+    /// has connected, up to the timeout).
+    pub fn build(self) -> Result<Accelerator> {
+        self.build_with(&|k| std::env::var(k).ok())
+    }
+
+    /// [`build`](Self::build) reading the environment through `getenv`.
+    pub(crate) fn build_with(self, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Accelerator> {
+        let state = ProcessState::resolve(&self.o, getenv)?;
+        if state.data_parallel() > 1 {
+            return Err(super::dp::needs_run(state.data_parallel()));
+        }
+        let collective = match self.collective {
+            Some(c) => c,
+            None => super::connect::connect(&state)?,
+        };
+        Ok(Accelerator::from_parts(state, collective))
+    }
+}

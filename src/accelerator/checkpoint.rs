@@ -1,0 +1,64 @@
+//! Checkpoints on [`Accelerator`]: the format and the atomic writes are the training floor's
+//! (`train/checkpoint.rs`); these methods run them on this accelerator's collective.
+
+use std::path::{Path, PathBuf};
+
+use super::Accelerator;
+use crate::error::Result;
+use crate::train::checkpoint::{self, CheckpointParts, Manifest, StatefulOptimizer};
+use crate::train::params::Parameters;
+
+impl Accelerator {
+    /// Saves a checkpoint of `parts` into `dir` (replacing a previous one there, atomically; see
+    /// the [module docs](crate::checkpoint)). Every rank must call it; the main process writes,
+    /// the others wait and return its error, if any.
+    pub fn save_state(&self, dir: impl AsRef<Path>, parts: &CheckpointParts<'_>) -> Result<()> {
+        checkpoint::save_state(self.collective().as_ref(), dir.as_ref(), parts)
+    }
+
+    /// Saves a checkpoint as `root/checkpoint_<N>`, `N` one more than the largest found under
+    /// `root` (0 for the first), and then removes the oldest `checkpoint_*` directories so that
+    /// at most `total_limit` remain (0 keeps all), together with leftovers of crashed saves
+    /// (`checkpoint_*.tmp-*`, `checkpoint_*.old` next to a complete checkpoint). Returns the new
+    /// directory. Every rank must call it (see [`save_state`](Self::save_state)).
+    pub fn save_state_auto(
+        &self,
+        root: impl AsRef<Path>,
+        parts: &CheckpointParts<'_>,
+        total_limit: usize,
+    ) -> Result<PathBuf> {
+        checkpoint::save_state_auto(
+            self.collective().as_ref(),
+            root.as_ref(),
+            parts,
+            total_limit,
+        )
+    }
+
+    /// Saves the model's parameters only, as one safetensors file under their names (what
+    /// inference needs). Every rank must call it; the main process writes (atomically, through
+    /// `<path>.tmp-<pid>`).
+    pub fn save_model(&self, path: impl AsRef<Path>, model: &dyn Parameters) -> Result<()> {
+        checkpoint::save_model(self.collective().as_ref(), path.as_ref(), model)
+    }
+
+    /// Loads the checkpoint in `dir` (or its `.old` copy, after a crash mid-save) into `model`
+    /// and, if given, `optimizer`, and returns its [`Manifest`] for the rest (loader position,
+    /// schedule step, `extra`). Every rank reads the files itself; nothing communicates. Checks
+    /// everything before changing anything: errors name the file and the parameter or tensor
+    /// that is missing, unexpected or of the wrong shape.
+    pub fn load_state(
+        &self,
+        dir: impl AsRef<Path>,
+        model: &dyn Parameters,
+        optimizer: Option<&mut dyn StatefulOptimizer>,
+    ) -> Result<Manifest> {
+        checkpoint::load_state(
+            self.device(),
+            self.world_size(),
+            dir.as_ref(),
+            model,
+            optimizer,
+        )
+    }
+}

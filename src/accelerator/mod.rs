@@ -1,0 +1,273 @@
+//! The facade, the top floor: [`Accelerator`], the object a training script creates first. It
+//! knows the process's place in the run, owns the collective and the gradient engine, prepares
+//! the model, optimizer and data loader, and hands out averaged gradients in
+//! [`backward`](Accelerator::backward). Its builder is in `builder.rs`, DP (one thread per
+//! replica) in `dp.rs`, the collectives for users in `ops.rs`, checkpoints in `checkpoint.rs`.
+
+mod builder;
+mod checkpoint;
+mod connect;
+pub(crate) mod dp;
+mod ops;
+
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor};
+use candle_nn::Optimizer;
+
+pub use builder::AcceleratorBuilder;
+
+use crate::collective::Collective;
+use crate::data::{Batch, DataLoader};
+use crate::error::Result;
+use crate::settings::{DistributedType, ProcessState};
+use crate::train::grad_sync::GradSync;
+use crate::train::mixed_precision::MixedPrecisionOptimizer;
+use crate::train::optimizer::AcceleratedOptimizer;
+use crate::train::params::Parameters;
+
+/// The entry point of a distributed training script.
+///
+/// ```no_run
+/// # fn main() -> accelerate_rs::Result<()> {
+/// let accelerator = accelerate_rs::Accelerator::new()?;
+/// println!("rank {} of {}", accelerator.rank(), accelerator.world_size());
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct Accelerator {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    state: ProcessState,
+    collective: Arc<dyn Collective>,
+    grads: Arc<GradSync>,
+}
+
+impl Accelerator {
+    /// The one constructor: an accelerator for a resolved state and a connected collective
+    /// (used by [`AcceleratorBuilder::build`] and by every DP replica).
+    pub(crate) fn from_parts(state: ProcessState, collective: Arc<dyn Collective>) -> Self {
+        if state.tune_malloc() {
+            crate::allocator::tune();
+        }
+        log::debug!(
+            "rank {}: {} with {} rank(s), backend {}",
+            state.rank(),
+            state.distributed_type(),
+            state.world_size(),
+            collective.backend()
+        );
+        let grads = Arc::new(GradSync::new(
+            collective.clone(),
+            state.gradient_accumulation_steps(),
+            state.bucket_cap_bytes(),
+            state.overlap(),
+        ));
+        Accelerator {
+            inner: Arc::new(Inner {
+                state,
+                collective,
+                grads,
+            }),
+        }
+    }
+
+    /// Reads the environment and the config file and joins the run.
+    pub fn new() -> Result<Self> {
+        Self::builder().build()
+    }
+
+    /// A builder to override settings in code.
+    pub fn builder() -> AcceleratorBuilder {
+        AcceleratorBuilder::default()
+    }
+
+    /// This process's state and settings.
+    pub fn state(&self) -> &ProcessState {
+        &self.inner.state
+    }
+    /// Global rank.
+    pub fn rank(&self) -> usize {
+        self.inner.state.rank()
+    }
+    /// Rank on this machine.
+    pub fn local_rank(&self) -> usize {
+        self.inner.state.local_rank()
+    }
+    /// Number of processes.
+    pub fn world_size(&self) -> usize {
+        self.inner.state.world_size()
+    }
+    /// The device to create the model and tensors on.
+    pub fn device(&self) -> &Device {
+        self.inner.state.device()
+    }
+    /// How the run is distributed.
+    pub fn distributed_type(&self) -> DistributedType {
+        self.inner.state.distributed_type()
+    }
+    /// Whether this is rank 0 (the one that should print, log and save).
+    pub fn is_main_process(&self) -> bool {
+        self.inner.state.is_main_process()
+    }
+    /// Whether this is local rank 0 (once per machine).
+    pub fn is_local_main_process(&self) -> bool {
+        self.inner.state.is_local_main_process()
+    }
+    /// The collective used between ranks.
+    pub fn collective(&self) -> &Arc<dyn Collective> {
+        &self.inner.collective
+    }
+
+    /// Prepares the three pieces of a training loop: checks that every rank has the same
+    /// parameters and gives them rank 0's values, wraps the optimizer, and shards the loader so
+    /// each rank sees its own part of every global batch.
+    pub fn prepare<P: Parameters + ?Sized, O: Optimizer>(
+        &self,
+        model: &P,
+        optimizer: O,
+        loader: DataLoader,
+    ) -> Result<(AcceleratedOptimizer<O>, DataLoader)> {
+        self.prepare_model(model)?;
+        Ok((
+            self.prepare_optimizer(optimizer),
+            self.prepare_data_loader(loader)?,
+        ))
+    }
+
+    /// [`prepare`](Self::prepare) for mixed precision (the mode of
+    /// [`ProcessState::mixed_precision`]): `model` holds the f32 master weights and `optimizer`
+    /// steps them; returns the optimizer, the loader and a `VarMap` of working copies in the
+    /// compute dtype to build the model from (see [`MixedPrecisionOptimizer`]). With
+    /// [`MixedPrecision::No`](crate::MixedPrecision::No) it is `prepare` and the `VarMap` is `model`'s variables.
+    pub fn prepare_mixed<P: Parameters + ?Sized, O: Optimizer>(
+        &self,
+        model: &P,
+        optimizer: O,
+        loader: DataLoader,
+    ) -> Result<(MixedPrecisionOptimizer<O>, DataLoader, candle_nn::VarMap)> {
+        let (opt, loader) = self.prepare(model, optimizer, loader)?;
+        let mode = self.inner.state.mixed_precision();
+        let opt = MixedPrecisionOptimizer::new(opt, mode, model)?;
+        let work = opt.working_vars().clone();
+        Ok((opt, loader, work))
+    }
+
+    /// Registers a model's parameters (adding to any registered before), verifies them across
+    /// ranks and broadcasts rank 0's values.
+    pub fn prepare_model<P: Parameters + ?Sized>(&self, model: &P) -> Result<()> {
+        let set = self.inner.grads.register(model.named_parameters())?;
+        log::debug!(
+            "rank {}: prepared {} parameters in {} bucket(s)",
+            self.rank(),
+            set.len(),
+            set.num_buckets()
+        );
+        Ok(())
+    }
+
+    /// Wraps an optimizer (see [`AcceleratedOptimizer`]).
+    pub fn prepare_optimizer<O: Optimizer>(&self, optimizer: O) -> AcceleratedOptimizer<O> {
+        AcceleratedOptimizer::new(optimizer, self.inner.grads.clone())
+    }
+
+    /// Shards a loader for this rank and moves its batches to this process's device.
+    pub fn prepare_data_loader(&self, loader: DataLoader) -> Result<DataLoader> {
+        Ok(loader
+            .shard(self.rank(), self.world_size())?
+            .device(self.device()))
+    }
+
+    /// Runs `loss.backward()` and averages the gradients across ranks (bucketed, one collective
+    /// per bucket). With one process it is exactly `loss.backward()`.
+    ///
+    /// Returns `Some(gradients)` on a sync step and `None` otherwise: without gradient
+    /// accumulation every call is a sync step. With gradient accumulation
+    /// (`N = gradient_accumulation_steps > 1`) each call is one micro-step: the loss is scaled by
+    /// `1/N` and the gradients are summed locally, nothing is communicated and `None` is
+    /// returned, since partial sums must not be applied. Every `N`-th call (or, with
+    /// [`backward_batch`](Self::backward_batch), the loader's last batch) is a sync step: the
+    /// accumulated sums, averaged across ranks, are returned. A short cycle of `k < N`
+    /// micro-steps is rescaled by `N/k`, so its gradient is the mean over the micro-batches seen.
+    /// [`sync_gradients`](Self::sync_gradients) tells afterwards which kind of step it was: step
+    /// learning-rate schedulers, log and clip only on sync steps. Pending micro-steps left at the
+    /// end of a loop are synced by [`flush_gradients`](Self::flush_gradients) (every rank must
+    /// call it).
+    ///
+    /// With several processes on the CPU, the averaged gradients are views into reusable flat
+    /// buffers (one per bucket, as in PyTorch DDP): they stay valid until the next averaging
+    /// `backward` of this accelerator, which overwrites them. Copy a gradient (`Tensor::copy`) to
+    /// keep it longer.
+    pub fn backward(&self, loss: &Tensor) -> Result<Option<GradStore>> {
+        self.inner.grads.backward(loss, false)
+    }
+
+    /// [`backward`](Self::backward) that also makes the micro-step a sync step when `batch` is
+    /// the loader's last ([`Batch::is_last`]), so a partial accumulation cycle at the end of an
+    /// epoch is applied rather than carried into the next epoch.
+    pub fn backward_batch(&self, loss: &Tensor, batch: &Batch) -> Result<Option<GradStore>> {
+        self.inner.grads.backward(loss, batch.is_last())
+    }
+
+    /// Syncs pending micro-steps now: returns their gradients averaged across ranks (rescaled
+    /// to a mean over the micro-steps seen), or `None` when nothing is pending (then nothing is
+    /// communicated). All ranks must call it at the same point.
+    pub fn flush_gradients(&self) -> Result<Option<GradStore>> {
+        self.inner.grads.flush()
+    }
+
+    /// Whether the last micro-step was a sync step, i.e. the gradients were averaged across ranks
+    /// and the optimizer stepped (true before the first backward and always when `N = 1`). Step
+    /// schedulers, clip and log only when it is true.
+    pub fn sync_gradients(&self) -> bool {
+        self.inner.grads.sync_gradients()
+    }
+
+    /// The number of micro-steps per optimizer step (`N`).
+    pub fn gradient_accumulation_steps(&self) -> usize {
+        self.inner.state.gradient_accumulation_steps()
+    }
+
+    /// Micro-steps accumulated since the last sync step.
+    pub fn pending_micro_steps(&self) -> usize {
+        self.inner.grads.pending_micro_steps()
+    }
+
+    /// Clips gradients by their global L2 norm over all registered parameters (those of
+    /// [`prepare_model`](Self::prepare_model)) and returns that norm (before clipping). Pass the
+    /// gradients of a sync step: they are already averaged, so every rank computes the same norm
+    /// and scales alike. When the norm exceeds `max_norm`, every gradient is multiplied by
+    /// `max_norm / (norm + 1e-6)`. After a non-sync micro-step the gradients are left alone and
+    /// the returned norm is that of this rank's local partial sums.
+    pub fn clip_grad_norm(&self, grads: &mut GradStore, max_norm: f64) -> Result<f64> {
+        self.inner.grads.clip_grad_norm(grads, max_norm)
+    }
+
+    /// Clamps every registered parameter's gradient to `[-clip, clip]` (left alone after a
+    /// non-sync micro-step, like [`clip_grad_norm`](Self::clip_grad_norm)).
+    pub fn clip_grad_value(&self, grads: &mut GradStore, clip: f64) -> Result<()> {
+        self.inner.grads.clip_grad_value(grads, clip)
+    }
+
+    /// Averages gradients computed elsewhere across ranks, in place.
+    pub fn reduce_gradients(&self, grads: &mut GradStore) -> Result<()> {
+        self.inner.grads.average(grads)
+    }
+
+    /// Prints a line on the main process only (other ranks print nothing).
+    pub fn print(&self, line: impl std::fmt::Display) {
+        if self.is_main_process() {
+            println!("{line}");
+        }
+    }
+
+    /// Returns once every rank has reached this point.
+    pub fn wait_for_everyone(&self) -> Result<()> {
+        self.inner.collective.barrier()
+    }
+}

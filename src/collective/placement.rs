@@ -1,0 +1,129 @@
+//! Which GPU each rank drives, and whether ranks share one.
+//!
+//! NCCL refuses two ranks on one GPU. When ranks share a GPU (`accelerate-rs launch -n 2` on a
+//! one-GPU machine, a laptop, DP replicas asked for beyond the GPUs present), GPU tensors are
+//! reduced through the host instead, over the same shared-memory/TCP transport (or thread group)
+//! the CPU path uses, with one warning. The decisions are plain functions of the ranks' GPU
+//! identities, so they are tested without a GPU.
+
+use crate::collective::{Buffer, Collective};
+use crate::error::{Error, Result};
+#[cfg(test)]
+use crate::settings::state::gpu_ordinal;
+
+/// The first two ranks (in rank order) whose GPU identities are equal, if any.
+pub(crate) fn first_shared<T: PartialEq>(ids: &[T]) -> Option<(usize, usize)> {
+    ids.iter()
+        .enumerate()
+        .find_map(|(b, id)| ids[..b].iter().position(|x| x == id).map(|a| (a, b)))
+}
+
+/// Exchanges this rank's GPU identity `id` with every rank over `host` and returns the first two
+/// ranks that drive the same GPU, if any. Every rank gets the same answer.
+pub(crate) fn shared_gpu(host: &dyn Collective, id: &[u8]) -> Result<Option<(usize, usize)>> {
+    let all = host.all_gather(Buffer::from(id))?;
+    let ids: Vec<&[u8]> = all.iter().map(|b| b.bytes()).collect();
+    if let Some((r, bad)) = ids.iter().enumerate().find(|(_, b)| b.is_empty()) {
+        return Err(Error::Mismatch {
+            rank: host.rank(),
+            op: "GPU placement".into(),
+            detail: format!(
+                "rank {r} reported no GPU identity ({} bytes); every rank must drive a GPU",
+                bad.len()
+            ),
+        });
+    }
+    Ok(first_shared(&ids))
+}
+
+/// The warning printed once (by the main process) when ranks share a GPU.
+pub(crate) fn sharing_warning(a: usize, b: usize, what: &str, via: &str) -> String {
+    format!(
+        "accelerate-rs: warning: {what} {a} and {b} drive the same GPU; NCCL cannot put two ranks on one GPU, so GPU tensors are reduced through the host over {via} (slower than NCCL). Give each rank its own GPU (at most one process or DP replica per GPU) to use NCCL."
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collective::ThreadGroup;
+    use std::time::Duration;
+
+    #[test]
+    fn ordinal_is_the_local_rank_when_there_are_enough_gpus() {
+        assert_eq!(gpu_ordinal(0, 8), Some(0));
+        assert_eq!(gpu_ordinal(7, 8), Some(7));
+        assert_eq!(gpu_ordinal(3, 4), Some(3));
+    }
+
+    #[test]
+    fn one_visible_gpu_is_gpu_0_whatever_the_local_rank() {
+        // SLURM --gpus-per-task=1: each task sees one GPU but has LOCAL_RANK 0..n.
+        for local in 0..5 {
+            assert_eq!(gpu_ordinal(local, 1), Some(0));
+        }
+    }
+
+    #[test]
+    fn more_ranks_than_gpus_wrap_around_and_none_without_gpus() {
+        assert_eq!(gpu_ordinal(2, 2), Some(0));
+        assert_eq!(gpu_ordinal(5, 2), Some(1));
+        assert_eq!(gpu_ordinal(0, 0), None);
+        assert_eq!(gpu_ordinal(3, 0), None);
+    }
+
+    #[test]
+    fn first_shared_finds_the_first_pair_in_rank_order() {
+        assert_eq!(first_shared::<u8>(&[]), None);
+        assert_eq!(first_shared(&[1]), None);
+        assert_eq!(first_shared(&[1, 2, 3]), None);
+        assert_eq!(first_shared(&[1, 1]), Some((0, 1)));
+        assert_eq!(first_shared(&[1, 2, 3, 2, 1]), Some((1, 3)));
+        assert_eq!(first_shared(&[4, 5, 6, 4]), Some((0, 3)));
+    }
+
+    /// Every rank exchanges a (fake) GPU identity over a real thread group and all agree.
+    fn exchange(ids: &[&'static [u8]]) -> Vec<Result<Option<(usize, usize)>>> {
+        let group = ThreadGroup::new(ids.len(), Duration::from_secs(10)).unwrap();
+        let handles: Vec<_> = group
+            .into_iter()
+            .zip(ids.iter().copied())
+            .map(|(c, id)| std::thread::spawn(move || shared_gpu(&c, id)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn ranks_agree_on_sharing_for_1_to_5_ranks() {
+        let uuids: [&[u8]; 5] = [b"GPU-a", b"GPU-b", b"GPU-c", b"GPU-d", b"GPU-e"];
+        for n in 1..=5 {
+            for r in exchange(&uuids[..n]) {
+                assert_eq!(r.unwrap(), None, "{n} distinct GPUs");
+            }
+        }
+        // Two processes on a one-GPU machine.
+        for r in exchange(&[b"GPU-a", b"GPU-a"]) {
+            assert_eq!(r.unwrap(), Some((0, 1)));
+        }
+        // 3 ranks on 2 GPUs (local ranks wrapped around).
+        for r in exchange(&[b"GPU-a", b"GPU-b", b"GPU-a"]) {
+            assert_eq!(r.unwrap(), Some((0, 2)));
+        }
+    }
+
+    #[test]
+    fn a_rank_without_an_identity_is_an_error_naming_it() {
+        for r in exchange(&[b"GPU-a", b""]) {
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains("rank 1 reported no GPU identity"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_warning_names_the_ranks_and_the_way_out() {
+        let w = sharing_warning(0, 1, "ranks", "shm");
+        assert!(w.contains("ranks 0 and 1"), "{w}");
+        assert!(w.contains("over shm"), "{w}");
+        assert!(w.contains("its own GPU"), "{w}");
+    }
+}

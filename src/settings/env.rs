@@ -1,0 +1,100 @@
+//! Names of the environment variables accelerate-rs reads and the launcher sets (every one of
+//! them, in this one place), and the launcher's environment contract ([`EnvSpec`],
+//! [`CommonEnv`]) that [`ProcessState`](crate::ProcessState) reads back.
+//!
+//! The torchrun names are read first, then SLURM's, then Open MPI's; see the precedence table in the
+//! crate documentation.
+
+/// Global rank of this process (torchrun).
+pub const RANK: &str = "RANK";
+/// Number of processes in the whole run (torchrun).
+pub const WORLD_SIZE: &str = "WORLD_SIZE";
+/// Rank of this process on its machine (torchrun).
+pub const LOCAL_RANK: &str = "LOCAL_RANK";
+/// Number of processes on this machine (torchrun).
+pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+/// Address of the machine hosting rank 0 and the rendezvous store (torchrun).
+pub const MASTER_ADDR: &str = "MASTER_ADDR";
+/// Port of the rendezvous store (torchrun).
+pub const MASTER_PORT: &str = "MASTER_PORT";
+
+/// This machine's index among the machines of the run (torchrun's name; set by the launcher).
+pub const GROUP_RANK: &str = "GROUP_RANK";
+/// This machine's index among the machines of the run (accelerate-rs's name).
+pub const NODE_RANK: &str = "ACCELERATE_RS_NODE_RANK";
+/// Number of machines of the run.
+pub const NUM_NODES: &str = "ACCELERATE_RS_NUM_MACHINES";
+
+/// SLURM: global rank.
+pub const SLURM_PROCID: &str = "SLURM_PROCID";
+/// SLURM: number of tasks (world size).
+pub const SLURM_NTASKS: &str = "SLURM_NTASKS";
+/// SLURM: rank on the node.
+pub const SLURM_LOCALID: &str = "SLURM_LOCALID";
+/// SLURM: number of tasks on this node.
+pub const SLURM_NTASKS_PER_NODE: &str = "SLURM_NTASKS_PER_NODE";
+
+/// Open MPI: global rank.
+pub const OMPI_RANK: &str = "OMPI_COMM_WORLD_RANK";
+/// Open MPI: world size.
+pub const OMPI_SIZE: &str = "OMPI_COMM_WORLD_SIZE";
+/// Open MPI: rank on the node.
+pub const OMPI_LOCAL_RANK: &str = "OMPI_COMM_WORLD_LOCAL_RANK";
+/// Open MPI: processes on the node.
+pub const OMPI_LOCAL_SIZE: &str = "OMPI_COMM_WORLD_LOCAL_SIZE";
+
+/// Per-run secret carried in every connection handshake (set by `accelerate-rs launch`).
+pub const SECRET: &str = "ACCELERATE_RS_SECRET";
+/// Force CPU even when GPUs are present (`1`/`true`/`yes`, `0`/`false`/`no`).
+pub const USE_CPU: &str = "ACCELERATE_RS_USE_CPU";
+/// Timeout of every collective, in seconds (float allowed).
+pub const TIMEOUT_SECS: &str = "ACCELERATE_RS_TIMEOUT_SECS";
+/// Gradient bucket cap in MiB.
+pub const BUCKET_CAP_MB: &str = "ACCELERATE_RS_BUCKET_CAP_MB";
+/// Whether optimizers use their fused in-place kernels (`0` turns them off for optimizers created
+/// afterwards; default on). See [`crate::optim`].
+pub const FUSED_OPTIM: &str = "ACCELERATE_RS_FUSED_OPTIM";
+/// Whether CPU gradient buckets are all-reduced on a communication thread while the next bucket
+/// is flattened (`0` turns it off; default on). Read when an accelerator is built.
+pub const OVERLAP: &str = "ACCELERATE_RS_OVERLAP";
+/// Whether to tune glibc's allocator for training (`1`/`0`; default on), see
+/// [`crate::allocator`].
+pub const TUNE_MALLOC: &str = "ACCELERATE_RS_TUNE_MALLOC";
+/// Mixed precision mode: `no`, `bf16` or `fp16`.
+pub const MIXED_PRECISION: &str = "ACCELERATE_RS_MIXED_PRECISION";
+/// Gradient accumulation steps.
+pub const GRADIENT_ACCUMULATION_STEPS: &str = "ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS";
+/// DP: number of model replicas this one process drives, one thread each (`1` = no DP).
+pub const DATA_PARALLEL: &str = "ACCELERATE_RS_DATA_PARALLEL";
+/// Path of the config file (overrides the platform default location).
+pub const CONFIG_FILE: &str = "ACCELERATE_RS_CONFIG_FILE";
+/// Debug mode (a flag, default off): `gather`, `reduce` and `broadcast` first check that every
+/// rank passes a tensor of the same shape and dtype, listing every rank's shape when not. Read
+/// when an accelerator is built.
+pub const DEBUG: &str = "ACCELERATE_RS_DEBUG";
+/// Data path of multi-process CPU `all_reduce` and `broadcast`: `auto` (default: shared memory
+/// when every rank is on the same host, else TCP), `tcp`, or `shm` (an error on several hosts).
+pub const TRANSPORT: &str = "ACCELERATE_RS_TRANSPORT";
+/// How many times the launcher restarted the worker group (0 on the first run).
+pub const RESTART_COUNT: &str = "ACCELERATE_RS_RESTART_COUNT";
+
+/// Fault injection for tests: the main process exits (code 3) right after writing the named
+/// checkpoint file, as if killed mid-save. Not for production use.
+pub const TEST_CRASH_AFTER: &str = "ACCELERATE_RS_TEST_CRASH_AFTER";
+
+/// GPUs visible to CUDA programs.
+pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
+
+/// Rayon's thread-count variable (Candle's CPU kernels honour it).
+pub const RAYON_NUM_THREADS: &str = "RAYON_NUM_THREADS";
+/// OpenMP's thread-count variable.
+pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
+
+pub use super::worker_env::{CommonEnv, EnvSpec};
+
+/// ` (CUDA_VISIBLE_DEVICES=...)` when the variable is set, for error messages about GPUs.
+pub(crate) fn cuda_visible_devices_note() -> String {
+    std::env::var(CUDA_VISIBLE_DEVICES)
+        .map(|v| format!(" (CUDA_VISIBLE_DEVICES={v})"))
+        .unwrap_or_default()
+}

@@ -1,0 +1,21 @@
+//! Settings, the bottom floor: the resolved process state ([`ProcessState`]), the config file
+//! ([`ConfigFile`]), the names of every environment variable ([`env`]), GPU discovery,
+//! [`Transport`], and the one precedence ([`parse::pick`]) and strict parser
+//! ([`parse::env_value`]) every setting goes through. Nothing here imports the floors above.
+
+pub(crate) mod config;
+pub mod env;
+#[cfg(feature = "cuda")]
+pub mod gpu;
+#[cfg(not(feature = "cuda"))]
+#[path = "gpu_stub.rs"]
+pub mod gpu;
+pub(crate) mod parse;
+pub(crate) mod state;
+mod transport;
+mod worker_env;
+
+pub use config::{ConfigFile, MixedPrecision};
+pub(crate) use state::Overrides;
+pub use state::{DistributedType, ProcessState};
+pub use transport::Transport;

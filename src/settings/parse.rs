@@ -1,0 +1,181 @@
+//! One strict parser for the text of every setting, and [`pick`], the one precedence.
+//!
+//! Every environment variable accelerate-rs reads goes through [`env_value`] (or
+//! [`process_env`]): an empty value counts as unset, anything else must parse, and a value that
+//! does not is an [`Error::Env`] naming the variable, the value and what was expected. A typo
+//! such as `ACCELERATE_RS_OVERLAP=yes-please` is an error, never a silent "on".
+
+use crate::error::{Error, Result};
+use crate::settings::{MixedPrecision, Transport};
+
+/// A value that a setting can hold, parsed from its text form.
+pub(crate) trait Setting: Sized {
+    /// Parses a trimmed, non-empty value, or says what was expected.
+    fn parse_setting(s: &str) -> std::result::Result<Self, String>;
+}
+
+impl Setting for bool {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "1" | "true" | "yes" | "on" => Ok(true),
+            "0" | "false" | "no" | "off" => Ok(false),
+            _ => Err("expected 1/0, true/false, yes/no or on/off".into()),
+        }
+    }
+}
+
+impl Setting for usize {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        if !s.bytes().all(|b| b.is_ascii_digit()) {
+            return Err("expected a non-negative integer".into());
+        }
+        s.parse().map_err(|_| "integer out of range".into())
+    }
+}
+
+impl Setting for u16 {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        s.parse()
+            .map_err(|_| "expected a port number 0-65535".into())
+    }
+}
+
+/// A finite number above zero (timeouts, sizes).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Positive(pub(crate) f64);
+
+impl Setting for Positive {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        match s.parse::<f64>() {
+            Ok(x) if x.is_finite() && x > 0.0 => Ok(Positive(x)),
+            _ => Err("expected a positive number".into()),
+        }
+    }
+}
+
+/// A count as launchers write it: a non-negative integer, where SLURM's `4(x2)` (4 tasks on each
+/// of 2 nodes) reads 4.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Count(pub(crate) usize);
+
+impl Setting for Count {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        let digits = s.bytes().take_while(u8::is_ascii_digit).count();
+        let (n, rest) = s.split_at(digits);
+        if n.is_empty() || !(rest.is_empty() || rest.starts_with("(x")) {
+            return Err("expected a non-negative integer".into());
+        }
+        n.parse()
+            .map(Count)
+            .map_err(|_| "integer out of range".into())
+    }
+}
+
+impl Setting for MixedPrecision {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        s.parse().map_err(|_| "expected no, bf16 or fp16".into())
+    }
+}
+
+impl Setting for Transport {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl Setting for String {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        Ok(s.to_string())
+    }
+}
+
+/// Parses `value`, the value of variable `var`.
+pub(crate) fn parse<T: Setting>(var: &str, value: &str) -> Result<T> {
+    T::parse_setting(value.trim()).map_err(|reason| Error::Env {
+        var: var.into(),
+        value: value.into(),
+        reason,
+    })
+}
+
+/// The variable `var` read through `getenv`, parsed; `None` when unset or empty.
+pub(crate) fn env_value<T: Setting>(
+    getenv: &dyn Fn(&str) -> Option<String>,
+    var: &str,
+) -> Result<Option<T>> {
+    match getenv(var).filter(|v| !v.trim().is_empty()) {
+        Some(v) => parse(var, &v).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// [`env_value`] on this process's environment.
+pub(crate) fn process_env<T: Setting>(var: &str) -> Result<Option<T>> {
+    env_value(&|k| std::env::var(k).ok(), var)
+}
+
+/// The precedence of every setting: a builder call beats the environment variable, which beats
+/// the config file, which beats the default.
+pub(crate) fn pick<T>(builder: Option<T>, env: Option<T>, file: Option<T>, default: T) -> T {
+    builder.or(env).or(file).unwrap_or(default)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env_of(var: &'static str, value: &'static str) -> impl Fn(&str) -> Option<String> {
+        move |k| (k == var).then(|| value.to_string())
+    }
+
+    #[test]
+    fn typos_are_errors_naming_the_variable_and_value() {
+        let e = env_value::<bool>(
+            &env_of("ACCELERATE_RS_OVERLAP", "yes-please"),
+            "ACCELERATE_RS_OVERLAP",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("ACCELERATE_RS_OVERLAP") && e.contains("yes-please"),
+            "{e}"
+        );
+        assert!(env_value::<usize>(&env_of("N", "4(x2)"), "N").is_err());
+        assert!(env_value::<Positive>(&env_of("T", "-3"), "T").is_err());
+        assert!(env_value::<u16>(&env_of("P", "99999"), "P").is_err());
+    }
+
+    #[test]
+    fn values_parse_and_empty_is_unset() {
+        assert_eq!(
+            env_value::<bool>(&env_of("B", " On "), "B").unwrap(),
+            Some(true)
+        );
+        assert_eq!(
+            env_value::<bool>(&env_of("B", "0"), "B").unwrap(),
+            Some(false)
+        );
+        assert_eq!(env_value::<bool>(&env_of("B", "  "), "B").unwrap(), None);
+        assert_eq!(env_value::<bool>(&env_of("X", "1"), "B").unwrap(), None);
+        assert_eq!(
+            env_value::<Count>(&env_of("C", "4(x2)"), "C").unwrap(),
+            Some(Count(4))
+        );
+        assert_eq!(
+            env_value::<usize>(&env_of("N", "12"), "N").unwrap(),
+            Some(12)
+        );
+        assert_eq!(
+            env_value::<Transport>(&env_of("T", "SHM"), "T").unwrap(),
+            Some(Transport::Shm)
+        );
+    }
+
+    #[test]
+    fn pick_follows_builder_env_file_default() {
+        assert_eq!(pick(Some(1), Some(2), Some(3), 4), 1);
+        assert_eq!(pick(None, Some(2), Some(3), 4), 2);
+        assert_eq!(pick(None, None, Some(3), 4), 3);
+        assert_eq!(pick(None, None, None, 4), 4);
+    }
+}

@@ -1,0 +1,849 @@
+//! Who am I in the run? Rank, world size, device and settings, resolved with one precedence:
+//! builder call > environment variable > config file > default.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use candle_core::Device;
+
+use crate::error::{Error, Result};
+use crate::settings::parse::{env_value, pick, Count, Positive};
+use crate::settings::{env, ConfigFile, MixedPrecision, Transport};
+
+/// Default timeout of every collective.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+/// Default gradient bucket cap, in MiB.
+pub const DEFAULT_BUCKET_CAP_MB: f64 = 25.0;
+/// Default rendezvous port (torchrun's).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// How the run is distributed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DistributedType {
+    /// One process on CPU.
+    No,
+    /// One process on one GPU.
+    SingleGpu,
+    /// One process driving several model replicas, one thread each (GPUs, or CPU replicas).
+    Dp,
+    /// One process per GPU, gradients all-reduced with NCCL.
+    Ddp,
+    /// Several CPU processes, gradients all-reduced over TCP.
+    MultiCpu,
+}
+
+impl std::fmt::Display for DistributedType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DistributedType::No => "NO (single process, CPU)",
+            DistributedType::SingleGpu => "SINGLE_GPU",
+            DistributedType::Dp => "DP (one process, one thread per model replica)",
+            DistributedType::Ddp => "DDP (one process per GPU)",
+            DistributedType::MultiCpu => "MULTI_CPU (one process per CPU worker, TCP)",
+        })
+    }
+}
+
+/// Values set by builder calls; `None` defers to the environment, then the config file.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Overrides {
+    pub cpu: Option<bool>,
+    pub timeout: Option<Duration>,
+    pub bucket_cap_mb: Option<f64>,
+    pub tune_malloc: Option<bool>,
+    pub transport: Option<Transport>,
+    pub config_file: Option<PathBuf>,
+    pub rank: Option<usize>,
+    pub world_size: Option<usize>,
+    pub local_rank: Option<usize>,
+    pub local_world_size: Option<usize>,
+    pub master_addr: Option<String>,
+    pub master_port: Option<u16>,
+    pub secret: Option<String>,
+    pub mixed_precision: Option<MixedPrecision>,
+    pub gradient_accumulation_steps: Option<usize>,
+    /// A collective was handed in: no rendezvous address is needed.
+    pub external_collective: bool,
+    /// DP replicas asked for with `data_parallel` (`None` defers to `ACCELERATE_RS_DATA_PARALLEL`).
+    pub data_parallel: Option<usize>,
+    /// Set by `AcceleratorBuilder::run` for each DP replica: its device. The state then resolves
+    /// to [`DistributedType::Dp`] on that device.
+    pub replica_device: Option<Device>,
+}
+
+/// This process's place in the run and the settings in force.
+#[derive(Clone)]
+pub struct ProcessState {
+    rank: usize,
+    local_rank: usize,
+    world_size: usize,
+    local_world_size: usize,
+    distributed_type: DistributedType,
+    device: Device,
+    master_addr: Option<String>,
+    master_port: u16,
+    timeout: Duration,
+    bucket_cap_bytes: usize,
+    tune_malloc: bool,
+    transport: Transport,
+    overlap: bool,
+    debug: bool,
+    data_parallel: usize,
+    secret: Vec<u8>,
+    mixed_precision: MixedPrecision,
+    gradient_accumulation_steps: usize,
+    launcher: &'static str,
+    config_path: Option<PathBuf>,
+    use_cpu: bool,
+}
+
+impl std::fmt::Debug for ProcessState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessState")
+            .field("rank", &self.rank)
+            .field("local_rank", &self.local_rank)
+            .field("world_size", &self.world_size)
+            .field("local_world_size", &self.local_world_size)
+            .field("distributed_type", &self.distributed_type)
+            .field("device", &self.device)
+            .field("master_addr", &self.master_addr)
+            .field("master_port", &self.master_port)
+            .field("timeout", &self.timeout)
+            .field("bucket_cap_bytes", &self.bucket_cap_bytes)
+            .field("tune_malloc", &self.tune_malloc)
+            .field("transport", &self.transport)
+            .field("overlap", &self.overlap)
+            .field("debug", &self.debug)
+            .field("data_parallel", &self.data_parallel)
+            .field(
+                "secret",
+                &if self.secret.is_empty() {
+                    "(none)"
+                } else {
+                    "(set)"
+                },
+            )
+            .field("mixed_precision", &self.mixed_precision)
+            .field(
+                "gradient_accumulation_steps",
+                &self.gradient_accumulation_steps,
+            )
+            .field("launcher", &self.launcher)
+            .field("config_path", &self.config_path)
+            .finish()
+    }
+}
+
+/// A family of launcher variables (torchrun, SLURM, Open MPI).
+struct Family {
+    name: &'static str,
+    rank: &'static str,
+    world: &'static str,
+    local_rank: &'static str,
+    local_world: &'static str,
+}
+
+const FAMILIES: [Family; 3] = [
+    Family {
+        name: "torchrun",
+        rank: env::RANK,
+        world: env::WORLD_SIZE,
+        local_rank: env::LOCAL_RANK,
+        local_world: env::LOCAL_WORLD_SIZE,
+    },
+    Family {
+        name: "slurm",
+        rank: env::SLURM_PROCID,
+        world: env::SLURM_NTASKS,
+        local_rank: env::SLURM_LOCALID,
+        local_world: env::SLURM_NTASKS_PER_NODE,
+    },
+    Family {
+        name: "mpi",
+        rank: env::OMPI_RANK,
+        world: env::OMPI_SIZE,
+        local_rank: env::OMPI_LOCAL_RANK,
+        local_world: env::OMPI_LOCAL_SIZE,
+    },
+];
+
+/// The GPU ordinal (an index among the visible GPUs) a process with local rank `local_rank` drives
+/// when it sees `visible` GPUs: its local rank when there are enough, GPU 0 when it sees exactly
+/// one (SLURM `--gpus-per-task=1`, `CUDA_VISIBLE_DEVICES` set per rank, or several ranks on a
+/// one-GPU machine), else its local rank modulo the count (ranks then share GPUs, which
+/// the accelerator detects). `None` when no GPU is visible.
+pub(crate) fn gpu_ordinal(local_rank: usize, visible: usize) -> Option<usize> {
+    match visible {
+        0 => None,
+        1 => Some(0),
+        n => Some(local_rank % n),
+    }
+}
+
+/// CPU when asked (or when no GPU is available and none was asked for), else GPU `local_rank`.
+fn select_device(
+    use_cpu: Option<bool>,
+    rank: usize,
+    local_rank: usize,
+    world_size: usize,
+) -> Result<(Device, DistributedType)> {
+    let cpu = (
+        Device::Cpu,
+        if world_size > 1 {
+            DistributedType::MultiCpu
+        } else {
+            DistributedType::No
+        },
+    );
+    if use_cpu == Some(true) {
+        return Ok(cpu);
+    }
+    let gpus_requested = use_cpu == Some(false);
+    match crate::settings::gpu::device_count() {
+        Ok(n) if n > 0 => {
+            // One visible GPU is GPU 0 whatever the local rank (SLURM --gpus-per-task=1); more
+            // local ranks than GPUs share them, which the accelerator detects and handles.
+            let ordinal = gpu_ordinal(local_rank, n).unwrap_or(0);
+            log::debug!("rank {rank}: local rank {local_rank} drives GPU {ordinal} of {n}");
+            let device = crate::settings::gpu::device(ordinal)?;
+            let kind = if world_size > 1 {
+                DistributedType::Ddp
+            } else {
+                DistributedType::SingleGpu
+            };
+            Ok((device, kind))
+        }
+        Ok(_) if gpus_requested => Err(Error::NotAvailable {
+            what: "GPU".into(),
+            reason: format!(
+                "use_cpu is false but no GPU is visible{}",
+                env::cuda_visible_devices_note()
+            ),
+        }),
+        Err(e) if gpus_requested => Err(e),
+        _ => Ok(cpu),
+    }
+}
+
+/// Number of DP replicas: the builder's value, else `ACCELERATE_RS_DATA_PARALLEL`, else 1.
+/// Zero is an error.
+pub(crate) fn data_parallel(
+    builder: Option<usize>,
+    getenv: &dyn Fn(&str) -> Option<String>,
+) -> Result<usize> {
+    let from_env = match builder {
+        Some(_) => None,
+        None => env_value::<usize>(getenv, env::DATA_PARALLEL).map_err(|e| match e {
+            Error::Env { var, value, .. } => Error::Env {
+                var,
+                value,
+                reason: "expected the number of DP replicas (1 = no DP)".into(),
+            },
+            other => other,
+        })?,
+    };
+    match pick(builder, from_env, None, 1) {
+        0 if builder.is_some() => Err(Error::invalid(
+            "data_parallel",
+            "DP needs at least 1 replica, got 0",
+        )),
+        0 => Err(Error::Env {
+            var: env::DATA_PARALLEL.into(),
+            value: "0".into(),
+            reason: "DP needs at least 1 replica (1 = no DP)".into(),
+        }),
+        n => Ok(n),
+    }
+}
+
+/// DP runs in one process: a world size above 1 is an error.
+fn check_single_process(replicas: usize, world_size: usize) -> Result<()> {
+    if world_size > 1 {
+        return Err(Error::invalid(
+            "data_parallel",
+            format!(
+                "{replicas} DP replicas were asked for (`data_parallel` / {}) but the world size is {world_size}: DP runs all its replicas in one process; for several processes use `accelerate-rs launch -n N` (DDP) without DP",
+                env::DATA_PARALLEL
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Where this process stands: rank, world size, local rank and local world size, and which
+/// launcher's variables said so.
+struct Place {
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+    local_world_size: usize,
+    launcher: &'static str,
+}
+
+/// Rank and world size: the builder, else the first launcher family whose rank is set (the
+/// families are not mixed); local rank and local world size likewise, defaulting to "every rank
+/// on this machine". Inconsistent values are errors naming the variable.
+fn place(o: &Overrides, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Place> {
+    let get = |var: &str| getenv(var).filter(|v| !v.trim().is_empty());
+    // Rank and world size: builder, else the first launcher family whose rank is set.
+    let family = FAMILIES.iter().find(|f| get(f.rank).is_some());
+    if family.is_none() && o.rank.is_none() {
+        for f in &FAMILIES {
+            if let Some(Count(w)) = env_value(getenv, f.world)? {
+                if w > 1 {
+                    return Err(Error::Env {
+                        var: f.rank.into(),
+                        value: String::new(),
+                        reason: format!("{}={w} is set but {} is not; set both (or run under `accelerate-rs launch`)", f.world, f.rank),
+                    });
+                }
+            }
+        }
+    }
+    let from_env = |var: Option<&'static str>| -> Result<Option<(usize, &'static str)>> {
+        match var {
+            Some(v) => Ok(env_value::<Count>(getenv, v)?.map(|c| (c.0, v))),
+            None => Ok(None),
+        }
+    };
+    let env_rank = from_env(family.map(|f| f.rank))?;
+    let env_world = from_env(family.map(|f| f.world))?;
+    if let (Some(f), Some(_), None) = (family, env_rank, env_world) {
+        if o.world_size.is_none() {
+            return Err(Error::Env {
+                var: f.world.into(),
+                value: String::new(),
+                reason: format!("{} is set but {} is not; set both", f.rank, f.world),
+            });
+        }
+    }
+    let rank = pick(o.rank, env_rank.map(|r| r.0), None, 0);
+    let world_size = pick(o.world_size, env_world.map(|w| w.0), None, 1);
+    let (rank_var, world_var) = (
+        env_rank.map_or("rank (builder)", |r| r.1),
+        env_world.map_or("world_size (builder)", |w| w.1),
+    );
+    if world_size == 0 {
+        return Err(Error::Env {
+            var: world_var.into(),
+            value: "0".into(),
+            reason: "the world size must be at least 1".into(),
+        });
+    }
+    if rank >= world_size {
+        return Err(Error::Env {
+            var: rank_var.into(),
+            value: rank.to_string(),
+            reason: format!("rank {rank} is not below the world size {world_size} ({world_var})"),
+        });
+    }
+    let env_local_rank = from_env(family.map(|f| f.local_rank))?;
+    let env_local_world = from_env(family.map(|f| f.local_world))?;
+    let local_world_size = pick(
+        o.local_world_size,
+        env_local_world.map(|v| v.0),
+        None,
+        world_size,
+    );
+    // Without a local rank, assume every rank runs on this machine.
+    let local_rank = pick(o.local_rank, env_local_rank.map(|v| v.0), None, rank);
+    if local_world_size == 0 || local_rank >= local_world_size {
+        let var = env_local_rank.map_or("local_rank", |v| v.1);
+        return Err(Error::Env {
+            var: var.into(),
+            value: local_rank.to_string(),
+            reason: format!(
+                "local rank {local_rank} is not below the local world size {local_world_size}"
+            ),
+        });
+    }
+    Ok(Place {
+        rank,
+        world_size,
+        local_rank,
+        local_world_size,
+        launcher: match (o.rank, family) {
+            (Some(_), _) => "builder",
+            (None, Some(f)) => f.name,
+            (None, None) => "none",
+        },
+    })
+}
+
+impl ProcessState {
+    /// Resolves the state from builder overrides, the environment (`getenv`) and the config file.
+    pub(crate) fn resolve(o: &Overrides, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+        let (cfg, config_path) = ConfigFile::load_located(o.config_file.as_deref(), getenv)?;
+
+        let Place {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            launcher,
+        } = place(o, getenv)?;
+        // DP: one process, several replicas, started by `AcceleratorBuilder::run` (a replica's
+        // world is its replicas).
+        let data_parallel = data_parallel(o.data_parallel, getenv)?;
+        if data_parallel > 1 && o.replica_device.is_none() {
+            check_single_process(data_parallel, world_size)?;
+        }
+
+        let master_addr = o
+            .master_addr
+            .clone()
+            .or(env_value::<String>(getenv, env::MASTER_ADDR)?)
+            .or(cfg.main_process_ip.clone());
+        if world_size > 1 && master_addr.is_none() && !o.external_collective {
+            return Err(Error::Env {
+                var: env::MASTER_ADDR.into(),
+                value: String::new(),
+                reason: format!("must be set when the world size is {world_size}: the address of the machine running rank 0 (or start the program with `accelerate-rs launch`)"),
+            });
+        }
+        let master_port = pick(
+            o.master_port,
+            env_value(getenv, env::MASTER_PORT)?,
+            cfg.main_process_port,
+            DEFAULT_MASTER_PORT,
+        );
+        if world_size > 1 && master_port == 0 && !o.external_collective {
+            return Err(Error::Env {
+                var: env::MASTER_PORT.into(),
+                value: "0".into(),
+                reason: "every rank must know rank 0's port: set a real port (`accelerate-rs launch` picks a free one)".into(),
+            });
+        }
+
+        let secs = |p: Option<Positive>| p.map(|p| Duration::from_secs_f64(p.0));
+        let timeout = pick(
+            o.timeout,
+            secs(env_value(getenv, env::TIMEOUT_SECS)?),
+            cfg.collective_timeout_secs.map(Duration::from_secs_f64),
+            DEFAULT_TIMEOUT,
+        );
+        if timeout.is_zero() {
+            return Err(Error::invalid("timeout", "must be longer than zero"));
+        }
+        let bucket_cap_mb = pick(
+            o.bucket_cap_mb,
+            env_value::<Positive>(getenv, env::BUCKET_CAP_MB)?.map(|p| p.0),
+            cfg.bucket_cap_mb,
+            DEFAULT_BUCKET_CAP_MB,
+        );
+        if !(bucket_cap_mb.is_finite() && bucket_cap_mb > 0.0) {
+            return Err(Error::invalid(
+                "bucket_cap_mb",
+                format!("expected a positive number, got {bucket_cap_mb}"),
+            ));
+        }
+        let tune_malloc = pick(
+            o.tune_malloc,
+            env_value(getenv, env::TUNE_MALLOC)?,
+            cfg.tune_malloc,
+            true,
+        );
+        let transport = pick(
+            o.transport,
+            env_value(getenv, env::TRANSPORT)?,
+            cfg.transport,
+            Transport::Auto,
+        );
+        let overlap = pick(None, env_value(getenv, env::OVERLAP)?, None, true);
+        let debug = pick(None, env_value(getenv, env::DEBUG)?, None, false);
+        // `None`: nobody said; GPUs are used when this build and machine have them.
+        let use_cpu = o.cpu.or(env_value(getenv, env::USE_CPU)?).or(cfg.use_cpu);
+        let secret = pick(
+            o.secret.clone(),
+            env_value(getenv, env::SECRET)?,
+            None,
+            String::new(),
+        )
+        .into_bytes();
+        let mixed_precision = pick(
+            o.mixed_precision,
+            env_value(getenv, env::MIXED_PRECISION)?,
+            cfg.mixed_precision,
+            MixedPrecision::No,
+        );
+        let gradient_accumulation_steps = pick(
+            o.gradient_accumulation_steps,
+            env_value(getenv, env::GRADIENT_ACCUMULATION_STEPS)?,
+            cfg.gradient_accumulation_steps,
+            1,
+        );
+        if gradient_accumulation_steps == 0 {
+            return Err(Error::invalid(
+                "gradient_accumulation_steps",
+                "must be at least 1, got 0",
+            ));
+        }
+
+        let (device, distributed_type) = match &o.replica_device {
+            Some(d) => (d.clone(), DistributedType::Dp),
+            None => select_device(use_cpu, rank, local_rank, world_size)?,
+        };
+
+        Ok(ProcessState {
+            rank,
+            local_rank,
+            world_size,
+            local_world_size,
+            distributed_type,
+            device,
+            master_addr,
+            master_port,
+            timeout,
+            bucket_cap_bytes: (bucket_cap_mb * 1024.0 * 1024.0) as usize,
+            tune_malloc,
+            transport,
+            overlap,
+            debug,
+            data_parallel,
+            secret,
+            mixed_precision,
+            gradient_accumulation_steps,
+            launcher,
+            config_path,
+            use_cpu: use_cpu == Some(true),
+        })
+    }
+
+    /// Global rank, `0..world_size`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    /// Rank on this machine.
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+    /// Number of processes in the run.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+    /// Number of processes on this machine.
+    pub fn local_world_size(&self) -> usize {
+        self.local_world_size
+    }
+    /// How the run is distributed.
+    pub fn distributed_type(&self) -> DistributedType {
+        self.distributed_type
+    }
+    /// The device this process computes on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    /// Rank 0?
+    pub fn is_main_process(&self) -> bool {
+        self.rank == 0
+    }
+    /// Local rank 0?
+    pub fn is_local_main_process(&self) -> bool {
+        self.local_rank == 0
+    }
+    /// Address of rank 0, when distributed.
+    pub fn master_addr(&self) -> Option<&str> {
+        self.master_addr.as_deref()
+    }
+    /// Rendezvous port.
+    pub fn master_port(&self) -> u16 {
+        self.master_port
+    }
+    /// Timeout of every collective.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+    /// Gradient bucket cap in bytes.
+    pub fn bucket_cap_bytes(&self) -> usize {
+        self.bucket_cap_bytes
+    }
+
+    /// The data path between processes ([`Transport`]).
+    pub fn transport(&self) -> Transport {
+        self.transport
+    }
+
+    /// Whether CPU gradient buckets are all-reduced on a communication thread while the next is
+    /// flattened (`ACCELERATE_RS_OVERLAP`, default on).
+    pub fn overlap(&self) -> bool {
+        self.overlap
+    }
+
+    /// Whether collectives check shapes across ranks first (`ACCELERATE_RS_DEBUG`, default off).
+    pub fn debug(&self) -> bool {
+        self.debug
+    }
+
+    /// DP replicas driven by this process (builder `data_parallel`,
+    /// `ACCELERATE_RS_DATA_PARALLEL`; 1 = no DP).
+    pub fn data_parallel(&self) -> usize {
+        self.data_parallel
+    }
+
+    /// Whether glibc's allocator is tuned for training (see [`crate::allocator`]).
+    pub fn tune_malloc(&self) -> bool {
+        self.tune_malloc
+    }
+    /// Which launcher's variables were used: `torchrun`, `slurm`, `mpi`, `builder` or `none`.
+    pub fn launcher(&self) -> &'static str {
+        self.launcher
+    }
+    /// The config file that was read, if any.
+    pub fn config_path(&self) -> Option<&std::path::Path> {
+        self.config_path.as_deref()
+    }
+    /// Mixed precision mode requested through the builder, `ACCELERATE_RS_MIXED_PRECISION` (set by
+    /// `launch --mixed-precision`) or the config file; applied by
+    /// [`Accelerator::prepare_mixed`](crate::Accelerator::prepare_mixed).
+    pub fn mixed_precision(&self) -> MixedPrecision {
+        self.mixed_precision
+    }
+    /// Gradient accumulation steps requested through `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS`
+    /// or the config file (1 = step every batch); see [`Accelerator::backward`](crate::Accelerator::backward).
+    pub fn gradient_accumulation_steps(&self) -> usize {
+        self.gradient_accumulation_steps
+    }
+    pub(crate) fn secret(&self) -> &[u8] {
+        &self.secret
+    }
+    /// Whether the CPU was asked for (builder, `ACCELERATE_RS_USE_CPU` or `use_cpu`).
+    pub(crate) fn use_cpu(&self) -> bool {
+        self.use_cpu
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// Resolves with a private empty config file unless the test names one, so that a config
+    /// file on the developer's machine cannot change the outcome.
+    fn resolve(vars: &[(&str, &str)], o: Overrides) -> Result<ProcessState> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let empty = tempfile::NamedTempFile::new().unwrap();
+        let o = Overrides {
+            config_file: o.config_file.clone().or(Some(empty.path().to_path_buf())),
+            ..o
+        };
+        ProcessState::resolve(&o, &|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn defaults_to_a_single_cpu_process() {
+        let s = resolve(&[], Overrides::default()).unwrap();
+        assert_eq!((s.rank(), s.world_size(), s.local_rank()), (0, 1, 0));
+        assert_eq!(s.distributed_type(), DistributedType::No);
+        assert!(s.is_main_process() && s.is_local_main_process());
+        assert_eq!(s.timeout(), DEFAULT_TIMEOUT);
+        assert_eq!(s.bucket_cap_bytes(), 25 * 1024 * 1024);
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let s = resolve(
+            &[
+                ("RANK", "3"),
+                ("WORLD_SIZE", "4"),
+                ("LOCAL_RANK", "1"),
+                ("LOCAL_WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "10.0.0.1"),
+                ("MASTER_PORT", "1234"),
+            ],
+            Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!((s.rank(), s.world_size(), s.local_rank()), (3, 4, 1));
+        assert_eq!(s.local_world_size(), 2);
+        assert!(!s.is_main_process() && !s.is_local_main_process());
+        assert_eq!(s.master_addr(), Some("10.0.0.1"));
+        assert_eq!(s.master_port(), 1234);
+        assert_eq!(s.distributed_type(), DistributedType::MultiCpu);
+        assert_eq!(s.launcher(), "torchrun");
+    }
+
+    #[test]
+    fn slurm_and_mpi_variables() {
+        let s = resolve(
+            &[
+                ("SLURM_PROCID", "5"),
+                ("SLURM_NTASKS", "8"),
+                ("SLURM_LOCALID", "1"),
+                ("SLURM_NTASKS_PER_NODE", "4(x2)"),
+                ("MASTER_ADDR", "node1"),
+            ],
+            Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                s.rank(),
+                s.world_size(),
+                s.local_rank(),
+                s.local_world_size()
+            ),
+            (5, 8, 1, 4)
+        );
+        assert_eq!(s.launcher(), "slurm");
+        let s = resolve(
+            &[
+                ("OMPI_COMM_WORLD_RANK", "1"),
+                ("OMPI_COMM_WORLD_SIZE", "2"),
+                ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+                ("MASTER_ADDR", "127.0.0.1"),
+            ],
+            Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!((s.rank(), s.world_size(), s.local_rank()), (1, 2, 1));
+        assert_eq!(s.launcher(), "mpi");
+    }
+
+    #[test]
+    fn inconsistent_environment_names_the_variable_and_value() {
+        let err =
+            |vars: &[(&str, &str)]| resolve(vars, Overrides::default()).unwrap_err().to_string();
+        let e = err(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "x")]);
+        assert!(e.contains("RANK") && e.contains("\"2\""), "{e}");
+        let e = err(&[("RANK", "0"), ("WORLD_SIZE", "2")]);
+        assert!(e.contains("MASTER_ADDR"), "{e}");
+        let e = err(&[("RANK", "zero"), ("WORLD_SIZE", "2")]);
+        assert!(e.contains("RANK") && e.contains("zero"), "{e}");
+        let e = err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "x"),
+            ("MASTER_PORT", "99999"),
+        ]);
+        assert!(e.contains("MASTER_PORT") && e.contains("99999"), "{e}");
+        let e = err(&[("WORLD_SIZE", "2")]);
+        assert!(e.contains("RANK"), "{e}");
+        let e = err(&[("RANK", "1")]);
+        assert!(e.contains("WORLD_SIZE"), "{e}");
+        let e = err(&[("ACCELERATE_RS_TIMEOUT_SECS", "-3")]);
+        assert!(
+            e.contains("ACCELERATE_RS_TIMEOUT_SECS") && e.contains("-3"),
+            "{e}"
+        );
+        let e = err(&[("ACCELERATE_RS_USE_CPU", "maybe")]);
+        assert!(
+            e.contains("ACCELERATE_RS_USE_CPU") && e.contains("maybe"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn gpus_asked_of_a_build_without_cuda_is_a_clear_error() {
+        if crate::settings::gpu::BUILT_WITH_CUDA {
+            return;
+        }
+        let err = resolve(&[("ACCELERATE_RS_USE_CPU", "0")], Overrides::default())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("built without the `cuda` feature"), "{err}");
+        // Nobody asked: the CPU is used quietly.
+        let s = resolve(&[], Overrides::default()).unwrap();
+        assert!(matches!(s.device(), Device::Cpu));
+    }
+
+    #[test]
+    fn tune_malloc_precedence_and_bad_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("c.toml");
+        std::fs::write(&cfg, "tune_malloc = false\n").unwrap();
+        let with_cfg = || Overrides {
+            config_file: Some(cfg.clone()),
+            ..Overrides::default()
+        };
+        assert!(resolve(&[], Overrides::default()).unwrap().tune_malloc());
+        assert!(!resolve(&[], with_cfg()).unwrap().tune_malloc());
+        let env_on = [("ACCELERATE_RS_TUNE_MALLOC", "1")];
+        assert!(resolve(&env_on, with_cfg()).unwrap().tune_malloc());
+        let builder_off = Overrides {
+            tune_malloc: Some(false),
+            ..with_cfg()
+        };
+        assert!(!resolve(&env_on, builder_off).unwrap().tune_malloc());
+        let err = resolve(
+            &[("ACCELERATE_RS_TUNE_MALLOC", "maybe")],
+            Overrides::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("ACCELERATE_RS_TUNE_MALLOC"), "{err}");
+    }
+
+    #[test]
+    fn transport_precedence_and_bad_values() {
+        use crate::settings::Transport;
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("c.toml");
+        std::fs::write(&cfg, "transport = \"tcp\"\n").unwrap();
+        let with_cfg = || Overrides {
+            config_file: Some(cfg.clone()),
+            ..Overrides::default()
+        };
+        let t = |env: &[(&str, &str)], o: Overrides| resolve(env, o).unwrap().transport();
+        assert_eq!(t(&[], Overrides::default()), Transport::Auto);
+        assert_eq!(t(&[], with_cfg()), Transport::Tcp);
+        let env_shm = [("ACCELERATE_RS_TRANSPORT", "SHM")];
+        assert_eq!(t(&env_shm, with_cfg()), Transport::Shm);
+        let builder = Overrides {
+            transport: Some(Transport::Auto),
+            ..with_cfg()
+        };
+        assert_eq!(t(&env_shm, builder), Transport::Auto);
+        let err = resolve(&[("ACCELERATE_RS_TRANSPORT", "ib")], Overrides::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("ACCELERATE_RS_TRANSPORT") && err.contains("\"ib\""),
+            "{err}"
+        );
+        std::fs::write(&cfg, "transport = \"ib\"\n").unwrap();
+        let err = resolve(&[], with_cfg()).unwrap_err().to_string();
+        assert!(err.contains("transport"), "{err}");
+    }
+
+    #[test]
+    fn builder_beats_env_beats_config_beats_default() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("c.toml");
+        std::fs::write(
+            &cfg,
+            "collective_timeout_secs = 7\nbucket_cap_mb = 3\nmain_process_port = 4444\n",
+        )
+        .unwrap();
+        let with_cfg = || Overrides {
+            config_file: Some(cfg.clone()),
+            ..Overrides::default()
+        };
+        // config beats default
+        let s = resolve(&[], with_cfg()).unwrap();
+        assert_eq!(s.timeout(), Duration::from_secs(7));
+        assert_eq!(s.bucket_cap_bytes(), 3 * 1024 * 1024);
+        assert_eq!(s.master_port(), 4444);
+        assert_eq!(s.config_path(), Some(cfg.as_path()));
+        // env beats config
+        let s = resolve(
+            &[("ACCELERATE_RS_TIMEOUT_SECS", "9"), ("MASTER_PORT", "5555")],
+            with_cfg(),
+        )
+        .unwrap();
+        assert_eq!(s.timeout(), Duration::from_secs(9));
+        assert_eq!(s.master_port(), 5555);
+        // builder beats env
+        let s = resolve(
+            &[("ACCELERATE_RS_TIMEOUT_SECS", "9")],
+            Overrides {
+                timeout: Some(Duration::from_secs(11)),
+                ..with_cfg()
+            },
+        )
+        .unwrap();
+        assert_eq!(s.timeout(), Duration::from_secs(11));
+    }
+}

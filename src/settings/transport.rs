@@ -1,0 +1,74 @@
+//! [`Transport`]: the data path of multi-process CPU collectives, a setting like any other.
+
+use crate::error::Result;
+use crate::settings::env;
+
+/// Which data path [`TcpCollective`](crate::collective::TcpCollective) uses for `all_reduce` and `broadcast`:
+/// the `transport` setting (builder, `ACCELERATE_RS_TRANSPORT`, config file key `transport`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// Shared memory when every rank is on one host, else TCP.
+    #[default]
+    Auto,
+    /// Always TCP.
+    Tcp,
+    /// Shared memory; an error when the ranks are on several hosts.
+    Shm,
+}
+
+impl std::str::FromStr for Transport {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Transport::parse(&s.trim().to_ascii_lowercase())
+            .ok_or_else(|| format!("expected `auto`, `tcp` or `shm`, got {s:?}"))
+    }
+}
+
+impl Transport {
+    /// Reads `ACCELERATE_RS_TRANSPORT` (unset or empty = `auto`).
+    pub(crate) fn from_env() -> Result<Transport> {
+        Ok(super::parse::process_env(env::TRANSPORT)?.unwrap_or_default())
+    }
+
+    /// The setting's name: `auto`, `tcp` or `shm`.
+    pub fn as_str(self) -> &'static str {
+        self.name()
+    }
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Transport::Auto => "auto",
+            Transport::Tcp => "tcp",
+            Transport::Shm => "shm",
+        }
+    }
+
+    /// The mode named `s` (lowercase), if any.
+    pub(crate) fn parse(s: &str) -> Option<Transport> {
+        match s {
+            "auto" => Some(Transport::Auto),
+            "tcp" => Some(Transport::Tcp),
+            "shm" => Some(Transport::Shm),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_values() {
+        for (s, m) in [
+            ("auto", Transport::Auto),
+            ("tcp", Transport::Tcp),
+            ("shm", Transport::Shm),
+        ] {
+            assert_eq!(Transport::parse(s), Some(m));
+            assert_eq!(m.name(), s);
+        }
+        assert_eq!(Transport::parse("ib"), None);
+    }
+}

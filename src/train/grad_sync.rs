@@ -1,0 +1,331 @@
+//! [`GradSync`]: the gradient engine. It owns everything between `loss.backward()` and the
+//! optimizer: the registered parameters, the micro-step counter and the local sums of gradient
+//! accumulation, the averaging across ranks (the one place that asks whether there is more than
+//! one rank), clipping and flushing. [`AcceleratedOptimizer`](crate::AcceleratedOptimizer),
+//! [`MixedPrecisionOptimizer`](crate::MixedPrecisionOptimizer) and
+//! [`Accelerator::backward`](crate::Accelerator::backward) all go through it.
+//!
+//! ## Gradient accumulation
+//!
+//! With `N = gradient_accumulation_steps` (builder
+//! [`gradient_accumulation_steps`](crate::AcceleratorBuilder::gradient_accumulation_steps) >
+//! `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS` > config key `gradient_accumulation_steps` > 1),
+//! every backward is a *micro-step*:
+//!
+//! - the loss is scaled by `1/N` and its gradients (of the registered parameters) are added to a
+//!   local store kept by the engine; nothing is sent to other ranks and no gradients are handed
+//!   out (`None`);
+//! - every `N`-th micro-step, or a micro-step told it is the last of the loader
+//!   ([`backward_batch`](crate::Accelerator::backward_batch) /
+//!   [`backward_step_batch`](crate::AcceleratedOptimizer::backward_step_batch) with a batch whose
+//!   [`is_last`](crate::Batch::is_last) is true), is a *sync step*: the accumulated sums are
+//!   averaged across ranks (one collective per bucket) and handed out (`Some`) to the optimizer,
+//!   which steps only then. A short cycle of `k < N` micro-steps is rescaled by `N/k`, so its gradient is the
+//!   mean over the micro-batches actually seen;
+//! - [`sync_gradients`](crate::Accelerator::sync_gradients) (also
+//!   [`is_sync_step`](crate::AcceleratedOptimizer::is_sync_step)) tells whether the last
+//!   micro-step was a sync step: step learning-rate schedulers, log and clip only then.
+//!
+//! Pending micro-steps left at the end of a loop that did not pass the batch can be synced with
+//! [`AcceleratedOptimizer::flush`](crate::AcceleratedOptimizer::flush) (or
+//! [`Accelerator::flush_gradients`](crate::Accelerator::flush_gradients)); every rank must call
+//! it. With `N = 1` every backward is a sync step and nothing changes. With one process the
+//! semantics are the same, minus the communication.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+
+use crate::collective::Collective;
+use crate::error::{Error, Result};
+use crate::train::params::ParamSet;
+
+/// The accumulation state of one engine.
+#[derive(Debug)]
+struct Accumulation {
+    /// Micro-steps accumulated in the current cycle.
+    micro: usize,
+    /// Local sums of the registered parameters' gradients (already scaled by `1/N`).
+    pending: GradStore,
+    /// Whether the last micro-step was a sync step.
+    synced: bool,
+}
+
+impl Default for Accumulation {
+    fn default() -> Self {
+        Accumulation {
+            micro: 0,
+            pending: GradStore::default(),
+            synced: true,
+        }
+    }
+}
+
+/// The gradient engine of one accelerator (see [the module](self)). Shared (`Arc`) by the
+/// accelerator and the optimizers it prepares.
+pub(crate) struct GradSync {
+    collective: Arc<dyn Collective>,
+    /// `N`, micro-steps per optimizer step.
+    steps: usize,
+    bucket_cap_bytes: usize,
+    overlap: bool,
+    params: Mutex<Option<Arc<ParamSet>>>,
+    accum: Mutex<Accumulation>,
+}
+
+impl std::fmt::Debug for GradSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GradSync")
+            .field("rank", &self.collective.rank())
+            .field("world_size", &self.collective.world_size())
+            .field("accumulation_steps", &self.steps)
+            .field("parameters", &self.params().map_or(0, |p| p.len()))
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl GradSync {
+    /// An engine averaging over `collective`, with `steps` micro-steps per optimizer step,
+    /// gradient buckets of at most `bucket_cap_bytes` and, if `overlap`, CPU buckets reduced on
+    /// a communication thread.
+    pub(crate) fn new(
+        collective: Arc<dyn Collective>,
+        steps: usize,
+        bucket_cap_bytes: usize,
+        overlap: bool,
+    ) -> Self {
+        GradSync {
+            collective,
+            steps: steps.max(1),
+            bucket_cap_bytes,
+            overlap,
+            params: Mutex::new(None),
+            accum: Mutex::new(Accumulation::default()),
+        }
+    }
+
+    /// Whether this rank is alone, so that nothing needs to be verified, broadcast or averaged:
+    /// the one world-size test of the gradient path.
+    fn alone(&self) -> bool {
+        self.collective.world_size() == 1
+    }
+
+    /// The number of micro-steps per optimizer step (`N`).
+    pub(crate) fn steps(&self) -> usize {
+        self.steps
+    }
+
+    /// This rank, for messages.
+    pub(crate) fn rank(&self) -> usize {
+        self.collective.rank()
+    }
+
+    /// Registers parameters (adding to those registered before), verifies them across ranks and
+    /// gives every rank rank 0's values. Returns the registered set.
+    pub(crate) fn register(&self, mut named: Vec<(String, Var)>) -> Result<Arc<ParamSet>> {
+        if named.is_empty() {
+            return Err(Error::invalid(
+                "model",
+                "it has no parameters; create them through the VarMap before calling prepare",
+            ));
+        }
+        if let Some(old) = self.params() {
+            named.extend(old.named());
+        }
+        let set = ParamSet::new(named, self.bucket_cap_bytes, self.overlap)?;
+        if !self.alone() {
+            let c = self.collective.as_ref();
+            set.verify(c)?;
+            set.broadcast_from_main(c)?;
+        }
+        let set = Arc::new(set);
+        *lock(&self.params) = Some(set.clone());
+        Ok(set)
+    }
+
+    /// The registered parameters, if any.
+    pub(crate) fn params(&self) -> Option<Arc<ParamSet>> {
+        lock(&self.params).clone()
+    }
+
+    /// The registered parameters, or an error naming `what` if no model was prepared.
+    pub(crate) fn require_params(&self, what: &str) -> Result<Arc<ParamSet>> {
+        self.params().ok_or_else(|| {
+            Error::invalid(
+                what,
+                format!(
+                    "rank {}: no model was prepared; call `accelerator.prepare(&varmap, optimizer, loader)` (or `prepare_model`) first, so the gradients to accumulate, average across the {} rank(s) or clip are known",
+                    self.rank(),
+                    self.collective.world_size()
+                ),
+            )
+        })
+    }
+
+    /// Whether the last micro-step was a sync step (true before the first one).
+    pub(crate) fn sync_gradients(&self) -> bool {
+        lock(&self.accum).synced
+    }
+
+    /// Micro-steps accumulated and not yet synced.
+    pub(crate) fn pending_micro_steps(&self) -> usize {
+        lock(&self.accum).micro
+    }
+
+    /// One micro-step from a loss (see [the module](self)); `end` forces a sync step. `Some`
+    /// holds the gradients averaged across ranks, on sync steps only.
+    pub(crate) fn backward(&self, loss: &Tensor, end: bool) -> Result<Option<GradStore>> {
+        let grads = if self.steps == 1 {
+            loss.backward()?
+        } else {
+            (loss / self.steps as f64)?.backward()?
+        };
+        self.accumulate(grads, end)
+    }
+
+    /// One micro-step from gradients already computed (and divided by `N`): with `N = 1` they
+    /// are averaged at once; otherwise the registered parameters' gradients are added to the
+    /// local sums, and at a sync step (the `N`-th micro-step, or `end`) the sums are averaged
+    /// across ranks and returned. Mixed precision feeds its f32 gradients in here.
+    pub(crate) fn accumulate(&self, mut grads: GradStore, end: bool) -> Result<Option<GradStore>> {
+        if self.steps == 1 {
+            lock(&self.accum).synced = true;
+            self.average(&mut grads)?;
+            return Ok(Some(grads));
+        }
+        let params = self.require_params("backward")?;
+        let mut acc = lock(&self.accum);
+        let previous = std::mem::take(&mut acc.pending);
+        let mut summed = GradStore::default();
+        for v in params.vars() {
+            let t = v.as_tensor();
+            let sum = match (previous.get(t), grads.get(t)) {
+                (Some(a), Some(b)) => (a + b)?,
+                (Some(a), None) => a.clone(),
+                (None, Some(b)) => b.clone(),
+                (None, None) => continue,
+            };
+            summed.insert(t, sum);
+        }
+        acc.micro += 1;
+        if acc.micro < self.steps && !end {
+            acc.synced = false;
+            acc.pending = summed;
+            return Ok(None);
+        }
+        let k = std::mem::take(&mut acc.micro);
+        acc.synced = true;
+        drop(acc);
+        self.finish_cycle(&params, summed, k).map(Some)
+    }
+
+    /// Syncs the pending micro-steps now, if any.
+    pub(crate) fn flush(&self) -> Result<Option<GradStore>> {
+        let mut acc = lock(&self.accum);
+        if acc.micro == 0 {
+            return Ok(None);
+        }
+        let k = std::mem::take(&mut acc.micro);
+        let summed = std::mem::take(&mut acc.pending);
+        acc.synced = true;
+        drop(acc);
+        let params = self.require_params("flush")?;
+        self.finish_cycle(&params, summed, k).map(Some)
+    }
+
+    /// Rescales a short cycle of `k < N` micro-steps by `N/k` and averages across ranks.
+    fn finish_cycle(&self, params: &ParamSet, mut grads: GradStore, k: usize) -> Result<GradStore> {
+        if k < self.steps {
+            params.scale_grads(&mut grads, self.steps as f64 / k as f64)?;
+        }
+        self.average_with(params, &mut grads)?;
+        Ok(grads)
+    }
+
+    /// Replaces the registered parameters' gradients by their mean over the ranks (nothing to do
+    /// on a rank that is alone).
+    pub(crate) fn average(&self, grads: &mut GradStore) -> Result<()> {
+        if self.alone() {
+            return Ok(());
+        }
+        let params = self.require_params("backward")?;
+        self.average_with(&params, grads)
+    }
+
+    fn average_with(&self, params: &ParamSet, grads: &mut GradStore) -> Result<()> {
+        if self.alone() {
+            return Ok(());
+        }
+        params.average_gradients(self.collective.as_ref(), grads)
+    }
+
+    /// Clips gradients by their global L2 norm over the registered parameters and returns the
+    /// norm before clipping (see [`Accelerator::clip_grad_norm`](crate::Accelerator::clip_grad_norm)).
+    pub(crate) fn clip_grad_norm(&self, grads: &mut GradStore, max_norm: f64) -> Result<f64> {
+        check_positive("max_norm", max_norm)?;
+        let params = self.require_params("clip_grad_norm")?;
+        let norm = params.grad_norm(grads)?;
+        if self.sync_gradients() && norm > max_norm {
+            params.scale_grads(grads, max_norm / (norm + 1e-6))?;
+        }
+        Ok(norm)
+    }
+
+    /// Clamps every registered parameter's gradient to `[-clip, clip]`.
+    pub(crate) fn clip_grad_value(&self, grads: &mut GradStore, clip: f64) -> Result<()> {
+        check_positive("clip", clip)?;
+        let params = self.require_params("clip_grad_value")?;
+        if self.sync_gradients() {
+            params.clamp_grads(grads, clip)?;
+        }
+        Ok(())
+    }
+
+    /// Applies `clip` to a copy of `grads` (the registered parameters' gradients): norm first,
+    /// then value. Returns the clipped gradients and the norm before clipping, when clipped by
+    /// norm. `None` when there is nothing to clip.
+    pub(crate) fn clipped(
+        &self,
+        grads: &GradStore,
+        clip: Clipping,
+    ) -> Result<Option<(GradStore, Option<f64>)>> {
+        if clip.norm.is_none() && clip.value.is_none() {
+            return Ok(None);
+        }
+        let params = self.require_params("gradient clipping")?;
+        let mut grads = params.copy_grads(grads);
+        let norm = match clip.norm {
+            Some(max) => Some(self.clip_grad_norm(&mut grads, max)?),
+            None => None,
+        };
+        if let Some(v) = clip.value {
+            self.clip_grad_value(&mut grads, v)?;
+        }
+        Ok(Some((grads, norm)))
+    }
+}
+
+/// Clipping applied in every optimizer step (both off by default).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct Clipping {
+    /// Global L2 norm to clip to.
+    pub(crate) norm: Option<f64>,
+    /// Value to clamp every gradient to.
+    pub(crate) value: Option<f64>,
+}
+
+fn check_positive(what: &str, v: f64) -> Result<()> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            what,
+            format!("must be a finite number above 0, got {v}"),
+        ))
+    }
+}

@@ -1,0 +1,414 @@
+//! Mixed precision: the optimizer that keeps f32 masters for bf16/f16 working copies.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use candle_nn::{Optimizer, VarMap};
+
+use crate::data::Batch;
+use crate::error::{Error, Result};
+use crate::settings::MixedPrecision;
+use crate::train::optimizer::{AcceleratedOptimizer, TrainOptimizer};
+use crate::train::params::Parameters;
+
+/// Dynamic loss scaling for f16 (like PyTorch's `GradScaler`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LossScaler {
+    scale: f64,
+    growth_factor: f64,
+    backoff_factor: f64,
+    growth_interval: u64,
+    clean_steps: u64,
+}
+
+impl Default for LossScaler {
+    fn default() -> Self {
+        LossScaler {
+            scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+            clean_steps: 0,
+        }
+    }
+}
+
+impl LossScaler {
+    /// A scaler starting at `initial_scale` (default 2^16), growth 2, backoff 0.5, interval 2000.
+    pub fn new(initial_scale: f64) -> Self {
+        LossScaler {
+            scale: initial_scale,
+            ..Default::default()
+        }
+    }
+
+    /// Sets the number of clean steps in a row after which the scale grows (default 2000).
+    pub fn with_growth_interval(mut self, steps: u64) -> Self {
+        self.growth_interval = steps.max(1);
+        self
+    }
+
+    /// The current scale.
+    pub fn scale(&self) -> f64 {
+        self.scale
+    }
+
+    /// Clean steps in a row after which the scale is multiplied by the growth factor.
+    pub fn growth_interval(&self) -> u64 {
+        self.growth_interval
+    }
+
+    fn update(&mut self, clean: bool) {
+        if clean {
+            self.clean_steps += 1;
+            if self.clean_steps >= self.growth_interval {
+                self.scale *= self.growth_factor;
+                self.clean_steps = 0;
+            }
+        } else {
+            self.scale *= self.backoff_factor;
+            self.clean_steps = 0;
+        }
+    }
+}
+
+/// The optimizer returned by [`Accelerator::prepare_mixed`](crate::Accelerator::prepare_mixed):
+/// f32 master weights, half-precision working copies.
+///
+/// Mixed precision: compute in bf16 or f16, keep f32 *master* weights on the optimizer side.
+///
+/// [`Accelerator::prepare_mixed`](crate::Accelerator::prepare_mixed) takes the model's `VarMap`
+/// built in **f32** (the masters), the optimizer built on those f32 variables, and the loader. It
+/// prepares the masters exactly like [`prepare`](crate::Accelerator::prepare) (verified across
+/// ranks, rank 0's values broadcast), then creates a second `VarMap` of *working copies*: one
+/// variable per master, same name, cast to the compute dtype (bf16 or f16). Build the model a
+/// second time from the working copies and run forward and backward with it:
+///
+/// ```
+/// use accelerate_rs::{Accelerator, DataLoader, MixedPrecision, TensorDataset};
+/// use candle_core::{DType, Module, Tensor};
+/// use candle_nn::{linear, loss, Optimizer, VarBuilder, VarMap, SGD};
+///
+/// fn main() -> Result<(), Box<dyn std::error::Error>> {
+///     let accelerator = Accelerator::builder().mixed_precision(MixedPrecision::Bf16).build()?;
+///     let device = accelerator.device().clone();
+///     let x = Tensor::randn(0f32, 1.0, (64, 4), &device)?;
+///     let y = x.sum_keepdim(1)?;
+///
+///     let master = VarMap::new(); // f32 masters
+///     linear(4, 1, VarBuilder::from_varmap(&master, DType::F32, &device).pp("fc"))?;
+///     let opt = SGD::new(master.all_vars(), 0.05)?;
+///     let loader = DataLoader::new(TensorDataset::new(vec![x, y])?, 16);
+///     let (mut opt, mut loader, work) = accelerator.prepare_mixed(&master, opt, loader)?;
+///     let dtype = opt.compute_dtype(); // bf16
+///     let model = linear(4, 1, VarBuilder::from_varmap(&work, dtype, &device).pp("fc"))?;
+///
+///     for batch in loader.iter()? {
+///         let batch = batch?;
+///         let out = model.forward(&batch[0].to_dtype(dtype)?)?.to_dtype(DType::F32)?;
+///         opt.backward_step(&loss::mse(&out, &batch[1])?)?;
+///     }
+///     Ok(())
+/// }
+/// ```
+///
+/// Each [`backward_step`](MixedPrecisionOptimizer::backward_step):
+///
+/// 1. (f16 only) multiplies the loss by the current loss scale, runs backward through the working
+///    copies;
+/// 2. casts every working copy's gradient to f32 (and divides it by the loss scale), keyed by its
+///    master;
+/// 3. averages these f32 gradients across ranks (the usual bucketed all-reduce);
+/// 4. (f16 only) if any averaged gradient holds an inf or NaN, the step is **skipped** on every
+///    rank alike (they all see the same averaged gradients), the scale is multiplied by 0.5 and the
+///    skip is counted ([`skipped_steps`](MixedPrecisionOptimizer::skipped_steps)); after
+///    [`growth_interval`](LossScaler::growth_interval) (2000) clean steps in a row the scale is
+///    doubled. The initial scale is 2^16;
+/// 5. clips (if set) and steps the wrapped optimizer on the f32 masters;
+/// 6. copies the masters back into the working copies (cast to the compute dtype), so the working
+///    copies always equal the masters cast.
+///
+/// bf16 has f32's exponent range and needs no loss scaling ([`loss_scale`] is 1).
+/// With [`MixedPrecision::No`] the working `VarMap` *is* the master `VarMap` and every call is
+/// forwarded to [`AcceleratedOptimizer`]: exactly the behaviour of `prepare`.
+///
+/// The mode is `ACCELERATE_RS_MIXED_PRECISION` / config `mixed_precision` / the builder's
+/// [`mixed_precision`](crate::AcceleratorBuilder::mixed_precision) (see
+/// [`ProcessState::mixed_precision`](crate::ProcessState::mixed_precision)).
+///
+/// Mixed precision adds only the cast to f32 and the loss scaling: accumulation, averaging,
+/// clipping and flushing are the gradient engine's, as for [`AcceleratedOptimizer`].
+///
+/// Gradient accumulation (`N > 1`) works with bf16/f16: f32 gradients are summed locally and the
+/// masters step on sync steps.
+///
+/// [`loss_scale`]: MixedPrecisionOptimizer::loss_scale
+pub struct MixedPrecisionOptimizer<O> {
+    inner: AcceleratedOptimizer<O>,
+    mode: MixedPrecision,
+    /// `(master, working copy)` in name order; empty for [`MixedPrecision::No`].
+    pairs: Vec<(Var, Var)>,
+    work: VarMap,
+    scaler: Option<LossScaler>,
+    skipped: u64,
+}
+
+impl<O: std::fmt::Debug> std::fmt::Debug for MixedPrecisionOptimizer<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MixedPrecisionOptimizer")
+            .field("inner", &self.inner)
+            .field("mode", &self.mode)
+            .field("parameters", &self.pairs.len())
+            .field("scaler", &self.scaler)
+            .field("skipped", &self.skipped)
+            .finish()
+    }
+}
+
+/// The compute dtype of a mode.
+pub fn compute_dtype(mode: MixedPrecision) -> DType {
+    match mode {
+        MixedPrecision::No => DType::F32,
+        MixedPrecision::Bf16 => DType::BF16,
+        MixedPrecision::Fp16 => DType::F16,
+    }
+}
+
+impl<O: Optimizer> MixedPrecisionOptimizer<O> {
+    /// Builds the working copies of `masters` (already prepared) for `mode`.
+    pub(crate) fn new<P: Parameters + ?Sized>(
+        inner: AcceleratedOptimizer<O>,
+        mode: MixedPrecision,
+        masters: &P,
+    ) -> Result<Self> {
+        let mut named = masters.named_parameters();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let work = VarMap::new();
+        let mut pairs = Vec::new();
+        if mode == MixedPrecision::No {
+            let mut data = work.data().lock().unwrap_or_else(|p| p.into_inner());
+            for (name, v) in named {
+                data.insert(name, v);
+            }
+        } else {
+            let dtype = compute_dtype(mode);
+            let mut data = work.data().lock().unwrap_or_else(|p| p.into_inner());
+            for (name, master) in named {
+                if master.dtype() != DType::F32 {
+                    return Err(Error::invalid(
+                        "mixed precision",
+                        format!(
+                            "master parameter `{name}` is {:?}; build the model in f32 (the working copies are made in {dtype:?})",
+                            master.dtype()
+                        ),
+                    ));
+                }
+                let copy = Var::from_tensor(&master.as_tensor().to_dtype(dtype)?)?;
+                data.insert(name, copy.clone());
+                pairs.push((master, copy));
+            }
+        }
+        let scaler = (mode == MixedPrecision::Fp16).then(LossScaler::default);
+        Ok(MixedPrecisionOptimizer {
+            inner,
+            mode,
+            pairs,
+            work,
+            scaler,
+            skipped: 0,
+        })
+    }
+
+    /// The mixed-precision mode.
+    pub fn mode(&self) -> MixedPrecision {
+        self.mode
+    }
+
+    /// The dtype of the working copies (f32 for [`MixedPrecision::No`]); build the model and cast
+    /// its inputs to it.
+    pub fn compute_dtype(&self) -> DType {
+        compute_dtype(self.mode)
+    }
+
+    /// The working copies, by name (the masters themselves for [`MixedPrecision::No`]).
+    pub fn working_vars(&self) -> &VarMap {
+        &self.work
+    }
+
+    /// The current loss scale (1 unless f16).
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.as_ref().map_or(1.0, LossScaler::scale)
+    }
+
+    /// Replaces the loss scaler (f16 only; ignored otherwise).
+    pub fn set_loss_scaler(&mut self, scaler: LossScaler) {
+        if self.scaler.is_some() {
+            self.scaler = Some(scaler);
+        }
+    }
+
+    /// Steps skipped because a gradient was inf or NaN (f16).
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped
+    }
+
+    /// Backward through the working copies, f32 gradients averaged across ranks, step of the
+    /// masters, masters copied back (see [`MixedPrecisionOptimizer`]). Returns whether it stepped (false
+    /// when an f16 step was skipped, or on a non-sync micro-step of gradient accumulation).
+    ///
+    /// With gradient accumulation (N > 1) each call is one micro-step: the f32 gradients are
+    /// summed locally and the masters step every N-th call; use
+    /// [`backward_step_batch`](Self::backward_step_batch) so that the loader's last batch also
+    /// syncs, or call [`flush`](Self::flush) after the loop.
+    pub fn backward_step(&mut self, loss: &Tensor) -> Result<bool> {
+        self.micro_step(loss, false)
+    }
+
+    /// [`backward_step`](Self::backward_step) that also syncs on the loader's last batch.
+    pub fn backward_step_batch(&mut self, loss: &Tensor, batch: &Batch) -> Result<bool> {
+        self.micro_step(loss, batch.is_last())
+    }
+
+    /// Steps with the micro-steps accumulated so far, if any (the end of a loader that was not
+    /// iterated with [`backward_step_batch`](Self::backward_step_batch)). Returns whether it
+    /// stepped.
+    pub fn flush(&mut self) -> Result<bool> {
+        if self.mode == MixedPrecision::No {
+            return self.inner.flush();
+        }
+        match self.inner.engine().flush()? {
+            Some(grads) => self.apply(grads),
+            None => Ok(false),
+        }
+    }
+
+    /// One micro-step: backward through the working copies with the loss scaled by the loss
+    /// scale and `1/N`, f32 gradients of the masters handed to the gradient engine, and the
+    /// sync step ([`apply`](Self::apply)) when the engine returns averaged gradients.
+    fn micro_step(&mut self, loss: &Tensor, end: bool) -> Result<bool> {
+        if self.mode == MixedPrecision::No {
+            return self.inner.micro_step(loss, end);
+        }
+        let n = self.inner.engine().steps();
+        let scale = self.loss_scale();
+        // The loss scale (f16) and the 1/N of accumulation folded into one multiplication.
+        let factor = scale / n as f64;
+        let scaled = if factor == 1.0 {
+            loss.clone()
+        } else {
+            loss.affine(factor, 0.0)?
+        };
+        let half = scaled.backward()?;
+        let mut grads = GradStore::default();
+        for (master, copy) in &self.pairs {
+            if let Some(g) = half.get(copy.as_tensor()) {
+                let mut g = g.to_dtype(DType::F32)?;
+                if scale != 1.0 {
+                    g = g.affine(1.0 / scale, 0.0)?;
+                }
+                grads.insert(master.as_tensor(), g);
+            }
+        }
+        match self.inner.engine().accumulate(grads, end)? {
+            Some(averaged) => self.apply(averaged),
+            None => Ok(false),
+        }
+    }
+
+    /// The sync step on gradients already averaged across ranks: overflow check (f16), step of
+    /// the masters, copy back into the working copies.
+    fn apply(&mut self, grads: GradStore) -> Result<bool> {
+        if let Some(scaler) = self.scaler.as_mut() {
+            let clean = all_finite(&self.pairs, &grads)?;
+            scaler.update(clean);
+            if !clean {
+                self.skipped += 1;
+                log::debug!(
+                    "rank {}: f16 gradients overflowed; step skipped, loss scale now {}",
+                    self.inner.engine().rank(),
+                    scaler.scale()
+                );
+                return Ok(false);
+            }
+        }
+        self.inner.step(&grads)?;
+        self.sync_working_copies()?;
+        Ok(true)
+    }
+
+    /// Copies the masters into the working copies (done after every step; call it after loading
+    /// a checkpoint into the masters).
+    pub fn sync_working_copies(&self) -> Result<()> {
+        for (master, copy) in &self.pairs {
+            copy.set(&master.as_tensor().to_dtype(copy.dtype())?)?;
+        }
+        Ok(())
+    }
+
+    /// Clip gradients (of the masters, after averaging) to this global L2 norm in every step.
+    pub fn set_clip_grad_norm(&mut self, max_norm: Option<f64>) {
+        self.inner.set_clip_grad_norm(max_norm)
+    }
+
+    /// Clamp every master gradient to `[-clip, clip]` in every step.
+    pub fn set_clip_grad_value(&mut self, clip: Option<f64>) {
+        self.inner.set_clip_grad_value(clip)
+    }
+
+    /// The global norm of the master gradients (before clipping) of the last step that clipped
+    /// by norm.
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.inner.last_grad_norm()
+    }
+
+    /// Whether the last micro-step was a sync step (see
+    /// [`AcceleratedOptimizer::is_sync_step`]).
+    pub fn is_sync_step(&self) -> bool {
+        self.inner.is_sync_step()
+    }
+
+    /// The learning rate.
+    pub fn learning_rate(&self) -> f64 {
+        self.inner.learning_rate()
+    }
+
+    /// Sets the learning rate.
+    pub fn set_learning_rate(&mut self, lr: f64) {
+        self.inner.set_learning_rate(lr)
+    }
+
+    /// The wrapped [`AcceleratedOptimizer`] (stepping the masters).
+    pub fn accelerated(&self) -> &AcceleratedOptimizer<O> {
+        &self.inner
+    }
+
+    /// The wrapped [`AcceleratedOptimizer`], mutable.
+    pub fn accelerated_mut(&mut self) -> &mut AcceleratedOptimizer<O> {
+        &mut self.inner
+    }
+}
+
+impl<O: Optimizer> TrainOptimizer for MixedPrecisionOptimizer<O> {
+    fn lr(&self) -> f64 {
+        self.inner.lr()
+    }
+    fn set_lr(&mut self, lr: f64) {
+        self.inner.set_lr(lr)
+    }
+}
+
+/// Whether every gradient of the masters is finite (one scalar read back).
+fn all_finite(pairs: &[(Var, Var)], grads: &GradStore) -> Result<bool> {
+    let mut sums = Vec::new();
+    for (master, _) in pairs {
+        if let Some(g) = grads.get(master.as_tensor()) {
+            sums.push(g.sum_all()?);
+        }
+    }
+    if sums.is_empty() {
+        return Ok(true);
+    }
+    // inf - inf and NaN stay NaN, +-inf stays infinite: the total is finite iff all parts are
+    // (or the f32 sum itself overflowed, which is treated as an overflow too).
+    let total = Tensor::stack(&sums, 0)?.sum_all()?.to_scalar::<f32>()?;
+    Ok(total.is_finite())
+}

@@ -1,0 +1,9 @@
+//! Training machinery, the middle floor: parameters and gradient buckets, gradient accumulation,
+//! the optimizer wrappers, mixed precision, learning-rate schedules and the checkpoint format.
+
+pub mod checkpoint;
+pub(crate) mod grad_sync;
+pub(crate) mod mixed_precision;
+pub(crate) mod optimizer;
+pub(crate) mod params;
+pub mod scheduler;

@@ -1,0 +1,178 @@
+//! The optimizer wrapper returned by [`Accelerator::prepare`](crate::Accelerator::prepare), and
+//! [`TrainOptimizer`], the part that every optimizer shares with both wrappers.
+
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::Tensor;
+use candle_nn::Optimizer;
+
+use crate::data::Batch;
+use crate::error::Result;
+use crate::train::grad_sync::{Clipping, GradSync};
+
+/// The learning rate of an optimizer, as a schedule ([`Schedule`](crate::scheduler::Schedule))
+/// sets it: implemented by every Candle [`Optimizer`] (so by [`optim::AdamW`](crate::optim::AdamW)
+/// and [`optim::Sgd`](crate::optim::Sgd)) and by both wrappers, [`AcceleratedOptimizer`] and
+/// [`MixedPrecisionOptimizer`](crate::MixedPrecisionOptimizer). The wrappers also share
+/// clipping (`set_clip_grad_norm`, `set_clip_grad_value`, `last_grad_norm`) and checkpoints
+/// ([`StatefulOptimizer`](crate::checkpoint::StatefulOptimizer)).
+pub trait TrainOptimizer {
+    /// The learning rate.
+    fn lr(&self) -> f64;
+    /// Sets the learning rate.
+    fn set_lr(&mut self, lr: f64);
+}
+
+impl<O: Optimizer> TrainOptimizer for O {
+    fn lr(&self) -> f64 {
+        self.learning_rate()
+    }
+    fn set_lr(&mut self, lr: f64) {
+        self.set_learning_rate(lr)
+    }
+}
+
+impl<O: Optimizer> TrainOptimizer for AcceleratedOptimizer<O> {
+    fn lr(&self) -> f64 {
+        self.inner.learning_rate()
+    }
+    fn set_lr(&mut self, lr: f64) {
+        self.inner.set_learning_rate(lr)
+    }
+}
+
+/// Wraps a Candle optimizer so that a plain training loop stays unchanged:
+/// [`backward_step`](AcceleratedOptimizer::backward_step) runs backward, averages the gradients
+/// across ranks and steps, exactly where the loop used to call `Optimizer::backward_step`.
+///
+/// With gradient accumulation (`N > 1`, see [`Accelerator::backward`](crate::Accelerator::backward)) each call is a micro-step and
+/// the wrapped optimizer steps only on sync steps; use
+/// [`backward_step_batch`](Self::backward_step_batch) so the loader's last batch syncs, and
+/// [`is_sync_step`](Self::is_sync_step) to step schedulers. Optional clipping
+/// ([`set_clip_grad_norm`](Self::set_clip_grad_norm),
+/// [`set_clip_grad_value`](Self::set_clip_grad_value)) is applied in every step that applies
+/// gradients, after they were averaged.
+#[derive(Debug)]
+pub struct AcceleratedOptimizer<O> {
+    inner: O,
+    grads: Arc<GradSync>,
+    clip: Clipping,
+    last_norm: Option<f64>,
+}
+
+impl<O: Optimizer> AcceleratedOptimizer<O> {
+    pub(crate) fn new(inner: O, grads: Arc<GradSync>) -> Self {
+        AcceleratedOptimizer {
+            inner,
+            grads,
+            clip: Clipping::default(),
+            last_norm: None,
+        }
+    }
+
+    /// The gradient engine this optimizer steps from.
+    pub(crate) fn engine(&self) -> &GradSync {
+        &self.grads
+    }
+
+    /// Applies gradients that are already averaged (from
+    /// [`Accelerator::backward`](crate::Accelerator::backward)), clipped first if clipping was
+    /// set. Does nothing when the last micro-step was not a sync step (gradient accumulation),
+    /// so `let grads = accelerator.backward(&loss)?; opt.step(&grads)?;` is right for any `N`.
+    pub fn step(&mut self, grads: &GradStore) -> Result<()> {
+        if !self.grads.sync_gradients() {
+            return Ok(());
+        }
+        match self.grads.clipped(grads, self.clip)? {
+            None => Ok(self.inner.step(grads)?),
+            Some((clipped, norm)) => {
+                if norm.is_some() {
+                    self.last_norm = norm;
+                }
+                Ok(self.inner.step(&clipped)?)
+            }
+        }
+    }
+
+    /// `backward` (with the gradients averaged across ranks) followed by [`step`](Self::step).
+    /// With gradient accumulation: one micro-step, stepping only on sync steps.
+    pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
+        self.micro_step(loss, false).map(drop)
+    }
+
+    /// [`backward_step`](Self::backward_step) that also syncs and steps when `batch` is the
+    /// loader's last ([`Batch::is_last`]), so a partial accumulation cycle is applied at the end
+    /// of every epoch. The loop to write with gradient accumulation.
+    pub fn backward_step_batch(&mut self, loss: &Tensor, batch: &Batch) -> Result<()> {
+        self.micro_step(loss, batch.is_last()).map(drop)
+    }
+
+    /// One micro-step; returns whether it stepped.
+    pub(crate) fn micro_step(&mut self, loss: &Tensor, end: bool) -> Result<bool> {
+        match self.grads.backward(loss, end)? {
+            Some(grads) => self.step(&grads).map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    /// Syncs and applies pending micro-steps now (e.g. after a loop that used
+    /// [`backward_step`](Self::backward_step) over a loader whose length is not a multiple of
+    /// `N`). Returns whether it stepped; with nothing pending it communicates nothing. All ranks
+    /// must call it at the same point.
+    pub fn flush(&mut self) -> Result<bool> {
+        match self.grads.flush()? {
+            Some(grads) => self.step(&grads).map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    /// Whether the last micro-step was a sync step (the wrapped optimizer stepped); always true
+    /// without gradient accumulation. Step learning-rate schedulers only when it is true.
+    pub fn is_sync_step(&self) -> bool {
+        self.grads.sync_gradients()
+    }
+
+    /// Clip gradients to this global L2 norm (see
+    /// [`Accelerator::clip_grad_norm`](crate::Accelerator::clip_grad_norm)) in every step;
+    /// `None` turns it off. The norm is read back with [`last_grad_norm`](Self::last_grad_norm).
+    pub fn set_clip_grad_norm(&mut self, max_norm: Option<f64>) {
+        self.clip.norm = max_norm;
+    }
+
+    /// Clamp every gradient to `[-clip, clip]` in every step (after norm clipping, if set);
+    /// `None` turns it off.
+    pub fn set_clip_grad_value(&mut self, clip: Option<f64>) {
+        self.clip.value = clip;
+    }
+
+    /// The global gradient norm (before clipping) of the last step that clipped by norm.
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.last_norm
+    }
+
+    /// The learning rate.
+    pub fn learning_rate(&self) -> f64 {
+        self.inner.learning_rate()
+    }
+
+    /// Sets the learning rate.
+    pub fn set_learning_rate(&mut self, lr: f64) {
+        self.inner.set_learning_rate(lr)
+    }
+
+    /// The wrapped optimizer.
+    pub fn inner(&self) -> &O {
+        &self.inner
+    }
+
+    /// The wrapped optimizer, mutable.
+    pub fn inner_mut(&mut self) -> &mut O {
+        &mut self.inner
+    }
+
+    /// Unwraps the optimizer.
+    pub fn into_inner(self) -> O {
+        self.inner
+    }
+}

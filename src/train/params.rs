@@ -1,0 +1,610 @@
+//! A model's parameters, ordered by name and grouped into buckets, and the three things done with
+//! them across ranks: verify they agree, broadcast rank 0's values, average gradients.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::sync::Mutex;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Storage, Tensor, Var};
+use candle_nn::VarMap;
+
+use crate::collective::{Buffer, Collective, ReduceOp};
+use crate::error::{Error, Result};
+use crate::inplace::{buffer_mut, copy_cpu, fill_cpu, read_f64, storage_addr, with_cpu_mut};
+
+/// Float dtypes whose CPU gradients take the flat, in-place bucket path.
+fn fusable_dtype(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+}
+
+/// Anything that can list a model's trainable parameters by name.
+///
+/// Parameters are always processed in name order: a `VarMap`'s iteration order differs between
+/// processes, so it can never be used to pair up tensors across ranks.
+pub trait Parameters {
+    /// `(name, variable)` pairs; names must be unique. The maps' implementations return them
+    /// sorted by name, so the order is the same in every process.
+    fn named_parameters(&self) -> Vec<(String, Var)>;
+}
+
+fn sorted(mut named: Vec<(String, Var)>) -> Vec<(String, Var)> {
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
+}
+
+impl Parameters for VarMap {
+    fn named_parameters(&self) -> Vec<(String, Var)> {
+        let data = self.data().lock().unwrap_or_else(|p| p.into_inner());
+        sorted(data.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+    }
+}
+
+impl Parameters for [(String, Var)] {
+    fn named_parameters(&self) -> Vec<(String, Var)> {
+        self.to_vec()
+    }
+}
+
+impl Parameters for Vec<(String, Var)> {
+    fn named_parameters(&self) -> Vec<(String, Var)> {
+        self.clone()
+    }
+}
+
+impl Parameters for HashMap<String, Var> {
+    fn named_parameters(&self) -> Vec<(String, Var)> {
+        sorted(self.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+    }
+}
+
+impl Parameters for BTreeMap<String, Var> {
+    fn named_parameters(&self) -> Vec<(String, Var)> {
+        self.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
+}
+
+/// A run of consecutive parameters (in name order) of one dtype, moved by one collective.
+#[derive(Clone, Debug)]
+struct Bucket {
+    members: Range<usize>,
+}
+
+/// The registered parameters of a prepared model.
+#[derive(Debug)]
+pub(crate) struct ParamSet {
+    names: Vec<String>,
+    vars: Vec<Var>,
+    buckets: Vec<Bucket>,
+    /// One flat host tensor per bucket, allocated on first use and reused by every
+    /// [`average_gradients`](Self::average_gradients) (CPU gradients only).
+    flat: Mutex<Vec<Option<Tensor>>>,
+    /// Whether CPU buckets are reduced on a communication thread while the next ones are
+    /// flattened (`ACCELERATE_RS_OVERLAP`).
+    overlap: bool,
+}
+
+impl Clone for ParamSet {
+    fn clone(&self) -> Self {
+        ParamSet {
+            names: self.names.clone(),
+            vars: self.vars.clone(),
+            buckets: self.buckets.clone(),
+            flat: Mutex::new(vec![None; self.buckets.len()]),
+            overlap: self.overlap,
+        }
+    }
+}
+
+fn describe(v: &Var) -> String {
+    format!("{:?}{:?}", v.dtype(), v.dims())
+}
+
+impl ParamSet {
+    /// Sorts by name and groups into buckets of at most `cap_bytes` (a parameter larger than the
+    /// cap gets a bucket of its own); `overlap`: see [`ParamSet::average_gradients`].
+    pub(crate) fn new(
+        mut named: Vec<(String, Var)>,
+        cap_bytes: usize,
+        overlap: bool,
+    ) -> Result<Self> {
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        if let Some(w) = named.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(Error::invalid(
+                "model parameters",
+                format!("the name `{}` is used twice", w[0].0),
+            ));
+        }
+        let mut buckets = Vec::new();
+        let (mut start, mut bytes, mut dtype) = (0usize, 0usize, None::<DType>);
+        for (i, (_, v)) in named.iter().enumerate() {
+            let size = v.elem_count() * v.dtype().size_in_bytes();
+            let same_dtype = dtype.is_none_or(|d| d == v.dtype());
+            if i > start && (!same_dtype || bytes + size > cap_bytes) {
+                buckets.push(Bucket { members: start..i });
+                start = i;
+                bytes = 0;
+            }
+            bytes += size;
+            dtype = Some(v.dtype());
+        }
+        if start < named.len() {
+            buckets.push(Bucket {
+                members: start..named.len(),
+            });
+        }
+        let (names, vars) = named.into_iter().unzip();
+        Ok(ParamSet {
+            names,
+            vars,
+            flat: Mutex::new(vec![None; buckets.len()]),
+            buckets,
+            overlap,
+        })
+    }
+
+    /// The registered `(name, variable)` pairs, in name order.
+    pub(crate) fn named(&self) -> Vec<(String, Var)> {
+        self.names
+            .iter()
+            .cloned()
+            .zip(self.vars.iter().cloned())
+            .collect()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.vars.len()
+    }
+
+    pub(crate) fn num_buckets(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// Checks that every rank registered the same names, shapes and dtypes; the error names the
+    /// first differing parameter (in name order) and the two ranks.
+    pub(crate) fn verify(&self, c: &dyn Collective) -> Result<()> {
+        let mine: String = self
+            .names
+            .iter()
+            .zip(&self.vars)
+            .map(|(n, v)| format!("{n}\t{}\n", describe(v)))
+            .collect();
+        let all = c.all_gather(Buffer::from(mine.as_bytes()))?;
+        let lists: Vec<Vec<(String, String)>> = all
+            .iter()
+            .map(|b| {
+                String::from_utf8_lossy(b.bytes())
+                    .lines()
+                    .map(|l| {
+                        let (n, d) = l.split_once('\t').unwrap_or((l, "?"));
+                        (n.to_string(), d.to_string())
+                    })
+                    .collect()
+            })
+            .collect();
+        let reference = &lists[0];
+        for (r, list) in lists.iter().enumerate().skip(1) {
+            if list == reference {
+                continue;
+            }
+            let at = |l: &Vec<(String, String)>, i: usize| l.get(i).cloned();
+            let i = (0..reference.len().max(list.len()))
+                .find(|&i| at(reference, i) != at(list, i))
+                .unwrap_or(0);
+            let (param, a, b) = match (at(reference, i), at(list, i)) {
+                (Some((na, da)), Some((nb, db))) if na == nb => (na, da, db),
+                (Some((na, da)), Some((nb, _))) if na < nb => {
+                    (na, da, "no such parameter".to_string())
+                }
+                (Some((_, _)), Some((nb, db))) => (nb, "no such parameter".to_string(), db),
+                (Some((na, da)), None) => (na, da, "no such parameter".to_string()),
+                (None, Some((nb, db))) => (nb, "no such parameter".to_string(), db),
+                (None, None) => ("?".into(), "?".into(), "?".into()),
+            };
+            return Err(Error::ParamMismatch {
+                rank: c.rank(),
+                param,
+                rank_a: 0,
+                a,
+                rank_b: r,
+                b,
+            });
+        }
+        Ok(())
+    }
+
+    /// Overwrites every rank's parameters with rank 0's, one collective per bucket.
+    pub(crate) fn broadcast_from_main(&self, c: &dyn Collective) -> Result<()> {
+        for b in &self.buckets {
+            let vars = &self.vars[b.members.clone()];
+            let flat: Vec<Tensor> = vars
+                .iter()
+                .map(|v| v.as_tensor().flatten_all())
+                .collect::<candle_core::Result<_>>()?;
+            let flat = Tensor::cat(&flat, 0)?;
+            let got = c.broadcast_tensor(&flat, 0)?;
+            let mut off = 0;
+            for v in vars {
+                let n = v.elem_count();
+                v.set(&got.narrow(0, off, n)?.reshape(v.shape())?)?;
+                off += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces every gradient in `grads` by its mean over the ranks, one collective per bucket.
+    ///
+    /// A parameter without a gradient on this rank contributes zeros; it gets the averaged
+    /// gradient if any rank had one, and stays without one only if no rank had one (so that
+    /// optimizers skip it everywhere alike).
+    ///
+    /// CPU gradients are copied once into the bucket's reusable flat tensor and reduced there in
+    /// place; the averaged gradients are views into it, valid until the next call.
+    pub(crate) fn average_gradients(
+        &self,
+        c: &dyn Collective,
+        grads: &mut GradStore,
+    ) -> Result<()> {
+        let mut slots = self.flat.lock().unwrap_or_else(|p| p.into_inner());
+        let all_cpu = self.buckets.iter().all(|b| {
+            let v = &self.vars[b.members.start];
+            v.device().is_cpu() && fusable_dtype(v.dtype())
+        });
+        if all_cpu {
+            return self.average_cpu(c, grads, &mut slots, self.overlap);
+        }
+        for b in &self.buckets {
+            let vars = &self.vars[b.members.clone()];
+            let (dtype, device) = (vars[0].dtype(), vars[0].device().clone());
+            let mut parts = Vec::with_capacity(vars.len() + 1);
+            let mut present = Vec::with_capacity(vars.len());
+            for v in vars {
+                match grads.get(v.as_tensor()) {
+                    Some(g) => {
+                        self.check_grad_shape(c, v, g)?;
+                        parts.push(g.to_dtype(dtype)?.flatten_all()?);
+                        present.push(1f64);
+                    }
+                    None => {
+                        parts.push(Tensor::zeros(v.elem_count(), dtype, &device)?);
+                        present.push(0f64);
+                    }
+                }
+            }
+            parts.push(Tensor::new(present.as_slice(), &device)?.to_dtype(dtype)?);
+            let flat = Tensor::cat(&parts, 0)?;
+            let mean = c.all_reduce_tensor(&flat, ReduceOp::Mean)?;
+            let total: usize = vars.iter().map(|v| v.elem_count()).sum();
+            let flags = mean
+                .narrow(0, total, vars.len())?
+                .to_dtype(DType::F64)?
+                .to_vec1::<f64>()?;
+            let mut off = 0;
+            for (v, flag) in vars.iter().zip(flags) {
+                let n = v.elem_count();
+                if flag > 0.0 {
+                    grads.insert(v.as_tensor(), mean.narrow(0, off, n)?.reshape(v.shape())?);
+                } else {
+                    grads.remove(v.as_tensor());
+                }
+                off += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// One bucket of CPU gradients copied into its reusable flat tensor `slot` (followed by one
+    /// presence flag per parameter, 1 or 0); returns the flat tensor, ready to be reduced.
+    fn flatten_bucket_cpu(
+        &self,
+        c: &dyn Collective,
+        vars: &[Var],
+        grads: &GradStore,
+        slot: &mut Option<Tensor>,
+    ) -> Result<Tensor> {
+        let dtype = vars[0].dtype();
+        let total: usize = vars.iter().map(|v| v.elem_count()).sum();
+        let len = total + vars.len();
+        let flat = match slot {
+            Some(t) if t.dtype() == dtype && t.elem_count() == len => t.clone(),
+            _ => {
+                let t = Tensor::zeros(len, dtype, &candle_core::Device::Cpu)?;
+                *slot = Some(t.clone());
+                t
+            }
+        };
+        let flat_addr = storage_addr(&flat);
+        let mut sources = Vec::with_capacity(vars.len());
+        for v in vars {
+            let Some(g) = grads.get(v.as_tensor()) else {
+                sources.push(None);
+                continue;
+            };
+            self.check_grad_shape(c, v, g)?;
+            let mut g = g.to_dtype(dtype)?;
+            // A contiguous CPU tensor not sharing the bucket's storage (a gradient handed back
+            // from an earlier call would otherwise be read while being overwritten).
+            if !g.is_contiguous() || !g.device().is_cpu() || storage_addr(&g) == flat_addr {
+                g = g.to_device(&candle_core::Device::Cpu)?.copy()?;
+            }
+            sources.push(Some(g));
+        }
+        with_cpu_mut(&flat, "gradient bucket", |dst, range| {
+            let mut off = range.start;
+            for (v, g) in vars.iter().zip(&sources) {
+                let n = v.elem_count();
+                match g {
+                    Some(g) => {
+                        let (src, layout) = g.storage_and_layout();
+                        let Storage::Cpu(src) = &*src else {
+                            return Err(Error::invalid("gradient", "is not on the CPU"));
+                        };
+                        let start = layout.start_offset();
+                        copy_cpu(dst, off..off + n, src, start..start + n)?;
+                    }
+                    None => fill_cpu(dst, off..off + n, 0.0)?,
+                }
+                off += n;
+            }
+            for (i, g) in sources.iter().enumerate() {
+                let flag = if g.is_some() { 1.0 } else { 0.0 };
+                fill_cpu(dst, off + i..off + i + 1, flag)?;
+            }
+            Ok(())
+        })?;
+        Ok(flat)
+    }
+
+    /// Averages a flat bucket across ranks in place; returns its `members` presence flags
+    /// (averaged: > 0 when some rank had the gradient).
+    fn reduce_bucket_cpu(c: &dyn Collective, flat: &Tensor, members: usize) -> Result<Vec<f64>> {
+        let mut flags = Vec::new();
+        with_cpu_mut(flat, "gradient bucket", |dst, range| {
+            c.all_reduce(buffer_mut(dst, range.clone())?, ReduceOp::Mean)?;
+            flags = read_f64(dst, range.end - members..range.end)?;
+            Ok(())
+        })?;
+        Ok(flags)
+    }
+
+    /// Puts the averaged gradients of one bucket (views into `flat`) into `grads`, or removes
+    /// those no rank had.
+    fn install_bucket(
+        vars: &[Var],
+        flat: &Tensor,
+        flags: &[f64],
+        grads: &mut GradStore,
+    ) -> Result<()> {
+        let mut off = 0;
+        for (v, flag) in vars.iter().zip(flags) {
+            let n = v.elem_count();
+            if *flag > 0.0 {
+                grads.insert(v.as_tensor(), flat.narrow(0, off, n)?.reshape(v.shape())?);
+            } else {
+                grads.remove(v.as_tensor());
+            }
+            off += n;
+        }
+        Ok(())
+    }
+
+    /// The CPU path of [`average_gradients`](Self::average_gradients) when every bucket is on the
+    /// CPU. With several buckets and `overlap`, a communication thread reduces bucket `k` while
+    /// this thread flattens bucket `k + 1`.
+    fn average_cpu(
+        &self,
+        c: &dyn Collective,
+        grads: &mut GradStore,
+        slots: &mut [Option<Tensor>],
+        overlap: bool,
+    ) -> Result<()> {
+        let members = |b: &Bucket| &self.vars[b.members.clone()];
+        if !overlap || self.buckets.len() < 2 {
+            for (b, slot) in self.buckets.iter().zip(slots.iter_mut()) {
+                let flat = self.flatten_bucket_cpu(c, members(b), grads, slot)?;
+                let flags = Self::reduce_bucket_cpu(c, &flat, b.members.len())?;
+                Self::install_bucket(members(b), &flat, &flags, grads)?;
+            }
+            return Ok(());
+        }
+        let (flats, flags) = std::thread::scope(|s| -> Result<_> {
+            let (tx, rx) = std::sync::mpsc::channel::<(Tensor, usize)>();
+            let comm = s.spawn(move || -> Result<Vec<Vec<f64>>> {
+                rx.into_iter()
+                    .map(|(flat, n)| Self::reduce_bucket_cpu(c, &flat, n))
+                    .collect()
+            });
+            let mut flats = Vec::with_capacity(self.buckets.len());
+            let mut failed = None;
+            for (b, slot) in self.buckets.iter().zip(slots.iter_mut()) {
+                match self.flatten_bucket_cpu(c, members(b), grads, slot) {
+                    Ok(flat) => {
+                        // A send fails only when the thread has stopped on an error: joined below.
+                        let _ = tx.send((flat.clone(), b.members.len()));
+                        flats.push(flat);
+                    }
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+            drop(tx);
+            let reduced = comm.join().map_err(|p| Error::ThreadPanicked {
+                rank: c.rank(),
+                thread: "the gradient communication thread".into(),
+                message: crate::error::panic_message(p.as_ref()),
+            })?;
+            match failed {
+                Some(e) => Err(e),
+                None => Ok((flats, reduced?)),
+            }
+        })?;
+        for ((b, flat), flags) in self.buckets.iter().zip(&flats).zip(&flags) {
+            Self::install_bucket(members(b), flat, flags, grads)?;
+        }
+        Ok(())
+    }
+
+    fn check_grad_shape(&self, c: &dyn Collective, v: &Var, g: &Tensor) -> Result<()> {
+        if g.dims() != v.dims() {
+            return Err(Error::invalid(
+                "gradient",
+                format!(
+                    "rank {}: gradient of `{}` has shape {:?}, the parameter {:?}",
+                    c.rank(),
+                    self.name_of(v),
+                    g.dims(),
+                    v.dims()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The registered variables, in name order.
+    pub(crate) fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// A new store holding the registered parameters' gradients of `grads` (shared tensors).
+    pub(crate) fn copy_grads(&self, grads: &GradStore) -> GradStore {
+        let mut out = GradStore::default();
+        for v in &self.vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                out.insert(v.as_tensor(), g.clone());
+            }
+        }
+        out
+    }
+
+    /// Multiplies every registered parameter's gradient by `factor` (keeping its dtype).
+    pub(crate) fn scale_grads(&self, grads: &mut GradStore, factor: f64) -> Result<()> {
+        for v in &self.vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                let scaled = g.affine(factor, 0.0)?;
+                grads.insert(v.as_tensor(), scaled);
+            }
+        }
+        Ok(())
+    }
+
+    /// Clamps every registered parameter's gradient to `[-clip, clip]`.
+    pub(crate) fn clamp_grads(&self, grads: &mut GradStore, clip: f64) -> Result<()> {
+        for v in &self.vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                let clamped = g.clamp(-clip, clip)?;
+                grads.insert(v.as_tensor(), clamped);
+            }
+        }
+        Ok(())
+    }
+
+    /// The L2 norm of all registered parameters' gradients together (computed in f64).
+    pub(crate) fn grad_norm(&self, grads: &GradStore) -> Result<f64> {
+        let mut sum = 0f64;
+        for v in &self.vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                sum += g
+                    .to_dtype(DType::F64)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f64>()?;
+            }
+        }
+        Ok(sum.sqrt())
+    }
+
+    fn name_of(&self, v: &Var) -> &str {
+        self.vars
+            .iter()
+            .position(|x| x.id() == v.id())
+            .map(|i| self.names[i].as_str())
+            .unwrap_or("?")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn var(n: usize, dtype: DType) -> Var {
+        Var::zeros(n, dtype, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn buckets_follow_name_order_cap_and_dtype() {
+        let named = vec![
+            ("c".to_string(), var(10, DType::F32)),
+            ("a".to_string(), var(10, DType::F32)),
+            ("b".to_string(), var(10, DType::F32)),
+            ("d".to_string(), var(100, DType::F32)),
+            ("e".to_string(), var(4, DType::F64)),
+        ];
+        let p = ParamSet::new(named, 80, true).unwrap();
+        assert_eq!(p.names, vec!["a", "b", "c", "d", "e"]);
+        let b: Vec<_> = p.buckets.iter().map(|b| b.members.clone()).collect();
+        // a+b = 80 bytes fit; c starts a new bucket; d is over the cap alone; e has another dtype.
+        assert_eq!(b, vec![0..2, 2..3, 3..4, 4..5]);
+    }
+
+    #[test]
+    fn cpu_buckets_average_in_place_and_survive_their_own_output() {
+        use crate::collective::ThreadGroup;
+        let group = ThreadGroup::new(2, std::time::Duration::from_secs(20)).unwrap();
+        let handles: Vec<_> = group
+            .into_iter()
+            .map(|c| {
+                std::thread::spawn(move || {
+                    let r = c.rank() as f32;
+                    let vars: Vec<Var> = (0..3).map(|_| var(5, DType::F32)).collect();
+                    let named = vars
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| (format!("p{i}"), v.clone()))
+                        .collect();
+                    // Buckets of 2 parameters and 1: both flat tensors are exercised.
+                    let set = ParamSet::new(named, 40, true).unwrap();
+                    let mut grads = GradStore::default();
+                    for (i, v) in vars.iter().enumerate() {
+                        // `p2` has a gradient on rank 1 only.
+                        if i < 2 || r == 1.0 {
+                            let g = Tensor::full(r + i as f32, 5, &Device::Cpu).unwrap();
+                            grads.insert(v.as_tensor(), g);
+                        }
+                    }
+                    set.average_gradients(&c, &mut grads).unwrap();
+                    let got = |g: &GradStore, i: usize| {
+                        g.get(vars[i].as_tensor())
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap()
+                    };
+                    let first: Vec<Vec<f32>> = (0..3).map(|i| got(&grads, i)).collect();
+                    // Feed the averaged gradients (views into the flat tensors) back in.
+                    set.average_gradients(&c, &mut grads).unwrap();
+                    let second: Vec<Vec<f32>> = (0..3).map(|i| got(&grads, i)).collect();
+                    (first, second)
+                })
+            })
+            .collect();
+        for h in handles {
+            let (first, second) = h.join().unwrap();
+            // Means of (0, 1), (1, 2) and (absent = 0, 3).
+            assert_eq!(first, vec![vec![0.5; 5], vec![1.5; 5], vec![1.5; 5]]);
+            assert_eq!(second, first);
+        }
+    }
+
+    #[test]
+    fn duplicate_names_are_rejected() {
+        let named = vec![
+            ("w".to_string(), var(1, DType::F32)),
+            ("w".to_string(), var(1, DType::F32)),
+        ];
+        let err = ParamSet::new(named, 10, true).unwrap_err().to_string();
+        assert!(err.contains("`w`"), "{err}");
+    }
+}

@@ -1,0 +1,330 @@
+//! Every backend's collectives against a plain reference: world sizes 2, 3, 4, lengths that do not
+//! divide by the world size (including shorter than it), every dtype and reduction.
+
+use std::time::{Duration, Instant};
+
+use crate::common::elems::{reference, value, TestElem};
+use crate::common::{on_each, tcp_group};
+use accelerate_rs::collective::{Buffer, BufferMut, Collective, SingleProcess, ThreadGroup};
+use accelerate_rs::Error;
+use accelerate_rs::ReduceOp;
+use candle_core::{Device, Tensor};
+use half::{bf16, f16};
+
+const LENGTHS: &[usize] = &[0, 1, 2, 3, 5, 7, 13, 1000, 4099];
+const OPS: &[ReduceOp] = &[ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max];
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+fn byte_buffer(b: &[u8]) -> Buffer<'_> {
+    Buffer::from(b)
+}
+
+fn all_reduce_suite<T, C>(c: &C)
+where
+    T: TestElem,
+    C: Collective + ?Sized,
+    for<'a> BufferMut<'a>: From<&'a mut [T]>,
+    for<'a> Buffer<'a>: From<&'a [T]>,
+{
+    let (rank, world) = (c.rank(), c.world_size());
+    for &op in OPS {
+        for &len in LENGTHS {
+            let mut v: Vec<T> = (0..len).map(|i| T::of(value(rank, i))).collect();
+            c.all_reduce(BufferMut::from(&mut v[..]), op)
+                .unwrap_or_else(|e| panic!("all_reduce {op:?} {} x {len}: {e}", T::ELEM));
+            for (i, got) in v.iter().enumerate() {
+                let want = reference(op, world, i);
+                assert!(
+                    (got.f() - want).abs() <= T::TOL * (1.0 + want.abs()),
+                    "rank {rank} world {world} {} {op:?} len {len} [{i}]: got {got:?}, want {want}",
+                    T::ELEM
+                );
+            }
+            // Every rank must hold bit-identical results.
+            let bytes: &[u8] = bytemuck::cast_slice(&v);
+            let all = c.all_gather(byte_buffer(bytes)).expect("all_gather");
+            for (r, b) in all.iter().enumerate() {
+                assert_eq!(b.bytes(), bytes, "rank {r} differs from rank {rank}");
+            }
+        }
+    }
+}
+
+fn broadcast_and_gather_suite<T, C>(c: &C)
+where
+    T: TestElem,
+    C: Collective + ?Sized,
+    for<'a> BufferMut<'a>: From<&'a mut [T]>,
+    for<'a> Buffer<'a>: From<&'a [T]>,
+{
+    let (rank, world) = (c.rank(), c.world_size());
+    for root in 0..world {
+        for &len in LENGTHS {
+            let mut v: Vec<T> = (0..len).map(|i| T::of(value(rank, i))).collect();
+            c.broadcast(BufferMut::from(&mut v[..]), root)
+                .unwrap_or_else(|e| panic!("broadcast root {root} len {len}: {e}"));
+            let want: Vec<T> = (0..len).map(|i| T::of(value(root, i))).collect();
+            assert_eq!(v, want, "rank {rank} broadcast from {root}, len {len}");
+        }
+    }
+    for k in 0..4 {
+        // Block sizes differ per rank, some are empty.
+        let len_of = |r: usize| (r * 3 + k) % 5;
+        let mine: Vec<T> = (0..len_of(rank)).map(|i| T::of(value(rank, i))).collect();
+        let all = c.all_gather(Buffer::from(&mine[..])).expect("all_gather");
+        assert_eq!(all.len(), world);
+        for (r, b) in all.iter().enumerate() {
+            let want: Vec<T> = (0..len_of(r)).map(|i| T::of(value(r, i))).collect();
+            assert_eq!(
+                b.as_slice::<T>().expect("typed view"),
+                &want[..],
+                "block of rank {r}"
+            );
+        }
+    }
+}
+
+fn full_suite<C: Collective + ?Sized>(c: &C) {
+    all_reduce_suite::<f32, C>(c);
+    all_reduce_suite::<f64, C>(c);
+    all_reduce_suite::<f16, C>(c);
+    all_reduce_suite::<bf16, C>(c);
+    broadcast_and_gather_suite::<f32, C>(c);
+    broadcast_and_gather_suite::<f64, C>(c);
+    broadcast_and_gather_suite::<f16, C>(c);
+    broadcast_and_gather_suite::<bf16, C>(c);
+    c.barrier().expect("barrier");
+}
+
+/// Pseudo-random floats, large enough to stream in several segments.
+fn big_random_suite<C: Collective + ?Sized>(c: &C) {
+    let (rank, world) = (c.rank(), c.world_size());
+    let len = 300_007;
+    let gen = |r: usize, i: usize| {
+        let x = (r as u64 * 1_000_003 + i as u64).wrapping_mul(6364136223846793005) >> 40;
+        (x % 20_000) as f64 / 1000.0 - 10.0
+    };
+    let mut v: Vec<f32> = (0..len).map(|i| gen(rank, i) as f32).collect();
+    c.all_reduce(BufferMut::from(&mut v[..]), ReduceOp::Sum)
+        .expect("big all_reduce");
+    for (i, got) in v.iter().enumerate() {
+        let want: f64 = (0..world).map(|r| gen(r, i) as f32 as f64).sum();
+        assert!((*got as f64 - want).abs() < 1e-4, "[{i}] {got} vs {want}");
+    }
+}
+
+#[test]
+fn tcp_ring_matches_reference_for_world_2_3_4() {
+    for world in [2, 3, 4] {
+        on_each(tcp_group(world, TIMEOUT), |c| {
+            full_suite(c);
+            big_random_suite(c);
+        });
+    }
+}
+
+#[test]
+fn threads_match_reference_for_world_2_3_4() {
+    for world in [2, 3, 4] {
+        on_each(ThreadGroup::new(world, TIMEOUT).unwrap(), |c| {
+            full_suite(c);
+            big_random_suite(c);
+        });
+    }
+}
+
+#[test]
+fn single_process_is_identity() {
+    let c = SingleProcess;
+    let mut v = vec![1.5f32, -2.0];
+    c.all_reduce(BufferMut::from(&mut v[..]), ReduceOp::Mean)
+        .unwrap();
+    assert_eq!(v, vec![1.5, -2.0]);
+    c.broadcast(BufferMut::from(&mut v[..]), 0).unwrap();
+    assert!(c.broadcast(BufferMut::from(&mut v[..]), 1).is_err());
+    let g = c.all_gather(Buffer::from(&v[..])).unwrap();
+    assert_eq!(g[0].as_slice::<f32>().unwrap(), &v[..]);
+    c.barrier().unwrap();
+}
+
+#[test]
+fn tensor_helpers_gather_uneven_first_dims() {
+    let results = on_each(tcp_group(3, TIMEOUT), |c| {
+        let r = c.rank();
+        let rows = r + 1; // 1, 2, 3 rows
+        let t = Tensor::full(r as f32, (rows, 2), &Device::Cpu).unwrap();
+        let g = c.all_gather_tensor(&t).unwrap();
+        let s = c.all_reduce_tensor(&t.sum_all().unwrap().reshape(1).unwrap(), ReduceOp::Sum);
+        let b = c
+            .broadcast_tensor(&Tensor::new(&[r as f64, 7.0], &Device::Cpu).unwrap(), 2)
+            .unwrap();
+        // Trailing dims differ on rank 1: every rank must get an error listing all shapes.
+        let bad = Tensor::zeros(
+            (1, if r == 1 { 3 } else { 2 }),
+            candle_core::DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let err = c.all_gather_tensor(&bad).unwrap_err().to_string();
+        (
+            g.to_vec2::<f32>().unwrap(),
+            s.unwrap().to_vec1::<f32>().unwrap(),
+            b.to_vec1::<f64>().unwrap(),
+            err,
+        )
+    });
+    for (g, s, b, err) in results {
+        assert_eq!(
+            g,
+            vec![
+                vec![0.0, 0.0],
+                vec![1.0, 1.0],
+                vec![1.0, 1.0],
+                vec![2.0; 2],
+                vec![2.0; 2],
+                vec![2.0; 2]
+            ]
+        );
+        assert_eq!(s, vec![0.0 + 4.0 + 12.0]);
+        assert_eq!(b, vec![2.0, 7.0]);
+        assert!(
+            err.contains("rank 0: f32[1, 2]") && err.contains("rank 1: f32[1, 3]"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn mismatched_calls_are_reported_not_garbled() {
+    for backend in ["tcp", "threads"] {
+        let ranks: Vec<Box<dyn Collective>> = if backend == "tcp" {
+            tcp_group(2, TIMEOUT)
+                .into_iter()
+                .map(|c| Box::new(c) as _)
+                .collect()
+        } else {
+            ThreadGroup::new(2, TIMEOUT)
+                .unwrap()
+                .into_iter()
+                .map(|c| Box::new(c) as _)
+                .collect()
+        };
+        let errs = on_each(ranks, |c| {
+            let mut v = vec![1.0f32; 10 + c.rank()];
+            let err = c
+                .all_reduce(BufferMut::from(&mut v[..]), ReduceOp::Sum)
+                .unwrap_err();
+            // The communicator refuses further work instead of exchanging garbage.
+            let again = c.barrier().unwrap_err();
+            (err, again)
+        });
+        for (err, again) in errs {
+            assert!(matches!(err, Error::Mismatch { .. }), "{backend}: {err}");
+            let msg = err.to_string();
+            assert!(msg.contains("all_reduce"), "{backend}: {msg}");
+            assert!(
+                matches!(again, Error::Broken { .. } | Error::Peer { .. }),
+                "{backend}: {again}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_never_arrives_times_out_naming_it() {
+    let timeout = Duration::from_millis(700);
+    for backend in ["tcp", "threads"] {
+        let ranks: Vec<Box<dyn Collective>> = if backend == "tcp" {
+            tcp_group(3, timeout)
+                .into_iter()
+                .map(|c| Box::new(c) as _)
+                .collect()
+        } else {
+            ThreadGroup::new(3, timeout)
+                .unwrap()
+                .into_iter()
+                .map(|c| Box::new(c) as _)
+                .collect()
+        };
+        let results = on_each(ranks, |c| {
+            if c.rank() == 2 {
+                std::thread::sleep(Duration::from_secs(3));
+                return None;
+            }
+            let start = Instant::now();
+            let mut v = [1.0f32; 8];
+            let err = c
+                .all_reduce(BufferMut::from(&mut v[..]), ReduceOp::Sum)
+                .unwrap_err();
+            Some((err, start.elapsed()))
+        });
+        for (rank, res) in results.into_iter().enumerate().take(2) {
+            let (err, took) = res.unwrap();
+            assert!(
+                took < Duration::from_secs(3),
+                "{backend} rank {rank} took {took:?}"
+            );
+            let msg = err.to_string();
+            assert!(msg.contains(&format!("rank {rank}")), "{backend}: {msg}");
+            assert!(
+                msg.contains("timed out")
+                    || msg.contains("rank 2")
+                    || matches!(err, Error::Peer { .. }),
+                "{backend}: {msg}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_dropped_rank_fails_the_others_quickly() {
+    for backend in ["tcp", "threads"] {
+        let ranks: Vec<Box<dyn Collective>> = if backend == "tcp" {
+            tcp_group(3, TIMEOUT)
+                .into_iter()
+                .map(|c| Box::new(c) as _)
+                .collect()
+        } else {
+            ThreadGroup::new(3, TIMEOUT)
+                .unwrap()
+                .into_iter()
+                .map(|c| Box::new(c) as _)
+                .collect()
+        };
+        let results = on_each(ranks, |c| {
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(200));
+                return None; // `c` is dropped by on_each's thread right after this
+            }
+            let start = Instant::now();
+            let mut v = vec![1.0f32; 100_000];
+            let err = c
+                .all_reduce(BufferMut::from(&mut v[..]), ReduceOp::Sum)
+                .unwrap_err();
+            Some((err.to_string(), start.elapsed()))
+        });
+        for res in results.into_iter().flatten() {
+            let (msg, took) = res;
+            assert!(
+                took < Duration::from_secs(10),
+                "{backend}: took {took:?}: {msg}"
+            );
+            assert!(msg.contains("all_reduce"), "{backend}: {msg}");
+        }
+    }
+}
+
+#[test]
+fn unsupported_dtype_and_bad_root_are_rejected_up_front() {
+    on_each(tcp_group(2, TIMEOUT), |c| {
+        let mut b = [1u8; 4];
+        let err = c
+            .all_reduce(BufferMut::from(&mut b[..]), ReduceOp::Sum)
+            .unwrap_err();
+        assert!(err.to_string().contains("u8"), "{err}");
+        let err = c.broadcast(BufferMut::from(&mut b[..]), 5).unwrap_err();
+        assert!(err.to_string().contains("root 5"), "{err}");
+        // Still usable: nothing was sent.
+        c.barrier().unwrap();
+    });
+}

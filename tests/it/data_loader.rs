@@ -1,0 +1,337 @@
+//! DataLoader behaviour: collation, prefetching, early drop, errors, sharding, epochs, device.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use accelerate_rs::{Batch, DataLoader, Dataset, EvenBatches, TensorDataset};
+use accelerate_rs::{Error, Result};
+use candle_core::{DType, Device, Tensor};
+
+const N: usize = 23;
+const F: usize = 4;
+
+/// x[i] = [i*10, i*10+1, i*10+2, i*10+3], y[i] = 1000 + i.
+fn dataset() -> TensorDataset {
+    let x: Vec<f32> = (0..N * F).map(|k| ((k / F) * 10 + k % F) as f32).collect();
+    let y: Vec<u32> = (0..N as u32).map(|i| 1000 + i).collect();
+    let x = Tensor::from_vec(x, (N, F), &Device::Cpu).unwrap();
+    let y = Tensor::from_vec(y, N, &Device::Cpu).unwrap();
+    TensorDataset::new(vec![x, y]).unwrap()
+}
+
+/// Reads the sample ids out of a batch, checking that features and labels agree.
+fn ids(batch: &Batch) -> Vec<usize> {
+    let x = batch[0].to_vec2::<f32>().unwrap();
+    let y = batch[1].to_vec1::<u32>().unwrap();
+    assert_eq!(x.len(), y.len());
+    x.iter()
+        .zip(&y)
+        .map(|(row, &label)| {
+            let i = (label - 1000) as usize;
+            let expected: Vec<f32> = (0..F).map(|f| (i * 10 + f) as f32).collect();
+            assert_eq!(row, &expected, "features follow label {label}");
+            i
+        })
+        .collect()
+}
+
+fn collect(loader: &DataLoader) -> Vec<Vec<usize>> {
+    loader.iter().unwrap().map(|b| ids(&b.unwrap())).collect()
+}
+
+#[test]
+fn tensor_dataset_collates_selected_rows() {
+    let ds = dataset();
+    assert_eq!(ds.len(), N);
+    let batch = ds.get_batch(&[5, 0, 22, 5]).unwrap();
+    assert_eq!(batch[0].dims(), &[4, F]);
+    assert_eq!(batch[1].dims(), &[4]);
+    assert_eq!(
+        batch[1].to_vec1::<u32>().unwrap(),
+        vec![1005, 1000, 1022, 1005]
+    );
+    assert_eq!(
+        batch[0].to_vec2::<f32>().unwrap()[2],
+        vec![220.0, 221.0, 222.0, 223.0]
+    );
+    let sample = ds.get(3).unwrap();
+    assert_eq!(
+        sample[0].to_vec1::<f32>().unwrap(),
+        vec![30.0, 31.0, 32.0, 33.0]
+    );
+    assert_eq!(sample[1].to_scalar::<u32>().unwrap(), 1003);
+
+    // The loader yields the plan's rows, in order, with labels following features.
+    let loader = DataLoader::new(ds.clone(), 5).shuffle(true).seed(7);
+    let got = collect(&loader);
+    assert_eq!(got, loader.sampler().batches().unwrap());
+    assert_eq!(got.len(), loader.len());
+    assert_eq!(got.len(), 5);
+    assert_eq!(got[4].len(), 3);
+
+    let plain = DataLoader::new(ds, 5);
+    let got: Vec<usize> = collect(&plain).concat();
+    assert_eq!(got, (0..N).collect::<Vec<_>>());
+}
+
+#[test]
+fn tensor_dataset_errors() {
+    let x = Tensor::zeros((5, 2), DType::F32, &Device::Cpu).unwrap();
+    let y = Tensor::zeros(4, DType::U32, &Device::Cpu).unwrap();
+    let msg = TensorDataset::new(vec![x.clone(), y])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("tensor 1") && msg.contains('4') && msg.contains('5'),
+        "{msg}"
+    );
+    let msg = TensorDataset::new(vec![]).unwrap_err().to_string();
+    assert!(msg.contains("at least one tensor"), "{msg}");
+
+    let ds = TensorDataset::new(vec![x]).unwrap();
+    let msg = ds.get_batch(&[1, 9]).unwrap_err().to_string();
+    assert!(msg.contains("index 9") && msg.contains("len 5"), "{msg}");
+    let msg = ds.get(5).unwrap_err().to_string();
+    assert!(msg.contains("index 5") && msg.contains("len 5"), "{msg}");
+}
+
+/// A dataset whose samples are built one by one (default `get_batch`), optionally slow, failing
+/// at one index, or with a ragged sample.
+struct Synthetic {
+    len: usize,
+    delay: Duration,
+    fail_at: Option<usize>,
+    ragged_at: Option<usize>,
+    gets: Arc<AtomicUsize>,
+}
+
+impl Synthetic {
+    fn new(len: usize) -> Self {
+        Synthetic {
+            len,
+            delay: Duration::ZERO,
+            fail_at: None,
+            ragged_at: None,
+            gets: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+}
+
+impl Dataset for Synthetic {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn get(&self, index: usize) -> Result<Vec<Tensor>> {
+        self.gets.fetch_add(1, Ordering::SeqCst);
+        if !self.delay.is_zero() {
+            std::thread::sleep(self.delay);
+        }
+        if self.fail_at == Some(index) {
+            return Err(Error::data(format!("cannot read sample {index}")));
+        }
+        let width = if self.ragged_at == Some(index) { 3 } else { 2 };
+        let x = Tensor::full(index as f32, width, &Device::Cpu)?;
+        let y = Tensor::new(index as u32, &Device::Cpu)?;
+        Ok(vec![x, y])
+    }
+}
+
+#[test]
+fn default_get_batch_stacks_and_names_bad_samples() {
+    let ds = Synthetic::new(10);
+    let b = ds.get_batch(&[3, 1]).unwrap();
+    assert_eq!(b[0].dims(), &[2, 2]);
+    assert_eq!(b[1].to_vec1::<u32>().unwrap(), vec![3, 1]);
+
+    let mut ds = Synthetic::new(10);
+    ds.ragged_at = Some(6);
+    let msg = ds.get_batch(&[2, 6]).unwrap_err().to_string();
+    assert!(
+        msg.contains("sample 6") && msg.contains("[3]") && msg.contains("[2]"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn prefetch_matches_synchronous() {
+    for prefetch in [1, 2, 8] {
+        for world in 1..=3 {
+            for rank in 0..world {
+                let base = DataLoader::new(dataset(), 4)
+                    .shuffle(true)
+                    .seed(3)
+                    .shard(rank, world)
+                    .unwrap();
+                let sync: Vec<_> = base
+                    .clone()
+                    .prefetch(0)
+                    .iter()
+                    .unwrap()
+                    .map(|b| {
+                        let b = b.unwrap();
+                        (ids(&b), b.index(), b.padding(), b.is_last())
+                    })
+                    .collect();
+                let pre: Vec<_> = base
+                    .prefetch(prefetch)
+                    .iter()
+                    .unwrap()
+                    .map(|b| {
+                        let b = b.unwrap();
+                        (ids(&b), b.index(), b.padding(), b.is_last())
+                    })
+                    .collect();
+                assert_eq!(sync, pre, "prefetch {prefetch} rank {rank}/{world}");
+                assert!(sync.last().unwrap().3);
+            }
+        }
+    }
+}
+
+#[test]
+fn early_dropped_iterator_does_not_hang() {
+    let start = Instant::now();
+    for round in 0..50 {
+        let mut ds = Synthetic::new(1000);
+        ds.delay = Duration::from_millis(1);
+        let gets = Arc::clone(&ds.gets);
+        let loader = DataLoader::new(ds, 2).prefetch(2);
+        let mut it = loader.iter().unwrap();
+        assert_eq!(it.len(), 500);
+        if round % 2 == 0 {
+            let first = it.next().unwrap().unwrap();
+            assert_eq!(first.index(), 0);
+            assert_eq!(it.len(), 499);
+        }
+        drop(it);
+        // The producer stopped: no more gets after the drop returned.
+        let after_drop = gets.load(Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(gets.load(Ordering::SeqCst), after_drop, "round {round}");
+        assert!(after_drop <= 2 * 5, "round {round}: {after_drop} gets");
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn dataset_error_surfaces_and_ends_the_epoch() {
+    for prefetch in [0, 2] {
+        let mut ds = Synthetic::new(20);
+        ds.fail_at = Some(13);
+        let loader = DataLoader::new(ds, 4).prefetch(prefetch);
+        let items: Vec<_> = loader.iter().unwrap().collect();
+        // Batches 0..=2 are fine; batch 3 (indices 12..16) fails; nothing after it.
+        assert_eq!(items.len(), 4, "prefetch {prefetch}");
+        assert!(items[..3].iter().all(|b| b.is_ok()));
+        let msg = items[3].as_ref().unwrap_err().to_string();
+        assert!(msg.contains("13"), "prefetch {prefetch}: {msg}");
+    }
+}
+
+#[test]
+fn iter_validates() {
+    let msg = DataLoader::new(dataset(), 0)
+        .iter()
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("batch_size is 0"), "{msg}");
+    let msg = DataLoader::new(Synthetic::new(0), 2)
+        .iter()
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("empty"), "{msg}");
+    let msg = DataLoader::new(dataset(), 2)
+        .shard(2, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("rank 2") && msg.contains("num_replicas 2"),
+        "{msg}"
+    );
+    let msg = DataLoader::new(Synthetic::new(3), 2)
+        .even_batches(EvenBatches::Drop)
+        .shard(0, 4)
+        .unwrap()
+        .iter()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("smaller than the number of processes"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn sharded_loader_covers_the_dataset() {
+    let world = 2;
+    let loaders: Vec<DataLoader> = (0..world)
+        .map(|r| {
+            DataLoader::new(dataset(), 4)
+                .shuffle(true)
+                .seed(11)
+                .shard(r, world)
+                .unwrap()
+        })
+        .collect();
+    let per_rank: Vec<Vec<Vec<usize>>> = loaders.iter().map(collect).collect();
+    assert_eq!(per_rank[0].len(), per_rank[1].len());
+    assert_eq!(loaders[0].len(), per_rank[0].len());
+    assert_eq!(loaders[1].rank(), 1);
+    assert_eq!(loaders[1].world_size(), 2);
+    // N = 23 over 2 ranks: 12 each, one padding sample, on rank 1's last batch.
+    assert_eq!(loaders[0].total_padding(), 1);
+    assert_eq!(loaders[0].padding_in_last_batch(), 0);
+    assert_eq!(loaders[1].padding_in_last_batch(), 1);
+    let mut gathered: Vec<usize> = Vec::new();
+    for (b0, b1) in per_rank[0].iter().zip(&per_rank[1]) {
+        gathered.extend(b0);
+        gathered.extend(b1);
+    }
+    gathered.truncate(gathered.len() - loaders[0].total_padding());
+    let mut sorted = gathered.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, (0..N).collect::<Vec<_>>());
+
+    let last = loaders[1].iter().unwrap().last().unwrap().unwrap();
+    assert!(last.is_last());
+    assert_eq!(last.padding(), 1);
+}
+
+#[test]
+fn set_epoch_changes_the_order() {
+    let mut loader = DataLoader::new(dataset(), 4).shuffle(true).seed(5);
+    let e0 = collect(&loader);
+    assert_eq!(collect(&loader), e0, "same epoch, same order");
+    loader.set_epoch(1);
+    assert_eq!(loader.epoch(), 1);
+    let e1 = collect(&loader);
+    assert_ne!(e0, e1);
+    let mut flat = e1.concat();
+    flat.sort_unstable();
+    assert_eq!(flat, (0..N).collect::<Vec<_>>());
+}
+
+#[test]
+fn device_is_honoured() {
+    let device = Device::Cpu;
+    let loader = DataLoader::new(Arc::new(dataset()), 8).device(&device);
+    assert!(loader.target_device().same_device(&device));
+    for batch in loader.iter().unwrap() {
+        let batch = batch.unwrap();
+        for t in batch.iter() {
+            assert!(t.device().same_device(&device));
+        }
+        let tensors = batch.into_tensors();
+        assert_eq!(tensors.len(), 2);
+    }
+    let shared: Arc<dyn Dataset> = Arc::new(dataset());
+    let loader = DataLoader::from_arc(Arc::clone(&shared), 8);
+    assert_eq!(loader.dataset().len(), N);
+    assert_eq!(loader.batch_size(), 8);
+}

@@ -1,0 +1,22 @@
+//! The integration tests, one binary (Candle is linked once): one module per area, helpers in
+//! `common`.
+
+mod common;
+
+mod accumulate;
+mod checkpoint;
+mod collectives;
+mod data_loader;
+mod ddp;
+mod dp;
+mod examples;
+mod faults;
+mod fused_optim;
+mod mixed_precision;
+mod multinode;
+mod ops;
+mod optim;
+mod sampler;
+mod scripts;
+mod shm;
+mod tracking;
