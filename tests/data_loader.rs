@@ -4,7 +4,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use accelerate_rs::data::{Batch, DataLoader, Dataset, EvenBatches, TensorDataset};
+use accelerate_rs::data::{
+    Batch, DataLoader, Dataset, EvenBatches, LengthGroupedSampler, TensorDataset, WeightedSampler,
+};
 use accelerate_rs::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 
@@ -334,4 +336,237 @@ fn device_is_honoured() {
     let loader = DataLoader::from_arc(Arc::clone(&shared), 8);
     assert_eq!(loader.dataset().len(), N);
     assert_eq!(loader.batch_size(), 8);
+}
+
+/// `dataset()` whose batches take uneven times to build (later batches often finish first).
+struct Jittery(TensorDataset);
+
+impl Dataset for Jittery {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn get(&self, index: usize) -> Result<Vec<Tensor>> {
+        self.0.get(index)
+    }
+
+    fn get_batch(&self, indices: &[usize]) -> Result<Vec<Tensor>> {
+        let first = indices.first().copied().unwrap_or(0);
+        std::thread::sleep(Duration::from_micros(((first * 7919) % 5) as u64 * 400));
+        self.0.get_batch(indices)
+    }
+}
+
+type Seen = (Vec<usize>, usize, usize, usize, bool);
+
+fn seen(loader: &DataLoader) -> Vec<Seen> {
+    loader
+        .iter()
+        .unwrap()
+        .map(|b| {
+            let b = b.unwrap();
+            (
+                ids(&b),
+                b.index(),
+                b.padding(),
+                b.global_padding(),
+                b.is_last(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn workers_yield_the_same_batches_as_one_worker() {
+    for world in 1..=3 {
+        for rank in 0..world {
+            let base = DataLoader::new(Jittery(dataset()), 2)
+                .shuffle(true)
+                .seed(17)
+                .shard(rank, world)
+                .unwrap();
+            assert_eq!(base.workers(), 1);
+            let one = seen(&base);
+            assert_eq!(one.len(), base.len());
+            let mut resumed_one = base.clone();
+            resumed_one.resume_at(0, 2);
+            let resumed_one = seen(&resumed_one);
+            assert_eq!(resumed_one[..], one[2..]);
+            for workers in [0, 2, 3, 5, 16] {
+                for prefetch in [0, 1, 4] {
+                    let ctx = format!("rank {rank}/{world} workers {workers} prefetch {prefetch}");
+                    let loader = base.clone().num_workers(workers).prefetch(prefetch);
+                    assert_eq!(seen(&loader), one, "{ctx}");
+                    let mut resumed = loader.clone();
+                    resumed.resume_at(0, 2);
+                    assert_eq!(seen(&resumed), resumed_one, "{ctx}: resumed");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn workers_surface_errors_at_the_same_batch_and_stop_on_drop() {
+    for workers in [1, 2, 3, 8] {
+        let mut ds = Synthetic::new(40);
+        ds.fail_at = Some(13);
+        let loader = DataLoader::new(ds, 4).num_workers(workers).prefetch(4);
+        let items: Vec<_> = loader.iter().unwrap().collect();
+        assert_eq!(items.len(), 4, "workers {workers}");
+        assert!(items[..3].iter().all(|b| b.is_ok()));
+        let msg = items[3].as_ref().unwrap_err().to_string();
+        assert!(msg.contains("13"), "workers {workers}: {msg}");
+    }
+    for round in 0..10 {
+        let mut ds = Synthetic::new(1000);
+        ds.delay = Duration::from_millis(1);
+        let gets = Arc::clone(&ds.gets);
+        let loader = DataLoader::new(ds, 2).num_workers(4).prefetch(4);
+        let mut it = loader.iter().unwrap();
+        if round % 2 == 0 {
+            assert_eq!(it.next().unwrap().unwrap().index(), 0);
+        }
+        drop(it);
+        let after_drop = gets.load(Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(gets.load(Ordering::SeqCst), after_drop, "round {round}");
+        assert!(
+            after_drop <= 2 * (4 + 4 + 1),
+            "round {round}: {after_drop} gets"
+        );
+    }
+}
+
+#[test]
+fn split_batches_gives_the_same_global_batches_at_world_sizes_1_2_4() {
+    for drop_last in [false, true] {
+        let run = |world: usize| -> Vec<(Vec<usize>, usize, bool)> {
+            let loaders: Vec<DataLoader> = (0..world)
+                .map(|r| {
+                    DataLoader::new(dataset(), 8)
+                        .shuffle(true)
+                        .seed(21)
+                        .drop_last(drop_last)
+                        .split_batches(true)
+                        .shard(r, world)
+                        .unwrap()
+                })
+                .collect();
+            let per_rank: Vec<Vec<Seen>> = loaders.iter().map(seen).collect();
+            let nb = per_rank[0].len();
+            (0..nb)
+                .map(|g| {
+                    let mut global = Vec::new();
+                    for rank in &per_rank {
+                        assert_eq!(rank.len(), nb, "world {world}: equal batch counts");
+                        assert_eq!(rank[g].0.len(), 8 / world, "world {world}: batch {g}");
+                        assert_eq!(rank[g].3, per_rank[0][g].3, "same global padding");
+                        global.extend(&rank[g].0);
+                    }
+                    (global, per_rank[0][g].3, per_rank[0][g].4)
+                })
+                .collect()
+        };
+        let one = run(1);
+        // N = 23, global batch 8: 3 batches, the last padded by 1 (or 2 full ones).
+        assert_eq!(one.len(), if drop_last { 2 } else { 3 });
+        if !drop_last {
+            assert_eq!(one[2].1, 1, "global padding of the last batch");
+            let mut flat: Vec<usize> = one.iter().flat_map(|b| b.0.clone()).collect();
+            flat.truncate(N);
+            flat.sort_unstable();
+            assert_eq!(flat, (0..N).collect::<Vec<_>>());
+        }
+        assert!(one.last().unwrap().2);
+        assert_eq!(run(2), one, "world 2, drop_last {drop_last}");
+        assert_eq!(run(4), one, "world 4, drop_last {drop_last}");
+    }
+
+    let loader = DataLoader::new(dataset(), 8).split_batches(true);
+    assert!(loader.is_split_batches());
+    let loader = loader.shard(1, 4).unwrap();
+    assert_eq!(loader.batch_size(), 8);
+    assert_eq!(loader.local_batch_size(), 2);
+    assert_eq!(loader.global_batch_size(), 8);
+    assert_eq!(
+        DataLoader::new(dataset(), 8)
+            .shard(1, 4)
+            .unwrap()
+            .global_batch_size(),
+        32
+    );
+
+    // A batch that does not divide by the world size is named, at shard or at iter.
+    let msg = DataLoader::new(dataset(), 6)
+        .split_batches(true)
+        .shard(0, 4)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("split_batches") && msg.contains("6 does not divide by 4"),
+        "{msg}"
+    );
+    let msg = DataLoader::new(dataset(), 6)
+        .shard(0, 4)
+        .unwrap()
+        .split_batches(true)
+        .iter()
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("6 does not divide by 4"), "{msg}");
+}
+
+#[test]
+fn custom_samplers_through_the_loader() {
+    // Weighted: only samples with weight are drawn, on every rank the same number of batches,
+    // with several workers in the same order as one.
+    let mut weights = vec![0.0; N];
+    for w in weights.iter_mut().step_by(3) {
+        *w = 1.0;
+    }
+    for world in 1..=3 {
+        let loaders: Vec<DataLoader> = (0..world)
+            .map(|r| {
+                DataLoader::new(dataset(), 3)
+                    .with_sampler(WeightedSampler::new(weights.clone(), 20).unwrap().seed(4))
+                    .shard(r, world)
+                    .unwrap()
+            })
+            .collect();
+        let per_rank: Vec<Vec<Vec<usize>>> = loaders.iter().map(collect).collect();
+        for (r, batches) in per_rank.iter().enumerate() {
+            assert_eq!(batches.len(), per_rank[0].len(), "rank {r}/{world}");
+            assert!(batches.iter().flatten().all(|i| i % 3 == 0));
+            let parallel = collect(&loaders[r].clone().num_workers(3));
+            assert_eq!(&parallel, batches, "rank {r}/{world}: workers");
+        }
+        let mut flat: Vec<usize> = Vec::new();
+        for g in 0..per_rank[0].len() {
+            for rank in &per_rank {
+                flat.extend(&rank[g]);
+            }
+        }
+        let order = loaders[0].sampler().order();
+        assert_eq!(flat[..20], order[..], "world {world}");
+    }
+
+    // Length-grouped over the loader: the per-rank batches of one global batch have close lengths.
+    let lengths: Vec<usize> = (0..N).map(|i| (i * 5) % N).collect();
+    let loader = DataLoader::new(dataset(), 2)
+        .with_sampler(LengthGroupedSampler::new(lengths.clone()).unwrap())
+        .even_batches(EvenBatches::Drop)
+        .shard(0, 2)
+        .unwrap();
+    for batch in collect(&loader) {
+        let ls: Vec<usize> = batch.iter().map(|&i| lengths[i]).collect();
+        assert!(ls.windows(2).all(|p| p[0] >= p[1]), "{ls:?}");
+    }
+    // A sampler for another dataset is refused with the index.
+    let msg = DataLoader::new(dataset(), 2)
+        .with_sampler(LengthGroupedSampler::new(vec![1; N + 5]).unwrap())
+        .iter()
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains(&format!("len {N}")), "{msg}");
 }

@@ -12,9 +12,11 @@ mod dataset;
 mod iter;
 mod loader;
 mod sampler;
+mod samplers;
 
 pub use batch::Batch;
 pub use dataset::{Dataset, TensorDataset};
 pub use iter::BatchIter;
 pub use loader::DataLoader;
-pub use sampler::{DistributedSampler, EvenBatches};
+pub use sampler::{DistributedSampler, EvenBatches, Sampler};
+pub use samplers::{LengthGroupedSampler, WeightedSampler};
