@@ -959,3 +959,97 @@ fn text_lines_options_and_errors_name_the_problem() {
 fn collect_stream(loader: &StreamingLoader<Lines>) -> Vec<Vec<usize>> {
     loader.iter().unwrap().map(|b| ids(&b.unwrap())).collect()
 }
+
+#[test]
+fn map_style_resume_in_samples_is_exact_at_another_world_size() {
+    // (world, batch, split) for the saved run, batches done, then (world, batch, split) resumed.
+    let cases = [
+        ((4, 2, false), 2, (2, 3, false)),
+        ((2, 3, false), 1, (3, 1, false)),
+        ((1, 4, false), 3, (4, 1, false)),
+        ((4, 8, true), 1, (2, 8, true)),
+        ((2, 4, false), 2, (2, 4, false)),
+        ((3, 2, false), 4, (5, 1, false)),
+    ];
+    let make = |(world, batch, split): (usize, usize, bool), rank: usize| {
+        let mut l = DataLoader::new(dataset(), batch)
+            .shuffle(true)
+            .seed(8)
+            .split_batches(split)
+            .shard(rank, world)
+            .unwrap();
+        l.set_epoch(2);
+        l
+    };
+    for (saved, done, resumed) in cases {
+        let ctx = format!("{saved:?} after {done} -> {resumed:?}");
+        let order = make(saved, 0).sampler().order();
+        let mut seen_ids: Vec<usize> = Vec::new();
+        let per_rank: Vec<Vec<Vec<usize>>> = (0..saved.0)
+            .map(|r| collect(&make(saved, r)).into_iter().take(done).collect())
+            .collect();
+        for g in 0..done {
+            for rank in &per_rank {
+                seen_ids.extend(&rank[g]);
+            }
+        }
+        let position = make(saved, 0).sample_position(done);
+        for r in 1..saved.0 {
+            assert_eq!(make(saved, r).sample_position(done), position, "{ctx}");
+        }
+        assert_eq!(position.epoch, 2);
+        // Counted in samples, without the padding of a finished epoch's last batch.
+        assert_eq!(position.samples as usize, seen_ids.len().min(N), "{ctx}");
+        seen_ids.truncate(N);
+        let position: SamplePosition =
+            serde_json::from_str(&serde_json::to_string(&position).unwrap()).unwrap();
+
+        let loaders: Vec<DataLoader> = (0..resumed.0)
+            .map(|r| {
+                let mut l = make(resumed, r);
+                l.set_epoch(0);
+                l.resume_from(position);
+                assert_eq!(l.epoch(), 2);
+                l
+            })
+            .collect();
+        let rest: Vec<Vec<Seen>> = loaders.iter().map(seen).collect();
+        let nb = rest[0].len();
+        assert!(rest.iter().all(|r| r.len() == nb), "{ctx}: equal steps");
+        for g in 0..nb {
+            for rank in &rest {
+                seen_ids.extend(&rank[g].0);
+            }
+        }
+        seen_ids.truncate(seen_ids.len() - rest[0].last().map_or(0, |l| l.3));
+        assert_eq!(
+            seen_ids, order,
+            "{ctx}: every sample once, in the epoch's order"
+        );
+        assert_eq!(loaders[0].sample_position(nb).samples as usize, N, "{ctx}");
+        if saved == resumed {
+            let mut by_batches = make(saved, 0);
+            by_batches.resume_at(2, done);
+            assert_eq!(rest[0], seen(&by_batches), "{ctx}: same as resume_at");
+        }
+    }
+
+    // Past the end: an error naming the position; at the end: nothing.
+    let mut l = make((2, 2, false), 0);
+    l.resume_from(SamplePosition {
+        epoch: 2,
+        samples: N as u64,
+    });
+    assert_eq!(l.iter().unwrap().count(), 0);
+    l.resume_from(SamplePosition {
+        epoch: 2,
+        samples: 40,
+    });
+    let msg = l.iter().unwrap_err().to_string();
+    assert!(
+        msg.contains("40 samples") && msg.contains("past the end"),
+        "{msg}"
+    );
+    l.set_epoch(3);
+    assert_eq!(l.iter().unwrap().count(), l.len());
+}

@@ -47,6 +47,8 @@ pub struct BatchIter {
     inner: Inner,
     next_index: usize,
     num_batches: usize,
+    /// Added to the plan's batch numbers in the yielded batches (batches before a resume point).
+    offset: usize,
     done: bool,
 }
 
@@ -90,6 +92,7 @@ impl Prefetcher {
         workers: usize,
         capacity: usize,
         first: usize,
+        offset: usize,
     ) -> Result<Self> {
         let num_batches = plans.len();
         let plans = Arc::new(plans);
@@ -112,8 +115,13 @@ impl Prefetcher {
                         if stop_flag.load(Ordering::Relaxed) {
                             return;
                         }
-                        let item =
-                            build(dataset.as_ref(), &device, &plans[index], index, num_batches);
+                        let item = build(
+                            dataset.as_ref(),
+                            &device,
+                            &plans[index],
+                            index + offset,
+                            num_batches + offset,
+                        );
                         let failed = item.is_err();
                         if sender.send(item).is_err() || failed {
                             // The iterator is gone, or the epoch ends with this error.
@@ -155,6 +163,7 @@ impl BatchIter {
         prefetch: usize,
         workers: usize,
         first: usize,
+        offset: usize,
     ) -> Result<Self> {
         let num_batches = plans.len();
         let first = first.min(num_batches);
@@ -172,20 +181,21 @@ impl BatchIter {
                 "data loader: {workers} worker(s) prefetching {capacity} each of {num_batches} batches"
             );
             Inner::Prefetch(Prefetcher::start(
-                dataset, device, plans, workers, capacity, first,
+                dataset, device, plans, workers, capacity, first, offset,
             )?)
         };
         Ok(BatchIter {
             inner,
             next_index: first,
             num_batches,
+            offset,
             done: false,
         })
     }
 
-    /// The number of batches in the epoch.
+    /// The number of batches in the epoch (counting those before a resume point).
     pub fn num_batches(&self) -> usize {
-        self.num_batches
+        self.num_batches + self.offset
     }
 
     fn remaining(&self) -> usize {
@@ -215,15 +225,16 @@ impl Iterator for BatchIter {
                 dataset.as_ref(),
                 device,
                 &plans[index],
-                index,
-                self.num_batches,
+                index + self.offset,
+                self.num_batches + self.offset,
             ),
             Inner::Prefetch(p) => match p.recv(index) {
                 Some(item) => item,
                 None => Err(Error::data(format!(
-                    "the data loader worker thread building batch {index} of {} stopped \
+                    "the data loader worker thread building batch {} of {} stopped \
                      (it panicked)",
-                    self.num_batches
+                    index + self.offset,
+                    self.num_batches + self.offset
                 ))),
             },
         };

@@ -6,7 +6,7 @@ use candle_core::Device;
 
 use super::iter::BatchPlan;
 use super::sampler::{validate_shard, validate_split};
-use super::{BatchIter, Dataset, DistributedSampler, EvenBatches, Sampler};
+use super::{BatchIter, Dataset, DistributedSampler, EvenBatches, SamplePosition, Sampler};
 use crate::{Error, Result};
 
 /// Iterates a [`Dataset`] in batches for one rank, following a [`DistributedSampler`] plan.
@@ -49,6 +49,8 @@ pub struct DataLoader {
     world: usize,
     /// `(epoch, batches_done)` set by [`DataLoader::resume_at`].
     resume: Option<(u64, usize)>,
+    /// Set by [`DataLoader::resume_from`].
+    sample_resume: Option<SamplePosition>,
 }
 
 impl DataLoader {
@@ -76,6 +78,7 @@ impl DataLoader {
             rank: 0,
             world: 1,
             resume: None,
+            sample_resume: None,
         }
     }
 
@@ -175,6 +178,9 @@ impl DataLoader {
         if self.resume.is_some_and(|(e, _)| e != epoch) {
             self.resume = None;
         }
+        if self.sample_resume.is_some_and(|p| p.epoch != epoch) {
+            self.sample_resume = None;
+        }
         self.epoch = epoch;
     }
 
@@ -186,14 +192,59 @@ impl DataLoader {
     /// epochs start from their first batch: [`set_epoch`](Self::set_epoch) with another epoch,
     /// or [`clear_resume`](Self::clear_resume), drops the position. `batches_done` at or past
     /// the epoch's length gives an empty epoch.
+    ///
+    /// The position is in this rank's batches, so it is only right for the same world size and
+    /// batch size; [`resume_from`](Self::resume_from) takes a position in samples that works at
+    /// any. The two replace each other.
     pub fn resume_at(&mut self, epoch: u64, batches_done: usize) {
         self.epoch = epoch;
         self.resume = Some((epoch, batches_done));
+        self.sample_resume = None;
     }
 
-    /// Forgets the position set by [`resume_at`](Self::resume_at).
+    /// Resumes in the middle of an epoch at a position counted in **global samples** (from
+    /// [`sample_position`](Self::sample_position), saved in a checkpoint): sets the epoch, and
+    /// [`iter`](Self::iter) for that epoch skips the first `position.samples` positions of the
+    /// epoch's global order and batches the rest for this loader's world size and batch size,
+    /// which may differ from the saved run's: every sample the saved run had not reached is seen
+    /// exactly once (plus the usual padding at the tail). The order itself must not depend on the
+    /// world size: true of the default order (shuffled or not) and of
+    /// [`WeightedSampler`](super::WeightedSampler), not of
+    /// [`LengthGroupedSampler`](super::LengthGroupedSampler), whose groups follow the global
+    /// batch size. Batch indices continue from `position.samples / global_batch_size`.
+    pub fn resume_from(&mut self, position: SamplePosition) {
+        self.epoch = position.epoch;
+        self.sample_resume = Some(position);
+        self.resume = None;
+    }
+
+    /// The position in global samples after this rank's first `batches_done` batches of the
+    /// current epoch (counting from the resume point, if any): the same on every rank, and what
+    /// [`resume_from`](Self::resume_from) takes. Capped at the epoch's end.
+    pub fn sample_position(&self, batches_done: usize) -> SamplePosition {
+        let sampler = self.sampler();
+        let n = sampler.samples_per_epoch();
+        let plan = sampler.plan();
+        let samples = match plan.get(batches_done.saturating_sub(1)) {
+            _ if batches_done == 0 => sampler.start(),
+            // Global batches are rank-major: the global batch ends where the last rank's ends.
+            Some(b) => {
+                let global_start = b.start - sampler.rank() * b.len;
+                global_start + b.len * sampler.num_replicas()
+            }
+            None => n,
+        };
+        SamplePosition {
+            epoch: self.epoch,
+            samples: samples.min(n) as u64,
+        }
+    }
+
+    /// Forgets the position set by [`resume_at`](Self::resume_at) or
+    /// [`resume_from`](Self::resume_from).
     pub fn clear_resume(&mut self) {
         self.resume = None;
+        self.sample_resume = None;
     }
 
     /// The batches [`iter`](Self::iter) skips at the start of the current epoch (0 unless
@@ -298,6 +349,9 @@ impl DataLoader {
         if let Some(custom) = &self.custom {
             sampler = sampler.sampler(Arc::clone(custom));
         }
+        if let Some(p) = self.sample_resume.filter(|p| p.epoch == self.epoch) {
+            sampler = sampler.start_at(usize::try_from(p.samples).unwrap_or(usize::MAX));
+        }
         sampler.set_epoch(self.epoch);
         sampler
     }
@@ -345,6 +399,7 @@ impl DataLoader {
             self.prefetch,
             self.num_workers,
             self.skipped_batches(),
+            sampler.start() / sampler.global_batch_size().max(1),
         )
     }
 }
@@ -367,6 +422,7 @@ impl std::fmt::Debug for DataLoader {
             .field("rank", &self.rank)
             .field("world", &self.world)
             .field("resume", &self.resume)
+            .field("sample_resume", &self.sample_resume)
             .finish()
     }
 }

@@ -121,6 +121,8 @@ pub struct DistributedSampler {
     even_batches: EvenBatches,
     split_batches: bool,
     custom: Option<Arc<dyn Sampler>>,
+    /// Global positions already consumed (a resume position in samples).
+    start: usize,
 }
 
 /// Equal settings and the same custom [`Sampler`] object (compared by pointer).
@@ -142,6 +144,7 @@ impl PartialEq for DistributedSampler {
             && self.drop_last == other.drop_last
             && self.even_batches == other.even_batches
             && self.split_batches == other.split_batches
+            && self.start == other.start
     }
 }
 
@@ -162,7 +165,24 @@ impl DistributedSampler {
             even_batches: EvenBatches::Pad,
             split_batches: false,
             custom: None,
+            start: 0,
         }
+    }
+
+    /// Starts the epoch after its first `samples` global positions (a resume position counted in
+    /// samples, e.g. [`SamplePosition::samples`](super::SamplePosition::samples)): the rest of
+    /// the epoch's order is batched for this sampler's world size and batch size, which may
+    /// differ from the run that consumed the first `samples`, so that every sample not yet seen
+    /// is seen exactly once (padding still cycles from the start of the order). At or past the
+    /// epoch's end there is no batch.
+    pub fn start_at(mut self, samples: usize) -> Self {
+        self.start = samples;
+        self
+    }
+
+    /// The global positions skipped at the start of the epoch ([`start_at`](Self::start_at)).
+    pub fn start(&self) -> usize {
+        self.start
     }
 
     /// Accelerate's `split_batches`: `batch_size` is the *global* batch size, and each rank takes
@@ -354,9 +374,10 @@ impl DistributedSampler {
             return 0;
         }
         let n = self.samples_per_epoch();
+        let rest = n.saturating_sub(self.start);
         let g = self.global_batch_size();
-        let last = self.last_len(n % g);
-        (n / g * g + last * self.num_replicas).saturating_sub(n)
+        let last = self.last_len(rest % g);
+        (self.start + rest / g * g + last * self.num_replicas).saturating_sub(n)
     }
 
     /// Checks that a plan can be made.
@@ -380,7 +401,14 @@ impl DistributedSampler {
         validate_shard(self.rank, self.num_replicas)?;
         validate_split(self.split_batches, self.batch_size, self.num_replicas)?;
         let n = self.samples_per_epoch();
-        if self.even_batches == EvenBatches::Drop && n < self.num_replicas {
+        if self.start > n {
+            return Err(Error::data(format!(
+                "the resume position ({} samples) is past the end of the epoch ({n} samples): \
+                 was it saved for another dataset?",
+                self.start
+            )));
+        }
+        if self.even_batches == EvenBatches::Drop && n < self.num_replicas && self.start == 0 {
             return Err(Error::data(format!(
                 "the dataset ({n} samples) is smaller than the number of processes ({}); \
                  with EvenBatches::Drop no rank would get a sample (use EvenBatches::Pad)",
@@ -409,18 +437,18 @@ impl DistributedSampler {
         }
         let (b, r) = (self.local_batch_size(), self.rank);
         let g = self.global_batch_size();
-        let n = self.samples_per_epoch();
-        let full = n / g;
+        let rest = self.samples_per_epoch().saturating_sub(self.start);
+        let full = rest / g;
         let mut plan: Vec<PlannedBatch> = (0..full)
             .map(|k| PlannedBatch {
-                start: k * g + r * b,
+                start: self.start + k * g + r * b,
                 len: b,
             })
             .collect();
-        let last = self.last_len(n % g);
+        let last = self.last_len(rest % g);
         if last > 0 {
             plan.push(PlannedBatch {
-                start: full * g + r * last,
+                start: self.start + full * g + r * last,
                 len: last,
             });
         }
