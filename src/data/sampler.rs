@@ -22,7 +22,7 @@ use crate::{Error, Result};
 /// the same vector on every rank: it may depend only on its arguments and the sampler's own
 /// settings (seed them; never use an unseeded or per-rank generator).
 ///
-/// [`WeightedSampler`] and [`LengthGroupedSampler`] implement it.
+/// [`WeightedSampler`](super::WeightedSampler) and [`LengthGroupedSampler`](super::LengthGroupedSampler) implement it.
 pub trait Sampler: Send + Sync + std::fmt::Debug {
     /// The number of samples an epoch visits (the length of every [`order`](Sampler::order)).
     fn len(&self) -> usize;
@@ -196,7 +196,7 @@ impl DistributedSampler {
     }
 
     /// Uses a custom [`Sampler`] for the epoch's global order instead of `0..len` (or its
-    /// shuffle): e.g. a [`WeightedSampler`] or a [`LengthGroupedSampler`]. The sampling then
+    /// shuffle): e.g. a [`WeightedSampler`](super::WeightedSampler) or a [`LengthGroupedSampler`](super::LengthGroupedSampler). The sampling then
     /// ignores [`shuffle`](Self::shuffle) and [`seed`](Self::seed) (the sampler has its own) and
     /// covers the sampler's [`len`](Sampler::len) positions; `len` given to
     /// [`new`](Self::new) remains the dataset's length, which every index of the order must be

@@ -1,29 +1,6 @@
 //! Streaming datasets: [`IterableDataset`] (records read in order, no random access, unknown
 //! length), [`TextLines`] over line-oriented text files or a directory of shard files, and the
 //! [`StreamingLoader`] that shards them across ranks with a resumable [`SamplePosition`].
-//!
-//! # How a stream is sharded
-//!
-//! Every rank reads the *whole* record stream, in the same order, and decodes only its own
-//! records: global position `p` (the `p`-th record of the epoch) belongs to global batch
-//! `p / G` (`G = batch_size * world_size`, or `batch_size` with `split_batches`), and rank `r`
-//! takes the `r`-th slice of `G / world_size` positions of each global batch, exactly like the
-//! map-style [`DistributedSampler`](super::DistributedSampler). Reading a record (a line) is cheap
-//! next to decoding it into tensors, so the cost of reading everything is small, and in exchange:
-//!
-//! - **No collectives, no hang on uneven inputs.** Each rank reads one global batch ahead, so every
-//!   rank sees the end of the stream at the same global batch and stops after the same number of
-//!   steps, however unevenly the records are spread over the files.
-//! - **The same batches as the map-style loader.** The last, partial global batch of `L` records
-//!   follows the same rules: with [`EvenBatches::Pad`] (default) each rank gets `ceil(L / w)`
-//!   records, padded by cycling from the start of the epoch (the padding sits at the global
-//!   tail; [`Batch::global_padding`](super::Batch::global_padding) counts it); with
-//!   [`EvenBatches::Drop`] each gets `floor(L / w)` and at most `w - 1` records are dropped;
-//!   `drop_last` drops the partial global batch (unless it is full after padding);
-//!   `split_batches` pads it to the full global batch (Pad) or drops it (`drop_last`).
-//! - **Resume at any world size, sample-exact.** The position is the number of global samples
-//!   consumed ([`SamplePosition`]), which does not depend on the world size: resuming skips
-//!   exactly those records and regroups the rest for the new world size.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Lines};
@@ -309,8 +286,30 @@ impl Iterator for LineReader {
 }
 
 /// Batches an [`IterableDataset`] for one rank: equal step counts on every rank, no
-/// collectives, and a resumable [`SamplePosition`] (see the [module docs](self) for the exact
-/// sharding).
+/// collectives, and a resumable [`SamplePosition`].
+///
+/// # How a stream is sharded
+///
+/// Every rank reads the *whole* record stream, in the same order, and decodes only its own
+/// records: global position `p` (the `p`-th record of the epoch) belongs to global batch
+/// `p / G` (`G = batch_size * world_size`, or `batch_size` with `split_batches`), and rank `r`
+/// takes the `r`-th slice of `G / world_size` positions of each global batch, exactly like the
+/// map-style [`DistributedSampler`](super::DistributedSampler). Reading a record (a line) is cheap
+/// next to decoding it into tensors, so the cost of reading everything is small, and in exchange:
+///
+/// - **No collectives, no hang on uneven inputs.** Each rank reads one global batch ahead, so every
+///   rank sees the end of the stream at the same global batch and stops after the same number of
+///   steps, however unevenly the records are spread over the files.
+/// - **The same batches as the map-style loader.** The last, partial global batch of `L` records
+///   follows the same rules: with [`EvenBatches::Pad`] (default) each rank gets `ceil(L / w)`
+///   records, padded by cycling from the start of the epoch (the padding sits at the global
+///   tail; [`Batch::global_padding`](super::Batch::global_padding) counts it); with
+///   [`EvenBatches::Drop`] each gets `floor(L / w)` and at most `w - 1` records are dropped;
+///   `drop_last` drops the partial global batch (unless it is full after padding);
+///   `split_batches` pads it to the full global batch (Pad) or drops it (`drop_last`).
+/// - **Resume at any world size, sample-exact.** The position is the number of global samples
+///   consumed ([`SamplePosition`]), which does not depend on the world size: resuming skips
+///   exactly those records and regroups the rest for the new world size.
 ///
 /// `batch_size` is per rank, or global with [`split_batches`](Self::split_batches).
 pub struct StreamingLoader<D: IterableDataset> {
