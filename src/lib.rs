@@ -161,7 +161,9 @@ pub mod config {
 pub use accelerator::{Accelerator, AcceleratorBuilder};
 pub use collective::reduce::ReduceOp;
 pub use data::{
-    Batch, BatchIter, DataLoader, Dataset, DistributedSampler, EvenBatches, TensorDataset,
+    Batch, BatchIter, DataLoader, Dataset, DistributedSampler, EvenBatches, IterableDataset,
+    LengthGroupedSampler, RecordStream, SamplePosition, Sampler, StreamIter, StreamingLoader,
+    TensorDataset, TextLine, TextLines, WeightedSampler,
 };
 pub use error::{Error, ReplicaCause, ReplicaFailure, Result};
 pub use settings::{ConfigFile, DistributedType, MixedPrecision, ProcessState, Transport};

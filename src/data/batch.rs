@@ -56,7 +56,10 @@ impl Batch {
         self.global_padding
     }
 
-    /// The number of batches this rank yields in the epoch.
+    /// The number of batches this rank yields in the epoch. From a
+    /// [`StreamingLoader`](super::StreamingLoader), whose epoch length is unknown ahead, it is a
+    /// lower bound (`index + 2`) until the last batch, where it is exact; [`is_last`](Self::is_last)
+    /// is always exact.
     pub fn num_batches(&self) -> usize {
         self.num_batches
     }

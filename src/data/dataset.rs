@@ -31,19 +31,26 @@ pub trait Dataset: Send + Sync {
 
 /// Gets each sample and stacks its fields along a new dim 0, checking that they agree.
 fn stack_samples<D: Dataset + ?Sized>(dataset: &D, indices: &[usize]) -> Result<Vec<Tensor>> {
-    let Some(&first_index) = indices.first() else {
-        return Err(Error::data("get_batch called with no indices"));
-    };
+    stack_fields(indices.iter().map(|&index| (index, dataset.get(index))))
+}
+
+/// Stacks samples, given with the index that names them in errors, field by field along a new
+/// dim 0; fails, naming the index, when the field counts or shapes differ.
+pub(crate) fn stack_fields(
+    samples: impl IntoIterator<Item = (usize, Result<Vec<Tensor>>)>,
+) -> Result<Vec<Tensor>> {
+    let mut first_index = None;
     let mut fields: Vec<Vec<Tensor>> = Vec::new();
-    for &index in indices {
-        let sample = dataset.get(index)?;
-        if fields.is_empty() {
+    for (index, sample) in samples {
+        let sample = sample?;
+        let Some(first_index) = first_index else {
             if sample.is_empty() {
                 return Err(Error::data(format!("sample {index} has no fields")));
             }
+            first_index = Some(index);
             fields = sample.into_iter().map(|t| vec![t]).collect();
             continue;
-        }
+        };
         if sample.len() != fields.len() {
             return Err(Error::data(format!(
                 "sample {index} has {} fields but sample {first_index} has {}",
@@ -62,6 +69,9 @@ fn stack_samples<D: Dataset + ?Sized>(dataset: &D, indices: &[usize]) -> Result<
             }
             column.push(tensor);
         }
+    }
+    if first_index.is_none() {
+        return Err(Error::data("get_batch called with no indices"));
     }
     fields
         .iter()

@@ -1,5 +1,5 @@
 //! [`BatchIter`]: the iterator over one epoch of a [`DataLoader`](super::DataLoader), synchronous
-//! or with a background prefetch thread.
+//! or with background worker threads.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver};
@@ -39,12 +39,16 @@ fn build(
 
 /// The iterator over one epoch of batches. Yields `Err` at most once, and then ends.
 ///
-/// With prefetching, a background thread builds batches ahead; dropping the iterator stops it
-/// (waiting at most for the batch it is building).
+/// With prefetching, background worker threads build batches ahead: with `n` workers, worker `k`
+/// builds the batches `k, k + n, k + 2n, ...` and the iterator takes them from the workers in
+/// turn, so the order is the plan's whatever the number of workers. Dropping the iterator stops
+/// them (waiting at most for the batches they are building).
 pub struct BatchIter {
     inner: Inner,
     next_index: usize,
     num_batches: usize,
+    /// Added to the plan's batch numbers in the yielded batches (batches before a resume point).
+    offset: usize,
     done: bool,
 }
 
@@ -58,54 +62,66 @@ enum Inner {
 }
 
 struct Prefetcher {
-    receiver: Option<Receiver<Result<Batch>>>,
+    /// One channel per worker; batch `first + j` comes from worker `j % workers`.
+    receivers: Vec<Receiver<Result<Batch>>>,
+    first: usize,
     stop: Arc<AtomicBool>,
-    handle: Option<JoinHandle<()>>,
+    handles: Vec<JoinHandle<()>>,
 }
 
 impl Drop for Prefetcher {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        // Closing the channel wakes a producer blocked on a full channel.
-        drop(self.receiver.take());
-        if let Some(handle) = self.handle.take() {
+        // Closing the channels wakes producers blocked on a full channel.
+        self.receivers.clear();
+        for handle in self.handles.drain(..) {
             if handle.join().is_err() {
-                log::warn!("data loader prefetch thread panicked");
+                log::warn!("a data loader worker thread panicked");
             }
         }
     }
 }
 
-impl BatchIter {
-    /// The iterator over `plans`, skipping the first `first` batches (indices keep counting from
-    /// 0, so the first batch yielded has index `first`).
-    pub(crate) fn starting_at(
+impl Prefetcher {
+    /// Starts `workers` threads building the batches from `first` on, each with a channel of
+    /// `capacity` batches.
+    fn start(
         dataset: Arc<dyn Dataset>,
         device: Device,
         plans: Vec<BatchPlan>,
-        prefetch: usize,
+        workers: usize,
+        capacity: usize,
         first: usize,
+        offset: usize,
     ) -> Result<Self> {
         let num_batches = plans.len();
-        let first = first.min(num_batches);
-        let inner = if prefetch == 0 || num_batches == first {
-            Inner::Sync {
-                dataset,
-                device,
-                plans,
-            }
-        } else {
-            let (sender, receiver) = sync_channel(prefetch);
-            let stop = Arc::new(AtomicBool::new(false));
+        let plans = Arc::new(plans);
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut prefetcher = Prefetcher {
+            receivers: Vec::with_capacity(workers),
+            first,
+            stop: Arc::clone(&stop),
+            handles: Vec::with_capacity(workers),
+        };
+        for worker in 0..workers {
+            let (sender, receiver) = sync_channel(capacity);
+            let (dataset, device, plans) =
+                (Arc::clone(&dataset), device.clone(), Arc::clone(&plans));
             let stop_flag = Arc::clone(&stop);
             let handle = std::thread::Builder::new()
-                .name("accelerate-data-prefetch".into())
+                .name(format!("accelerate-data-worker-{worker}"))
                 .spawn(move || {
-                    for (index, plan) in plans.iter().enumerate().skip(first) {
+                    for index in (first + worker..num_batches).step_by(workers) {
                         if stop_flag.load(Ordering::Relaxed) {
                             return;
                         }
-                        let item = build(dataset.as_ref(), &device, plan, index, num_batches);
+                        let item = build(
+                            dataset.as_ref(),
+                            &device,
+                            &plans[index],
+                            index + offset,
+                            num_batches + offset,
+                        );
                         let failed = item.is_err();
                         if sender.send(item).is_err() || failed {
                             // The iterator is gone, or the epoch ends with this error.
@@ -113,25 +129,73 @@ impl BatchIter {
                         }
                     }
                 })
-                .map_err(|e| Error::data(format!("could not start the prefetch thread: {e}")))?;
-            log::debug!("data loader: prefetching {prefetch} of {num_batches} batches");
-            Inner::Prefetch(Prefetcher {
-                receiver: Some(receiver),
-                stop,
-                handle: Some(handle),
-            })
+                .map_err(|e| {
+                    Error::data(format!(
+                        "could not start data loader worker thread {worker}: {e}"
+                    ))
+                })?;
+            // On an error above, dropping `prefetcher` stops and joins the workers started so far.
+            prefetcher.receivers.push(receiver);
+            prefetcher.handles.push(handle);
+        }
+        Ok(prefetcher)
+    }
+
+    /// Receives batch `index` from the worker that builds it.
+    fn recv(&self, index: usize) -> Option<Result<Batch>> {
+        let workers = self.receivers.len();
+        if workers == 0 {
+            return None;
+        }
+        self.receivers[(index - self.first) % workers].recv().ok()
+    }
+}
+
+impl BatchIter {
+    /// The iterator over `plans`, skipping the first `first` batches (indices keep counting from
+    /// 0, so the first batch yielded has index `first`). With `prefetch == 0` or `workers == 0`
+    /// the batches are built in `next`; otherwise `workers` threads build them, each holding up
+    /// to `ceil(prefetch / workers)` (at least 1) finished batches.
+    pub(crate) fn starting_at(
+        dataset: Arc<dyn Dataset>,
+        device: Device,
+        plans: Vec<BatchPlan>,
+        prefetch: usize,
+        workers: usize,
+        first: usize,
+        offset: usize,
+    ) -> Result<Self> {
+        let num_batches = plans.len();
+        let first = first.min(num_batches);
+        let inner = if prefetch == 0 || workers == 0 || num_batches == first {
+            Inner::Sync {
+                dataset,
+                device,
+                plans,
+            }
+        } else {
+            // More workers than batches would idle.
+            let workers = workers.min(num_batches - first);
+            let capacity = prefetch.div_ceil(workers).max(1);
+            log::debug!(
+                "data loader: {workers} worker(s) prefetching {capacity} each of {num_batches} batches"
+            );
+            Inner::Prefetch(Prefetcher::start(
+                dataset, device, plans, workers, capacity, first, offset,
+            )?)
         };
         Ok(BatchIter {
             inner,
             next_index: first,
             num_batches,
+            offset,
             done: false,
         })
     }
 
-    /// The number of batches in the epoch.
+    /// The number of batches in the epoch (counting those before a resume point).
     pub fn num_batches(&self) -> usize {
-        self.num_batches
+        self.num_batches + self.offset
     }
 
     fn remaining(&self) -> usize {
@@ -161,14 +225,16 @@ impl Iterator for BatchIter {
                 dataset.as_ref(),
                 device,
                 &plans[index],
-                index,
-                self.num_batches,
+                index + self.offset,
+                self.num_batches + self.offset,
             ),
-            Inner::Prefetch(p) => match p.receiver.as_ref().map(|r| r.recv()) {
-                Some(Ok(item)) => item,
-                _ => Err(Error::data(format!(
-                    "the prefetch thread stopped before batch {index} of {} (it panicked)",
-                    self.num_batches
+            Inner::Prefetch(p) => match p.recv(index) {
+                Some(item) => item,
+                None => Err(Error::data(format!(
+                    "the data loader worker thread building batch {} of {} stopped \
+                     (it panicked)",
+                    index + self.offset,
+                    self.num_batches + self.offset
                 ))),
             },
         };

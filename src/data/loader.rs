@@ -5,11 +5,17 @@ use std::sync::Arc;
 use candle_core::Device;
 
 use super::iter::BatchPlan;
-use super::sampler::validate_shard;
-use super::{BatchIter, Dataset, DistributedSampler, EvenBatches};
+use super::sampler::{validate_shard, validate_split};
+use super::{BatchIter, Dataset, DistributedSampler, EvenBatches, SamplePosition, Sampler};
 use crate::{Error, Result};
 
 /// Iterates a [`Dataset`] in batches for one rank, following a [`DistributedSampler`] plan.
+///
+/// **The batch size is per process** by default: with `N` processes a global batch holds
+/// `N * batch_size` samples and an epoch takes `N` times fewer optimizer steps. For a fixed global
+/// batch at any world size (the same optimization trajectory), set
+/// [`split_batches`](Self::split_batches): `batch_size` is then global and each rank takes
+/// `batch_size / N` samples of it.
 ///
 /// ```no_run
 /// # use accelerate_rs::{DataLoader, TensorDataset};
@@ -33,13 +39,18 @@ pub struct DataLoader {
     seed: u64,
     drop_last: bool,
     even_batches: EvenBatches,
+    split_batches: bool,
+    custom: Option<Arc<dyn Sampler>>,
     device: Device,
     prefetch: usize,
+    num_workers: usize,
     epoch: u64,
     rank: usize,
     world: usize,
     /// `(epoch, batches_done)` set by [`DataLoader::resume_at`].
     resume: Option<(u64, usize)>,
+    /// Set by [`DataLoader::resume_from`].
+    sample_resume: Option<SamplePosition>,
 }
 
 impl DataLoader {
@@ -58,12 +69,16 @@ impl DataLoader {
             seed: 0,
             drop_last: false,
             even_batches: EvenBatches::Pad,
+            split_batches: false,
+            custom: None,
             device: Device::Cpu,
             prefetch: 2,
+            num_workers: 1,
             epoch: 0,
             rank: 0,
             world: 1,
             resume: None,
+            sample_resume: None,
         }
     }
 
@@ -91,13 +106,55 @@ impl DataLoader {
         self
     }
 
+    /// Accelerate's `split_batches`: `batch_size` is the *global* batch size, split evenly across
+    /// the processes (each rank takes `batch_size / world_size` samples of every global batch),
+    /// so the global batches, and the optimization trajectory, are the same at any world size.
+    /// With [`EvenBatches::Pad`] (the default) the last global batch is padded to the full
+    /// `batch_size` from the start of the epoch's order ([`Batch::global_padding`](super::Batch::global_padding)
+    /// says how many); with `drop_last` it is dropped; with [`EvenBatches::Drop`] it is cut to a
+    /// multiple of the world size (then only that last batch depends on the world size).
+    ///
+    /// [`shard`](Self::shard) and [`iter`](Self::iter) fail if `batch_size` does not divide by
+    /// the world size.
+    pub fn split_batches(mut self, split_batches: bool) -> Self {
+        self.split_batches = split_batches;
+        self
+    }
+
+    /// Uses a custom [`Sampler`] ([`WeightedSampler`](super::WeightedSampler),
+    /// [`LengthGroupedSampler`](super::LengthGroupedSampler), or your own) for each epoch's
+    /// global order; sharding, padding and resuming work as with the default order.
+    /// [`shuffle`](Self::shuffle) and [`seed`](Self::seed) are then ignored (the sampler has its
+    /// own seed). [`iter`](Self::iter) fails if the order holds an index past the dataset.
+    pub fn with_sampler(self, sampler: impl Sampler + 'static) -> Self {
+        self.with_shared_sampler(Arc::new(sampler))
+    }
+
+    /// Like [`with_sampler`](Self::with_sampler), for a sampler already shared.
+    pub fn with_shared_sampler(mut self, sampler: Arc<dyn Sampler>) -> Self {
+        self.custom = Some(sampler);
+        self
+    }
+
+    /// The number of background threads building batches (default 1). With `n > 1`, worker `k`
+    /// builds batches `k, k + n, ...` and they are yielded in the plan's order, so the batches
+    /// are exactly those of one worker, in the same order; the work in
+    /// [`Dataset::get_batch`](super::Dataset::get_batch) runs in parallel. 0 builds batches in
+    /// `next`, on the calling thread (as does [`prefetch`](Self::prefetch)`(0)`).
+    pub fn num_workers(mut self, num_workers: usize) -> Self {
+        self.num_workers = num_workers;
+        self
+    }
+
     /// The device batches are moved to.
     pub fn device(mut self, device: &Device) -> Self {
         self.device = device.clone();
         self
     }
 
-    /// How many batches a background thread builds ahead; 0 builds them synchronously in `next`.
+    /// How many batches the background threads build ahead (default 2; split across
+    /// [`num_workers`](Self::num_workers), at least 1 each); 0 builds them synchronously in
+    /// `next`.
     pub fn prefetch(mut self, prefetch: usize) -> Self {
         self.prefetch = prefetch;
         self
@@ -105,9 +162,11 @@ impl DataLoader {
 
     /// Make this the loader of `rank` out of `world_size` processes.
     ///
-    /// Fails if `world_size == 0` or `rank >= world_size`.
+    /// Fails if `world_size == 0` or `rank >= world_size`, or, with
+    /// [`split_batches`](Self::split_batches), if the batch size does not divide by `world_size`.
     pub fn shard(mut self, rank: usize, world_size: usize) -> Result<Self> {
         validate_shard(rank, world_size)?;
+        validate_split(self.split_batches, self.batch_size, world_size)?;
         self.rank = rank;
         self.world = world_size;
         Ok(self)
@@ -118,6 +177,9 @@ impl DataLoader {
     pub fn set_epoch(&mut self, epoch: u64) {
         if self.resume.is_some_and(|(e, _)| e != epoch) {
             self.resume = None;
+        }
+        if self.sample_resume.is_some_and(|p| p.epoch != epoch) {
+            self.sample_resume = None;
         }
         self.epoch = epoch;
     }
@@ -130,14 +192,59 @@ impl DataLoader {
     /// epochs start from their first batch: [`set_epoch`](Self::set_epoch) with another epoch,
     /// or [`clear_resume`](Self::clear_resume), drops the position. `batches_done` at or past
     /// the epoch's length gives an empty epoch.
+    ///
+    /// The position is in this rank's batches, so it is only right for the same world size and
+    /// batch size; [`resume_from`](Self::resume_from) takes a position in samples that works at
+    /// any. The two replace each other.
     pub fn resume_at(&mut self, epoch: u64, batches_done: usize) {
         self.epoch = epoch;
         self.resume = Some((epoch, batches_done));
+        self.sample_resume = None;
     }
 
-    /// Forgets the position set by [`resume_at`](Self::resume_at).
+    /// Resumes in the middle of an epoch at a position counted in **global samples** (from
+    /// [`sample_position`](Self::sample_position), saved in a checkpoint): sets the epoch, and
+    /// [`iter`](Self::iter) for that epoch skips the first `position.samples` positions of the
+    /// epoch's global order and batches the rest for this loader's world size and batch size,
+    /// which may differ from the saved run's: every sample the saved run had not reached is seen
+    /// exactly once (plus the usual padding at the tail). The order itself must not depend on the
+    /// world size: true of the default order (shuffled or not) and of
+    /// [`WeightedSampler`](super::WeightedSampler), not of
+    /// [`LengthGroupedSampler`](super::LengthGroupedSampler), whose groups follow the global
+    /// batch size. Batch indices continue from `position.samples / global_batch_size`.
+    pub fn resume_from(&mut self, position: SamplePosition) {
+        self.epoch = position.epoch;
+        self.sample_resume = Some(position);
+        self.resume = None;
+    }
+
+    /// The position in global samples after this rank's first `batches_done` batches of the
+    /// current epoch (counting from the resume point, if any): the same on every rank, and what
+    /// [`resume_from`](Self::resume_from) takes. Capped at the epoch's end.
+    pub fn sample_position(&self, batches_done: usize) -> SamplePosition {
+        let sampler = self.sampler();
+        let n = sampler.samples_per_epoch();
+        let plan = sampler.plan();
+        let samples = match plan.get(batches_done.saturating_sub(1)) {
+            _ if batches_done == 0 => sampler.start(),
+            // Global batches are rank-major: the global batch ends where the last rank's ends.
+            Some(b) => {
+                let global_start = b.start - sampler.rank() * b.len;
+                global_start + b.len * sampler.num_replicas()
+            }
+            None => n,
+        };
+        SamplePosition {
+            epoch: self.epoch,
+            samples: samples.min(n) as u64,
+        }
+    }
+
+    /// Forgets the position set by [`resume_at`](Self::resume_at) or
+    /// [`resume_from`](Self::resume_from).
     pub fn clear_resume(&mut self) {
         self.resume = None;
+        self.sample_resume = None;
     }
 
     /// The batches [`iter`](Self::iter) skips at the start of the current epoch (0 unless
@@ -164,9 +271,30 @@ impl DataLoader {
         self.world
     }
 
-    /// The per-rank batch size.
+    /// The batch size as set: per rank, or global with [`split_batches`](Self::split_batches).
     pub fn batch_size(&self) -> usize {
         self.batch_size
+    }
+
+    /// The number of samples in this rank's full batches: `batch_size`, or
+    /// `batch_size / world_size` with [`split_batches`](Self::split_batches).
+    pub fn local_batch_size(&self) -> usize {
+        self.sampler().local_batch_size()
+    }
+
+    /// The number of samples in a full global batch (all ranks together).
+    pub fn global_batch_size(&self) -> usize {
+        self.sampler().global_batch_size()
+    }
+
+    /// Whether `batch_size` is the global batch size ([`split_batches`](Self::split_batches)).
+    pub fn is_split_batches(&self) -> bool {
+        self.split_batches
+    }
+
+    /// The number of background threads building batches.
+    pub fn workers(&self) -> usize {
+        self.num_workers
     }
 
     /// Whether batches are shuffled.
@@ -216,16 +344,25 @@ impl DataLoader {
             .seed(self.seed)
             .drop_last(self.drop_last)
             .even_batches(self.even_batches)
+            .split_batches(self.split_batches)
             .with_shard_unchecked(self.rank, self.world);
+        if let Some(custom) = &self.custom {
+            sampler = sampler.sampler(Arc::clone(custom));
+        }
+        if let Some(p) = self.sample_resume.filter(|p| p.epoch == self.epoch) {
+            sampler = sampler.start_at(usize::try_from(p.samples).unwrap_or(usize::MAX));
+        }
         sampler.set_epoch(self.epoch);
         sampler
     }
 
     /// Iterates the current epoch's batches for this rank.
     ///
-    /// Fails if the batch size is 0, the dataset is empty, or (with [`EvenBatches::Drop`]) the
-    /// dataset is smaller than the number of processes. Errors from the dataset are yielded as
-    /// `Err` items and end the epoch.
+    /// Fails if the batch size is 0, the dataset is empty, (with [`EvenBatches::Drop`]) the
+    /// dataset is smaller than the number of processes, (with
+    /// [`split_batches`](Self::split_batches)) the batch size does not divide by the number of
+    /// processes, or a custom sampler's order is out of range. Errors from the dataset are
+    /// yielded as `Err` items and end the epoch.
     pub fn iter(&self) -> Result<BatchIter> {
         if self.batch_size == 0 {
             return Err(Error::invalid(
@@ -260,7 +397,9 @@ impl DataLoader {
             self.device.clone(),
             plans,
             self.prefetch,
+            self.num_workers,
             self.skipped_batches(),
+            sampler.start() / sampler.global_batch_size().max(1),
         )
     }
 }
@@ -274,12 +413,16 @@ impl std::fmt::Debug for DataLoader {
             .field("seed", &self.seed)
             .field("drop_last", &self.drop_last)
             .field("even_batches", &self.even_batches)
+            .field("split_batches", &self.split_batches)
+            .field("sampler", &self.custom)
             .field("device", &self.device.location())
             .field("prefetch", &self.prefetch)
+            .field("num_workers", &self.num_workers)
             .field("epoch", &self.epoch)
             .field("rank", &self.rank)
             .field("world", &self.world)
             .field("resume", &self.resume)
+            .field("sample_resume", &self.sample_resume)
             .finish()
     }
 }

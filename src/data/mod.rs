@@ -1,6 +1,12 @@
 //! Data loading: the [`Dataset`] trait, the in-memory [`TensorDataset`], the per-rank batch plan
-//! ([`DistributedSampler`]) and the [`DataLoader`] that turns them into batches on a device, with
-//! background prefetching.
+//! ([`DistributedSampler`], with custom [`Sampler`]s such as [`WeightedSampler`] and
+//! [`LengthGroupedSampler`]) and the [`DataLoader`] that turns them into batches on a device, with
+//! background workers; and for streams without random access (text files, a directory of
+//! shards), the [`IterableDataset`] trait, [`TextLines`] and the [`StreamingLoader`], resumable at
+//! a [`SamplePosition`] counted in global samples.
+//!
+//! The batch size is per process unless `split_batches` is set: with `N` processes a global
+//! batch holds `N * batch_size` samples.
 //!
 //! Every rank yields the same number of batches; with [`EvenBatches::Pad`] (the default) the last
 //! global batch is padded by cycling from the start of the epoch's order, and the padding always
@@ -12,9 +18,15 @@ mod dataset;
 mod iter;
 mod loader;
 mod sampler;
+mod samplers;
+mod stream;
 
 pub use batch::Batch;
 pub use dataset::{Dataset, TensorDataset};
 pub use iter::BatchIter;
 pub use loader::DataLoader;
-pub use sampler::{DistributedSampler, EvenBatches};
+pub use sampler::{DistributedSampler, EvenBatches, Sampler};
+pub use samplers::{LengthGroupedSampler, WeightedSampler};
+pub use stream::{
+    IterableDataset, RecordStream, SamplePosition, StreamIter, StreamingLoader, TextLine, TextLines,
+};

@@ -1,7 +1,8 @@
 //! Learning-rate schedules.
 //!
 //! An [`LrScheduler`] maps an optimizer step count to a learning rate: [`Constant`],
-//! [`LinearWarmupCosine`] and [`LinearDecay`] (both with a linear warmup from 0), or any closure
+//! [`LinearWarmupCosine`] and [`LinearDecay`] (both with a linear warmup from 0, or from a
+//! fraction of the peak with `with_start_factor`, like PyTorch's `LinearLR`), or any closure
 //! `Fn(u64) -> f64`. A [`Schedule`] drives one: call [`Schedule::step`] once right before each
 //! optimizer step; it sets the optimizer's learning rate to `lr(k)` for the `k`-th step (from 0)
 //! and advances.
@@ -68,9 +69,25 @@ fn check_steps(warmup_steps: u64, total_steps: u64) -> Result<()> {
     Ok(())
 }
 
-/// Linear warmup from 0: `base_lr · step / warmup_steps`.
-fn warmup(base_lr: f64, step: u64, warmup_steps: u64) -> f64 {
-    base_lr * step as f64 / warmup_steps as f64
+/// Checks a warmup start factor: finite, in `[0, 1]`.
+fn check_start_factor(start_factor: f64) -> Result<()> {
+    if !start_factor.is_finite() || !(0.0..=1.0).contains(&start_factor) {
+        return Err(Error::invalid(
+            "start_factor",
+            format!(
+                "must be a finite number in [0, 1] (the fraction of base_lr the warmup starts \
+                 from), got {start_factor}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Linear warmup from `start_factor · base_lr` (PyTorch `LinearLR`):
+/// `base_lr · (start_factor + (1 − start_factor) · step / warmup_steps)`.
+fn warmup(base_lr: f64, start_factor: f64, step: u64, warmup_steps: u64) -> f64 {
+    let fraction = step as f64 / warmup_steps as f64;
+    base_lr * (start_factor + (1.0 - start_factor) * fraction)
 }
 
 /// The same learning rate at every step.
@@ -93,10 +110,12 @@ impl LrScheduler for Constant {
     }
 }
 
-/// Linear warmup from 0 to `base_lr` over `warmup_steps`, then cosine decay from `base_lr` to
-/// `min_lr` at `total_steps`, and `min_lr` after.
+/// Linear warmup from 0 (or from `start_factor · base_lr`, see
+/// [`with_start_factor`](Self::with_start_factor)) to `base_lr` over `warmup_steps`, then cosine
+/// decay from `base_lr` to `min_lr` at `total_steps`, and `min_lr` after.
 ///
-/// `lr(s) = base_lr·s/warmup_steps` for `s < warmup_steps`;
+/// `lr(s) = base_lr·(f + (1 − f)·s/warmup_steps)` for `s < warmup_steps`, where `f` is the start
+/// factor (0 by default);
 /// `min_lr + (base_lr − min_lr)·(1 + cos(π·(s − warmup_steps)/(total_steps − warmup_steps)))/2`
 /// for `warmup_steps <= s < total_steps`; `min_lr` for `s >= total_steps`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -105,6 +124,7 @@ pub struct LinearWarmupCosine {
     warmup_steps: u64,
     total_steps: u64,
     min_lr: f64,
+    start_factor: f64,
 }
 
 impl LinearWarmupCosine {
@@ -125,7 +145,24 @@ impl LinearWarmupCosine {
             warmup_steps,
             total_steps,
             min_lr,
+            start_factor: 0.0,
         })
+    }
+
+    /// Starts the warmup at `start_factor · base_lr` instead of 0, like PyTorch's
+    /// `LinearLR(start_factor=…, end_factor=1.0, total_iters=warmup_steps)`: the rate at step `s`
+    /// of the warmup is `base_lr · (start_factor + (1 − start_factor) · s / warmup_steps)`.
+    /// The default, 0, is a warmup from 0. Fails unless `start_factor` is finite and in `[0, 1]`.
+    pub fn with_start_factor(mut self, start_factor: f64) -> Result<Self> {
+        check_start_factor(start_factor)?;
+        self.start_factor = start_factor;
+        Ok(self)
+    }
+
+    /// The fraction of `base_lr` the warmup starts from (0 unless set by
+    /// [`with_start_factor`](Self::with_start_factor)).
+    pub fn start_factor(&self) -> f64 {
+        self.start_factor
     }
 
     /// The peak learning rate, reached at the end of the warmup.
@@ -154,7 +191,7 @@ impl LrScheduler for LinearWarmupCosine {
         if step >= self.total_steps {
             self.min_lr
         } else if step < self.warmup_steps {
-            warmup(self.base_lr, step, self.warmup_steps)
+            warmup(self.base_lr, self.start_factor, step, self.warmup_steps)
         } else {
             let progress =
                 (step - self.warmup_steps) as f64 / (self.total_steps - self.warmup_steps) as f64;
@@ -163,10 +200,12 @@ impl LrScheduler for LinearWarmupCosine {
     }
 }
 
-/// Linear warmup from 0 to `base_lr` over `warmup_steps`, then linear decay from `base_lr` to
-/// `end_lr` at `total_steps`, and `end_lr` after.
+/// Linear warmup from 0 (or from `start_factor · base_lr`, see
+/// [`with_start_factor`](Self::with_start_factor)) to `base_lr` over `warmup_steps`, then linear
+/// decay from `base_lr` to `end_lr` at `total_steps`, and `end_lr` after.
 ///
-/// `lr(s) = base_lr·s/warmup_steps` for `s < warmup_steps`;
+/// `lr(s) = base_lr·(f + (1 − f)·s/warmup_steps)` for `s < warmup_steps`, where `f` is the start
+/// factor (0 by default);
 /// `base_lr + (end_lr − base_lr)·(s − warmup_steps)/(total_steps − warmup_steps)` for
 /// `warmup_steps <= s < total_steps`; `end_lr` for `s >= total_steps`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -175,6 +214,7 @@ pub struct LinearDecay {
     warmup_steps: u64,
     total_steps: u64,
     end_lr: f64,
+    start_factor: f64,
 }
 
 impl LinearDecay {
@@ -195,7 +235,24 @@ impl LinearDecay {
             warmup_steps,
             total_steps,
             end_lr,
+            start_factor: 0.0,
         })
+    }
+
+    /// Starts the warmup at `start_factor · base_lr` instead of 0, like PyTorch's
+    /// `LinearLR(start_factor=…, end_factor=1.0, total_iters=warmup_steps)`: the rate at step `s`
+    /// of the warmup is `base_lr · (start_factor + (1 − start_factor) · s / warmup_steps)`.
+    /// The default, 0, is a warmup from 0. Fails unless `start_factor` is finite and in `[0, 1]`.
+    pub fn with_start_factor(mut self, start_factor: f64) -> Result<Self> {
+        check_start_factor(start_factor)?;
+        self.start_factor = start_factor;
+        Ok(self)
+    }
+
+    /// The fraction of `base_lr` the warmup starts from (0 unless set by
+    /// [`with_start_factor`](Self::with_start_factor)).
+    pub fn start_factor(&self) -> f64 {
+        self.start_factor
     }
 
     /// The peak learning rate, reached at the end of the warmup.
@@ -224,7 +281,7 @@ impl LrScheduler for LinearDecay {
         if step >= self.total_steps {
             self.end_lr
         } else if step < self.warmup_steps {
-            warmup(self.base_lr, step, self.warmup_steps)
+            warmup(self.base_lr, self.start_factor, step, self.warmup_steps)
         } else {
             let progress =
                 (step - self.warmup_steps) as f64 / (self.total_steps - self.warmup_steps) as f64;
@@ -278,5 +335,78 @@ impl<S: LrScheduler> Schedule<S> {
     /// The scheduler.
     pub fn scheduler(&self) -> &S {
         &self.scheduler
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-12 * b.abs().max(1.0)
+    }
+
+    #[test]
+    fn start_factor_warms_up_from_a_fraction_of_the_peak() {
+        // PyTorch LinearLR(start_factor=0.25, total_iters=4) on lr 0.1: 0.025, 0.04375, 0.0625,
+        // 0.08125, then the peak.
+        let s = LinearWarmupCosine::new(0.1, 4, 14, 0.01)
+            .unwrap()
+            .with_start_factor(0.25)
+            .unwrap();
+        assert_eq!(s.start_factor(), 0.25);
+        for (step, want) in [
+            (0, 0.025),
+            (1, 0.04375),
+            (2, 0.0625),
+            (3, 0.08125),
+            (4, 0.1),
+        ] {
+            assert!(
+                close(s.lr(step), want),
+                "step {step}: {} != {want}",
+                s.lr(step)
+            );
+        }
+        // The cosine part is unchanged: halfway through the decay, the midpoint; then min_lr.
+        assert!(close(s.lr(9), 0.055), "{}", s.lr(9));
+        assert_eq!(s.lr(14), 0.01);
+        assert_eq!(s.lr(1000), 0.01);
+
+        let d = LinearDecay::new(1.0, 2, 4, 0.0)
+            .unwrap()
+            .with_start_factor(0.5)
+            .unwrap();
+        let got: Vec<f64> = (0..5).map(|k| d.lr(k)).collect();
+        assert_eq!(got, vec![0.5, 0.75, 1.0, 0.5, 0.0]);
+    }
+
+    #[test]
+    fn start_factor_defaults_keep_the_old_schedule() {
+        let old = LinearWarmupCosine::new(0.1, 10, 100, 0.0).unwrap();
+        assert_eq!(old.start_factor(), 0.0);
+        assert_eq!(old.lr(0), 0.0);
+        assert!(close(old.lr(5), 0.05));
+        let zero = old.with_start_factor(0.0).unwrap();
+        assert_eq!(zero, old);
+        // start_factor 1 is no warmup at all.
+        let flat = old.with_start_factor(1.0).unwrap();
+        assert!((0..10).all(|k| flat.lr(k) == 0.1));
+    }
+
+    #[test]
+    fn start_factor_out_of_range_is_named() {
+        let s = LinearWarmupCosine::new(0.1, 10, 100, 0.0).unwrap();
+        for bad in [-0.1, 1.5, f64::NAN, f64::INFINITY] {
+            let e = s.with_start_factor(bad).unwrap_err().to_string();
+            assert!(e.contains("start_factor"), "{e}");
+            assert!(e.contains("[0, 1]"), "{e}");
+        }
+        let e = LinearDecay::new(0.1, 10, 100, 0.0)
+            .unwrap()
+            .with_start_factor(2.0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("start_factor") && e.contains('2'), "{e}");
     }
 }

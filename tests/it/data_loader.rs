@@ -4,7 +4,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use accelerate_rs::{Batch, DataLoader, Dataset, EvenBatches, TensorDataset};
+use std::path::{Path, PathBuf};
+
+use accelerate_rs::{
+    Batch, DataLoader, Dataset, EvenBatches, LengthGroupedSampler, SamplePosition, StreamingLoader,
+    TensorDataset, TextLines, WeightedSampler,
+};
 use accelerate_rs::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 
@@ -13,10 +18,15 @@ const F: usize = 4;
 
 /// x[i] = [i*10, i*10+1, i*10+2, i*10+3], y[i] = 1000 + i.
 fn dataset() -> TensorDataset {
-    let x: Vec<f32> = (0..N * F).map(|k| ((k / F) * 10 + k % F) as f32).collect();
-    let y: Vec<u32> = (0..N as u32).map(|i| 1000 + i).collect();
-    let x = Tensor::from_vec(x, (N, F), &Device::Cpu).unwrap();
-    let y = Tensor::from_vec(y, N, &Device::Cpu).unwrap();
+    dataset_of(N)
+}
+
+/// `dataset()` with `n` samples.
+fn dataset_of(n: usize) -> TensorDataset {
+    let x: Vec<f32> = (0..n * F).map(|k| ((k / F) * 10 + k % F) as f32).collect();
+    let y: Vec<u32> = (0..n as u32).map(|i| 1000 + i).collect();
+    let x = Tensor::from_vec(x, (n, F), &Device::Cpu).unwrap();
+    let y = Tensor::from_vec(y, n, &Device::Cpu).unwrap();
     TensorDataset::new(vec![x, y]).unwrap()
 }
 
@@ -334,4 +344,712 @@ fn device_is_honoured() {
     let loader = DataLoader::from_arc(Arc::clone(&shared), 8);
     assert_eq!(loader.dataset().len(), N);
     assert_eq!(loader.batch_size(), 8);
+}
+
+/// `dataset()` whose batches take uneven times to build (later batches often finish first).
+struct Jittery(TensorDataset);
+
+impl Dataset for Jittery {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn get(&self, index: usize) -> Result<Vec<Tensor>> {
+        self.0.get(index)
+    }
+
+    fn get_batch(&self, indices: &[usize]) -> Result<Vec<Tensor>> {
+        let first = indices.first().copied().unwrap_or(0);
+        std::thread::sleep(Duration::from_micros(((first * 7919) % 5) as u64 * 400));
+        self.0.get_batch(indices)
+    }
+}
+
+type Seen = (Vec<usize>, usize, usize, usize, bool);
+
+fn seen(loader: &DataLoader) -> Vec<Seen> {
+    loader
+        .iter()
+        .unwrap()
+        .map(|b| {
+            let b = b.unwrap();
+            (
+                ids(&b),
+                b.index(),
+                b.padding(),
+                b.global_padding(),
+                b.is_last(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn workers_yield_the_same_batches_as_one_worker() {
+    for world in 1..=3 {
+        for rank in 0..world {
+            let base = DataLoader::new(Jittery(dataset()), 2)
+                .shuffle(true)
+                .seed(17)
+                .shard(rank, world)
+                .unwrap();
+            assert_eq!(base.workers(), 1);
+            let one = seen(&base);
+            assert_eq!(one.len(), base.len());
+            let mut resumed_one = base.clone();
+            resumed_one.resume_at(0, 2);
+            let resumed_one = seen(&resumed_one);
+            assert_eq!(resumed_one[..], one[2..]);
+            for workers in [0, 2, 3, 5, 16] {
+                for prefetch in [0, 1, 4] {
+                    let ctx = format!("rank {rank}/{world} workers {workers} prefetch {prefetch}");
+                    let loader = base.clone().num_workers(workers).prefetch(prefetch);
+                    assert_eq!(seen(&loader), one, "{ctx}");
+                    let mut resumed = loader.clone();
+                    resumed.resume_at(0, 2);
+                    assert_eq!(seen(&resumed), resumed_one, "{ctx}: resumed");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn workers_surface_errors_at_the_same_batch_and_stop_on_drop() {
+    for workers in [1, 2, 3, 8] {
+        let mut ds = Synthetic::new(40);
+        ds.fail_at = Some(13);
+        let loader = DataLoader::new(ds, 4).num_workers(workers).prefetch(4);
+        let items: Vec<_> = loader.iter().unwrap().collect();
+        assert_eq!(items.len(), 4, "workers {workers}");
+        assert!(items[..3].iter().all(|b| b.is_ok()));
+        let msg = items[3].as_ref().unwrap_err().to_string();
+        assert!(msg.contains("13"), "workers {workers}: {msg}");
+    }
+    for round in 0..10 {
+        let mut ds = Synthetic::new(1000);
+        ds.delay = Duration::from_millis(1);
+        let gets = Arc::clone(&ds.gets);
+        let loader = DataLoader::new(ds, 2).num_workers(4).prefetch(4);
+        let mut it = loader.iter().unwrap();
+        if round % 2 == 0 {
+            assert_eq!(it.next().unwrap().unwrap().index(), 0);
+        }
+        drop(it);
+        let after_drop = gets.load(Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(gets.load(Ordering::SeqCst), after_drop, "round {round}");
+        assert!(
+            after_drop <= 2 * (4 + 4 + 1),
+            "round {round}: {after_drop} gets"
+        );
+    }
+}
+
+#[test]
+fn split_batches_gives_the_same_global_batches_at_world_sizes_1_2_4() {
+    for drop_last in [false, true] {
+        let run = |world: usize| -> Vec<(Vec<usize>, usize, bool)> {
+            let loaders: Vec<DataLoader> = (0..world)
+                .map(|r| {
+                    DataLoader::new(dataset(), 8)
+                        .shuffle(true)
+                        .seed(21)
+                        .drop_last(drop_last)
+                        .split_batches(true)
+                        .shard(r, world)
+                        .unwrap()
+                })
+                .collect();
+            let per_rank: Vec<Vec<Seen>> = loaders.iter().map(seen).collect();
+            let nb = per_rank[0].len();
+            (0..nb)
+                .map(|g| {
+                    let mut global = Vec::new();
+                    for rank in &per_rank {
+                        assert_eq!(rank.len(), nb, "world {world}: equal batch counts");
+                        assert_eq!(rank[g].0.len(), 8 / world, "world {world}: batch {g}");
+                        assert_eq!(rank[g].3, per_rank[0][g].3, "same global padding");
+                        global.extend(&rank[g].0);
+                    }
+                    (global, per_rank[0][g].3, per_rank[0][g].4)
+                })
+                .collect()
+        };
+        let one = run(1);
+        // N = 23, global batch 8: 3 batches, the last padded by 1 (or 2 full ones).
+        assert_eq!(one.len(), if drop_last { 2 } else { 3 });
+        if !drop_last {
+            assert_eq!(one[2].1, 1, "global padding of the last batch");
+            let mut flat: Vec<usize> = one.iter().flat_map(|b| b.0.clone()).collect();
+            flat.truncate(N);
+            flat.sort_unstable();
+            assert_eq!(flat, (0..N).collect::<Vec<_>>());
+        }
+        assert!(one.last().unwrap().2);
+        assert_eq!(run(2), one, "world 2, drop_last {drop_last}");
+        assert_eq!(run(4), one, "world 4, drop_last {drop_last}");
+    }
+
+    let loader = DataLoader::new(dataset(), 8).split_batches(true);
+    assert!(loader.is_split_batches());
+    let loader = loader.shard(1, 4).unwrap();
+    assert_eq!(loader.batch_size(), 8);
+    assert_eq!(loader.local_batch_size(), 2);
+    assert_eq!(loader.global_batch_size(), 8);
+    assert_eq!(
+        DataLoader::new(dataset(), 8)
+            .shard(1, 4)
+            .unwrap()
+            .global_batch_size(),
+        32
+    );
+
+    // A batch that does not divide by the world size is named, at shard or at iter.
+    let msg = DataLoader::new(dataset(), 6)
+        .split_batches(true)
+        .shard(0, 4)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("split_batches") && msg.contains("6 does not divide by 4"),
+        "{msg}"
+    );
+    let msg = DataLoader::new(dataset(), 6)
+        .shard(0, 4)
+        .unwrap()
+        .split_batches(true)
+        .iter()
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("6 does not divide by 4"), "{msg}");
+}
+
+#[test]
+fn custom_samplers_through_the_loader() {
+    // Weighted: only samples with weight are drawn, on every rank the same number of batches,
+    // with several workers in the same order as one.
+    let mut weights = vec![0.0; N];
+    for w in weights.iter_mut().step_by(3) {
+        *w = 1.0;
+    }
+    for world in 1..=3 {
+        let loaders: Vec<DataLoader> = (0..world)
+            .map(|r| {
+                DataLoader::new(dataset(), 3)
+                    .with_sampler(WeightedSampler::new(weights.clone(), 20).unwrap().seed(4))
+                    .shard(r, world)
+                    .unwrap()
+            })
+            .collect();
+        let per_rank: Vec<Vec<Vec<usize>>> = loaders.iter().map(collect).collect();
+        for (r, batches) in per_rank.iter().enumerate() {
+            assert_eq!(batches.len(), per_rank[0].len(), "rank {r}/{world}");
+            assert!(batches.iter().flatten().all(|i| i % 3 == 0));
+            let parallel = collect(&loaders[r].clone().num_workers(3));
+            assert_eq!(&parallel, batches, "rank {r}/{world}: workers");
+        }
+        let mut flat: Vec<usize> = Vec::new();
+        for g in 0..per_rank[0].len() {
+            for rank in &per_rank {
+                flat.extend(&rank[g]);
+            }
+        }
+        let order = loaders[0].sampler().order();
+        assert_eq!(flat[..20], order[..], "world {world}");
+    }
+
+    // Length-grouped over the loader: the per-rank batches of one global batch have close lengths.
+    let lengths: Vec<usize> = (0..N).map(|i| (i * 5) % N).collect();
+    let loader = DataLoader::new(dataset(), 2)
+        .with_sampler(LengthGroupedSampler::new(lengths.clone()).unwrap())
+        .even_batches(EvenBatches::Drop)
+        .shard(0, 2)
+        .unwrap();
+    for batch in collect(&loader) {
+        let ls: Vec<usize> = batch.iter().map(|&i| lengths[i]).collect();
+        assert!(ls.windows(2).all(|p| p[0] >= p[1]), "{ls:?}");
+    }
+    // A sampler for another dataset is refused with the index.
+    let msg = DataLoader::new(dataset(), 2)
+        .with_sampler(LengthGroupedSampler::new(vec![1; N + 5]).unwrap())
+        .iter()
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains(&format!("len {N}")), "{msg}");
+}
+
+/// Lines per shard file: uneven, one empty file; 22 samples in all.
+const SHARDS: [usize; 6] = [5, 0, 1, 11, 3, 2];
+const NS: usize = 22;
+
+/// A directory of shard files `shard-k.txt` holding the sample ids 0..NS in order (one per
+/// line), plus a hidden file and a subdirectory that are not shards.
+fn shard_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let mut next = 0;
+    for (k, &lines) in SHARDS.iter().enumerate() {
+        let text: String = (next..next + lines).map(|i| format!("{i}\n")).collect();
+        next += lines;
+        std::fs::write(dir.path().join(format!("shard-{k}.txt")), text).unwrap();
+    }
+    std::fs::write(dir.path().join(".hidden"), "999\n").unwrap();
+    std::fs::create_dir(dir.path().join("sub")).unwrap();
+    std::fs::write(dir.path().join("sub").join("x.txt"), "998\n").unwrap();
+    dir
+}
+
+/// Parses a line holding a sample id into `dataset()`'s sample of that id.
+fn parse_id(line: &str) -> Result<Vec<Tensor>> {
+    let i: usize = line
+        .trim()
+        .parse()
+        .map_err(|e| Error::data(format!("not an id: {e}")))?;
+    let x: Vec<f32> = (0..F).map(|f| (i * 10 + f) as f32).collect();
+    Ok(vec![
+        Tensor::from_vec(x, F, &Device::Cpu)?,
+        Tensor::new(1000 + i as u32, &Device::Cpu)?,
+    ])
+}
+
+type Lines = TextLines<fn(&str) -> Result<Vec<Tensor>>>;
+
+fn lines(dir: &Path) -> Lines {
+    TextLines::from_dir(dir, parse_id as fn(&str) -> Result<Vec<Tensor>>).unwrap()
+}
+
+fn stream_seen(loader: &StreamingLoader<Lines>) -> Vec<Seen> {
+    loader
+        .iter()
+        .unwrap()
+        .map(|b| {
+            let b = b.unwrap();
+            (
+                ids(&b),
+                b.index(),
+                b.padding(),
+                b.global_padding(),
+                b.is_last(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn streaming_shards_give_equal_steps_and_match_the_map_style_loader() {
+    let dir = shard_dir();
+    let data = Arc::new(lines(dir.path()));
+    assert_eq!(data.files().len(), SHARDS.len());
+    // (even_batches, drop_last, split_batches)
+    let modes = [
+        (EvenBatches::Pad, false, false),
+        (EvenBatches::Pad, true, false),
+        (EvenBatches::Drop, false, false),
+        (EvenBatches::Drop, true, false),
+        (EvenBatches::Pad, false, true),
+        (EvenBatches::Pad, true, true),
+        (EvenBatches::Drop, false, true),
+    ];
+    for world in 1..=5 {
+        for b in 1..=4 {
+            for (even, drop_last, split) in modes {
+                let batch = if split { b * world } else { b };
+                let ctx = format!(
+                    "world {world} batch {batch} {even:?} drop_last {drop_last} split {split}"
+                );
+                let per_rank: Vec<Vec<Seen>> = (0..world)
+                    .map(|r| {
+                        let stream = StreamingLoader::from_arc(Arc::clone(&data), batch)
+                            .even_batches(even)
+                            .drop_last(drop_last)
+                            .split_batches(split)
+                            .prefetch(r % 2 * 2)
+                            .shard(r, world)
+                            .unwrap();
+                        let map = DataLoader::new(dataset_of(NS), batch)
+                            .even_batches(even)
+                            .drop_last(drop_last)
+                            .split_batches(split)
+                            .shard(r, world)
+                            .unwrap();
+                        let got = stream_seen(&stream);
+                        assert_eq!(got, seen(&map), "{ctx}: rank {r} same as map-style");
+                        got
+                    })
+                    .collect();
+                let nb = per_rank[0].len();
+                assert!(per_rank.iter().all(|r| r.len() == nb), "{ctx}: equal steps");
+                // Every sample exactly once, apart from the documented padding or dropping.
+                let mut gathered: Vec<usize> = Vec::new();
+                for g in 0..nb {
+                    for rank in &per_rank {
+                        gathered.extend(&rank[g].0);
+                    }
+                }
+                let padding = per_rank[0].last().map_or(0, |l| l.3);
+                gathered.truncate(gathered.len() - padding);
+                let mut sorted = gathered.clone();
+                sorted.sort_unstable();
+                sorted.dedup();
+                assert_eq!(sorted.len(), gathered.len(), "{ctx}: no repeats");
+                assert_eq!(gathered, (0..gathered.len()).collect::<Vec<_>>(), "{ctx}");
+                let global = batch * if split { 1 } else { world };
+                let dropped = NS - gathered.len();
+                match (even, drop_last) {
+                    (EvenBatches::Pad, false) => assert_eq!(dropped, 0, "{ctx}"),
+                    (EvenBatches::Drop, false) if !split => assert!(dropped < world, "{ctx}"),
+                    _ => assert!(dropped < global, "{ctx}"),
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn streaming_resume_is_sample_exact_at_another_world_size() {
+    let dir = shard_dir();
+    let data = Arc::new(lines(dir.path()));
+    let loader = |world: usize, batch: usize, rank: usize| {
+        StreamingLoader::from_arc(Arc::clone(&data), batch)
+            .shard(rank, world)
+            .unwrap()
+    };
+    // (world, batch, batches done) then (world, batch) to resume with.
+    for ((w1, b1, done), (w2, b2)) in [
+        ((4, 2, 1), (2, 3)),
+        ((2, 2, 3), (3, 1)),
+        ((4, 1, 4), (2, 2)),
+        ((3, 2, 2), (3, 2)),
+        ((1, 5, 2), (5, 1)),
+    ] {
+        let ctx = format!("{w1}x{b1} after {done} -> {w2}x{b2}");
+        // The first run: every rank takes `done` batches and reports the same position.
+        let mut first: Vec<usize> = Vec::new();
+        let mut positions = Vec::new();
+        let per_rank: Vec<Vec<Vec<usize>>> = (0..w1)
+            .map(|r| {
+                let mut it = loader(w1, b1, r).iter().unwrap();
+                assert_eq!(it.position(), SamplePosition::default());
+                let got: Vec<Vec<usize>> = (0..done)
+                    .map(|_| ids(&it.next().unwrap().unwrap()))
+                    .collect();
+                positions.push(it.position());
+                got
+            })
+            .collect();
+        for g in 0..done {
+            for rank in &per_rank {
+                first.extend(&rank[g]);
+            }
+        }
+        assert!(positions.iter().all(|p| *p == positions[0]), "{ctx}");
+        let position = positions[0];
+        assert_eq!(
+            position.samples as usize,
+            first.len(),
+            "{ctx}: counted in samples"
+        );
+        // Through a checkpoint.
+        let json = serde_json::to_string(&position).unwrap();
+        let position: SamplePosition = serde_json::from_str(&json).unwrap();
+
+        // The resumed run at another world size sees exactly the rest.
+        let resumed: Vec<Vec<Seen>> = (0..w2)
+            .map(|r| {
+                let mut l = loader(w2, b2, r);
+                l.resume_from(position);
+                assert_eq!(l.start_position(), position);
+                stream_seen(&l)
+            })
+            .collect();
+        let nb = resumed[0].len();
+        let mut rest: Vec<usize> = Vec::new();
+        for g in 0..nb {
+            for rank in &resumed {
+                assert_eq!(rank.len(), nb, "{ctx}: equal steps");
+                rest.extend(&rank[g].0);
+            }
+        }
+        rest.truncate(rest.len() - resumed[0].last().map_or(0, |l| l.3));
+        first.extend(rest);
+        assert_eq!(first, (0..NS).collect::<Vec<_>>(), "{ctx}");
+
+        if (w1, b1) == (w2, b2) {
+            // Same world size: exactly the tail of the uninterrupted run, indices included.
+            for (r, rank) in resumed.iter().enumerate() {
+                let whole = stream_seen(&loader(w1, b1, r));
+                assert_eq!(rank[..], whole[done..], "{ctx}: rank {r}");
+            }
+        }
+    }
+
+    // At the end of the epoch the position is the number of records; resuming there yields
+    // nothing; past it is an error naming the position.
+    let mut it = loader(2, 3, 1).iter().unwrap();
+    let count = it.by_ref().count();
+    assert_eq!(count, 4);
+    let end = it.position();
+    assert_eq!(
+        end,
+        SamplePosition {
+            epoch: 0,
+            samples: NS as u64
+        }
+    );
+    let mut l = loader(3, 2, 0);
+    l.resume_from(end);
+    assert_eq!(l.iter().unwrap().count(), 0);
+    l.resume_from(SamplePosition {
+        epoch: 0,
+        samples: 30,
+    });
+    let items: Vec<_> = l.iter().unwrap().collect();
+    assert_eq!(items.len(), 1);
+    let msg = items[0].as_ref().unwrap_err().to_string();
+    assert!(
+        msg.contains("30 samples") && msg.contains("past the end") && msg.contains("22"),
+        "{msg}"
+    );
+    // Another epoch drops the resume position.
+    l.set_epoch(1);
+    assert_eq!(
+        l.start_position(),
+        SamplePosition {
+            epoch: 1,
+            samples: 0
+        }
+    );
+}
+
+#[test]
+fn streaming_last_batch_flags_and_prefetch() {
+    let dir = shard_dir();
+    let data = Arc::new(lines(dir.path()));
+    for prefetch in [0, 1, 3] {
+        // 22 records, batch 4 on 2 ranks: global batches 8, 8, 6 -> 3 steps, last one 3 each.
+        let l = StreamingLoader::from_arc(Arc::clone(&data), 4)
+            .prefetch(prefetch)
+            .shard(1, 2)
+            .unwrap();
+        let batches: Vec<Batch> = l.iter().unwrap().map(|b| b.unwrap()).collect();
+        assert_eq!(batches.len(), 3);
+        assert_eq!(
+            batches.iter().map(|b| b.is_last()).collect::<Vec<_>>(),
+            vec![false, false, true]
+        );
+        assert_eq!(batches[2].num_batches(), 3);
+        assert_eq!(ids(&batches[2]), vec![19, 20, 21]);
+        // Dropping an iterator early stops its thread.
+        let mut it = l.iter().unwrap();
+        it.next().unwrap().unwrap();
+        drop(it);
+    }
+    // Full global batches only: the last full one knows it is last.
+    let l = StreamingLoader::from_arc(Arc::clone(&data), 11)
+        .shard(0, 2)
+        .unwrap();
+    let batches: Vec<Batch> = l.iter().unwrap().map(|b| b.unwrap()).collect();
+    assert_eq!(batches.len(), 1);
+    assert!(batches[0].is_last());
+}
+
+#[test]
+fn text_lines_options_and_errors_name_the_problem() {
+    let dir = shard_dir();
+    let parse = parse_id as fn(&str) -> Result<Vec<Tensor>>;
+    // Shuffled file order: differs per epoch, the same for every rank, still every sample once.
+    let data = Arc::new(lines(dir.path()).shuffle_files(3));
+    assert_ne!(data.files_for_epoch(0), data.files_for_epoch(1));
+    for epoch in 0..3 {
+        let run = |rank: usize| {
+            let mut l = StreamingLoader::from_arc(Arc::clone(&data), 2)
+                .shard(rank, 2)
+                .unwrap();
+            l.set_epoch(epoch);
+            collect_stream(&l)
+        };
+        let (r0, r1) = (run(0), run(1));
+        let mut all: Vec<usize> = r0.iter().chain(&r1).flatten().copied().collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..NS).collect::<Vec<_>>(), "epoch {epoch}");
+        assert_eq!(run(0), r0, "epoch {epoch}: deterministic");
+    }
+
+    let msg = TextLines::new(Vec::<PathBuf>::new(), parse)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("files") && msg.contains("at least one"),
+        "{msg}"
+    );
+    let missing = dir.path().join("nope");
+    let msg = TextLines::from_dir(&missing, parse)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("nope"), "{msg}");
+    let empty = tempfile::tempdir().unwrap();
+    let msg = TextLines::from_dir(empty.path(), parse)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("holds no files"), "{msg}");
+
+    // A missing file is named when reached; a bad line is named by file and line.
+    let l = StreamingLoader::new(
+        TextLines::new(vec![dir.path().join("shard-0.txt"), missing.clone()], parse).unwrap(),
+        2,
+    );
+    let items: Vec<_> = l.iter().unwrap().collect();
+    let msg = items.last().unwrap().as_ref().unwrap_err().to_string();
+    assert!(msg.contains("cannot open") && msg.contains("nope"), "{msg}");
+    let bad = dir.path().join("bad.txt");
+    std::fs::write(&bad, "0\n1\n\nx2\n").unwrap();
+    let items: Vec<_> = StreamingLoader::new(TextLines::new(vec![bad.clone()], parse).unwrap(), 1)
+        .prefetch(0)
+        .iter()
+        .unwrap()
+        .collect();
+    assert_eq!(
+        items.len(),
+        3,
+        "two good lines, then the error ends the epoch"
+    );
+    let msg = items[2].as_ref().unwrap_err().to_string();
+    assert!(
+        msg.contains("bad.txt:3") && msg.contains("not an id"),
+        "{msg}"
+    );
+    // Skipping blank lines, the bad line is line 4.
+    let items: Vec<_> = StreamingLoader::new(
+        TextLines::new(vec![bad.clone()], parse)
+            .unwrap()
+            .skip_empty_lines(true),
+        1,
+    )
+    .iter()
+    .unwrap()
+    .collect();
+    let msg = items.last().unwrap().as_ref().unwrap_err().to_string();
+    assert!(msg.contains("bad.txt:4"), "{msg}");
+    // Invalid UTF-8 is a read error naming the line.
+    std::fs::write(&bad, b"0\n\xff\xfe\n").unwrap();
+    let items: Vec<_> = StreamingLoader::new(TextLines::new(vec![bad], parse).unwrap(), 1)
+        .iter()
+        .unwrap()
+        .collect();
+    let msg = items.last().unwrap().as_ref().unwrap_err().to_string();
+    assert!(
+        msg.contains("bad.txt:2") && msg.contains("cannot read"),
+        "{msg}"
+    );
+
+    // Settings errors.
+    let msg = StreamingLoader::new(lines(dir.path()), 0)
+        .iter()
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("batch_size is 0"), "{msg}");
+    let msg = StreamingLoader::new(lines(dir.path()), 6)
+        .split_batches(true)
+        .shard(0, 4)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("6 does not divide by 4"), "{msg}");
+}
+
+fn collect_stream(loader: &StreamingLoader<Lines>) -> Vec<Vec<usize>> {
+    loader.iter().unwrap().map(|b| ids(&b.unwrap())).collect()
+}
+
+#[test]
+fn map_style_resume_in_samples_is_exact_at_another_world_size() {
+    // (world, batch, split) for the saved run, batches done, then (world, batch, split) resumed.
+    let cases = [
+        ((4, 2, false), 2, (2, 3, false)),
+        ((2, 3, false), 1, (3, 1, false)),
+        ((1, 4, false), 3, (4, 1, false)),
+        ((4, 8, true), 1, (2, 8, true)),
+        ((2, 4, false), 2, (2, 4, false)),
+        ((3, 2, false), 4, (5, 1, false)),
+    ];
+    let make = |(world, batch, split): (usize, usize, bool), rank: usize| {
+        let mut l = DataLoader::new(dataset(), batch)
+            .shuffle(true)
+            .seed(8)
+            .split_batches(split)
+            .shard(rank, world)
+            .unwrap();
+        l.set_epoch(2);
+        l
+    };
+    for (saved, done, resumed) in cases {
+        let ctx = format!("{saved:?} after {done} -> {resumed:?}");
+        let order = make(saved, 0).sampler().order();
+        let mut seen_ids: Vec<usize> = Vec::new();
+        let per_rank: Vec<Vec<Vec<usize>>> = (0..saved.0)
+            .map(|r| collect(&make(saved, r)).into_iter().take(done).collect())
+            .collect();
+        for g in 0..done {
+            for rank in &per_rank {
+                seen_ids.extend(&rank[g]);
+            }
+        }
+        let position = make(saved, 0).sample_position(done);
+        for r in 1..saved.0 {
+            assert_eq!(make(saved, r).sample_position(done), position, "{ctx}");
+        }
+        assert_eq!(position.epoch, 2);
+        // Counted in samples, without the padding of a finished epoch's last batch.
+        assert_eq!(position.samples as usize, seen_ids.len().min(N), "{ctx}");
+        seen_ids.truncate(N);
+        let position: SamplePosition =
+            serde_json::from_str(&serde_json::to_string(&position).unwrap()).unwrap();
+
+        let loaders: Vec<DataLoader> = (0..resumed.0)
+            .map(|r| {
+                let mut l = make(resumed, r);
+                l.set_epoch(0);
+                l.resume_from(position);
+                assert_eq!(l.epoch(), 2);
+                l
+            })
+            .collect();
+        let rest: Vec<Vec<Seen>> = loaders.iter().map(seen).collect();
+        let nb = rest[0].len();
+        assert!(rest.iter().all(|r| r.len() == nb), "{ctx}: equal steps");
+        for g in 0..nb {
+            for rank in &rest {
+                seen_ids.extend(&rank[g].0);
+            }
+        }
+        seen_ids.truncate(seen_ids.len() - rest[0].last().map_or(0, |l| l.3));
+        assert_eq!(
+            seen_ids, order,
+            "{ctx}: every sample once, in the epoch's order"
+        );
+        assert_eq!(loaders[0].sample_position(nb).samples as usize, N, "{ctx}");
+        if saved == resumed {
+            let mut by_batches = make(saved, 0);
+            by_batches.resume_at(2, done);
+            assert_eq!(rest[0], seen(&by_batches), "{ctx}: same as resume_at");
+        }
+    }
+
+    // Past the end: an error naming the position; at the end: nothing.
+    let mut l = make((2, 2, false), 0);
+    l.resume_from(SamplePosition {
+        epoch: 2,
+        samples: N as u64,
+    });
+    assert_eq!(l.iter().unwrap().count(), 0);
+    l.resume_from(SamplePosition {
+        epoch: 2,
+        samples: 40,
+    });
+    let msg = l.iter().unwrap_err().to_string();
+    assert!(
+        msg.contains("40 samples") && msg.contains("past the end"),
+        "{msg}"
+    );
+    l.set_epoch(3);
+    assert_eq!(l.iter().unwrap().count(), l.len());
 }
