@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use accelerate_rs::collective::tcp::wire::{Hello, Role};
 use accelerate_rs::collective::{BufferMut, Collective, ReduceOp, TcpCollective, TcpOptions};
-use common::{free_port, reduce_ones, tcp_options, Children};
+use common::{free_port, on_each, reduce_ones, tcp_options, Children};
 
 const ROLE_VAR: &str = "ACCEL_FAULT_ROLE";
 const READY_MARKER: &str = "ACCEL-FAULT-READY";
@@ -248,6 +248,123 @@ fn store_rejects_bad_connections_while_the_run_goes_on() {
         .collect();
     assert!(done.iter().all(|&n| n == done[0]), "{done:?}");
     drop(idle);
+}
+
+/// Connections that open a handshake and then trickle it one byte at a time (issue 12, item 5):
+/// a per-read timeout never fires on them. `senders` of them are opened to the store at `port`;
+/// a thread sends each one more byte every `every` until `stop` is raised.
+fn slow_senders(
+    port: u16,
+    senders: usize,
+    every: Duration,
+    stop: Arc<AtomicBool>,
+) -> (Vec<TcpStream>, JoinHandle<()>) {
+    let bytes = hello(b"whatever");
+    let streams: Vec<TcpStream> = (0..senders)
+        .map(|_| {
+            let mut s = rogue(port);
+            s.write_all(&bytes[..1]).unwrap();
+            s
+        })
+        .collect();
+    let clones: Vec<TcpStream> = streams.iter().map(|s| s.try_clone().unwrap()).collect();
+    let keeper = std::thread::spawn(move || {
+        let mut next = 1;
+        while !stop.load(Ordering::SeqCst) {
+            std::thread::sleep(every);
+            for mut s in &clones {
+                // A dropped connection fails the write; that is what the test wants.
+                let _ = s.write_all(&bytes[next % bytes.len()..][..1]);
+            }
+            next += 1;
+        }
+    });
+    (streams, keeper)
+}
+
+#[test]
+fn slow_senders_neither_lock_out_a_rank_nor_stay_forever() {
+    let port = free_port();
+    let timeout = Duration::from_secs(30);
+    let rank0 =
+        std::thread::spawn(move || TcpCollective::connect(&tcp_options(0, 2, port, timeout)));
+    let up_by = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < up_by, "the store never came up");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // More trickling connections than the store serves at once, one byte every 2 s.
+    let stop = Arc::new(AtomicBool::new(false));
+    let opened = Instant::now();
+    let (mut streams, keeper) = slow_senders(port, 600, Duration::from_secs(2), stop.clone());
+    std::thread::sleep(Duration::from_millis(500));
+
+    // A real rank still gets in, promptly.
+    let joined = Instant::now();
+    let rank1 = TcpCollective::connect(&tcp_options(1, 2, port, Duration::from_secs(20)));
+    let took = joined.elapsed();
+    let rank1 = rank1.unwrap_or_else(|e| panic!("rank 1 was locked out by slow senders: {e}"));
+    let rank0 = rank0.join().unwrap().expect("rank 0 connect");
+    assert!(
+        took < Duration::from_secs(10),
+        "rank 1 took {took:?} to join"
+    );
+    let both = on_each(vec![rank0, rank1], |c| reduce_ones(c, 1000));
+    assert!(both.iter().all(Result::is_ok), "{both:?}");
+
+    // The newest trickling connection (never pushed out to make room) is dropped when the
+    // handshake's 10 s are up, although it keeps sending.
+    let mut newest = streams.pop().unwrap();
+    let closed = closed_within(
+        &mut newest,
+        (opened + Duration::from_secs(14)).saturating_duration_since(Instant::now()),
+    );
+    let after = opened.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    keeper.join().unwrap();
+    assert!(
+        closed,
+        "a connection trickling its handshake was still open {after:?} after it was opened"
+    );
+}
+
+#[test]
+fn a_rank_turned_away_by_a_busy_store_says_so() {
+    // A stand-in for a store that is serving too many connections: it answers every handshake
+    // with "busy".
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    listener.set_nonblocking(true).unwrap();
+    let server = std::thread::spawn(move || {
+        while !stop2.load(Ordering::SeqCst) {
+            match listener.accept() {
+                Ok((mut s, _)) => {
+                    s.set_nonblocking(false).unwrap();
+                    let mut head = [0u8; 18];
+                    let _ = s.read_exact(&mut head);
+                    let _ = s.write_all(&[2]); // STATUS_BUSY
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    });
+    let started = Instant::now();
+    let err = TcpCollective::connect(&tcp_options(1, 2, port, Duration::from_secs(2)))
+        .expect_err("a busy store let the rank in");
+    stop.store(true, Ordering::SeqCst);
+    server.join().unwrap();
+    let text = err.to_string();
+    assert!(
+        text.contains("too many connections") && text.contains("rank 1"),
+        "the error does not say the store was busy: {text}"
+    );
+    assert!(
+        !text.contains("SECRET"),
+        "the error blames the secret: {text}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -283,14 +283,14 @@ fn accept_peer(
     loop {
         match listener.accept() {
             Ok((mut s, from)) => {
-                let setup = s
-                    .set_nonblocking(false)
-                    .and_then(|_| s.set_read_timeout(Some(Duration::from_secs(10))));
-                if let Err(e) = setup {
+                if let Err(e) = s.set_nonblocking(false) {
                     log::warn!("rank {rank}: dropped connection from {from}: {e}");
                     continue;
                 }
-                match Hello::read_checked(&mut s, secret) {
+                // One deadline for the whole handshake: a sender trickling bytes cannot hold
+                // the (sequential) accept loop.
+                let until = Instant::now() + Duration::from_secs(10);
+                match Hello::read_checked(&mut wire::DeadlineReader::new(&s, until), secret) {
                     Ok(h) if h.role == Role::Peer && h.rank as usize == prev && h.world as usize == world => {
                         s.write_all(&[0]).map_err(|e| {
                             peer_setup_err(rank, &from.to_string(), "acknowledging the handshake failed", e)
