@@ -39,8 +39,11 @@
 //! later because their collectives broke. The launcher then stops the others (SIGTERM to each
 //! process group, SIGKILL after [`LaunchOptions::grace_period`]), prints the failed rank, its
 //! status and its last 20 lines of output, and with [`LaunchOptions::max_restarts`] `K` starts
-//! the whole group again, up to `K` times. Ctrl-C (SIGINT) or SIGTERM stops the workers and is
-//! never followed by a restart; a second signal SIGKILLs them at once. A restart gets a fresh
+//! the whole group again, up to `K` times. Ctrl-C (SIGINT), SIGTERM or SIGHUP (a closed
+//! terminal, a dropped ssh session) stops the workers and is never followed by a restart; a
+//! second signal SIGKILLs them at once. On Linux every worker also gets SIGKILL if the launcher
+//! dies without stopping them (SIGKILL, the OOM killer): the parent-death signal is set in the
+//! worker before `exec`, and a worker whose launcher died before that exits at once. A restart gets a fresh
 //! free port on a single machine unless a port was given. With several machines each launcher
 //! restarts its own group: a failure on one machine breaks the collectives of the others, so
 //! every launcher restarts (each counting its own restarts) and the groups meet again at the
@@ -417,9 +420,11 @@ fn print_dry_run(opts: &LaunchOptions, env: &CommonEnv, port: u16, master: &str)
 /// SIGTERM, then SIGKILL after [`LaunchOptions::grace_period`]; the rank that failed first, its
 /// status and its last lines of output are printed to stderr, and (once no restart is left)
 /// [`Error::WorkerFailed`] is returned with the exit code to propagate (the worker's code, or
-/// 128 + signal). A SIGINT or SIGTERM to the launcher stops the workers the same way (a second
-/// one SIGKILLs them at once) and returns [`Error::Interrupted`] (code 130 for SIGINT). While
-/// this runs, SIGINT and SIGTERM are handled by the launcher (the handlers stay installed,
+/// 128 + signal). A SIGINT, SIGTERM or SIGHUP to the launcher stops the workers the same way (a
+/// second one SIGKILLs them at once) and returns [`Error::Interrupted`] (code 130 for SIGINT,
+/// 129 for SIGHUP). On Linux the workers get SIGKILL when the thread that called this exits, so
+/// call it from a thread that outlives the launch (the main thread, typically). While
+/// this runs, SIGINT, SIGTERM and SIGHUP are handled by the launcher (the handlers stay installed,
 /// inert, afterwards).
 ///
 /// # Errors

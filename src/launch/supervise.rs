@@ -22,7 +22,7 @@ pub(crate) enum Outcome {
         status: String,
         stopped: usize,
     },
-    /// The launcher got SIGINT/SIGTERM; the workers were stopped.
+    /// The launcher got SIGINT/SIGTERM/SIGHUP; the workers were stopped.
     Interrupted {
         signo: i32,
         signal: String,

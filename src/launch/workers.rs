@@ -64,6 +64,20 @@ impl Worker {
     }
 }
 
+/// Makes the calling (forked, not yet exec'ed) worker get SIGKILL when the launcher dies, even by
+/// SIGKILL, so that no worker outlives it as an orphan. The parent-death signal survives `exec`
+/// (of a program that is not set-uid). If the launcher died between `fork` and this call, the
+/// signal will never come: the worker's parent is then no longer `launcher`, and it exits instead
+/// of running.
+#[cfg(target_os = "linux")]
+fn die_with_launcher(launcher: Pid) -> std::io::Result<()> {
+    nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+    if nix::unistd::getppid() != launcher {
+        return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    Ok(())
+}
+
 /// Exit code to propagate and a human readable description of `status`:
 /// the worker's code, or 128 + signal number when a signal killed it.
 pub(crate) fn describe(status: ExitStatus) -> (i32, String) {
@@ -118,14 +132,24 @@ fn spawn_one(
     output: &mut Forwarder,
     exits: &Sender<Exit>,
 ) -> std::io::Result<Worker> {
-    let mut child = Command::new(program)
-        .args(args)
+    let mut cmd = Command::new(program);
+    cmd.args(args)
         .envs(env.for_rank(index))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .process_group(0)
-        .spawn()?;
+        .process_group(0);
+    #[cfg(target_os = "linux")]
+    {
+        let launcher = nix::unistd::getpid();
+        // SAFETY: the closure runs in the child between fork and exec, where only
+        // async-signal-safe calls are allowed: it makes two system calls (prctl, getppid) and
+        // allocates nothing (the error is a raw OS error).
+        unsafe {
+            cmd.pre_exec(move || die_with_launcher(launcher));
+        }
+    }
+    let mut child = cmd.spawn()?;
     let pid = child.id();
     let pipes = (child.stdout.take(), child.stderr.take());
     let attached = (|| {
