@@ -406,7 +406,13 @@ fn env_var(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"))
 }
 
+/// Options from the launcher's variables; the timeout is `ACCELERATE_RS_TIMEOUT_SECS` when set,
+/// else `timeout`.
 fn options_from_env(timeout: Duration) -> TcpOptions {
+    let timeout = std::env::var("ACCELERATE_RS_TIMEOUT_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(timeout, Duration::from_secs_f64);
     TcpOptions {
         rank: env_var("RANK").parse().unwrap(),
         world_size: env_var("WORLD_SIZE").parse().unwrap(),
@@ -603,4 +609,45 @@ fn launch_exits_nonzero_naming_the_failed_worker_in_a_real_collective_run() {
         "rank 0 did not report a failed all_reduce:\n{text}"
     );
     assert!(start.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn a_tiny_collective_timeout_is_called_too_short_not_a_missing_store() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"));
+    cmd.args([
+        "launch",
+        "--cpu",
+        "-n",
+        "2",
+        "--collective-timeout-secs",
+        "0.000001",
+    ])
+    .arg(std::env::current_exe().unwrap())
+    .args(["--exact", "worker_entry", "--nocapture", "--test-threads=1"])
+    .env(ROLE_VAR, "launch")
+    .env_remove("RUST_LOG")
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut children = Children::default();
+    let mut child = cmd.spawn().unwrap();
+    let out = drain(child.stdout.take().unwrap());
+    let err = drain(child.stderr.take().unwrap());
+    children.0.push(child);
+    let status = wait_until(&mut children.0[0], Instant::now() + Duration::from_secs(20));
+    let Some(status) = status else {
+        drop(children);
+        panic!("the launcher was still running after 20 s");
+    };
+    let (out, err) = (out.join().unwrap(), err.join().unwrap());
+    let text = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert!(!status.success(), "{text}");
+    assert!(
+        err.contains("too short") && err.contains("collective timeout"),
+        "the start-up error does not say the timeout is too short:\n{text}"
+    );
+    assert!(
+        !err.contains("did not come up"),
+        "the error blames rank 0's store:\n{text}"
+    );
 }

@@ -340,6 +340,57 @@ fn sighup_to_the_launcher_stops_workers_like_sigterm() {
     interrupt(dir.path(), script, &[Signal::SIGHUP], 129, "SIGHUP");
 }
 
+#[test]
+fn a_stopped_worker_is_torn_down_without_waiting_the_grace_period() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Rank 1 stops rank 0's process group (SIGSTOP), then fails; the launcher must not wait the
+    // 20 s grace period for a SIGTERM the stopped rank 0 cannot act on. Rank 0 handles SIGTERM
+    // (as a program that saves its state would): a stopped process only runs its handler once
+    // continued. (A stopped process without a handler is killed by SIGTERM at once.)
+    let script = "if [ $RANK = 0 ]; then \
+                    trap 'exit 0' TERM; \
+                    echo $$ > \"$0/pid.0.tmp\" && mv \"$0/pid.0.tmp\" \"$0/pid.0\"; \
+                    while :; do sleep 0.1; done; \
+                  fi; \
+                  while [ ! -f \"$0/pid.0\" ]; do sleep 0.05; done; \
+                  kill -STOP -$(cat \"$0/pid.0\"); exit 3";
+    let (out, elapsed) = run_with_limit(
+        launcher()
+            .args([
+                "launch",
+                "--grace-period",
+                "20",
+                "-n",
+                "2",
+                "sh",
+                "-c",
+                script,
+            ])
+            .arg(dir.path()),
+        Duration::from_secs(40),
+    );
+    let pids = read_pids(dir.path(), &[0]);
+    let _guard = KillOnDrop(pids.clone());
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "the launcher took {elapsed:?} to stop a SIGSTOPped worker"
+    );
+    assert!(!running(pids[0]), "the stopped worker is still there");
+}
+
+#[test]
+fn an_absurd_number_of_processes_is_rejected_naming_the_flag() {
+    // --dry-run: were it accepted, nothing would be started anyway.
+    let (out, _) = run_launch(&["--dry-run", "-n", "100000", "true"]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "-n 100000 was accepted");
+    assert!(
+        err.contains("--num-processes") && err.contains("100000") && err.contains("1024"),
+        "{err}"
+    );
+}
+
 /// Whether `pid` is running: a zombie (exited, not reaped yet) is not.
 fn running(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {

@@ -80,6 +80,8 @@ use worker_env::{CommonEnv, EnvSpec};
 
 /// Default delay between SIGTERM and SIGKILL when stopping workers.
 pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(3);
+/// Most worker processes per machine (`--num-processes`).
+pub const MAX_PROCESSES: usize = 1024;
 /// Default interval at which the launcher checks for signals.
 pub const DEFAULT_MONITOR_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -87,7 +89,7 @@ pub const DEFAULT_MONITOR_INTERVAL: Duration = Duration::from_millis(100);
 /// [`LaunchOptions::from_config`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct LaunchOptions {
-    /// Number of worker processes on this machine (at least 1).
+    /// Number of worker processes on this machine (1 to [`MAX_PROCESSES`]).
     pub num_processes: usize,
     /// Force the workers onto the CPU (sets `ACCELERATE_RS_USE_CPU=1`).
     pub cpu: bool,
@@ -206,6 +208,16 @@ fn plan(opts: &LaunchOptions) -> Result<Plan> {
         return Err(Error::invalid(
             "--num-processes",
             "must be at least 1, got 0",
+        ));
+    }
+    if opts.num_processes > MAX_PROCESSES {
+        return Err(Error::invalid(
+            "--num-processes",
+            format!(
+                "{} is more than the {MAX_PROCESSES} worker processes one machine can run \
+                 (one per GPU, or a few per CPU socket, is typical)",
+                opts.num_processes
+            ),
         ));
     }
     if opts.num_machines == 0 {

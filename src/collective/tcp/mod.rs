@@ -149,7 +149,8 @@ impl TcpCollective {
                 _store: store,
             });
         }
-        let mut client = StoreClient::connect(&master, rank, world, &opts.secret, deadline)?;
+        let mut client =
+            StoreClient::connect(&master, rank, world, &opts.secret, opts.timeout, deadline)?;
         let local_ip = client.local_addr()?.ip();
         let listener = TcpListener::bind((local_ip, 0)).map_err(|e| Error::Rendezvous {
             rank,

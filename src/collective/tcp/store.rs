@@ -329,20 +329,41 @@ pub(crate) struct StoreClient {
     stream: TcpStream,
     rank: usize,
     addr: String,
+    /// The collective timeout, which also bounds start-up (for error messages).
+    timeout: Duration,
+}
+
+/// A collective timeout below this is called too short when start-up runs out of time.
+const SHORT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What to add to a start-up error caused by running out of `timeout`: the timeout, and a hint
+/// when it is too short for processes to start and meet.
+pub(crate) fn startup_hint(timeout: Duration) -> String {
+    if timeout < SHORT_TIMEOUT {
+        format!(
+            "the collective timeout of {timeout:?}, which also bounds start-up, is too short for \
+             the ranks to start and meet: raise --collective-timeout-secs / \
+             ACCELERATE_RS_TIMEOUT_SECS / collective_timeout_secs"
+        )
+    } else {
+        format!("waited the collective timeout of {timeout:?}")
+    }
 }
 
 impl StoreClient {
-    /// Connects to `addr`, retrying until `deadline` while the server is not up yet or busy.
+    /// Connects to `addr`, retrying until `deadline` (`timeout` from the start of the group's
+    /// set-up) while the server is not up yet or busy.
     pub(crate) fn connect(
         addr: &str,
         rank: usize,
         world: usize,
         secret: &[u8],
+        timeout: Duration,
         deadline: Instant,
     ) -> Result<Self> {
         let mut turned_away = 0usize;
         loop {
-            if let Some(client) = Self::try_connect(addr, rank, world, secret, deadline)? {
+            if let Some(client) = Self::try_connect(addr, rank, world, secret, timeout, deadline)? {
                 return Ok(client);
             }
             turned_away += 1;
@@ -365,6 +386,7 @@ impl StoreClient {
         rank: usize,
         world: usize,
         secret: &[u8],
+        timeout: Duration,
         deadline: Instant,
     ) -> Result<Option<Self>> {
         let fail = |reason: String, source: Option<io::Error>| Error::Rendezvous {
@@ -394,10 +416,15 @@ impl StoreClient {
                 break s;
             }
             if Instant::now() >= deadline {
-                return Err(fail(
-                    "rank 0's rendezvous store did not come up in time (is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?)".into(),
-                    last_err,
-                ));
+                let reason = if timeout < SHORT_TIMEOUT {
+                    format!(
+                        "rank 0's rendezvous store was not up yet when time ran out: {}",
+                        startup_hint(timeout)
+                    )
+                } else {
+                    format!("rank 0's rendezvous store did not come up in time ({}; is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?)", startup_hint(timeout))
+                };
+                return Err(fail(reason, last_err));
             }
             if last_log.elapsed() > Duration::from_secs(30) {
                 log::info!("rank {rank}: still waiting for the rendezvous store at {addr}");
@@ -449,6 +476,7 @@ impl StoreClient {
             stream,
             rank,
             addr: addr.to_string(),
+            timeout,
         }))
     }
 
@@ -507,7 +535,8 @@ impl StoreClient {
                 rank: self.rank,
                 addr: self.addr.clone(),
                 reason: format!(
-                    "key `{key}` did not appear within {wait:?} (did every rank start?)"
+                    "key `{key}` did not appear within {wait:?} (did every rank start? {})",
+                    startup_hint(self.timeout)
                 ),
                 source: None,
             }),
