@@ -438,6 +438,10 @@ fn worker_entry() {
     let Ok(role) = std::env::var(ROLE_VAR) else {
         return;
     };
+    if role == "slow0" && std::env::var("RANK").as_deref() == Ok("0") {
+        // Rank 0 starts late: a window in which another launch could take the port.
+        std::thread::sleep(Duration::from_millis(1500));
+    }
     // A long timeout: failures must be detected from the sockets, not by timing out.
     let c = match TcpCollective::connect(&options_from_env(Duration::from_secs(300))) {
         Ok(c) => c,
@@ -465,6 +469,7 @@ fn worker_entry() {
             std::thread::sleep(Duration::from_millis(500));
             std::process::exit(7)
         }
+        ("slow0", _) => std::process::exit(0),
         ("killed", _) | ("launch", _) => {
             if role == "launch" {
                 // The launcher SIGTERMs the survivors as soon as rank 2 exits; keep running until
@@ -650,4 +655,76 @@ fn a_tiny_collective_timeout_is_called_too_short_not_a_missing_store() {
         !err.contains("did not come up"),
         "the error blames rank 0's store:\n{text}"
     );
+}
+
+/// Issue 12, item 6: two launches given the same `--main-process-port` both found it free, and
+/// one run failed (its rank 0 could not bind; its rank 1 reached the other run's store). The
+/// launcher now binds the port itself and hands the socket to rank 0: the second launch sees it
+/// taken and moves to a free port, and both runs succeed.
+#[test]
+fn two_launches_given_the_same_port_both_run() {
+    let port = free_port().to_string();
+    let launch = || {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"));
+        cmd.args(["launch", "--cpu", "-n", "2", "--main-process-port", &port])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", "worker_entry", "--nocapture", "--test-threads=1"])
+            .env(ROLE_VAR, "slow0")
+            .env_remove("RUST_LOG")
+            .env_remove("ACCELERATE_RS_SECRET")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let out = drain(child.stdout.take().unwrap());
+        let err = drain(child.stderr.take().unwrap());
+        (child, out, err)
+    };
+    let mut children = Children::default();
+    let (a, a_out, a_err) = launch();
+    children.0.push(a);
+    // Inside the window of the first launch (its rank 0 binds 1.5 s after starting).
+    std::thread::sleep(Duration::from_millis(300));
+    let (b, b_out, b_err) = launch();
+    children.0.push(b);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let a_status = wait_until(&mut children.0[0], deadline);
+    let b_status = wait_until(&mut children.0[1], deadline);
+    if a_status.is_none() || b_status.is_none() {
+        drop(children);
+        panic!("a launcher was still running after 30 s");
+    }
+    let text = format!(
+        "first launch:\n{}{}\nsecond launch:\n{}{}",
+        a_out.join().unwrap(),
+        a_err.join().unwrap(),
+        b_out.join().unwrap(),
+        b_err.join().unwrap()
+    );
+    assert!(
+        a_status.is_some_and(|s| s.success()) && b_status.is_some_and(|s| s.success()),
+        "({a_status:?}, {b_status:?}):\n{text}"
+    );
+    assert!(text.contains("already in use"), "{text}");
+}
+
+/// A rank that reaches another run's store (different secret) is told so.
+#[test]
+fn a_rank_reaching_another_runs_store_is_told_so() {
+    let port = free_port();
+    let timeout = Duration::from_secs(5);
+    let other_run =
+        std::thread::spawn(move || TcpCollective::connect(&tcp_options(0, 2, port, timeout)));
+    let mut ours = tcp_options(1, 2, port, timeout);
+    ours.secret = b"a-different-run".to_vec();
+    let up_by = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < up_by, "the store never came up");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let err = TcpCollective::connect(&ours).expect_err("joined another run");
+    let text = err.to_string();
+    assert!(text.contains("another run"), "{text}");
+    // The other run's rank 0 times out waiting for its own rank 1.
+    assert!(other_run.join().unwrap().is_err());
 }

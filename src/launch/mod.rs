@@ -25,7 +25,10 @@
 //! On a single machine, no port (or port 0) means a free port is picked for every attempt; a
 //! port that is given but busy (something listens on it) is replaced by a free one, with a
 //! warning. With several machines the port must be given, and machine rank 0, which hosts the
-//! rendezvous store, fails with an error naming the port if it is busy.
+//! rendezvous store, fails with an error naming the port if it is busy. The machine that hosts
+//! rank 0 binds the store's socket itself and hands it to rank 0 (inherited, named by
+//! `ACCELERATE_RS_STORE_FD`), so checking the port and taking it are one step: two launches given
+//! the same port cannot both get it.
 //!
 //! # Configuration
 //!
@@ -68,6 +71,7 @@ mod worker_env;
 mod workers;
 
 use std::io::Write;
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::channel;
 use std::time::Duration;
@@ -337,41 +341,52 @@ fn plan(opts: &LaunchOptions) -> Result<Plan> {
     })
 }
 
-/// The port of one attempt (see the module documentation).
-fn resolve_port(opts: &LaunchOptions) -> Result<u16> {
+/// The port of one attempt (see the module documentation) and, on the machine that hosts rank
+/// 0, the store's socket already bound to it (checking the port and taking it are one step: two
+/// launches given the same port cannot both get it).
+fn reserve_port(opts: &LaunchOptions, plan: &Plan) -> Result<(u16, Option<TcpListener>)> {
     let given = opts.main_process_port.filter(|p| *p != 0);
+    let bind = |port: u16| worker_env::bind_store(&plan.master_addr, port);
+    let bound = |l: TcpListener| -> Result<(u16, Option<TcpListener>)> {
+        let port = l.local_addr().map_err(|source| Error::Io {
+            context: "launch: cannot read the port of the rendezvous socket bound on".to_string(),
+            path: PathBuf::from(&plan.master_addr),
+            source,
+        })?;
+        Ok((port.port(), Some(l)))
+    };
+    let free = || {
+        bind(0).map_err(|source| Error::Io {
+            context: "launch: could not find a free port for the rendezvous store at".to_string(),
+            path: PathBuf::from(format!("{}:0", plan.master_addr)),
+            source,
+        })
+    };
     match given {
-        None => worker_env::free_port(),
-        Some(port) if opts.num_machines == 1 => {
-            if worker_env::port_is_free(port) {
-                Ok(port)
-            } else {
-                let free = worker_env::free_port()?;
+        None => bound(free()?),
+        Some(port) if opts.machine_rank != 0 => Ok((port, None)),
+        Some(port) => match bind(port) {
+            Ok(l) => bound(l),
+            Err(e) if opts.num_machines == 1 => {
+                let (free_port, l) = bound(free()?)?;
                 notice(
                     opts,
                     &format!(
-                        "warning: --main-process-port {port} is already in use on this machine; \
-                         using free port {free} instead"
+                        "warning: --main-process-port {port} is already in use on this machine \
+                         ({e}); using free port {free_port} instead"
                     ),
                 );
-                Ok(free)
+                Ok((free_port, l))
             }
-        }
-        Some(port) if opts.machine_rank == 0 => {
-            if worker_env::port_is_free(port) {
-                Ok(port)
-            } else {
-                Err(Error::invalid(
-                    "--main-process-port",
-                    format!(
-                        "port {port} is already in use on this machine, which is machine rank 0 \
-                         and must host the rendezvous store on it: stop what uses port {port} or \
-                         pick another port (the same on every machine)"
-                    ),
-                ))
-            }
-        }
-        Some(port) => Ok(port),
+            Err(e) => Err(Error::invalid(
+                "--main-process-port",
+                format!(
+                    "port {port} cannot be bound on this machine ({e}), which is machine rank 0 \
+                     and must host the rendezvous store on it: stop what uses port {port} or \
+                     pick another port (the same on every machine)"
+                ),
+            )),
+        },
     }
 }
 
@@ -449,7 +464,7 @@ fn print_dry_run(opts: &LaunchOptions, env: &CommonEnv, port: u16, master: &str)
 pub fn launch(opts: &LaunchOptions) -> Result<()> {
     let plan = plan(opts)?;
     if opts.dry_run {
-        let port = resolve_port(opts)?;
+        let (port, _store) = reserve_port(opts, &plan)?;
         let env = CommonEnv::new(&env_spec(opts, &plan, port, 0), |var| {
             std::env::var_os(var).is_some()
         });
@@ -466,7 +481,8 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
     let tick = opts.monitor_interval.max(Duration::from_millis(1));
     let mut attempt = 0;
     loop {
-        let port = resolve_port(opts)?;
+        // Held until the attempt ends; a restart reserves again.
+        let (port, store) = reserve_port(opts, &plan)?;
         let env = CommonEnv::new(&env_spec(opts, &plan, port, attempt), |var| {
             std::env::var_os(var).is_some()
         });
@@ -476,7 +492,8 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
             opts.program,
             plan.master_addr
         );
-        let outcome = run_group(opts, &plan, &env, attempt, &signals, tick)?;
+        let outcome = run_group(opts, &plan, &env, store.as_ref(), attempt, &signals, tick)?;
+        drop(store);
         let (rank, pid, code, status) = match outcome {
             Outcome::Success => return Ok(()),
             Outcome::Failed {
@@ -538,6 +555,7 @@ fn run_group(
     opts: &LaunchOptions,
     plan: &Plan,
     env: &CommonEnv,
+    store: Option<&TcpListener>,
     attempt: usize,
     signals: &signals::SignalWatch,
     tick: Duration,
@@ -565,6 +583,7 @@ fn run_group(
         &opts.program,
         &opts.args,
         env,
+        store,
         &mut output,
         &tx,
         &mut workers,

@@ -2,6 +2,8 @@
 //! blocks in `wait()` and reports the exit (with the instant it was seen) on a channel, and
 //! signalling groups.
 
+use std::net::TcpListener;
+use std::os::fd::AsRawFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc::Sender;
@@ -91,7 +93,7 @@ pub(crate) fn describe(status: ExitStatus) -> (i32, String) {
 }
 
 /// Starts `env`'s local workers running `program args`, each in its own process group with its
-/// rank's environment, stdout and stderr forwarded through `output`, and a waiter thread that
+/// rank's environment (global rank 0 also inherits `store`, the rendezvous socket), stdout and stderr forwarded through `output`, and a waiter thread that
 /// sends its [`Exit`] on `exits`. They are pushed onto `workers`; if one cannot be started, the
 /// error is returned and the workers already running are left in `workers` for the caller to
 /// stop.
@@ -100,13 +102,15 @@ pub(crate) fn spawn_all(
     program: &str,
     args: &[String],
     env: &CommonEnv,
+    store: Option<&TcpListener>,
     output: &mut Forwarder,
     exits: &Sender<Exit>,
     workers: &mut Vec<Worker>,
 ) -> Result<()> {
     for index in 0..num_processes {
         let rank = env.global_rank(index);
-        match spawn_one(index, rank, program, args, env, output, exits) {
+        let store = store.filter(|_| rank == 0);
+        match spawn_one(index, rank, program, args, env, store, output, exits) {
             Ok(worker) => {
                 log::debug!("launch: started rank {rank} (pid {})", worker.pid());
                 workers.push(worker);
@@ -123,12 +127,14 @@ pub(crate) fn spawn_all(
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 fn spawn_one(
     index: usize,
     rank: usize,
     program: &str,
     args: &[String],
     env: &CommonEnv,
+    store: Option<&TcpListener>,
     output: &mut Forwarder,
     exits: &Sender<Exit>,
 ) -> std::io::Result<Worker> {
@@ -147,6 +153,22 @@ fn spawn_one(
         // allocates nothing (the error is a raw OS error).
         unsafe {
             cmd.pre_exec(move || die_with_launcher(launcher));
+        }
+    }
+    if let Some(listener) = store {
+        // Rank 0 inherits the store's socket (bound by the launcher) under the same number.
+        let fd = listener.as_raw_fd();
+        cmd.env(crate::env::STORE_FD, fd.to_string());
+        // SAFETY: runs in the child between fork and exec and only makes one async-signal-safe
+        // system call (fcntl) on a descriptor the child inherited from the launcher; clearing
+        // close-on-exec there does not affect the launcher's own descriptor table.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::fcntl(fd, libc::F_SETFD, 0) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
         }
     }
     let mut child = cmd.spawn()?;

@@ -29,6 +29,7 @@ use store::{StoreClient, StoreServer};
 use wire::{Hello, Role};
 
 use super::{check_reducible, check_root, Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp};
+use crate::env;
 use crate::error::{Error, Result};
 use wire::op;
 
@@ -123,7 +124,11 @@ impl TcpCollective {
                     source: None,
                 })?;
             let bind = bind_addr_for(resolved);
-            let server = StoreServer::start(bind, opts.secret.clone(), rank).map_err(|e| {
+            let listener = match inherited_listener(opts.master_port) {
+                Some(l) => Ok(l),
+                None => TcpListener::bind(bind),
+            };
+            let server = listener.and_then(|l| StoreServer::start(l, opts.secret.clone(), rank)).map_err(|e| {
                 let reason = if e.kind() == io::ErrorKind::AddrInUse {
                     format!("port {} is already in use on this machine (another run?); choose another MASTER_PORT, or let `accelerate-rs launch` pick a free one", opts.master_port)
                 } else {
@@ -225,6 +230,53 @@ impl TcpCollective {
         self.link
             .as_ref()
             .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+/// The store's listening socket `accelerate-rs launch` bound to `port` and handed to this process
+/// ([`env::STORE_FD`]), taken at most once per process. `None` (after a warning if the variable
+/// names something else) when there is none.
+fn inherited_listener(port: u16) -> Option<TcpListener> {
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static TAKEN: AtomicBool = AtomicBool::new(false);
+    let value = std::env::var(env::STORE_FD).ok()?;
+    let fd: i32 = match value.trim().parse() {
+        Ok(fd) if fd > 2 => fd,
+        _ => {
+            log::warn!(
+                "{}={value:?} is not a file descriptor; binding the store's port instead",
+                env::STORE_FD
+            );
+            return None;
+        }
+    };
+    if TAKEN.swap(true, Ordering::SeqCst) {
+        return None;
+    }
+    // SAFETY: the launcher passed this descriptor to this process for exactly this use, and the
+    // flag above makes sure it is owned once. If it is not a socket bound to `port`, ownership is
+    // given back (`into_raw_fd`) without closing it.
+    let listener = unsafe { TcpListener::from_raw_fd(fd) };
+    match listener.local_addr() {
+        Ok(a) if a.port() == port => {
+            // Not for this process's own children.
+            if let Err(e) = nix::fcntl::fcntl(
+                &listener,
+                nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+            ) {
+                log::debug!("cannot set close-on-exec on the inherited store socket: {e}");
+            }
+            Some(listener)
+        }
+        other => {
+            let _ = listener.into_raw_fd();
+            log::warn!(
+                "{}={fd} is not the store's socket on port {port} ({other:?}); binding the port instead",
+                env::STORE_FD
+            );
+            None
+        }
     }
 }
 

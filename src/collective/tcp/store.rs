@@ -116,9 +116,9 @@ pub(crate) struct StoreServer {
 }
 
 impl StoreServer {
-    /// Binds `bind` and serves in background threads.
-    pub(crate) fn start(bind: SocketAddr, secret: Vec<u8>, rank: usize) -> io::Result<Self> {
-        let listener = TcpListener::bind(bind)?;
+    /// Serves on `listener` in background threads.
+    pub(crate) fn start(listener: TcpListener, secret: Vec<u8>, rank: usize) -> io::Result<Self> {
+        listener.set_nonblocking(false)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
         let shared = Arc::new(Shared {
