@@ -578,16 +578,7 @@ fn run_group(
     })?;
     let (tx, rx) = channel();
     let mut workers = Vec::with_capacity(opts.num_processes);
-    let spawned = workers::spawn_all(
-        opts.num_processes,
-        &opts.program,
-        &opts.args,
-        env,
-        store,
-        &mut output,
-        &tx,
-        &mut workers,
-    );
+    let spawned = workers::spawn_all(opts, env, store, &mut output, &tx, &mut workers);
     if let Err(e) = spawned {
         supervise::stop_all(&mut workers, &rx, signals, Duration::ZERO, tick);
         output.finish(opts.grace_period);

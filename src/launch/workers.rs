@@ -16,6 +16,7 @@ use nix::unistd::Pid;
 use super::output::{Forwarder, Stream};
 use super::signals::signal_name;
 use super::worker_env::CommonEnv;
+use super::LaunchOptions;
 use crate::error::{Error, Result};
 
 /// A worker's exit, as reported by its waiter thread.
@@ -92,25 +93,24 @@ pub(crate) fn describe(status: ExitStatus) -> (i32, String) {
     }
 }
 
-/// Starts `env`'s local workers running `program args`, each in its own process group with its
+/// Starts `opts.num_processes` local workers running `opts.program` with `opts.args`, each in its own process group with its
 /// rank's environment (global rank 0 also inherits `store`, the rendezvous socket), stdout and stderr forwarded through `output`, and a waiter thread that
 /// sends its [`Exit`] on `exits`. They are pushed onto `workers`; if one cannot be started, the
 /// error is returned and the workers already running are left in `workers` for the caller to
 /// stop.
 pub(crate) fn spawn_all(
-    num_processes: usize,
-    program: &str,
-    args: &[String],
+    opts: &LaunchOptions,
     env: &CommonEnv,
     store: Option<&TcpListener>,
     output: &mut Forwarder,
     exits: &Sender<Exit>,
     workers: &mut Vec<Worker>,
 ) -> Result<()> {
-    for index in 0..num_processes {
+    let program = &opts.program;
+    for index in 0..opts.num_processes {
         let rank = env.global_rank(index);
         let store = store.filter(|_| rank == 0);
-        match spawn_one(index, rank, program, args, env, store, output, exits) {
+        match spawn_one(index, rank, opts, env, store, output, exits) {
             Ok(worker) => {
                 log::debug!("launch: started rank {rank} (pid {})", worker.pid());
                 workers.push(worker);
@@ -127,19 +127,17 @@ pub(crate) fn spawn_all(
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
 fn spawn_one(
     index: usize,
     rank: usize,
-    program: &str,
-    args: &[String],
+    opts: &LaunchOptions,
     env: &CommonEnv,
     store: Option<&TcpListener>,
     output: &mut Forwarder,
     exits: &Sender<Exit>,
 ) -> std::io::Result<Worker> {
-    let mut cmd = Command::new(program);
-    cmd.args(args)
+    let mut cmd = Command::new(&opts.program);
+    cmd.args(&opts.args)
         .envs(env.for_rank(index))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
