@@ -350,12 +350,12 @@ fn accept_peer(
                         })?;
                         return Ok(s);
                     }
-                    Ok(h) => log::warn!(
+                    Ok(h) => wire::warn_rejected(format_args!(
                         "rank {rank}: rejected connection from {from}: it says it is rank {} of {} ({:?}); expected rank {prev} of {world}",
                         h.rank, h.world, h.role
-                    ),
+                    )),
                     Err(reason) => {
-                        log::warn!("rank {rank}: rejected connection from {from}: {reason}")
+                        wire::warn_rejected(format_args!("rank {rank}: rejected connection from {from}: {reason}"))
                     }
                 }
             }

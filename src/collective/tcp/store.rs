@@ -161,7 +161,7 @@ fn accept(stream: TcpStream, shared: &Arc<Shared>) {
     };
     let (id, dropped) = shared.handshakes().admit(peer.ip(), clone);
     if let Some(old) = dropped {
-        log::warn!("rank {rank}: rendezvous store: dropped connection from {old}: too many connections still in their handshake (made room for {peer})");
+        wire::warn_rejected(format_args!("rank {rank}: rendezvous store: dropped connection from {old}: too many connections still in their handshake (made room for {peer})"));
     }
     let shared2 = shared.clone();
     let spawned = std::thread::Builder::new()
@@ -192,9 +192,9 @@ fn serve(stream: TcpStream, peer: SocketAddr, id: u64, shared: &Shared) {
                 }
             }
         }
-        Err(Some(reason)) => {
-            log::warn!("rank {rank}: rendezvous store: dropped connection from {peer}: {reason}")
-        }
+        Err(Some(reason)) => wire::warn_rejected(format_args!(
+            "rank {rank}: rendezvous store: dropped connection from {peer}: {reason}"
+        )),
         Err(None) => {}
     }
     let _ = stream.shutdown(Shutdown::Both);

@@ -171,6 +171,29 @@ impl std::fmt::Display for HelloError {
 
 impl std::error::Error for HelloError {}
 
+/// Reports a connection that was refused or dropped (wrong secret, garbage, a flood): through
+/// `log` at warn level when a logger takes it, else straight to stderr, so that a run whose
+/// program set up no logging still shows them. After the first 16, only every power of two is
+/// printed, with the running count, so that a flood cannot flood stderr too.
+pub(crate) fn warn_rejected(msg: std::fmt::Arguments<'_>) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let n = COUNT.fetch_add(1, Ordering::Relaxed) + 1;
+    if n > 16 && !n.is_power_of_two() {
+        return;
+    }
+    let tally = if n > 16 {
+        format!(" ({n} connections refused so far; the others are not shown)")
+    } else {
+        String::new()
+    };
+    if log::log_enabled!(log::Level::Warn) {
+        log::warn!("{msg}{tally}");
+    } else {
+        eprintln!("accelerate-rs: warning: {msg}{tally}");
+    }
+}
+
 /// Reads from a socket under one deadline for all reads together: each read waits at most until
 /// `until`, then fails with [`io::ErrorKind::TimedOut`]. (A plain read timeout applies per read,
 /// so a sender trickling one byte at a time would never time out.)
