@@ -77,6 +77,10 @@ pub const DEBUG: &str = "ACCELERATE_RS_DEBUG";
 pub const TRANSPORT: &str = "ACCELERATE_RS_TRANSPORT";
 /// How many times the launcher restarted the worker group (0 on the first run).
 pub const RESTART_COUNT: &str = "ACCELERATE_RS_RESTART_COUNT";
+/// Set by `accelerate-rs launch` for rank 0 only: the number of an inherited file descriptor
+/// holding the rendezvous store's listening socket, already bound to `MASTER_PORT` by the
+/// launcher (so that no other run can take the port between its check and rank 0's bind).
+pub const STORE_FD: &str = "ACCELERATE_RS_STORE_FD";
 
 /// Fault injection for tests: the main process exits (code 3) right after writing the named
 /// checkpoint file, as if killed mid-save. Not for production use.

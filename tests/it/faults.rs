@@ -14,7 +14,7 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::common::{free_port, reduce_ones, tcp_options, Children};
+use crate::common::{free_port, on_each, reduce_ones, tcp_options, Children};
 use accelerate_rs::collective::{BufferMut, Collective, TcpCollective, TcpOptions};
 use accelerate_rs::ReduceOp;
 
@@ -48,12 +48,12 @@ fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
     }
 }
 
-/// A well-formed version-1 handshake of a store client (rank 1 of 3), as a rogue client would
+/// A well-formed version-2 handshake of a store client (rank 1 of 3), as a rogue client would
 /// write it: magic `ACRS`, version, role, padding, rank, world, secret length, secret (all
 /// little-endian). The wire module's unit tests pin this layout.
 fn hello(secret: &[u8]) -> Vec<u8> {
     let mut b = b"ACRS".to_vec();
-    b.extend_from_slice(&1u16.to_le_bytes());
+    b.extend_from_slice(&2u16.to_le_bytes());
     b.extend_from_slice(&[1, 0]);
     b.extend_from_slice(&1u32.to_le_bytes());
     b.extend_from_slice(&3u32.to_le_bytes());
@@ -252,6 +252,123 @@ fn store_rejects_bad_connections_while_the_run_goes_on() {
     drop(idle);
 }
 
+/// Connections that open a handshake and then trickle it one byte at a time (issue 12, item 5):
+/// a per-read timeout never fires on them. `senders` of them are opened to the store at `port`;
+/// a thread sends each one more byte every `every` until `stop` is raised.
+fn slow_senders(
+    port: u16,
+    senders: usize,
+    every: Duration,
+    stop: Arc<AtomicBool>,
+) -> (Vec<TcpStream>, JoinHandle<()>) {
+    let bytes = hello(b"whatever");
+    let streams: Vec<TcpStream> = (0..senders)
+        .map(|_| {
+            let mut s = rogue(port);
+            s.write_all(&bytes[..1]).unwrap();
+            s
+        })
+        .collect();
+    let clones: Vec<TcpStream> = streams.iter().map(|s| s.try_clone().unwrap()).collect();
+    let keeper = std::thread::spawn(move || {
+        let mut next = 1;
+        while !stop.load(Ordering::SeqCst) {
+            std::thread::sleep(every);
+            for mut s in &clones {
+                // A dropped connection fails the write; that is what the test wants.
+                let _ = s.write_all(&bytes[next % bytes.len()..][..1]);
+            }
+            next += 1;
+        }
+    });
+    (streams, keeper)
+}
+
+#[test]
+fn slow_senders_neither_lock_out_a_rank_nor_stay_forever() {
+    let port = free_port();
+    let timeout = Duration::from_secs(30);
+    let rank0 =
+        std::thread::spawn(move || TcpCollective::connect(&tcp_options(0, 2, port, timeout)));
+    let up_by = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < up_by, "the store never came up");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // More trickling connections than the store serves at once, one byte every 2 s.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (mut streams, keeper) = slow_senders(port, 600, Duration::from_secs(2), stop.clone());
+    let newest_at = &Instant::now();
+    std::thread::sleep(Duration::from_millis(500));
+
+    // A real rank still gets in, promptly.
+    let joined = Instant::now();
+    let rank1 = TcpCollective::connect(&tcp_options(1, 2, port, Duration::from_secs(20)));
+    let took = joined.elapsed();
+    let rank1 = rank1.unwrap_or_else(|e| panic!("rank 1 was locked out by slow senders: {e}"));
+    let rank0 = rank0.join().unwrap().expect("rank 0 connect");
+    assert!(
+        took < Duration::from_secs(10),
+        "rank 1 took {took:?} to join"
+    );
+    let both = on_each(vec![rank0, rank1], |c| reduce_ones(c, 1000));
+    assert!(both.iter().all(Result::is_ok), "{both:?}");
+
+    // The newest trickling connection (never pushed out to make room) is dropped when the
+    // handshake's 10 s are up, although it keeps sending.
+    let (mut newest, newest_opened) = (streams.pop().unwrap(), *newest_at);
+    let closed = closed_within(
+        &mut newest,
+        (newest_opened + Duration::from_secs(16)).saturating_duration_since(Instant::now()),
+    );
+    let after = newest_opened.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    keeper.join().unwrap();
+    assert!(
+        closed,
+        "a connection trickling its handshake was still open {after:?} after it was opened"
+    );
+}
+
+#[test]
+fn a_rank_turned_away_by_a_busy_store_says_so() {
+    // A stand-in for a store that is serving too many connections: it answers every handshake
+    // with "busy".
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    listener.set_nonblocking(true).unwrap();
+    let server = std::thread::spawn(move || {
+        while !stop2.load(Ordering::SeqCst) {
+            match listener.accept() {
+                Ok((mut s, _)) => {
+                    s.set_nonblocking(false).unwrap();
+                    let mut head = [0u8; 18];
+                    let _ = s.read_exact(&mut head);
+                    let _ = s.write_all(&[2]); // STATUS_BUSY
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    });
+    let started = Instant::now();
+    let err = TcpCollective::connect(&tcp_options(1, 2, port, Duration::from_secs(2)))
+        .expect_err("a busy store let the rank in");
+    stop.store(true, Ordering::SeqCst);
+    server.join().unwrap();
+    let text = err.to_string();
+    assert!(
+        text.contains("too many connections") && text.contains("rank 1"),
+        "the error does not say the store was busy: {text}"
+    );
+    assert!(
+        !text.contains("SECRET"),
+        "the error blames the secret: {text}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Worker processes.
 
@@ -296,7 +413,13 @@ fn env_var(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"))
 }
 
+/// Options from the launcher's variables; the timeout is `ACCELERATE_RS_TIMEOUT_SECS` when set,
+/// else `timeout`.
 fn options_from_env(timeout: Duration) -> TcpOptions {
+    let timeout = std::env::var("ACCELERATE_RS_TIMEOUT_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(timeout, Duration::from_secs_f64);
     TcpOptions {
         rank: env_var("RANK").parse().unwrap(),
         world_size: env_var("WORLD_SIZE").parse().unwrap(),
@@ -322,6 +445,10 @@ fn worker_entry() {
     let Ok(role) = std::env::var(ROLE_VAR) else {
         return;
     };
+    if role == "slow0" && std::env::var("RANK").as_deref() == Ok("0") {
+        // Rank 0 starts late: a window in which another launch could take the port.
+        std::thread::sleep(Duration::from_millis(1500));
+    }
     // A long timeout: failures must be detected from the sockets, not by timing out.
     let c = match TcpCollective::connect(&options_from_env(Duration::from_secs(300))) {
         Ok(c) => c,
@@ -349,6 +476,7 @@ fn worker_entry() {
             std::thread::sleep(Duration::from_millis(500));
             std::process::exit(7)
         }
+        ("slow0", _) => std::process::exit(0),
         ("killed", _) | ("launch", _) => {
             if role == "launch" {
                 // The launcher SIGTERMs the survivors as soon as rank 2 exits; keep running until
@@ -498,4 +626,177 @@ fn launch_exits_nonzero_naming_the_failed_worker_in_a_real_collective_run() {
         "rank 0 did not report a failed all_reduce:\n{text}"
     );
     assert!(start.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn a_tiny_collective_timeout_is_called_too_short_not_a_missing_store() {
+    let mut cmd = Command::new(crate::common::launcher());
+    cmd.args([
+        "launch",
+        "--cpu",
+        "-n",
+        "2",
+        "--collective-timeout-secs",
+        "0.000001",
+    ])
+    .arg(std::env::current_exe().unwrap())
+    .args([
+        "--exact",
+        "faults::worker_entry",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(ROLE_VAR, "launch")
+    .env_remove("RUST_LOG")
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut children = Children::default();
+    let mut child = cmd.spawn().unwrap();
+    let out = drain(child.stdout.take().unwrap());
+    let err = drain(child.stderr.take().unwrap());
+    children.0.push(child);
+    let status = wait_until(&mut children.0[0], Instant::now() + Duration::from_secs(20));
+    let Some(status) = status else {
+        drop(children);
+        panic!("the launcher was still running after 20 s");
+    };
+    let (out, err) = (out.join().unwrap(), err.join().unwrap());
+    let text = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert!(!status.success(), "{text}");
+    assert!(
+        err.contains("too short") && err.contains("collective timeout"),
+        "the start-up error does not say the timeout is too short:\n{text}"
+    );
+    assert!(
+        !err.contains("did not come up"),
+        "the error blames rank 0's store:\n{text}"
+    );
+}
+
+/// Issue 12, item 6: two launches given the same `--main-process-port` both found it free, and
+/// one run failed (its rank 0 could not bind; its rank 1 reached the other run's store). The
+/// launcher now binds the port itself and hands the socket to rank 0: the second launch sees it
+/// taken and moves to a free port, and both runs succeed.
+#[test]
+fn two_launches_given_the_same_port_both_run() {
+    let port = free_port().to_string();
+    let launch = || {
+        let mut cmd = Command::new(crate::common::launcher());
+        cmd.args(["launch", "--cpu", "-n", "2", "--main-process-port", &port])
+            .arg(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "faults::worker_entry",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ROLE_VAR, "slow0")
+            .env_remove("RUST_LOG")
+            .env_remove("ACCELERATE_RS_SECRET")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let out = drain(child.stdout.take().unwrap());
+        let err = drain(child.stderr.take().unwrap());
+        (child, out, err)
+    };
+    let mut children = Children::default();
+    let (a, a_out, a_err) = launch();
+    children.0.push(a);
+    // Inside the window of the first launch (its rank 0 binds 1.5 s after starting).
+    std::thread::sleep(Duration::from_millis(300));
+    let (b, b_out, b_err) = launch();
+    children.0.push(b);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let a_status = wait_until(&mut children.0[0], deadline);
+    let b_status = wait_until(&mut children.0[1], deadline);
+    if a_status.is_none() || b_status.is_none() {
+        drop(children);
+        panic!("a launcher was still running after 30 s");
+    }
+    let text = format!(
+        "first launch:\n{}{}\nsecond launch:\n{}{}",
+        a_out.join().unwrap(),
+        a_err.join().unwrap(),
+        b_out.join().unwrap(),
+        b_err.join().unwrap()
+    );
+    assert!(
+        a_status.is_some_and(|s| s.success()) && b_status.is_some_and(|s| s.success()),
+        "({a_status:?}, {b_status:?}):\n{text}"
+    );
+    assert!(text.contains("already in use"), "{text}");
+}
+
+/// A rank that reaches another run's store (different secret) is told so.
+#[test]
+fn a_rank_reaching_another_runs_store_is_told_so() {
+    let port = free_port();
+    let timeout = Duration::from_secs(5);
+    let other_run =
+        std::thread::spawn(move || TcpCollective::connect(&tcp_options(0, 2, port, timeout)));
+    let mut ours = tcp_options(1, 2, port, timeout);
+    ours.secret = b"a-different-run".to_vec();
+    let up_by = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < up_by, "the store never came up");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let err = TcpCollective::connect(&ours).expect_err("joined another run");
+    let text = err.to_string();
+    assert!(text.contains("another run"), "{text}");
+    // The other run's rank 0 times out waiting for its own rank 1.
+    assert!(other_run.join().unwrap().is_err());
+}
+
+/// Issue 12, item 4: a program that installs no logger still shows on stderr that its store
+/// dropped a wrong secret and garbage.
+#[test]
+fn rejections_reach_stderr_without_a_logger() {
+    let port = free_port();
+    // Rank 0 of 2 alone: it hosts the store and waits for a rank 1 that never comes.
+    let mut child = worker_command("store")
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("ACCELERATE_RS_SECRET", "the-real-secret")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut children = Children::default();
+    children.0.push(child);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let up_by = Instant::now() + Duration::from_secs(15);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < up_by, "the store never came up");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    wrong_secret_is_dropped(port);
+    garbage_is_dropped(port);
+    let mut seen = Vec::new();
+    let by = Instant::now() + Duration::from_secs(10);
+    let wanted = |seen: &[String], what: &str| seen.iter().any(|l| l.contains(what));
+    while !(wanted(&seen, "wrong secret") && wanted(&seen, "not an accelerate-rs connection")) {
+        let left = by.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => seen.push(line),
+            Err(_) => {
+                drop(children);
+                panic!(
+                    "rank 0's stderr does not report the rejected connections:\n{}",
+                    seen.join("\n")
+                );
+            }
+        }
+    }
 }

@@ -210,6 +210,13 @@ fn worker_entry() {
                 worker_fail(e);
             }
         }
+        "hold" => {
+            // Stay connected until killed.
+            let _ = std::io::Write::flush(&mut std::io::stdout());
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
         "dead" => {
             if let Err(e) = reduce_ones(&c, 1024) {
                 worker_fail(e);
@@ -266,6 +273,30 @@ fn drain(r: impl Read + Send + 'static) -> JoinHandle<String> {
     })
 }
 
+/// This test binary restricted to [`worker_entry`] as rank `rank` of `world` in `role`, output
+/// piped.
+fn worker(role: &str, rank: usize, world: usize, port: &str) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "shm::worker_entry",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(ROLE_VAR, role)
+    .env_remove("RUST_LOG")
+    .env_remove(TRANSPORT)
+    .env("RANK", rank.to_string())
+    .env("WORLD_SIZE", world.to_string())
+    .env("MASTER_ADDR", "127.0.0.1")
+    .env("MASTER_PORT", port)
+    .env("ACCELERATE_RS_SECRET", SECRET)
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    cmd
+}
+
 /// Runs `world` workers in `role`, rank `r` with the extra variables `env(r)`, and waits for all
 /// of them (failing the test if any is still running after [`GROUP_DEADLINE`]).
 fn run_group(
@@ -277,26 +308,10 @@ fn run_group(
     let mut children = Children(Vec::new());
     let mut pipes = Vec::new();
     for rank in 0..world {
-        let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args([
-            "--exact",
-            "shm::worker_entry",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(ROLE_VAR, role)
-        .env_remove("RUST_LOG")
-        .env_remove(TRANSPORT)
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", world.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", &port)
-        .env("ACCELERATE_RS_SECRET", SECRET)
-        .envs(env(rank))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-        let mut child = cmd.spawn().unwrap();
+        let mut child = worker(role, rank, world, &port)
+            .envs(env(rank))
+            .spawn()
+            .unwrap();
         pipes.push((
             drain(child.stdout.take().unwrap()),
             drain(child.stderr.take().unwrap()),
@@ -410,6 +425,106 @@ fn the_segment_is_removed_once_every_rank_has_mapped_it() {
     let outs = run_group("unlinked", 3, no_env);
     assert_all_ok("unlinked", &outs);
     assert!(outs[0].stdout.contains("transport=shm\n"), "{}", outs[0]);
+}
+
+/// Issue 12, item 7: rank 0 killed -9 between creating the segment and every rank mapping it
+/// left a 4 MiB file in `/dev/shm` for good. The segment must never have a name: this watches
+/// `/dev/shm` and the temp dir for a file rank 0 creates, kills rank 0 the moment one appears
+/// (or once set-up is done) and checks that nothing is left.
+#[test]
+fn killing_rank_0_during_setup_leaves_no_segment() {
+    use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    use std::io::BufRead;
+    use std::path::PathBuf;
+
+    let dirs: Vec<PathBuf> = [PathBuf::from("/dev/shm"), std::env::temp_dir()]
+        .into_iter()
+        .filter(|d| d.is_dir())
+        .collect();
+    let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).unwrap();
+    let watches: Vec<_> = dirs
+        .iter()
+        .map(|d| inotify.add_watch(d, AddWatchFlags::IN_CREATE).unwrap())
+        .collect();
+    let port = free_port().to_string();
+    let mut children = Children(Vec::new());
+    let mut stderrs = Vec::new();
+    let mut rank0_stdout = None;
+    for rank in 0..2 {
+        let mut child = worker("hold", rank, 2, &port).spawn().unwrap();
+        stderrs.push(drain(child.stderr.take().unwrap()));
+        let out = child.stdout.take().unwrap();
+        if rank == 0 {
+            rank0_stdout = Some(out);
+        } else {
+            drain(out);
+        }
+        children.0.push(child);
+    }
+    let pid0 = children.0[0].id() as i32;
+    let prefix = format!("accelerate-rs-{pid0}-");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let out0 = rank0_stdout.unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out0).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut named = None;
+    let mut transport = None;
+    while named.is_none() && transport.is_none() {
+        if let Ok(events) = inotify.read_events() {
+            for e in events {
+                let Some(name) = e.name.as_ref().map(|n| n.to_string_lossy().into_owned()) else {
+                    continue;
+                };
+                if name.starts_with(&prefix) && named.is_none() {
+                    let _ = kill(Pid::from_raw(pid0), Signal::SIGKILL);
+                    let dir = watches.iter().position(|w| *w == e.wd).unwrap_or(0);
+                    named = Some(dirs[dir].join(name));
+                }
+            }
+        }
+        if let Ok(line) = rx.try_recv() {
+            // The test harness prints `test worker_entry ... ` before it on the same line.
+            if let Some((_, t)) = line.split_once("transport=") {
+                transport = Some(t.trim().to_string());
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "set-up neither created a file nor finished within 60 s"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    // Set-up done without a named file: the crash comes now.
+    let _ = kill(Pid::from_raw(pid0), Signal::SIGKILL);
+    let _ = children.0[0].wait();
+    drop(children);
+    let left: Vec<PathBuf> = dirs
+        .iter()
+        .filter_map(|d| std::fs::read_dir(d).ok())
+        .flat_map(|entries| entries.flatten())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|e| e.path())
+        .collect();
+    for p in &left {
+        let _ = std::fs::remove_file(p);
+    }
+    assert!(
+        named.is_none() && left.is_empty(),
+        "rank 0's segment had a name ({named:?}); after rank 0 was killed -9 these were left: \
+         {left:?}"
+    );
+    assert_eq!(
+        transport.as_deref(),
+        Some("shm"),
+        "the ranks did not use shared memory; rank 1 said:\n{}",
+        stderrs.pop().unwrap().join().unwrap()
+    );
 }
 
 #[test]

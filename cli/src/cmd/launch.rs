@@ -21,7 +21,8 @@ pub(crate) struct LaunchArgs {
     #[arg(long)]
     cpu: bool,
 
-    /// Number of worker processes on this machine [config: num_processes; default: 1].
+    /// Number of worker processes on this machine, at most 1024 [config: num_processes;
+    /// default: 1].
     #[arg(short = 'n', long, value_name = "N")]
     num_processes: Option<usize>,
 

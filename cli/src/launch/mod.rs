@@ -25,7 +25,10 @@
 //! On a single machine, no port (or port 0) means a free port is picked for every attempt; a
 //! port that is given but busy (something listens on it) is replaced by a free one, with a
 //! warning. With several machines the port must be given, and machine rank 0, which hosts the
-//! rendezvous store, fails with an error naming the port if it is busy.
+//! rendezvous store, fails with an error naming the port if it is busy. The machine that hosts
+//! rank 0 binds the store's socket itself and hands it to rank 0 (inherited, named by
+//! `ACCELERATE_RS_STORE_FD`), so checking the port and taking it are one step: two launches given
+//! the same port cannot both get it.
 //!
 //! # Configuration
 //!
@@ -39,8 +42,11 @@
 //! later because their collectives broke. The launcher then stops the others (SIGTERM to each
 //! process group, SIGKILL after [`LaunchOptions::grace_period`]), prints the failed rank, its
 //! status and its last 20 lines of output, and with [`LaunchOptions::max_restarts`] `K` starts
-//! the whole group again, up to `K` times. Ctrl-C (SIGINT) or SIGTERM stops the workers and is
-//! never followed by a restart; a second signal SIGKILLs them at once. A restart gets a fresh
+//! the whole group again, up to `K` times. Ctrl-C (SIGINT), SIGTERM or SIGHUP (a closed
+//! terminal, a dropped ssh session) stops the workers and is never followed by a restart; a
+//! second signal SIGKILLs them at once. On Linux every worker also gets SIGKILL if the launcher
+//! dies without stopping them (SIGKILL, the OOM killer): the parent-death signal is set in the
+//! worker before `exec`, and a worker whose launcher died before that exits at once. A restart gets a fresh
 //! free port on a single machine unless a port was given. With several machines each launcher
 //! restarts its own group: a failure on one machine breaks the collectives of the others, so
 //! every launcher restarts (each counting its own restarts) and the groups meet again at the
@@ -65,6 +71,7 @@ mod supervise;
 mod workers;
 
 use std::io::Write;
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::channel;
 use std::time::Duration;
@@ -75,6 +82,8 @@ use supervise::Outcome;
 
 /// Default delay between SIGTERM and SIGKILL when stopping workers.
 pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(3);
+/// Most worker processes per machine (`--num-processes`).
+pub const MAX_PROCESSES: usize = 1024;
 /// Default interval at which the launcher checks for signals.
 pub const DEFAULT_MONITOR_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -82,7 +91,7 @@ pub const DEFAULT_MONITOR_INTERVAL: Duration = Duration::from_millis(100);
 /// [`LaunchOptions::from_config`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct LaunchOptions {
-    /// Number of worker processes on this machine (at least 1).
+    /// Number of worker processes on this machine (1 to [`MAX_PROCESSES`]).
     pub num_processes: usize,
     /// Force the workers onto the CPU (sets `ACCELERATE_RS_USE_CPU=1`).
     pub cpu: bool,
@@ -203,6 +212,16 @@ fn plan(opts: &LaunchOptions) -> Result<Plan> {
             "must be at least 1, got 0",
         ));
     }
+    if opts.num_processes > MAX_PROCESSES {
+        return Err(Error::invalid(
+            "--num-processes",
+            format!(
+                "{} is more than the {MAX_PROCESSES} worker processes one machine can run \
+                 (one per GPU, or a few per CPU socket, is typical)",
+                opts.num_processes
+            ),
+        ));
+    }
     if opts.num_machines == 0 {
         return Err(Error::invalid(
             "--num-machines",
@@ -320,41 +339,52 @@ fn plan(opts: &LaunchOptions) -> Result<Plan> {
     })
 }
 
-/// The port of one attempt (see the module documentation).
-fn resolve_port(opts: &LaunchOptions) -> Result<u16> {
+/// The port of one attempt (see the module documentation) and, on the machine that hosts rank
+/// 0, the store's socket already bound to it (checking the port and taking it are one step: two
+/// launches given the same port cannot both get it).
+fn reserve_port(opts: &LaunchOptions, plan: &Plan) -> Result<(u16, Option<TcpListener>)> {
     let given = opts.main_process_port.filter(|p| *p != 0);
+    let bind = |port: u16| net::bind_store(&plan.master_addr, port);
+    let bound = |l: TcpListener| -> Result<(u16, Option<TcpListener>)> {
+        let port = l.local_addr().map_err(|source| Error::Io {
+            context: "launch: cannot read the port of the rendezvous socket bound on".to_string(),
+            path: PathBuf::from(&plan.master_addr),
+            source,
+        })?;
+        Ok((port.port(), Some(l)))
+    };
+    let free = || {
+        bind(0).map_err(|source| Error::Io {
+            context: "launch: could not find a free port for the rendezvous store at".to_string(),
+            path: PathBuf::from(format!("{}:0", plan.master_addr)),
+            source,
+        })
+    };
     match given {
-        None => net::free_port(),
-        Some(port) if opts.num_machines == 1 => {
-            if net::port_is_free(port) {
-                Ok(port)
-            } else {
-                let free = net::free_port()?;
+        None => bound(free()?),
+        Some(port) if opts.machine_rank != 0 => Ok((port, None)),
+        Some(port) => match bind(port) {
+            Ok(l) => bound(l),
+            Err(e) if opts.num_machines == 1 => {
+                let (free_port, l) = bound(free()?)?;
                 notice(
                     opts,
                     &format!(
-                        "warning: --main-process-port {port} is already in use on this machine; \
-                         using free port {free} instead"
+                        "warning: --main-process-port {port} is already in use on this machine \
+                         ({e}); using free port {free_port} instead"
                     ),
                 );
-                Ok(free)
+                Ok((free_port, l))
             }
-        }
-        Some(port) if opts.machine_rank == 0 => {
-            if net::port_is_free(port) {
-                Ok(port)
-            } else {
-                Err(Error::invalid(
-                    "--main-process-port",
-                    format!(
-                        "port {port} is already in use on this machine, which is machine rank 0 \
-                         and must host the rendezvous store on it: stop what uses port {port} or \
-                         pick another port (the same on every machine)"
-                    ),
-                ))
-            }
-        }
-        Some(port) => Ok(port),
+            Err(e) => Err(Error::invalid(
+                "--main-process-port",
+                format!(
+                    "port {port} cannot be bound on this machine ({e}), which is machine rank 0 \
+                     and must host the rendezvous store on it: stop what uses port {port} or \
+                     pick another port (the same on every machine)"
+                ),
+            )),
+        },
     }
 }
 
@@ -415,9 +445,11 @@ fn print_dry_run(opts: &LaunchOptions, env: &CommonEnv, port: u16, master: &str)
 /// SIGTERM, then SIGKILL after [`LaunchOptions::grace_period`]; the rank that failed first, its
 /// status and its last lines of output are printed to stderr, and (once no restart is left)
 /// [`Error::WorkerFailed`] is returned with the exit code to propagate (the worker's code, or
-/// 128 + signal). A SIGINT or SIGTERM to the launcher stops the workers the same way (a second
-/// one SIGKILLs them at once) and returns [`Error::Interrupted`] (code 130 for SIGINT). While
-/// this runs, SIGINT and SIGTERM are handled by the launcher (the handlers stay installed,
+/// 128 + signal). A SIGINT, SIGTERM or SIGHUP to the launcher stops the workers the same way (a
+/// second one SIGKILLs them at once) and returns [`Error::Interrupted`] (code 130 for SIGINT,
+/// 129 for SIGHUP). On Linux the workers get SIGKILL when the thread that called this exits, so
+/// call it from a thread that outlives the launch (the main thread, typically). While
+/// this runs, SIGINT, SIGTERM and SIGHUP are handled by the launcher (the handlers stay installed,
 /// inert, afterwards).
 ///
 /// # Errors
@@ -430,7 +462,7 @@ fn print_dry_run(opts: &LaunchOptions, env: &CommonEnv, port: u16, master: &str)
 pub fn launch(opts: &LaunchOptions) -> Result<()> {
     let plan = plan(opts)?;
     if opts.dry_run {
-        let port = resolve_port(opts)?;
+        let (port, _store) = reserve_port(opts, &plan)?;
         let env = CommonEnv::new(&env_spec(opts, &plan, port, 0), |var| {
             std::env::var_os(var).is_some()
         });
@@ -447,7 +479,8 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
     let tick = opts.monitor_interval.max(Duration::from_millis(1));
     let mut attempt = 0;
     loop {
-        let port = resolve_port(opts)?;
+        // Held until the attempt ends; a restart reserves again.
+        let (port, store) = reserve_port(opts, &plan)?;
         let env = CommonEnv::new(&env_spec(opts, &plan, port, attempt), |var| {
             std::env::var_os(var).is_some()
         });
@@ -457,7 +490,8 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
             opts.program,
             plan.master_addr
         );
-        let outcome = run_group(opts, &plan, &env, attempt, &signals, tick)?;
+        let outcome = run_group(opts, &plan, &env, store.as_ref(), attempt, &signals, tick)?;
+        drop(store);
         let (rank, pid, code, status) = match outcome {
             Outcome::Success => return Ok(()),
             Outcome::Failed {
@@ -519,6 +553,7 @@ fn run_group(
     opts: &LaunchOptions,
     plan: &Plan,
     env: &CommonEnv,
+    store: Option<&TcpListener>,
     attempt: usize,
     signals: &signals::SignalWatch,
     tick: Duration,
@@ -541,15 +576,7 @@ fn run_group(
     })?;
     let (tx, rx) = channel();
     let mut workers = Vec::with_capacity(opts.num_processes);
-    let spawned = workers::spawn_all(
-        opts.num_processes,
-        &opts.program,
-        &opts.args,
-        env,
-        &mut output,
-        &tx,
-        &mut workers,
-    );
+    let spawned = workers::spawn_all(opts, env, store, &mut output, &tx, &mut workers);
     if let Err(e) = spawned {
         supervise::stop_all(&mut workers, &rx, signals, Duration::ZERO, tick);
         output.finish(opts.grace_period);

@@ -1,10 +1,7 @@
 //! The launcher's own helpers around the environment contract ([`accelerate_rs::env::CommonEnv`]):
 //! the per-run secret, the rendezvous port, threads per worker, shell quoting for `--dry-run`.
 
-use std::net::{Ipv4Addr, TcpListener};
-use std::path::PathBuf;
-
-use accelerate_rs::{Error, Result};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
 
 /// Loopback address the rendezvous store listens on for a single-machine launch.
 pub(crate) const LOOPBACK: &str = "127.0.0.1";
@@ -21,22 +18,23 @@ pub(crate) fn new_secret() -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A currently free loopback port: bind port 0, read what the OS chose, release it.
-pub(crate) fn free_port() -> Result<u16> {
-    let io_err = |source| Error::Io {
-        context: "launch: could not find a free port for the rendezvous store at".to_string(),
-        path: PathBuf::from(format!("{LOOPBACK}:0")),
-        source,
+/// Binds the rendezvous store's listening socket for `master_addr:port` (port 0: a free port)
+/// on the address rank 0 would bind: the loopback address itself for a local run, every
+/// interface otherwise (the rule `TcpCollective` follows). The launcher keeps it and hands it to
+/// rank 0, so that nothing can take the port between the check and rank 0's start.
+pub(crate) fn bind_store(master_addr: &str, port: u16) -> std::io::Result<TcpListener> {
+    let master = (master_addr, port)
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| std::io::Error::other(format!("{master_addr} resolves to no address")))?;
+    let bind = if master.ip().is_loopback() {
+        master
+    } else if master.is_ipv4() {
+        SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port)
+    } else {
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port)
     };
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(io_err)?;
-    let port = listener.local_addr().map_err(io_err)?.port();
-    Ok(port)
-}
-
-/// Whether `port` can be bound right now on every interface (so on loopback too). A port some
-/// process listens on, on any address, cannot.
-pub(crate) fn port_is_free(port: u16) -> bool {
-    TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).is_ok()
+    TcpListener::bind(bind)
 }
 
 /// `s` quoted for a POSIX shell when it needs to be (for `--dry-run`).
@@ -79,9 +77,11 @@ mod tests {
 
     #[test]
     fn a_listened_port_is_busy() {
-        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let l = TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0)).unwrap();
         let port = l.local_addr().unwrap().port();
-        assert!(!port_is_free(port));
+        assert!(bind_store(LOOPBACK, port).is_err());
         drop(l);
+        let free = bind_store(LOOPBACK, 0).unwrap();
+        assert!(free.local_addr().unwrap().ip().is_loopback());
     }
 }

@@ -1,4 +1,4 @@
-//! Counting SIGINT / SIGTERM sent to the launcher, so the supervisor can stop its workers
+//! Counting SIGINT / SIGTERM / SIGHUP sent to the launcher, so the supervisor can stop its workers
 //! gracefully on the first one and at once on the second.
 
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use nix::sys::signal::Signal;
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::{Handle, Signals};
 
 /// Counts the termination signals the launcher receives while it is installed.
@@ -17,12 +17,13 @@ pub(crate) struct SignalWatch {
 }
 
 impl SignalWatch {
-    /// Installs handlers for SIGINT and SIGTERM. If that fails the launcher still works, only
+    /// Installs handlers for SIGINT, SIGTERM and SIGHUP (a closed terminal or a dropped ssh
+    /// session stops the workers like SIGTERM). If that fails the launcher still works, only
     /// without forwarding those signals (a warning is logged).
     pub(crate) fn install() -> Self {
         let count = Arc::new(AtomicUsize::new(0));
         let first = Arc::new(AtomicI32::new(0));
-        let running = match Signals::new([SIGINT, SIGTERM]) {
+        let running = match Signals::new([SIGINT, SIGTERM, SIGHUP]) {
             Ok(mut signals) => {
                 let handle = signals.handle();
                 let (c, f) = (Arc::clone(&count), Arc::clone(&first));
@@ -38,13 +39,13 @@ impl SignalWatch {
                     Ok(thread) => Some((handle, thread)),
                     Err(e) => {
                         handle.close();
-                        log::warn!("launch: cannot watch SIGINT/SIGTERM: {e}");
+                        log::warn!("launch: cannot watch SIGINT/SIGTERM/SIGHUP: {e}");
                         None
                     }
                 }
             }
             Err(e) => {
-                log::warn!("launch: cannot watch SIGINT/SIGTERM: {e}");
+                log::warn!("launch: cannot watch SIGINT/SIGTERM/SIGHUP: {e}");
                 None
             }
         };
@@ -55,7 +56,7 @@ impl SignalWatch {
         }
     }
 
-    /// How many SIGINT/SIGTERM have arrived so far.
+    /// How many SIGINT/SIGTERM/SIGHUP have arrived so far.
     pub(crate) fn count(&self) -> usize {
         self.count.load(Ordering::SeqCst)
     }

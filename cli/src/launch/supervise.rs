@@ -22,7 +22,7 @@ pub(crate) enum Outcome {
         status: String,
         stopped: usize,
     },
-    /// The launcher got SIGINT/SIGTERM; the workers were stopped.
+    /// The launcher got SIGINT/SIGTERM/SIGHUP; the workers were stopped.
     Interrupted {
         signo: i32,
         signal: String,
@@ -110,7 +110,7 @@ pub(crate) fn supervise(
     }
 }
 
-/// SIGTERMs every running worker's group, waits up to `grace` (less if another signal reaches
+/// SIGTERMs (then SIGCONTs, for stopped ones) every running worker's group, waits up to `grace` (less if another signal reaches
 /// the launcher), SIGKILLs the groups still alive and waits for every exit. Returns how many
 /// workers were running when it was called.
 pub(crate) fn stop_all(
@@ -124,6 +124,8 @@ pub(crate) fn stop_all(
     let signals_seen = signals.count();
     for w in workers.iter() {
         w.signal_group(Signal::SIGTERM);
+        // A stopped (SIGSTOP, Ctrl-Z) worker only acts on SIGTERM once it runs again.
+        w.signal_group(Signal::SIGCONT);
     }
     let deadline = Instant::now() + grace;
     let step = tick.min(Duration::from_millis(50));

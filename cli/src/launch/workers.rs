@@ -2,6 +2,8 @@
 //! blocks in `wait()` and reports the exit (with the instant it was seen) on a channel, and
 //! signalling groups.
 
+use std::net::TcpListener;
+use std::os::fd::AsRawFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc::Sender;
@@ -13,6 +15,7 @@ use nix::unistd::Pid;
 
 use super::output::{Forwarder, Stream};
 use super::signals::signal_name;
+use super::LaunchOptions;
 use accelerate_rs::env::CommonEnv;
 use accelerate_rs::{Error, Result};
 
@@ -64,6 +67,20 @@ impl Worker {
     }
 }
 
+/// Makes the calling (forked, not yet exec'ed) worker get SIGKILL when the launcher dies, even by
+/// SIGKILL, so that no worker outlives it as an orphan. The parent-death signal survives `exec`
+/// (of a program that is not set-uid). If the launcher died between `fork` and this call, the
+/// signal will never come: the worker's parent is then no longer `launcher`, and it exits instead
+/// of running.
+#[cfg(target_os = "linux")]
+fn die_with_launcher(launcher: Pid) -> std::io::Result<()> {
+    nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+    if nix::unistd::getppid() != launcher {
+        return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    Ok(())
+}
+
 /// Exit code to propagate and a human readable description of `status`:
 /// the worker's code, or 128 + signal number when a signal killed it.
 pub(crate) fn describe(status: ExitStatus) -> (i32, String) {
@@ -76,23 +93,24 @@ pub(crate) fn describe(status: ExitStatus) -> (i32, String) {
     }
 }
 
-/// Starts `env`'s local workers running `program args`, each in its own process group with its
-/// rank's environment, stdout and stderr forwarded through `output`, and a waiter thread that
+/// Starts `opts.num_processes` local workers running `opts.program` with `opts.args`, each in its own process group with its
+/// rank's environment (global rank 0 also inherits `store`, the rendezvous socket), stdout and stderr forwarded through `output`, and a waiter thread that
 /// sends its [`Exit`] on `exits`. They are pushed onto `workers`; if one cannot be started, the
 /// error is returned and the workers already running are left in `workers` for the caller to
 /// stop.
 pub(crate) fn spawn_all(
-    num_processes: usize,
-    program: &str,
-    args: &[String],
+    opts: &LaunchOptions,
     env: &CommonEnv,
+    store: Option<&TcpListener>,
     output: &mut Forwarder,
     exits: &Sender<Exit>,
     workers: &mut Vec<Worker>,
 ) -> Result<()> {
-    for index in 0..num_processes {
+    let program = &opts.program;
+    for index in 0..opts.num_processes {
         let rank = env.global_rank(index);
-        match spawn_one(index, rank, program, args, env, output, exits) {
+        let store = store.filter(|_| rank == 0);
+        match spawn_one(index, rank, opts, env, store, output, exits) {
             Ok(worker) => {
                 log::debug!("launch: started rank {rank} (pid {})", worker.pid());
                 workers.push(worker);
@@ -112,20 +130,46 @@ pub(crate) fn spawn_all(
 fn spawn_one(
     index: usize,
     rank: usize,
-    program: &str,
-    args: &[String],
+    opts: &LaunchOptions,
     env: &CommonEnv,
+    store: Option<&TcpListener>,
     output: &mut Forwarder,
     exits: &Sender<Exit>,
 ) -> std::io::Result<Worker> {
-    let mut child = Command::new(program)
-        .args(args)
+    let mut cmd = Command::new(&opts.program);
+    cmd.args(&opts.args)
         .envs(env.for_rank(index))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .process_group(0)
-        .spawn()?;
+        .process_group(0);
+    #[cfg(target_os = "linux")]
+    {
+        let launcher = nix::unistd::getpid();
+        // SAFETY: the closure runs in the child between fork and exec, where only
+        // async-signal-safe calls are allowed: it makes two system calls (prctl, getppid) and
+        // allocates nothing (the error is a raw OS error).
+        unsafe {
+            cmd.pre_exec(move || die_with_launcher(launcher));
+        }
+    }
+    if let Some(listener) = store {
+        // Rank 0 inherits the store's socket (bound by the launcher) under the same number.
+        let fd = listener.as_raw_fd();
+        cmd.env(accelerate_rs::env::STORE_FD, fd.to_string());
+        // SAFETY: runs in the child between fork and exec and only makes one async-signal-safe
+        // system call (fcntl) on a descriptor the child inherited from the launcher; clearing
+        // close-on-exec there does not affect the launcher's own descriptor table.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::fcntl(fd, libc::F_SETFD, 0) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd.spawn()?;
     let pid = child.id();
     let pipes = (child.stdout.take(), child.stderr.take());
     let attached = (|| {

@@ -331,6 +331,108 @@ fn second_signal_kills_workers_at_once() {
     assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
 }
 
+#[test]
+fn sighup_to_the_launcher_stops_workers_like_sigterm() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = "echo $$ > \"$0/pid.$RANK.tmp\" && mv \"$0/pid.$RANK.tmp\" \"$0/pid.$RANK\"; \
+                  exec sleep 60";
+    interrupt(dir.path(), script, &[Signal::SIGHUP], 129, "SIGHUP");
+}
+
+#[test]
+fn a_stopped_worker_is_torn_down_without_waiting_the_grace_period() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Rank 1 stops rank 0's process group (SIGSTOP), then fails; the launcher must not wait the
+    // 20 s grace period for a SIGTERM the stopped rank 0 cannot act on. Rank 0 handles SIGTERM
+    // (as a program that saves its state would): a stopped process only runs its handler once
+    // continued. (A stopped process without a handler is killed by SIGTERM at once.)
+    let script = "if [ $RANK = 0 ]; then \
+                    trap 'exit 0' TERM; \
+                    echo $$ > \"$0/pid.0.tmp\" && mv \"$0/pid.0.tmp\" \"$0/pid.0\"; \
+                    while :; do sleep 0.1; done; \
+                  fi; \
+                  while [ ! -f \"$0/pid.0\" ]; do sleep 0.05; done; \
+                  kill -STOP -$(cat \"$0/pid.0\"); exit 3";
+    let (out, elapsed) = run_with_limit(
+        launcher()
+            .args([
+                "launch",
+                "--grace-period",
+                "20",
+                "-n",
+                "2",
+                "sh",
+                "-c",
+                script,
+            ])
+            .arg(dir.path()),
+        Duration::from_secs(40),
+    );
+    let pids = read_pids(dir.path(), &[0]);
+    let _guard = KillOnDrop(pids.clone());
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "the launcher took {elapsed:?} to stop a SIGSTOPped worker"
+    );
+    assert!(!running(pids[0]), "the stopped worker is still there");
+}
+
+#[test]
+fn an_absurd_number_of_processes_is_rejected_naming_the_flag() {
+    // --dry-run: were it accepted, nothing would be started anyway.
+    let (out, _) = run_launch(&["--dry-run", "-n", "100000", "true"]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "-n 100000 was accepted");
+    assert!(
+        err.contains("--num-processes") && err.contains("100000") && err.contains("1024"),
+        "{err}"
+    );
+}
+
+/// Whether `pid` is running: a zombie (exited, not reaped yet) is not.
+fn running(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name in parentheses.
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X')),
+        Err(_) => false,
+    }
+}
+
+#[test]
+fn workers_die_with_a_launcher_killed_by_sigkill() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // The workers ignore SIGTERM and SIGHUP: only the parent-death signal can end them.
+    let script = "trap '' TERM HUP; \
+                  echo $$ > \"$0/pid.$RANK.tmp\" && mv \"$0/pid.$RANK.tmp\" \"$0/pid.$RANK\"; \
+                  exec sleep 60";
+    let mut child = launcher()
+        .args(["launch", "-n", "3", "sh", "-c", script])
+        .arg(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the launcher");
+    let launcher_pid = i32::try_from(child.id()).expect("pid");
+    let _launcher_guard = KillOnDrop(vec![launcher_pid]);
+    wait_for_files(dir.path(), &["pid.0", "pid.1", "pid.2"]);
+    let pids = read_pids(dir.path(), &[0, 1, 2]);
+    let _guard = KillOnDrop(pids.clone());
+    kill(Pid::from_raw(launcher_pid), Signal::SIGKILL).expect("kill the launcher");
+    child.wait().expect("reap the launcher");
+    let killed = Instant::now();
+    while pids.iter().any(|&p| running(p)) && killed.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let orphans: Vec<i32> = pids.iter().copied().filter(|&p| running(p)).collect();
+    assert!(
+        orphans.is_empty(),
+        "workers {orphans:?} still run 5 s after their launcher was killed with SIGKILL"
+    );
+}
+
 /// Starts 2 workers running `script`, sends `signals` to the launcher once they are up, and
 /// checks the exit code, the message and that the workers are gone. Returns how long the
 /// launcher took to exit after the first signal.

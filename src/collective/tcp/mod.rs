@@ -29,6 +29,7 @@ use store::{StoreClient, StoreServer};
 use wire::{Hello, Role};
 
 use super::{check_reducible, check_root, Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp};
+use crate::env;
 use crate::error::{Error, Result};
 use wire::op;
 
@@ -88,6 +89,27 @@ fn bind_addr_for(master: SocketAddr) -> SocketAddr {
 impl TcpCollective {
     /// Forms the group: waits (up to `opts.timeout`) until every rank has joined.
     pub fn connect(opts: &TcpOptions) -> Result<Self> {
+        // Any step of start-up that runs out of a tiny timeout says the timeout is too short.
+        Self::connect_inner(opts).map_err(|e| match e {
+            Error::Timeout {
+                rank,
+                peer,
+                op,
+                timeout,
+            } if store::is_short(timeout) => Error::Rendezvous {
+                rank,
+                addr: format!("{}:{}", opts.master_addr, opts.master_port),
+                reason: format!(
+                    "{op} with rank {peer} timed out during start-up: {}",
+                    store::startup_hint(timeout)
+                ),
+                source: None,
+            },
+            other => other,
+        })
+    }
+
+    fn connect_inner(opts: &TcpOptions) -> Result<Self> {
         let (rank, world) = (opts.rank, opts.world_size);
         if world == 0 || rank >= world {
             return Err(Error::invalid(
@@ -123,7 +145,11 @@ impl TcpCollective {
                     source: None,
                 })?;
             let bind = bind_addr_for(resolved);
-            let server = StoreServer::start(bind, opts.secret.clone(), rank).map_err(|e| {
+            let listener = match inherited_listener(opts.master_port) {
+                Some(l) => Ok(l),
+                None => TcpListener::bind(bind),
+            };
+            let server = listener.and_then(|l| StoreServer::start(l, opts.secret.clone(), rank)).map_err(|e| {
                 let reason = if e.kind() == io::ErrorKind::AddrInUse {
                     format!("port {} is already in use on this machine (another run?); choose another MASTER_PORT, or let `accelerate-rs launch` pick a free one", opts.master_port)
                 } else {
@@ -149,7 +175,8 @@ impl TcpCollective {
                 _store: store,
             });
         }
-        let mut client = StoreClient::connect(&master, rank, world, &opts.secret, deadline)?;
+        let mut client =
+            StoreClient::connect(&master, rank, world, &opts.secret, opts.timeout, deadline)?;
         let local_ip = client.local_addr()?.ip();
         let listener = TcpListener::bind((local_ip, 0)).map_err(|e| Error::Rendezvous {
             rank,
@@ -227,6 +254,62 @@ impl TcpCollective {
     }
 }
 
+/// The store's listening socket `accelerate-rs launch` bound to `port` and handed to this process
+/// ([`env::STORE_FD`]), taken at most once per process. `None` (after a warning if the variable
+/// names something else) when there is none.
+fn inherited_listener(port: u16) -> Option<TcpListener> {
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static TAKEN: AtomicBool = AtomicBool::new(false);
+    let value = std::env::var(env::STORE_FD).ok()?;
+    let fd: i32 = match value.trim().parse() {
+        Ok(fd) if fd > 2 => fd,
+        _ => {
+            log::warn!(
+                "{}={value:?} is not a file descriptor; binding the store's port instead",
+                env::STORE_FD
+            );
+            return None;
+        }
+    };
+    if TAKEN.swap(true, Ordering::SeqCst) {
+        return None;
+    }
+    // SAFETY: the launcher passed this descriptor to this process for exactly this use, and the
+    // flag above makes sure it is owned once. If it is not a socket bound to `port`, ownership is
+    // given back (`into_raw_fd`) without closing it.
+    let listener = unsafe { TcpListener::from_raw_fd(fd) };
+    match listener.local_addr() {
+        Ok(a) if a.port() == port => {
+            // Not for this process's own children.
+            // SAFETY: the descriptor is open (owned by `listener`) and F_SETFD only changes its
+            // flags.
+            if unsafe {
+                libc::fcntl(
+                    std::os::fd::AsRawFd::as_raw_fd(&listener),
+                    libc::F_SETFD,
+                    libc::FD_CLOEXEC,
+                )
+            } < 0
+            {
+                log::debug!(
+                    "cannot set close-on-exec on the inherited store socket: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+            Some(listener)
+        }
+        other => {
+            let _ = listener.into_raw_fd();
+            log::warn!(
+                "{}={fd} is not the store's socket on port {port} ({other:?}); binding the port instead",
+                env::STORE_FD
+            );
+            None
+        }
+    }
+}
+
 fn peer_setup_err(rank: usize, addr: &str, reason: &str, e: io::Error) -> Error {
     Error::Rendezvous {
         rank,
@@ -283,26 +366,26 @@ fn accept_peer(
     loop {
         match listener.accept() {
             Ok((mut s, from)) => {
-                let setup = s
-                    .set_nonblocking(false)
-                    .and_then(|_| s.set_read_timeout(Some(Duration::from_secs(10))));
-                if let Err(e) = setup {
+                if let Err(e) = s.set_nonblocking(false) {
                     log::warn!("rank {rank}: dropped connection from {from}: {e}");
                     continue;
                 }
-                match Hello::read_checked(&mut s, secret) {
+                // One deadline for the whole handshake: a sender trickling bytes cannot hold
+                // the (sequential) accept loop.
+                let until = Instant::now() + Duration::from_secs(10);
+                match Hello::read_checked(&mut wire::DeadlineReader::new(&s, until), secret) {
                     Ok(h) if h.role == Role::Peer && h.rank as usize == prev && h.world as usize == world => {
                         s.write_all(&[0]).map_err(|e| {
                             peer_setup_err(rank, &from.to_string(), "acknowledging the handshake failed", e)
                         })?;
                         return Ok(s);
                     }
-                    Ok(h) => log::warn!(
+                    Ok(h) => wire::warn_rejected(format_args!(
                         "rank {rank}: rejected connection from {from}: it says it is rank {} of {} ({:?}); expected rank {prev} of {world}",
                         h.rank, h.world, h.role
-                    ),
+                    )),
                     Err(reason) => {
-                        log::warn!("rank {rank}: rejected connection from {from}: {reason}")
+                        wire::warn_rejected(format_args!("rank {rank}: rejected connection from {from}: {reason}"))
                     }
                 }
             }

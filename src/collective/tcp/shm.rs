@@ -8,10 +8,13 @@
 //!
 //! ## Segment
 //!
-//! Rank 0 creates a file with a random name under `/dev/shm` (else the temp dir), reserves its
-//! space (so that a full tmpfs is an error at connect time, not a `SIGBUS` later), maps it and
-//! sends its name over TCP; every rank maps it and checks a random token; once all have mapped
-//! it (a TCP all-gather), rank 0 unlinks it, so nothing is left behind even after a crash.
+//! Rank 0 creates an anonymous memory file (`memfd_create`; where that is not available, a file
+//! under `/dev/shm` or the temp dir that it unlinks before anyone else can know its name),
+//! reserves its space (so that a running-out tmpfs is an error at connect time, not a `SIGBUS`
+//! later), maps it and sends `/proc/<its pid>/fd/<fd>` over TCP; every rank opens that, maps it
+//! and checks a random token; once all have mapped it (a TCP all-gather), rank 0 closes its file.
+//! The segment never has a name in the file system, so a crash at any moment leaves nothing
+//! behind: the memory goes with the last process that maps it.
 //!
 //! | offset | content |
 //! |---|---|
@@ -152,25 +155,6 @@ fn host_identity() -> (String, String) {
     (host, boot)
 }
 
-/// Removes rank 0's segment file when dropped (unless already removed).
-struct Unlink(Option<PathBuf>);
-
-impl Unlink {
-    fn now(&mut self) {
-        if let Some(p) = self.0.take() {
-            if let Err(e) = std::fs::remove_file(&p) {
-                log::warn!("cannot remove shared-memory segment {}: {e}", p.display());
-            }
-        }
-    }
-}
-
-impl Drop for Unlink {
-    fn drop(&mut self) {
-        self.now();
-    }
-}
-
 fn gather_strings(ring: &mut Ring, mine: &str) -> Result<Vec<String>> {
     Ok(ring
         .all_gather(Buffer::from(mine.as_bytes()))?
@@ -251,14 +235,19 @@ pub(crate) fn setup(ring: &mut Ring, mode: Transport) -> Result<Option<Shm>> {
     // Rank 0 creates the segment; the others learn its name, size and token.
     let cap = slot_cap(world);
     let len = segment_len(world, cap);
-    let mut unlink = Unlink(None);
+    // Rank 0 keeps its file open until every rank has opened its own.
+    let mut file0: Option<File> = None;
     let mut created: Option<Shm> = None;
     let mut offer = String::new();
     if rank == 0 {
         match create_segment(world, cap, len) {
-            Ok((path, map, token)) => {
-                unlink.0 = Some(path.clone());
-                offer = format!("ok\n{token}\n{}", path.display());
+            Ok((file, map, token)) => {
+                offer = format!(
+                    "ok\n{token}\n/proc/{}/fd/{}",
+                    std::process::id(),
+                    file.as_raw_fd()
+                );
+                file0 = Some(file);
                 created = Some(Shm::new(map, rank, world, cap));
             }
             Err(reason) => offer = format!("err\n{reason}"),
@@ -285,9 +274,9 @@ pub(crate) fn setup(ring: &mut Ring, mode: Transport) -> Result<Option<Shm>> {
         Some(("err", reason)) => status = format!("err: rank 0: {reason}"),
         _ => status = format!("err: rank 0 sent an invalid offer {offer0:?}"),
     }
-    // Everyone has mapped it (or failed to) once this returns: rank 0 removes the file.
+    // Everyone has mapped it (or failed to) once this returns: rank 0 closes its file.
     let statuses = gather_strings(ring, &status)?;
-    unlink.now();
+    drop(file0);
     let failures: Vec<String> = statuses
         .iter()
         .enumerate()
@@ -315,61 +304,72 @@ pub(crate) fn setup(ring: &mut Ring, mode: Transport) -> Result<Option<Shm>> {
     Ok(shm)
 }
 
-/// Creates, sizes, reserves and maps a new segment; returns its path, the mapping and the token.
+/// Creates, sizes, reserves and maps a new segment that has no name in the file system; returns
+/// its file (to share through `/proc/<pid>/fd`), the mapping and the token.
 fn create_segment(
     world: usize,
     cap: usize,
     len: usize,
-) -> std::result::Result<(PathBuf, MmapRaw, u64), String> {
+) -> std::result::Result<(File, MmapRaw, u64), String> {
     let token: u64 = rand::random::<u64>() | 1;
+    let file = anonymous_file()?;
+    let map = size_and_map(&file, len)
+        .map_err(|e| format!("cannot size or map a {len}-byte shared-memory segment: {e}"))?;
+    // SAFETY: the mapping is `len` bytes long and page aligned; the header words are 8-aligned
+    // and within the first page; no other process can reach the file yet.
+    unsafe {
+        let base = map.as_mut_ptr();
+        for (off, v) in [
+            (OFF_TOKEN, token),
+            (OFF_WORLD, world as u64),
+            (OFF_CAP, cap as u64),
+            (OFF_MAGIC, MAGIC),
+        ] {
+            (*(base.add(off) as *const AtomicU64)).store(v, Ordering::Release);
+        }
+    }
+    Ok((file, map, token))
+}
+
+/// A new, empty shared-memory file without a name: a memfd, else a file created under
+/// `/dev/shm` (or the temp dir) and unlinked at once.
+fn anonymous_file() -> std::result::Result<File, String> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: the name is a valid NUL-terminated string and the flags are valid memfd flags;
+    // memfd_create only reads them.
+    let fd = unsafe { libc::memfd_create(c"accelerate-rs-shm".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd >= 0 {
+        // SAFETY: `fd` is a new descriptor that nothing else owns.
+        return Ok(unsafe { File::from_raw_fd(fd) });
+    }
+    let memfd_err = std::io::Error::last_os_error();
     let name = format!(
         "accelerate-rs-{}-{:016x}",
         std::process::id(),
         rand::random::<u64>()
     );
-    let mut last_err = String::new();
+    let mut last_err = format!("memfd_create failed: {memfd_err}");
     for dir in [PathBuf::from("/dev/shm"), std::env::temp_dir()] {
         if !dir.is_dir() {
             continue;
         }
         let path = dir.join(&name);
-        let file = match OpenOptions::new()
+        let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .mode(0o600)
-            .open(&path)
-        {
-            Ok(f) => f,
-            Err(e) => {
-                last_err = format!("cannot create {}: {e}", path.display());
-                continue;
-            }
-        };
-        let mut guard = Unlink(Some(path.clone()));
-        match size_and_map(&file, len) {
-            Ok(map) => {
-                // The caller removes it once every rank has mapped it.
-                guard.0 = None;
-                // SAFETY: the mapping is `len` bytes long and page aligned; the header words are
-                // 8-aligned and within the first page; no other process knows the file yet.
-                unsafe {
-                    let base = map.as_mut_ptr();
-                    for (off, v) in [
-                        (OFF_TOKEN, token),
-                        (OFF_WORLD, world as u64),
-                        (OFF_CAP, cap as u64),
-                        (OFF_MAGIC, MAGIC),
-                    ] {
-                        (*(base.add(off) as *const AtomicU64)).store(v, Ordering::Release);
-                    }
+            .open(&path);
+        match file {
+            Ok(f) => {
+                // Named for the moment between these two calls only.
+                if let Err(e) = std::fs::remove_file(&path) {
+                    last_err = format!("cannot unlink {}: {e}", path.display());
+                    continue;
                 }
-                return Ok((path, map, token));
+                return Ok(f);
             }
-            Err(e) => {
-                last_err = format!("cannot size or map {} ({len} bytes): {e}", path.display());
-                drop(guard);
-            }
+            Err(e) => last_err = format!("{last_err}; cannot create {}: {e}", path.display()),
         }
     }
     Err(last_err)
@@ -402,7 +402,7 @@ fn open_segment(
         .open(path)
         .map_err(|e| {
             format!(
-                "cannot open {} (is /dev/shm shared between the ranks?): {e}",
+                "cannot open rank 0's segment {} (are the ranks in one PID namespace, run by one user?): {e}",
                 path.display()
             )
         })?;
@@ -429,7 +429,7 @@ fn open_segment(
         || word(OFF_CAP) != cap as u64
     {
         return Err(format!(
-            "{} is not the segment rank 0 created (different /dev/shm?)",
+            "{} is not the segment rank 0 created (different PID namespaces?)",
             path.display()
         ));
     }

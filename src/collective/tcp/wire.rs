@@ -15,14 +15,22 @@
 //!
 //! Every length or count read from a socket is checked against a bound before anything is
 //! allocated; a connection that breaks a bound, has the wrong magic, version or secret is dropped
-//! and logged, and the run goes on.
+//! and logged, and the run goes on. The whole handshake has one deadline (not one per read), so a
+//! client that trickles bytes cannot hold a connection open.
+//!
+//! The store answers a handshake with one status byte: [`STATUS_OK`], or before hanging up
+//! [`STATUS_BUSY`] (too many connections: retry), [`STATUS_WRONG_SECRET`] (the store belongs to
+//! another run, or the ranks were given different secrets) or [`STATUS_VERSION`] (another
+//! protocol version). Garbage gets no answer.
 
 use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::time::Instant;
 
 /// Magic bytes that open every connection.
 pub const MAGIC: [u8; 4] = *b"ACRS";
 /// Protocol version; both ends must agree.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Longest secret accepted, in bytes.
 pub const MAX_SECRET: usize = 256;
 /// Longest store key, in bytes.
@@ -69,42 +77,37 @@ impl Hello {
         b
     }
 
-    /// Reads and validates a frame. `Err` carries a reason fit for a log line; the caller drops
-    /// the connection.
-    pub fn read_checked(r: &mut impl Read, secret: &[u8]) -> Result<Hello, String> {
+    /// Reads and validates a frame. The error says why the caller drops the connection (and,
+    /// through [`HelloError::status`], what to answer first).
+    pub fn read_checked(r: &mut impl Read, secret: &[u8]) -> Result<Hello, HelloError> {
         let mut head = [0u8; 18];
         r.read_exact(&mut head)
-            .map_err(|e| format!("incomplete handshake: {e}"))?;
+            .map_err(|e| HelloError::Incomplete(e.to_string()))?;
         if head[0..4] != MAGIC {
-            return Err(format!(
-                "not an accelerate-rs connection (magic {:02x?})",
-                &head[0..4]
-            ));
+            return Err(HelloError::NotAccelerate([
+                head[0], head[1], head[2], head[3],
+            ]));
         }
         let version = u16::from_le_bytes([head[4], head[5]]);
         if version != VERSION {
-            return Err(format!(
-                "protocol version {version}, this build speaks {VERSION}"
-            ));
+            return Err(HelloError::Version(version));
         }
         let role = match head[6] {
             1 => Role::StoreClient,
             2 => Role::Peer,
-            other => return Err(format!("unknown role {other}")),
+            other => return Err(HelloError::Role(other)),
         };
         let rank = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
         let world = u32::from_le_bytes([head[12], head[13], head[14], head[15]]);
         let len = u16::from_le_bytes([head[16], head[17]]) as usize;
         if len > MAX_SECRET {
-            return Err(format!(
-                "secret of {len} bytes is over the {MAX_SECRET}-byte limit"
-            ));
+            return Err(HelloError::SecretTooLong(len));
         }
         let mut got = vec![0u8; len];
         r.read_exact(&mut got)
-            .map_err(|e| format!("incomplete handshake: {e}"))?;
+            .map_err(|e| HelloError::Incomplete(e.to_string()))?;
         if !constant_time_eq(&got, secret) {
-            return Err("wrong secret (is ACCELERATE_RS_SECRET the same on every rank?)".into());
+            return Err(HelloError::WrongSecret);
         }
         Ok(Hello {
             role,
@@ -112,6 +115,117 @@ impl Hello {
             world,
             secret: got,
         })
+    }
+}
+
+/// Why a handshake was refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HelloError {
+    /// The connection ended, failed or ran out of time before a whole frame arrived.
+    Incomplete(String),
+    /// The first bytes are not accelerate-rs's magic.
+    NotAccelerate([u8; 4]),
+    /// Another protocol version.
+    Version(u16),
+    /// An unknown role byte.
+    Role(u8),
+    /// A secret longer than [`MAX_SECRET`].
+    SecretTooLong(usize),
+    /// A secret different from this run's.
+    WrongSecret,
+}
+
+impl HelloError {
+    /// The status byte the store sends before hanging up, if any.
+    pub fn status(&self) -> Option<u8> {
+        match self {
+            HelloError::WrongSecret => Some(STATUS_WRONG_SECRET),
+            HelloError::Version(_) => Some(STATUS_VERSION),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for HelloError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HelloError::Incomplete(e) => write!(f, "incomplete handshake: {e}"),
+            HelloError::NotAccelerate(m) => {
+                write!(f, "not an accelerate-rs connection (magic {m:02x?})")
+            }
+            HelloError::Version(v) => {
+                write!(f, "protocol version {v}, this build speaks {VERSION}")
+            }
+            HelloError::Role(r) => write!(f, "unknown role {r}"),
+            HelloError::SecretTooLong(len) => write!(
+                f,
+                "secret of {len} bytes is over the {MAX_SECRET}-byte limit"
+            ),
+            HelloError::WrongSecret => write!(
+                f,
+                "wrong secret (another run, or ACCELERATE_RS_SECRET differs between ranks)"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for HelloError {}
+
+/// Reports a connection that was refused or dropped (wrong secret, garbage, a flood): through
+/// `log` at warn level when a logger takes it, else straight to stderr, so that a run whose
+/// program set up no logging still shows them. After the first 16, only every power of two is
+/// printed, with the running count, so that a flood cannot flood stderr too.
+pub(crate) fn warn_rejected(msg: std::fmt::Arguments<'_>) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let n = COUNT.fetch_add(1, Ordering::Relaxed) + 1;
+    if n > 16 && !n.is_power_of_two() {
+        return;
+    }
+    let tally = if n > 16 {
+        format!(" ({n} connections refused so far; the others are not shown)")
+    } else {
+        String::new()
+    };
+    if log::log_enabled!(log::Level::Warn) {
+        log::warn!("{msg}{tally}");
+    } else {
+        eprintln!("accelerate-rs: warning: {msg}{tally}");
+    }
+}
+
+/// Reads from a socket under one deadline for all reads together: each read waits at most until
+/// `until`, then fails with [`io::ErrorKind::TimedOut`]. (A plain read timeout applies per read,
+/// so a sender trickling one byte at a time would never time out.)
+pub(crate) struct DeadlineReader<'a> {
+    stream: &'a TcpStream,
+    until: Instant,
+}
+
+impl<'a> DeadlineReader<'a> {
+    /// Reads from `stream` until `until`.
+    pub(crate) fn new(stream: &'a TcpStream, until: Instant) -> Self {
+        DeadlineReader { stream, until }
+    }
+}
+
+impl Read for DeadlineReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the handshake took too long",
+            ));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        match self.stream.read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the handshake took too long",
+            )),
+            other => other,
+        }
     }
 }
 
@@ -132,6 +246,12 @@ pub const STORE_GET: u8 = 2;
 pub const STATUS_OK: u8 = 0;
 /// Store reply status: the key did not appear in time.
 pub const STATUS_TIMEOUT: u8 = 1;
+/// Handshake refused: the store serves too many connections right now; retry.
+pub const STATUS_BUSY: u8 = 2;
+/// Handshake refused: the secret is not this run's.
+pub const STATUS_WRONG_SECRET: u8 = 3;
+/// Handshake refused: another protocol version.
+pub const STATUS_VERSION: u8 = 4;
 
 /// Reads a `u32` length and checks it against `max` before allocating, then reads the bytes.
 pub fn read_bounded(r: &mut impl Read, max: usize, what: &str) -> io::Result<Vec<u8>> {
@@ -283,17 +403,23 @@ mod tests {
             Ok(h.clone())
         );
         let err = Hello::read_checked(&mut &bytes[..], b"other").unwrap_err();
-        assert!(err.contains("wrong secret"), "{err}");
+        assert!(err.to_string().contains("wrong secret"), "{err}");
+        assert_eq!(err.status(), Some(STATUS_WRONG_SECRET));
         let err = Hello::read_checked(&mut &b"GET / HTTP/1.1\r\n\r\n"[..], b"").unwrap_err();
-        assert!(err.contains("not an accelerate-rs connection"), "{err}");
+        assert!(
+            err.to_string().contains("not an accelerate-rs connection"),
+            "{err}"
+        );
+        assert_eq!(err.status(), None);
         let mut long = bytes[..16].to_vec();
         long.extend_from_slice(&60000u16.to_le_bytes());
         let err = Hello::read_checked(&mut &long[..], b"").unwrap_err();
-        assert!(err.contains("limit"), "{err}");
+        assert!(err.to_string().contains("limit"), "{err}");
         let mut v2 = bytes.clone();
         v2[4] = 9;
         let err = Hello::read_checked(&mut &v2[..], b"s3cret").unwrap_err();
-        assert!(err.contains("version 9"), "{err}");
+        assert!(err.to_string().contains("version 9"), "{err}");
+        assert_eq!(err.status(), Some(STATUS_VERSION));
     }
 
     #[test]
