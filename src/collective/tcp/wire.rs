@@ -384,7 +384,7 @@ mod tests {
         }
         .encode();
         let mut want = b"ACRS".to_vec();
-        want.extend_from_slice(&[1, 0, 1, 0, 1, 0, 0, 0, 3, 0, 0, 0, 2, 0]);
+        want.extend_from_slice(&[2, 0, 1, 0, 1, 0, 0, 0, 3, 0, 0, 0, 2, 0]);
         want.extend_from_slice(b"xy");
         assert_eq!(bytes, want);
     }
