@@ -585,11 +585,12 @@ fn survivor_errors_within_10s_when_peer_is_killed_mid_collective() {
     eprintln!("rank 0 failed {elapsed:?} after rank 1 was killed");
 }
 
-#[test]
-fn launch_exits_nonzero_naming_the_failed_worker_in_a_real_collective_run() {
-    let start = Instant::now();
+/// `accelerate-rs launch --cpu <launch_args> <this test binary>` whose workers run
+/// [`worker_entry`] in `role`; stdout and stderr are piped.
+fn launch_workers(launch_args: &[&str], role: &str) -> Command {
     let mut cmd = Command::new(crate::common::launcher());
-    cmd.args(["launch", "--cpu", "-n", "3"])
+    cmd.args(["launch", "--cpu"])
+        .args(launch_args)
         .arg(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -597,22 +598,42 @@ fn launch_exits_nonzero_naming_the_failed_worker_in_a_real_collective_run() {
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(ROLE_VAR, "launch")
+        .env(ROLE_VAR, role)
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let mut children = Children::default();
+    cmd
+}
+
+/// Spawns `cmd` and drains its output: the child and the threads collecting stdout and stderr.
+fn spawn_drained(mut cmd: Command) -> (Child, JoinHandle<String>, JoinHandle<String>) {
     let mut child = cmd.spawn().unwrap();
     let out = drain(child.stdout.take().unwrap());
     let err = drain(child.stderr.take().unwrap());
+    (child, out, err)
+}
+
+/// Runs `cmd` to its end (killed, and the test failed, if it runs past `limit`): its status,
+/// stdout and stderr.
+fn run_to_end(cmd: Command, limit: Duration) -> (ExitStatus, String, String) {
+    let (child, out, err) = spawn_drained(cmd);
+    let mut children = Children::default();
     children.0.push(child);
-    let status = wait_until(&mut children.0[0], start + Duration::from_secs(20));
-    let Some(status) = status else {
+    let Some(status) = wait_until(&mut children.0[0], Instant::now() + limit) else {
         drop(children);
-        panic!("the launcher was still running after 20 s");
+        panic!("the launcher was still running after {limit:?}");
     };
-    let (out, err) = (out.join().unwrap(), err.join().unwrap());
+    (status, out.join().unwrap(), err.join().unwrap())
+}
+
+#[test]
+fn launch_exits_nonzero_naming_the_failed_worker_in_a_real_collective_run() {
+    let start = Instant::now();
+    let (status, out, err) = run_to_end(
+        launch_workers(&["-n", "3"], "launch"),
+        Duration::from_secs(20),
+    );
     let text = format!("stdout:\n{out}\nstderr:\n{err}");
     assert_eq!(status.code(), Some(7), "{text}");
     assert!(
@@ -630,38 +651,13 @@ fn launch_exits_nonzero_naming_the_failed_worker_in_a_real_collective_run() {
 
 #[test]
 fn a_tiny_collective_timeout_is_called_too_short_not_a_missing_store() {
-    let mut cmd = Command::new(crate::common::launcher());
-    cmd.args([
-        "launch",
-        "--cpu",
-        "-n",
-        "2",
-        "--collective-timeout-secs",
-        "0.000001",
-    ])
-    .arg(std::env::current_exe().unwrap())
-    .args([
-        "--exact",
-        "faults::worker_entry",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(ROLE_VAR, "launch")
-    .env_remove("RUST_LOG")
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
-    let mut children = Children::default();
-    let mut child = cmd.spawn().unwrap();
-    let out = drain(child.stdout.take().unwrap());
-    let err = drain(child.stderr.take().unwrap());
-    children.0.push(child);
-    let status = wait_until(&mut children.0[0], Instant::now() + Duration::from_secs(20));
-    let Some(status) = status else {
-        drop(children);
-        panic!("the launcher was still running after 20 s");
-    };
-    let (out, err) = (out.join().unwrap(), err.join().unwrap());
+    let (status, out, err) = run_to_end(
+        launch_workers(
+            &["-n", "2", "--collective-timeout-secs", "0.000001"],
+            "launch",
+        ),
+        Duration::from_secs(20),
+    );
     let text = format!("stdout:\n{out}\nstderr:\n{err}");
     assert!(!status.success(), "{text}");
     assert!(
@@ -682,25 +678,9 @@ fn a_tiny_collective_timeout_is_called_too_short_not_a_missing_store() {
 fn two_launches_given_the_same_port_both_run() {
     let port = free_port().to_string();
     let launch = || {
-        let mut cmd = Command::new(crate::common::launcher());
-        cmd.args(["launch", "--cpu", "-n", "2", "--main-process-port", &port])
-            .arg(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "faults::worker_entry",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(ROLE_VAR, "slow0")
-            .env_remove("RUST_LOG")
-            .env_remove("ACCELERATE_RS_SECRET")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = cmd.spawn().unwrap();
-        let out = drain(child.stdout.take().unwrap());
-        let err = drain(child.stderr.take().unwrap());
-        (child, out, err)
+        let mut cmd = launch_workers(&["-n", "2", "--main-process-port", &port], "slow0");
+        cmd.env_remove("ACCELERATE_RS_SECRET");
+        spawn_drained(cmd)
     };
     let mut children = Children::default();
     let (a, a_out, a_err) = launch();
