@@ -187,6 +187,19 @@ pub enum Error {
         reason: String,
     },
 
+    /// Registered trainable parameters received no gradient on any rank at the first optimizer
+    /// step, with the `missing_gradients` setting at `error`
+    /// ([`MissingGradients`](crate::MissingGradients)).
+    #[error("rank {rank}: {report}")]
+    MissingGradients {
+        /// This process's rank.
+        rank: usize,
+        /// The parameters without a gradient, by name.
+        params: Vec<String>,
+        /// The report: how many, grouped by prefix, and the likely cause.
+        report: String,
+    },
+
     /// A thread of accelerate-rs itself panicked (e.g. the communication thread that reduces
     /// gradient buckets): an internal failure, not a usage error.
     #[error("rank {rank}: {thread} panicked: {message}")]

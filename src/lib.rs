@@ -63,6 +63,7 @@
 //! | gradient accumulation | [`gradient_accumulation_steps`](AcceleratorBuilder::gradient_accumulation_steps) | `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS` | `gradient_accumulation_steps` | 1 |
 //! | config file | [`config_file`](AcceleratorBuilder::config_file) | `ACCELERATE_RS_CONFIG_FILE` | - | platform config dir |
 //! | CPU collective transport (several processes) | [`transport`](AcceleratorBuilder::transport) | `ACCELERATE_RS_TRANSPORT`: `auto`, `tcp` or `shm` | `transport` | `auto`: shared memory when every rank is on one host, else TCP |
+//! | Parameters without a gradient at the first step | [`missing_gradients`](AcceleratorBuilder::missing_gradients) | `ACCELERATE_RS_MISSING_GRADIENTS`: `warn`, `error` or `off` | `missing_gradients` | `warn`: one warning on the main process naming them |
 //! | reduce CPU gradient buckets on a communication thread while the next is flattened | - | `ACCELERATE_RS_OVERLAP`: `1` or `0` | - | on |
 //! | fused optimizer kernels ([`optim`]) | [`AdamW::set_fused`](optim::AdamW::set_fused), [`Sgd::set_fused`](optim::Sgd::set_fused) | `ACCELERATE_RS_FUSED_OPTIM`: `1` or `0` | - | on |
 //! | check shapes across ranks before `gather`, `reduce`, `broadcast` | - | `ACCELERATE_RS_DEBUG`: `1` or `0` | - | off |
@@ -166,7 +167,9 @@ pub use data::{
     TensorDataset, TextLine, TextLines, WeightedSampler,
 };
 pub use error::{Error, ReplicaCause, ReplicaFailure, Result};
-pub use settings::{ConfigFile, DistributedType, MixedPrecision, ProcessState, Transport};
+pub use settings::{
+    ConfigFile, DistributedType, MissingGradients, MixedPrecision, ProcessState, Transport,
+};
 pub use train::mixed_precision::{LossScaler, MixedPrecisionOptimizer};
 pub use train::optimizer::{AcceleratedOptimizer, TrainOptimizer};
 pub use train::params::Parameters;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::Accelerator;
 use crate::collective::Collective;
 use crate::error::Result;
-use crate::settings::{MixedPrecision, Overrides, ProcessState, Transport};
+use crate::settings::{MissingGradients, MixedPrecision, Overrides, ProcessState, Transport};
 
 /// Sets up an [`Accelerator`]. Every setting follows one precedence: a builder call beats the
 /// environment variable, which beats the config file, which beats the default (see the table in
@@ -49,6 +49,12 @@ impl AcceleratorBuilder {
     /// [`Transport::Auto`]: crate::Transport::Auto
     pub fn transport(mut self, transport: Transport) -> Self {
         self.o.transport = Some(transport);
+        self
+    }
+    /// What the first optimizer step does when registered parameters received no gradient
+    /// (default [`MissingGradients::Warn`]: one warning on the main process naming them).
+    pub fn missing_gradients(mut self, mode: MissingGradients) -> Self {
+        self.o.missing_gradients = Some(mode);
         self
     }
     /// Whether to tune glibc's allocator for training (default true; see

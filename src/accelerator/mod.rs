@@ -67,6 +67,7 @@ impl Accelerator {
             state.gradient_accumulation_steps(),
             state.bucket_cap_bytes(),
             state.overlap(),
+            state.missing_gradients(),
         ));
         Accelerator {
             inner: Arc::new(Inner {

@@ -49,6 +49,10 @@ pub struct ConfigFile {
     /// one host), `tcp` or `shm`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub transport: Option<crate::settings::Transport>,
+    /// What the first optimizer step does when registered parameters received no gradient:
+    /// `warn` (default), `error` or `off`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub missing_gradients: Option<crate::settings::MissingGradients>,
     /// Tune glibc's allocator for training (keep freed memory instead of unmapping it; default
     /// true), see `accelerate_rs::allocator`.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -75,6 +75,9 @@ pub const DEBUG: &str = "ACCELERATE_RS_DEBUG";
 /// Data path of multi-process CPU `all_reduce` and `broadcast`: `auto` (default: shared memory
 /// when every rank is on the same host, else TCP), `tcp`, or `shm` (an error on several hosts).
 pub const TRANSPORT: &str = "ACCELERATE_RS_TRANSPORT";
+/// What the first optimizer step does when registered parameters received no gradient: `warn`
+/// (default), `error` or `off` (see [`MissingGradients`](crate::MissingGradients)).
+pub const MISSING_GRADIENTS: &str = "ACCELERATE_RS_MISSING_GRADIENTS";
 /// How many times the launcher restarted the worker group (0 on the first run).
 pub const RESTART_COUNT: &str = "ACCELERATE_RS_RESTART_COUNT";
 /// Set by `accelerate-rs launch` for rank 0 only: the number of an inherited file descriptor

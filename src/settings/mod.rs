@@ -10,12 +10,14 @@ pub mod gpu;
 #[cfg(not(feature = "cuda"))]
 #[path = "gpu_stub.rs"]
 pub mod gpu;
+mod missing_gradients;
 pub(crate) mod parse;
 pub(crate) mod state;
 mod transport;
 mod worker_env;
 
 pub use config::{ConfigFile, MixedPrecision};
+pub use missing_gradients::MissingGradients;
 pub(crate) use state::Overrides;
 pub use state::{DistributedType, ProcessState};
 pub use transport::Transport;

@@ -8,7 +8,7 @@ use candle_core::Device;
 
 use crate::error::{Error, Result};
 use crate::settings::parse::{env_value, pick, Count, Positive};
-use crate::settings::{env, ConfigFile, MixedPrecision, Transport};
+use crate::settings::{env, ConfigFile, MissingGradients, MixedPrecision, Transport};
 
 /// Default timeout of every collective.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
@@ -52,6 +52,7 @@ pub(crate) struct Overrides {
     pub bucket_cap_mb: Option<f64>,
     pub tune_malloc: Option<bool>,
     pub transport: Option<Transport>,
+    pub missing_gradients: Option<MissingGradients>,
     pub config_file: Option<PathBuf>,
     pub rank: Option<usize>,
     pub world_size: Option<usize>,
@@ -86,6 +87,7 @@ pub struct ProcessState {
     bucket_cap_bytes: usize,
     tune_malloc: bool,
     transport: Transport,
+    missing_gradients: MissingGradients,
     overlap: bool,
     debug: bool,
     data_parallel: usize,
@@ -112,6 +114,7 @@ impl std::fmt::Debug for ProcessState {
             .field("bucket_cap_bytes", &self.bucket_cap_bytes)
             .field("tune_malloc", &self.tune_malloc)
             .field("transport", &self.transport)
+            .field("missing_gradients", &self.missing_gradients)
             .field("overlap", &self.overlap)
             .field("debug", &self.debug)
             .field("data_parallel", &self.data_parallel)
@@ -449,6 +452,12 @@ impl ProcessState {
             cfg.transport,
             Transport::Auto,
         );
+        let missing_gradients = pick(
+            o.missing_gradients,
+            env_value(getenv, env::MISSING_GRADIENTS)?,
+            cfg.missing_gradients,
+            MissingGradients::Warn,
+        );
         let overlap = pick(None, env_value(getenv, env::OVERLAP)?, None, true);
         let debug = pick(None, env_value(getenv, env::DEBUG)?, None, false);
         // `None`: nobody said; GPUs are used when this build and machine have them.
@@ -497,6 +506,7 @@ impl ProcessState {
             bucket_cap_bytes: (bucket_cap_mb * 1024.0 * 1024.0) as usize,
             tune_malloc,
             transport,
+            missing_gradients,
             overlap,
             debug,
             data_parallel,
@@ -561,6 +571,10 @@ impl ProcessState {
     /// The data path between processes ([`Transport`]).
     pub fn transport(&self) -> Transport {
         self.transport
+    }
+    /// What the first optimizer step does when registered parameters received no gradient.
+    pub fn missing_gradients(&self) -> MissingGradients {
+        self.missing_gradients
     }
 
     /// Whether CPU gradient buckets are all-reduced on a communication thread while the next is

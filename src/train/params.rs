@@ -156,6 +156,16 @@ impl ParamSet {
         self.vars.len()
     }
 
+    /// The names of the parameters that have no gradient in `grads`, in name order.
+    pub(crate) fn without_grad(&self, grads: &GradStore) -> Vec<String> {
+        self.names
+            .iter()
+            .zip(&self.vars)
+            .filter(|(_, v)| grads.get(v.as_tensor()).is_none())
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
     pub(crate) fn num_buckets(&self) -> usize {
         self.buckets.len()
     }

@@ -11,6 +11,7 @@ mod ddp;
 mod dp;
 mod examples;
 mod faults;
+mod frozen;
 mod fused_optim;
 mod mixed_precision;
 mod multinode;

@@ -175,6 +175,7 @@ impl AnswerFlags {
             bucket_cap_mb: self.bucket_cap_mb,
             tune_malloc: None,
             transport: None,
+            missing_gradients: None,
         };
         if let Some((key, reason)) = cfg.problem() {
             return Err(flag_error(key, reason));

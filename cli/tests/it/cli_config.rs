@@ -278,6 +278,7 @@ fn flags_round_trip_without_questions() {
         bucket_cap_mb: Some(10.0),
         tune_malloc: None,
         transport: None,
+        missing_gradients: None,
         max_restarts: Some(2),
         monitor_interval_secs: Some(0.5),
     };

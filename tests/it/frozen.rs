@@ -1,0 +1,216 @@
+//! Frozen-parameter detection: a model built with Candle's fused `candle_nn::LayerNorm` (no
+//! backward pass) gives no gradient to anything upstream of it; the first optimizer step warns
+//! on the main process (default), fails on every rank (`error`) or stays quiet (`off`), and the
+//! same model with a differentiable layer norm passes the check.
+//!
+//! The multi-process tests re-run this test binary as the workers: `frozen::worker_entry` does
+//! nothing unless `ACCEL_FROZEN_ROLE` is set.
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use accelerate_rs::collective::Collective;
+use accelerate_rs::{Accelerator, Error, MissingGradients};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{layer_norm, linear, loss, LayerNormConfig, Optimizer, VarBuilder, VarMap, SGD};
+
+const ROLE_VAR: &str = "ACCEL_FROZEN_ROLE";
+
+/// `enc` (linear) → `norm` → `head` (linear). With `fused`, `norm` is `candle_nn::LayerNorm`,
+/// whose fast path has no backward: `enc.*` and `norm.*` get no gradient. Otherwise the same
+/// norm through the differentiable `layer_norm_slow`.
+struct Model {
+    enc: candle_nn::Linear,
+    norm: candle_nn::LayerNorm,
+    head: candle_nn::Linear,
+    fused: bool,
+}
+
+impl Model {
+    fn new(varmap: &VarMap, fused: bool) -> candle_core::Result<Model> {
+        let vb = VarBuilder::from_varmap(varmap, DType::F32, &Device::Cpu);
+        Ok(Model {
+            enc: linear(4, 8, vb.pp("enc"))?,
+            norm: layer_norm(8, LayerNormConfig::default(), vb.pp("norm"))?,
+            head: linear(8, 1, vb.pp("head"))?,
+            fused,
+        })
+    }
+
+    fn loss(&self) -> candle_core::Result<Tensor> {
+        let x = Tensor::arange(0f32, 24.0, &Device::Cpu)?
+            .reshape((6, 4))?
+            .affine(0.1, -1.0)?;
+        let y = x.sum_keepdim(1)?;
+        let h = self.enc.forward(&x)?;
+        let h = if self.fused {
+            self.norm.forward(&h)?
+        } else {
+            let (w, b) = (self.norm.weight(), self.norm.bias().expect("bias"));
+            candle_nn::ops::layer_norm_slow(&h, w, b, 1e-5)?
+        };
+        loss::mse(&self.head.forward(&h)?, &y)
+    }
+}
+
+/// Three SGD steps through `acc` (accumulating `n` micro-steps per step when the accelerator
+/// says so); the first error, if any.
+fn train(acc: &Accelerator, fused: bool) -> accelerate_rs::Result<()> {
+    let varmap = VarMap::new();
+    let model = Model::new(&varmap, fused)?;
+    acc.prepare_model(&varmap)?;
+    let mut opt = acc.prepare_optimizer(SGD::new(varmap.all_vars(), 0.01)?);
+    for _ in 0..3 * acc.gradient_accumulation_steps() {
+        opt.backward_step(&model.loss()?)?;
+    }
+    Ok(())
+}
+
+fn single(mode: Option<MissingGradients>, accumulate: usize) -> Accelerator {
+    let mut b = Accelerator::builder()
+        .rank(0)
+        .world_size(1)
+        .gradient_accumulation_steps(accumulate);
+    if let Some(m) = mode {
+        b = b.missing_gradients(m);
+    }
+    b.build().unwrap()
+}
+
+#[test]
+fn error_mode_names_every_parameter_without_a_gradient() {
+    for accumulate in [1, 2] {
+        let acc = single(Some(MissingGradients::Error), accumulate);
+        match train(&acc, true) {
+            Err(Error::MissingGradients {
+                rank,
+                params,
+                report,
+            }) => {
+                assert_eq!(rank, 0);
+                assert_eq!(
+                    params,
+                    ["enc.bias", "enc.weight", "norm.bias", "norm.weight"],
+                    "{report}"
+                );
+                assert!(report.contains("4 of 6 trainable parameters"), "{report}");
+                assert!(report.contains("enc.* (2)"), "{report}");
+                assert!(report.contains("candle_nn::LayerNorm"), "{report}");
+            }
+            other => panic!("accumulate {accumulate}: expected MissingGradients, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn warn_and_off_train_on_and_a_differentiable_model_passes_the_check() {
+    for mode in [
+        None,
+        Some(MissingGradients::Warn),
+        Some(MissingGradients::Off),
+    ] {
+        train(&single(mode, 1), true).unwrap();
+    }
+    // No parameter is left without a gradient: the strictest setting passes.
+    for accumulate in [1, 3] {
+        train(&single(Some(MissingGradients::Error), accumulate), false).unwrap();
+    }
+    assert_eq!(
+        single(None, 1).state().missing_gradients(),
+        MissingGradients::Warn
+    );
+}
+
+#[test]
+fn a_parameter_with_a_gradient_on_any_rank_is_not_reported() {
+    // Three in-process ranks; only rank 1 lets gradients reach `enc` and `norm`. After the
+    // average every rank has them, so nobody errs (nor waits for a rank that erred).
+    let results = crate::common::in_process_with(
+        3,
+        |c: Arc<dyn Collective>| {
+            Accelerator::builder()
+                .collective(c)
+                .missing_gradients(MissingGradients::Error)
+        },
+        |acc| {
+            let fused = acc.rank() != 1;
+            train(&acc, fused).map_err(|e| e.to_string())
+        },
+    );
+    assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
+}
+
+fn launch(role: &str, extra_env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let mut cmd = Command::new(crate::common::launcher());
+    cmd.args(["launch", "--cpu", "-n", "2"])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "frozen::worker_entry",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE_VAR, role)
+        .env_remove("RUST_LOG")
+        .env_remove("ACCELERATE_RS_MISSING_GRADIENTS")
+        .envs(extra_env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let start = Instant::now();
+    let out = cmd.output().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(60));
+    let text = format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+#[test]
+fn two_processes_warn_once_on_the_main_process_by_default() {
+    let (code, text) = launch("fused", &[]);
+    assert_eq!(code, Some(0), "{text}");
+    let warnings: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("received no gradient"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{text}");
+    assert!(warnings[0].starts_with("[rank 0]"), "{text}");
+    assert!(
+        warnings[0].contains("enc.* (2), norm.* (2)"),
+        "{}",
+        warnings[0]
+    );
+}
+
+#[test]
+fn two_processes_fail_on_every_rank_in_error_mode() {
+    let (code, text) = launch("fused", &[("ACCELERATE_RS_MISSING_GRADIENTS", "error")]);
+    assert_ne!(code, Some(0), "{text}");
+    for rank in 0..2 {
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with(&format!("[rank {rank}]"))
+                    && l.contains("worker failed: rank")
+                    && l.contains("received no gradient")),
+            "rank {rank} did not report the missing gradients:\n{text}"
+        );
+    }
+    // A bad value of the setting is an error naming the variable, not a silent default.
+    let (code, text) = launch("fused", &[("ACCELERATE_RS_MISSING_GRADIENTS", "loud")]);
+    assert_ne!(code, Some(0), "{text}");
+    assert!(text.contains("ACCELERATE_RS_MISSING_GRADIENTS"), "{text}");
+}
+
+/// Entry point of the worker processes; does nothing in a normal test run.
+#[test]
+fn worker_entry() {
+    let Ok(role) = std::env::var(ROLE_VAR) else {
+        return;
+    };
+    let result = Accelerator::new().and_then(|acc| train(&acc, role == "fused"));
+    crate::common::exit_worker(result)
+}
