@@ -191,3 +191,40 @@ fn gpu_bundle_packs_strips_names_and_enforces_its_size_limit() {
         text(&out)
     );
 }
+
+/// `scripts/faults.py` on this build's binaries, two of its scenarios: a launcher killed with
+/// SIGKILL takes its workers with it, and wrong-secret strangers on the store port neither stop
+/// the run nor go unreported. The script prints its table and fails when a scenario fails.
+#[test]
+fn fault_script_runs_its_scenarios_and_prints_the_table() {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    if !profile_dir.join("examples").join("digits").exists() {
+        panic!(
+            "the digits example is missing: run the whole `cargo test` (it builds the examples)"
+        );
+    }
+    let out = Command::new("python3")
+        .arg(Path::new(ROOT).join("scripts/faults.py"))
+        .arg("--bin-dir")
+        .arg(profile_dir)
+        .args(["--only", "kill-launcher,wrong-secret"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        stdout.contains("| scenario") && stdout.contains("2 of 2 scenarios passed"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("kill -9 the launcher"), "{stdout}");
+    // An unknown scenario is an error naming it, not an empty table.
+    let out = Command::new("python3")
+        .arg(Path::new(ROOT).join("scripts/faults.py"))
+        .args(["--no-build", "--only", "no-such-fault"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).1.contains("no-such-fault"));
+}
