@@ -147,6 +147,10 @@ impl<'a> BufferMut<'a> {
 }
 
 impl<'a> Buffer<'a> {
+    /// A view of raw bytes holding elements of type `elem`.
+    pub(crate) fn raw(bytes: &'a [u8], elem: ElemType) -> Self {
+        Buffer { bytes, elem }
+    }
     /// Element type.
     pub fn elem(&self) -> ElemType {
         self.elem

@@ -82,6 +82,37 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
 
+    /// Reduces `buf` across ranks, keeping on each rank only its own chunk of the result: on
+    /// return, elements [`chunk_range`]`(buf.len(), world_size, rank)` of `buf` hold the reduction
+    /// of those elements over every rank; the rest of `buf` is unspecified. Every rank passes the
+    /// same length. This is how ZeRO stage 2 keeps only its slice of the gradients; ring backends
+    /// (TCP, shared memory, threads) move and add half of what an
+    /// [`all_reduce`](Collective::all_reduce) does. The default is an `all_reduce`.
+    fn reduce_scatter(&self, buf: BufferMut<'_>, op: ReduceOp) -> Result<()> {
+        self.all_reduce(buf, op)
+    }
+
+    /// The inverse of [`reduce_scatter`](Collective::reduce_scatter), into a preallocated buffer:
+    /// each rank's chunk [`chunk_range`]`(buf.len(), world_size, rank)` of `buf` is its
+    /// contribution, and on return every rank's `buf` holds every rank's chunk. Every rank
+    /// passes the same length (ZeRO: each rank updated its slice of the flat parameters). The
+    /// default goes through [`all_gather`](Collective::all_gather).
+    fn all_gather_into(&self, mut buf: BufferMut<'_>) -> Result<()> {
+        let (n, me, len) = (self.world_size(), self.rank(), buf.len());
+        if n == 1 {
+            return Ok(());
+        }
+        let elem = buf.elem();
+        let esize = elem.size();
+        let mine = chunk_range(len, n, me);
+        let bytes = buf.bytes_mut();
+        let parts = self.all_gather(Buffer::raw(
+            &bytes[mine.start * esize..mine.end * esize],
+            elem,
+        ))?;
+        fill_from_chunks(me, bytes, esize, &parts)
+    }
+
     /// Checks, without blocking, that the peers this rank talks to are still there (used by
     /// backends whose device operations cannot notice a dead peer themselves). The default has
     /// nothing to check.
@@ -119,6 +150,43 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         }
         gather_tensor_via_host(self, t)
     }
+}
+
+/// The elements of a flat buffer of `len` elements that rank `rank` of `world` owns in
+/// [`Collective::reduce_scatter`] and [`Collective::all_gather_into`]: contiguous, in rank order,
+/// sizes differing by at most one (rank `r` starts at `r * len / world`, rounded down). Also how
+/// ZeRO-style sharding splits the flat parameters.
+pub fn chunk_range(len: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
+    let bound = |i: usize| (i as u128 * len as u128 / world.max(1) as u128) as usize;
+    bound(rank.min(world))..bound((rank + 1).min(world))
+}
+
+/// Writes every rank's chunk (`parts`, from an all-gather) into its place in `bytes`; a chunk
+/// of the wrong length (ranks passed different lengths) is an [`Error::Mismatch`].
+fn fill_from_chunks(
+    rank: usize,
+    bytes: &mut [u8],
+    esize: usize,
+    parts: &[OwnedBuffer],
+) -> Result<()> {
+    let (n, len) = (parts.len(), bytes.len() / esize.max(1));
+    for (r, part) in parts.iter().enumerate() {
+        let range = chunk_range(len, n, r);
+        let want = range.len() * esize;
+        if part.bytes().len() != want {
+            return Err(Error::Mismatch {
+                rank,
+                op: "all_gather_into".into(),
+                detail: format!(
+                    "rank {rank} expected {} element(s) from rank {r} (a buffer of {len} over {n} ranks), got {}; every rank must pass the same length",
+                    range.len(),
+                    part.bytes().len() / esize.max(1)
+                ),
+            });
+        }
+        bytes[range.start * esize..range.end * esize].copy_from_slice(part.bytes());
+    }
+    Ok(())
 }
 
 /// Gathers every rank's dtype and dims and checks that the dtype and all dims but the first agree

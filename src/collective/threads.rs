@@ -3,13 +3,21 @@
 //! Each operation is a rendezvous: every rank deposits its contribution, the last one to arrive
 //! opens the gate, every rank computes its result from all contributions (in rank order, so all
 //! ranks get bit-identical results), and the slots are cleared once all have read them.
+//!
+//! `all_reduce`, `reduce_scatter` and `all_gather_into` copy nothing in: the rendezvous
+//! exchanges the addresses of the ranks' own buffers, then each rank reduces its share
+//! ([`chunk_range`](super::chunk_range)) straight from the others' buffers into its own (phase
+//! 1), and copies the other shares from their owners' buffers (phase 2), all ranks in parallel.
+//! A gate after each phase keeps every buffer alive and unchanged while others read it: once
+//! the addresses are exchanged, a rank returns only when every other rank has passed the gate
+//! or left the group (its communicator dropped), never on a timeout.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::{
-    check_reducible, check_root, finish_mean, reduce_into, AlignedBytes, Buffer, BufferMut,
-    Collective, ElemType, OwnedBuffer, ReduceOp,
+    check_reducible, check_root, chunk_range, finish_mean, reduce_into, AlignedBytes, Buffer,
+    BufferMut, Collective, ElemType, OwnedBuffer, ReduceOp,
 };
 use crate::error::{Error, Result};
 
@@ -38,6 +46,8 @@ impl ThreadGroup {
                 read: 0,
                 departed: vec![false; world_size],
                 broken: None,
+                gate_arrived: 0,
+                gate_gen: 0,
             }),
             cv: Condvar::new(),
         });
@@ -93,6 +103,10 @@ struct State {
     read: usize,
     departed: Vec<bool>,
     broken: Option<String>,
+    /// Ranks waiting at the current gate of a direct operation.
+    gate_arrived: usize,
+    /// Gates opened so far.
+    gate_gen: u64,
 }
 
 impl ThreadCollective {
@@ -214,6 +228,130 @@ impl ThreadCollective {
         result
     }
 
+    /// Waits until every other rank has reached this gate or left the group. Never times out:
+    /// it is only used once every rank has committed to the operation, and other ranks may be
+    /// reading this rank's buffer until they pass it. A rank that left is reported (after the
+    /// live ones arrived).
+    fn gate(&self, op: &str) -> Result<()> {
+        let n = self.shared.n;
+        let mut st = self.lock();
+        let gen = st.gate_gen;
+        st.gate_arrived += 1;
+        if st.gate_arrived == n {
+            st.gate_arrived = 0;
+            st.gate_gen += 1;
+            self.shared.cv.notify_all();
+            return Ok(());
+        }
+        loop {
+            if st.gate_gen != gen {
+                return Ok(());
+            }
+            let gone = st.departed.iter().filter(|&&d| d).count();
+            if gone > 0 && st.gate_arrived + gone >= n {
+                let peer = st.departed.iter().position(|&d| d).unwrap_or(self.rank);
+                let err = Error::Peer {
+                    rank: self.rank,
+                    peer,
+                    op: op.into(),
+                    reason: "that rank left the group (its communicator was dropped)".into(),
+                    source: None,
+                };
+                return Err(self.fail(&mut st, err));
+            }
+            st = self
+                .shared
+                .cv
+                .wait_timeout(st, Duration::from_millis(500))
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
+    }
+
+    /// A direct operation on `bytes` (see [the module](self)): exchanges the buffers' addresses,
+    /// then with `reduce` reduces this rank's share from every buffer into this one (phase 1)
+    /// and with `gather` copies every other share from its owner (phase 2), a gate after each.
+    fn direct(
+        &self,
+        desc: OpDesc,
+        bytes: &mut [u8],
+        reduce: Option<ReduceOp>,
+        gather: bool,
+    ) -> Result<()> {
+        let (n, me) = (self.shared.n, self.rank);
+        let (op, elem) = (desc.op, desc.elem);
+        let esize = elem.size();
+        let len = bytes.len();
+        // From here on this rank touches its buffer only through `base`, like the others do.
+        let base = bytes.as_mut_ptr();
+        let mut mine = AlignedBytes::zeroed(8);
+        mine.as_mut()
+            .copy_from_slice(&(base as usize as u64).to_le_bytes());
+        let addrs: Vec<usize> = self.rendezvous(desc, mine, |slots| {
+            (0..n)
+                .map(|r| {
+                    let b = slot(slots, r)?.as_ref();
+                    let mut word = [0u8; 8];
+                    word.copy_from_slice(b.get(..8).unwrap_or(&[0; 8]));
+                    Ok(u64::from_le_bytes(word) as usize)
+                })
+                .collect()
+        })?;
+        // Every rank passed the same length (the rendezvous compared the counts).
+        let share = |r: usize| {
+            let c = chunk_range(len / esize, n, r);
+            c.start * esize..c.end * esize
+        };
+        let mut result = Ok(());
+        if let Some(rop) = reduce {
+            let own = share(me);
+            // SAFETY: `base` is this rank's buffer of `len` bytes, borrowed mutably for this
+            // whole call; `own` lies within it. In phase 1 only this rank writes share `me` of
+            // any buffer, and it only reads share `me` of the others', which their owners do not
+            // write in this phase; every buffer stays alive and unmoved until its owner passes
+            // the gate below, which it does only after every other rank arrived there (or left
+            // the group, after which it reads nothing).
+            let dst = unsafe { std::slice::from_raw_parts_mut(base.add(own.start), own.len()) };
+            let acc = if rop == ReduceOp::Max {
+                ReduceOp::Max
+            } else {
+                ReduceOp::Sum
+            };
+            for r in (0..n).filter(|&r| r != me) {
+                // SAFETY: see above; rank `r`'s buffer has the same length `len`.
+                let src = unsafe {
+                    std::slice::from_raw_parts((addrs[r] as *const u8).add(own.start), own.len())
+                };
+                if let Err(e) = reduce_into(elem, acc, dst, src) {
+                    result = Err(e);
+                    break;
+                }
+            }
+            if result.is_ok() && rop == ReduceOp::Mean {
+                result = finish_mean(elem, dst, n);
+            }
+            self.gate(op)?;
+        }
+        if gather {
+            for r in (0..n).filter(|&r| r != me) {
+                let theirs = share(r);
+                // SAFETY: in phase 2 each rank writes only the shares of its own buffer that it
+                // does not own and reads only the share each other rank owns in that rank's
+                // buffer, which nobody writes in this phase; the buffers stay alive until their
+                // owners pass the gate below (see phase 1).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (addrs[r] as *const u8).add(theirs.start),
+                        base.add(theirs.start),
+                        theirs.len(),
+                    );
+                }
+            }
+            self.gate(op)?;
+        }
+        result
+    }
+
     fn first_missing(&self, st: &State) -> Option<usize> {
         (0..self.shared.n).find(|&r| st.slots[r].is_none())
     }
@@ -270,27 +408,40 @@ impl Collective for ThreadCollective {
         if self.shared.n == 1 {
             return Ok(());
         }
-        let elem = buf.elem();
         let desc = OpDesc {
             op: "all_reduce",
-            elem,
+            elem: buf.elem(),
             count: Some(buf.len()),
             aux: op.code() as u64,
         };
-        let n = self.shared.n;
-        let out = buf.bytes_mut();
-        self.rendezvous(desc, AlignedBytes::copy_from(out), |slots| {
-            // Reduce straight into the caller's buffer, always in rank order, so every rank
-            // computes bit-identical results without a temporary.
-            out.copy_from_slice(slot(slots, 0)?.as_ref());
-            for r in 1..n {
-                reduce_into(elem, op, out, slot(slots, r)?.as_ref())?;
-            }
-            if op == ReduceOp::Mean {
-                finish_mean(elem, out, n)?;
-            }
-            Ok(())
-        })
+        self.direct(desc, buf.bytes_mut(), Some(op), true)
+    }
+
+    fn reduce_scatter(&self, mut buf: BufferMut<'_>, op: ReduceOp) -> Result<()> {
+        check_reducible(buf.elem(), op)?;
+        if self.shared.n == 1 {
+            return Ok(());
+        }
+        let desc = OpDesc {
+            op: "reduce_scatter",
+            elem: buf.elem(),
+            count: Some(buf.len()),
+            aux: op.code() as u64,
+        };
+        self.direct(desc, buf.bytes_mut(), Some(op), false)
+    }
+
+    fn all_gather_into(&self, mut buf: BufferMut<'_>) -> Result<()> {
+        if self.shared.n == 1 {
+            return Ok(());
+        }
+        let desc = OpDesc {
+            op: "all_gather_into",
+            elem: buf.elem(),
+            count: Some(buf.len()),
+            aux: 0,
+        };
+        self.direct(desc, buf.bytes_mut(), None, true)
     }
 
     fn broadcast(&self, mut buf: BufferMut<'_>, root: usize) -> Result<()> {

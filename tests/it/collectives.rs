@@ -4,10 +4,13 @@
 use std::time::{Duration, Instant};
 
 use crate::common::elems::{reference, value, TestElem};
-use crate::common::{on_each, tcp_group};
-use accelerate_rs::collective::{Buffer, BufferMut, Collective, SingleProcess, ThreadGroup};
+use crate::common::{free_port, on_each, tcp_group, tcp_options};
+use accelerate_rs::collective::{
+    chunk_range, Buffer, BufferMut, Collective, SingleProcess, TcpCollective, ThreadGroup,
+};
 use accelerate_rs::Error;
 use accelerate_rs::ReduceOp;
+use accelerate_rs::Transport;
 use candle_core::{Device, Tensor};
 use half::{bf16, f16};
 
@@ -84,6 +87,89 @@ where
     }
 }
 
+/// `reduce_scatter` then `all_gather_into` against the reference: after the first, this rank's
+/// chunk holds the reduction; after the second, every element holds its owner's value.
+fn scatter_gather_suite<T, C>(c: &C)
+where
+    T: TestElem,
+    C: Collective + ?Sized,
+    for<'a> BufferMut<'a>: From<&'a mut [T]>,
+    for<'a> Buffer<'a>: From<&'a [T]>,
+{
+    let (rank, world) = (c.rank(), c.world_size());
+    for &op in OPS {
+        for &len in LENGTHS {
+            let mut v: Vec<T> = (0..len).map(|i| T::of(value(rank, i))).collect();
+            c.reduce_scatter(BufferMut::from(&mut v[..]), op)
+                .unwrap_or_else(|e| panic!("reduce_scatter {op:?} {} x {len}: {e}", T::ELEM));
+            let mine = chunk_range(len, world, rank);
+            for i in mine.clone() {
+                let (got, want) = (v[i].f(), reference(op, world, i));
+                assert!(
+                    (got - want).abs() <= T::TOL * (1.0 + want.abs()),
+                    "rank {rank} world {world} {} reduce_scatter {op:?} len {len} [{i}]: got {got}, want {want}",
+                    T::ELEM
+                );
+            }
+            // Gather: only this rank's chunk is meaningful going in.
+            let mut g: Vec<T> = (0..len)
+                .map(|i| {
+                    T::of(if mine.contains(&i) {
+                        value(rank, i)
+                    } else {
+                        99.0
+                    })
+                })
+                .collect();
+            c.all_gather_into(BufferMut::from(&mut g[..]))
+                .unwrap_or_else(|e| panic!("all_gather_into {} x {len}: {e}", T::ELEM));
+            for (i, got) in g.iter().enumerate() {
+                let owner = (0..world)
+                    .find(|&r| chunk_range(len, world, r).contains(&i))
+                    .unwrap();
+                assert_eq!(
+                    got.f(),
+                    T::of(value(owner, i)).f(),
+                    "rank {rank} world {world} {} all_gather_into len {len} [{i}] (owner {owner})",
+                    T::ELEM
+                );
+            }
+        }
+    }
+}
+
+fn scatter_gather_all_dtypes<C: Collective + ?Sized>(c: &C) {
+    scatter_gather_suite::<f32, C>(c);
+    scatter_gather_suite::<f64, C>(c);
+    scatter_gather_suite::<f16, C>(c);
+    scatter_gather_suite::<bf16, C>(c);
+    // Chunks cover the buffer, in rank order, differing by at most one element.
+    let world = c.world_size();
+    for len in [0, 1, 7, 4099] {
+        let chunks: Vec<_> = (0..world).map(|r| chunk_range(len, world, r)).collect();
+        assert_eq!(chunks[0].start, 0);
+        assert_eq!(chunks[world - 1].end, len);
+        assert!(chunks.windows(2).all(|w| w[0].end == w[1].start));
+        let sizes: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
+        assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1);
+    }
+    // A large buffer streams through several shared-memory chunks and ring segments.
+    let (rank, len) = (c.rank(), 1_000_003);
+    let mut v: Vec<f32> = (0..len).map(|i| ((i * 7 + rank) % 13) as f32).collect();
+    c.reduce_scatter(BufferMut::from(&mut v[..]), ReduceOp::Sum)
+        .expect("big reduce_scatter");
+    for i in chunk_range(len, world, rank).step_by(997) {
+        let want: f32 = (0..world).map(|r| ((i * 7 + r) % 13) as f32).sum();
+        assert_eq!(v[i], want, "[{i}]");
+    }
+    c.all_gather_into(BufferMut::from(&mut v[..]))
+        .expect("big all_gather_into");
+    for i in (0..len).step_by(991) {
+        let want: f32 = (0..world).map(|r| ((i * 7 + r) % 13) as f32).sum();
+        assert_eq!(v[i], want, "[{i}] after the gather");
+    }
+}
+
 fn full_suite<C: Collective + ?Sized>(c: &C) {
     all_reduce_suite::<f32, C>(c);
     all_reduce_suite::<f64, C>(c);
@@ -130,6 +216,57 @@ fn threads_match_reference_for_world_2_3_4() {
             full_suite(c);
             big_random_suite(c);
         });
+    }
+}
+
+#[test]
+fn reduce_scatter_and_all_gather_into_match_reference_on_every_backend_for_world_1_to_5() {
+    for world in 1..=5 {
+        for transport in [Transport::Tcp, Transport::Shm] {
+            let port = free_port();
+            let ranks: Vec<TcpCollective> = (0..world)
+                .map(|r| {
+                    std::thread::spawn(move || {
+                        let mut o = tcp_options(r, world, port, TIMEOUT);
+                        o.transport = Some(transport);
+                        TcpCollective::connect(&o)
+                    })
+                })
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|h| h.join().unwrap().unwrap())
+                .collect();
+            on_each(ranks, scatter_gather_all_dtypes);
+        }
+        on_each(ThreadGroup::new(world, TIMEOUT).unwrap(), |c| {
+            scatter_gather_all_dtypes(c);
+            // The threads backend's all_reduce shares its two phases: check it too.
+            full_suite(c);
+        });
+    }
+    scatter_gather_all_dtypes(&SingleProcess);
+}
+
+#[test]
+fn mismatched_reduce_scatter_lengths_are_reported() {
+    let ranks = tcp_group(2, Duration::from_secs(10));
+    let res = on_each(ranks, |c| {
+        let mut v = vec![1f32; 10 + c.rank()];
+        c.reduce_scatter(BufferMut::from(&mut v[..]), ReduceOp::Sum)
+            .map(|_| ())
+    });
+    for r in res {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("reduce_scatter"), "{e}");
+    }
+    let ranks = ThreadGroup::new(2, Duration::from_secs(10)).unwrap();
+    let res = on_each(ranks, |c| {
+        let mut v = vec![1f32; 10 + c.rank()];
+        c.all_gather_into(BufferMut::from(&mut v[..]))
+    });
+    for r in res {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("all_gather_into"), "{e}");
     }
 }
 

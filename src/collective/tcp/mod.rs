@@ -449,6 +449,39 @@ impl Collective for TcpCollective {
             None => ring.broadcast(buf, root),
         }
     }
+    fn reduce_scatter(&self, mut buf: BufferMut<'_>, rop: ReduceOp) -> Result<()> {
+        check_reducible(buf.elem(), rop)?;
+        let Some(mut link) = self.link() else {
+            return Ok(());
+        };
+        let Link { ring, shm } = &mut *link;
+        match shm {
+            Some(shm) => {
+                let (elem, count) = (buf.elem(), buf.len());
+                let h = ring.header(op::REDUCE_SCATTER, elem, count, rop.code() as u64);
+                ring.run("reduce_scatter", |ring, deadline| {
+                    shm.reduce_scatter(ring, deadline, h, elem, rop, buf.bytes_mut())
+                })
+            }
+            None => ring.reduce_scatter(buf, rop),
+        }
+    }
+    fn all_gather_into(&self, mut buf: BufferMut<'_>) -> Result<()> {
+        let Some(mut link) = self.link() else {
+            return Ok(());
+        };
+        let Link { ring, shm } = &mut *link;
+        match shm {
+            Some(shm) => {
+                let (elem, count) = (buf.elem(), buf.len());
+                let h = ring.header(op::ALL_GATHER_INTO, elem, count, 0);
+                ring.run("all_gather_into", |ring, deadline| {
+                    shm.all_gather_into(ring, deadline, h, elem, buf.bytes_mut())
+                })
+            }
+            None => ring.all_gather_into(buf),
+        }
+    }
     fn all_gather(&self, buf: Buffer<'_>) -> Result<Vec<OwnedBuffer>> {
         match self.link() {
             Some(mut link) => link.ring.all_gather(buf),

@@ -434,6 +434,88 @@ impl Ring {
         })
     }
 
+    /// Ring reduce-scatter: the first half of [`all_reduce`](Self::all_reduce), its schedule
+    /// shifted by one so that rank `r` ends with chunk `r` (see
+    /// [`chunk_range`](crate::collective::chunk_range)).
+    pub(crate) fn reduce_scatter(&mut self, mut buf: BufferMut<'_>, rop: ReduceOp) -> Result<()> {
+        let elem = buf.elem();
+        let esize = elem.size();
+        let count = buf.len();
+        let h = self.header(op::REDUCE_SCATTER, elem, count, rop.code() as u64);
+        self.run("reduce_scatter", |ring, deadline| {
+            ring.begin(deadline, h, true)?;
+            let (n, r) = (ring.world, ring.rank);
+            let chunk = |i: usize| {
+                let c = crate::collective::chunk_range(count, n, i);
+                c.start * esize..c.end * esize
+            };
+            let bytes = buf.bytes_mut();
+            let mut scratch = std::mem::take(&mut ring.scratch);
+            let sum_op = if rop == ReduceOp::Max {
+                ReduceOp::Max
+            } else {
+                ReduceOp::Sum
+            };
+            let mut res = Ok(());
+            for s in 0..n - 1 {
+                // Step s: send the partial sum of chunk r - s - 1, receive and add chunk r - s - 2;
+                // the last chunk received and completed is chunk r.
+                let (si, ri) = ((r + 2 * n - s - 1) % n, (r + 2 * n - s - 2) % n);
+                let (send, dest) = split_pair(bytes, chunk(si), chunk(ri));
+                scratch.resize(dest.len());
+                res = ring.exchange(
+                    "reduce_scatter",
+                    deadline,
+                    send,
+                    scratch.as_mut(),
+                    esize,
+                    |d, off| reduce_into(elem, sum_op, &mut dest[off..off + d.len()], d),
+                );
+                if res.is_err() {
+                    break;
+                }
+            }
+            ring.scratch = scratch;
+            res?;
+            if rop == ReduceOp::Mean {
+                finish_mean(elem, &mut bytes[chunk(r)], n)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Ring all-gather into one buffer: the second half of [`all_reduce`](Self::all_reduce), each
+    /// rank starting from its own chunk.
+    pub(crate) fn all_gather_into(&mut self, mut buf: BufferMut<'_>) -> Result<()> {
+        let elem = buf.elem();
+        let esize = elem.size();
+        let count = buf.len();
+        let h = self.header(op::ALL_GATHER_INTO, elem, count, 0);
+        self.run("all_gather_into", |ring, deadline| {
+            ring.begin(deadline, h, true)?;
+            let (n, r) = (ring.world, ring.rank);
+            let chunk = |i: usize| {
+                let c = crate::collective::chunk_range(count, n, i);
+                c.start * esize..c.end * esize
+            };
+            let bytes = buf.bytes_mut();
+            for s in 0..n - 1 {
+                // Step s: pass on chunk r - s (my own first), receive chunk r - s - 1.
+                let (si, ri) = ((r + n - s) % n, (r + 2 * n - s - 1) % n);
+                let (send, dest) = split_pair(bytes, chunk(si), chunk(ri));
+                ring.exchange(
+                    "all_gather_into",
+                    deadline,
+                    send,
+                    dest,
+                    esize,
+                    |_, _| Ok(()),
+                )?;
+            }
+            Ok(())
+        })
+    }
+
     /// Pipelined broadcast along the ring, starting at `root`.
     pub(crate) fn broadcast(&mut self, mut buf: BufferMut<'_>, root: usize) -> Result<()> {
         let h = self.header(op::BROADCAST, buf.elem(), buf.len(), root as u64);

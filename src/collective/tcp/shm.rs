@@ -445,6 +445,12 @@ enum Kind {
     ReduceScatter(ReduceOp),
     /// Broadcast from a root.
     Broadcast(usize),
+    /// Reduce-scatter: each rank reduces only its share of the whole buffer
+    /// ([`chunk_range`](crate::collective::chunk_range), in elements of `count`).
+    ScatterReduce(ReduceOp, usize),
+    /// All-gather into one buffer: each rank publishes its share of the whole buffer of `count`
+    /// elements and copies the others'.
+    GatherInto(usize),
 }
 
 impl Shm {
@@ -683,6 +689,35 @@ impl Shm {
         )
     }
 
+    /// `reduce_scatter` of `bytes`: on return my share of them holds the reduction.
+    pub(crate) fn reduce_scatter(
+        &mut self,
+        ring: &Ring,
+        deadline: Instant,
+        h: OpHeader,
+        elem: ElemType,
+        rop: ReduceOp,
+        bytes: &mut [u8],
+    ) -> Result<()> {
+        let count = bytes.len() / elem.size();
+        let kind = Kind::ScatterReduce(rop, count);
+        self.run(ring, "reduce_scatter", deadline, h, elem, kind, bytes)
+    }
+
+    /// `all_gather_into` of `bytes`: every rank's share, from that rank.
+    pub(crate) fn all_gather_into(
+        &mut self,
+        ring: &Ring,
+        deadline: Instant,
+        h: OpHeader,
+        elem: ElemType,
+        bytes: &mut [u8],
+    ) -> Result<()> {
+        let count = bytes.len() / elem.size();
+        let kind = Kind::GatherInto(count);
+        self.run(ring, "all_gather_into", deadline, h, elem, kind, bytes)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
@@ -702,7 +737,7 @@ impl Shm {
             for c in 0..chunks {
                 let lo = c * per_chunk;
                 let hi = (lo + per_chunk).min(bytes.len());
-                self.chunk(ring, name, deadline, &h, elem, kind, &mut bytes[lo..hi])?;
+                self.chunk(ring, name, deadline, &h, elem, kind, lo, &mut bytes[lo..hi])?;
             }
             Ok(())
         });
@@ -722,9 +757,19 @@ impl Shm {
         h: &OpHeader,
         elem: ElemType,
         kind: Kind,
+        offset: usize,
         chunk: &mut [u8],
     ) -> Result<()> {
         let (me, n) = (self.rank, self.world);
+        // For the whole-buffer kinds: rank `r`'s share of this chunk, as a range within it.
+        let esize = elem.size();
+        let chunk_len = chunk.len();
+        let share_here = |r: usize, count: usize| {
+            let c = crate::collective::chunk_range(count, n, r);
+            let (a, b) = (c.start * esize, c.end * esize);
+            let (lo, hi) = (offset, offset + chunk_len);
+            a.clamp(lo, hi) - lo..b.clamp(lo, hi) - lo
+        };
         let g = self.gen;
         self.gen += 1;
         let set = (g % 2) as usize;
@@ -779,6 +824,26 @@ impl Shm {
             Kind::Broadcast(root) => {
                 if root != me {
                     chunk.copy_from_slice(slot_ref(root, 0..len));
+                }
+            }
+            Kind::ScatterReduce(rop, count) => {
+                let mine = share_here(me, count);
+                for r in (0..n).filter(|&r| r != me) {
+                    reduce_into(
+                        elem,
+                        acc_op(rop),
+                        &mut chunk[mine.clone()],
+                        slot_ref(r, mine.clone()),
+                    )?;
+                }
+                if rop == ReduceOp::Mean {
+                    finish_mean(elem, &mut chunk[mine], n)?;
+                }
+            }
+            Kind::GatherInto(count) => {
+                for r in (0..n).filter(|&r| r != me) {
+                    let theirs = share_here(r, count);
+                    chunk[theirs.clone()].copy_from_slice(slot_ref(r, theirs));
                 }
             }
             Kind::ReduceDirect(rop) => {

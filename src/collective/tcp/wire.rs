@@ -291,6 +291,10 @@ pub mod op {
     pub const ALL_GATHER: u8 = 3;
     /// barrier
     pub const BARRIER: u8 = 4;
+    /// reduce_scatter
+    pub const REDUCE_SCATTER: u8 = 5;
+    /// all_gather_into
+    pub const ALL_GATHER_INTO: u8 = 6;
 
     /// Name of an operation code.
     pub fn name(code: u8) -> &'static str {
@@ -299,6 +303,8 @@ pub mod op {
             BROADCAST => "broadcast",
             ALL_GATHER => "all_gather",
             BARRIER => "barrier",
+            REDUCE_SCATTER => "reduce_scatter",
+            ALL_GATHER_INTO => "all_gather_into",
             _ => "unknown operation",
         }
     }
