@@ -57,6 +57,15 @@ impl AcceleratorBuilder {
         self.o.missing_gradients = Some(mode);
         self
     }
+    /// ZeRO-style sharding (default 0, none): at stage 1 each rank keeps the optimizer state of
+    /// only its 1/N slice of the parameters, updates that slice and all-gathers the rest; at
+    /// stage 2 the gradients are reduce-scattered and each rank keeps only its slice of them
+    /// too. Needs [`optim::AdamW`](crate::optim::AdamW) or [`optim::Sgd`](crate::optim::Sgd)
+    /// and CPU parameters.
+    pub fn zero_stage(mut self, stage: usize) -> Self {
+        self.o.zero_stage = Some(stage);
+        self
+    }
     /// Whether to tune glibc's allocator for training (default true; see
     /// [`allocator`](crate::allocator)).
     pub fn tune_malloc(mut self, on: bool) -> Self {

@@ -68,6 +68,7 @@ impl Accelerator {
             state.bucket_cap_bytes(),
             state.overlap(),
             state.missing_gradients(),
+            state.zero_stage(),
         ));
         Accelerator {
             inner: Arc::new(Inner {
@@ -146,7 +147,7 @@ impl Accelerator {
     /// steps them; returns the optimizer, the loader and a `VarMap` of working copies in the
     /// compute dtype to build the model from (see [`MixedPrecisionOptimizer`]). With
     /// [`MixedPrecision::No`](crate::MixedPrecision::No) it is `prepare` and the `VarMap` is `model`'s variables.
-    pub fn prepare_mixed<P: Parameters + ?Sized, O: Optimizer>(
+    pub fn prepare_mixed<P: Parameters + ?Sized, O: Optimizer + 'static>(
         &self,
         model: &P,
         optimizer: O,

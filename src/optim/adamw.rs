@@ -6,13 +6,18 @@ use candle_nn::{Optimizer, ParamsAdamW};
 
 use super::fused::{self, AdamScalars};
 use super::fused_cuda;
-use super::{candle_err, check_lr, fit_tensor, parse_name, OptimizerState};
+use super::{
+    candle_err, check_lr, fit_tensor, grad_view, param_view, parse_name, shard_ranges,
+    sharded_state_err, write_param, OptimizerState,
+};
 use crate::error::{Error, Result};
 
 /// One parameter and its two moments.
 #[derive(Debug)]
 struct Slot {
     var: Var,
+    /// ZeRO: the elements of the flattened parameter this rank updates (`None`: all).
+    range: Option<std::ops::Range<usize>>,
     m: Tensor,
     v: Tensor,
 }
@@ -85,7 +90,12 @@ impl Optimizer for AdamW {
                 // Two allocations: the fused step writes both in place.
                 let m = Tensor::zeros(var.shape(), var.dtype(), var.device())?;
                 let v = Tensor::zeros(var.shape(), var.dtype(), var.device())?;
-                Ok(Slot { var, m, v })
+                Ok(Slot {
+                    var,
+                    range: None,
+                    m,
+                    v,
+                })
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(AdamW {
@@ -123,8 +133,9 @@ impl Optimizer for AdamW {
             let Some(g) = grads.get(&slot.var) else {
                 continue;
             };
+            let g = &grad_view(g, &slot.range)?;
+            let theta = &param_view(&slot.var, &slot.range)?;
             if self.fused {
-                let theta = slot.var.as_tensor();
                 if fused::fusable(theta, g) {
                     fused::adamw(theta, &slot.m, &slot.v, g, scalars).map_err(candle_err)?;
                     continue;
@@ -138,13 +149,12 @@ impl Optimizer for AdamW {
             let v = ((&slot.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
             let denom = v.sqrt()?.affine(sqrt_scale_v, eps)?;
             let update = m.div(&denom)?.affine(lr * scale_m, 0.0)?;
-            let theta = slot.var.as_tensor();
             let next = if weight_decay == 0.0 {
                 theta.sub(&update)?
             } else {
                 theta.affine(decay, 0.0)?.sub(&update)?
             };
-            slot.var.set(&next)?;
+            write_param(&slot.var, &slot.range, &next)?;
             slot.m = m;
             slot.v = v;
         }
@@ -199,6 +209,40 @@ impl AdamW {
         self.step_t
     }
 
+    /// Whether this optimizer keeps only this rank's slice of the state (ZeRO stage 1 or 2).
+    pub fn is_sharded(&self) -> bool {
+        self.slots.iter().any(|s| s.range.is_some())
+    }
+
+    /// ZeRO: keeps the state of only `shards` (this rank's slices of the parameters), slicing
+    /// the moments already there; the other parameters' slots are dropped.
+    pub(crate) fn shard(&mut self, shards: &[crate::train::params::Shard]) -> Result<()> {
+        let mut slots = Vec::new();
+        for slot in self.slots.drain(..) {
+            for r in shard_ranges(&slot.var, shards) {
+                let cut = |t: &Tensor| -> Result<Tensor> {
+                    Ok(t.flatten_all()?.narrow(0, r.start, r.len())?.copy()?)
+                };
+                slots.push(Slot {
+                    var: slot.var.clone(),
+                    m: cut(&slot.m)?,
+                    v: cut(&slot.v)?,
+                    range: Some(r),
+                });
+            }
+        }
+        self.slots = slots;
+        Ok(())
+    }
+
+    /// Bytes of optimizer state this rank holds (both moments).
+    pub fn state_bytes(&self) -> usize {
+        self.slots
+            .iter()
+            .map(|s| (s.m.elem_count() + s.v.elem_count()) * s.m.dtype().size_in_bytes())
+            .sum()
+    }
+
     /// The parameters, in index order (the `i` of the state's tensor names).
     pub fn vars(&self) -> Vec<&Var> {
         self.slots.iter().map(|s| &s.var).collect()
@@ -207,6 +251,9 @@ impl AdamW {
     /// The state for a checkpoint: step count, learning rate and `"{i}.m"`, `"{i}.v"` for every
     /// parameter `i`. A snapshot: the moments are copied, since later steps write into them.
     pub fn state(&self) -> Result<OptimizerState> {
+        if self.is_sharded() {
+            return Err(sharded_state_err("AdamW"));
+        }
         let mut tensors = Vec::with_capacity(2 * self.slots.len());
         for (i, s) in self.slots.iter().enumerate() {
             tensors.push((format!("{i}.m"), s.m.copy()?));
@@ -225,6 +272,9 @@ impl AdamW {
     /// missing, duplicate, unknown or misshapen tensor, or on a wrong count; on error nothing
     /// changes.
     pub fn load_state(&mut self, state: OptimizerState) -> Result<()> {
+        if self.is_sharded() {
+            return Err(sharded_state_err("AdamW"));
+        }
         check_lr("AdamW state lr", state.lr)?;
         let n = self.slots.len();
         if state.tensors.len() != 2 * n {

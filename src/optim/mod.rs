@@ -114,3 +114,66 @@ pub(crate) fn fit_tensor(
 pub(crate) fn candle_err(e: Error) -> candle_core::Error {
     e.into()
 }
+
+/// The part of a parameter an optimizer slot updates: all of it, or under ZeRO sharding
+/// elements `range` of the flattened parameter (a view sharing its storage, so in-place updates
+/// land in the parameter).
+pub(crate) fn param_view(
+    var: &candle_core::Var,
+    range: &Option<std::ops::Range<usize>>,
+) -> candle_core::Result<Tensor> {
+    match range {
+        None => Ok(var.as_tensor().clone()),
+        Some(r) => var.as_tensor().flatten_all()?.narrow(0, r.start, r.len()),
+    }
+}
+
+/// The gradient of a slot's part: the whole gradient, or elements `range` of it. A gradient
+/// that already has `range.len()` elements is this rank's slice (ZeRO stage 2).
+pub(crate) fn grad_view(
+    g: &Tensor,
+    range: &Option<std::ops::Range<usize>>,
+) -> candle_core::Result<Tensor> {
+    match range {
+        None => Ok(g.clone()),
+        Some(r) if g.elem_count() == r.len() => g.flatten_all(),
+        Some(r) => g.flatten_all()?.narrow(0, r.start, r.len()),
+    }
+}
+
+/// Writes `next` (computed out of place) into a slot's part of the parameter.
+pub(crate) fn write_param(
+    var: &candle_core::Var,
+    range: &Option<std::ops::Range<usize>>,
+    next: &Tensor,
+) -> candle_core::Result<()> {
+    match range {
+        None => var.set(next),
+        Some(r) => var
+            .as_tensor()
+            .flatten_all()?
+            .slice_set(&next.contiguous()?, 0, r.start),
+    }
+}
+
+/// The error of a checkpoint of a sharded optimizer (not supported yet).
+pub(crate) fn sharded_state_err(what: &str) -> Error {
+    Error::invalid(
+        format!("{what} state"),
+        "this optimizer is sharded (zero_stage 1 or 2): each rank holds only its slice of the \
+         state, and checkpoints of sharded state are not supported yet; save with zero_stage 0",
+    )
+}
+
+/// Under ZeRO, `shards` (this rank's slices) as the parameters' ranges: for each of `vars`,
+/// the slices of it this rank owns.
+pub(crate) fn shard_ranges(
+    var: &candle_core::Var,
+    shards: &[crate::train::params::Shard],
+) -> Vec<std::ops::Range<usize>> {
+    shards
+        .iter()
+        .filter(|s| s.var.id() == var.id())
+        .map(|s| s.range.clone())
+        .collect()
+}

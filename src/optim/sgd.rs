@@ -6,7 +6,10 @@ use candle_nn::Optimizer;
 
 use super::fused::{self, SgdScalars};
 use super::fused_cuda;
-use super::{candle_err, check_lr, fit_tensor, parse_name, OptimizerState};
+use super::{
+    candle_err, check_lr, fit_tensor, grad_view, param_view, parse_name, shard_ranges,
+    sharded_state_err, write_param, OptimizerState,
+};
 use crate::error::{Error, Result};
 
 /// [`Sgd`]'s hyper-parameters (PyTorch's `torch.optim.SGD`).
@@ -98,6 +101,8 @@ impl From<f64> for SgdConfig {
 #[derive(Debug)]
 struct Slot {
     var: Var,
+    /// ZeRO: the elements of the flattened parameter this rank updates (`None`: all).
+    range: Option<std::ops::Range<usize>>,
     momentum: Option<Tensor>,
 }
 
@@ -131,6 +136,7 @@ impl Optimizer for Sgd {
             .filter(|var| var.dtype().is_float())
             .map(|var| Slot {
                 var,
+                range: None,
                 momentum: None,
             })
             .collect();
@@ -155,7 +161,8 @@ impl Optimizer for Sgd {
             let Some(g) = grads.get(&slot.var) else {
                 continue;
             };
-            let theta = slot.var.as_tensor();
+            let g = &grad_view(g, &slot.range)?;
+            let theta = &param_view(&slot.var, &slot.range)?;
             if self.fused {
                 let first = momentum != 0.0 && slot.momentum.is_none();
                 if first {
@@ -211,7 +218,7 @@ impl Optimizer for Sgd {
                 d
             };
             // The same two ops as `candle_nn::SGD`, so plain SGD matches it bit for bit.
-            slot.var.set(&theta.sub(&(d * lr)?)?)?;
+            write_param(&slot.var, &slot.range, &theta.sub(&(d * lr)?)?)?;
         }
         Ok(())
     }
@@ -255,6 +262,41 @@ impl Sgd {
         self.step_t
     }
 
+    /// Whether this optimizer keeps only this rank's slice of the state (ZeRO stage 1 or 2).
+    pub fn is_sharded(&self) -> bool {
+        self.slots.iter().any(|s| s.range.is_some())
+    }
+
+    /// ZeRO: keeps the state of only `shards` (this rank's slices of the parameters), slicing
+    /// the momentum buffers already there; the other parameters' slots are dropped.
+    pub(crate) fn shard(&mut self, shards: &[crate::train::params::Shard]) -> Result<()> {
+        let mut slots = Vec::new();
+        for slot in self.slots.drain(..) {
+            for r in shard_ranges(&slot.var, shards) {
+                let momentum = match &slot.momentum {
+                    Some(m) => Some(m.flatten_all()?.narrow(0, r.start, r.len())?.copy()?),
+                    None => None,
+                };
+                slots.push(Slot {
+                    var: slot.var.clone(),
+                    range: Some(r),
+                    momentum,
+                });
+            }
+        }
+        self.slots = slots;
+        Ok(())
+    }
+
+    /// Bytes of optimizer state this rank holds (the momentum buffers).
+    pub fn state_bytes(&self) -> usize {
+        self.slots
+            .iter()
+            .filter_map(|s| s.momentum.as_ref())
+            .map(|m| m.elem_count() * m.dtype().size_in_bytes())
+            .sum()
+    }
+
     /// The parameters, in index order (the `i` of the state's tensor names).
     pub fn vars(&self) -> Vec<&Var> {
         self.slots.iter().map(|s| &s.var).collect()
@@ -265,6 +307,9 @@ impl Sgd {
     /// that never had a gradient). A snapshot: the buffers are copied, since later steps write
     /// into them.
     pub fn state(&self) -> Result<OptimizerState> {
+        if self.is_sharded() {
+            return Err(sharded_state_err("Sgd"));
+        }
         let mut tensors = Vec::new();
         for (i, s) in self.slots.iter().enumerate() {
             if let Some(m) = &s.momentum {
@@ -284,6 +329,9 @@ impl Sgd {
     /// naming the offending tensor, on a duplicate, unknown or misshapen tensor, or on more
     /// tensors than parameters; on error nothing changes.
     pub fn load_state(&mut self, state: OptimizerState) -> Result<()> {
+        if self.is_sharded() {
+            return Err(sharded_state_err("Sgd"));
+        }
         check_lr("Sgd state lr", state.lr)?;
         let n = self.slots.len();
         if state.tensors.len() > n {

@@ -53,6 +53,9 @@ pub struct ConfigFile {
     /// `warn` (default), `error` or `off`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub missing_gradients: Option<crate::settings::MissingGradients>,
+    /// ZeRO-style sharding: 0 (none), 1 (optimizer state) or 2 (optimizer state and gradients).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zero_stage: Option<usize>,
     /// Tune glibc's allocator for training (keep freed memory instead of unmapping it; default
     /// true), see `accelerate_rs::allocator`.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -78,6 +78,9 @@ pub const TRANSPORT: &str = "ACCELERATE_RS_TRANSPORT";
 /// What the first optimizer step does when registered parameters received no gradient: `warn`
 /// (default), `error` or `off` (see [`MissingGradients`](crate::MissingGradients)).
 pub const MISSING_GRADIENTS: &str = "ACCELERATE_RS_MISSING_GRADIENTS";
+/// ZeRO-style sharding stage: `0` (default, every rank holds everything), `1` (optimizer state
+/// sharded) or `2` (gradients too).
+pub const ZERO_STAGE: &str = "ACCELERATE_RS_ZERO_STAGE";
 /// How many times the launcher restarted the worker group (0 on the first run).
 pub const RESTART_COUNT: &str = "ACCELERATE_RS_RESTART_COUNT";
 /// Set by `accelerate-rs launch` for rank 0 only: the number of an inherited file descriptor

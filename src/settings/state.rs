@@ -53,6 +53,7 @@ pub(crate) struct Overrides {
     pub tune_malloc: Option<bool>,
     pub transport: Option<Transport>,
     pub missing_gradients: Option<MissingGradients>,
+    pub zero_stage: Option<usize>,
     pub config_file: Option<PathBuf>,
     pub rank: Option<usize>,
     pub world_size: Option<usize>,
@@ -72,6 +73,9 @@ pub(crate) struct Overrides {
     pub replica_device: Option<Device>,
 }
 
+/// The highest ZeRO stage there is.
+const MAX_ZERO_STAGE: usize = 2;
+
 /// This process's place in the run and the settings in force.
 #[derive(Clone)]
 pub struct ProcessState {
@@ -88,6 +92,7 @@ pub struct ProcessState {
     tune_malloc: bool,
     transport: Transport,
     missing_gradients: MissingGradients,
+    zero_stage: usize,
     overlap: bool,
     debug: bool,
     data_parallel: usize,
@@ -115,6 +120,7 @@ impl std::fmt::Debug for ProcessState {
             .field("tune_malloc", &self.tune_malloc)
             .field("transport", &self.transport)
             .field("missing_gradients", &self.missing_gradients)
+            .field("zero_stage", &self.zero_stage)
             .field("overlap", &self.overlap)
             .field("debug", &self.debug)
             .field("data_parallel", &self.data_parallel)
@@ -458,6 +464,18 @@ impl ProcessState {
             cfg.missing_gradients,
             MissingGradients::Warn,
         );
+        let zero_stage = pick(
+            o.zero_stage,
+            env_value(getenv, env::ZERO_STAGE)?,
+            cfg.zero_stage,
+            0,
+        );
+        if zero_stage > MAX_ZERO_STAGE {
+            return Err(Error::invalid(
+                "zero_stage",
+                format!("must be 0, 1 or 2 (builder `zero_stage`, {} or config key `zero_stage`), got {zero_stage}", env::ZERO_STAGE),
+            ));
+        }
         let overlap = pick(None, env_value(getenv, env::OVERLAP)?, None, true);
         let debug = pick(None, env_value(getenv, env::DEBUG)?, None, false);
         // `None`: nobody said; GPUs are used when this build and machine have them.
@@ -507,6 +525,7 @@ impl ProcessState {
             tune_malloc,
             transport,
             missing_gradients,
+            zero_stage,
             overlap,
             debug,
             data_parallel,
@@ -571,6 +590,11 @@ impl ProcessState {
     /// The data path between processes ([`Transport`]).
     pub fn transport(&self) -> Transport {
         self.transport
+    }
+    /// ZeRO-style sharding stage: 0 (none), 1 (optimizer state) or 2 (optimizer state and
+    /// gradients).
+    pub fn zero_stage(&self) -> usize {
+        self.zero_stage
     }
     /// What the first optimizer step does when registered parameters received no gradient.
     pub fn missing_gradients(&self) -> MissingGradients {

@@ -77,6 +77,8 @@ pub(crate) struct GradSync {
     missing: MissingGradients,
     /// Whether that check has run (it runs once).
     checked: AtomicBool,
+    /// ZeRO stage: 0, 1 (optimizer state sharded) or 2 (gradients too).
+    zero_stage: usize,
     params: Mutex<Option<Arc<ParamSet>>>,
     accum: Mutex<Accumulation>,
 }
@@ -107,6 +109,7 @@ impl GradSync {
         bucket_cap_bytes: usize,
         overlap: bool,
         missing: MissingGradients,
+        zero_stage: usize,
     ) -> Self {
         GradSync {
             collective,
@@ -115,6 +118,7 @@ impl GradSync {
             overlap,
             missing,
             checked: AtomicBool::new(false),
+            zero_stage,
             params: Mutex::new(None),
             accum: Mutex::new(Accumulation::default()),
         }
@@ -273,18 +277,48 @@ impl GradSync {
     /// that no rank gave a gradient (after averaging, a gradient is present when any rank had
     /// one, so every rank reaches the same verdict).
     fn average_with(&self, params: &ParamSet, grads: &mut GradStore) -> Result<()> {
+        if self.zero_stage >= 2 && !self.alone() {
+            let present = params.reduce_scatter_gradients(self.collective.as_ref(), grads)?;
+            return self.check_missing(params, || params.names_where_absent(&present));
+        }
         if !self.alone() {
             params.average_gradients(self.collective.as_ref(), grads)?;
         }
-        self.check_missing(params, grads)
+        self.check_missing(params, || params.without_grad(grads))
     }
 
-    /// The frozen-parameter check of the first sync step (see [`MissingGradients`]).
-    fn check_missing(&self, params: &ParamSet, grads: &GradStore) -> Result<()> {
+    /// The ZeRO stage (0, 1 or 2).
+    pub(crate) fn zero_stage(&self) -> usize {
+        self.zero_stage
+    }
+
+    /// ZeRO: this rank's slices of the registered parameters (checked to be shardable).
+    pub(crate) fn shards(&self) -> Result<Vec<crate::train::params::Shard>> {
+        let params = self.require_params("zero_stage")?;
+        params.check_shardable()?;
+        Ok(params.shards(self.collective.world_size(), self.rank()))
+    }
+
+    /// ZeRO: after each rank stepped its slices, gives every rank the whole model.
+    pub(crate) fn gather_params(&self) -> Result<()> {
+        if self.alone() {
+            return Ok(());
+        }
+        let params = self.require_params("zero_stage")?;
+        params.gather_params(self.collective.as_ref())
+    }
+
+    /// The frozen-parameter check of the first sync step (see [`MissingGradients`]); `missing`
+    /// lists the parameters no rank gave a gradient.
+    fn check_missing(
+        &self,
+        params: &ParamSet,
+        missing: impl FnOnce() -> Vec<String>,
+    ) -> Result<()> {
         if self.missing == MissingGradients::Off || self.checked.swap(true, Ordering::Relaxed) {
             return Ok(());
         }
-        let missing = params.without_grad(grads);
+        let missing = missing();
         if missing.is_empty() {
             return Ok(());
         }
@@ -313,7 +347,15 @@ impl GradSync {
     pub(crate) fn clip_grad_norm(&self, grads: &mut GradStore, max_norm: f64) -> Result<f64> {
         check_positive("max_norm", max_norm)?;
         let params = self.require_params("clip_grad_norm")?;
-        let norm = params.grad_norm(grads)?;
+        let norm = if self.zero_stage >= 2 && !self.alone() && self.sync_gradients() {
+            // Each rank holds only its slice of the averaged gradients: add the squares up.
+            let mut sq = [params.grad_sq_sum(grads)?];
+            self.collective
+                .all_reduce((&mut sq[..]).into(), crate::collective::ReduceOp::Sum)?;
+            sq[0].sqrt()
+        } else {
+            params.grad_norm(grads)?
+        };
         if self.sync_gradients() && norm > max_norm {
             params.scale_grads(grads, max_norm / (norm + 1e-6))?;
         }

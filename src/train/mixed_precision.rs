@@ -250,7 +250,9 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
     pub fn skipped_steps(&self) -> u64 {
         self.skipped
     }
+}
 
+impl<O: Optimizer + 'static> MixedPrecisionOptimizer<O> {
     /// Backward through the working copies, f32 gradients averaged across ranks, step of the
     /// masters, masters copied back (see [`MixedPrecisionOptimizer`]). Returns whether it stepped (false
     /// when an f16 step was skipped, or on a non-sync micro-step of gradient accumulation).
@@ -334,7 +336,9 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
         self.sync_working_copies()?;
         Ok(true)
     }
+}
 
+impl<O: Optimizer> MixedPrecisionOptimizer<O> {
     /// Copies the masters into the working copies (done after every step; call it after loading
     /// a checkpoint into the masters).
     pub fn sync_working_copies(&self) -> Result<()> {

@@ -59,6 +59,30 @@ pub struct AcceleratedOptimizer<O> {
     grads: Arc<GradSync>,
     clip: Clipping,
     last_norm: Option<f64>,
+    /// ZeRO: whether the wrapped optimizer was cut down to this rank's slices.
+    sharded: bool,
+}
+
+/// ZeRO: cuts `opt` down to this rank's `shards`, when it is one of the optimizers that can be
+/// sharded.
+fn shard_optimizer<O: Optimizer + 'static>(
+    opt: &mut O,
+    shards: &[crate::train::params::Shard],
+) -> Result<()> {
+    let any = opt as &mut dyn std::any::Any;
+    if let Some(adamw) = any.downcast_mut::<crate::optim::AdamW>() {
+        return adamw.shard(shards);
+    }
+    if let Some(sgd) = any.downcast_mut::<crate::optim::Sgd>() {
+        return sgd.shard(shards);
+    }
+    Err(crate::error::Error::invalid(
+        "zero_stage",
+        format!(
+            "sharding the optimizer state needs `accelerate_rs::optim::AdamW` or `accelerate_rs::optim::Sgd`, not `{}` (it keeps state for every parameter and cannot be cut into slices)",
+            std::any::type_name::<O>()
+        ),
+    ))
 }
 
 impl<O: Optimizer> AcceleratedOptimizer<O> {
@@ -68,12 +92,31 @@ impl<O: Optimizer> AcceleratedOptimizer<O> {
             grads,
             clip: Clipping::default(),
             last_norm: None,
+            sharded: false,
         }
     }
 
     /// The gradient engine this optimizer steps from.
     pub(crate) fn engine(&self) -> &GradSync {
         &self.grads
+    }
+}
+
+impl<O: Optimizer + 'static> AcceleratedOptimizer<O> {
+    /// Steps the wrapped optimizer on gradients ready to apply; under ZeRO it steps only this
+    /// rank's slices (cutting the optimizer down on the first step) and then gathers the
+    /// parameters from their owners.
+    fn apply(&mut self, grads: &GradStore) -> Result<()> {
+        if self.grads.zero_stage() == 0 {
+            return Ok(self.inner.step(grads)?);
+        }
+        if !self.sharded {
+            let shards = self.grads.shards()?;
+            shard_optimizer(&mut self.inner, &shards)?;
+            self.sharded = true;
+        }
+        self.inner.step(grads)?;
+        self.grads.gather_params()
     }
 
     /// Applies gradients that are already averaged (from
@@ -85,12 +128,12 @@ impl<O: Optimizer> AcceleratedOptimizer<O> {
             return Ok(());
         }
         match self.grads.clipped(grads, self.clip)? {
-            None => Ok(self.inner.step(grads)?),
+            None => self.apply(grads),
             Some((clipped, norm)) => {
                 if norm.is_some() {
                     self.last_norm = norm;
                 }
-                Ok(self.inner.step(&clipped)?)
+                self.apply(&clipped)
             }
         }
     }
@@ -126,7 +169,9 @@ impl<O: Optimizer> AcceleratedOptimizer<O> {
             None => Ok(false),
         }
     }
+}
 
+impl<O: Optimizer> AcceleratedOptimizer<O> {
     /// Whether the last micro-step was a sync step (the wrapped optimizer stepped); always true
     /// without gradient accumulation. Step learning-rate schedulers only when it is true.
     pub fn is_sync_step(&self) -> bool {

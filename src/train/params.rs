@@ -9,7 +9,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Storage, Tensor, Var};
 use candle_nn::VarMap;
 
-use crate::collective::{Buffer, Collective, ReduceOp};
+use crate::collective::{chunk_range, Buffer, Collective, ReduceOp};
 use crate::error::{Error, Result};
 use crate::inplace::{buffer_mut, copy_cpu, fill_cpu, read_f64, storage_addr, with_cpu_mut};
 
@@ -64,6 +64,17 @@ impl Parameters for BTreeMap<String, Var> {
     }
 }
 
+/// A rank's slice of one parameter under ZeRO sharding: elements `range` of the flattened
+/// parameter. In each bucket, rank `r` owns [`chunk_range`](crate::collective::chunk_range) of
+/// the bucket's elements (its parameters end to end, in name order).
+#[derive(Clone, Debug)]
+pub(crate) struct Shard {
+    /// The parameter.
+    pub(crate) var: Var,
+    /// The elements of the flattened parameter this rank owns.
+    pub(crate) range: Range<usize>,
+}
+
 /// A run of consecutive parameters (in name order) of one dtype, moved by one collective.
 #[derive(Clone, Debug)]
 struct Bucket {
@@ -79,6 +90,12 @@ pub(crate) struct ParamSet {
     /// One flat host tensor per bucket, allocated on first use and reused by every
     /// [`average_gradients`](Self::average_gradients) (CPU gradients only).
     flat: Mutex<Vec<Option<Tensor>>>,
+    /// ZeRO: one flat tensor of parameters per bucket, reused by every
+    /// [`gather_params`](Self::gather_params).
+    param_flat: Mutex<Vec<Option<Tensor>>>,
+    /// ZeRO stage 2: this rank's slice of each bucket's averaged gradients, reused by every
+    /// [`reduce_scatter_gradients`](Self::reduce_scatter_gradients).
+    grad_shard: Mutex<Vec<Option<Tensor>>>,
     /// Whether CPU buckets are reduced on a communication thread while the next ones are
     /// flattened (`ACCELERATE_RS_OVERLAP`).
     overlap: bool,
@@ -91,6 +108,8 @@ impl Clone for ParamSet {
             vars: self.vars.clone(),
             buckets: self.buckets.clone(),
             flat: Mutex::new(vec![None; self.buckets.len()]),
+            param_flat: Mutex::new(vec![None; self.buckets.len()]),
+            grad_shard: Mutex::new(vec![None; self.buckets.len()]),
             overlap: self.overlap,
         }
     }
@@ -138,6 +157,8 @@ impl ParamSet {
             names,
             vars,
             flat: Mutex::new(vec![None; buckets.len()]),
+            param_flat: Mutex::new(vec![None; buckets.len()]),
+            grad_shard: Mutex::new(vec![None; buckets.len()]),
             buckets,
             overlap,
         })
@@ -473,6 +494,198 @@ impl ParamSet {
         Ok(())
     }
 
+    /// Elements of each bucket's parameters, without the presence flags.
+    fn bucket_elems(&self, b: &Bucket) -> usize {
+        self.vars[b.members.clone()]
+            .iter()
+            .map(|v| v.elem_count())
+            .sum()
+    }
+
+    /// Checks that ZeRO sharding applies: CPU parameters of a float dtype.
+    pub(crate) fn check_shardable(&self) -> Result<()> {
+        match self
+            .vars
+            .iter()
+            .position(|v| !v.device().is_cpu() || !fusable_dtype(v.dtype()))
+        {
+            Some(i) => Err(Error::invalid(
+                "zero_stage",
+                format!(
+                    "sharding needs CPU parameters of a float dtype (f32, f64, bf16, f16); `{}` is {:?} on {:?}",
+                    self.names[i],
+                    self.vars[i].dtype(),
+                    self.vars[i].device()
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Rank `rank` of `world`'s [`Shard`]s, in name order.
+    pub(crate) fn shards(&self, world: usize, rank: usize) -> Vec<Shard> {
+        let mut out = Vec::new();
+        for b in &self.buckets {
+            let own = chunk_range(self.bucket_elems(b), world, rank);
+            let mut off = 0;
+            for v in &self.vars[b.members.clone()] {
+                let n = v.elem_count();
+                let (lo, hi) = (own.start.max(off), own.end.min(off + n));
+                if lo < hi {
+                    out.push(Shard {
+                        var: v.clone(),
+                        range: lo - off..hi - off,
+                    });
+                }
+                off += n;
+            }
+        }
+        out
+    }
+
+    /// ZeRO, after each rank updated its slice of the parameters: every bucket's parameters
+    /// are copied into a flat tensor, all-gathered (each rank's chunk from its owner) and copied
+    /// back, so that every rank holds the whole updated model.
+    pub(crate) fn gather_params(&self, c: &dyn Collective) -> Result<()> {
+        let mut slots = self.param_flat.lock().unwrap_or_else(|p| p.into_inner());
+        for (b, slot) in self.buckets.iter().zip(slots.iter_mut()) {
+            let vars = &self.vars[b.members.clone()];
+            let dtype = vars[0].dtype();
+            let total = self.bucket_elems(b);
+            let flat = match slot {
+                Some(t) if t.dtype() == dtype && t.elem_count() == total => t.clone(),
+                _ => {
+                    let t = Tensor::zeros(total, dtype, &candle_core::Device::Cpu)?;
+                    *slot = Some(t.clone());
+                    t
+                }
+            };
+            // Parameters into the flat tensor.
+            with_cpu_mut(&flat, "ZeRO parameter gather", |dst, range| {
+                let mut off = range.start;
+                for v in vars {
+                    let n = v.elem_count();
+                    let (src, layout) = v.storage_and_layout();
+                    let Storage::Cpu(src) = &*src else {
+                        return Err(Error::invalid(
+                            "zero_stage",
+                            "a parameter is not on the CPU",
+                        ));
+                    };
+                    let start = layout.start_offset();
+                    copy_cpu(dst, off..off + n, src, start..start + n)?;
+                    off += n;
+                }
+                c.all_gather_into(buffer_mut(dst, range)?)
+            })?;
+            // And back.
+            let (src, layout) = flat.storage_and_layout();
+            let Storage::Cpu(src) = &*src else {
+                return Err(Error::invalid(
+                    "zero_stage",
+                    "the parameter buffer is not on the CPU",
+                ));
+            };
+            let mut off = layout.start_offset();
+            for v in vars {
+                let n = v.elem_count();
+                with_cpu_mut(v.as_tensor(), "ZeRO parameter gather", |dst, range| {
+                    copy_cpu(dst, range, src, off..off + n)
+                })?;
+                off += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// ZeRO stage 2: averages the gradients with one reduce-scatter per bucket and keeps only
+    /// this rank's slice. `grads` then holds, for each parameter overlapping this rank's chunks,
+    /// a 1-D tensor of the averaged elements in its [`Shard::range`], and nothing for the
+    /// others. Returns, per registered parameter, whether some rank had a gradient for it.
+    pub(crate) fn reduce_scatter_gradients(
+        &self,
+        c: &dyn Collective,
+        grads: &mut GradStore,
+    ) -> Result<Vec<bool>> {
+        let (n, me) = (c.world_size(), c.rank());
+        let mut shards = self.grad_shard.lock().unwrap_or_else(|p| p.into_inner());
+        let mut present = Vec::with_capacity(self.vars.len());
+        for (b, shard_slot) in self.buckets.iter().zip(shards.iter_mut()) {
+            let vars = &self.vars[b.members.clone()];
+            let dtype = vars[0].dtype();
+            let total = self.bucket_elems(b);
+            let own = chunk_range(total, n, me);
+            // The whole bucket lives only for this call: only the slice is kept.
+            let mut transient = None;
+            let flat = self.flatten_bucket_cpu(c, vars, grads, &mut transient)?;
+            let mut flags = Vec::new();
+            with_cpu_mut(&flat, "gradient bucket", |dst, range| {
+                let params = range.start..range.start + total;
+                c.reduce_scatter(buffer_mut(dst, params)?, ReduceOp::Mean)?;
+                let fl = range.start + total..range.end;
+                c.all_reduce(buffer_mut(dst, fl.clone())?, ReduceOp::Mean)?;
+                flags = read_f64(dst, fl)?;
+                Ok(())
+            })?;
+            let shard = match shard_slot {
+                Some(t) if t.dtype() == dtype && t.elem_count() == own.len() => t.clone(),
+                _ => {
+                    let t = Tensor::zeros(own.len(), dtype, &candle_core::Device::Cpu)?;
+                    *shard_slot = Some(t.clone());
+                    t
+                }
+            };
+            {
+                let (src, layout) = flat.storage_and_layout();
+                let Storage::Cpu(src) = &*src else {
+                    return Err(Error::invalid("gradient", "the bucket is not on the CPU"));
+                };
+                let base = layout.start_offset();
+                with_cpu_mut(&shard, "gradient shard", |dst, range| {
+                    copy_cpu(dst, range, src, base + own.start..base + own.end)
+                })?;
+            }
+            let mut off = 0;
+            for (v, flag) in vars.iter().zip(&flags) {
+                let n_el = v.elem_count();
+                let (lo, hi) = (own.start.max(off), own.end.min(off + n_el));
+                if *flag > 0.0 && lo < hi {
+                    grads.insert(v.as_tensor(), shard.narrow(0, lo - own.start, hi - lo)?);
+                } else {
+                    grads.remove(v.as_tensor());
+                }
+                present.push(*flag > 0.0);
+                off += n_el;
+            }
+        }
+        Ok(present)
+    }
+
+    /// The sum of squares of the registered parameters' gradients in `grads` (f64).
+    pub(crate) fn grad_sq_sum(&self, grads: &GradStore) -> Result<f64> {
+        let mut sum = 0f64;
+        for v in &self.vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                sum += g
+                    .to_dtype(DType::F64)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f64>()?;
+            }
+        }
+        Ok(sum)
+    }
+
+    /// The names of registered parameters whose `present` flag is false.
+    pub(crate) fn names_where_absent(&self, present: &[bool]) -> Vec<String> {
+        self.names
+            .iter()
+            .zip(present)
+            .filter(|(_, p)| !**p)
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
     /// The registered variables, in name order.
     pub(crate) fn vars(&self) -> &[Var] {
         &self.vars
@@ -513,17 +726,7 @@ impl ParamSet {
 
     /// The L2 norm of all registered parameters' gradients together (computed in f64).
     pub(crate) fn grad_norm(&self, grads: &GradStore) -> Result<f64> {
-        let mut sum = 0f64;
-        for v in &self.vars {
-            if let Some(g) = grads.get(v.as_tensor()) {
-                sum += g
-                    .to_dtype(DType::F64)?
-                    .sqr()?
-                    .sum_all()?
-                    .to_scalar::<f64>()?;
-            }
-        }
-        Ok(sum.sqrt())
+        Ok(self.grad_sq_sum(grads)?.sqrt())
     }
 
     fn name_of(&self, v: &Var) -> &str {

@@ -21,3 +21,4 @@ mod sampler;
 mod scripts;
 mod shm;
 mod tracking;
+mod zero;

@@ -176,6 +176,7 @@ impl AnswerFlags {
             tune_malloc: None,
             transport: None,
             missing_gradients: None,
+            zero_stage: None,
         };
         if let Some((key, reason)) = cfg.problem() {
             return Err(flag_error(key, reason));

@@ -279,6 +279,7 @@ fn flags_round_trip_without_questions() {
         tune_malloc: None,
         transport: None,
         missing_gradients: None,
+        zero_stage: None,
         max_restarts: Some(2),
         monitor_interval_secs: Some(0.5),
     };
