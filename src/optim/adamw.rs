@@ -18,8 +18,10 @@ struct Slot {
     var: Var,
     /// ZeRO: the elements of the flattened parameter this rank updates (`None`: all).
     range: Option<std::ops::Range<usize>>,
-    m: Tensor,
-    v: Tensor,
+    /// The moments, allocated on the parameter's first gradient (zeros until then), so that a
+    /// sharded optimizer never holds the whole state.
+    m: Option<Tensor>,
+    v: Option<Tensor>,
 }
 
 /// AdamW (Loshchilov & Hutter): the same update and defaults as [`candle_nn::AdamW`]
@@ -86,18 +88,13 @@ impl Optimizer for AdamW {
         let slots = vars
             .into_iter()
             .filter(|var| var.dtype().is_float())
-            .map(|var| {
-                // Two allocations: the fused step writes both in place.
-                let m = Tensor::zeros(var.shape(), var.dtype(), var.device())?;
-                let v = Tensor::zeros(var.shape(), var.dtype(), var.device())?;
-                Ok(Slot {
-                    var,
-                    range: None,
-                    m,
-                    v,
-                })
+            .map(|var| Slot {
+                var,
+                range: None,
+                m: None,
+                v: None,
             })
-            .collect::<candle_core::Result<Vec<_>>>()?;
+            .collect();
         Ok(AdamW {
             slots,
             step_t: 0,
@@ -135,18 +132,30 @@ impl Optimizer for AdamW {
             };
             let g = &grad_view(g, &slot.range)?;
             let theta = &param_view(&slot.var, &slot.range)?;
+            // Two allocations on the first gradient: the fused step writes both in place.
+            let zeros = || Tensor::zeros(theta.shape(), theta.dtype(), theta.device());
+            let sm = match &slot.m {
+                Some(m) => m.clone(),
+                None => zeros()?,
+            };
+            let sv = match &slot.v {
+                Some(v) => v.clone(),
+                None => zeros()?,
+            };
             if self.fused {
                 if fused::fusable(theta, g) {
-                    fused::adamw(theta, &slot.m, &slot.v, g, scalars).map_err(candle_err)?;
+                    fused::adamw(theta, &sm, &sv, g, scalars).map_err(candle_err)?;
+                    (slot.m, slot.v) = (Some(sm), Some(sv));
                     continue;
                 }
-                if fused_cuda::adamw(theta, &slot.m, &slot.v, g, scalars).map_err(candle_err)? {
+                if fused_cuda::adamw(theta, &sm, &sv, g, scalars).map_err(candle_err)? {
+                    (slot.m, slot.v) = (Some(sm), Some(sv));
                     continue;
                 }
             }
             // Unfused (other dtypes and devices, or fusion turned off): a chain of tensor ops.
-            let m = ((&slot.m * beta1)? + (g * (1.0 - beta1))?)?;
-            let v = ((&slot.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+            let m = ((&sm * beta1)? + (g * (1.0 - beta1))?)?;
+            let v = ((&sv * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
             let denom = v.sqrt()?.affine(sqrt_scale_v, eps)?;
             let update = m.div(&denom)?.affine(lr * scale_m, 0.0)?;
             let next = if weight_decay == 0.0 {
@@ -155,8 +164,8 @@ impl Optimizer for AdamW {
                 theta.affine(decay, 0.0)?.sub(&update)?
             };
             write_param(&slot.var, &slot.range, &next)?;
-            slot.m = m;
-            slot.v = v;
+            slot.m = Some(m);
+            slot.v = Some(v);
         }
         Ok(())
     }
@@ -220,8 +229,11 @@ impl AdamW {
         let mut slots = Vec::new();
         for slot in self.slots.drain(..) {
             for r in shard_ranges(&slot.var, shards) {
-                let cut = |t: &Tensor| -> Result<Tensor> {
-                    Ok(t.flatten_all()?.narrow(0, r.start, r.len())?.copy()?)
+                let cut = |t: &Option<Tensor>| -> Result<Option<Tensor>> {
+                    match t {
+                        Some(t) => Ok(Some(t.flatten_all()?.narrow(0, r.start, r.len())?.copy()?)),
+                        None => Ok(None),
+                    }
                 };
                 slots.push(Slot {
                     var: slot.var.clone(),
@@ -239,7 +251,9 @@ impl AdamW {
     pub fn state_bytes(&self) -> usize {
         self.slots
             .iter()
-            .map(|s| (s.m.elem_count() + s.v.elem_count()) * s.m.dtype().size_in_bytes())
+            .flat_map(|s| [&s.m, &s.v])
+            .flatten()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
             .sum()
     }
 
@@ -256,8 +270,15 @@ impl AdamW {
         }
         let mut tensors = Vec::with_capacity(2 * self.slots.len());
         for (i, s) in self.slots.iter().enumerate() {
-            tensors.push((format!("{i}.m"), s.m.copy()?));
-            tensors.push((format!("{i}.v"), s.v.copy()?));
+            // Moments not allocated yet (no gradient so far) are zeros.
+            let moment = |t: &Option<Tensor>| -> Result<Tensor> {
+                Ok(match t {
+                    Some(t) => t.copy()?,
+                    None => Tensor::zeros(s.var.shape(), s.var.dtype(), s.var.device())?,
+                })
+            };
+            tensors.push((format!("{i}.m"), moment(&s.m)?));
+            tensors.push((format!("{i}.v"), moment(&s.v)?));
         }
         Ok(OptimizerState {
             step: self.step_t,
@@ -336,8 +357,8 @@ impl AdamW {
             }
         }
         for (slot, (m, v)) in self.slots.iter_mut().zip(fitted) {
-            slot.m = m;
-            slot.v = v;
+            slot.m = Some(m);
+            slot.v = Some(v);
         }
         self.step_t = state.step;
         self.params.lr = state.lr;
