@@ -78,7 +78,7 @@ fn workload(name: &str, vb: VarBuilder) -> Result<(Box<dyn Module>, Tensor, Tens
             let m = lm::TransformerLm::new(cfg, vb)?;
             let ids = |salt: u32| -> Result<Tensor> {
                 let v: Vec<u32> = (0..8 * 128u32)
-                    .map(|i| (i * 2654435761u32 ^ salt) % 8000)
+                    .map(|i| (i.wrapping_mul(2654435761u32) ^ salt) % 8000)
                     .collect();
                 Ok(Tensor::from_vec(v, (8, 128), &dev)?)
             };
