@@ -133,6 +133,49 @@ fn stages_1_and_2_match_stage_0_in_process() {
     }
 }
 
+/// bf16 mixed precision: the f32 masters are what gets sharded; 2 in-process ranks.
+fn mixed(stage: usize) -> HashMap<String, Tensor> {
+    let out = crate::common::in_process_with(
+        2,
+        move |c: Arc<dyn Collective>| {
+            Accelerator::builder()
+                .collective(c)
+                .zero_stage(stage)
+                .mixed_precision(accelerate_rs::MixedPrecision::Bf16)
+        },
+        |acc| {
+            let p = params(0.0, HIDDEN);
+            let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
+            let loader = DataLoader::new(dataset(2 * BATCH * STEPS), BATCH);
+            let opt = AdamW::new_lr(vars, 0.01).unwrap();
+            let (mut opt, loader, work) = acc.prepare_mixed(&p, opt, loader).unwrap();
+            let dtype = opt.compute_dtype();
+            let wp: Vec<(String, Var)> = p
+                .iter()
+                .map(|(k, _)| (k.clone(), work.data().lock().unwrap()[k].clone()))
+                .collect();
+            for b in loader.iter().unwrap() {
+                let b = b.unwrap();
+                let out = forward(&wp, &b[0].to_dtype(dtype).unwrap()).unwrap();
+                let l = loss::cross_entropy(&out.to_dtype(candle_core::DType::F32).unwrap(), &b[1])
+                    .unwrap();
+                opt.backward_step(&l).unwrap();
+            }
+            snapshot(&p)
+        },
+    );
+    out.into_iter().next().unwrap()
+}
+
+#[test]
+fn mixed_precision_shards_the_f32_masters() {
+    let base = mixed(0);
+    for stage in [1, 2] {
+        let d = max_abs_diff(&base, &mixed(stage));
+        assert!(d < 1e-5, "bf16 stage {stage} differs from stage 0 by {d}");
+    }
+}
+
 #[test]
 fn world_size_one_and_unshardable_optimizers() {
     // Alone, sharding changes nothing.
