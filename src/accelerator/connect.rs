@@ -2,9 +2,21 @@
 
 use std::sync::Arc;
 
-use crate::collective::{Collective, NcclCollective, SingleProcess, TcpCollective, TcpOptions};
-use crate::error::Result;
-use crate::settings::{DistributedType, ProcessState};
+use crate::collective::{
+    Collective, MpiCollective, NcclCollective, SingleProcess, TcpCollective, TcpOptions,
+};
+use crate::error::{Error, Result};
+use crate::settings::{env, DistributedType, ProcessState, Transport};
+
+/// Whether this process's collectives go over MPI: asked for, or `auto` in a process started by
+/// an MPI launcher of a build with MPI.
+fn wants_mpi(state: &ProcessState) -> bool {
+    match state.transport() {
+        Transport::Mpi => true,
+        Transport::Auto => state.launcher() == "mpi" && crate::collective::mpi::BUILT,
+        Transport::Tcp | Transport::Shm => false,
+    }
+}
 
 /// The collective of a process that was handed none: [`SingleProcess`] alone, NCCL between GPU
 /// processes, else TCP (with its shared-memory path on one host).
@@ -12,7 +24,22 @@ pub(super) fn connect(state: &ProcessState) -> Result<Arc<dyn Collective>> {
     if state.world_size() == 1 {
         return Ok(Arc::new(SingleProcess));
     }
-    if state.secret().is_empty() && state.is_main_process() {
+    let host: Option<Arc<dyn Collective>> = if wants_mpi(state) {
+        Some(Arc::new(MpiCollective::connect(Some((
+            state.rank(),
+            state.world_size(),
+        )))?))
+    } else {
+        None
+    };
+    if host.is_none() && state.master_addr().is_none() {
+        return Err(Error::Env {
+            var: env::MASTER_ADDR.into(),
+            value: String::new(),
+            reason: format!("must be set when the world size is {}: the address of the machine running rank 0 (or start the program with `accelerate-rs launch`, or under `mpirun` with a build that has the `mpi` feature)", state.world_size()),
+        });
+    }
+    if host.is_none() && state.secret().is_empty() && state.is_main_process() {
         log::warn!("ACCELERATE_RS_SECRET is not set: connections between ranks are not authenticated (`accelerate-rs launch` sets it)");
     }
     let tcp = TcpOptions {
@@ -24,18 +51,21 @@ pub(super) fn connect(state: &ProcessState) -> Result<Arc<dyn Collective>> {
         timeout: state.timeout(),
         transport: Some(state.transport()),
     };
+    let host = match host {
+        Some(mpi) => mpi,
+        None => Arc::new(TcpCollective::connect(&tcp)?),
+    };
     Ok(if state.distributed_type() == DistributedType::Ddp {
-        gpu_collective(state, &tcp)?
+        gpu_collective(state, host)?
     } else {
-        Arc::new(TcpCollective::connect(&tcp)?)
+        host
     })
 }
 
 /// DDP on GPUs: NCCL when every rank drives its own GPU; when ranks share one (NCCL refuses
 /// that), the host collective itself, which reduces GPU tensors through host memory over shared
 /// memory or TCP, after one warning from the main process.
-fn gpu_collective(state: &ProcessState, opts: &TcpOptions) -> Result<Arc<dyn Collective>> {
-    let host: Arc<dyn Collective> = Arc::new(TcpCollective::connect(opts)?);
+fn gpu_collective(state: &ProcessState, host: Arc<dyn Collective>) -> Result<Arc<dyn Collective>> {
     let id = crate::settings::gpu::identity(state.device())?;
     match crate::collective::placement::shared_gpu(host.as_ref(), &id)? {
         Some((a, b)) => {

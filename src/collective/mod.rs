@@ -5,6 +5,7 @@
 //! | [`SingleProcess`] | world size 1: every call returns at once, no socket is opened | `single.rs` |
 //! | [`TcpCollective`] | several processes (one or many machines): rendezvous store + ring over TCP; `all_reduce` and `broadcast` through shared memory when all ranks share a host | `tcp/` |
 //! | [`ThreadGroup`] | several ranks as threads of one process (tests, DP over CPU replicas) | `threads.rs` |
+//! | [`MpiCollective`] | CPU clusters started by `mpirun` / `srun --mpi` (transport `mpi`, or `auto` under an MPI launcher); needs the `mpi` feature | `mpi.rs` (`mpi_stub.rs` without it) |
 //! | [`NcclCollective`] | GPU tensors: DDP (one process per GPU) and DP (one thread per GPU); needs the `cuda` feature | `nccl.rs` (`nccl_stub.rs` without it) |
 //!
 //! Every operation has a timeout, and every backend fails (never hangs) when a peer disappears,
@@ -38,6 +39,11 @@ mod nccl;
 #[path = "nccl_stub.rs"]
 mod nccl;
 // Used by nccl.rs (cuda builds only); compiled and tested in every build.
+#[cfg(feature = "mpi")]
+pub(crate) mod mpi;
+#[cfg(not(feature = "mpi"))]
+#[path = "mpi_stub.rs"]
+pub(crate) mod mpi;
 #[allow(dead_code)]
 mod nccl_dtype;
 pub(crate) mod placement;
@@ -49,6 +55,7 @@ mod threads;
 use candle_core::Tensor;
 
 pub use buffer::{AlignedBytes, Buffer, BufferMut, ElemType, Element, OwnedBuffer};
+pub use mpi::MpiCollective;
 pub use nccl::NcclCollective;
 pub(crate) use reduce::ReduceOp;
 pub use single::SingleProcess;

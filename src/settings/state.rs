@@ -403,20 +403,30 @@ impl ProcessState {
             .clone()
             .or(env_value::<String>(getenv, env::MASTER_ADDR)?)
             .or(cfg.main_process_ip.clone());
-        if world_size > 1 && master_addr.is_none() && !o.external_collective {
-            return Err(Error::Env {
-                var: env::MASTER_ADDR.into(),
-                value: String::new(),
-                reason: format!("must be set when the world size is {world_size}: the address of the machine running rank 0 (or start the program with `accelerate-rs launch`)"),
-            });
-        }
         let master_port = pick(
             o.master_port,
             env_value(getenv, env::MASTER_PORT)?,
             cfg.main_process_port,
             DEFAULT_MASTER_PORT,
         );
-        if world_size > 1 && master_port == 0 && !o.external_collective {
+        // Under MPI the ranks find each other without an address (checked again when joining).
+        let transport = pick(
+            o.transport,
+            env_value(getenv, env::TRANSPORT)?,
+            cfg.transport,
+            Transport::Auto,
+        );
+        let over_mpi =
+            transport == Transport::Mpi || (transport == Transport::Auto && launcher == "mpi");
+        let by_address = !(o.external_collective || over_mpi);
+        if world_size > 1 && master_addr.is_none() && by_address {
+            return Err(Error::Env {
+                var: env::MASTER_ADDR.into(),
+                value: String::new(),
+                reason: format!("must be set when the world size is {world_size}: the address of the machine running rank 0 (or start the program with `accelerate-rs launch`)"),
+            });
+        }
+        if world_size > 1 && master_port == 0 && by_address {
             return Err(Error::Env {
                 var: env::MASTER_PORT.into(),
                 value: "0".into(),
@@ -451,12 +461,6 @@ impl ProcessState {
             env_value(getenv, env::TUNE_MALLOC)?,
             cfg.tune_malloc,
             true,
-        );
-        let transport = pick(
-            o.transport,
-            env_value(getenv, env::TRANSPORT)?,
-            cfg.transport,
-            Transport::Auto,
         );
         let missing_gradients = pick(
             o.missing_gradients,

@@ -15,13 +15,17 @@ pub enum Transport {
     Tcp,
     /// Shared memory; an error when the ranks are on several hosts.
     Shm,
+    /// Every collective over MPI ([`MpiCollective`](crate::collective::MpiCollective), the
+    /// `mpi` feature): for jobs started by `mpirun` / `srun --mpi`. `Auto` picks it by itself
+    /// there when the build has MPI.
+    Mpi,
 }
 
 impl std::str::FromStr for Transport {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         Transport::parse(&s.trim().to_ascii_lowercase())
-            .ok_or_else(|| format!("expected `auto`, `tcp` or `shm`, got {s:?}"))
+            .ok_or_else(|| format!("expected `auto`, `tcp`, `shm` or `mpi`, got {s:?}"))
     }
 }
 
@@ -31,7 +35,7 @@ impl Transport {
         Ok(super::parse::process_env(env::TRANSPORT)?.unwrap_or_default())
     }
 
-    /// The setting's name: `auto`, `tcp` or `shm`.
+    /// The setting's name: `auto`, `tcp`, `shm` or `mpi`.
     pub fn as_str(self) -> &'static str {
         self.name()
     }
@@ -41,6 +45,7 @@ impl Transport {
             Transport::Auto => "auto",
             Transport::Tcp => "tcp",
             Transport::Shm => "shm",
+            Transport::Mpi => "mpi",
         }
     }
 
@@ -50,6 +55,7 @@ impl Transport {
             "auto" => Some(Transport::Auto),
             "tcp" => Some(Transport::Tcp),
             "shm" => Some(Transport::Shm),
+            "mpi" => Some(Transport::Mpi),
             _ => None,
         }
     }

@@ -138,7 +138,7 @@ where
     }
 }
 
-fn scatter_gather_all_dtypes<C: Collective + ?Sized>(c: &C) {
+pub(crate) fn scatter_gather_all_dtypes<C: Collective + ?Sized>(c: &C) {
     scatter_gather_suite::<f32, C>(c);
     scatter_gather_suite::<f64, C>(c);
     scatter_gather_suite::<f16, C>(c);
@@ -170,7 +170,7 @@ fn scatter_gather_all_dtypes<C: Collective + ?Sized>(c: &C) {
     }
 }
 
-fn full_suite<C: Collective + ?Sized>(c: &C) {
+pub(crate) fn full_suite<C: Collective + ?Sized>(c: &C) {
     all_reduce_suite::<f32, C>(c);
     all_reduce_suite::<f64, C>(c);
     all_reduce_suite::<f16, C>(c);
@@ -183,7 +183,7 @@ fn full_suite<C: Collective + ?Sized>(c: &C) {
 }
 
 /// Pseudo-random floats, large enough to stream in several segments.
-fn big_random_suite<C: Collective + ?Sized>(c: &C) {
+pub(crate) fn big_random_suite<C: Collective + ?Sized>(c: &C) {
     let (rank, world) = (c.rank(), c.world_size());
     let len = 300_007;
     let gen = |r: usize, i: usize| {

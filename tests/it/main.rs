@@ -14,6 +14,8 @@ mod faults;
 mod frozen;
 mod fused_optim;
 mod mixed_precision;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod multinode;
 mod ops;
 mod optim;

@@ -131,6 +131,13 @@ impl TcpCollective {
             Some(t) => t,
             None => Transport::from_env()?,
         };
+        if mode == Transport::Mpi {
+            return Err(Error::invalid(
+                "transport",
+                "`mpi` is not a data path of the TCP collective: use `MpiCollective` (the \
+                 accelerator does so by itself when the transport is `mpi`)",
+            ));
+        }
         let master = format!("{}:{}", opts.master_addr, opts.master_port);
         let deadline = Instant::now() + opts.timeout;
         let store = if rank == 0 {

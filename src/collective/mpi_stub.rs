@@ -1,0 +1,52 @@
+//! MPI collectives in a build without the `mpi` feature: the same API as `mpi.rs`; the
+//! constructor explains that MPI was not built in, so no value of this type can exist.
+
+use super::{Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp};
+use crate::error::{Error, Result};
+
+/// Whether this build has MPI (the `mpi` feature).
+pub(crate) const BUILT: bool = false;
+
+/// One rank of the MPI world. This build has no MPI: it cannot be constructed.
+#[derive(Debug)]
+pub struct MpiCollective {
+    never: std::convert::Infallible,
+}
+
+impl MpiCollective {
+    /// Joins the MPI world: always an error in this build.
+    pub fn connect(_expect: Option<(usize, usize)>) -> Result<Self> {
+        Err(Error::NotAvailable {
+            what: "MPI".into(),
+            reason: "this accelerate-rs was built without the `mpi` feature: rebuild with \
+                     `--features mpi` (needs an MPI implementation such as Debian's \
+                     libopenmpi-dev, and libclang), or use transport `auto`/`tcp`/`shm` with \
+                     MASTER_ADDR and MASTER_PORT set"
+                .into(),
+        })
+    }
+}
+
+impl Collective for MpiCollective {
+    fn rank(&self) -> usize {
+        match self.never {}
+    }
+    fn world_size(&self) -> usize {
+        match self.never {}
+    }
+    fn backend(&self) -> &'static str {
+        match self.never {}
+    }
+    fn all_reduce(&self, _: BufferMut<'_>, _: ReduceOp) -> Result<()> {
+        match self.never {}
+    }
+    fn broadcast(&self, _: BufferMut<'_>, _: usize) -> Result<()> {
+        match self.never {}
+    }
+    fn all_gather(&self, _: Buffer<'_>) -> Result<Vec<OwnedBuffer>> {
+        match self.never {}
+    }
+    fn barrier(&self) -> Result<()> {
+        match self.never {}
+    }
+}
