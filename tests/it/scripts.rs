@@ -228,3 +228,44 @@ fn fault_script_runs_its_scenarios_and_prints_the_table() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out).1.contains("no-such-fault"));
 }
+
+/// The SLURM job scripts of `examples/slurm/` parse (`bash -n`), and every flag they pass to
+/// `accelerate-rs launch` is one the launcher has.
+#[test]
+fn slurm_scripts_parse_and_use_real_launcher_flags() {
+    let help = Command::new(crate::common::launcher())
+        .args(["launch", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout).to_string();
+    let dir = Path::new(ROOT).join("examples/slurm");
+    let mut scripts = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("sbatch") {
+            continue;
+        }
+        scripts += 1;
+        let out = Command::new("bash").arg("-n").arg(&path).output().unwrap();
+        assert!(out.status.success(), "{}: {:?}", path.display(), out);
+        let text = std::fs::read_to_string(&path).unwrap();
+        if let Some(launch) = text
+            .rsplit("accelerate-rs launch")
+            .next()
+            .filter(|_| text.contains("accelerate-rs launch"))
+        {
+            let args = launch.split("examples/").next().unwrap();
+            for flag in args
+                .split(|c: char| c.is_whitespace() || c == '\'' || c == '"')
+                .filter(|w| w.starts_with("--"))
+            {
+                assert!(
+                    help.contains(flag),
+                    "{}: `{flag}` is not a launch flag",
+                    path.display()
+                );
+            }
+        }
+    }
+    assert_eq!(scripts, 4);
+}
