@@ -200,6 +200,39 @@ pub enum Error {
         report: String,
     },
 
+    /// A checkpoint file does not match what its manifest recorded when it was written (flipped
+    /// bytes, a file replaced or truncated, an edited manifest).
+    #[error("checkpoint file {} is corrupt: {reason}", path.display())]
+    CheckpointCorrupt {
+        /// The damaged file.
+        path: std::path::PathBuf,
+        /// What does not match.
+        reason: String,
+    },
+
+    /// Writing a checkpoint (or a model file) failed: the file system refused, or the main
+    /// process that writes failed (then the other ranks get this error naming the path).
+    #[error("could not write checkpoint {}: {reason}", path.display())]
+    CheckpointWrite {
+        /// The file or directory being written.
+        path: std::path::PathBuf,
+        /// What failed.
+        reason: String,
+        /// The underlying I/O error, if any.
+        #[source]
+        source: Option<std::io::Error>,
+    },
+
+    /// Another run holds the checkpoint directory (two runs saving into one folder would
+    /// overwrite and rotate away each other's checkpoints).
+    #[error("checkpoint directory {} is in use by another run ({holder}); give this run its own directory", path.display())]
+    CheckpointLocked {
+        /// The directory.
+        path: std::path::PathBuf,
+        /// Who holds it: pid, host and start time, as the holder wrote them.
+        holder: String,
+    },
+
     /// A thread of accelerate-rs itself panicked (e.g. the communication thread that reduces
     /// gradient buckets): an internal failure, not a usage error.
     #[error("rank {rank}: {thread} panicked: {message}")]

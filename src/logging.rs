@@ -52,3 +52,13 @@ pub fn init(rank: Option<usize>) -> bool {
     });
     builder.try_init().is_ok()
 }
+
+/// A warning that must be seen even when the program set up no logging (security-relevant or
+/// data-losing events): through `log` at warn level when a logger takes it, else on stderr.
+pub(crate) fn warn_always(msg: std::fmt::Arguments<'_>) {
+    if log::log_enabled!(log::Level::Warn) {
+        log::warn!("{msg}");
+    } else {
+        eprintln!("accelerate-rs: warning: {msg}");
+    }
+}

@@ -235,6 +235,164 @@ pub struct Manifest {
     pub parameters: Vec<String>,
     /// Free-form strings ([`CheckpointParts::extra`]).
     pub extra: BTreeMap<String, String>,
+    /// Size and CRC-32 of every file of the checkpoint, checked by [`verify_checkpoint`] and on
+    /// every load (empty in checkpoints written before checksums existed: those load unverified,
+    /// with a warning).
+    #[serde(default)]
+    pub files: BTreeMap<String, FileChecksum>,
+    /// CRC-32 of this manifest as written with this field unset, so that an edited manifest
+    /// (a changed step, a swapped file list) is caught too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<u32>,
+}
+
+/// A file's size and CRC-32, as recorded in a [`Manifest`] when the file was written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileChecksum {
+    /// Size in bytes.
+    pub bytes: u64,
+    /// CRC-32 (IEEE) of the contents.
+    pub crc32: u32,
+}
+
+/// Size and CRC-32 of the file at `path`, read in 1 MiB blocks.
+fn checksum_file(path: &Path) -> std::io::Result<FileChecksum> {
+    use std::io::Read;
+    let mut f = fs::File::open(path)?;
+    let mut hasher = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut bytes = 0u64;
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        bytes += n as u64;
+    }
+    Ok(FileChecksum {
+        bytes,
+        crc32: hasher.finalize(),
+    })
+}
+
+/// The CRC-32 of `m`'s JSON form with [`Manifest::checksum`] unset.
+fn manifest_crc(m: &Manifest, path: &Path) -> Result<u32> {
+    let mut bare = m.clone();
+    bare.checksum = None;
+    let text = serde_json::to_string_pretty(&bare)
+        .map_err(|e| checkpoint_err(path, format!("could not serialize the manifest: {e}")))?;
+    Ok(crc32fast::hash(text.as_bytes()))
+}
+
+fn corrupt(path: &Path, reason: impl Into<String>) -> Error {
+    Error::CheckpointCorrupt {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+fn write_err(path: &Path, reason: impl Into<String>, source: Option<std::io::Error>) -> Error {
+    Error::CheckpointWrite {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+        source,
+    }
+}
+
+/// Checks the checkpoint in `dir` (or its `.old` copy after an interrupted save) against its
+/// manifest: the manifest's own checksum, then the size and CRC-32 of every file it lists.
+/// Returns the manifest; the error names the file that does not match. A checkpoint written
+/// before checksums existed passes, with a warning (once per process).
+pub fn verify_checkpoint(dir: impl AsRef<Path>) -> Result<Manifest> {
+    let dir = dir.as_ref();
+    let manifest = read_manifest(dir)?;
+    let found = resolve_checkpoint(dir).unwrap_or_else(|| dir.to_path_buf());
+    let mpath = found.join(MANIFEST_FILE);
+    if let Some(sum) = manifest.checksum {
+        if manifest_crc(&manifest, &mpath)? != sum {
+            return Err(corrupt(
+                &mpath,
+                "its checksum does not match its contents (the manifest was edited or damaged)",
+            ));
+        }
+    }
+    if manifest.files.is_empty() {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            crate::logging::warn_always(format_args!(
+                "checkpoint {} has no checksums (written by an accelerate-rs before 0.2): it is loaded unverified",
+                found.display()
+            ))
+        });
+        return Ok(manifest);
+    }
+    if !manifest.files.contains_key(MODEL_FILE) {
+        return Err(corrupt(
+            &mpath,
+            format!("it lists no checksum for {MODEL_FILE}"),
+        ));
+    }
+    for (name, want) in &manifest.files {
+        let path = found.join(name);
+        if verified(&path, want) {
+            continue;
+        }
+        let got = match checksum_file(&path) {
+            Ok(s) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(corrupt(&path, "the file is missing"))
+            }
+            Err(e) => return Err(io_err("reading", &path, e)),
+        };
+        if got.bytes != want.bytes {
+            return Err(corrupt(
+                &path,
+                format!(
+                    "it has {} bytes, the manifest recorded {} (truncated or replaced)",
+                    got.bytes, want.bytes
+                ),
+            ));
+        }
+        if got.crc32 != want.crc32 {
+            return Err(corrupt(
+                &path,
+                format!(
+                    "its CRC-32 is {:08x}, the manifest recorded {:08x} (damaged or replaced)",
+                    got.crc32, want.crc32
+                ),
+            ));
+        }
+        remember_verified(&path, want);
+    }
+    Ok(manifest)
+}
+
+/// Files verified in this process (path, checksum, modification time), so that resuming
+/// ([`latest_checkpoint`] then `load_state`) reads each file once for its checksum.
+static VERIFIED: std::sync::Mutex<Vec<(PathBuf, FileChecksum, Option<std::time::SystemTime>)>> =
+    std::sync::Mutex::new(Vec::new());
+
+fn mtime(path: &Path) -> Option<std::time::SystemTime> {
+    fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+fn verified(path: &Path, sum: &FileChecksum) -> bool {
+    let now = mtime(path);
+    now.is_some()
+        && VERIFIED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|(p, s, t)| p == path && s == sum && *t == now)
+}
+
+fn remember_verified(path: &Path, sum: &FileChecksum) {
+    let mut v = VERIFIED.lock().unwrap_or_else(|p| p.into_inner());
+    if v.len() > 64 {
+        v.remove(0);
+    }
+    v.push((path.to_path_buf(), *sum, mtime(path)));
 }
 
 fn io_err(context: impl Into<String>, path: &Path, source: std::io::Error) -> Error {
@@ -308,12 +466,28 @@ fn auto_entries(root: &Path) -> Vec<(u64, PathBuf)> {
     out
 }
 
-/// The newest complete checkpoint written by [`Accelerator::save_state_auto`](crate::Accelerator::save_state_auto) under `root`: the
-/// `checkpoint_<N>` with the largest `N` whose manifest exists (or whose `.old` copy is
-/// complete). Partial directories (`*.tmp-<pid>` of a crashed save) are ignored. `None` when
-/// there is none (or `root` does not exist).
+/// The newest sound checkpoint written by [`Accelerator::save_state_auto`](crate::Accelerator::save_state_auto) under `root`: the
+/// `checkpoint_<N>` with the largest `N` that is complete (its manifest exists, or its `.old`
+/// copy is complete) and passes [`verify_checkpoint`]. A newer checkpoint that fails
+/// verification is skipped with a warning naming the bad file, so a run resumes from the newest
+/// one that is intact. Partial directories (`*.tmp-<pid>` of a crashed save, `*.deleting-<pid>`
+/// of an interrupted rotation) are ignored. `None` when there is none (or `root` does not
+/// exist).
 pub fn latest_checkpoint(root: impl AsRef<Path>) -> Option<PathBuf> {
-    let root = root.as_ref();
+    for dir in complete_checkpoints(root.as_ref()).into_iter().rev() {
+        match verify_checkpoint(&dir) {
+            Ok(_) => return Some(dir),
+            Err(e) => crate::logging::warn_always(format_args!(
+                "skipping checkpoint {}: {e}; falling back to an older one",
+                dir.display()
+            )),
+        }
+    }
+    None
+}
+
+/// The complete `checkpoint_<N>` directories under `root`, oldest first (not verified).
+fn complete_checkpoints(root: &Path) -> Vec<PathBuf> {
     let mut numbers: Vec<u64> = fs::read_dir(root)
         .into_iter()
         .flatten()
@@ -328,9 +502,9 @@ pub fn latest_checkpoint(root: impl AsRef<Path>) -> Option<PathBuf> {
     numbers.dedup();
     numbers
         .into_iter()
-        .rev()
         .map(|n| root.join(format!("{AUTO_PREFIX}{n}")))
-        .find(|dir| resolve_checkpoint(dir).is_some())
+        .filter(|dir| resolve_checkpoint(dir).is_some())
+        .collect()
 }
 
 /// Parameters as a name → tensor map, checking that names are unique.
@@ -352,8 +526,13 @@ fn named_tensors(model: &dyn Parameters) -> Result<Vec<(String, Tensor)>> {
 
 fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     let map: HashMap<String, Tensor> = tensors.iter().cloned().collect();
-    candle_core::safetensors::save(&map, path)
-        .map_err(|e| checkpoint_err(path, format!("could not write: {e}")))?;
+    // Create it first, so that a refusal (missing folder, no space, no permission) comes with
+    // its OS error.
+    fs::File::create(path).map_err(|e| write_err(path, "could not create the file", Some(e)))?;
+    candle_core::safetensors::save(&map, path).map_err(|e| match e {
+        candle_core::Error::Io(io) => write_err(path, "the file system refused it", Some(io)),
+        e => write_err(path, e.to_string(), None),
+    })?;
     sync_file(path)
 }
 
@@ -399,7 +578,17 @@ fn write_checkpoint(tmp: &Path, parts: &CheckpointParts<'_>, world_size: usize) 
         }
         None => None,
     };
-    let manifest = Manifest {
+    // Checksums of the files as they are on disk.
+    let mut files = BTreeMap::new();
+    for name in [MODEL_FILE, OPTIMIZER_FILE] {
+        let path = tmp.join(name);
+        if path.is_file() {
+            let sum = checksum_file(&path).map_err(|e| io_err("reading back", &path, e))?;
+            files.insert(name.to_string(), sum);
+        }
+    }
+    let path = tmp.join(MANIFEST_FILE);
+    let mut manifest = Manifest {
         version: env!("CARGO_PKG_VERSION").to_string(),
         world_size,
         step: parts.step,
@@ -408,8 +597,10 @@ fn write_checkpoint(tmp: &Path, parts: &CheckpointParts<'_>, world_size: usize) 
         loader: parts.loader,
         parameters: model.iter().map(|(n, _)| n.clone()).collect(),
         extra: parts.extra.clone(),
+        files,
+        checksum: None,
     };
-    let path = tmp.join(MANIFEST_FILE);
+    manifest.checksum = Some(manifest_crc(&manifest, &path)?);
     let text = serde_json::to_string_pretty(&manifest)
         .map_err(|e| checkpoint_err(&path, format!("could not serialize the manifest: {e}")))?;
     let mut f = fs::File::create(&path).map_err(|e| io_err("creating", &path, e))?;
@@ -457,6 +648,17 @@ fn read_safetensors(path: &Path, device: &Device) -> Result<HashMap<String, Tens
         .map_err(|e| checkpoint_err(path, format!("could not read: {e}")))
 }
 
+/// Whether a float tensor holds a NaN or an infinity.
+fn non_finite(t: &Tensor) -> Result<bool> {
+    let t = t.to_dtype(candle_core::DType::F32)?;
+    let count = |m: Tensor| -> Result<u32> {
+        Ok(m.to_dtype(candle_core::DType::U32)?
+            .sum_all()?
+            .to_scalar::<u32>()?)
+    };
+    Ok(count(t.ne(&t)?)? + count(t.abs()?.eq(f64::INFINITY)?)? > 0)
+}
+
 /// Checks `file`'s tensors against `model` and returns `(var, value)` pairs to set; nothing is
 /// changed here.
 fn fit_model(
@@ -484,6 +686,12 @@ fn fit_model(
                 ),
             ));
         }
+        if t.dtype().is_float() && non_finite(&t)? {
+            return Err(corrupt(
+                path,
+                format!("parameter `{name}` holds NaN or infinite values (a diverged run was saved, or the file was damaged)"),
+            ));
+        }
         let t = t.to_device(var.device())?.to_dtype(var.dtype())?;
         out.push((var, t));
     }
@@ -502,6 +710,78 @@ fn fit_model(
 // Checkpoint writing and reading across the ranks of one run, on a collective (the
 // `Accelerator` methods of the same names call these).
 
+/// The lock file of a checkpoint folder.
+pub const LOCK_FILE: &str = ".accelerate-rs.lock";
+
+/// Checkpoint folders this process has locked, with their open lock files: a lock lasts as long
+/// as its file is open, i.e. until this process ends (so a crashed run never blocks the next).
+static LOCKS: std::sync::Mutex<Vec<(PathBuf, fs::File)>> = std::sync::Mutex::new(Vec::new());
+
+/// This machine's host name, for lock files.
+fn host_name() -> String {
+    fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "an unknown host".into())
+}
+
+/// Takes (once per process) the exclusive lock of checkpoint folder `folder`: two runs saving
+/// into one folder would overwrite and rotate away each other's checkpoints. Fails with
+/// [`Error::CheckpointLocked`], naming the holder, when another live process holds it.
+fn lock_folder(folder: &Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    fs::create_dir_all(folder).map_err(|e| io_err("creating", folder, e))?;
+    let key = folder
+        .canonicalize()
+        .unwrap_or_else(|_| folder.to_path_buf());
+    let mut locks = LOCKS.lock().unwrap_or_else(|p| p.into_inner());
+    if locks.iter().any(|(p, _)| *p == key) {
+        return Ok(());
+    }
+    let path = folder.join(LOCK_FILE);
+    let mut f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| io_err("opening the lock file", &path, e))?;
+    // SAFETY: `flock` on the descriptor of `f`, which stays open for the whole call; it only
+    // changes the lock state of the open file, no memory is involved.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            let holder = fs::read_to_string(&path)
+                .ok()
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| "a process that wrote no details".into());
+            return Err(Error::CheckpointLocked {
+                path: folder.to_path_buf(),
+                holder,
+            });
+        }
+        return Err(io_err("locking", &path, err));
+    }
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let who = format!(
+        "pid {} on {}, since {since} (Unix time)",
+        std::process::id(),
+        host_name()
+    );
+    f.set_len(0)
+        .and_then(|()| f.write_all(who.as_bytes()))
+        .and_then(|()| f.sync_all())
+        .map_err(|e| io_err("writing the lock file", &path, e))?;
+    locks.push((key, f));
+    Ok(())
+}
+
 /// See [`Accelerator::save_state`](crate::Accelerator::save_state).
 pub(crate) fn save_state(
     c: &dyn Collective,
@@ -509,7 +789,11 @@ pub(crate) fn save_state(
     parts: &CheckpointParts<'_>,
 ) -> Result<()> {
     let result = if c.rank() == 0 {
-        save_atomic(dir, parts, c.world_size())
+        let folder = match dir.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        lock_folder(&folder).and_then(|()| save_atomic(dir, parts, c.world_size()))
     } else {
         Ok(())
     };
@@ -533,8 +817,7 @@ pub(crate) fn save_state_auto(
     c.barrier()?;
     let dir = root.join(format!("{AUTO_PREFIX}{next}"));
     let result = if c.rank() == 0 {
-        fs::create_dir_all(root)
-            .map_err(|e| io_err("creating", root, e))
+        lock_folder(root)
             .and_then(|()| save_atomic(&dir, parts, c.world_size()))
             .and_then(|()| rotate(root, total_limit))
     } else {
@@ -568,7 +851,7 @@ pub(crate) fn load_state(
     model: &dyn Parameters,
     optimizer: Option<&mut dyn StatefulOptimizer>,
 ) -> Result<Manifest> {
-    let manifest = read_manifest(dir)?;
+    let manifest = verify_checkpoint(dir)?;
     let found = resolve_checkpoint(dir).unwrap_or_else(|| dir.to_path_buf());
     if found != dir {
         log::warn!(
@@ -632,17 +915,20 @@ fn agree(c: &dyn Collective, op: &str, path: &Path, result: Result<()>) -> Resul
     c.broadcast((&mut ok[..]).into(), 0)?;
     result?;
     if ok[0] != 1.0 {
-        return Err(checkpoint_err(
+        return Err(write_err(
             path,
-            format!("{op} failed on the main process (see its error)"),
+            format!("{op} failed on the main process, rank 0 (see its error)"),
+            None,
         ));
     }
     Ok(())
 }
 
-/// The largest `N` of a complete checkpoint under `root`.
+/// The largest `N` of a complete checkpoint under `root` (sound or not: a new checkpoint never
+/// takes the number of a damaged one).
 fn latest_number(root: &Path) -> Option<u64> {
-    latest_checkpoint(root)
+    complete_checkpoints(root)
+        .last()
         .and_then(|p| p.file_name().and_then(|n| n.to_str()).and_then(auto_number))
 }
 
@@ -659,12 +945,13 @@ fn rotate(root: &Path, total_limit: usize) -> Result<()> {
             continue;
         }
         if name.contains(".tmp-")
+            || name.contains(DELETING)
             || (name.ends_with(".old") && {
                 let base = path.with_file_name(name.trim_end_matches(".old"));
                 is_complete(&base)
             })
         {
-            fs::remove_dir_all(&path).map_err(|e| io_err("removing leftover", &path, e))?;
+            remove_dir_safely(&path)?;
             continue;
         }
         if let Some(n) = auto_number(name) {
@@ -679,7 +966,27 @@ fn rotate(root: &Path, total_limit: usize) -> Result<()> {
     complete.sort();
     let excess = complete.len() - total_limit;
     for (_, path) in complete.into_iter().take(excess) {
-        fs::remove_dir_all(&path).map_err(|e| io_err("removing old checkpoint", &path, e))?;
+        remove_dir_safely(&path)?;
     }
     Ok(())
+}
+
+/// The infix of a directory being deleted by rotation.
+const DELETING: &str = ".deleting-";
+
+/// Removes a checkpoint directory without ever leaving a half-deleted checkpoint under its
+/// name: it is first renamed to `<name>.deleting-<pid>` (which no loader reads), then removed.
+fn remove_dir_safely(path: &Path) -> Result<()> {
+    let doomed = if path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.contains(DELETING))
+    {
+        path.to_path_buf()
+    } else {
+        let doomed = with_suffix(path, &format!("{DELETING}{}", std::process::id()));
+        fs::rename(path, &doomed).map_err(|e| io_err("renaming for removal", path, e))?;
+        doomed
+    };
+    fs::remove_dir_all(&doomed).map_err(|e| io_err("removing", &doomed, e))
 }

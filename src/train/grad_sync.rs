@@ -331,11 +331,7 @@ impl GradSync {
             }),
             _ => {
                 if self.rank() == 0 {
-                    if log::log_enabled!(log::Level::Warn) {
-                        log::warn!("{report}");
-                    } else {
-                        eprintln!("accelerate-rs: warning: {report}");
-                    }
+                    crate::logging::warn_always(format_args!("{report}"));
                 }
                 Ok(())
             }

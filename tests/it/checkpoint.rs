@@ -269,6 +269,7 @@ fn save_and_load_round_trip_with_optimizer() {
     let names: Vec<_> = std::fs::read_dir(dir.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n != accelerate_rs::checkpoint::LOCK_FILE)
         .collect();
     assert_eq!(names, vec!["ck".to_string()]);
 
@@ -405,6 +406,7 @@ fn total_limit_keeps_the_newest() {
     let mut names: Vec<_> = std::fs::read_dir(root)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n != accelerate_rs::checkpoint::LOCK_FILE)
         .collect();
     names.sort();
     assert_eq!(names, vec!["checkpoint_3", "checkpoint_4"]);

@@ -5,6 +5,7 @@ mod common;
 
 mod accumulate;
 mod checkpoint;
+mod checkpoint_integrity;
 mod collectives;
 mod data_loader;
 mod ddp;
