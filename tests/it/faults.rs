@@ -458,6 +458,27 @@ fn worker_entry() {
         }
     };
     let r = c.rank();
+    if role == "late-error" {
+        if r == 1 {
+            // The real error, then a slow exit (clean-up): its sockets close first, so its peers'
+            // collectives fail and they exit before it does.
+            let _ = signal_hook::flag::register(
+                signal_hook::consts::SIGTERM,
+                std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            );
+            eprintln!("Error: data: shard 7 of the training set is truncated");
+            drop(c);
+            std::thread::sleep(Duration::from_millis(1500));
+            std::process::exit(4);
+        }
+        match reduce_ones(&c, 4 << 20) {
+            Ok(()) => std::process::exit(2),
+            Err(e) => {
+                eprintln!("worker failed: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
     let rounds = if role == "launch" { 3 } else { 1 };
     for _ in 0..rounds {
         if let Err(e) = reduce_ones(&c, 1024) {
@@ -647,6 +668,28 @@ fn launch_exits_nonzero_naming_the_failed_worker_in_a_real_collective_run() {
         "rank 0 did not report a failed all_reduce:\n{text}"
     );
     assert!(start.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn the_launcher_blames_the_rank_with_the_real_error_not_the_first_to_exit() {
+    let (status, out, err) = run_to_end(
+        launch_workers(&["-n", "3", "--grace-period", "5"], "late-error"),
+        Duration::from_secs(30),
+    );
+    let text = format!("stdout:\n{out}\nstderr:\n{err}");
+    // Rank 1's own code, and rank 1 named as the failed rank with its error in the report.
+    assert_eq!(status.code(), Some(4), "{text}");
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("accelerate-rs: rank 1 (pid")),
+        "the launcher did not blame rank 1:\n{text}"
+    );
+    assert!(err.contains("exited first"), "{text}");
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("  [rank 1]") && l.contains("shard 7")),
+        "rank 1's error is not in the report:\n{text}"
+    );
 }
 
 #[test]

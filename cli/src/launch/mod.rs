@@ -64,6 +64,7 @@
 //! worker's command line and environment additions (the secret as `<redacted>`) and starts
 //! nothing.
 
+mod blame;
 mod net;
 mod output;
 mod signals;
@@ -582,8 +583,40 @@ fn run_group(
         output.finish(opts.grace_period);
         return Err(e);
     }
-    let outcome = supervise::supervise(&mut workers, &rx, signals, opts.grace_period, tick);
+    let mut outcome = supervise::supervise(&mut workers, &rx, signals, opts.grace_period, tick);
     let tails = output.finish(opts.grace_period.max(Duration::from_secs(1)));
+    // The rank seen failing first may have failed because of another one: blame the rank whose
+    // own output shows the real error.
+    let mut first_note = String::new();
+    if let Outcome::Failed {
+        rank,
+        pid,
+        code,
+        status,
+        ..
+    } = &mut outcome
+    {
+        let failed: Vec<usize> = workers
+            .iter()
+            .filter(|w| matches!(&w.status, Some(Ok(s)) if !s.success()))
+            .map(|w| w.rank)
+            .collect();
+        let culprit = blame::blame(*rank, &failed, &tails);
+        if culprit != *rank {
+            if let Some(w) = workers.iter().find(|w| w.rank == culprit) {
+                if let Some(Ok(s)) = &w.status {
+                    let (c, st) = workers::describe(*s);
+                    first_note = format!(
+                        "accelerate-rs: (rank {rank} exited first, {status}, because its collective with the others failed)\n"
+                    );
+                    *rank = culprit;
+                    *pid = w.pid();
+                    *code = c;
+                    *status = st;
+                }
+            }
+        }
+    }
     if let Outcome::Failed {
         rank,
         pid,
@@ -593,7 +626,7 @@ fn run_group(
     } = &outcome
     {
         let mut report = format!(
-            "accelerate-rs: rank {rank} (pid {pid}) {status}; stopped {stopped} other worker(s)\n"
+            "accelerate-rs: rank {rank} (pid {pid}) {status}; stopped {stopped} other worker(s)\n{first_note}"
         );
         match tails.get(rank).filter(|t| !t.is_empty()) {
             Some(tail) => {
