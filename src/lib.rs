@@ -146,7 +146,7 @@ mod settings;
 pub mod tracking;
 mod train;
 
-pub use settings::{env, gpu};
+pub use settings::{env, gpu, limits};
 pub use train::{checkpoint, scheduler};
 
 /// Defaults of the settings, and what this build and machine offer (for the command line and

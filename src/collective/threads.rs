@@ -149,7 +149,7 @@ impl ThreadCollective {
     ) -> Result<R> {
         let n = self.shared.n;
         let op = desc.op;
-        let deadline = Instant::now() + self.shared.timeout;
+        let deadline = crate::settings::limits::deadline_after(self.shared.timeout);
         let mut st = self.lock();
         // Wait until the previous operation's results have been read by everyone.
         while !st.collecting {

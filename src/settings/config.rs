@@ -191,28 +191,57 @@ impl ConfigFile {
     /// the expected form; `None` when every value is acceptable. Loading a file, the `config`
     /// command's questions and its flags all use these rules.
     pub fn problem(&self) -> Option<(&'static str, String)> {
+        use crate::settings::limits;
         for (key, v) in [
             ("collective_timeout_secs", self.collective_timeout_secs),
-            ("bucket_cap_mb", self.bucket_cap_mb),
             ("monitor_interval_secs", self.monitor_interval_secs),
         ] {
-            match v {
-                Some(x) if !(x.is_finite() && x > 0.0) => {
-                    return Some((key, format!("expected a positive number, got {x}")))
+            if let Some(x) = v {
+                if let Err(reason) = limits::checked_secs(x, false) {
+                    return Some((key, reason));
                 }
-                _ => {}
             }
         }
-        for (key, v) in [
-            ("num_processes", self.num_processes),
-            ("num_machines", self.num_machines),
+        if let Some(x) = self.bucket_cap_mb {
+            if !(x.is_finite() && x > 0.0 && x <= limits::MAX_BUCKET_CAP_MB) {
+                return Some((
+                    "bucket_cap_mb",
+                    format!(
+                        "expected a number of MiB above 0 and at most {}, got {x}",
+                        limits::MAX_BUCKET_CAP_MB
+                    ),
+                ));
+            }
+        }
+        for (key, v, max) in [
+            ("num_processes", self.num_processes, limits::MAX_PROCESSES),
+            ("num_machines", self.num_machines, limits::MAX_MACHINES),
             (
                 "gradient_accumulation_steps",
                 self.gradient_accumulation_steps,
+                limits::MAX_ACCUMULATION_STEPS,
             ),
         ] {
-            if v == Some(0) {
-                return Some((key, "expected an integer of at least 1, got 0".into()));
+            if let Some(n) = v {
+                if n == 0 || n > max {
+                    return Some((key, format!("expected an integer from 1 to {max}, got {n}")));
+                }
+            }
+        }
+        if let Some(n) = self.max_restarts {
+            if n > limits::MAX_RESTARTS {
+                return Some((
+                    "max_restarts",
+                    format!(
+                        "expected an integer from 0 to {}, got {n}",
+                        limits::MAX_RESTARTS
+                    ),
+                ));
+            }
+        }
+        if let Some(n) = self.zero_stage {
+            if n > 2 {
+                return Some(("zero_stage", format!("expected 0, 1 or 2, got {n}")));
             }
         }
         if self.main_process_port == Some(0) {
@@ -451,7 +480,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("collective_timeout_secs") && err.contains("positive"),
+            err.contains("collective_timeout_secs") && err.contains("above 0"),
             "{err}"
         );
         let err = ConfigFile::parse("num_machines = 2\nmachine_rank = 2\n", Path::new("c.toml"))

@@ -10,6 +10,7 @@ pub mod gpu;
 #[cfg(not(feature = "cuda"))]
 #[path = "gpu_stub.rs"]
 pub mod gpu;
+pub mod limits;
 mod missing_gradients;
 pub(crate) mod parse;
 pub(crate) mod state;

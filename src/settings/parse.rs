@@ -53,6 +53,20 @@ impl Setting for Positive {
     }
 }
 
+/// A duration in seconds within [`limits::checked_secs`](super::limits::checked_secs)'s range
+/// (above 0, at most a week).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Secs(pub(crate) std::time::Duration);
+
+impl Setting for Secs {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        let v: f64 = s
+            .parse()
+            .map_err(|_| "expected a number of seconds".to_string())?;
+        super::limits::checked_secs(v, false).map(Secs)
+    }
+}
+
 /// A count as launchers write it: a non-negative integer, where SLURM's `4(x2)` (4 tasks on each
 /// of 2 nodes) reads 4.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -7,7 +7,8 @@ use std::time::Duration;
 use candle_core::Device;
 
 use crate::error::{Error, Result};
-use crate::settings::parse::{env_value, pick, Count, Positive};
+use crate::settings::limits;
+use crate::settings::parse::{env_value, pick, Count, Positive, Secs};
 use crate::settings::{env, ConfigFile, MissingGradients, MixedPrecision, Transport};
 
 /// Default timeout of every collective.
@@ -252,6 +253,13 @@ pub(crate) fn data_parallel(
         })?,
     };
     match pick(builder, from_env, None, 1) {
+        n if n > limits::MAX_PROCESSES => Err(Error::invalid(
+            "data_parallel",
+            format!(
+                "{n} DP replicas is more than the {} one process can drive",
+                limits::MAX_PROCESSES
+            ),
+        )),
         0 if builder.is_some() => Err(Error::invalid(
             "data_parallel",
             "DP needs at least 1 replica, got 0",
@@ -332,11 +340,14 @@ fn place(o: &Overrides, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Place
         env_rank.map_or("rank (builder)", |r| r.1),
         env_world.map_or("world_size (builder)", |w| w.1),
     );
-    if world_size == 0 {
+    if world_size == 0 || world_size > limits::MAX_WORLD_SIZE {
         return Err(Error::Env {
             var: world_var.into(),
-            value: "0".into(),
-            reason: "the world size must be at least 1".into(),
+            value: world_size.to_string(),
+            reason: format!(
+                "the world size must be from 1 to {}",
+                limits::MAX_WORLD_SIZE
+            ),
         });
     }
     if rank >= world_size {
@@ -434,15 +445,24 @@ impl ProcessState {
             });
         }
 
-        let secs = |p: Option<Positive>| p.map(|p| Duration::from_secs_f64(p.0));
+        // The config file's value was range-checked when it was read.
+        let from_cfg = cfg
+            .collective_timeout_secs
+            .and_then(|s| limits::checked_secs(s, false).ok());
         let timeout = pick(
             o.timeout,
-            secs(env_value(getenv, env::TIMEOUT_SECS)?),
-            cfg.collective_timeout_secs.map(Duration::from_secs_f64),
+            env_value::<Secs>(getenv, env::TIMEOUT_SECS)?.map(|s| s.0),
+            from_cfg,
             DEFAULT_TIMEOUT,
         );
-        if timeout.is_zero() {
-            return Err(Error::invalid("timeout", "must be longer than zero"));
+        if timeout.is_zero() || timeout.as_secs_f64() > limits::MAX_TIMEOUT_SECS {
+            return Err(Error::invalid(
+                "timeout",
+                format!(
+                    "must be above 0 and at most {} s (a week), got {timeout:?}",
+                    limits::MAX_TIMEOUT_SECS
+                ),
+            ));
         }
         let bucket_cap_mb = pick(
             o.bucket_cap_mb,
@@ -450,10 +470,16 @@ impl ProcessState {
             cfg.bucket_cap_mb,
             DEFAULT_BUCKET_CAP_MB,
         );
-        if !(bucket_cap_mb.is_finite() && bucket_cap_mb > 0.0) {
+        if !(bucket_cap_mb.is_finite()
+            && bucket_cap_mb > 0.0
+            && bucket_cap_mb <= limits::MAX_BUCKET_CAP_MB)
+        {
             return Err(Error::invalid(
                 "bucket_cap_mb",
-                format!("expected a positive number, got {bucket_cap_mb}"),
+                format!(
+                    "expected a number of MiB above 0 and at most {}, got {bucket_cap_mb}",
+                    limits::MAX_BUCKET_CAP_MB
+                ),
             ));
         }
         let tune_malloc = pick(
@@ -503,10 +529,15 @@ impl ProcessState {
             cfg.gradient_accumulation_steps,
             1,
         );
-        if gradient_accumulation_steps == 0 {
+        if gradient_accumulation_steps == 0
+            || gradient_accumulation_steps > limits::MAX_ACCUMULATION_STEPS
+        {
             return Err(Error::invalid(
                 "gradient_accumulation_steps",
-                "must be at least 1, got 0",
+                format!(
+                    "must be from 1 to {}, got {gradient_accumulation_steps}",
+                    limits::MAX_ACCUMULATION_STEPS
+                ),
             ));
         }
 
@@ -887,5 +918,193 @@ mod tests {
         )
         .unwrap();
         assert_eq!(s.timeout(), Duration::from_secs(11));
+    }
+}
+
+/// Every setting source fed random strings and extreme numbers: the result is a valid state or
+/// an error, never a panic (an overflow, `Duration::from_secs_f64` on `1e300`, ...).
+#[cfg(test)]
+mod property {
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::settings::env as e;
+
+    /// Every variable the settings read.
+    const VARS: [&str; 30] = [
+        e::RANK,
+        e::WORLD_SIZE,
+        e::LOCAL_RANK,
+        e::LOCAL_WORLD_SIZE,
+        e::MASTER_ADDR,
+        e::MASTER_PORT,
+        e::GROUP_RANK,
+        e::NODE_RANK,
+        e::NUM_NODES,
+        e::SLURM_PROCID,
+        e::SLURM_NTASKS,
+        e::SLURM_LOCALID,
+        e::SLURM_NTASKS_PER_NODE,
+        e::OMPI_RANK,
+        e::OMPI_SIZE,
+        e::OMPI_LOCAL_RANK,
+        e::OMPI_LOCAL_SIZE,
+        e::SECRET,
+        e::USE_CPU,
+        e::TIMEOUT_SECS,
+        e::BUCKET_CAP_MB,
+        e::OVERLAP,
+        e::TUNE_MALLOC,
+        e::MIXED_PRECISION,
+        e::GRADIENT_ACCUMULATION_STEPS,
+        e::DATA_PARALLEL,
+        e::DEBUG,
+        e::TRANSPORT,
+        e::MISSING_GRADIENTS,
+        e::ZERO_STAGE,
+    ];
+
+    /// Config keys and the kind of value they take (any value is tried anyway).
+    const KEYS: [&str; 16] = [
+        "use_cpu",
+        "num_machines",
+        "machine_rank",
+        "main_process_ip",
+        "main_process_port",
+        "num_processes",
+        "mixed_precision",
+        "gradient_accumulation_steps",
+        "collective_timeout_secs",
+        "bucket_cap_mb",
+        "transport",
+        "tune_malloc",
+        "max_restarts",
+        "monitor_interval_secs",
+        "missing_gradients",
+        "zero_stage",
+    ];
+
+    fn value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("1e300".to_string()),
+            Just("1e19".to_string()),
+            Just("-1".to_string()),
+            Just("NaN".to_string()),
+            Just("inf".to_string()),
+            Just("0".to_string()),
+            Just("18446744073709551615".to_string()),
+            Just("18446744073709551616".to_string()),
+            Just("4(x2)".to_string()),
+            Just(String::new()),
+            "-?[0-9]{1,22}(\\.[0-9]{1,4})?(e-?[0-9]{1,3})?",
+            "[a-z0-9 .:()-]{0,12}",
+            any::<String>(),
+        ]
+    }
+
+    fn toml_value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("1e300".to_string()),
+            Just("1e19".to_string()),
+            Just("-1".to_string()),
+            Just("nan".to_string()),
+            Just("inf".to_string()),
+            Just("-inf".to_string()),
+            Just("9223372036854775807".to_string()),
+            Just("0".to_string()),
+            Just("true".to_string()),
+            "-?[0-9]{1,19}",
+            "-?[0-9]{1,6}\\.[0-9]{1,4}(e[0-9]{1,3})?",
+            "\"[a-z0-9,.]{0,8}\"",
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        #[test]
+        fn env_and_config_never_panic(
+            vars in proptest::collection::vec((0..VARS.len(), value()), 0..8),
+            keys in proptest::collection::vec((0..KEYS.len(), toml_value()), 0..5),
+        ) {
+            let mut map: HashMap<String, String> = vars
+                .into_iter()
+                .map(|(i, v)| (VARS[i].to_string(), v))
+                .collect();
+            // Never touch GPUs or the process's own environment.
+            map.insert(e::USE_CPU.to_string(), "1".into());
+            let mut text = String::new();
+            let mut seen = std::collections::HashSet::new();
+            for (i, v) in keys {
+                if seen.insert(i) {
+                    text.push_str(&format!("{} = {v}\n", KEYS[i]));
+                }
+            }
+            let cfg = tempfile::NamedTempFile::new().unwrap();
+            std::fs::write(cfg.path(), &text).unwrap();
+            let o = Overrides {
+                config_file: Some(cfg.path().to_path_buf()),
+                ..Overrides::default()
+            };
+            // Ok or Err; a panic fails the test.
+            let _ = ProcessState::resolve(&o, &|k| map.get(k).cloned());
+            let _ = ConfigFile::parse(&text, cfg.path());
+        }
+
+        #[test]
+        fn builder_values_never_panic(
+            secs in prop_oneof![Just(f64::MAX), Just(1e19), Just(0.0), any::<f64>()],
+            big in prop_oneof![Just(usize::MAX), Just(0usize), any::<usize>()],
+            mb in prop_oneof![Just(f64::NAN), Just(-1.0), Just(1e300), any::<f64>()],
+        ) {
+            let timeout = Duration::try_from_secs_f64(secs.abs()).unwrap_or(Duration::MAX);
+            for o in [
+                Overrides { timeout: Some(timeout), ..Overrides::default() },
+                Overrides { bucket_cap_mb: Some(mb), ..Overrides::default() },
+                Overrides { gradient_accumulation_steps: Some(big), ..Overrides::default() },
+                Overrides { data_parallel: Some(big), ..Overrides::default() },
+                Overrides { zero_stage: Some(big), ..Overrides::default() },
+                Overrides { world_size: Some(big), rank: Some(big / 2), ..Overrides::default() },
+            ] {
+                let cfg = tempfile::NamedTempFile::new().unwrap();
+                let o = Overrides { config_file: Some(cfg.path().to_path_buf()), cpu: Some(true), ..o };
+                let _ = ProcessState::resolve(&o, &|_| None);
+            }
+        }
+    }
+
+    #[test]
+    fn the_panics_of_the_fault_injection_pass_are_range_errors() {
+        let cfg = tempfile::NamedTempFile::new().unwrap();
+        for bad in ["1e300", "1e19", "NaN", "-1", "inf"] {
+            std::fs::write(
+                cfg.path(),
+                format!(
+                    "collective_timeout_secs = {}\n",
+                    if bad == "NaN" { "nan" } else { bad }
+                ),
+            )
+            .unwrap();
+            let e = ConfigFile::load(cfg.path()).unwrap_err().to_string();
+            assert!(
+                e.contains("collective_timeout_secs") && e.contains("604800"),
+                "{bad}: {e}"
+            );
+            let map: HashMap<&str, &str> = [(e::TIMEOUT_SECS, bad), (e::USE_CPU, "1")].into();
+            let empty = tempfile::NamedTempFile::new().unwrap();
+            let o = Overrides {
+                config_file: Some(empty.path().to_path_buf()),
+                ..Overrides::default()
+            };
+            let err = ProcessState::resolve(&o, &|k| map.get(k).map(|v| v.to_string()))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(e::TIMEOUT_SECS) && err.contains("604800"),
+                "{bad}: {err}"
+            );
+        }
     }
 }

@@ -445,6 +445,15 @@ fn worker_entry() {
     let Ok(role) = std::env::var(ROLE_VAR) else {
         return;
     };
+    if role == "accelerator" {
+        // The settings as a program sees them: Accelerator::new() and one all-reduce.
+        let result = accelerate_rs::Accelerator::new().and_then(|acc| {
+            let mut v = [1f32; 4];
+            acc.collective()
+                .all_reduce((&mut v[..]).into(), accelerate_rs::ReduceOp::Sum)
+        });
+        crate::common::exit_worker(result);
+    }
     if role == "slow0" && std::env::var("RANK").as_deref() == Ok("0") {
         // Rank 0 starts late: a window in which another launch could take the port.
         std::thread::sleep(Duration::from_millis(1500));
@@ -690,6 +699,43 @@ fn the_launcher_blames_the_rank_with_the_real_error_not_the_first_to_exit() {
             .any(|l| l.starts_with("  [rank 1]") && l.contains("shard 7")),
         "rank 1's error is not in the report:\n{text}"
     );
+}
+
+#[test]
+fn absurd_timeouts_are_range_errors_not_panics_in_a_real_run() {
+    for (how, value) in [
+        ("env", "1e19"),
+        ("env", "1e300"),
+        ("flag", "1e19"),
+        ("env", "NaN"),
+    ] {
+        let mut cmd = if how == "flag" {
+            launch_workers(
+                &["-n", "2", "--collective-timeout-secs", value],
+                "accelerator",
+            )
+        } else {
+            launch_workers(&["-n", "2"], "accelerator")
+        };
+        if how == "env" {
+            cmd.env("ACCELERATE_RS_TIMEOUT_SECS", value);
+        }
+        let (status, out, err) = run_to_end(cmd, Duration::from_secs(30));
+        let text = format!("{how} {value}:\nstdout:\n{out}\nstderr:\n{err}");
+        assert!(!status.success(), "{text}");
+        assert!(!text.contains("panicked"), "{text}");
+        assert!(text.contains("604800"), "{text}");
+        if how == "env" {
+            assert!(text.contains("ACCELERATE_RS_TIMEOUT_SECS"), "{text}");
+        } else {
+            assert!(text.contains("--collective-timeout-secs"), "{text}");
+        }
+    }
+    // The longest valid timeout runs (no deadline overflows).
+    let mut cmd = launch_workers(&["-n", "2"], "accelerator");
+    cmd.env("ACCELERATE_RS_TIMEOUT_SECS", "604800");
+    let (status, out, err) = run_to_end(cmd, Duration::from_secs(30));
+    assert!(status.success(), "stdout:\n{out}\nstderr:\n{err}");
 }
 
 #[test]

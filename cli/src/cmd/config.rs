@@ -605,7 +605,7 @@ mod tests {
         };
         let err = f.to_config().unwrap_err().to_string();
         assert!(
-            err.contains("--num-processes") && err.contains("at least 1"),
+            err.contains("--num-processes") && err.contains("from 1 to 1024"),
             "{err}"
         );
         let f = AnswerFlags {

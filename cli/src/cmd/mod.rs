@@ -39,11 +39,12 @@ enum Command {
     TestWorker,
 }
 
+/// A number of seconds from 0 to a week ([`accelerate_rs::limits::MAX_TIMEOUT_SECS`]).
 pub(crate) fn parse_secs(s: &str) -> Result<Duration, String> {
     let secs: f64 = s
         .parse()
         .map_err(|e| format!("`{s}` is not a number of seconds: {e}"))?;
-    Duration::try_from_secs_f64(secs).map_err(|e| format!("`{s}` is not a valid duration: {e}"))
+    accelerate_rs::limits::checked_secs(secs, true)
 }
 
 /// Parses the process arguments, runs the subcommand and returns the exit code.

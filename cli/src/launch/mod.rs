@@ -78,13 +78,14 @@ use std::sync::mpsc::channel;
 use std::time::Duration;
 
 use accelerate_rs::env::{CommonEnv, EnvSpec};
+use accelerate_rs::limits;
 use accelerate_rs::{env, ConfigFile, Error, MixedPrecision, Result};
 use supervise::Outcome;
 
 /// Default delay between SIGTERM and SIGKILL when stopping workers.
 pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(3);
 /// Most worker processes per machine (`--num-processes`).
-pub const MAX_PROCESSES: usize = 1024;
+pub const MAX_PROCESSES: usize = limits::MAX_PROCESSES;
 /// Default interval at which the launcher checks for signals.
 pub const DEFAULT_MONITOR_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -223,10 +224,24 @@ fn plan(opts: &LaunchOptions) -> Result<Plan> {
             ),
         ));
     }
-    if opts.num_machines == 0 {
+    if opts.num_machines == 0 || opts.num_machines > limits::MAX_MACHINES {
         return Err(Error::invalid(
             "--num-machines",
-            "must be at least 1, got 0",
+            format!(
+                "must be from 1 to {}, got {}",
+                limits::MAX_MACHINES,
+                opts.num_machines
+            ),
+        ));
+    }
+    if opts.max_restarts > limits::MAX_RESTARTS {
+        return Err(Error::invalid(
+            "--max-restarts",
+            format!(
+                "must be from 0 to {}, got {}",
+                limits::MAX_RESTARTS,
+                opts.max_restarts
+            ),
         ));
     }
     if opts.machine_rank >= opts.num_machines {
@@ -241,11 +256,16 @@ fn plan(opts: &LaunchOptions) -> Result<Plan> {
     if opts.program.is_empty() {
         return Err(Error::invalid("PROGRAM", "no program to launch was given"));
     }
-    if opts.gradient_accumulation_steps == Some(0) {
-        return Err(Error::invalid(
-            "--gradient-accumulation-steps",
-            "must be at least 1, got 0",
-        ));
+    if let Some(n) = opts.gradient_accumulation_steps {
+        if n == 0 || n > limits::MAX_ACCUMULATION_STEPS {
+            return Err(Error::invalid(
+                "--gradient-accumulation-steps",
+                format!(
+                    "must be from 1 to {}, got {n}",
+                    limits::MAX_ACCUMULATION_STEPS
+                ),
+            ));
+        }
     }
     if opts.collective_timeout.is_some_and(|t| t.is_zero()) {
         return Err(Error::invalid(

@@ -118,7 +118,9 @@ impl Forwarder {
     /// Returns the last [`TAIL_LINES`] lines of every rank.
     pub(crate) fn finish(mut self, timeout: Duration) -> Tails {
         drop(self.tx.take());
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now()
+            .checked_add(timeout)
+            .unwrap_or_else(Instant::now);
         while !self.writer.is_finished() && Instant::now() < deadline {
             thread::sleep(Duration::from_millis(5));
         }

@@ -127,7 +127,9 @@ pub(crate) fn stop_all(
         // A stopped (SIGSTOP, Ctrl-Z) worker only acts on SIGTERM once it runs again.
         w.signal_group(Signal::SIGCONT);
     }
-    let deadline = Instant::now() + grace;
+    let deadline = Instant::now()
+        .checked_add(grace)
+        .unwrap_or_else(Instant::now);
     let step = tick.min(Duration::from_millis(50));
     while workers.iter().any(Worker::running) {
         if signals.count() > signals_seen {

@@ -310,7 +310,9 @@ fn bad_flags_name_the_flag_and_the_expected_form() {
         (&["--num-processes", "0"][..], "--num-processes"),
         (&["--gpu-ids", "zero"][..], "--gpu-ids"),
         (&["--mixed-precision", "fp8"][..], "--mixed-precision"),
-        (&["--collective-timeout-secs", "-1"][..], "positive"),
+        (&["--collective-timeout-secs", "-1"][..], "above 0"),
+        (&["--collective-timeout-secs", "1e19"][..], "at most 604800"),
+        (&["--num-machines", "100000000"][..], "--num-machines"),
         (&["--num-machines", "2"][..], "--main-process-ip"),
         (&["--machine-rank", "1"][..], "--machine-rank"),
         (&["--main-process-port", "70000"][..], "--main-process-port"),
@@ -447,7 +449,7 @@ fn malformed_files_name_file_and_key() {
             "range.toml",
             "collective_timeout_secs = 0\n",
             "collective_timeout_secs",
-            "positive",
+            "above 0",
         ),
     ] {
         let file = home.path(name);

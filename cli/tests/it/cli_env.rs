@@ -100,7 +100,7 @@ fn env_reports_a_malformed_config_instead_of_failing() {
     assert!(
         text.contains("- Config file status: invalid")
             && text.contains("`num_machines`")
-            && text.contains("at least 1"),
+            && text.contains("from 1 to"),
         "{text}"
     );
     assert!(text.contains("(from --config-file)"), "{text}");

@@ -1123,3 +1123,51 @@ fn the_failing_ranks_last_lines_are_shown_again_at_the_end() {
         .collect();
     assert_eq!(tail, expected, "{stderr}");
 }
+
+/// Every numeric flag of `launch`, given absurd values: a clear error naming the flag (or a
+/// valid run of `--dry-run`), never a panic.
+#[test]
+fn absurd_numbers_in_every_flag_are_errors_not_panics() {
+    let flags = [
+        "-n",
+        "--num-machines",
+        "--machine-rank",
+        "--main-process-port",
+        "--gradient-accumulation-steps",
+        "--collective-timeout-secs",
+        "--max-restarts",
+        "--monitor-interval",
+        "--grace-period",
+    ];
+    let values = [
+        "1e300",
+        "1e19",
+        "-1",
+        "NaN",
+        "inf",
+        "18446744073709551616",
+        "4294967296",
+        "100000",
+        "0",
+        "",
+        "abc",
+    ];
+    for flag in flags {
+        for value in values {
+            let out = launcher()
+                .args(["launch", "--dry-run", "--cpu", flag, value, "true"])
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_ne!(out.status.code(), Some(101), "{flag} {value:?}: {stderr}");
+            assert!(!stderr.contains("panicked"), "{flag} {value:?}: {stderr}");
+            if !out.status.success() {
+                let named = flag.trim_start_matches('-');
+                assert!(
+                    stderr.contains(named) || flag == "-n" && stderr.contains("num-processes"),
+                    "{flag} {value:?}: the error does not name the flag: {stderr}"
+                );
+            }
+        }
+    }
+}

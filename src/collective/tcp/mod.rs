@@ -139,7 +139,7 @@ impl TcpCollective {
             ));
         }
         let master = format!("{}:{}", opts.master_addr, opts.master_port);
-        let deadline = Instant::now() + opts.timeout;
+        let deadline = crate::settings::limits::deadline_after(opts.timeout);
         let store = if rank == 0 {
             let resolved = master
                 .to_socket_addrs()

@@ -91,7 +91,7 @@ impl Ring {
                 first: first.clone(),
             });
         }
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::settings::limits::deadline_after(self.timeout);
         let res = f(self, deadline);
         if let Err(e) = &res {
             self.broken = Some(e.to_string());

@@ -283,7 +283,7 @@ fn serve_requests(stream: &TcpStream, map: &Map) -> io::Result<()> {
                 r.read_exact(&mut t)?;
                 // At most a day: a client cannot park a thread forever.
                 let wait = Duration::from_millis(u64::from_le_bytes(t).min(86_400_000));
-                let deadline = Instant::now() + wait;
+                let deadline = crate::settings::limits::deadline_after(wait);
                 let mut m = lock(map);
                 let value = loop {
                     if let Some(v) = m.get(&key) {
