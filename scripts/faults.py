@@ -449,6 +449,7 @@ def crash_during_save() -> Result:
 
 SCENARIOS = {
     "kill-rank0": lambda: kill_rank(0),
+    "kill-rank1": lambda: kill_rank(1),
     "kill-rank2": lambda: kill_rank(2),
     "stop-rank1": stop_rank,
     "kill-launcher": lambda: kill_launcher(signal.SIGKILL, "kill -9 the launcher"),
