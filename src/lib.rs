@@ -39,6 +39,14 @@
 //! }
 //! ```
 //!
+//! **The `DataLoader` batch size is per process**: on `N` processes every optimizer step
+//! averages `N` batches, so the global batch grows with `N`. For a fixed global batch (the same
+//! trajectory at any world size) turn on [`split_batches`](AcceleratorBuilder::split_batches)
+//! (`ACCELERATE_RS_SPLIT_BATCHES=1`, config key `split_batches`). A loop that slices its own
+//! batches takes its rank's rows with [`Accelerator::shard_rows`] (or indices with
+//! [`Accelerator::shard_range`]); [`Accelerator::average`] gives a number (a loss) averaged over
+//! all ranks for printing.
+//!
 //! ## Settings and their precedence
 //!
 //! Every setting is resolved the same way: **builder call > environment variable > config file >
@@ -63,6 +71,8 @@
 //! | gradient accumulation | [`gradient_accumulation_steps`](AcceleratorBuilder::gradient_accumulation_steps) | `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS` | `gradient_accumulation_steps` | 1 |
 //! | config file | [`config_file`](AcceleratorBuilder::config_file) | `ACCELERATE_RS_CONFIG_FILE` | - | platform config dir |
 //! | CPU collective transport (several processes) | [`transport`](AcceleratorBuilder::transport) | `ACCELERATE_RS_TRANSPORT`: `auto`, `tcp` or `shm` | `transport` | `auto`: shared memory when every rank is on one host, else TCP |
+//! | Global batch split across ranks | [`split_batches`](AcceleratorBuilder::split_batches) | `ACCELERATE_RS_SPLIT_BATCHES` | `split_batches` | off: the batch size is per rank |
+//! | ZeRO sharding stage | [`zero_stage`](AcceleratorBuilder::zero_stage) | `ACCELERATE_RS_ZERO_STAGE`: 0, 1 or 2 | `zero_stage` | 0 |
 //! | Parameters without a gradient at the first step | [`missing_gradients`](AcceleratorBuilder::missing_gradients) | `ACCELERATE_RS_MISSING_GRADIENTS`: `warn`, `error` or `off` | `missing_gradients` | `warn`: one warning on the main process naming them |
 //! | reduce CPU gradient buckets on a communication thread while the next is flattened | - | `ACCELERATE_RS_OVERLAP`: `1` or `0` | - | on |
 //! | fused optimizer kernels ([`optim`]) | [`AdamW::set_fused`](optim::AdamW::set_fused), [`Sgd::set_fused`](optim::Sgd::set_fused) | `ACCELERATE_RS_FUSED_OPTIM`: `1` or `0` | - | on |

@@ -57,6 +57,15 @@ impl AcceleratorBuilder {
         self.o.missing_gradients = Some(mode);
         self
     }
+    /// Accelerate's `split_batches` for every loader this accelerator prepares: the loader's
+    /// batch size is the *global* batch, split evenly across the ranks, so the optimization
+    /// follows the same trajectory at any world size (default false: the batch size is per
+    /// rank, and the global batch grows with the number of processes). Also
+    /// `ACCELERATE_RS_SPLIT_BATCHES` and the config key `split_batches`.
+    pub fn split_batches(mut self, on: bool) -> Self {
+        self.o.split_batches = Some(on);
+        self
+    }
     /// ZeRO-style sharding (default 0, none): at stage 1 each rank keeps the optimizer state of
     /// only its 1/N slice of the parameters, updates that slice and all-gathers the rest; at
     /// stage 2 the gradients are reduce-scattered and each rank keeps only its slice of them

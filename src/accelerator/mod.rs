@@ -180,6 +180,11 @@ impl Accelerator {
 
     /// Shards a loader for this rank and moves its batches to this process's device.
     pub fn prepare_data_loader(&self, loader: DataLoader) -> Result<DataLoader> {
+        let loader = if self.inner.state.split_batches() {
+            loader.split_batches(true)
+        } else {
+            loader
+        };
         Ok(loader
             .shard(self.rank(), self.world_size())?
             .device(self.device()))

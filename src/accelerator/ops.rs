@@ -300,6 +300,51 @@ impl Accelerator {
         items[split_range(items.len(), self.rank(), self.world_size())].to_vec()
     }
 
+    /// The mean of `x` over all ranks, on every rank (every rank must call it): e.g. the loss
+    /// each rank measured on its own batches, so the number printed is the run's, not rank 0's.
+    /// With one process it is `x`.
+    pub fn average(&self, x: impl Into<f64>) -> Result<f64> {
+        let mut v = [x.into()];
+        self.inner
+            .collective
+            .all_reduce((&mut v[..]).into(), ReduceOp::Mean)?;
+        Ok(v[0])
+    }
+
+    /// This rank's share of the indices `range`, for a loop that slices its own batches: every
+    /// `world_size`-th index starting at this rank's (rank `r` takes `start + r`,
+    /// `start + r + w`, ...), and the same count on every rank (`len / world_size`; the last
+    /// `len % world_size` indices are left out, so every rank runs the same number of steps).
+    /// Batch `i` of `bs` of this share, on every rank together, is batch `i` of `bs *
+    /// world_size` of the whole range: the same samples, so a run on `N` processes with a
+    /// per-rank batch `bs` follows the 1-process run with batch `bs * N`. Needs no communication.
+    pub fn shard_range(&self, range: Range<usize>) -> std::iter::StepBy<Range<usize>> {
+        let w = self.world_size().max(1);
+        let usable = range.len() / w * w;
+        (range.start + self.rank()..range.start + usable).step_by(w)
+    }
+
+    /// This rank's share of the rows (dim 0) of `t`, as [`shard_range`](Self::shard_range)
+    /// picks them: rows `r, r + w, r + 2w, ...` (a copy), `rows / world_size` of them on every
+    /// rank. One line turns a loop that slices `x.narrow(0, i * bs, bs)` itself into a
+    /// data-parallel one: `let x = accelerator.shard_rows(&x)?;`. With one process it is `t`.
+    pub fn shard_rows(&self, t: &Tensor) -> Result<Tensor> {
+        if self.world_size() == 1 {
+            return Ok(t.clone());
+        }
+        let n = t.dim(0)?;
+        let idx: Vec<u32> = self
+            .shard_range(0..n)
+            .map(|i| {
+                u32::try_from(i).map_err(|_| {
+                    Error::invalid("shard_rows", format!("{n} rows is more than 2^32"))
+                })
+            })
+            .collect::<Result<_>>()?;
+        let idx = Tensor::from_vec(idx, self.shard_range(0..n).len(), t.device())?;
+        Ok(t.index_select(&idx, 0)?)
+    }
+
     /// Like [`split_between_processes`](Self::split_between_processes), but every rank gets the
     /// same count, `ceil(len / world_size)`: a shorter share is padded by repeating its last item
     /// (or the last item of `items` when the share is empty). Returns the share and how many of it,

@@ -56,6 +56,9 @@ pub struct ConfigFile {
     /// ZeRO-style sharding: 0 (none), 1 (optimizer state) or 2 (optimizer state and gradients).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zero_stage: Option<usize>,
+    /// Whether the data loaders' batch size is the global one, split across the ranks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub split_batches: Option<bool>,
     /// Tune glibc's allocator for training (keep freed memory instead of unmapping it; default
     /// true), see `accelerate_rs::allocator`.
     #[serde(skip_serializing_if = "Option::is_none")]

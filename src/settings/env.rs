@@ -81,6 +81,9 @@ pub const MISSING_GRADIENTS: &str = "ACCELERATE_RS_MISSING_GRADIENTS";
 /// ZeRO-style sharding stage: `0` (default, every rank holds everything), `1` (optimizer state
 /// sharded) or `2` (gradients too).
 pub const ZERO_STAGE: &str = "ACCELERATE_RS_ZERO_STAGE";
+/// Whether the data loaders' batch size is the global one, split across the ranks (`1`/`0`;
+/// default off: the batch size is per rank).
+pub const SPLIT_BATCHES: &str = "ACCELERATE_RS_SPLIT_BATCHES";
 /// How many times the launcher restarted the worker group (0 on the first run).
 pub const RESTART_COUNT: &str = "ACCELERATE_RS_RESTART_COUNT";
 /// Set by `accelerate-rs launch` for rank 0 only: the number of an inherited file descriptor

@@ -55,6 +55,7 @@ pub(crate) struct Overrides {
     pub transport: Option<Transport>,
     pub missing_gradients: Option<MissingGradients>,
     pub zero_stage: Option<usize>,
+    pub split_batches: Option<bool>,
     pub config_file: Option<PathBuf>,
     pub rank: Option<usize>,
     pub world_size: Option<usize>,
@@ -94,6 +95,7 @@ pub struct ProcessState {
     transport: Transport,
     missing_gradients: MissingGradients,
     zero_stage: usize,
+    split_batches: bool,
     overlap: bool,
     debug: bool,
     data_parallel: usize,
@@ -122,6 +124,7 @@ impl std::fmt::Debug for ProcessState {
             .field("transport", &self.transport)
             .field("missing_gradients", &self.missing_gradients)
             .field("zero_stage", &self.zero_stage)
+            .field("split_batches", &self.split_batches)
             .field("overlap", &self.overlap)
             .field("debug", &self.debug)
             .field("data_parallel", &self.data_parallel)
@@ -506,6 +509,12 @@ impl ProcessState {
                 format!("must be 0, 1 or 2 (builder `zero_stage`, {} or config key `zero_stage`), got {zero_stage}", env::ZERO_STAGE),
             ));
         }
+        let split_batches = pick(
+            o.split_batches,
+            env_value(getenv, env::SPLIT_BATCHES)?,
+            cfg.split_batches,
+            false,
+        );
         let overlap = pick(None, env_value(getenv, env::OVERLAP)?, None, true);
         let debug = pick(None, env_value(getenv, env::DEBUG)?, None, false);
         // `None`: nobody said; GPUs are used when this build and machine have them.
@@ -561,6 +570,7 @@ impl ProcessState {
             transport,
             missing_gradients,
             zero_stage,
+            split_batches,
             overlap,
             debug,
             data_parallel,
@@ -625,6 +635,11 @@ impl ProcessState {
     /// The data path between processes ([`Transport`]).
     pub fn transport(&self) -> Transport {
         self.transport
+    }
+    /// Whether prepared data loaders take their batch size as the global one, split across the
+    /// ranks (Accelerate's `split_batches`), instead of per rank.
+    pub fn split_batches(&self) -> bool {
+        self.split_batches
     }
     /// ZeRO-style sharding stage: 0 (none), 1 (optimizer state) or 2 (optimizer state and
     /// gradients).

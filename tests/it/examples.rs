@@ -64,3 +64,93 @@ fn digits_trains_on_its_built_in_data_away_from_the_repository() {
     assert!(!out.status.success());
     assert!(err.contains("no-such.csv.gz"), "{err}");
 }
+
+/// Code lines (doc comments left out) of `examples/<name>.rs`.
+fn code_lines(name: &str) -> Vec<String> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("examples/{name}.rs"));
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//!"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The length of the longest common subsequence of two line lists.
+fn lcs(a: &[String], b: &[String]) -> usize {
+    let mut row = vec![0usize; b.len() + 1];
+    for x in a {
+        let mut prev = 0;
+        for (j, y) in b.iter().enumerate() {
+            let keep = row[j + 1];
+            row[j + 1] = if x == y {
+                prev + 1
+            } else {
+                row[j + 1].max(row[j])
+            };
+            prev = keep;
+        }
+    }
+    row[b.len()]
+}
+
+/// The last `weights [[...]]` line printed, as numbers.
+fn weights(text: &str) -> Vec<f32> {
+    let line = text
+        .lines()
+        .rev()
+        .find_map(|l| l.split("weights ").nth(1))
+        .unwrap_or_else(|| panic!("no weights line in:\n{text}"));
+    line.trim_matches(|c| c == '[' || c == ']')
+        .split(',')
+        .map(|v| v.trim().parse().unwrap())
+        .collect()
+}
+
+#[test]
+fn a_manual_batching_loop_converts_in_at_most_ten_lines_and_matches_at_any_world_size() {
+    let (plain, converted) = (code_lines("regression_plain"), code_lines("regression"));
+    let common = lcs(&plain, &converted);
+    let (added, removed) = (converted.len() - common, plain.len() - common);
+    assert!(
+        added <= 10 && removed <= 10,
+        "{added} lines added or changed, {removed} removed"
+    );
+
+    let reference = weights(&String::from_utf8_lossy(
+        &run("regression_plain", &[]).stdout,
+    ));
+    let one = weights(&String::from_utf8_lossy(&run("regression", &[]).stdout));
+    assert_eq!(reference, one, "one process differs from the plain loop");
+    for n in ["2", "4"] {
+        let out = Command::new(crate::common::launcher())
+            .args(["launch", "--cpu", "-n", n])
+            .arg(example("regression"))
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{n} processes: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got = weights(&text);
+        let diff = reference
+            .iter()
+            .zip(&got)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            diff < 1e-5,
+            "{n} processes end {diff} away from one: {got:?} vs {reference:?}"
+        );
+        // The printed loss is the mean over all ranks, not rank 0's share.
+        assert_eq!(
+            text.lines().filter(|l| l.contains("epoch 9 loss")).count(),
+            1,
+            "{text}"
+        );
+    }
+}

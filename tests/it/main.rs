@@ -4,6 +4,7 @@
 mod common;
 
 mod accumulate;
+mod batching;
 mod checkpoint;
 mod checkpoint_integrity;
 mod collectives;

@@ -177,6 +177,7 @@ impl AnswerFlags {
             transport: None,
             missing_gradients: None,
             zero_stage: None,
+            split_batches: None,
         };
         if let Some((key, reason)) = cfg.problem() {
             return Err(flag_error(key, reason));

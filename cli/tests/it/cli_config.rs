@@ -280,6 +280,7 @@ fn flags_round_trip_without_questions() {
         transport: None,
         missing_gradients: None,
         zero_stage: None,
+        split_batches: None,
         max_restarts: Some(2),
         monitor_interval_secs: Some(0.5),
     };
