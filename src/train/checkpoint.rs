@@ -147,6 +147,8 @@ pub struct CheckpointParts<'a> {
     pub schedule_step: Option<u64>,
     /// The data loader's position.
     pub loader: Option<LoaderPosition>,
+    /// The data loader's position in global samples (resumable at any world size).
+    pub samples: Option<crate::data::SamplePosition>,
     /// The training loop's own step counter.
     pub step: u64,
     /// Free-form strings saved in the manifest.
@@ -159,6 +161,7 @@ impl std::fmt::Debug for CheckpointParts<'_> {
             .field("optimizer", &self.optimizer.is_some())
             .field("schedule_step", &self.schedule_step)
             .field("loader", &self.loader)
+            .field("samples", &self.samples)
             .field("step", &self.step)
             .field("extra", &self.extra)
             .finish()
@@ -173,9 +176,19 @@ impl<'a> CheckpointParts<'a> {
             optimizer: None,
             schedule_step: None,
             loader: None,
+            samples: None,
             step: 0,
             extra: BTreeMap::new(),
         }
+    }
+    /// Saves the loader's position in **global samples**
+    /// ([`DataLoader::sample_position`](crate::DataLoader::sample_position) or
+    /// [`StreamingLoader`](crate::StreamingLoader)'s): unlike [`loader`](Self::loader), it
+    /// resumes at any world size, each sample not yet seen exactly once
+    /// ([`DataLoader::resume_from`](crate::DataLoader::resume_from)).
+    pub fn samples(mut self, position: crate::data::SamplePosition) -> Self {
+        self.samples = Some(position);
+        self
     }
     /// Saves this optimizer's state too.
     pub fn optimizer(mut self, optimizer: &'a dyn StatefulOptimizer) -> Self {
@@ -231,6 +244,9 @@ pub struct Manifest {
     pub schedule_step: Option<u64>,
     /// The loader's position, when saved.
     pub loader: Option<LoaderPosition>,
+    /// The loader's position in global samples, when saved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples: Option<crate::data::SamplePosition>,
     /// The parameter names in `model.safetensors`, in name order.
     pub parameters: Vec<String>,
     /// Free-form strings ([`CheckpointParts::extra`]).
@@ -595,6 +611,7 @@ fn write_checkpoint(tmp: &Path, parts: &CheckpointParts<'_>, world_size: usize) 
         optimizer,
         schedule_step: parts.schedule_step,
         loader: parts.loader,
+        samples: parts.samples,
         parameters: model.iter().map(|(n, _)| n.clone()).collect(),
         extra: parts.extra.clone(),
         files,

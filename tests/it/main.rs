@@ -11,6 +11,7 @@ mod collectives;
 mod data_loader;
 mod ddp;
 mod dp;
+mod elastic;
 mod examples;
 mod faults;
 mod frozen;
