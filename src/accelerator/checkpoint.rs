@@ -42,6 +42,27 @@ impl Accelerator {
         checkpoint::save_model(self.collective().as_ref(), path.as_ref(), model)
     }
 
+    /// Saves the model's parameters for Hugging Face tooling into the directory `dir`, in
+    /// shards of at most `max_shard_bytes` each (`5 << 30` is Hugging Face's default of 5 GB):
+    /// `model.safetensors` when everything fits in one, else
+    /// `model-00001-of-0000N.safetensors`, ... and `model.safetensors.index.json` (its
+    /// `weight_map` names each parameter's file). Load the files back with
+    /// `candle_nn::VarBuilder::from_mmaped_safetensors`. Every rank must call it; the main
+    /// process writes (into `<dir>.tmp-<pid>`, renamed into place).
+    pub fn save_model_sharded(
+        &self,
+        dir: impl AsRef<Path>,
+        model: &dyn Parameters,
+        max_shard_bytes: usize,
+    ) -> Result<()> {
+        checkpoint::save_model_sharded(
+            self.collective().as_ref(),
+            dir.as_ref(),
+            model,
+            max_shard_bytes,
+        )
+    }
+
     /// Loads the checkpoint in `dir` (or its `.old` copy, after a crash mid-save) into `model`
     /// and, if given, `optimizer`, and returns its [`Manifest`] for the rest (loader position,
     /// schedule step, `extra`). Every rank reads the files itself; nothing communicates. Checks

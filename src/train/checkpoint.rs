@@ -859,6 +859,99 @@ pub(crate) fn save_model(c: &dyn Collective, path: &Path, model: &dyn Parameters
     agree(c, "save_model", path, result)
 }
 
+/// The index Hugging Face tooling reads next to sharded safetensors files.
+pub const SHARD_INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Groups `tensors` (in name order) into shards of at most `max_bytes` each (a tensor larger
+/// than that gets a shard of its own).
+fn plan_shards(tensors: &[(String, Tensor)], max_bytes: usize) -> Vec<Vec<(String, Tensor)>> {
+    let mut shards: Vec<Vec<(String, Tensor)>> = Vec::new();
+    let mut size = 0usize;
+    for (name, t) in tensors {
+        let bytes = t.elem_count() * t.dtype().size_in_bytes();
+        if shards.is_empty() || (size + bytes > max_bytes && size > 0) {
+            shards.push(Vec::new());
+            size = 0;
+        }
+        if let Some(last) = shards.last_mut() {
+            last.push((name.clone(), t.clone()));
+        }
+        size += bytes;
+    }
+    shards
+}
+
+/// Writes the model into `dir` as Hugging Face does: `model.safetensors` when it fits in one
+/// shard of `max_shard_bytes`, else `model-0000i-of-0000n.safetensors` files and
+/// `model.safetensors.index.json` (`metadata.total_size`, `weight_map`). Main process only;
+/// written into `<dir>.tmp-<pid>` and renamed into place.
+fn write_sharded(dir: &Path, model: &dyn Parameters, max_shard_bytes: usize) -> Result<()> {
+    if max_shard_bytes == 0 {
+        return Err(Error::invalid("max_shard_size", "must be at least 1 byte"));
+    }
+    let tensors = named_tensors(model)?;
+    let shards = plan_shards(&tensors, max_shard_bytes);
+    let tmp = with_suffix(dir, &format!(".tmp-{}", std::process::id()));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| io_err("removing stale", &tmp, e))?;
+    }
+    fs::create_dir_all(&tmp).map_err(|e| write_err(&tmp, "could not create it", Some(e)))?;
+    let n = shards.len();
+    if n <= 1 {
+        write_safetensors(&tmp.join(MODEL_FILE), &tensors)?;
+    } else {
+        let mut weight_map = BTreeMap::new();
+        for (i, shard) in shards.iter().enumerate() {
+            let name = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+            write_safetensors(&tmp.join(&name), shard)?;
+            for (t, _) in shard {
+                weight_map.insert(t.clone(), name.clone());
+            }
+        }
+        let total: usize = tensors
+            .iter()
+            .map(|(_, t)| t.elem_count() * t.dtype().size_in_bytes())
+            .sum();
+        let index = serde_json::json!({
+            "metadata": { "total_size": total },
+            "weight_map": weight_map,
+        });
+        let path = tmp.join(SHARD_INDEX_FILE);
+        let text = serde_json::to_string_pretty(&index)
+            .map_err(|e| write_err(&path, format!("could not serialize the index: {e}"), None))?;
+        fs::write(&path, text).map_err(|e| write_err(&path, "could not write it", Some(e)))?;
+        sync_file(&path)?;
+    }
+    sync_dir(&tmp);
+    let old = with_suffix(dir, ".old");
+    if dir.exists() {
+        if old.exists() {
+            fs::remove_dir_all(&old).map_err(|e| io_err("removing stale", &old, e))?;
+        }
+        fs::rename(dir, &old).map_err(|e| io_err("renaming the previous model", dir, e))?;
+    }
+    fs::rename(&tmp, dir).map_err(|e| io_err("renaming the new model into", dir, e))?;
+    if old.exists() {
+        fs::remove_dir_all(&old).map_err(|e| io_err("removing the previous model", &old, e))?;
+    }
+    Ok(())
+}
+
+/// See [`Accelerator::save_model_sharded`](crate::Accelerator::save_model_sharded).
+pub(crate) fn save_model_sharded(
+    c: &dyn Collective,
+    dir: &Path,
+    model: &dyn Parameters,
+    max_shard_bytes: usize,
+) -> Result<()> {
+    let result = if c.rank() == 0 {
+        write_sharded(dir, model, max_shard_bytes)
+    } else {
+        Ok(())
+    };
+    agree(c, "save_model_sharded", dir, result)
+}
+
 /// See [`Accelerator::load_state`](crate::Accelerator::load_state): reads onto `device`;
 /// `world_size` is only compared with the writer's, for the log.
 pub(crate) fn load_state(

@@ -362,3 +362,58 @@ fn write_failures_are_write_errors_on_every_rank() {
         assert!(!matches!(r, Error::InvalidArgument { .. }), "{r}");
     }
 }
+
+#[test]
+fn save_model_sharded_writes_hugging_face_shards_and_index_loadable_with_var_builder() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = params(0.3, HIDDEN);
+    let out = dir.path().join("model");
+    // fc1.weight is 16 x 8 f32 = 512 bytes: shards of at most 600 bytes hold one big tensor each.
+    single().save_model_sharded(&out, &p, 600).unwrap();
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    assert_eq!(map.len(), p.len());
+    let total: u64 = p.iter().map(|(_, v)| (v.elem_count() * 4) as u64).sum();
+    assert_eq!(index["metadata"]["total_size"].as_u64(), Some(total));
+    let mut files: Vec<PathBuf> = map
+        .values()
+        .map(|f| out.join(f.as_str().unwrap()))
+        .collect();
+    files.sort();
+    files.dedup();
+    assert!(files.len() > 1, "{files:?}");
+    assert!(files[0].ends_with(format!("model-00001-of-{:05}.safetensors", files.len())));
+    // SAFETY: the files were written above and nothing modifies them while they are mapped.
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(
+            &files,
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )
+    }
+    .unwrap();
+    for (name, var) in &p {
+        let got = vb.get(var.dims(), name).unwrap();
+        let diff = (got - var.as_tensor())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap();
+        assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0, "{name}");
+    }
+    // Everything in one shard: a single model.safetensors, no index (as Hugging Face does).
+    let one = dir.path().join("one");
+    single().save_model_sharded(&one, &p, 1 << 30).unwrap();
+    let names: Vec<String> = std::fs::read_dir(&one)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(names, vec!["model.safetensors".to_string()]);
+    assert!(single()
+        .save_model_sharded(dir.path().join("zero"), &p, 0)
+        .is_err());
+}
