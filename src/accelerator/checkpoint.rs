@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use super::Accelerator;
 use crate::error::Result;
-use crate::train::checkpoint::{self, CheckpointParts, Manifest, StatefulOptimizer};
+use crate::train::checkpoint::{self, CheckpointParts, LoadTargets, Manifest, StatefulOptimizer};
 use crate::train::params::Parameters;
 
 impl Accelerator {
@@ -68,18 +68,33 @@ impl Accelerator {
     /// schedule step, `extra`). Every rank reads the files itself; nothing communicates. Checks
     /// everything before changing anything: errors name the file and the parameter or tensor
     /// that is missing, unexpected or of the wrong shape.
-    pub fn load_state(
+    pub fn load_state<'a>(
         &self,
         dir: impl AsRef<Path>,
-        model: &dyn Parameters,
-        optimizer: Option<&mut dyn StatefulOptimizer>,
+        model: &'a dyn Parameters,
+        optimizer: Option<&'a mut dyn StatefulOptimizer>,
+    ) -> Result<Manifest> {
+        let mut targets = LoadTargets::new(model);
+        targets.optimizer = optimizer;
+        self.load_state_into(dir, targets)
+    }
+
+    /// [`load_state`](Self::load_state) for everything [`CheckpointParts`] can hold: the model
+    /// and optimizer, named models and optimizers, and this rank's named states (a registered
+    /// [`Checkpointable`](crate::checkpoint::Checkpointable), such as the generator
+    /// [`set_seed`](Self::set_seed) returns). Reads and checks every file before changing
+    /// anything; an error names the file and the part.
+    pub fn load_state_into(
+        &self,
+        dir: impl AsRef<Path>,
+        targets: LoadTargets<'_>,
     ) -> Result<Manifest> {
         checkpoint::load_state(
             self.device(),
+            self.rank(),
             self.world_size(),
             dir.as_ref(),
-            model,
-            optimizer,
+            targets,
         )
     }
 }

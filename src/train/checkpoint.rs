@@ -118,12 +118,113 @@ impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for Accelera
 /// The state of the optimizer stepping the f32 masters; load the masters themselves with
 /// [`Accelerator::load_state`](crate::Accelerator::load_state) and then call
 /// [`sync_working_copies`](MixedPrecisionOptimizer::sync_working_copies).
+///
+/// With f16 the loss scaler's scale and clean-step count are saved too (as the scalar tensors
+/// `loss_scaler.scale` and `loss_scaler.clean_steps`), so a resumed run scales as the
+/// uninterrupted one.
 impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for MixedPrecisionOptimizer<O> {
     fn optimizer_state(&self) -> Result<OptimizerState> {
-        self.accelerated().optimizer_state()
+        let mut state = self.accelerated().optimizer_state()?;
+        if let Some(s) = self.loss_scaler() {
+            let dev = Device::Cpu;
+            state
+                .tensors
+                .push((SCALER_SCALE.into(), Tensor::new(s.scale(), &dev)?));
+            state.tensors.push((
+                SCALER_CLEAN.into(),
+                Tensor::new(s.clean_steps() as f64, &dev)?,
+            ));
+        }
+        Ok(state)
     }
-    fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
-        self.accelerated_mut().load_optimizer_state(state)
+    fn load_optimizer_state(&mut self, mut state: OptimizerState) -> Result<()> {
+        let mut take = |name: &str| -> Result<Option<f64>> {
+            match state.tensors.iter().position(|(n, _)| n == name) {
+                Some(i) => {
+                    let (_, t) = state.tensors.remove(i);
+                    Ok(Some(
+                        t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
+                    ))
+                }
+                None => Ok(None),
+            }
+        };
+        let scale = take(SCALER_SCALE)?;
+        let clean = take(SCALER_CLEAN)?;
+        self.accelerated_mut().load_optimizer_state(state)?;
+        if let (Some(scaler), Some(scale)) = (self.loss_scaler_mut(), scale) {
+            if !(scale.is_finite() && scale > 0.0) {
+                return Err(Error::invalid(
+                    "loss scaler state",
+                    format!("the saved scale {scale} is not a positive number"),
+                ));
+            }
+            scaler.restore(scale, clean.unwrap_or(0.0).max(0.0) as u64);
+        }
+        Ok(())
+    }
+}
+
+const SCALER_SCALE: &str = "loss_scaler.scale";
+const SCALER_CLEAN: &str = "loss_scaler.clean_steps";
+
+/// State of your own to keep in checkpoints, per rank (Accelerate's
+/// `register_for_checkpointing`): a data-augmentation RNG, an EMA decay counter, a curriculum
+/// position. Hand it to [`CheckpointParts::state`] and [`LoadTargets::state`] under a name.
+/// Implemented for [`ChaCha8Rng`](rand_chacha::ChaCha8Rng) (the generator
+/// [`Accelerator::set_seed`](crate::Accelerator::set_seed) returns) and for
+/// [`Schedule`](crate::scheduler::Schedule). Candle's own CPU RNG (behind `Tensor::randn` on the
+/// CPU) cannot be captured: draw from a registered generator instead.
+pub trait Checkpointable {
+    /// A snapshot of the state, as JSON.
+    fn checkpoint_state(&self) -> Result<serde_json::Value>;
+    /// Puts a snapshot back; errors (changing nothing) when it does not fit.
+    fn restore_state(&mut self, state: &serde_json::Value) -> Result<()>;
+}
+
+impl Checkpointable for rand_chacha::ChaCha8Rng {
+    fn checkpoint_state(&self) -> Result<serde_json::Value> {
+        let seed: Vec<u8> = self.get_seed().to_vec();
+        Ok(serde_json::json!({
+            "seed": seed,
+            "stream": self.get_stream().to_string(),
+            "word_pos": self.get_word_pos().to_string(),
+        }))
+    }
+    fn restore_state(&mut self, state: &serde_json::Value) -> Result<()> {
+        use rand::SeedableRng;
+        let bad = |why: &str| Error::invalid("ChaCha8Rng state", why.to_string());
+        let seed: Vec<u8> = serde_json::from_value(state["seed"].clone())
+            .map_err(|_| bad("`seed` is not a list of bytes"))?;
+        let seed: [u8; 32] = seed
+            .try_into()
+            .map_err(|_| bad("`seed` does not hold 32 bytes"))?;
+        let num = |k: &str| -> Result<u128> {
+            state[k]
+                .as_str()
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| bad(&format!("`{k}` is not a number")))
+        };
+        let (stream, pos) = (num("stream")?, num("word_pos")?);
+        let stream = u64::try_from(stream).map_err(|_| bad("`stream` is out of range"))?;
+        let mut rng = rand_chacha::ChaCha8Rng::from_seed(seed);
+        rng.set_stream(stream);
+        rng.set_word_pos(pos);
+        *self = rng;
+        Ok(())
+    }
+}
+
+impl<S: crate::scheduler::LrScheduler> Checkpointable for crate::scheduler::Schedule<S> {
+    fn checkpoint_state(&self) -> Result<serde_json::Value> {
+        Ok(serde_json::json!({ "step": self.current_step() }))
+    }
+    fn restore_state(&mut self, state: &serde_json::Value) -> Result<()> {
+        let step = state["step"].as_u64().ok_or_else(|| {
+            Error::invalid("schedule state", "`step` is not a non-negative integer")
+        })?;
+        self.set_step(step);
+        Ok(())
     }
 }
 
@@ -153,6 +254,12 @@ pub struct CheckpointParts<'a> {
     pub step: u64,
     /// Free-form strings saved in the manifest.
     pub extra: BTreeMap<String, String>,
+    /// More models, by name (EMA weights, a GAN's discriminator): `model.<name>.safetensors`.
+    pub models: Vec<(String, &'a dyn Parameters)>,
+    /// More optimizers, by name: `optimizer.<name>.safetensors`.
+    pub optimizers: Vec<(String, &'a dyn StatefulOptimizer)>,
+    /// State of your own, by name, saved for every rank ([`Checkpointable`]).
+    pub states: Vec<(String, &'a dyn Checkpointable)>,
 }
 
 impl std::fmt::Debug for CheckpointParts<'_> {
@@ -164,6 +271,18 @@ impl std::fmt::Debug for CheckpointParts<'_> {
             .field("samples", &self.samples)
             .field("step", &self.step)
             .field("extra", &self.extra)
+            .field(
+                "models",
+                &self.models.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .field(
+                "optimizers",
+                &self.optimizers.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .field(
+                "states",
+                &self.states.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
             .finish()
     }
 }
@@ -179,7 +298,29 @@ impl<'a> CheckpointParts<'a> {
             samples: None,
             step: 0,
             extra: BTreeMap::new(),
+            models: Vec::new(),
+            optimizers: Vec::new(),
+            states: Vec::new(),
         }
+    }
+    /// Saves another model under `name` (letters, digits, `_` and `-`).
+    pub fn model_named(mut self, name: impl Into<String>, model: &'a dyn Parameters) -> Self {
+        self.models.push((name.into(), model));
+        self
+    }
+    /// Saves another optimizer's state under `name` (letters, digits, `_` and `-`).
+    pub fn optimizer_named(
+        mut self,
+        name: impl Into<String>,
+        optimizer: &'a dyn StatefulOptimizer,
+    ) -> Self {
+        self.optimizers.push((name.into(), optimizer));
+        self
+    }
+    /// Saves state of your own under `name`, from every rank (each rank gets its own back).
+    pub fn state(mut self, name: impl Into<String>, state: &'a dyn Checkpointable) -> Self {
+        self.states.push((name.into(), state));
+        self
     }
     /// Saves the loader's position in **global samples**
     /// ([`DataLoader::sample_position`](crate::DataLoader::sample_position) or
@@ -251,6 +392,16 @@ pub struct Manifest {
     pub parameters: Vec<String>,
     /// Free-form strings ([`CheckpointParts::extra`]).
     pub extra: BTreeMap<String, String>,
+    /// The named models ([`CheckpointParts::model_named`]) and their parameter names.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub models: BTreeMap<String, Vec<String>>,
+    /// The named optimizers' scalars ([`CheckpointParts::optimizer_named`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub optimizers: BTreeMap<String, OptimizerManifest>,
+    /// The names of the states of [`CheckpointParts::state`] (their values, per rank, are in
+    /// `states.json`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub states: Vec<String>,
     /// Size and CRC-32 of every file of the checkpoint, checked by [`verify_checkpoint`] and on
     /// every load (empty in checkpoints written before checksums existed: those load unverified,
     /// with a warning).
@@ -576,8 +727,38 @@ fn crash_hook(file: &str) {
 }
 
 /// Writes a checkpoint into `tmp` (which must not exist).
-fn write_checkpoint(tmp: &Path, parts: &CheckpointParts<'_>, world_size: usize) -> Result<()> {
+fn write_checkpoint(
+    tmp: &Path,
+    parts: &CheckpointParts<'_>,
+    world_size: usize,
+    states: Option<&str>,
+) -> Result<()> {
+    check_part_names(parts)?;
     fs::create_dir_all(tmp).map_err(|e| io_err("creating", tmp, e))?;
+    let mut models = BTreeMap::new();
+    for (name, m) in &parts.models {
+        let tensors = named_tensors(*m)?;
+        write_safetensors(&tmp.join(named_model_file(name)), &tensors)?;
+        models.insert(name.clone(), tensors.into_iter().map(|(n, _)| n).collect());
+    }
+    let mut optimizers = BTreeMap::new();
+    for (name, o) in &parts.optimizers {
+        let state = o.optimizer_state()?;
+        write_safetensors(&tmp.join(named_optimizer_file(name)), &state.tensors)?;
+        optimizers.insert(
+            name.clone(),
+            OptimizerManifest {
+                step: state.step,
+                lr: state.lr,
+                tensors: state.tensors.iter().map(|(n, _)| n.clone()).collect(),
+            },
+        );
+    }
+    if let Some(text) = states {
+        let path = tmp.join(STATES_FILE);
+        fs::write(&path, text).map_err(|e| write_err(&path, "could not write it", Some(e)))?;
+        sync_file(&path)?;
+    }
     let model = named_tensors(parts.model)?;
     write_safetensors(&tmp.join(MODEL_FILE), &model)?;
     crash_hook(MODEL_FILE);
@@ -594,14 +775,19 @@ fn write_checkpoint(tmp: &Path, parts: &CheckpointParts<'_>, world_size: usize) 
         }
         None => None,
     };
-    // Checksums of the files as they are on disk.
+    // Checksums of every file as it is on disk.
     let mut files = BTreeMap::new();
-    for name in [MODEL_FILE, OPTIMIZER_FILE] {
-        let path = tmp.join(name);
-        if path.is_file() {
-            let sum = checksum_file(&path).map_err(|e| io_err("reading back", &path, e))?;
-            files.insert(name.to_string(), sum);
+    for entry in fs::read_dir(tmp).map_err(|e| io_err("listing", tmp, e))? {
+        let entry = entry.map_err(|e| io_err("listing", tmp, e))?;
+        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        if name == MANIFEST_FILE {
+            continue;
         }
+        let path = entry.path();
+        let sum = checksum_file(&path).map_err(|e| io_err("reading back", &path, e))?;
+        files.insert(name, sum);
     }
     let path = tmp.join(MANIFEST_FILE);
     let mut manifest = Manifest {
@@ -614,6 +800,9 @@ fn write_checkpoint(tmp: &Path, parts: &CheckpointParts<'_>, world_size: usize) 
         samples: parts.samples,
         parameters: model.iter().map(|(n, _)| n.clone()).collect(),
         extra: parts.extra.clone(),
+        models,
+        optimizers,
+        states: parts.states.iter().map(|(n, _)| n.clone()).collect(),
         files,
         checksum: None,
     };
@@ -629,12 +818,102 @@ fn write_checkpoint(tmp: &Path, parts: &CheckpointParts<'_>, world_size: usize) 
 }
 
 /// Writes `parts` to `dir` atomically (see the module docs). Main process only.
-fn save_atomic(dir: &Path, parts: &CheckpointParts<'_>, world_size: usize) -> Result<()> {
+/// The per-rank states file inside a checkpoint.
+pub const STATES_FILE: &str = "states.json";
+
+fn named_model_file(name: &str) -> String {
+    format!("model.{name}.safetensors")
+}
+
+fn named_optimizer_file(name: &str) -> String {
+    format!("optimizer.{name}.safetensors")
+}
+
+/// Names of named parts: non-empty, `[A-Za-z0-9_-]`, unique per kind.
+fn check_part_names(parts: &CheckpointParts<'_>) -> Result<()> {
+    for (kind, names) in [
+        (
+            "model",
+            parts.models.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+        ),
+        (
+            "optimizer",
+            parts.optimizers.iter().map(|(n, _)| n).collect(),
+        ),
+        ("state", parts.states.iter().map(|(n, _)| n).collect()),
+    ] {
+        let mut seen = std::collections::BTreeSet::new();
+        for n in names {
+            if n.is_empty()
+                || !n
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            {
+                return Err(Error::invalid(
+                    format!("{kind} name {n:?}"),
+                    "use letters, digits, `_` and `-` only",
+                ));
+            }
+            if !seen.insert(n) {
+                return Err(Error::invalid(
+                    format!("{kind} name {n:?}"),
+                    "is used twice",
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every rank's [`CheckpointParts::states`], gathered on every rank as the text of
+/// `states.json` (`{"world_size": n, "ranks": [{name: state}, ...]}`); `None` without states.
+/// Every rank must call it (a rank whose state fails to serialize sends its error instead, so
+/// that nobody waits for it; the main process then fails the save naming it).
+fn gather_states(c: &dyn Collective, parts: &CheckpointParts<'_>) -> Result<Option<String>> {
+    if parts.states.is_empty() {
+        return Ok(None);
+    }
+    let mine = parts
+        .states
+        .iter()
+        .map(|(n, s)| s.checkpoint_state().map(|v| (n.clone(), v)))
+        .collect::<Result<serde_json::Map<String, serde_json::Value>>>()
+        .and_then(|m| {
+            serde_json::to_string(&m).map_err(|e| Error::invalid("checkpoint state", e.to_string()))
+        })
+        .unwrap_or_else(|e| format!("\u{0}rank {}: {e}", c.rank()));
+    let all = c.all_gather(crate::collective::Buffer::from(mine.as_bytes()))?;
+    let mut ranks = Vec::with_capacity(all.len());
+    for (r, b) in all.iter().enumerate() {
+        let text = String::from_utf8_lossy(b.bytes());
+        if let Some(err) = text.strip_prefix('\u{0}') {
+            return Err(Error::invalid("checkpoint state", err.to_string()));
+        }
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+            Error::invalid(
+                "checkpoint state",
+                format!("rank {r} sent an invalid state: {e}"),
+            )
+        })?;
+        ranks.push(v);
+    }
+    let doc = serde_json::json!({ "world_size": c.world_size(), "ranks": ranks });
+    serde_json::to_string_pretty(&doc)
+        .map(Some)
+        .map_err(|e| Error::invalid("checkpoint state", e.to_string()))
+}
+
+fn save_atomic(
+    dir: &Path,
+    parts: &CheckpointParts<'_>,
+    world_size: usize,
+    states: Option<&str>,
+) -> Result<()> {
     let tmp = with_suffix(dir, &format!(".tmp-{}", std::process::id()));
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(|e| io_err("removing stale", &tmp, e))?;
     }
-    if let Err(e) = write_checkpoint(&tmp, parts, world_size) {
+    if let Err(e) = write_checkpoint(&tmp, parts, world_size, states) {
         let _ = fs::remove_dir_all(&tmp);
         return Err(e);
     }
@@ -805,12 +1084,16 @@ pub(crate) fn save_state(
     dir: &Path,
     parts: &CheckpointParts<'_>,
 ) -> Result<()> {
+    let states = gather_states(c, parts);
     let result = if c.rank() == 0 {
         let folder = match dir.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        lock_folder(&folder).and_then(|()| save_atomic(dir, parts, c.world_size()))
+        states.and_then(|states| {
+            lock_folder(&folder)
+                .and_then(|()| save_atomic(dir, parts, c.world_size(), states.as_deref()))
+        })
     } else {
         Ok(())
     };
@@ -833,9 +1116,13 @@ pub(crate) fn save_state_auto(
         .unwrap_or(0);
     c.barrier()?;
     let dir = root.join(format!("{AUTO_PREFIX}{next}"));
+    let states = gather_states(c, parts);
     let result = if c.rank() == 0 {
-        lock_folder(root)
-            .and_then(|()| save_atomic(&dir, parts, c.world_size()))
+        states
+            .and_then(|states| {
+                lock_folder(root)
+                    .and_then(|()| save_atomic(&dir, parts, c.world_size(), states.as_deref()))
+            })
             .and_then(|()| rotate(root, total_limit))
     } else {
         Ok(())
@@ -954,12 +1241,103 @@ pub(crate) fn save_model_sharded(
 
 /// See [`Accelerator::load_state`](crate::Accelerator::load_state): reads onto `device`;
 /// `world_size` is only compared with the writer's, for the log.
+/// What [`Accelerator::load_state_into`](crate::Accelerator::load_state_into) puts back: the
+/// counterpart of [`CheckpointParts`], with the same names.
+pub struct LoadTargets<'a> {
+    /// The model (required).
+    pub model: &'a dyn Parameters,
+    /// The optimizer whose state to restore.
+    pub optimizer: Option<&'a mut dyn StatefulOptimizer>,
+    /// Named models ([`CheckpointParts::model_named`]).
+    pub models: Vec<(String, &'a dyn Parameters)>,
+    /// Named optimizers ([`CheckpointParts::optimizer_named`]).
+    pub optimizers: Vec<(String, &'a mut dyn StatefulOptimizer)>,
+    /// Named states ([`CheckpointParts::state`]); each rank gets the state it saved.
+    pub states: Vec<(String, &'a mut dyn Checkpointable)>,
+}
+
+impl std::fmt::Debug for LoadTargets<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadTargets")
+            .field("optimizer", &self.optimizer.is_some())
+            .field(
+                "models",
+                &self.models.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .field(
+                "optimizers",
+                &self.optimizers.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .field(
+                "states",
+                &self.states.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+impl<'a> LoadTargets<'a> {
+    /// Targets holding only `model`.
+    pub fn new(model: &'a dyn Parameters) -> Self {
+        LoadTargets {
+            model,
+            optimizer: None,
+            models: Vec::new(),
+            optimizers: Vec::new(),
+            states: Vec::new(),
+        }
+    }
+    /// Restores this optimizer's state too.
+    pub fn optimizer(mut self, optimizer: &'a mut dyn StatefulOptimizer) -> Self {
+        self.optimizer = Some(optimizer);
+        self
+    }
+    /// Restores the model saved under `name`.
+    pub fn model_named(mut self, name: impl Into<String>, model: &'a dyn Parameters) -> Self {
+        self.models.push((name.into(), model));
+        self
+    }
+    /// Restores the optimizer state saved under `name`.
+    pub fn optimizer_named(
+        mut self,
+        name: impl Into<String>,
+        optimizer: &'a mut dyn StatefulOptimizer,
+    ) -> Self {
+        self.optimizers.push((name.into(), optimizer));
+        self
+    }
+    /// Restores the state saved under `name` (this rank's).
+    pub fn state(mut self, name: impl Into<String>, state: &'a mut dyn Checkpointable) -> Self {
+        self.states.push((name.into(), state));
+        self
+    }
+}
+
+/// The optimizer state in `path` (tensor order from the manifest).
+fn read_optimizer(path: &Path, m: &OptimizerManifest, device: &Device) -> Result<OptimizerState> {
+    let mut tensors = read_safetensors(path, device)?;
+    let mut ordered = Vec::with_capacity(m.tensors.len());
+    for name in &m.tensors {
+        let t = tensors
+            .remove(name)
+            .ok_or_else(|| checkpoint_err(path, format!("optimizer tensor `{name}` is missing")))?;
+        ordered.push((name.clone(), t));
+    }
+    Ok(OptimizerState {
+        step: m.step,
+        lr: m.lr,
+        tensors: ordered,
+    })
+}
+
+/// See [`Accelerator::load_state_into`](crate::Accelerator::load_state_into): reads onto
+/// `device`; `rank` picks this rank's states; `world_size` is compared with the writer's.
 pub(crate) fn load_state(
     device: &Device,
+    rank: usize,
     world_size: usize,
     dir: &Path,
-    model: &dyn Parameters,
-    optimizer: Option<&mut dyn StatefulOptimizer>,
+    targets: LoadTargets<'_>,
 ) -> Result<Manifest> {
     let manifest = verify_checkpoint(dir)?;
     let found = resolve_checkpoint(dir).unwrap_or_else(|| dir.to_path_buf());
@@ -978,25 +1356,31 @@ pub(crate) fn load_state(
             world_size
         );
     }
+    let LoadTargets {
+        model,
+        optimizer,
+        models,
+        optimizers,
+        states,
+    } = targets;
+    // Read and check everything first.
     let model_path = found.join(MODEL_FILE);
-    let sets = fit_model(&model_path, read_safetensors(&model_path, device)?, model)?;
-    let opt_state = match (&optimizer, &manifest.optimizer) {
-        (Some(_), Some(m)) => {
-            let path = found.join(OPTIMIZER_FILE);
-            let mut tensors = read_safetensors(&path, device)?;
-            let mut ordered = Vec::with_capacity(m.tensors.len());
-            for name in &m.tensors {
-                let t = tensors.remove(name).ok_or_else(|| {
-                    checkpoint_err(&path, format!("optimizer tensor `{name}` is missing"))
-                })?;
-                ordered.push((name.clone(), t));
-            }
-            Some(OptimizerState {
-                step: m.step,
-                lr: m.lr,
-                tensors: ordered,
-            })
+    let mut sets = fit_model(&model_path, read_safetensors(&model_path, device)?, model)?;
+    for (name, m) in &models {
+        if !manifest.models.contains_key(name) {
+            return Err(checkpoint_err(
+                &found,
+                format!(
+                    "model `{name}` is not in the checkpoint (it has: {:?})",
+                    manifest.models.keys().collect::<Vec<_>>()
+                ),
+            ));
         }
+        let path = found.join(named_model_file(name));
+        sets.extend(fit_model(&path, read_safetensors(&path, device)?, *m)?);
+    }
+    let opt_state = match (&optimizer, &manifest.optimizer) {
+        (Some(_), Some(m)) => Some(read_optimizer(&found.join(OPTIMIZER_FILE), m, device)?),
         (Some(_), None) => {
             return Err(checkpoint_err(
                 &found,
@@ -1005,12 +1389,68 @@ pub(crate) fn load_state(
         }
         (None, _) => None,
     };
+    let mut named_states = Vec::with_capacity(optimizers.len());
+    for (name, opt) in optimizers {
+        let m = manifest.optimizers.get(&name).ok_or_else(|| {
+            checkpoint_err(
+                &found,
+                format!(
+                    "optimizer `{name}` is not in the checkpoint (it has: {:?})",
+                    manifest.optimizers.keys().collect::<Vec<_>>()
+                ),
+            )
+        })?;
+        let path = found.join(named_optimizer_file(&name));
+        named_states.push((path.clone(), opt, read_optimizer(&path, m, device)?));
+    }
+    let mine = if states.is_empty() {
+        serde_json::Value::Null
+    } else {
+        let path = found.join(STATES_FILE);
+        let text = fs::read_to_string(&path).map_err(|e| io_err("reading", &path, e))?;
+        let doc: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| corrupt(&path, format!("it does not parse: {e}")))?;
+        let ranks = doc["ranks"]
+            .as_array()
+            .filter(|r| !r.is_empty())
+            .ok_or_else(|| corrupt(&path, "it holds no per-rank states"))?;
+        if rank >= ranks.len() {
+            crate::logging::warn_always(format_args!(
+                "checkpoint {} holds states of {} rank(s); rank {rank} takes rank {}'s",
+                found.display(),
+                ranks.len(),
+                rank % ranks.len()
+            ));
+        }
+        ranks[rank % ranks.len()].clone()
+    };
+    for (name, _) in &states {
+        if mine.get(name).is_none() {
+            return Err(checkpoint_err(
+                &found,
+                format!(
+                    "state `{name}` is not in the checkpoint (it has: {:?})",
+                    manifest.states
+                ),
+            ));
+        }
+    }
+    // Then change things.
     if let (Some(opt), Some(state)) = (optimizer, opt_state) {
         opt.load_optimizer_state(state).map_err(|e| {
             checkpoint_err(
                 &found.join(OPTIMIZER_FILE),
                 format!("does not fit the optimizer: {e}"),
             )
+        })?;
+    }
+    for (path, opt, state) in named_states {
+        opt.load_optimizer_state(state)
+            .map_err(|e| checkpoint_err(&path, format!("does not fit the optimizer: {e}")))?;
+    }
+    for (name, target) in states {
+        target.restore_state(&mine[&name]).map_err(|e| {
+            checkpoint_err(&found.join(STATES_FILE), format!("state `{name}`: {e}"))
         })?;
     }
     for (var, t) in sets {

@@ -57,6 +57,17 @@ impl LossScaler {
         self.growth_interval
     }
 
+    /// Clean steps in a row so far (the scale grows when this reaches the growth interval).
+    pub fn clean_steps(&self) -> u64 {
+        self.clean_steps
+    }
+
+    /// Puts a saved scale and clean-step count back (checkpoints).
+    pub(crate) fn restore(&mut self, scale: f64, clean_steps: u64) {
+        self.scale = scale;
+        self.clean_steps = clean_steps;
+    }
+
     fn update(&mut self, clean: bool) {
         if clean {
             self.clean_steps += 1;
@@ -237,6 +248,16 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
     /// The current loss scale (1 unless f16).
     pub fn loss_scale(&self) -> f64 {
         self.scaler.as_ref().map_or(1.0, LossScaler::scale)
+    }
+
+    /// The loss scaler (f16 only).
+    pub fn loss_scaler(&self) -> Option<&LossScaler> {
+        self.scaler.as_ref()
+    }
+
+    /// The loss scaler, mutable (f16 only; checkpoints).
+    pub(crate) fn loss_scaler_mut(&mut self) -> Option<&mut LossScaler> {
+        self.scaler.as_mut()
     }
 
     /// Replaces the loss scaler (f16 only; ignored otherwise).

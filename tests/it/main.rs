@@ -6,6 +6,7 @@ mod common;
 mod accumulate;
 mod batching;
 mod checkpoint;
+mod checkpoint_complete;
 mod checkpoint_integrity;
 mod collectives;
 mod data_loader;
