@@ -13,7 +13,12 @@ impl Accelerator {
     /// the [module docs](crate::checkpoint)). Every rank must call it; the main process writes,
     /// the others wait and return its error, if any.
     pub fn save_state(&self, dir: impl AsRef<Path>, parts: &CheckpointParts<'_>) -> Result<()> {
-        checkpoint::save_state(self.collective().as_ref(), dir.as_ref(), parts)
+        checkpoint::save_state(
+            self.collective().as_ref(),
+            self.local_rank(),
+            dir.as_ref(),
+            parts,
+        )
     }
 
     /// Saves a checkpoint as `root/checkpoint_<N>`, `N` one more than the largest found under
@@ -29,6 +34,7 @@ impl Accelerator {
     ) -> Result<PathBuf> {
         checkpoint::save_state_auto(
             self.collective().as_ref(),
+            self.local_rank(),
             root.as_ref(),
             parts,
             total_limit,

@@ -260,6 +260,9 @@ pub struct CheckpointParts<'a> {
     pub optimizers: Vec<(String, &'a dyn StatefulOptimizer)>,
     /// State of your own, by name, saved for every rank ([`Checkpointable`]).
     pub states: Vec<(String, &'a dyn Checkpointable)>,
+    /// Whether the main process of every machine writes a copy (clusters without a shared file
+    /// system; Accelerate's `save_on_each_node`), instead of rank 0 alone.
+    pub save_on_each_node: bool,
 }
 
 impl std::fmt::Debug for CheckpointParts<'_> {
@@ -271,6 +274,7 @@ impl std::fmt::Debug for CheckpointParts<'_> {
             .field("samples", &self.samples)
             .field("step", &self.step)
             .field("extra", &self.extra)
+            .field("save_on_each_node", &self.save_on_each_node)
             .field(
                 "models",
                 &self.models.iter().map(|(n, _)| n).collect::<Vec<_>>(),
@@ -301,7 +305,15 @@ impl<'a> CheckpointParts<'a> {
             models: Vec::new(),
             optimizers: Vec::new(),
             states: Vec::new(),
+            save_on_each_node: false,
         }
+    }
+    /// Every machine's local main process (local rank 0) writes its own copy, into the same
+    /// path on its own disk: for clusters without a shared file system. Each rank then resumes
+    /// from its machine's copy.
+    pub fn save_on_each_node(mut self, on: bool) -> Self {
+        self.save_on_each_node = on;
+        self
     }
     /// Saves another model under `name` (letters, digits, `_` and `-`).
     pub fn model_named(mut self, name: impl Into<String>, model: &'a dyn Parameters) -> Self {
@@ -1081,11 +1093,12 @@ fn lock_folder(folder: &Path) -> Result<()> {
 /// See [`Accelerator::save_state`](crate::Accelerator::save_state).
 pub(crate) fn save_state(
     c: &dyn Collective,
+    local_rank: usize,
     dir: &Path,
     parts: &CheckpointParts<'_>,
 ) -> Result<()> {
     let states = gather_states(c, parts);
-    let result = if c.rank() == 0 {
+    let result = if writes(c, local_rank, parts) {
         let folder = match dir.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
@@ -1097,27 +1110,56 @@ pub(crate) fn save_state(
     } else {
         Ok(())
     };
-    agree(c, "save_state", dir, result)
+    agree_all(c, "save_state", dir, result)
+}
+
+/// Whether this rank writes the checkpoint: rank 0, or every machine's local rank 0 with
+/// [`CheckpointParts::save_on_each_node`].
+fn writes(c: &dyn Collective, local_rank: usize, parts: &CheckpointParts<'_>) -> bool {
+    if parts.save_on_each_node {
+        local_rank == 0
+    } else {
+        c.rank() == 0
+    }
+}
+
+/// Makes every rank fail when any writer failed (several writers with `save_on_each_node`).
+fn agree_all(c: &dyn Collective, op: &str, path: &Path, result: Result<()>) -> Result<()> {
+    let mut failed = [if result.is_ok() { 0f32 } else { 1f32 }];
+    c.all_reduce((&mut failed[..]).into(), crate::collective::ReduceOp::Max)?;
+    result?;
+    if failed[0] != 0.0 {
+        return Err(write_err(
+            path,
+            format!("{op} failed on the main process, rank 0 (or, with save_on_each_node, on a machine's local rank 0; see its error)"),
+            None,
+        ));
+    }
+    Ok(())
 }
 
 /// See [`Accelerator::save_state_auto`](crate::Accelerator::save_state_auto).
 pub(crate) fn save_state_auto(
     c: &dyn Collective,
+    local_rank: usize,
     root: &Path,
     parts: &CheckpointParts<'_>,
     total_limit: usize,
 ) -> Result<PathBuf> {
-    // Every rank lists `root` before anyone writes, so all pick the same N.
+    // Every rank lists `root` before anyone writes, and all take the largest N any rank found
+    // (with a copy per machine, the machines' folders may differ).
     let next = auto_entries(root)
         .iter()
         .map(|(n, _)| n + 1)
         .chain(latest_number(root).map(|n| n + 1))
         .max()
         .unwrap_or(0);
-    c.barrier()?;
+    let mut agreed = [next as f64];
+    c.all_reduce((&mut agreed[..]).into(), crate::collective::ReduceOp::Max)?;
+    let next = agreed[0] as u64;
     let dir = root.join(format!("{AUTO_PREFIX}{next}"));
     let states = gather_states(c, parts);
-    let result = if c.rank() == 0 {
+    let result = if writes(c, local_rank, parts) {
         states
             .and_then(|states| {
                 lock_folder(root)
@@ -1127,7 +1169,7 @@ pub(crate) fn save_state_auto(
     } else {
         Ok(())
     };
-    agree(c, "save_state_auto", &dir, result)?;
+    agree_all(c, "save_state_auto", &dir, result)?;
     Ok(dir)
 }
 

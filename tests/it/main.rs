@@ -12,6 +12,7 @@ mod collectives;
 mod data_loader;
 mod ddp;
 mod dp;
+mod each_node;
 mod elastic;
 mod examples;
 mod faults;
