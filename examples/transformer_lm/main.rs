@@ -20,7 +20,7 @@ mod model;
 
 use std::time::Instant;
 
-use accelerate_rs::checkpoint::{latest_checkpoint, CheckpointParts, LoaderPosition};
+use accelerate_rs::checkpoint::{latest_checkpoint, CheckpointParts, LoadTargets};
 use accelerate_rs::optim::ParamsAdamW;
 use accelerate_rs::scheduler::{LinearWarmupCosine, Schedule};
 use accelerate_rs::{tracking, Accelerator, DataLoader, Parameters, ReduceOp, TensorDataset};
@@ -99,17 +99,20 @@ fn main() -> Result<()> {
     let start = Instant::now();
     let mut step = 0u64;
     let mut epoch = 0;
-    // Resume mid-epoch from the newest complete checkpoint: parameters, optimizer moments,
-    // schedule and loader position (the loader skips the batches already seen this epoch).
+    // Resume mid-epoch from the newest sound checkpoint: parameters, optimizer moments, the
+    // schedule and the loader position in global samples (so a run saved on 4 processes
+    // resumes on 2 without repeating or skipping a sample).
     let checkpoints = args.log_dir.join("checkpoints");
     let restarted = std::env::var(accelerate_rs::env::RESTART_COUNT).is_ok_and(|c| c != "0");
     if args.resume || restarted {
         if let Some(dir) = latest_checkpoint(&checkpoints) {
-            let m = accelerator.load_state(&dir, &varmap, Some(&mut opt))?;
+            let targets = LoadTargets::new(&varmap)
+                .optimizer(&mut opt)
+                .state("schedule", &mut schedule);
+            let m = accelerator.load_state_into(&dir, targets)?;
             step = m.step;
-            schedule.set_step(m.schedule_step.unwrap_or(step));
-            if let Some(pos) = m.loader {
-                loader.resume_at(pos.epoch, pos.batches_done);
+            if let Some(pos) = m.samples {
+                loader.resume_from(pos);
                 epoch = pos.epoch;
             }
             accelerator.print(format!("resumed from {} at step {step}", dir.display()));
@@ -122,8 +125,12 @@ fn main() -> Result<()> {
     let (mut first_loss, mut last_loss) = (None, 0f64);
     'train: while step < args.max_steps {
         loader.set_epoch(epoch);
+        // Batches this loop took from the loader this epoch (after a resume: since the resume
+        // point, which is what `sample_position` counts from).
+        let mut taken = 0;
         for batch in loader.iter()? {
             let batch = batch?;
+            taken += 1;
             let logits = model.forward(&batch[0])?;
             let (b, t, v) = logits.dims3()?;
             let loss = loss::cross_entropy(&logits.reshape((b * t, v))?, &batch[1].flatten_all()?)?;
@@ -162,11 +169,8 @@ fn main() -> Result<()> {
             if args.checkpoint_every > 0 && step % args.checkpoint_every == 0 {
                 let parts = CheckpointParts::new(&varmap)
                     .optimizer(&opt)
-                    .schedule_step(schedule.current_step())
-                    .loader(LoaderPosition {
-                        epoch,
-                        batches_done: batch.index() + 1,
-                    })
+                    .state("schedule", &schedule)
+                    .samples(loader.sample_position(taken))
                     .step(step);
                 let dir =
                     accelerator.save_state_auto(&checkpoints, &parts, args.keep_checkpoints)?;
