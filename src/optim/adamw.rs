@@ -45,6 +45,9 @@ pub struct AdamW {
     step_t: u64,
     params: ParamsAdamW,
     fused: bool,
+    /// ZeRO: every parameter of the optimizer before it was cut down to this rank's slices, in
+    /// index order (empty unless sharded), so that checkpoints keep the unsharded layout.
+    origin: Vec<Var>,
 }
 
 fn check_params(p: &ParamsAdamW) -> Result<()> {
@@ -100,6 +103,7 @@ impl Optimizer for AdamW {
             step_t: 0,
             params,
             fused: fused::default_on()?,
+            origin: Vec::new(),
         })
     }
 
@@ -226,6 +230,10 @@ impl AdamW {
     /// ZeRO: keeps the state of only `shards` (this rank's slices of the parameters), slicing
     /// the moments already there; the other parameters' slots are dropped.
     pub(crate) fn shard(&mut self, shards: &[crate::train::params::Shard]) -> Result<()> {
+        if self.is_sharded() {
+            return Ok(());
+        }
+        self.origin = self.slots.iter().map(|s| s.var.clone()).collect();
         let mut slots = Vec::new();
         for slot in self.slots.drain(..) {
             for r in shard_ranges(&slot.var, shards) {
@@ -247,6 +255,33 @@ impl AdamW {
         Ok(())
     }
 
+    /// ZeRO: the state in the unsharded layout (`"{i}.m"`, `"{i}.v"` of full shape for every
+    /// parameter), holding this rank's slices and zeros elsewhere: summed over the ranks (each
+    /// element is some rank's), it is the whole state.
+    fn sharded_state(&self) -> Result<OptimizerState> {
+        let mut tensors = Vec::with_capacity(2 * self.origin.len());
+        for (i, var) in self.origin.iter().enumerate() {
+            let mut m = vec![Tensor::zeros(var.elem_count(), var.dtype(), var.device())?; 2];
+            for s in self.slots.iter().filter(|s| s.var.id() == var.id()) {
+                if let Some(r) = &s.range {
+                    for (full, part) in m.iter_mut().zip([&s.m, &s.v]) {
+                        if let Some(p) = part {
+                            *full = full.slice_assign(&[r.clone()], &p.flatten_all()?)?;
+                        }
+                    }
+                }
+            }
+            let [mm, vv] = [&m[0], &m[1]].map(|t| t.reshape(var.shape()));
+            tensors.push((format!("{i}.m"), mm?));
+            tensors.push((format!("{i}.v"), vv?));
+        }
+        Ok(OptimizerState {
+            step: self.step_t,
+            lr: self.params.lr,
+            tensors,
+        })
+    }
+
     /// Bytes of optimizer state this rank holds (both moments).
     pub fn state_bytes(&self) -> usize {
         self.slots
@@ -266,7 +301,7 @@ impl AdamW {
     /// parameter `i`. A snapshot: the moments are copied, since later steps write into them.
     pub fn state(&self) -> Result<OptimizerState> {
         if self.is_sharded() {
-            return Err(sharded_state_err("AdamW"));
+            return self.sharded_state();
         }
         let mut tensors = Vec::with_capacity(2 * self.slots.len());
         for (i, s) in self.slots.iter().enumerate() {

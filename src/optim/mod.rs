@@ -160,8 +160,10 @@ pub(crate) fn write_param(
 pub(crate) fn sharded_state_err(what: &str) -> Error {
     Error::invalid(
         format!("{what} state"),
-        "this optimizer is sharded (zero_stage 1 or 2): each rank holds only its slice of the \
-         state, and checkpoints of sharded state are not supported yet; save with zero_stage 0",
+        "this optimizer is sharded (zero_stage 1 or 2) and holds only this rank's slices: load a \
+         checkpoint before the first optimizer step (the optimizer is cut into slices then, \
+         keeping the loaded state), and save it through the accelerator's optimizer wrapper, \
+         which gathers the slices",
     )
 }
 

@@ -124,6 +124,8 @@ pub struct Sgd {
     step_t: u64,
     config: SgdConfig,
     fused: bool,
+    /// ZeRO: every parameter before the optimizer was cut down to this rank's slices.
+    origin: Vec<Var>,
 }
 
 impl Optimizer for Sgd {
@@ -145,6 +147,7 @@ impl Optimizer for Sgd {
             step_t: 0,
             config,
             fused: fused::default_on()?,
+            origin: Vec::new(),
         })
     }
 
@@ -270,6 +273,10 @@ impl Sgd {
     /// ZeRO: keeps the state of only `shards` (this rank's slices of the parameters), slicing
     /// the momentum buffers already there; the other parameters' slots are dropped.
     pub(crate) fn shard(&mut self, shards: &[crate::train::params::Shard]) -> Result<()> {
+        if self.is_sharded() {
+            return Ok(());
+        }
+        self.origin = self.slots.iter().map(|s| s.var.clone()).collect();
         let mut slots = Vec::new();
         for slot in self.slots.drain(..) {
             for r in shard_ranges(&slot.var, shards) {
@@ -286,6 +293,28 @@ impl Sgd {
         }
         self.slots = slots;
         Ok(())
+    }
+
+    /// ZeRO: the state in the unsharded layout, this rank's slices and zeros elsewhere (see
+    /// `AdamW`'s); with momentum, a `"{i}.momentum"` for every parameter.
+    fn sharded_state(&self) -> Result<OptimizerState> {
+        let mut tensors = Vec::new();
+        if self.config.momentum != 0.0 {
+            for (i, var) in self.origin.iter().enumerate() {
+                let mut full = Tensor::zeros(var.elem_count(), var.dtype(), var.device())?;
+                for s in self.slots.iter().filter(|s| s.var.id() == var.id()) {
+                    if let (Some(r), Some(m)) = (&s.range, &s.momentum) {
+                        full = full.slice_assign(&[r.clone()], &m.flatten_all()?)?;
+                    }
+                }
+                tensors.push((format!("{i}.momentum"), full.reshape(var.shape())?));
+            }
+        }
+        Ok(OptimizerState {
+            step: self.step_t,
+            lr: self.config.lr,
+            tensors,
+        })
     }
 
     /// Bytes of optimizer state this rank holds (the momentum buffers).
@@ -308,7 +337,7 @@ impl Sgd {
     /// into them.
     pub fn state(&self) -> Result<OptimizerState> {
         if self.is_sharded() {
-            return Err(sharded_state_err("Sgd"));
+            return self.sharded_state();
         }
         let mut tensors = Vec::new();
         for (i, s) in self.slots.iter().enumerate() {

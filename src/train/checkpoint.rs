@@ -86,6 +86,12 @@ pub trait StatefulOptimizer {
     fn optimizer_state(&self) -> Result<OptimizerState>;
     /// Puts a state back; errors (changing nothing) when it does not fit the parameters.
     fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()>;
+    /// Whether [`optimizer_state`](Self::optimizer_state) is a collective that every rank must
+    /// call (a ZeRO-sharded optimizer gathers its slices); the checkpoint writers then take the
+    /// state on every rank. Default false.
+    fn state_needs_every_rank(&self) -> bool {
+        false
+    }
 }
 
 impl StatefulOptimizer for AdamW {
@@ -106,9 +112,23 @@ impl StatefulOptimizer for Sgd {
     }
 }
 
+/// A ZeRO-sharded optimizer's state is gathered from every rank into the unsharded layout, so
+/// the checkpoint loads at any world size, any stage, and into an unsharded optimizer (every
+/// rank must take it: [`state_needs_every_rank`](StatefulOptimizer::state_needs_every_rank)).
 impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for AcceleratedOptimizer<O> {
     fn optimizer_state(&self) -> Result<OptimizerState> {
-        self.inner().optimizer_state()
+        let mut state = self.inner().optimizer_state()?;
+        if self.is_sharded() {
+            // Each element is one rank's; the others hold zeros there.
+            let c = self.engine().collective();
+            for (_, t) in state.tensors.iter_mut() {
+                *t = c.all_reduce_tensor(t, crate::collective::ReduceOp::Sum)?;
+            }
+        }
+        Ok(state)
+    }
+    fn state_needs_every_rank(&self) -> bool {
+        self.is_sharded()
     }
     fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
         self.inner_mut().load_optimizer_state(state)
@@ -123,6 +143,9 @@ impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for Accelera
 /// `loss_scaler.scale` and `loss_scaler.clean_steps`), so a resumed run scales as the
 /// uninterrupted one.
 impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for MixedPrecisionOptimizer<O> {
+    fn state_needs_every_rank(&self) -> bool {
+        self.accelerated().state_needs_every_rank()
+    }
     fn optimizer_state(&self) -> Result<OptimizerState> {
         let mut state = self.accelerated().optimizer_state()?;
         if let Some(s) = self.loss_scaler() {
@@ -743,8 +766,9 @@ fn write_checkpoint(
     tmp: &Path,
     parts: &CheckpointParts<'_>,
     world_size: usize,
-    states: Option<&str>,
+    taken: &Taken,
 ) -> Result<()> {
+    let states = taken.states.as_deref();
     check_part_names(parts)?;
     fs::create_dir_all(tmp).map_err(|e| io_err("creating", tmp, e))?;
     let mut models = BTreeMap::new();
@@ -754,8 +778,11 @@ fn write_checkpoint(
         models.insert(name.clone(), tensors.into_iter().map(|(n, _)| n).collect());
     }
     let mut optimizers = BTreeMap::new();
-    for (name, o) in &parts.optimizers {
-        let state = o.optimizer_state()?;
+    for (i, (name, o)) in parts.optimizers.iter().enumerate() {
+        let state = match taken.named.get(i).cloned().flatten() {
+            Some(s) => s,
+            None => o.optimizer_state()?,
+        };
         write_safetensors(&tmp.join(named_optimizer_file(name)), &state.tensors)?;
         optimizers.insert(
             name.clone(),
@@ -776,7 +803,10 @@ fn write_checkpoint(
     crash_hook(MODEL_FILE);
     let optimizer = match parts.optimizer {
         Some(opt) => {
-            let state = opt.optimizer_state()?;
+            let state = match taken.main.clone() {
+                Some(s) => s,
+                None => opt.optimizer_state()?,
+            };
             write_safetensors(&tmp.join(OPTIMIZER_FILE), &state.tensors)?;
             crash_hook(OPTIMIZER_FILE);
             Some(OptimizerManifest {
@@ -877,6 +907,37 @@ fn check_part_names(parts: &CheckpointParts<'_>) -> Result<()> {
     Ok(())
 }
 
+/// What every rank takes before the writers write: the per-rank states (gathered) and the state
+/// of optimizers whose state is a collective ([`StatefulOptimizer::state_needs_every_rank`]).
+#[derive(Default)]
+struct Taken {
+    states: Option<String>,
+    main: Option<OptimizerState>,
+    named: Vec<Option<OptimizerState>>,
+}
+
+/// Takes [`Taken`] on every rank (every rank must call it, in the same order).
+fn take_on_every_rank(c: &dyn Collective, parts: &CheckpointParts<'_>) -> Result<Taken> {
+    let states = gather_states(c, parts)?;
+    let main = match parts.optimizer {
+        Some(o) if o.state_needs_every_rank() => Some(o.optimizer_state()?),
+        _ => None,
+    };
+    let mut named = Vec::with_capacity(parts.optimizers.len());
+    for (_, o) in &parts.optimizers {
+        named.push(if o.state_needs_every_rank() {
+            Some(o.optimizer_state()?)
+        } else {
+            None
+        });
+    }
+    Ok(Taken {
+        states,
+        main,
+        named,
+    })
+}
+
 /// Every rank's [`CheckpointParts::states`], gathered on every rank as the text of
 /// `states.json` (`{"world_size": n, "ranks": [{name: state}, ...]}`); `None` without states.
 /// Every rank must call it (a rank whose state fails to serialize sends its error instead, so
@@ -919,13 +980,13 @@ fn save_atomic(
     dir: &Path,
     parts: &CheckpointParts<'_>,
     world_size: usize,
-    states: Option<&str>,
+    taken: &Taken,
 ) -> Result<()> {
     let tmp = with_suffix(dir, &format!(".tmp-{}", std::process::id()));
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(|e| io_err("removing stale", &tmp, e))?;
     }
-    if let Err(e) = write_checkpoint(&tmp, parts, world_size, states) {
+    if let Err(e) = write_checkpoint(&tmp, parts, world_size, taken) {
         let _ = fs::remove_dir_all(&tmp);
         return Err(e);
     }
@@ -1097,15 +1158,14 @@ pub(crate) fn save_state(
     dir: &Path,
     parts: &CheckpointParts<'_>,
 ) -> Result<()> {
-    let states = gather_states(c, parts);
+    let taken = take_on_every_rank(c, parts);
     let result = if writes(c, local_rank, parts) {
         let folder = match dir.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        states.and_then(|states| {
-            lock_folder(&folder)
-                .and_then(|()| save_atomic(dir, parts, c.world_size(), states.as_deref()))
+        taken.and_then(|taken| {
+            lock_folder(&folder).and_then(|()| save_atomic(dir, parts, c.world_size(), &taken))
         })
     } else {
         Ok(())
@@ -1158,12 +1218,11 @@ pub(crate) fn save_state_auto(
     c.all_reduce((&mut agreed[..]).into(), crate::collective::ReduceOp::Max)?;
     let next = agreed[0] as u64;
     let dir = root.join(format!("{AUTO_PREFIX}{next}"));
-    let states = gather_states(c, parts);
+    let taken = take_on_every_rank(c, parts);
     let result = if writes(c, local_rank, parts) {
-        states
-            .and_then(|states| {
-                lock_folder(root)
-                    .and_then(|()| save_atomic(&dir, parts, c.world_size(), states.as_deref()))
+        taken
+            .and_then(|taken| {
+                lock_folder(root).and_then(|()| save_atomic(&dir, parts, c.world_size(), &taken))
             })
             .and_then(|()| rotate(root, total_limit))
     } else {

@@ -287,6 +287,11 @@ impl GradSync {
         self.check_missing(params, || params.without_grad(grads))
     }
 
+    /// The collective the gradients are averaged over.
+    pub(crate) fn collective(&self) -> &dyn Collective {
+        self.collective.as_ref()
+    }
+
     /// The ZeRO stage (0, 1 or 2).
     pub(crate) fn zero_stage(&self) -> usize {
         self.zero_stage

@@ -100,6 +100,11 @@ impl<O: Optimizer> AcceleratedOptimizer<O> {
     pub(crate) fn engine(&self) -> &GradSync {
         &self.grads
     }
+
+    /// Whether the wrapped optimizer holds only this rank's slices of the state (ZeRO).
+    pub fn is_sharded(&self) -> bool {
+        self.sharded
+    }
 }
 
 impl<O: Optimizer + 'static> AcceleratedOptimizer<O> {
