@@ -304,7 +304,7 @@ impl Sgd {
                 let mut full = Tensor::zeros(var.elem_count(), var.dtype(), var.device())?;
                 for s in self.slots.iter().filter(|s| s.var.id() == var.id()) {
                     if let (Some(r), Some(m)) = (&s.range, &s.momentum) {
-                        full = full.slice_assign(&[r.clone()], &m.flatten_all()?)?;
+                        full = full.slice_assign(std::slice::from_ref(r), &m.flatten_all()?)?;
                     }
                 }
                 tensors.push((format!("{i}.momentum"), full.reshape(var.shape())?));
