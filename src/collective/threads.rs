@@ -21,6 +21,9 @@ use super::{
 };
 use crate::error::{Error, Result};
 
+/// Yields (lock released) before a wait falls back to the condition variable.
+const SPINS: u32 = 200;
+
 /// Creates the ranks of an in-process group.
 #[derive(Debug)]
 pub struct ThreadGroup;
@@ -119,11 +122,22 @@ impl ThreadCollective {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Waits for a change of the state (or the deadline): first a few short yields with the
+    /// lock released (the other ranks are usually microseconds away, and a condition variable
+    /// wake-up costs tens of them), then the condition variable. `spins` counts the yields of
+    /// the caller's current wait. Returns whether the deadline passed.
     fn wait<'a>(
-        &self,
+        &'a self,
         st: MutexGuard<'a, State>,
         deadline: Instant,
+        spins: &mut u32,
     ) -> (MutexGuard<'a, State>, bool) {
+        if *spins < SPINS {
+            *spins += 1;
+            drop(st);
+            std::thread::yield_now();
+            return (self.lock(), false);
+        }
         let left = deadline.saturating_duration_since(Instant::now());
         let (st, res) = self
             .shared
@@ -151,12 +165,13 @@ impl ThreadCollective {
         let op = desc.op;
         let deadline = crate::settings::limits::deadline_after(self.shared.timeout);
         let mut st = self.lock();
+        let mut spins = 0;
         // Wait until the previous operation's results have been read by everyone.
         while !st.collecting {
             if let Some(first) = &st.broken {
                 return Err(self.broken(op, first));
             }
-            let (g, timed_out) = self.wait(st, deadline);
+            let (g, timed_out) = self.wait(st, deadline, &mut spins);
             st = g;
             if timed_out && !st.collecting {
                 let err = Error::Timeout {
@@ -192,7 +207,7 @@ impl ThreadCollective {
                 };
                 return Err(self.fail(&mut st, err));
             }
-            let (g, timed_out) = self.wait(st, deadline);
+            let (g, timed_out) = self.wait(st, deadline, &mut spins);
             st = g;
             if timed_out && st.collecting {
                 let err = Error::Timeout {
@@ -236,6 +251,7 @@ impl ThreadCollective {
         let n = self.shared.n;
         let mut st = self.lock();
         let gen = st.gate_gen;
+        let mut spins = 0;
         st.gate_arrived += 1;
         if st.gate_arrived == n {
             st.gate_arrived = 0;
@@ -258,6 +274,13 @@ impl ThreadCollective {
                     source: None,
                 };
                 return Err(self.fail(&mut st, err));
+            }
+            if spins < SPINS {
+                spins += 1;
+                drop(st);
+                std::thread::yield_now();
+                st = self.lock();
+                continue;
             }
             st = self
                 .shared
