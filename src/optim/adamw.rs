@@ -266,7 +266,8 @@ impl AdamW {
                 if let Some(r) = &s.range {
                     for (full, part) in m.iter_mut().zip([&s.m, &s.v]) {
                         if let Some(p) = part {
-                            *full = full.slice_assign(std::slice::from_ref(r), &p.flatten_all()?)?;
+                            *full =
+                                full.slice_assign(std::slice::from_ref(r), &p.flatten_all()?)?;
                         }
                     }
                 }

@@ -286,7 +286,17 @@ pub struct CheckpointParts<'a> {
     /// Whether the main process of every machine writes a copy (clusters without a shared file
     /// system; Accelerate's `save_on_each_node`), instead of rank 0 alone.
     pub save_on_each_node: bool,
+    /// Save hooks ([`on_save`](Self::on_save)), run in order by every writing process.
+    pub hooks: Vec<&'a SaveHook<'a>>,
 }
+
+/// A save hook: gets the directory being written (not yet renamed into place) and may add files
+/// to it.
+pub type SaveHook<'a> = dyn Fn(&Path) -> Result<()> + Send + Sync + 'a;
+
+/// A load hook: gets the verified checkpoint directory and its manifest before anything is
+/// changed.
+pub type LoadHook<'a> = dyn Fn(&Path, &Manifest) -> Result<()> + Send + Sync + 'a;
 
 impl std::fmt::Debug for CheckpointParts<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -329,7 +339,16 @@ impl<'a> CheckpointParts<'a> {
             optimizers: Vec::new(),
             states: Vec::new(),
             save_on_each_node: false,
+            hooks: Vec::new(),
         }
+    }
+    /// Runs `hook` on each writing process once the checkpoint's files are written into its
+    /// temporary directory, before the manifest (Accelerate's `register_save_state_pre_hook`):
+    /// files the hook adds there (a tokenizer, a config) become part of the checkpoint, written
+    /// atomically with it and covered by its checksums. An error from the hook fails the save.
+    pub fn on_save(mut self, hook: &'a SaveHook<'a>) -> Self {
+        self.hooks.push(hook);
+        self
     }
     /// Every machine's local main process (local rank 0) writes its own copy, into the same
     /// path on its own disk: for clusters without a shared file system. Each rank then resumes
@@ -792,6 +811,9 @@ fn write_checkpoint(
                 tensors: state.tensors.iter().map(|(n, _)| n.clone()).collect(),
             },
         );
+    }
+    for hook in &parts.hooks {
+        hook(tmp)?;
     }
     if let Some(text) = states {
         let path = tmp.join(STATES_FILE);
@@ -1355,6 +1377,8 @@ pub struct LoadTargets<'a> {
     pub optimizers: Vec<(String, &'a mut dyn StatefulOptimizer)>,
     /// Named states ([`CheckpointParts::state`]); each rank gets the state it saved.
     pub states: Vec<(String, &'a mut dyn Checkpointable)>,
+    /// Load hooks ([`on_load`](Self::on_load)).
+    pub hooks: Vec<&'a LoadHook<'a>>,
 }
 
 impl std::fmt::Debug for LoadTargets<'_> {
@@ -1386,7 +1410,15 @@ impl<'a> LoadTargets<'a> {
             models: Vec::new(),
             optimizers: Vec::new(),
             states: Vec::new(),
+            hooks: Vec::new(),
         }
+    }
+    /// Runs `hook` on every rank with the verified checkpoint directory and its manifest,
+    /// before anything is changed (Accelerate's `register_load_state_pre_hook`): read the files
+    /// a save hook added. An error from the hook fails the load and changes nothing.
+    pub fn on_load(mut self, hook: &'a LoadHook<'a>) -> Self {
+        self.hooks.push(hook);
+        self
     }
     /// Restores this optimizer's state too.
     pub fn optimizer(mut self, optimizer: &'a mut dyn StatefulOptimizer) -> Self {
@@ -1463,7 +1495,11 @@ pub(crate) fn load_state(
         models,
         optimizers,
         states,
+        hooks,
     } = targets;
+    for hook in &hooks {
+        hook(&found, &manifest)?;
+    }
     // Read and check everything first.
     let model_path = found.join(MODEL_FILE);
     let mut sets = fit_model(&model_path, read_safetensors(&model_path, device)?, model)?;

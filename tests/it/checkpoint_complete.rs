@@ -221,3 +221,50 @@ fn the_f16_loss_scaler_is_restored() {
     let s = opt2.loss_scaler().unwrap();
     assert_eq!((s.scale(), s.clean_steps()), (scale, clean));
 }
+
+#[test]
+fn save_and_load_hooks_add_and_read_files_of_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let acc = single();
+    let p = params(0.0, HIDDEN);
+    let write = |d: &std::path::Path| -> accelerate_rs::Result<()> {
+        std::fs::write(d.join("tokenizer.json"), b"{\"vocab\": 42}")
+            .map_err(|e| accelerate_rs::Error::invalid("hook", e.to_string()))
+    };
+    acc.save_state(&ck, &CheckpointParts::new(&p).on_save(&write))
+        .unwrap();
+    let m = accelerate_rs::checkpoint::read_manifest(&ck).unwrap();
+    assert!(
+        m.files.contains_key("tokenizer.json"),
+        "{:?}",
+        m.files.keys()
+    );
+    let seen = std::sync::Mutex::new(String::new());
+    let read = |d: &std::path::Path,
+                _: &accelerate_rs::checkpoint::Manifest|
+     -> accelerate_rs::Result<()> {
+        *seen.lock().unwrap() = std::fs::read_to_string(d.join("tokenizer.json")).unwrap();
+        Ok(())
+    };
+    acc.load_state_into(&ck, LoadTargets::new(&p).on_load(&read))
+        .unwrap();
+    assert_eq!(*seen.lock().unwrap(), "{\"vocab\": 42}");
+    // The hook's file is covered by the checksums.
+    let mut b = std::fs::read(ck.join("tokenizer.json")).unwrap();
+    b[3] ^= 1;
+    std::fs::write(ck.join("tokenizer.json"), b).unwrap();
+    let e = acc.load_state(&ck, &p, None).unwrap_err().to_string();
+    assert!(e.contains("tokenizer.json"), "{e}");
+    // A failing save hook fails the save and leaves nothing behind.
+    let fail = |_: &std::path::Path| -> accelerate_rs::Result<()> {
+        Err(accelerate_rs::Error::invalid("hook", "no tokenizer"))
+    };
+    let other = dir.path().join("other");
+    let e = acc
+        .save_state(&other, &CheckpointParts::new(&p).on_save(&fail))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no tokenizer"), "{e}");
+    assert!(!other.exists());
+}
