@@ -151,6 +151,7 @@ mod data;
 mod error;
 mod inplace;
 pub mod logging;
+pub mod nn;
 pub mod optim;
 mod settings;
 pub mod tracking;

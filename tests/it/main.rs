@@ -22,6 +22,7 @@ mod mixed_precision;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod multinode;
+mod nn;
 mod ops;
 mod optim;
 mod sampler;

@@ -1,0 +1,30 @@
+//! Differentiable fused layers for Candle: [`LayerNorm`] / [`layer_norm`], [`RmsNorm`] /
+//! [`rms_norm`] and [`softmax_last_dim`], each one pass forward and one pass backward over the
+//! data (Rayon-parallel over rows, f32 arithmetic for f32, bf16 and f16, f64 too).
+//!
+//! They are drop-in replacements with `candle_nn`'s signatures, so switching is an import
+//! change, and unlike `candle_nn::LayerNorm` (its fused path), `candle_nn::RmsNorm` and
+//! `candle_nn::ops::softmax_last_dim`, they have a backward pass: the parameters before them
+//! train. On other devices than the CPU they fall back to Candle's differentiable composed ops.
+//!
+//! ```
+//! use accelerate_rs::nn::{layer_norm, LayerNormConfig};
+//! use candle_core::{DType, Device, Module, Tensor, Var};
+//! use candle_nn::{VarBuilder, VarMap};
+//!
+//! # fn main() -> candle_core::Result<()> {
+//! let varmap = VarMap::new();
+//! let norm = layer_norm(8, LayerNormConfig::default(), VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+//! let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (4, 8), &Device::Cpu)?)?;
+//! let grads = norm.forward(&x)?.sqr()?.sum_all()?.backward()?;
+//! assert!(grads.get(&x).is_some()); // the input gets its gradient
+//! assert!(grads.get(norm.weight()).is_some()); // and so do the parameters
+//! # Ok(()) }
+//! ```
+
+mod norm;
+mod softmax;
+
+pub use candle_nn::LayerNormConfig;
+pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
+pub use softmax::softmax_last_dim;

@@ -1,0 +1,383 @@
+//! Layer normalization and RMS normalization with a fused forward and a fused backward.
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, Tensor};
+use candle_nn::LayerNormConfig;
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Rows handled by one Rayon task in the backward pass (its partial weight/bias gradients are
+/// summed at the end).
+const ROWS_PER_TASK: usize = 32;
+
+/// Elements computed in f32.
+trait Elem: Copy + Send + Sync + 'static {
+    fn f(self) -> f32;
+    fn of(v: f32) -> Self;
+}
+impl Elem for f32 {
+    fn f(self) -> f32 {
+        self
+    }
+    fn of(v: f32) -> Self {
+        v
+    }
+}
+impl Elem for f64 {
+    fn f(self) -> f32 {
+        self as f32
+    }
+    fn of(v: f32) -> Self {
+        v as f64
+    }
+}
+impl Elem for bf16 {
+    fn f(self) -> f32 {
+        self.to_f32()
+    }
+    fn of(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+impl Elem for f16 {
+    fn f(self) -> f32 {
+        self.to_f32()
+    }
+    fn of(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+/// A contiguous CPU slice of `layout`.
+fn slice<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("accelerate_rs::nn: the input must be contiguous"),
+    }
+}
+
+/// Mean (0 without `remove_mean`) and 1/sqrt(var + eps) of one row.
+fn stats<T: Elem>(row: &[T], remove_mean: bool, eps: f32) -> (f32, f32) {
+    let d = row.len() as f32;
+    let mean = if remove_mean {
+        row.iter().map(|v| v.f()).sum::<f32>() / d
+    } else {
+        0.0
+    };
+    let var = row.iter().map(|v| (v.f() - mean).powi(2)).sum::<f32>() / d;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+/// The forward op: `(x, weight, bias)` → `(x - mean) * rstd * weight + bias` over the last dim.
+struct NormFwd {
+    eps: f32,
+    remove_mean: bool,
+    has_bias: bool,
+}
+
+fn fwd<T: Elem>(op: &NormFwd, x: &[T], w: &[T], b: &[T], d: usize) -> Vec<T> {
+    let mut out = vec![T::of(0.0); x.len()];
+    out.par_chunks_mut(d)
+        .zip(x.par_chunks(d))
+        .for_each(|(o, row)| {
+            let (mean, rstd) = stats(row, op.remove_mean, op.eps);
+            for i in 0..d {
+                let bias = if op.has_bias { b[i].f() } else { 0.0 };
+                o[i] = T::of((row[i].f() - mean) * rstd * w[i].f() + bias);
+            }
+        });
+    out
+}
+
+impl CustomOp3 for NormFwd {
+    fn name(&self) -> &'static str {
+        if self.remove_mean {
+            "accelerate-rs-layer-norm"
+        } else {
+            "accelerate-rs-rms-norm"
+        }
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let d = l1.dims().last().copied().unwrap_or(1).max(1);
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
+                CpuStorage::F32(fwd(self, slice(x, l1)?, slice(w, l2)?, slice(b, l3)?, d))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => {
+                CpuStorage::F64(fwd(self, slice(x, l1)?, slice(w, l2)?, slice(b, l3)?, d))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(w), CpuStorage::BF16(b)) => {
+                CpuStorage::BF16(fwd(self, slice(x, l1)?, slice(w, l2)?, slice(b, l3)?, d))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(w), CpuStorage::F16(b)) => {
+                CpuStorage::F16(fwd(self, slice(x, l1)?, slice(w, l2)?, slice(b, l3)?, d))
+            }
+            _ => candle_core::bail!(
+                "{}: input, weight and bias must share one float dtype",
+                self.name()
+            ),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let d = w.elem_count();
+        let n = x.elem_count();
+        let flat = x.apply_op3_no_bwd(
+            w,
+            &grad.contiguous()?,
+            &NormBwd {
+                eps: self.eps,
+                remove_mean: self.remove_mean,
+            },
+        )?;
+        let dx = flat.narrow(0, 0, n)?.reshape(x.shape())?;
+        let dw = flat.narrow(0, n, d)?.reshape(w.shape())?;
+        let db = self
+            .has_bias
+            .then(|| flat.narrow(0, n + d, d)?.reshape(w.shape()))
+            .transpose()?;
+        Ok((Some(dx), Some(dw), db))
+    }
+}
+
+/// The backward op: `(x, weight, dy)` → `[dx (all of x), dweight (d), dbias (d)]`, flat.
+struct NormBwd {
+    eps: f32,
+    remove_mean: bool,
+}
+
+fn bwd<T: Elem>(op: &NormBwd, x: &[T], w: &[T], dy: &[T], d: usize) -> Vec<T> {
+    let n = x.len();
+    let mut dx = vec![T::of(0.0); n];
+    let (dw, db) = dx
+        .par_chunks_mut(d * ROWS_PER_TASK)
+        .zip(x.par_chunks(d * ROWS_PER_TASK))
+        .zip(dy.par_chunks(d * ROWS_PER_TASK))
+        .map(|((dxs, xs), dys)| {
+            let (mut dw, mut db) = (vec![0f32; d], vec![0f32; d]);
+            for ((dxr, xr), dyr) in dxs.chunks_mut(d).zip(xs.chunks(d)).zip(dys.chunks(d)) {
+                let (mean, rstd) = stats(xr, op.remove_mean, op.eps);
+                // g = dy * w; dx = rstd * (g - mean(g) - xhat * mean(g * xhat)).
+                let (mut sum_g, mut sum_gx) = (0f32, 0f32);
+                for i in 0..d {
+                    let xhat = (xr[i].f() - mean) * rstd;
+                    let g = dyr[i].f() * w[i].f();
+                    sum_g += g;
+                    sum_gx += g * xhat;
+                    dw[i] += dyr[i].f() * xhat;
+                    db[i] += dyr[i].f();
+                }
+                let (mg, mgx) = (sum_g / d as f32, sum_gx / d as f32);
+                for i in 0..d {
+                    let xhat = (xr[i].f() - mean) * rstd;
+                    let g = dyr[i].f() * w[i].f();
+                    let centered = if op.remove_mean { g - mg } else { g };
+                    dxr[i] = T::of(rstd * (centered - xhat * mgx));
+                }
+            }
+            (dw, db)
+        })
+        .reduce(
+            || (vec![0f32; d], vec![0f32; d]),
+            |(mut a, mut b), (c, e)| {
+                a.iter_mut().zip(c).for_each(|(a, c)| *a += c);
+                b.iter_mut().zip(e).for_each(|(b, e)| *b += e);
+                (a, b)
+            },
+        );
+    dx.extend(dw.into_iter().chain(db).map(T::of));
+    dx
+}
+
+impl CustomOp3 for NormBwd {
+    fn name(&self) -> &'static str {
+        "accelerate-rs-norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let d = l2.shape().elem_count().max(1);
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(g)) => {
+                CpuStorage::F32(bwd(self, slice(x, l1)?, slice(w, l2)?, slice(g, l3)?, d))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(g)) => {
+                CpuStorage::F64(bwd(self, slice(x, l1)?, slice(w, l2)?, slice(g, l3)?, d))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(w), CpuStorage::BF16(g)) => {
+                CpuStorage::BF16(bwd(self, slice(x, l1)?, slice(w, l2)?, slice(g, l3)?, d))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(w), CpuStorage::F16(g)) => {
+                CpuStorage::F16(bwd(self, slice(x, l1)?, slice(w, l2)?, slice(g, l3)?, d))
+            }
+            _ => candle_core::bail!("{}: one float dtype expected", self.name()),
+        };
+        let len = l1.shape().elem_count() + 2 * d;
+        Ok((out, Shape::from(len)))
+    }
+}
+
+/// The fused norm of `x` over its last dimension, or Candle's composed ops off the CPU.
+fn norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, remove_mean: bool, eps: f64) -> Result<Tensor> {
+    if !x.device().is_cpu()
+        || !matches!(
+            x.dtype(),
+            DType::F32 | DType::F64 | DType::BF16 | DType::F16
+        )
+    {
+        return match (remove_mean, b) {
+            (true, Some(b)) => candle_nn::ops::layer_norm_slow(x, w, b, eps as f32),
+            (true, None) => candle_nn::ops::layer_norm_slow(x, w, &w.zeros_like()?, eps as f32),
+            (false, _) => {
+                let y = candle_nn::ops::rms_norm_slow(x, w, eps as f32)?;
+                match b {
+                    Some(b) => y.broadcast_add(b),
+                    None => Ok(y),
+                }
+            }
+        };
+    }
+    let d = x.dims().last().copied().unwrap_or(0);
+    if w.elem_count() != d || b.is_some_and(|b| b.elem_count() != d) {
+        candle_core::bail!(
+            "accelerate_rs::nn norm: weight/bias of {} elements for a last dimension of {d}",
+            w.elem_count()
+        );
+    }
+    let op = NormFwd {
+        eps: eps as f32,
+        remove_mean,
+        has_bias: b.is_some(),
+    };
+    let x = x.contiguous()?;
+    let w = w.contiguous()?;
+    match b {
+        Some(b) => x.apply_op3(&w, &b.contiguous()?, op),
+        // No bias: the weight stands in for it and gets no gradient through it.
+        None => x.apply_op3(&w, &w.detach(), op),
+    }
+}
+
+/// Layer normalization over the last dimension with a fused, differentiable CPU kernel: the
+/// same parameters and results as `candle_nn::LayerNorm`, but gradients flow to the input and
+/// the parameters.
+#[derive(Clone, Debug)]
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    remove_mean: bool,
+    eps: f64,
+}
+
+impl LayerNorm {
+    /// From a weight, a bias and `eps` (like `candle_nn::LayerNorm::new`).
+    pub fn new(weight: Tensor, bias: Tensor, eps: f64) -> Self {
+        LayerNorm {
+            weight,
+            bias: Some(bias),
+            remove_mean: true,
+            eps,
+        }
+    }
+    /// Without a bias.
+    pub fn new_no_bias(weight: Tensor, eps: f64) -> Self {
+        LayerNorm {
+            weight,
+            bias: None,
+            remove_mean: true,
+            eps,
+        }
+    }
+    /// The scale.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+    /// The shift, if any.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+}
+
+impl Module for LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        norm(
+            x,
+            &self.weight,
+            self.bias.as_ref(),
+            self.remove_mean,
+            self.eps,
+        )
+    }
+}
+
+/// `candle_nn::layer_norm`'s signature: the same variables (`weight`, `bias`) from `vb`.
+pub fn layer_norm<C: Into<LayerNormConfig>>(
+    size: usize,
+    config: C,
+    vb: candle_nn::VarBuilder,
+) -> Result<LayerNorm> {
+    let config = config.into();
+    let inner = candle_nn::layer_norm(size, config, vb)?;
+    Ok(LayerNorm {
+        weight: inner.weight().clone(),
+        bias: inner.bias().cloned(),
+        remove_mean: config.remove_mean,
+        eps: config.eps,
+    })
+}
+
+/// RMS normalization over the last dimension with a fused, differentiable CPU kernel (the same
+/// parameters and results as `candle_nn::RmsNorm`).
+#[derive(Clone, Debug)]
+pub struct RmsNorm(LayerNorm);
+
+impl RmsNorm {
+    /// From a weight and `eps` (like `candle_nn::RmsNorm::new`).
+    pub fn new(weight: Tensor, eps: f64) -> Self {
+        RmsNorm(LayerNorm {
+            weight,
+            bias: None,
+            remove_mean: false,
+            eps,
+        })
+    }
+    /// The scale.
+    pub fn weight(&self) -> &Tensor {
+        &self.0.weight
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.forward(x)
+    }
+}
+
+/// `candle_nn::rms_norm`'s signature: the same variable (`weight`) from `vb`.
+pub fn rms_norm(size: usize, eps: f64, vb: candle_nn::VarBuilder) -> Result<RmsNorm> {
+    let inner = candle_nn::rms_norm(size, eps, vb)?;
+    Ok(RmsNorm::new(inner.into_inner().weight().clone(), eps))
+}

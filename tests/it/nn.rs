@@ -1,0 +1,202 @@
+//! `accelerate_rs::nn` against Candle's composed (differentiable) ops: values and gradients of
+//! the input, weight and bias, for many shapes, contiguous and not, in f32, f64 and bf16; and the
+//! frozen-parameter trap of `candle_nn`'s fused layers is gone.
+
+use accelerate_rs::nn;
+use candle_core::{DType, Device, Module, Tensor, Var, D};
+use candle_nn::ops;
+
+fn det(shape: &[usize], salt: usize) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| (((i * 7919 + salt * 104729) % 1013) as f32 / 1013.0 - 0.5) * 3.0)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// Values and gradients of `fused` and `reference` on the same variables, with a fixed upstream
+/// gradient; returns the largest difference.
+fn compare(
+    x: &Tensor,
+    params: &[Tensor],
+    fused: impl Fn(&Tensor, &[Tensor]) -> Tensor,
+    reference: impl Fn(&Tensor, &[Tensor]) -> Tensor,
+) -> f32 {
+    let run = |f: &dyn Fn(&Tensor, &[Tensor]) -> Tensor| run_with(f, x, params, x.dtype());
+    let a = run(&fused);
+    // The reference in f32 at least: Candle's composed ops in bf16 round every partial sum.
+    // The difference is taken relative to the reference's magnitude.
+    let up = |t: &Tensor| {
+        if t.dtype() == DType::BF16 {
+            t.to_dtype(DType::F32).unwrap()
+        } else {
+            t.clone()
+        }
+    };
+    let (xr, pr): (Tensor, Vec<Tensor>) = (up(x), params.iter().map(up).collect());
+    let b = run_with(&reference, &xr, &pr, x.dtype());
+    a.iter()
+        .zip(&b)
+        .map(|(a, b)| {
+            let scale = b
+                .to_dtype(DType::F32)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            max_diff(a, b) / (1.0 + scale)
+        })
+        .fold(0.0, f32::max)
+}
+
+/// `f` on variables made of `x` and `params`, its output and the gradients of
+/// `sum(y * r)` (`r` fixed, rounded to `round_to` first).
+fn run_with(
+    f: &dyn Fn(&Tensor, &[Tensor]) -> Tensor,
+    x: &Tensor,
+    params: &[Tensor],
+    round_to: DType,
+) -> Vec<Tensor> {
+    let xv = Var::from_tensor(x).unwrap();
+    let pv: Vec<Var> = params
+        .iter()
+        .map(|p| Var::from_tensor(p).unwrap())
+        .collect();
+    let pt: Vec<Tensor> = pv.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(xv.as_tensor(), &pt);
+    let r = det(y.dims(), 99)
+        .to_dtype(round_to)
+        .unwrap()
+        .to_dtype(y.dtype())
+        .unwrap();
+    let g = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    let mut out = vec![y];
+    out.push(
+        g.get(xv.as_tensor())
+            .expect("no gradient for the input")
+            .clone(),
+    );
+    for v in &pv {
+        out.push(
+            g.get(v.as_tensor())
+                .expect("no gradient for a parameter")
+                .clone(),
+        );
+    }
+    out
+}
+
+const SHAPES: &[&[usize]] = &[&[1, 1], &[3, 5], &[2, 3, 17], &[64, 256], &[5, 1000]];
+
+#[test]
+fn layer_norm_rms_norm_and_softmax_match_candle_values_and_gradients() {
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-5), (DType::BF16, 1e-2)] {
+        for shape in SHAPES {
+            let d = *shape.last().unwrap();
+            for transposed in [false, true] {
+                let mut x = det(shape, 1).to_dtype(dtype).unwrap();
+                if transposed && shape.len() == 2 && shape[0] > 1 {
+                    // A non-contiguous input with the same shape.
+                    x = det(&[shape[1], shape[0]], 1)
+                        .to_dtype(dtype)
+                        .unwrap()
+                        .t()
+                        .unwrap();
+                }
+                let w = (det(&[d], 2).to_dtype(dtype).unwrap() + 1.0).unwrap();
+                let b = det(&[d], 3).to_dtype(dtype).unwrap();
+                let what = format!("{dtype:?} {shape:?} transposed {transposed}");
+                let diff = compare(
+                    &x,
+                    &[w.clone(), b.clone()],
+                    |x, p| {
+                        nn::LayerNorm::new(p[0].clone(), p[1].clone(), 1e-5)
+                            .forward(x)
+                            .unwrap()
+                    },
+                    |x, p| ops::layer_norm_slow(x, &p[0], &p[1], 1e-5).unwrap(),
+                );
+                assert!(diff < tol, "layer_norm {what}: {diff}");
+                let diff = compare(
+                    &x,
+                    std::slice::from_ref(&w),
+                    |x, p| nn::RmsNorm::new(p[0].clone(), 1e-5).forward(x).unwrap(),
+                    |x, p| ops::rms_norm_slow(x, &p[0], 1e-5).unwrap(),
+                );
+                assert!(diff < tol, "rms_norm {what}: {diff}");
+                let diff = compare(
+                    &x,
+                    &[],
+                    |x, _| nn::softmax_last_dim(x).unwrap(),
+                    |x, _| ops::softmax(x, D::Minus1).unwrap(),
+                );
+                assert!(diff < tol, "softmax {what}: {diff}");
+            }
+        }
+    }
+}
+
+#[test]
+fn layers_built_like_candle_nn_train_what_candle_nns_fused_ones_freeze() {
+    let varmap = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let lin = candle_nn::linear(4, 8, vb.pp("enc")).unwrap();
+    let ours = nn::layer_norm(8, nn::LayerNormConfig::default(), vb.pp("norm")).unwrap();
+    let theirs =
+        candle_nn::layer_norm(8, candle_nn::LayerNormConfig::default(), vb.pp("norm")).unwrap();
+    let x = det(&[6, 4], 5);
+    // The same values as candle_nn's layer (same variables)...
+    let h = lin.forward(&x).unwrap();
+    assert!(max_diff(&ours.forward(&h).unwrap(), &theirs.forward(&h).unwrap()) < 1e-5);
+    // ...but the layer before gets its gradient.
+    let g = ours
+        .forward(&h)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(g.get(lin.weight()).is_some());
+    let g = theirs
+        .forward(&h)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(
+        g.get(lin.weight()).is_none(),
+        "candle_nn's fused LayerNorm now has a backward pass"
+    );
+    let rms = nn::rms_norm(8, 1e-6, vb.pp("rms")).unwrap();
+    let g = rms
+        .forward(&h)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(g.get(lin.weight()).is_some() && g.get(rms.weight()).is_some());
+}
