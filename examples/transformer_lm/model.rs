@@ -2,12 +2,11 @@
 //! embeddings, pre-LayerNorm blocks with causal multi-head self-attention and a 4x GELU MLP, a
 //! final LayerNorm and an output head (tied to the token embedding or not).
 //!
-//! LayerNorm and softmax are written with differentiable primitives
-//! (`candle_nn::ops::layer_norm_slow`, `candle_nn::ops::softmax`): Candle's fused CPU kernels for
-//! both have no backward pass.
+//! LayerNorm and softmax come from `accelerate_rs::nn`: fused and differentiable (Candle's own
+//! fused CPU kernels for both have no backward pass, so everything before them would not train).
 
-use candle_core::{DType, Device, Module, Result, Tensor, D};
-use candle_nn::{linear, ops, Embedding, Init, Linear, VarBuilder};
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::{linear, Embedding, Init, Linear, VarBuilder};
 
 /// Architecture hyper-parameters.
 #[derive(Clone, Copy, Debug)]
@@ -20,22 +19,20 @@ pub struct Config {
     pub tie_weights: bool,
 }
 
-/// LayerNorm with weight and bias, through differentiable ops.
-struct LayerNorm {
-    weight: Tensor,
-    bias: Tensor,
-}
+/// LayerNorm with weight and bias (`accelerate_rs::nn`'s fused, differentiable one).
+struct LayerNorm(accelerate_rs::nn::LayerNorm);
 
 impl LayerNorm {
     fn new(dim: usize, vb: VarBuilder) -> Result<Self> {
-        Ok(LayerNorm {
-            weight: vb.get_with_hints(dim, "weight", Init::Const(1.0))?,
-            bias: vb.get_with_hints(dim, "bias", Init::Const(0.0))?,
-        })
+        Ok(LayerNorm(accelerate_rs::nn::LayerNorm::new(
+            vb.get_with_hints(dim, "weight", Init::Const(1.0))?,
+            vb.get_with_hints(dim, "bias", Init::Const(0.0))?,
+            1e-5,
+        )))
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::layer_norm_slow(x, &self.weight, &self.bias, 1e-5)
+        self.0.forward(x)
     }
 }
 
@@ -67,7 +64,7 @@ impl Attention {
         let v = qkv.get(2)?.contiguous()?;
         let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
         let scores = scores.broadcast_add(mask)?;
-        let att = ops::softmax(&scores, D::Minus1)?;
+        let att = accelerate_rs::nn::softmax_last_dim(&scores)?;
         let y = att.matmul(&v)?; // [B, H, T, hd]
         let y = y.transpose(1, 2)?.reshape((b, t, c))?;
         self.proj.forward(&y)

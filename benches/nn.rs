@@ -1,0 +1,90 @@
+//! `accelerate_rs::nn` against Candle's composed ops, forward and backward, on the shapes of the
+//! Transformer LM (batch 8 x 128 tokens x 256 features; attention scores 8 x 8 heads x 128 x
+//! 128), timed in alternating blocks in one run:
+//!
+//!     cargo bench --bench nn
+//!     cargo bench --bench nn -- --quick
+
+use std::time::Instant;
+
+use accelerate_rs::nn;
+use anyhow::Result;
+use candle_core::{Device, Module, Tensor, Var, D};
+use candle_nn::ops;
+
+type Op = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor>>;
+
+/// Mean milliseconds of forward, and of forward + backward, over `reps` runs.
+fn time(op: &Op, x: &Var, reps: usize) -> Result<(f64, f64)> {
+    let (mut fwd, mut both) = (0f64, 0f64);
+    for _ in 0..reps {
+        let t = Instant::now();
+        let y = op(x.as_tensor())?;
+        fwd += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let y = op(x.as_tensor())?;
+        let _g = y.sum_all()?.backward()?;
+        both += t.elapsed().as_secs_f64();
+        drop(y);
+    }
+    Ok((fwd * 1e3 / reps as f64, both * 1e3 / reps as f64))
+}
+
+fn main() -> Result<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let reps = if quick { 3 } else { 20 };
+    let dev = Device::Cpu;
+    let d = 256;
+    let w = Tensor::ones(d, candle_core::DType::F32, &dev)?;
+    let b = Tensor::zeros(d, candle_core::DType::F32, &dev)?;
+    let rows = Var::from_tensor(&Tensor::randn(0f32, 1.0, (8, 128, d), &dev)?)?;
+    let scores = Var::from_tensor(&Tensor::randn(0f32, 1.0, (8, 8, 128, 128), &dev)?)?;
+    let (w1, b1, w2, w3) = (w.clone(), b.clone(), w.clone(), w.clone());
+    let ln = nn::LayerNorm::new(w.clone(), b.clone(), 1e-5);
+    let rms = nn::RmsNorm::new(w.clone(), 1e-5);
+    let cases: Vec<(&str, &Var, Op, Op)> = vec![
+        (
+            "layer_norm 1024x256",
+            &rows,
+            Box::new(move |x| ln.forward(x)),
+            Box::new(move |x| ops::layer_norm_slow(x, &w1, &b1, 1e-5)),
+        ),
+        (
+            "rms_norm 1024x256",
+            &rows,
+            Box::new(move |x| rms.forward(x)),
+            Box::new(move |x| ops::rms_norm_slow(x, &w2, 1e-5)),
+        ),
+        (
+            "softmax 8x8x128x128",
+            &scores,
+            Box::new(nn::softmax_last_dim),
+            Box::new(|x| ops::softmax(x, D::Minus1)),
+        ),
+    ];
+    let _ = w3;
+    println!(
+        "{:<22} | {:>14} | {:>14} | {:>16} | {:>16} | {:>7}",
+        "op", "fused fwd ms", "candle fwd ms", "fused fwd+bwd ms", "candle fwd+bwd ms", "speedup"
+    );
+    println!("{}", "-".repeat(103));
+    for (name, x, fused, composed) in &cases {
+        // Alternate blocks so that drift hits both alike.
+        let (mut f, mut c) = ((0.0, 0.0), (0.0, 0.0));
+        for _ in 0..2 {
+            let a = time(fused, x, reps)?;
+            let b = time(composed, x, reps)?;
+            f = (f.0 + a.0 / 2.0, f.1 + a.1 / 2.0);
+            c = (c.0 + b.0 / 2.0, c.1 + b.1 / 2.0);
+        }
+        println!(
+            "{name:<22} | {:>14.2} | {:>14.2} | {:>16.2} | {:>17.2} | {:>6.2}x",
+            f.0,
+            c.0,
+            f.1,
+            c.1,
+            c.1 / f.1
+        );
+    }
+    Ok(())
+}
