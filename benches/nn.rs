@@ -19,7 +19,7 @@ fn time(op: &Op, x: &Var, reps: usize) -> Result<(f64, f64)> {
     let (mut fwd, mut both) = (0f64, 0f64);
     for _ in 0..reps {
         let t = Instant::now();
-        let y = op(x.as_tensor())?;
+        let _y = op(x.as_tensor())?;
         fwd += t.elapsed().as_secs_f64();
         let t = Instant::now();
         let y = op(x.as_tensor())?;
