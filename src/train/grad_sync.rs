@@ -449,7 +449,7 @@ fn missing_report(missing: &[String], total: usize) -> String {
          and will never be updated: {}. Likely cause: a Candle op without a backward pass between them \
          and the loss: `candle_nn::LayerNorm` / `layer_norm` (its fused path), `candle_nn::RmsNorm` / \
          `rms_norm` and `candle_nn::ops::softmax_last_dim` cut the graph (candle issues #2168, #2977); use \
-         `accelerate_rs::nn::{layer_norm, rms_norm, softmax_last_dim}` (same signatures, fused and \
+         `accelerate_rs::nn::{{layer_norm, rms_norm, softmax_last_dim}}` (same signatures, fused and \
          differentiable). \
          If they are frozen on purpose, leave them out of `prepare`, or set `missing_gradients` to `off` \
          (ACCELERATE_RS_MISSING_GRADIENTS=off); `error` makes this an error",
