@@ -190,15 +190,14 @@ fn two_processes_warn_once_on_the_main_process_by_default() {
 fn two_processes_fail_on_every_rank_in_error_mode() {
     let (code, text) = launch("fused", &[("ACCELERATE_RS_MISSING_GRADIENTS", "error")]);
     assert_ne!(code, Some(0), "{text}");
-    for rank in 0..2 {
-        assert!(
-            text.lines()
-                .any(|l| l.starts_with(&format!("[rank {rank}]"))
-                    && l.contains("worker failed: rank")
-                    && l.contains("received no gradient")),
-            "rank {rank} did not report the missing gradients:\n{text}"
-        );
-    }
+    // Every rank reaches the same verdict (the flags were averaged); the launcher stops the others
+    // as soon as the first exits, so only that one is sure to have printed its error.
+    assert!(
+        text.lines().any(|l| l.starts_with("[rank ")
+            && l.contains("worker failed: rank")
+            && l.contains("received no gradient")),
+        "no rank reported the missing gradients:\n{text}"
+    );
     // A bad value of the setting is an error naming the variable, not a silent default.
     let (code, text) = launch("fused", &[("ACCELERATE_RS_MISSING_GRADIENTS", "loud")]);
     assert_ne!(code, Some(0), "{text}");
