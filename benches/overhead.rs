@@ -320,7 +320,9 @@ fn loader_of(x: &Tensor, y: &Tensor, batch: usize) -> Result<DataLoader> {
     Ok(
         DataLoader::new(TensorDataset::new(vec![x.clone(), y.clone()])?, batch)
             .shuffle(true)
-            .seed(DATA_SEED),
+            .seed(DATA_SEED)
+            // Batches on the data's device (a loader's default is the CPU).
+            .device(x.device()),
     )
 }
 

@@ -13,6 +13,9 @@
 #   3. DP, 2 replicas sharing GPU 0 (host fallback), equal to a 1-rank reference: `test --dp 2`
 #   4. DDP, 2 processes sharing GPU 0 (host fallback), equal to a 1-rank reference: `test -n 2`
 #      (plus `test -n <GPUs>` over NCCL when the machine has 2 or more)
+#   4d-4h. ZeRO stages 1 and 2 on GPU tensors (ACCELERATE_RS_ZERO_STAGE): the DDP check (momentum
+#      SGD equal to a 1-rank reference) at world size 1, with 2 processes sharing GPU 0 and with
+#      2 DP replicas sharing it; step 2 already ran NCCL's reduce_scatter and all_gather_into
 #   5. digits in bf16 on 1 GPU, accuracy >= 0.93
 #   6. transformer_lm: 50 steps with a checkpoint at step 25 and 50, then a resume to step 60
 #   7. step time, raw Candle vs accelerate-rs on GPU 0: the MLP and transformer_lm's model
@@ -85,6 +88,18 @@ step "4. DDP, 2 processes sharing GPU 0" 240 "PASSED" \
 if [ "$N" -ge 2 ]; then
   step "4b. DDP over NCCL, $N processes on $N GPUs" 240 "PASSED" "$B/accelerate-rs" test -n "$N"
   step "4c. DP over NCCL, $N replicas on $N GPUs" 240 "PASSED" "$B/accelerate-rs" test --dp "$N"
+fi
+for stage in 1 2; do
+  step "4d. ZeRO stage $stage at world size 1 on GPU 0" 240 "zero_stage $stage: sharded true" \
+    env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_ZERO_STAGE=$stage "$B/accelerate-rs" test -n 1
+  step "4e. ZeRO stage $stage, 2 processes sharing GPU 0" 240 "zero_stage $stage: sharded true" \
+    env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_ZERO_STAGE=$stage "$B/accelerate-rs" test -n 2
+done
+step "4f. ZeRO stage 1, 2 DP replicas sharing GPU 0" 240 "zero_stage 1: sharded true" \
+  env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_ZERO_STAGE=1 "$B/accelerate-rs" test --dp 2
+if [ "$N" -ge 2 ]; then
+  step "4g. ZeRO stage 2 over NCCL, $N processes on $N GPUs" 240 "zero_stage 2: sharded true" \
+    env ACCELERATE_RS_ZERO_STAGE=2 "$B/accelerate-rs" test -n "$N"
 fi
 step "5. digits in bf16 on 1 GPU (>= 0.93)" 240 "final test accuracy" \
   env CUDA_VISIBLE_DEVICES=0 "$B/digits" --dtype bf16 --min-accuracy 0.93

@@ -3,14 +3,19 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use accelerate_rs::checkpoint::StatefulOptimizer;
 use accelerate_rs::optim::{AdamW, OptimizerState, ParamsAdamW};
+use accelerate_rs::{IterableDataset, RecordStream};
 use anyhow::{bail, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use candle_nn::Optimizer;
 use clap::Parser;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 
 /// Train a small decoder-only Transformer language model on a character-level corpus.
 #[derive(Parser, Debug)]
@@ -182,6 +187,55 @@ pub fn windows(
         Tensor::from_vec(x, (n, seq_len), device)?,
         Tensor::from_vec(y, (n, seq_len), device)?,
     ))
+}
+
+/// The training text as a stream (an [`IterableDataset`]): each record is the start of one
+/// window of `seq_len + 1` characters, in a seeded order that changes with the epoch, decoded
+/// into `[input, target]` (the target shifted by one). The [`StreamingLoader`] over it shards the
+/// windows across processes and counts its position in global samples, so a checkpoint resumes
+/// mid-epoch at any world size. A corpus in files would use
+/// [`TextLines`](accelerate_rs::TextLines) the same way.
+///
+/// [`StreamingLoader`]: accelerate_rs::StreamingLoader
+pub struct CharWindows {
+    tokens: Arc<Vec<u32>>,
+    seq_len: usize,
+    seed: u64,
+}
+
+impl CharWindows {
+    pub fn new(tokens: Vec<u32>, seq_len: usize, seed: u64) -> Result<Self> {
+        if seq_len == 0 || tokens.len() <= seq_len {
+            bail!(
+                "the training text ({} characters) is too short for --seq-len {seq_len}",
+                tokens.len()
+            );
+        }
+        Ok(CharWindows {
+            tokens: Arc::new(tokens),
+            seq_len,
+            seed,
+        })
+    }
+}
+
+impl IterableDataset for CharWindows {
+    type Record = usize;
+
+    fn records(&self, epoch: u64) -> accelerate_rs::Result<RecordStream<usize>> {
+        let n = (self.tokens.len() - 1) / self.seq_len;
+        let mut starts: Vec<usize> = (0..n).map(|i| i * self.seq_len).collect();
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed.wrapping_add(epoch));
+        starts.shuffle(&mut rng);
+        Ok(Box::new(starts.into_iter().map(Ok)))
+    }
+
+    fn decode(&self, start: &usize) -> accelerate_rs::Result<Vec<Tensor>> {
+        let (s, t) = (*start, self.seq_len);
+        let x = Tensor::new(&self.tokens[s..s + t], &Device::Cpu)?;
+        let y = Tensor::new(&self.tokens[s + 1..s + t + 1], &Device::Cpu)?;
+        Ok(vec![x, y])
+    }
 }
 
 /// AdamW with two parameter groups, as in GPT-2/nanoGPT: weight decay on the matrices (linear

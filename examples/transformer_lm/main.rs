@@ -23,13 +23,13 @@ use std::time::Instant;
 use accelerate_rs::checkpoint::{latest_checkpoint, CheckpointParts, LoadTargets};
 use accelerate_rs::optim::ParamsAdamW;
 use accelerate_rs::scheduler::{LinearWarmupCosine, Schedule};
-use accelerate_rs::{tracking, Accelerator, DataLoader, Parameters, ReduceOp, TensorDataset};
+use accelerate_rs::{tracking, Accelerator, Parameters, ReduceOp, StreamingLoader};
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_nn::{loss, VarBuilder, VarMap};
 use clap::Parser;
 
-use data::{Args, GroupedAdamW};
+use data::{Args, CharWindows, GroupedAdamW};
 use model::{Config, TransformerLm};
 
 fn main() -> Result<()> {
@@ -77,11 +77,12 @@ fn main() -> Result<()> {
             ..Default::default()
         },
     )?;
-    let (x, y) = data::windows(&corpus.train, args.seq_len, None, &device)?;
-    let loader = DataLoader::new(TensorDataset::new(vec![x, y])?, args.batch_size)
-        .shuffle(true)
-        .seed(args.seed);
-    let (mut opt, mut loader) = accelerator.prepare(&varmap, opt, loader)?;
+    // The training windows as a stream, sharded across processes (each decodes its own).
+    let windows = CharWindows::new(corpus.train.clone(), args.seq_len, args.seed)?;
+    let mut loader =
+        accelerator.prepare_streaming_loader(StreamingLoader::new(windows, args.batch_size))?;
+    accelerator.prepare_model(&varmap)?;
+    let mut opt = accelerator.prepare_optimizer(opt);
     if args.clip_grad_norm > 0.0 {
         opt.set_clip_grad_norm(Some(args.clip_grad_norm));
     }
@@ -125,12 +126,10 @@ fn main() -> Result<()> {
     let (mut first_loss, mut last_loss) = (None, 0f64);
     'train: while step < args.max_steps {
         loader.set_epoch(epoch);
-        // Batches this loop took from the loader this epoch (after a resume: since the resume
-        // point, which is what `sample_position` counts from).
-        let mut taken = 0;
-        for batch in loader.iter()? {
+        // The stream's position (in global samples) is read after each batch for checkpoints.
+        let mut batches = loader.iter()?;
+        while let Some(batch) = batches.next() {
             let batch = batch?;
-            taken += 1;
             let logits = model.forward(&batch[0])?;
             let (b, t, v) = logits.dims3()?;
             let loss = loss::cross_entropy(&logits.reshape((b * t, v))?, &batch[1].flatten_all()?)?;
@@ -170,7 +169,7 @@ fn main() -> Result<()> {
                 let parts = CheckpointParts::new(&varmap)
                     .optimizer(&opt)
                     .state("schedule", &schedule)
-                    .samples(loader.sample_position(taken))
+                    .samples(batches.position())
                     .step(step);
                 let dir =
                     accelerator.save_state_auto(&checkpoints, &parts, args.keep_checkpoints)?;

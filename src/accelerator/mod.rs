@@ -190,6 +190,24 @@ impl Accelerator {
             .device(self.device()))
     }
 
+    /// [`prepare_data_loader`](Self::prepare_data_loader) for a streaming dataset: shards a
+    /// [`StreamingLoader`] for this rank (every rank reads the stream, each decodes its own
+    /// records, all take the same number of steps), applies the `split_batches` setting and moves
+    /// its batches to this process's device.
+    pub fn prepare_streaming_loader<D: crate::IterableDataset + 'static>(
+        &self,
+        loader: crate::StreamingLoader<D>,
+    ) -> Result<crate::StreamingLoader<D>> {
+        let loader = if self.inner.state.split_batches() {
+            loader.split_batches(true)
+        } else {
+            loader
+        };
+        Ok(loader
+            .shard(self.rank(), self.world_size())?
+            .device(self.device()))
+    }
+
     /// Runs `loss.backward()` and averages the gradients across ranks (bucketed, one collective
     /// per bucket). With one process it is exactly `loss.backward()`.
     ///

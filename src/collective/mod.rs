@@ -120,6 +120,39 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         fill_from_chunks(me, bytes, esize, &parts)
     }
 
+    /// [`reduce_scatter`](Collective::reduce_scatter) on a tensor: returns, as a 1-D tensor on
+    /// `t`'s device, this rank's chunk [`chunk_range`]`(t.elem_count(), world_size, rank)` of the
+    /// element-wise reduction of the flattened `t` over every rank (ZeRO stage 2 on GPU
+    /// tensors). Every rank passes the same number of elements. NCCL reduces on the GPU
+    /// (`ncclReduceScatter`); the default goes through host memory.
+    fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let (n, me, len) = (self.world_size(), self.rank(), t.elem_count());
+        if n == 1 {
+            return Ok(t.flatten_all()?);
+        }
+        let own = chunk_range(len, n, me);
+        let mut host = HostVec::from_tensor(t, "reduce_scatter")?;
+        self.reduce_scatter(host.as_buffer_mut(), op)?;
+        Ok(host
+            .into_tensor(len, t.device())?
+            .narrow(0, own.start, own.len())?)
+    }
+
+    /// [`all_gather_into`](Collective::all_gather_into) on a tensor: chunk
+    /// [`chunk_range`]`(t.elem_count(), world_size, rank)` of the flattened `t` is this rank's
+    /// contribution; returns a 1-D tensor on `t`'s device holding every rank's chunk (ZeRO on
+    /// GPU tensors, after each rank updated its slice). Every rank passes the same number of
+    /// elements. NCCL gathers on the GPU (`ncclAllGather`); the default goes through host
+    /// memory.
+    fn all_gather_into_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        if self.world_size() == 1 {
+            return Ok(t.flatten_all()?);
+        }
+        let mut host = HostVec::from_tensor(t, "all_gather_into")?;
+        self.all_gather_into(host.as_buffer_mut())?;
+        host.into_tensor(t.elem_count(), t.device())
+    }
+
     /// Checks, without blocking, that the peers this rank talks to are still there (used by
     /// backends whose device operations cannot notice a dead peer themselves). The default has
     /// nothing to check.

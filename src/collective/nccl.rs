@@ -431,6 +431,35 @@ struct InPlace<'a> {
     ty: sys::ncclDataType_t,
 }
 
+/// Reduce-scatter of a contiguous CUDA tensor of `world * n` elements into a new `[n]` tensor
+/// (this rank's block of the reduction).
+struct ReduceScatter<'a> {
+    comm: &'a RawComm,
+    world: usize,
+    ty: sys::ncclDataType_t,
+    op: sys::ncclRedOp_t,
+}
+
+/// `flat` (1-D, `len` elements) cut into the ranks' chunks ([`super::chunk_range`]), each
+/// padded with zeros to `block` elements and laid end to end: the equal-sized blocks NCCL's
+/// reduce-scatter and all-gather move.
+fn padded_blocks(flat: &Tensor, world: usize, block: usize) -> Result<Tensor> {
+    let len = flat.elem_count();
+    if len == world * block {
+        // Equal chunks already (floor bounds of a multiple of `world`).
+        return Ok(flat.contiguous()?);
+    }
+    let mut parts = Vec::with_capacity(2 * world);
+    for r in 0..world {
+        let own = super::chunk_range(len, world, r);
+        parts.push(flat.narrow(0, own.start, own.len())?);
+        if own.len() < block {
+            parts.push(Tensor::zeros(block - own.len(), flat.dtype(), flat.device())?);
+        }
+    }
+    Ok(Tensor::cat(&parts, 0)?.contiguous()?)
+}
+
 /// All-gather of equal-sized contiguous CUDA tensors into a new `[world * n]` tensor.
 struct AllGather<'a> {
     comm: &'a RawComm,
@@ -553,6 +582,56 @@ impl InplaceOp1 for InPlace<'_> {
     }
 }
 
+impl CustomOp1 for ReduceScatter<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-reduce-scatter"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Err(cpu_refused(self.name()))
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (a, b) = contiguous(l, self.name())?;
+        if (b - a) % self.world.max(1) != 0 {
+            return Err(candle_core::Error::Msg(format!(
+                "{}: {} element(s) do not split into {} equal blocks",
+                self.name(),
+                b - a,
+                self.world
+            )));
+        }
+        let out_len = (b - a) / self.world.max(1);
+        let dev = s.device.clone();
+        let stream = &self.comm.stream;
+        per_dtype!(s.dtype(), self.name(), |T| {
+            let src = s.as_cuda_slice::<T>()?.slice(a..b);
+            let mut dst = dev.alloc_zeros::<T>(out_len)?;
+            {
+                let (sp, _sync_src) = src.device_ptr(stream);
+                let (dp, _sync_dst) = dst.device_ptr_mut(stream);
+                // SAFETY: `sp` points to `world * out_len` elements of type `ty` and `dp` to
+                // `out_len`, both on the communicator's GPU and alive until the call is queued on
+                // its stream (the events recorded when the guards drop order later uses).
+                unsafe {
+                    nccl::reduce_scatter(
+                        sp as *const c_void,
+                        dp as *mut c_void,
+                        out_len,
+                        self.ty,
+                        self.op,
+                        self.comm.comm,
+                        stream.cu_stream() as _,
+                    )
+                }
+                .map_err(wrap)?;
+            }
+            Ok((
+                CudaStorage::wrap_cuda_slice(dst, dev.clone()),
+                Shape::from(out_len),
+            ))
+        })
+    }
+}
+
 impl CustomOp1 for AllGather<'_> {
     fn name(&self) -> &'static str {
         "nccl-all-gather"
@@ -654,6 +733,67 @@ impl Collective for NcclCollective {
             Ok(out.inplace_op1(&InPlace { comm, call, ty })?)
         })?;
         Ok(out)
+    }
+
+    fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let (world, len) = (self.world_size(), t.elem_count());
+        if self.skip() {
+            return Ok(t.flatten_all()?);
+        }
+        if !t.device().is_cuda() || len == 0 {
+            return self.host.reduce_scatter_tensor(t, op);
+        }
+        let ty = checked("reduce_scatter", t.dtype(), Some(op))?;
+        let block = len.div_ceil(world);
+        let padded = padded_blocks(&t.flatten_all()?, world, block)?;
+        let mut out = None;
+        self.run("reduce_scatter", |comm| {
+            let call = ReduceScatter {
+                comm,
+                world,
+                ty,
+                op: nccl_op(op),
+            };
+            out = Some(padded.apply_op1_no_bwd(&call)?);
+            Ok(())
+        })?;
+        let out = out.ok_or_else(|| nccl_err(self.rank(), "reduce_scatter", "no output"))?;
+        let own = super::chunk_range(len, world, self.rank());
+        Ok(out.narrow(0, 0, own.len())?)
+    }
+
+    fn all_gather_into_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        let (world, len) = (self.world_size(), t.elem_count());
+        if self.skip() {
+            return Ok(t.flatten_all()?);
+        }
+        if !t.device().is_cuda() || len == 0 {
+            return self.host.all_gather_into_tensor(t);
+        }
+        let ty = checked("all_gather_into", t.dtype(), None)?;
+        let block = len.div_ceil(world);
+        let own = super::chunk_range(len, world, self.rank());
+        let mine = t.flatten_all()?.narrow(0, own.start, own.len())?;
+        let mine = if own.len() < block {
+            Tensor::cat(
+                &[mine, Tensor::zeros(block - own.len(), t.dtype(), t.device())?],
+                0,
+            )?
+        } else {
+            mine
+        }
+        .contiguous()?;
+        let mut gathered = None;
+        self.run("all_gather_into", |comm| {
+            gathered = Some(mine.apply_op1_no_bwd(&AllGather { comm, world, ty })?);
+            Ok(())
+        })?;
+        let gathered =
+            gathered.ok_or_else(|| nccl_err(self.rank(), "all_gather_into", "no output"))?;
+        let parts = (0..world)
+            .map(|r| gathered.narrow(0, r * block, super::chunk_range(len, world, r).len()))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&parts, 0)?)
     }
 
     fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {

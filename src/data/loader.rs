@@ -146,7 +146,9 @@ impl DataLoader {
         self
     }
 
-    /// The device batches are moved to.
+    /// The device batches are moved to: the CPU unless set, whatever device the dataset's
+    /// tensors are on ([`Accelerator::prepare`](crate::Accelerator::prepare) sets the process's
+    /// device; an unprepared loader over GPU data needs `.device(...)`).
     pub fn device(mut self, device: &Device) -> Self {
         self.device = device.clone();
         self

@@ -75,6 +75,32 @@ pub(crate) struct Shard {
     pub(crate) range: Range<usize>,
 }
 
+/// ZeRO stage 2, one bucket: puts into `grads`, for each of `vars` overlapping this rank's
+/// chunk `own` of the bucket, its averaged elements (a view of `shard`, the chunk), and removes
+/// the others; pushes each parameter's presence (some rank had a gradient) onto `present`.
+fn keep_shard(
+    vars: &[Var],
+    own: &Range<usize>,
+    shard: &Tensor,
+    flags: &[f64],
+    grads: &mut GradStore,
+    present: &mut Vec<bool>,
+) -> Result<()> {
+    let mut off = 0;
+    for (v, flag) in vars.iter().zip(flags) {
+        let n_el = v.elem_count();
+        let (lo, hi) = (own.start.max(off), own.end.min(off + n_el));
+        if *flag > 0.0 && lo < hi {
+            grads.insert(v.as_tensor(), shard.narrow(0, lo - own.start, hi - lo)?);
+        } else {
+            grads.remove(v.as_tensor());
+        }
+        present.push(*flag > 0.0);
+        off += n_el;
+    }
+    Ok(())
+}
+
 /// A run of consecutive parameters (in name order) of one dtype, moved by one collective.
 #[derive(Clone, Debug)]
 struct Bucket {
@@ -502,24 +528,62 @@ impl ParamSet {
             .sum()
     }
 
-    /// Checks that ZeRO sharding applies: CPU parameters of a float dtype.
+    /// Checks that ZeRO sharding applies: parameters of a float dtype, all on one device.
     pub(crate) fn check_shardable(&self) -> Result<()> {
-        match self
-            .vars
-            .iter()
-            .position(|v| !v.device().is_cpu() || !fusable_dtype(v.dtype()))
-        {
-            Some(i) => Err(Error::invalid(
+        if let Some(i) = self.vars.iter().position(|v| !fusable_dtype(v.dtype())) {
+            return Err(Error::invalid(
                 "zero_stage",
                 format!(
-                    "sharding needs CPU parameters of a float dtype (f32, f64, bf16, f16); `{}` is {:?} on {:?}",
+                    "sharding needs parameters of a float dtype (f32, f64, bf16, f16); `{}` is {:?}",
                     self.names[i],
-                    self.vars[i].dtype(),
-                    self.vars[i].device()
+                    self.vars[i].dtype()
                 ),
-            )),
-            None => Ok(()),
+            ));
         }
+        if let Some(first) = self.vars.first() {
+            if let Some(i) = self
+                .vars
+                .iter()
+                .position(|v| !v.device().same_device(first.device()))
+            {
+                return Err(Error::invalid(
+                    "zero_stage",
+                    format!(
+                        "sharding needs every parameter on one device; `{}` is on {:?}, `{}` on {:?}",
+                        self.names[0],
+                        first.device(),
+                        self.names[i],
+                        self.vars[i].device()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether every registered parameter lives in CPU memory (the in-place flat-buffer paths).
+    fn all_on_cpu(&self) -> bool {
+        self.vars.iter().all(|v| v.device().is_cpu())
+    }
+
+    /// ZeRO on a GPU (or any non-CPU device): each bucket's parameters end to end in one flat
+    /// tensor on the device, all-gathered (each rank's chunk from its owner) and set back.
+    fn gather_params_device(&self, c: &dyn Collective) -> Result<()> {
+        for b in &self.buckets {
+            let vars = &self.vars[b.members.clone()];
+            let parts = vars
+                .iter()
+                .map(|v| v.as_tensor().flatten_all())
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let got = c.all_gather_into_tensor(&Tensor::cat(&parts, 0)?)?;
+            let mut off = 0;
+            for v in vars {
+                let n = v.elem_count();
+                v.set(&got.narrow(0, off, n)?.reshape(v.shape())?)?;
+                off += n;
+            }
+        }
+        Ok(())
     }
 
     /// Rank `rank` of `world`'s [`Shard`]s, in name order.
@@ -547,6 +611,9 @@ impl ParamSet {
     /// are copied into a flat tensor, all-gathered (each rank's chunk from its owner) and copied
     /// back, so that every rank holds the whole updated model.
     pub(crate) fn gather_params(&self, c: &dyn Collective) -> Result<()> {
+        if !self.all_on_cpu() {
+            return self.gather_params_device(c);
+        }
         let mut slots = self.param_flat.lock().unwrap_or_else(|p| p.into_inner());
         for (b, slot) in self.buckets.iter().zip(slots.iter_mut()) {
             let vars = &self.vars[b.members.clone()];
@@ -608,6 +675,9 @@ impl ParamSet {
         grads: &mut GradStore,
     ) -> Result<Vec<bool>> {
         let (n, me) = (c.world_size(), c.rank());
+        if !self.all_on_cpu() {
+            return self.reduce_scatter_gradients_device(c, grads);
+        }
         let mut shards = self.grad_shard.lock().unwrap_or_else(|p| p.into_inner());
         let mut present = Vec::with_capacity(self.vars.len());
         for (b, shard_slot) in self.buckets.iter().zip(shards.iter_mut()) {
@@ -645,18 +715,44 @@ impl ParamSet {
                     copy_cpu(dst, range, src, base + own.start..base + own.end)
                 })?;
             }
-            let mut off = 0;
-            for (v, flag) in vars.iter().zip(&flags) {
-                let n_el = v.elem_count();
-                let (lo, hi) = (own.start.max(off), own.end.min(off + n_el));
-                if *flag > 0.0 && lo < hi {
-                    grads.insert(v.as_tensor(), shard.narrow(0, lo - own.start, hi - lo)?);
-                } else {
-                    grads.remove(v.as_tensor());
+            keep_shard(vars, &own, &shard, &flags, grads, &mut present)?;
+        }
+        Ok(present)
+    }
+
+    /// [`reduce_scatter_gradients`](Self::reduce_scatter_gradients) for parameters on a GPU
+    /// (or any non-CPU device): each bucket's gradients end to end in one flat tensor on the
+    /// device, reduce-scattered there; the presence flags go through the host.
+    fn reduce_scatter_gradients_device(
+        &self,
+        c: &dyn Collective,
+        grads: &mut GradStore,
+    ) -> Result<Vec<bool>> {
+        let (n, me) = (c.world_size(), c.rank());
+        let mut present = Vec::with_capacity(self.vars.len());
+        for b in &self.buckets {
+            let vars = &self.vars[b.members.clone()];
+            let (dtype, device) = (vars[0].dtype(), vars[0].device().clone());
+            let mut parts = Vec::with_capacity(vars.len());
+            let mut flags = Vec::with_capacity(vars.len());
+            for v in vars {
+                match grads.get(v.as_tensor()) {
+                    Some(g) => {
+                        self.check_grad_shape(c, v, g)?;
+                        parts.push(g.to_dtype(dtype)?.flatten_all()?);
+                        flags.push(1f64);
+                    }
+                    None => {
+                        parts.push(Tensor::zeros(v.elem_count(), dtype, &device)?);
+                        flags.push(0f64);
+                    }
                 }
-                present.push(*flag > 0.0);
-                off += n_el;
             }
+            let flat = Tensor::cat(&parts, 0)?;
+            let shard = c.reduce_scatter_tensor(&flat, ReduceOp::Mean)?;
+            c.all_reduce((&mut flags[..]).into(), ReduceOp::Mean)?;
+            let own = chunk_range(flat.elem_count(), n, me);
+            keep_shard(vars, &own, &shard, &flags, grads, &mut present)?;
         }
         Ok(present)
     }
@@ -808,6 +904,103 @@ mod tests {
             // Means of (0, 1), (1, 2) and (absent = 0, 3).
             assert_eq!(first, vec![vec![0.5; 5], vec![1.5; 5], vec![1.5; 5]]);
             assert_eq!(second, first);
+        }
+    }
+
+    /// The GPU paths of ZeRO (plain tensor ops plus the tensor collectives) run on CPU tensors
+    /// too: for 1 to 4 ranks, odd sizes and buckets of several parameters, they must give what
+    /// the CPU in-place paths give, bit for bit.
+    #[test]
+    fn zero_device_paths_equal_the_cpu_paths() {
+        use crate::collective::ThreadGroup;
+        for world in 1..=4 {
+            let group = ThreadGroup::new(world, std::time::Duration::from_secs(20)).unwrap();
+            let handles: Vec<_> = group
+                .into_iter()
+                .map(|c| {
+                    std::thread::spawn(move || {
+                        let r = c.rank();
+                        let sizes = [7usize, 3, 11, 1];
+                        let make = || -> (ParamSet, Vec<Var>) {
+                            let vars: Vec<Var> = sizes
+                                .iter()
+                                .enumerate()
+                                .map(|(i, &n)| {
+                                    let v: Vec<f32> =
+                                        (0..n).map(|k| (i * 100 + k) as f32).collect();
+                                    Var::from_vec(v, n, &Device::Cpu).unwrap()
+                                })
+                                .collect();
+                            let named = vars
+                                .iter()
+                                .enumerate()
+                                .map(|(i, v)| (format!("p{i}"), v.clone()))
+                                .collect();
+                            // A cap of 48 bytes: buckets of several parameters and of one.
+                            (ParamSet::new(named, 48, true).unwrap(), vars)
+                        };
+                        let grads_for = |vars: &[Var]| {
+                            let mut g = GradStore::default();
+                            for (i, v) in vars.iter().enumerate() {
+                                // `p3` has a gradient on the last rank only.
+                                if i != 3 || r + 1 == world {
+                                    let x: Vec<f32> = (0..v.elem_count())
+                                        .map(|k| (r * 7 + i * 3 + k) as f32 * 0.25)
+                                        .collect();
+                                    let t = Tensor::from_vec(x, v.elem_count(), &Device::Cpu);
+                                    g.insert(v.as_tensor(), t.unwrap());
+                                }
+                            }
+                            g
+                        };
+                        let slices = |set: &ParamSet, vars: &[Var], g: &GradStore| {
+                            vars.iter()
+                                .map(|v| g.get(v.as_tensor()).map(|t| t.to_vec1::<f32>().unwrap()))
+                                .collect::<Vec<_>>()
+                                .into_iter()
+                                .zip(set.names.iter().cloned())
+                                .collect::<Vec<_>>()
+                        };
+                        let (cpu_set, cpu_vars) = make();
+                        let mut g = grads_for(&cpu_vars);
+                        let cpu_present = cpu_set.reduce_scatter_gradients(&c, &mut g).unwrap();
+                        let cpu_grads = slices(&cpu_set, &cpu_vars, &g);
+                        let (dev_set, dev_vars) = make();
+                        let mut g = grads_for(&dev_vars);
+                        let dev_present =
+                            dev_set.reduce_scatter_gradients_device(&c, &mut g).unwrap();
+                        let dev_grads = slices(&dev_set, &dev_vars, &g);
+                        // Each rank changes only the parameters' elements it owns, then both
+                        // gathers must give every rank every owner's values.
+                        for set in [&cpu_set, &dev_set] {
+                            for s in set.shards(world, r) {
+                                let p = s.var.as_tensor().flatten_all().unwrap();
+                                let new = Tensor::full(-(r as f32) - 1.0, s.range.len(), &Device::Cpu)
+                                    .unwrap();
+                                p.slice_set(&new, 0, s.range.start).unwrap();
+                            }
+                        }
+                        cpu_set.gather_params(&c).unwrap();
+                        dev_set.gather_params_device(&c).unwrap();
+                        let values = |vars: &[Var]| {
+                            vars.iter()
+                                .map(|v| v.as_tensor().to_vec1::<f32>().unwrap())
+                                .collect::<Vec<_>>()
+                        };
+                        (
+                            (cpu_present, cpu_grads, values(&cpu_vars)),
+                            (dev_present, dev_grads, values(&dev_vars)),
+                        )
+                    })
+                })
+                .collect();
+            for h in handles {
+                let (cpu, dev) = h.join().unwrap();
+                assert_eq!(cpu.0, vec![true; 4], "world {world}");
+                assert_eq!(dev, cpu, "world {world}");
+                // Every element was overwritten by its owner.
+                assert!(cpu.2.iter().flatten().all(|&x| x < 0.0), "world {world}: {:?}", cpu.2);
+            }
         }
     }
 

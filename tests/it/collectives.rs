@@ -138,7 +138,55 @@ where
     }
 }
 
+/// The tensor forms (`reduce_scatter_tensor`, `all_gather_into_tensor`, what ZeRO uses on GPU
+/// tensors) against the same reference, for every float dtype and odd lengths.
+fn tensor_scatter_gather_suite<C: Collective + ?Sized>(c: &C) {
+    use candle_core::DType;
+    let (rank, world) = (c.rank(), c.world_size());
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        for &len in &[1usize, 7, 13, 1001] {
+            let x: Vec<f32> = (0..len).map(|i| value(rank, i) as f32).collect();
+            let t = Tensor::from_vec(x, (len,), &Device::Cpu)
+                .and_then(|t| t.to_dtype(dtype))
+                .expect("tensor");
+            let mine = c
+                .reduce_scatter_tensor(&t, ReduceOp::Sum)
+                .unwrap_or_else(|e| panic!("reduce_scatter_tensor {dtype:?} x {len}: {e}"));
+            let own = chunk_range(len, world, rank);
+            let got = mine
+                .to_dtype(DType::F64)
+                .and_then(|t| t.to_vec1::<f64>())
+                .expect("to_vec1");
+            assert_eq!(got.len(), own.len(), "rank {rank} world {world} {dtype:?} len {len}");
+            let tol = if matches!(dtype, DType::F16 | DType::BF16) { 2e-2 } else { 1e-5 };
+            for (k, i) in own.clone().enumerate() {
+                let want = reference(ReduceOp::Sum, world, i);
+                assert!(
+                    (got[k] - want).abs() <= tol * (1.0 + want.abs()),
+                    "rank {rank} world {world} {dtype:?} reduce_scatter_tensor len {len} [{i}]: got {}, want {want}",
+                    got[k]
+                );
+            }
+            let g: Vec<f32> = (0..len)
+                .map(|i| if own.contains(&i) { rank as f32 } else { -7.0 })
+                .collect();
+            let g = Tensor::from_vec(g, (len,), &Device::Cpu)
+                .and_then(|t| t.to_dtype(dtype))
+                .expect("tensor");
+            let all = c
+                .all_gather_into_tensor(&g)
+                .and_then(|t| Ok(t.to_dtype(DType::F32)?.to_vec1::<f32>()?))
+                .unwrap_or_else(|e| panic!("all_gather_into_tensor {dtype:?} x {len}: {e}"));
+            let want: Vec<f32> = (0..len)
+                .map(|i| (0..world).find(|&r| chunk_range(len, world, r).contains(&i)).unwrap() as f32)
+                .collect();
+            assert_eq!(all, want, "rank {rank} world {world} {dtype:?} all_gather_into_tensor len {len}");
+        }
+    }
+}
+
 pub(crate) fn scatter_gather_all_dtypes<C: Collective + ?Sized>(c: &C) {
+    tensor_scatter_gather_suite(c);
     scatter_gather_suite::<f32, C>(c);
     scatter_gather_suite::<f64, C>(c);
     scatter_gather_suite::<f16, C>(c);

@@ -6,11 +6,12 @@
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, DeviceLocation, Tensor, Var};
-use candle_nn::{Optimizer, SGD};
+use candle_nn::Optimizer;
 use clap::Args;
 use half::{bf16, f16};
 
 use accelerate_rs::collective::{Buffer, BufferMut, Collective, NcclCollective};
+use accelerate_rs::optim::{Sgd, SgdConfig};
 use accelerate_rs::ReduceOp;
 use accelerate_rs::{
     Accelerator, ConfigFile, DataLoader, DistributedSampler, Error, Result, TensorDataset,
@@ -114,7 +115,7 @@ fn run_checks(acc: &Accelerator) -> Result<()> {
         ("distributed sampler", check_sampler),
         ("DDP steps equal a single-process reference", check_ddp),
         (
-            "GPU tensors: all_reduce, broadcast, all_gather (f32, bf16, f16)",
+            "GPU tensors: all_reduce, broadcast, all_gather, reduce_scatter, all_gather_into (f32, bf16, f16)",
             check_gpu_tensors,
         ),
         (
@@ -154,7 +155,7 @@ fn run_checks(acc: &Accelerator) -> Result<()> {
 /// 100 AdamW steps and 50 SGD (momentum, Nesterov, weight decay) steps on this rank's device,
 /// fused and unfused, from the same start with the same gradients: the results must agree.
 fn check_fused_optimizers(acc: &Accelerator) -> Result<Outcome> {
-    use accelerate_rs::optim::{cuda_kernel_launches, AdamW, Sgd, SgdConfig};
+    use accelerate_rs::optim::{cuda_kernel_launches, AdamW};
     let device = acc.device();
     let launched_before = cuda_kernel_launches();
     let shapes: [&[usize]; 3] = [&[300, 257], &[300], &[7, 13]];
@@ -423,11 +424,47 @@ fn check_gpu_tensors(acc: &Accelerator) -> Result<Outcome> {
                 g.device()
             )));
         }
+        // ZeRO's pair on an odd length: element i is (rank + 1) * (i + 1) on every rank.
+        let len = 7;
+        let x: Vec<f32> = (0..len).map(|i| ((rank + 1) * (i + 1)) as f32).collect();
+        let x = Tensor::new(x.as_slice(), device)?.to_dtype(dtype)?;
+        let mine = c.reduce_scatter_tensor(&x, ReduceOp::Sum)?;
+        let own = accelerate_rs::collective::chunk_range(len, n, rank);
+        let total: usize = (1..=n).sum();
+        let want: Vec<f32> = own.clone().map(|i| (total * (i + 1)) as f32).collect();
+        let got = mine.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        if got != want || !mine.device().is_cuda() {
+            return Err(fail(format!(
+                "reduce_scatter {dtype:?} of {len} elements: rank {rank} got {got:?} on {:?}, want {want:?}",
+                mine.device()
+            )));
+        }
+        // Each rank fills its own chunk with its rank (the rest is garbage the gather replaces).
+        let mut v = vec![-1f32; len];
+        for e in &mut v[own] {
+            *e = rank as f32;
+        }
+        let all = c.all_gather_into_tensor(&Tensor::new(v.as_slice(), device)?.to_dtype(dtype)?)?;
+        let want: Vec<f32> = (0..len)
+            .map(|i| {
+                (0..n)
+                    .find(|&r| accelerate_rs::collective::chunk_range(len, n, r).contains(&i))
+                    .unwrap_or(usize::MAX) as f32
+            })
+            .collect();
+        let got = all.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        if got != want || !all.device().is_cuda() {
+            return Err(fail(format!(
+                "all_gather_into {dtype:?} of {len} elements: got {got:?} on {:?}, want {want:?}",
+                all.device()
+            )));
+        }
     }
     if let Some(own) = &own {
-        // 3 dtypes x (3 all_reduce + 1 broadcast + 1 all_gather).
+        // 3 dtypes x (3 all_reduce + 1 broadcast + 1 all_gather + 1 reduce_scatter + 1
+        // all_gather_into).
         let calls = own.nccl_calls();
-        let want = dtypes.len() as u64 * 5;
+        let want = dtypes.len() as u64 * 7;
         if calls != want {
             return Err(fail(format!(
                 "{calls} operations went through NCCL, want {want}"
@@ -474,14 +511,17 @@ fn params_of(p: &[(String, Var)]) -> Result<Vec<f32>> {
     Ok(out)
 }
 
-/// DDP with per-rank batch B must equal plain SGD with batch world × B.
+/// DDP with per-rank batch B must equal plain SGD (momentum 0.9) with batch world × B, under
+/// every ZeRO stage (`ACCELERATE_RS_ZERO_STAGE`: the optimizer then holds only this rank's slices
+/// of the momentum and the parameters are gathered after each step).
 fn check_ddp(acc: &Accelerator) -> Result<Outcome> {
     let world = acc.world_size();
     let device = acc.device();
     let data = regression_data(world * B * STEPS, device)?;
     // Ranks start from different values: prepare must give them rank 0's.
     let p = weights(acc.rank() as f32, device)?;
-    let opt = SGD::new(p.iter().map(|(_, v)| v.clone()).collect(), LR)?;
+    let config = SgdConfig::new(LR).momentum(0.9);
+    let opt = Sgd::new(p.iter().map(|(_, v)| v.clone()).collect(), config.clone())?;
     let (mut opt, loader) = acc.prepare(&p, opt, DataLoader::new(data.clone(), B))?;
     for batch in loader.iter()? {
         let batch = batch?;
@@ -490,8 +530,9 @@ fn check_ddp(acc: &Accelerator) -> Result<Outcome> {
     let got = params_of(&p)?;
 
     let r = weights(0.0, device)?;
-    let mut sgd = SGD::new(r.iter().map(|(_, v)| v.clone()).collect(), LR)?;
-    for batch in DataLoader::new(data, world * B).iter()? {
+    let mut sgd = Sgd::new(r.iter().map(|(_, v)| v.clone()).collect(), config)?;
+    // The reference batches on this rank's device (a loader's default is the CPU).
+    for batch in DataLoader::new(data, world * B).device(device).iter()? {
         let batch = batch?;
         sgd.backward_step(&mse(&r, &batch[0], &batch[1])?)?;
     }
@@ -510,5 +551,11 @@ fn check_ddp(acc: &Accelerator) -> Result<Outcome> {
     if all.iter().any(|b| b.bytes() != all[0].bytes()) {
         return Err(fail("replicas differ after the steps".into()));
     }
-    Ok(Outcome::Passed)
+    match acc.state().zero_stage() {
+        0 => Ok(Outcome::Passed),
+        stage => Ok(Outcome::PassedVia(format!(
+            "zero_stage {stage}: sharded {}",
+            opt.is_sharded()
+        ))),
+    }
 }
