@@ -454,7 +454,11 @@ fn padded_blocks(flat: &Tensor, world: usize, block: usize) -> Result<Tensor> {
         let own = super::chunk_range(len, world, r);
         parts.push(flat.narrow(0, own.start, own.len())?);
         if own.len() < block {
-            parts.push(Tensor::zeros(block - own.len(), flat.dtype(), flat.device())?);
+            parts.push(Tensor::zeros(
+                block - own.len(),
+                flat.dtype(),
+                flat.device(),
+            )?);
         }
     }
     Ok(Tensor::cat(&parts, 0)?.contiguous()?)
@@ -776,7 +780,10 @@ impl Collective for NcclCollective {
         let mine = t.flatten_all()?.narrow(0, own.start, own.len())?;
         let mine = if own.len() < block {
             Tensor::cat(
-                &[mine, Tensor::zeros(block - own.len(), t.dtype(), t.device())?],
+                &[
+                    mine,
+                    Tensor::zeros(block - own.len(), t.dtype(), t.device())?,
+                ],
                 0,
             )?
         } else {

@@ -975,8 +975,9 @@ mod tests {
                         for set in [&cpu_set, &dev_set] {
                             for s in set.shards(world, r) {
                                 let p = s.var.as_tensor().flatten_all().unwrap();
-                                let new = Tensor::full(-(r as f32) - 1.0, s.range.len(), &Device::Cpu)
-                                    .unwrap();
+                                let new =
+                                    Tensor::full(-(r as f32) - 1.0, s.range.len(), &Device::Cpu)
+                                        .unwrap();
                                 p.slice_set(&new, 0, s.range.start).unwrap();
                             }
                         }
@@ -999,7 +1000,11 @@ mod tests {
                 assert_eq!(cpu.0, vec![true; 4], "world {world}");
                 assert_eq!(dev, cpu, "world {world}");
                 // Every element was overwritten by its owner.
-                assert!(cpu.2.iter().flatten().all(|&x| x < 0.0), "world {world}: {:?}", cpu.2);
+                assert!(
+                    cpu.2.iter().flatten().all(|&x| x < 0.0),
+                    "world {world}: {:?}",
+                    cpu.2
+                );
             }
         }
     }

@@ -157,8 +157,16 @@ fn tensor_scatter_gather_suite<C: Collective + ?Sized>(c: &C) {
                 .to_dtype(DType::F64)
                 .and_then(|t| t.to_vec1::<f64>())
                 .expect("to_vec1");
-            assert_eq!(got.len(), own.len(), "rank {rank} world {world} {dtype:?} len {len}");
-            let tol = if matches!(dtype, DType::F16 | DType::BF16) { 2e-2 } else { 1e-5 };
+            assert_eq!(
+                got.len(),
+                own.len(),
+                "rank {rank} world {world} {dtype:?} len {len}"
+            );
+            let tol = if matches!(dtype, DType::F16 | DType::BF16) {
+                2e-2
+            } else {
+                1e-5
+            };
             for (k, i) in own.clone().enumerate() {
                 let want = reference(ReduceOp::Sum, world, i);
                 assert!(
@@ -178,9 +186,16 @@ fn tensor_scatter_gather_suite<C: Collective + ?Sized>(c: &C) {
                 .and_then(|t| Ok(t.to_dtype(DType::F32)?.to_vec1::<f32>()?))
                 .unwrap_or_else(|e| panic!("all_gather_into_tensor {dtype:?} x {len}: {e}"));
             let want: Vec<f32> = (0..len)
-                .map(|i| (0..world).find(|&r| chunk_range(len, world, r).contains(&i)).unwrap() as f32)
+                .map(|i| {
+                    (0..world)
+                        .find(|&r| chunk_range(len, world, r).contains(&i))
+                        .unwrap() as f32
+                })
                 .collect();
-            assert_eq!(all, want, "rank {rank} world {world} {dtype:?} all_gather_into_tensor len {len}");
+            assert_eq!(
+                all, want,
+                "rank {rank} world {world} {dtype:?} all_gather_into_tensor len {len}"
+            );
         }
     }
 }
