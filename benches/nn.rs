@@ -1,6 +1,6 @@
 //! `accelerate_rs::nn` against Candle's composed ops, forward and backward, on the shapes of the
 //! Transformer LM (batch 8 x 128 tokens x 256 features; attention scores 8 x 8 heads x 128 x
-//! 128), timed in alternating blocks in one run:
+//! 128; cross-entropy over 1024 tokens x 8000 classes), timed in alternating blocks in one run:
 //!
 //!     cargo bench --bench nn
 //!     cargo bench --bench nn -- --quick
@@ -63,6 +63,21 @@ fn main() -> Result<()> {
         ),
     ];
     let _ = w3;
+    // Cross-entropy over the Transformer LM's logits (1024 tokens x the vocab of 8000).
+    let logits = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1024, 8000), &dev)?)?;
+    let labels = Tensor::from_vec(
+        (0..1024u32).map(|i| (i * 37) % 8000).collect::<Vec<_>>(),
+        1024,
+        &dev,
+    )?;
+    let labels2 = labels.clone();
+    let mut cases = cases;
+    cases.push((
+        "cross_entropy 1024x8000",
+        &logits,
+        Box::new(move |x| nn::cross_entropy(x, &labels)),
+        Box::new(move |x| candle_nn::loss::cross_entropy(x, &labels2)),
+    ));
     println!(
         "{:<22} | {:>14} | {:>14} | {:>16} | {:>16} | {:>7}",
         "op", "fused fwd ms", "candle fwd ms", "fused fwd+bwd ms", "candle fwd+bwd ms", "speedup"

@@ -6,6 +6,9 @@
 //!     cargo bench --bench overhead -- --model transformer  # section 1 on transformer_lm's model
 //!     cargo bench --bench overhead -- --ddp-only  # section 2 only, plus `RESULT-DDP` lines
 //!                                                 # (read by scripts/pytorch_ddp_bench.py)
+//!     cargo bench --bench overhead -- --ddp-only --model transformer [--ddp-runs N]
+//!                     # section 2 on transformer_lm's model (AdamW, clip 1.0, fused
+//!                     # cross-entropy; read by scripts/pytorch_lm_bench.py)
 //!
 //! Model: MLP 784-1024-1024-10 (ReLU), f32, batch 64 per process, cross-entropy, on synthetic
 //! random data generated from a fixed seed (identical in every variant and process). With
@@ -101,6 +104,22 @@ struct Plan {
 }
 
 impl Plan {
+    /// Timed steps per worker run: a transformer step takes about 25x an MLP step.
+    fn ddp_steps_for(self, workload: Workload) -> usize {
+        match workload {
+            Workload::Mlp => self.ddp_steps,
+            Workload::Transformer => (self.ddp_steps / 5).max(5),
+        }
+    }
+
+    /// Untimed steps per worker run.
+    fn warmup_for(self, workload: Workload) -> usize {
+        match workload {
+            Workload::Mlp => self.warmup,
+            Workload::Transformer => self.warmup.min(5),
+        }
+    }
+
     fn new(quick: bool) -> Self {
         if quick {
             Plan {
@@ -137,13 +156,20 @@ fn main() -> Result<()> {
             other => bail!("--model {other:?}: expected mlp or transformer"),
         },
     };
-    let plan = Plan::new(quick);
+    let mut plan = Plan::new(quick);
+    // `--ddp-runs N`: section 2's runs per world size (scripts alternate their own rounds).
+    if let Some(i) = args.iter().position(|a| a == "--ddp-runs") {
+        plan.ddp_runs = match args.get(i + 1).map(|v| v.parse::<usize>()) {
+            Some(Ok(n)) if n > 0 => n,
+            _ => bail!("--ddp-runs needs a positive number of runs"),
+        };
+    }
     if std::env::var(ROLE_ENV).as_deref() == Ok(ROLE_WORKER) {
-        return worker(plan);
+        return worker(plan, workload);
     }
     if ddp_only {
         println!("load average before: {}", load_average());
-        ddp_throughput(plan)?;
+        ddp_throughput(plan, workload)?;
         println!("load average after: {}", load_average());
         return Ok(());
     }
@@ -169,7 +195,7 @@ fn main() -> Result<()> {
     wrapper_overhead(plan, &device, workload)?;
     if !gpu && workload == Workload::Mlp {
         println!();
-        ddp_throughput(plan)?;
+        ddp_throughput(plan, Workload::Mlp)?;
     }
     println!();
     println!("load average after: {}", load_average());
@@ -310,10 +336,6 @@ fn synthetic_data(samples: usize, device: &Device) -> Result<(Tensor, Tensor)> {
         Tensor::from_vec(x, (samples, INPUT), device)?,
         Tensor::from_vec(y, samples, device)?,
     ))
-}
-
-fn loader(x: &Tensor, y: &Tensor) -> Result<DataLoader> {
-    loader_of(x, y, BATCH)
 }
 
 fn loader_of(x: &Tensor, y: &Tensor, batch: usize) -> Result<DataLoader> {
@@ -617,7 +639,7 @@ fn random_secret() -> String {
 
 /// Runs `world` worker processes (this executable, one Rayon thread each) and returns rank 0's
 /// result.
-fn run_workers(world: usize, quick: bool) -> Result<RunResult> {
+fn run_workers(world: usize, quick: bool, workload: Workload) -> Result<RunResult> {
     let exe = std::env::current_exe().context("locating the bench executable")?;
     let port = free_port()?;
     let secret = random_secret();
@@ -626,6 +648,9 @@ fn run_workers(world: usize, quick: bool) -> Result<RunResult> {
         let mut cmd = Command::new(&exe);
         if quick {
             cmd.arg("--quick");
+        }
+        if workload == Workload::Transformer {
+            cmd.args(["--model", "transformer"]);
         }
         cmd.env(ROLE_ENV, ROLE_WORKER)
             .env("RANK", rank.to_string())
@@ -708,7 +733,7 @@ fn transport_name() -> String {
     std::env::var("ACCELERATE_RS_TRANSPORT").unwrap_or_else(|_| "auto".to_string())
 }
 
-fn ddp_throughput(plan: Plan) -> Result<()> {
+fn ddp_throughput(plan: Plan, workload: Workload) -> Result<()> {
     let quick = std::env::args().skip(1).any(|a| a == "--quick");
     let worlds = [1usize, 2];
     // Alternate 1- and 2-process runs so that drift hits both alike.
@@ -716,12 +741,15 @@ fn ddp_throughput(plan: Plan) -> Result<()> {
     let runs = plan.ddp_runs;
     for _ in 0..runs {
         for (i, &w) in worlds.iter().enumerate() {
-            results[i].push(run_workers(w, quick)?);
+            results[i].push(run_workers(w, quick, workload)?);
         }
     }
     println!(
-        "## 2. DDP throughput (AdamW, separate processes, 1 Rayon thread each, on 127.0.0.1; {runs} run(s) per size, {} timed steps each after {} warm-up)",
-        plan.ddp_steps, plan.warmup
+        "## 2. DDP throughput ({}; AdamW{}, separate processes, 1 Rayon thread each, on 127.0.0.1; {runs} run(s) per size, {} timed steps each after {} warm-up)",
+        workload.describe(),
+        if workload == Workload::Transformer { ", clip 1.0" } else { "" },
+        plan.ddp_steps_for(workload),
+        plan.warmup_for(workload)
     );
     println!();
     println!(
@@ -730,11 +758,12 @@ fn ddp_throughput(plan: Plan) -> Result<()> {
     println!("|---:|---|---:|---:|---:|---:|---|---:|");
     let avg =
         |rs: &[RunResult], f: fn(&RunResult) -> f64| mean(&rs.iter().map(f).collect::<Vec<_>>());
-    let single = BATCH as f64 * 1e3 / avg(&results[0], |r| r.mean_ms);
+    let batch = workload.batch();
+    let single = batch as f64 * 1e3 / avg(&results[0], |r| r.mean_ms);
     for (&w, rs) in worlds.iter().zip(&results) {
         let m = avg(rs, |r| r.mean_ms);
         let md = median(&rs.iter().map(|r| r.median_ms).collect::<Vec<_>>());
-        let sps = (w * BATCH) as f64 * 1e3 / m;
+        let sps = (w * batch) as f64 * 1e3 / m;
         let ar = median(&rs.iter().map(|r| r.allreduce_ms).collect::<Vec<_>>());
         let (ar, transport) = if w == 1 {
             ("-".to_string(), "-".to_string())
@@ -761,7 +790,7 @@ fn ddp_throughput(plan: Plan) -> Result<()> {
         elems * 4.0 / 1e6
     );
     println!(
-        "samples/s = processes x {BATCH} / mean step time; efficiency = samples/s(N) / (N x samples/s(1))"
+        "samples/s = processes x {batch} / mean step time; efficiency = samples/s(N) / (N x samples/s(1))"
     );
     Ok(())
 }
@@ -769,23 +798,27 @@ fn ddp_throughput(plan: Plan) -> Result<()> {
 // ---------------------------------------------------------------------------------------------
 // 2. DDP throughput: worker
 
-fn worker(plan: Plan) -> Result<()> {
+fn worker(plan: Plan, workload: Workload) -> Result<()> {
     let accelerator = Accelerator::builder().cpu(true).build()?;
     let world = accelerator.world_size();
     let device = accelerator.device().clone();
-    let timed_steps = plan.ddp_steps;
+    let (timed_steps, warmup) = (plan.ddp_steps_for(workload), plan.warmup_for(workload));
     // Each rank gets exactly `warmup + timed_steps` batches of its own in one epoch.
-    let samples = world * BATCH * (plan.warmup + timed_steps);
-    let (x, y) = synthetic_data(samples, &device)?;
-    let (varmap, model) = build_model(&device)?;
+    let batch_size = workload.batch();
+    let samples = world * batch_size * (warmup + timed_steps);
+    let (x, y) = workload_data(workload, samples, &device)?;
+    let (varmap, model) = build_workload(workload, &device)?;
     let opt = accelerate_rs::optim::AdamW::new_lr(varmap.all_vars(), ADAMW_LR)?;
-    let (mut opt, loader) = accelerator.prepare(&varmap, opt, loader(&x, &y)?)?;
+    let (mut opt, loader) = accelerator.prepare(&varmap, opt, loader_of(&x, &y, batch_size)?)?;
+    if workload == Workload::Transformer {
+        opt.set_clip_grad_norm(Some(1.0));
+    }
 
     let mut times = Vec::with_capacity(timed_steps);
     let (mut fwd, mut bwd, mut stp) = (Vec::new(), Vec::new(), Vec::new());
     let mut iter = loader.iter()?;
-    for step in 0..plan.warmup + timed_steps {
-        if step == plan.warmup {
+    for step in 0..warmup + timed_steps {
+        if step == warmup {
             accelerator.collective().barrier()?;
         }
         let start = Instant::now();
@@ -793,7 +826,13 @@ fn worker(plan: Plan) -> Result<()> {
             .next()
             .ok_or_else(|| anyhow!("the loader ran out of batches at step {step}"))??;
         let logits = model.forward(&batch[0])?;
-        let loss = loss::cross_entropy(&logits, &batch[1])?;
+        let loss = match workload {
+            Workload::Mlp => loss::cross_entropy(&logits, &batch[1])?,
+            // The transformer's step as a user of `accelerate_rs::nn` writes it.
+            Workload::Transformer => {
+                accelerate_rs::nn::cross_entropy(&logits, &batch[1].flatten_all()?)?
+            }
+        };
         let t1 = Instant::now();
         // `backward_step` split in its two halves, to time them.
         let grads = accelerator.backward(&loss)?;
@@ -801,7 +840,7 @@ fn worker(plan: Plan) -> Result<()> {
         if let Some(grads) = grads {
             opt.step(&grads)?;
         }
-        if step >= plan.warmup {
+        if step >= warmup {
             times.push(ms(start.elapsed()));
             fwd.push(ms(t1 - start));
             bwd.push(ms(t2 - t1));

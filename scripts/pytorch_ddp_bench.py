@@ -58,6 +58,19 @@ DATA_SEED = 0x5EED
 WEIGHT_SEED = 0x3E16
 
 DEFAULT_RUST_CMD = "cargo bench --bench overhead -- --ddp-only"
+
+# The Transformer LM workload (--model lm; scripts/pytorch_lm_bench.py): the issue's model, as a
+# PyTorch user writes it (nn.TransformerEncoderLayer, post-norm, ReLU, causal mask) beside
+# accelerate-rs's examples/transformer_lm model of the same size (pre-norm, GELU).
+LM_VOCAB = 8000
+LM_SEQ = 128
+LM_D = 256
+LM_HEADS = 8
+LM_LAYERS = 4
+LM_FF = 1024
+LM_BATCH = 8
+LM_CLIP = 1.0
+LM_RUST_CMD = "cargo bench --bench overhead -- --ddp-only --model transformer --ddp-runs 1"
 ROLE_ENV = "PYTORCH_DDP_BENCH_ROLE"
 TORCH_RESULT = "RESULT-TORCH"
 RUST_RESULT_RE = re.compile(
@@ -78,6 +91,33 @@ def single_thread_env(env):
 # Worker (one training process; re-executed by the parent with ROLE_ENV set)
 
 
+def lm_model(nn, torch):
+    """The Transformer LM in PyTorch: token ids [B, T] to logits [B * T, vocab]."""
+
+    class Lm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(LM_VOCAB, LM_D)
+            self.pos = nn.Embedding(LM_SEQ, LM_D)
+            layer = nn.TransformerEncoderLayer(
+                LM_D, LM_HEADS, dim_feedforward=LM_FF, dropout=0.0, batch_first=True
+            )
+            self.blocks = nn.TransformerEncoder(layer, LM_LAYERS, enable_nested_tensor=False)
+            self.ln_f = nn.LayerNorm(LM_D)
+            self.head = nn.Linear(LM_D, LM_VOCAB)
+            self.register_buffer(
+                "mask", nn.Transformer.generate_square_subsequent_mask(LM_SEQ), persistent=False
+            )
+
+        def forward(self, ids):
+            t = ids.shape[1]
+            x = self.tok(ids) + self.pos(torch.arange(t))
+            x = self.blocks(x, mask=self.mask[:t, :t], is_causal=True)
+            return self.head(self.ln_f(x)).reshape(-1, LM_VOCAB)
+
+    return Lm()
+
+
 def worker(args):
     import torch
     import torch.nn as nn
@@ -96,24 +136,33 @@ def worker(args):
         )
 
     total_steps = args.warmup + args.steps
+    lm = args.model == "lm"
+    batch = LM_BATCH if lm else BATCH
     # The whole data set is the same in every process; rank r takes batches r, r + world, ...
     gen = torch.Generator().manual_seed(DATA_SEED)
-    samples = world * BATCH * total_steps
-    x = torch.rand(samples, INPUT, generator=gen) * 2.0 - 1.0
-    y = torch.randint(0, CLASSES, (samples,), generator=gen)
+    samples = world * batch * total_steps
+    if lm:
+        x = torch.randint(0, LM_VOCAB, (samples, LM_SEQ), generator=gen)
+        y = torch.randint(0, LM_VOCAB, (samples, LM_SEQ), generator=gen)
+    else:
+        x = torch.rand(samples, INPUT, generator=gen) * 2.0 - 1.0
+        y = torch.randint(0, CLASSES, (samples,), generator=gen)
     batches = [
-        (x[i * BATCH:(i + 1) * BATCH].contiguous(), y[i * BATCH:(i + 1) * BATCH].contiguous())
+        (x[i * batch:(i + 1) * batch].contiguous(), y[i * batch:(i + 1) * batch].contiguous())
         for i in range(rank, world * total_steps, world)
     ]
 
     torch.manual_seed(WEIGHT_SEED)  # same initial weights everywhere (DDP broadcasts rank 0's)
-    model = nn.Sequential(
-        nn.Linear(INPUT, HIDDEN),
-        nn.ReLU(),
-        nn.Linear(HIDDEN, HIDDEN),
-        nn.ReLU(),
-        nn.Linear(HIDDEN, CLASSES),
-    )
+    if lm:
+        model = lm_model(nn, torch)
+    else:
+        model = nn.Sequential(
+            nn.Linear(INPUT, HIDDEN),
+            nn.ReLU(),
+            nn.Linear(HIDDEN, HIDDEN),
+            nn.ReLU(),
+            nn.Linear(HIDDEN, CLASSES),
+        )
     if ddp:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -130,8 +179,10 @@ def worker(args):
         start = time.perf_counter()
         xb, yb = batches[step]
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(xb), yb)
+        loss = loss_fn(model(xb), yb.reshape(-1))
         loss.backward()
+        if lm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), LM_CLIP)
         opt.step()
         if step >= args.warmup:
             times.append((time.perf_counter() - start) * 1e3)
@@ -177,7 +228,7 @@ def run_torch(world, args):
             }
         )
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        cmd = [sys.executable, os.path.abspath(__file__),
+        cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model,
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
         procs.append(
             subprocess.Popen(
@@ -249,19 +300,31 @@ def fmt(v, spec):
     return "n/a" if v is None else format(v, spec)
 
 
-def main():
+def main(argv=None, model="mlp", doc=__doc__):
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
+        description=doc.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=100, help="timed steps per run (default 100)")
-    p.add_argument("--warmup", type=int, default=15, help="untimed steps first (default 15)")
+    lm_default = model == "lm"
+    p.add_argument("--model", choices=("mlp", "lm"), default=model,
+                   help=f"workload: the MLP or the Transformer LM (default {model})")
+    p.add_argument("--steps", type=int, default=20 if lm_default else 100,
+                   help="timed steps per run (default 100; 20 for lm)")
+    p.add_argument("--warmup", type=int, default=3 if lm_default else 15,
+                   help="untimed steps first (default 15; 3 for lm)")
     p.add_argument("--runs", type=int, default=3,
-                   help="PyTorch runs per process count, alternating 1/2 (default 3)")
+                   help="rounds; each runs PyTorch with 1 then 2 processes (and, with --alternate, "
+                        "the accelerate-rs command) (default 3)")
+    p.add_argument("--alternate", action="store_true", default=lm_default,
+                   help="run the accelerate-rs command in every round instead of once after the "
+                        "PyTorch runs (default for lm)")
     p.add_argument("--torch-only", action="store_true", help="skip the accelerate-rs side")
-    p.add_argument("--rust-cmd", default=DEFAULT_RUST_CMD,
-                   help=f"accelerate-rs command, run in the repo root (default: {DEFAULT_RUST_CMD!r})")
-    args = p.parse_args()
+    p.add_argument("--rust-cmd", default=None,
+                   help=f"accelerate-rs command, run in the repo root (default: {DEFAULT_RUST_CMD!r}; "
+                        f"for lm {LM_RUST_CMD!r})")
+    args = p.parse_args(argv)
+    if args.rust_cmd is None:
+        args.rust_cmd = LM_RUST_CMD if args.model == "lm" else DEFAULT_RUST_CMD
 
     if os.environ.get(ROLE_ENV) == "worker":
         worker(args)
@@ -282,8 +345,14 @@ def main():
         print("error: this torch build has no torch.distributed / gloo backend", file=sys.stderr)
         return 2
 
-    print(f"PyTorch DDP comparison benchmark: MLP {INPUT}-{HIDDEN}-{HIDDEN}-{CLASSES} (ReLU), f32, "
-          f"AdamW lr {LR:g}, batch {BATCH}/process, 1 thread/process, synthetic data")
+    batch = LM_BATCH if args.model == "lm" else BATCH
+    if args.model == "lm":
+        print(f"PyTorch DDP comparison benchmark: Transformer LM (vocab {LM_VOCAB}, d_model {LM_D}, "
+              f"{LM_HEADS} heads, {LM_LAYERS} layers, FFN {LM_FF}, seq {LM_SEQ}), f32, AdamW lr "
+              f"{LR:g}, clip {LM_CLIP}, batch {batch}/process, 1 thread/process, random tokens")
+    else:
+        print(f"PyTorch DDP comparison benchmark: MLP {INPUT}-{HIDDEN}-{HIDDEN}-{CLASSES} (ReLU), "
+              f"f32, AdamW lr {LR:g}, batch {batch}/process, 1 thread/process, synthetic data")
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, nproc {os.cpu_count()}"
           f" (usable: {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'})")
     print(f"{args.runs} run(s) per process count, {args.steps} timed steps after {args.warmup} warm-up")
@@ -291,6 +360,9 @@ def main():
 
     worlds = (1, 2)
     torch_runs = {w: [] for w in worlds}
+    rust_runs = {}
+    status = 0
+    rust_each_round = args.alternate and not args.torch_only
     try:
         for r in range(args.runs):
             for w in worlds:
@@ -298,6 +370,13 @@ def main():
                 torch_runs[w].append((mean_ms, median_ms))
                 print(f"  torch run {r + 1}/{args.runs} world={w}: "
                       f"{mean_ms:.2f} ms/step mean, {median_ms:.2f} median", flush=True)
+            if rust_each_round or (r == args.runs - 1 and not args.torch_only):
+                code, res = run_rust(args.rust_cmd)
+                if code != 0:
+                    print(f"error: the accelerate-rs command exited with {code}", file=sys.stderr)
+                    status = 1
+                for w, row in res.items():
+                    rust_runs.setdefault(w, []).append(row)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -305,17 +384,15 @@ def main():
     for w in worlds:
         m = statistics.fmean(r[0] for r in torch_runs[w])
         md = statistics.median(r[1] for r in torch_runs[w])
-        torch_res[w] = (m, md, w * BATCH * 1e3 / m)
-    print(f"after torch:   {load()}", flush=True)
+        torch_res[w] = (m, md, w * batch * 1e3 / m)
+    rust_res = {
+        w: (statistics.fmean(r[0] for r in rows), statistics.median(r[1] for r in rows),
+            statistics.fmean(r[2] for r in rows))
+        for w, rows in rust_runs.items()
+    }
+    print(f"after all:     {load()}", flush=True)
 
-    status = 0
-    rust_res = {}
     if not args.torch_only:
-        code, rust_res = run_rust(args.rust_cmd)
-        print(f"after rust:    {load()}", flush=True)
-        if code != 0:
-            print(f"error: the accelerate-rs command exited with {code}", file=sys.stderr)
-            status = 1
         missing = [w for w in worlds if w not in rust_res]
         if missing:
             print(f"error: no RESULT-DDP line for world={missing} from the accelerate-rs command",
@@ -343,8 +420,11 @@ def main():
     if not args.torch_only and 2 in rust_res:
         print("ratio accelerate-rs / pytorch (2 processes, samples/s): "
               f"{rust_res[2][2] / torch_res[2][2]:.2f}x")
-    print(f"PyTorch: mean of {args.runs} run means, median of run medians; "
-          f"samples/s = processes x {BATCH} / mean step time; "
+    if not args.torch_only and 1 in rust_res:
+        print("ratio accelerate-rs / pytorch (1 process, ms/step mean): "
+              f"{rust_res[1][0] / torch_res[1][0]:.2f}x")
+    print(f"mean of run means, median of run medians; "
+          f"samples/s = processes x {batch} / mean step time; "
           "efficiency = samples/s(2) / (2 x samples/s(1))")
     return status
 

@@ -26,7 +26,7 @@ use accelerate_rs::scheduler::{LinearWarmupCosine, Schedule};
 use accelerate_rs::{tracking, Accelerator, Parameters, ReduceOp, StreamingLoader};
 use anyhow::Result;
 use candle_core::{DType, Tensor};
-use candle_nn::{loss, VarBuilder, VarMap};
+use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
 
 use data::{Args, CharWindows, GroupedAdamW};
@@ -132,7 +132,10 @@ fn main() -> Result<()> {
             let batch = batch?;
             let logits = model.forward(&batch[0])?;
             let (b, t, v) = logits.dims3()?;
-            let loss = loss::cross_entropy(&logits.reshape((b * t, v))?, &batch[1].flatten_all()?)?;
+            let loss = accelerate_rs::nn::cross_entropy(
+                &logits.reshape((b * t, v))?,
+                &batch[1].flatten_all()?,
+            )?;
             opt.backward_step_batch(&loss, &batch)?;
             window_loss += loss.to_scalar::<f32>()? as f64;
             window_micro += 1;
@@ -220,7 +223,8 @@ fn evaluate(
         let (xb, yb) = (x.index_select(&idx, 0)?, y.index_select(&idx, 0)?);
         let logits = model.forward(&xb)?;
         let (b, t, v) = logits.dims3()?;
-        let loss = loss::cross_entropy(&logits.reshape((b * t, v))?, &yb.flatten_all()?)?;
+        let loss =
+            accelerate_rs::nn::cross_entropy(&logits.reshape((b * t, v))?, &yb.flatten_all()?)?;
         let tokens = (b * t) as f64;
         sum += loss.to_scalar::<f32>()? as f64 * tokens;
         count += tokens;

@@ -1,5 +1,6 @@
 //! Differentiable fused layers for Candle: [`LayerNorm`] / [`layer_norm`], [`RmsNorm`] /
-//! [`rms_norm`] and [`softmax_last_dim`], each one pass forward and one pass backward over the
+//! [`rms_norm`], [`softmax_last_dim`] and [`cross_entropy`] (with label smoothing and an ignored
+//! index through [`cross_entropy_with`]), each one pass forward and one pass backward over the
 //! data (Rayon-parallel over rows, f32 arithmetic for f32, bf16 and f16, f64 too).
 //!
 //! They are drop-in replacements with `candle_nn`'s signatures, so switching is an import
@@ -22,9 +23,11 @@
 //! # Ok(()) }
 //! ```
 
+mod loss;
 mod norm;
 mod softmax;
 
 pub use candle_nn::LayerNormConfig;
+pub use loss::{cross_entropy, cross_entropy_with, CrossEntropyOptions};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
 pub use softmax::softmax_last_dim;

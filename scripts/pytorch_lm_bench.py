@@ -1,0 +1,35 @@
+#!/usr/bin/env python3
+"""PyTorch DDP comparison on the Transformer LM (issue 15's workload).
+
+A benchmark script, not a test: it is not run by `cargo test` or CI, it needs PyTorch
+(`pip install torch`), and its timings only mean something on an otherwise quiet machine.
+
+Workload: a Transformer language model, vocab 8000, d_model 256, 8 heads, 4 layers with a
+1024-wide feed-forward, sequences of 128 random tokens, batch 8 per process, f32,
+cross-entropy, AdamW (lr 1e-3, Candle's other defaults), gradient clipping at norm 1.0, one
+compute thread per process.
+  - PyTorch: the model as a PyTorch user writes it (`nn.TransformerEncoderLayer`, post-norm, ReLU,
+    causal mask, PyTorch's fused attention path), 1 process and 2 processes under DDP (gloo).
+  - accelerate-rs: `examples/transformer_lm`'s model of the same size (pre-norm, GELU, causal
+    attention, `accelerate_rs::nn` LayerNorm/softmax/cross-entropy), 1 and 2 processes
+    (`cargo bench --bench overhead -- --ddp-only --model transformer --ddp-runs 1`).
+Each round runs PyTorch with 1 then 2 processes, then the accelerate-rs command (which runs 1
+then 2 processes), so drift hits both sides alike; one table and the ratios at the end.
+
+Usage (from anywhere; the Rust command runs in the repository root):
+    python scripts/pytorch_lm_bench.py                 # 3 rounds, 20 timed steps after 3 warm-up
+    python scripts/pytorch_lm_bench.py --runs 5 --steps 30
+    python scripts/pytorch_lm_bench.py --torch-only
+
+The machinery (workers, DDP, the table) is scripts/pytorch_ddp_bench.py's, with `--model lm`.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import pytorch_ddp_bench  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(pytorch_ddp_bench.main(model="lm", doc=__doc__))

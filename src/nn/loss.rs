@@ -1,0 +1,467 @@
+//! Cross-entropy with the log-softmax and the negative log-likelihood fused: one pass over the
+//! logits forward, one backward, no `[N, C]` intermediate kept between them.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Options of [`cross_entropy_with`] (PyTorch's `label_smoothing` and `ignore_index`).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct CrossEntropyOptions {
+    /// ε in `[0, 1)`: the target distribution is `(1 - ε)` on the target class plus `ε / C`
+    /// spread over all `C` classes. 0 (default) is plain cross-entropy.
+    pub label_smoothing: f64,
+    /// Rows whose target is this value (e.g. padding) add nothing to the loss or the gradient;
+    /// the mean is over the other rows (NaN when every row is ignored, as in PyTorch).
+    pub ignore_index: Option<i64>,
+}
+
+impl CrossEntropyOptions {
+    /// Sets the label smoothing ε.
+    pub fn label_smoothing(mut self, epsilon: f64) -> Self {
+        self.label_smoothing = epsilon;
+        self
+    }
+
+    /// Sets the ignored target value.
+    pub fn ignore_index(mut self, index: i64) -> Self {
+        self.ignore_index = Some(index);
+        self
+    }
+}
+
+/// The mean cross-entropy of `logits` (`[N, C]`, unnormalized) against `targets` (`[N]` class
+/// indices, u8/u32/i64): `candle_nn::loss::cross_entropy`'s signature and result, fused and
+/// differentiable on the CPU (f32, f64, bf16, f16, computed in f32), Candle's composed ops
+/// elsewhere.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    cross_entropy_with(logits, targets, CrossEntropyOptions::default())
+}
+
+/// [`cross_entropy`] with label smoothing and an ignored target (see [`CrossEntropyOptions`]).
+///
+/// A target outside `0..C` (other than the ignored value) is an error naming its row.
+pub fn cross_entropy_with(
+    logits: &Tensor,
+    targets: &Tensor,
+    options: CrossEntropyOptions,
+) -> Result<Tensor> {
+    let (n, c) = logits.dims2().map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "accelerate_rs::nn::cross_entropy: logits must be [N, C], got {:?}",
+            logits.dims()
+        ))
+    })?;
+    if targets.dims() != [n] {
+        candle_core::bail!(
+            "accelerate_rs::nn::cross_entropy: targets must be [N] = [{n}] for logits {:?}, got {:?}",
+            logits.dims(),
+            targets.dims()
+        );
+    }
+    if !matches!(targets.dtype(), DType::U8 | DType::U32 | DType::I64) {
+        candle_core::bail!(
+            "accelerate_rs::nn::cross_entropy: targets must be class indices (u8, u32 or i64), got {:?}",
+            targets.dtype()
+        );
+    }
+    let eps = options.label_smoothing;
+    if !(0.0..1.0).contains(&eps) {
+        candle_core::bail!(
+            "accelerate_rs::nn::cross_entropy: label_smoothing must be in [0, 1), got {eps}"
+        );
+    }
+    let t: Vec<i64> = targets.to_dtype(DType::I64)?.to_vec1()?;
+    if let Some((row, bad)) = t
+        .iter()
+        .enumerate()
+        .find(|(_, &v)| Some(v) != options.ignore_index && !(0..c as i64).contains(&v))
+    {
+        candle_core::bail!(
+            "accelerate_rs::nn::cross_entropy: the target of row {row} is {bad}, outside 0..{c} (the number of classes)"
+        );
+    }
+    let fused = logits.device().is_cpu()
+        && matches!(
+            logits.dtype(),
+            DType::F32 | DType::F64 | DType::BF16 | DType::F16
+        );
+    if !fused {
+        return composed(logits, targets, options);
+    }
+    let op = CrossEntropy {
+        targets: Arc::new(t),
+        eps: eps as f32,
+        ignore: options.ignore_index,
+    };
+    logits.contiguous()?.apply_op1(op)
+}
+
+/// The same loss with Candle's differentiable ops (other devices and dtypes; the tests'
+/// reference).
+pub(crate) fn composed(
+    logits: &Tensor,
+    targets: &Tensor,
+    options: CrossEntropyOptions,
+) -> Result<Tensor> {
+    let logp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let t = targets.to_dtype(DType::I64)?;
+    let eps = options.label_smoothing;
+    let keep = match options.ignore_index {
+        Some(i) => t.ne(i)?,
+        None => t.ones_like()?.to_dtype(DType::U8)?,
+    };
+    // Ignored rows pick class 0 (then masked out).
+    let safe = keep.where_cond(&t, &t.zeros_like()?)?;
+    let picked = logp.gather(&safe.unsqueeze(1)?, 1)?.squeeze(1)?;
+    let mut per_row = (picked * (1.0 - eps))?;
+    if eps > 0.0 {
+        per_row = (per_row + (logp.mean(1)? * eps)?)?;
+    }
+    let mask = keep.to_dtype(logits.dtype())?;
+    let total = (per_row.neg()? * &mask)?.sum_all()?;
+    total / mask.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?
+}
+
+/// The fused op; its targets are fixed (not differentiated).
+struct CrossEntropy {
+    targets: Arc<Vec<i64>>,
+    eps: f32,
+    ignore: Option<i64>,
+}
+
+impl CrossEntropy {
+    /// Rows that count (not ignored).
+    fn counted(&self) -> usize {
+        self.targets
+            .iter()
+            .filter(|&&t| Some(t) != self.ignore)
+            .count()
+    }
+}
+
+/// A contiguous CPU slice of `layout`.
+fn slice<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("accelerate_rs::nn: the input must be contiguous"),
+    }
+}
+
+/// Max and log-sum-exp of one row, in f32.
+fn row_lse<T: Copy>(row: &[T], to: &impl Fn(T) -> f32) -> (f32, f32) {
+    let max = row.iter().map(|v| to(*v)).fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = row.iter().map(|v| (to(*v) - max).exp()).sum();
+    (max, max + sum.ln())
+}
+
+/// The summed loss of the counted rows (f64 accumulation across rows).
+fn forward<T: Copy + Send + Sync>(
+    x: &[T],
+    c: usize,
+    op: &CrossEntropy,
+    to: impl Fn(T) -> f32 + Sync,
+) -> f64 {
+    let eps = op.eps;
+    x.par_chunks(c)
+        .zip(op.targets.par_iter())
+        .map(|(row, &t)| {
+            if Some(t) == op.ignore {
+                return 0.0;
+            }
+            let (_, lse) = row_lse(row, &to);
+            let xt = to(row[t as usize]);
+            let mut loss = lse - (1.0 - eps) * xt;
+            if eps > 0.0 {
+                let sum: f32 = row.iter().map(|v| to(*v)).sum();
+                loss -= eps * sum / c as f32;
+            }
+            loss as f64
+        })
+        .sum()
+}
+
+/// d(loss)/d(logits) times `scale` (the incoming gradient over the counted rows).
+fn backward<T: Copy + Send + Sync>(
+    x: &[T],
+    c: usize,
+    op: &CrossEntropy,
+    scale: f32,
+    to: impl Fn(T) -> f32 + Sync,
+    of: impl Fn(f32) -> T + Sync,
+) -> Vec<T> {
+    let eps = op.eps;
+    let uniform = eps / c as f32;
+    let mut out: Vec<T> = x.to_vec();
+    out.par_chunks_mut(c)
+        .zip(x.par_chunks(c).zip(op.targets.par_iter()))
+        .for_each(|(o, (row, &t))| {
+            if Some(t) == op.ignore {
+                o.iter_mut().for_each(|v| *v = of(0.0));
+                return;
+            }
+            let (_, lse) = row_lse(row, &to);
+            for (j, (o, v)) in o.iter_mut().zip(row).enumerate() {
+                let mut g = (to(*v) - lse).exp() - uniform;
+                if j == t as usize {
+                    g -= 1.0 - eps;
+                }
+                *o = of(g * scale);
+            }
+        });
+    out
+}
+
+impl CustomOp1 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "accelerate-rs-cross-entropy"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let c = l.dims().last().copied().unwrap_or(1).max(1);
+        let mean = |sum: f64| sum / self.counted() as f64;
+        let out = match s {
+            CpuStorage::F32(x) => {
+                CpuStorage::F32(vec![mean(forward(slice(x, l)?, c, self, |v| v)) as f32])
+            }
+            CpuStorage::F64(x) => {
+                CpuStorage::F64(vec![mean(forward(slice(x, l)?, c, self, |v| v as f32))])
+            }
+            CpuStorage::BF16(x) => CpuStorage::BF16(vec![bf16::from_f64(mean(forward(
+                slice(x, l)?,
+                c,
+                self,
+                bf16::to_f32,
+            )))]),
+            CpuStorage::F16(x) => CpuStorage::F16(vec![f16::from_f64(mean(forward(
+                slice(x, l)?,
+                c,
+                self,
+                f16::to_f32,
+            )))]),
+            _ => candle_core::bail!("{}: a float dtype is expected", self.name()),
+        };
+        Ok((out, Shape::from(())))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let scale = g / self.counted() as f32;
+        let op = CrossEntropyGrad {
+            targets: Arc::clone(&self.targets),
+            eps: self.eps,
+            ignore: self.ignore,
+            scale,
+        };
+        Ok(Some(arg.contiguous()?.apply_op1_no_bwd(&op)?))
+    }
+}
+
+/// The gradient of [`CrossEntropy`] with respect to its logits, times `scale`.
+struct CrossEntropyGrad {
+    targets: Arc<Vec<i64>>,
+    eps: f32,
+    ignore: Option<i64>,
+    scale: f32,
+}
+
+impl CustomOp1 for CrossEntropyGrad {
+    fn name(&self) -> &'static str {
+        "accelerate-rs-cross-entropy-backward"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let c = l.dims().last().copied().unwrap_or(1).max(1);
+        let op = CrossEntropy {
+            targets: Arc::clone(&self.targets),
+            eps: self.eps,
+            ignore: self.ignore,
+        };
+        let k = self.scale;
+        let out = match s {
+            CpuStorage::F32(x) => CpuStorage::F32(backward(slice(x, l)?, c, &op, k, |v| v, |v| v)),
+            CpuStorage::F64(x) => CpuStorage::F64(backward(
+                slice(x, l)?,
+                c,
+                &op,
+                k,
+                |v| v as f32,
+                |v| v as f64,
+            )),
+            CpuStorage::BF16(x) => CpuStorage::BF16(backward(
+                slice(x, l)?,
+                c,
+                &op,
+                k,
+                bf16::to_f32,
+                bf16::from_f32,
+            )),
+            CpuStorage::F16(x) => CpuStorage::F16(backward(
+                slice(x, l)?,
+                c,
+                &op,
+                k,
+                f16::to_f32,
+                f16::from_f32,
+            )),
+            _ => candle_core::bail!("{}: a float dtype is expected", self.name()),
+        };
+        Ok((out, l.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn logits(n: usize, c: usize, salt: usize) -> Tensor {
+        let v: Vec<f32> = (0..n * c)
+            .map(|i| (((i * 7919 + salt * 104729) % 1013) as f32 / 1013.0 - 0.5) * 6.0)
+            .collect();
+        Tensor::from_vec(v, (n, c), &Device::Cpu).unwrap()
+    }
+
+    fn targets(n: usize, c: usize, ignore: Option<i64>) -> Tensor {
+        let v: Vec<i64> = (0..n)
+            .map(|i| match ignore {
+                Some(ig) if i % 3 == 1 => ig,
+                _ => ((i * 5 + 2) % c) as i64,
+            })
+            .collect();
+        Tensor::from_vec(v, n, &Device::Cpu).unwrap()
+    }
+
+    /// The loss and the logits' gradient (of `loss * 1.7`).
+    fn run(
+        f: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
+        x: &Tensor,
+        t: &Tensor,
+    ) -> (f64, Vec<f32>) {
+        let v = Var::from_tensor(x).unwrap();
+        let loss = f(v.as_tensor(), t).unwrap();
+        let grads = (&loss * 1.7).unwrap().backward().unwrap();
+        let g = grads.get(v.as_tensor()).unwrap();
+        (
+            loss.to_dtype(DType::F64)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap(),
+            g.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap(),
+        )
+    }
+
+    #[test]
+    fn fused_equals_composed_in_value_and_gradient() {
+        let cases = [(1, 2), (5, 7), (33, 100), (128, 65), (64, 8000)];
+        let options = [
+            CrossEntropyOptions::default(),
+            CrossEntropyOptions::default().label_smoothing(0.1),
+            CrossEntropyOptions::default().ignore_index(-100),
+            CrossEntropyOptions::default()
+                .label_smoothing(0.2)
+                .ignore_index(0),
+        ];
+        for (k, &(n, c)) in cases.iter().enumerate() {
+            for o in options {
+                for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+                    // Non-contiguous input half the time: a transposed [C, N] tensor.
+                    let x = if k % 2 == 0 {
+                        logits(n, c, k).to_dtype(dtype).unwrap()
+                    } else {
+                        logits(c, n, k).t().unwrap().to_dtype(dtype).unwrap()
+                    };
+                    let t = targets(n, c, o.ignore_index);
+                    let fused = run(&|x, t| cross_entropy_with(x, t, o), &x, &t);
+                    let reference = run(
+                        &|x, t| composed(&x.to_dtype(DType::F64)?, t, o)?.to_dtype(x.dtype()),
+                        &x,
+                        &t,
+                    );
+                    let tol = match dtype {
+                        DType::BF16 => 3e-2,
+                        DType::F16 => 5e-3,
+                        _ => 2e-5,
+                    };
+                    let what = format!("n {n} c {c} {o:?} {dtype:?}");
+                    if reference.0.is_nan() {
+                        // Every row ignored (one row whose target is the ignored one).
+                        assert!(fused.0.is_nan(), "{what}: loss {}, want NaN", fused.0);
+                        assert!(fused.1.iter().all(|g| *g == 0.0), "{what}: {:?}", fused.1);
+                        continue;
+                    }
+                    assert!(
+                        (fused.0 - reference.0).abs() <= tol as f64 * (1.0 + reference.0.abs()),
+                        "{what}: loss {} vs {}",
+                        fused.0,
+                        reference.0
+                    );
+                    let gmax = reference.1.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let diff = fused
+                        .1
+                        .iter()
+                        .zip(&reference.1)
+                        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                    assert!(
+                        diff <= tol * (gmax + 1e-3),
+                        "{what}: gradient differs by {diff} (max {gmax})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn plain_options_match_candle_nn() {
+        let x = logits(17, 11, 3);
+        let t = Tensor::from_vec(
+            (0..17u32).map(|i| i % 11).collect::<Vec<_>>(),
+            17,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let a = run(&|x, t| cross_entropy(x, t), &x, &t);
+        let b = run(&|x, t| candle_nn::loss::cross_entropy(x, t), &x, &t);
+        assert!((a.0 - b.0).abs() < 1e-5, "{} vs {}", a.0, b.0);
+        let diff =
+            a.1.iter()
+                .zip(&b.1)
+                .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(diff < 1e-6, "gradient differs by {diff}");
+    }
+
+    #[test]
+    fn bad_inputs_are_errors_naming_what_is_wrong() {
+        let x = logits(4, 3, 0);
+        let t = Tensor::from_vec(vec![0i64, 1, 5, 2], 4, &Device::Cpu).unwrap();
+        let e = cross_entropy(&x, &t).unwrap_err().to_string();
+        assert!(e.contains("row 2") && e.contains("0..3"), "{e}");
+        let e = cross_entropy(&x, &t.narrow(0, 0, 3).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("[N] = [4]"), "{e}");
+        let ok = Tensor::from_vec(vec![0i64, 1, 2, 2], 4, &Device::Cpu).unwrap();
+        let e = cross_entropy_with(&x, &ok, CrossEntropyOptions::default().label_smoothing(1.0))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("label_smoothing"), "{e}");
+        let e = cross_entropy(&x.flatten_all().unwrap(), &ok)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("[N, C]"), "{e}");
+        // Every row ignored: NaN, as in PyTorch, and no panic.
+        let all = Tensor::from_vec(vec![-1i64; 4], 4, &Device::Cpu).unwrap();
+        let l = cross_entropy_with(&x, &all, CrossEntropyOptions::default().ignore_index(-1))
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(l.is_nan());
+    }
+}
