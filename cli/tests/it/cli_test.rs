@@ -13,6 +13,29 @@ fn bin() -> Command {
     c
 }
 
+/// With `ACCELERATE_RS_ZERO_STAGE`, the DDP check runs sharded (momentum SGD, each rank keeping
+/// its slice) and still equals the single-process reference, on 3 processes (uneven slices).
+#[test]
+fn zero_stages_pass_the_ddp_check_against_the_reference() {
+    for stage in ["1", "2"] {
+        let out = bin()
+            .args(["test", "-n", "3", "--cpu"])
+            .env("ACCELERATE_RS_ZERO_STAGE", stage)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "stage {stage}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let want = format!(
+            "[rank 0] ok: DDP steps equal a single-process reference (zero_stage {stage}: sharded true)"
+        );
+        assert!(stdout.contains(&want), "missing `{want}`:\n{stdout}");
+    }
+}
+
 #[test]
 fn passes_on_two_cpu_processes_with_every_check_reported() {
     let out = bin().args(["test", "-n", "2"]).output().unwrap();
@@ -29,7 +52,7 @@ fn passes_on_two_cpu_processes_with_every_check_reported() {
         "ok: distributed sampler",
         "ok: DDP steps equal a single-process reference",
         // A check that does not apply says so: never `ok` for what did not run.
-        "skipped: GPU tensors: all_reduce, broadcast, all_gather (f32, bf16, f16) (this rank runs on the CPU)",
+        "skipped: GPU tensors: all_reduce, broadcast, all_gather, reduce_scatter, all_gather_into (f32, bf16, f16) (this rank runs on the CPU)",
     ] {
         assert!(
             stdout.contains(&format!("[rank 0] {check}")),
