@@ -1,6 +1,7 @@
 //! `accelerate_rs::nn` against Candle's composed ops, forward and backward, on the shapes of the
 //! Transformer LM (batch 8 x 128 tokens x 256 features; attention scores 8 x 8 heads x 128 x
-//! 128; cross-entropy over 1024 tokens x 8000 classes), timed in alternating blocks in one run:
+//! 128; cross-entropy over 1024 tokens x 8000 classes; GELU over 8 x 128 x 1024; a 256 -> 1024
+//! linear layer with bias), timed in alternating blocks in one run:
 //!
 //!     cargo bench --bench nn
 //!     cargo bench --bench nn -- --quick
@@ -71,7 +72,25 @@ fn main() -> Result<()> {
         &dev,
     )?;
     let labels2 = labels.clone();
+    // The MLP's activations (8 x 128 tokens x 1024) and its first layer (256 -> 1024, with bias).
+    let hidden = Var::from_tensor(&Tensor::randn(0f32, 1.0, (8, 128, 1024), &dev)?)?;
+    let fc_w = (Tensor::randn(0f32, 1.0, (1024, d), &dev)? * 0.05)?;
+    let fc_b = Tensor::zeros(1024, candle_core::DType::F32, &dev)?;
+    let ours = nn::Linear::new(fc_w.clone(), Some(fc_b.clone()));
+    let theirs = candle_nn::Linear::new(fc_w, Some(fc_b));
     let mut cases = cases;
+    cases.push((
+        "gelu 8x128x1024",
+        &hidden,
+        Box::new(nn::gelu),
+        Box::new(|x| x.gelu()),
+    ));
+    cases.push((
+        "linear 1024x256->1024",
+        &rows,
+        Box::new(move |x| ours.forward(x)),
+        Box::new(move |x| theirs.forward(x)),
+    ));
     cases.push((
         "cross_entropy 1024x8000",
         &logits,

@@ -2,11 +2,13 @@
 //! embeddings, pre-LayerNorm blocks with causal multi-head self-attention and a 4x GELU MLP, a
 //! final LayerNorm and an output head (tied to the token embedding or not).
 //!
-//! LayerNorm and softmax come from `accelerate_rs::nn`: fused and differentiable (Candle's own
-//! fused CPU kernels for both have no backward pass, so everything before them would not train).
+//! LayerNorm, softmax, GELU and the linear layers come from `accelerate_rs::nn`: fused and
+//! differentiable (Candle's own fused CPU kernels for LayerNorm and softmax have no backward
+//! pass, so everything before them would not train; its GELU and bias backward are slow).
 
+use accelerate_rs::nn::{linear, Linear};
 use candle_core::{DType, Device, Module, Result, Tensor};
-use candle_nn::{linear, Embedding, Init, Linear, VarBuilder};
+use candle_nn::{Embedding, Init, VarBuilder};
 
 /// Architecture hyper-parameters.
 #[derive(Clone, Copy, Debug)]
@@ -93,7 +95,7 @@ impl Block {
 
     fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
         let x = (x + self.attn.forward(&self.ln1.forward(x)?, mask)?)?;
-        let h = self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?;
+        let h = accelerate_rs::nn::gelu(&self.fc.forward(&self.ln2.forward(&x)?)?)?;
         x + self.fc_out.forward(&h)?
     }
 }

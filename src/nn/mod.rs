@@ -1,7 +1,8 @@
 //! Differentiable fused layers for Candle: [`LayerNorm`] / [`layer_norm`], [`RmsNorm`] /
-//! [`rms_norm`], [`softmax_last_dim`] and [`cross_entropy`] (with label smoothing and an ignored
-//! index through [`cross_entropy_with`]), each one pass forward and one pass backward over the
-//! data (Rayon-parallel over rows, f32 arithmetic for f32, bf16 and f16, f64 too).
+//! [`rms_norm`], [`softmax_last_dim`], [`cross_entropy`] (with label smoothing and an ignored
+//! index through [`cross_entropy_with`]), [`gelu`] and [`Linear`] / [`linear`] (its bias
+//! gradient in one pass of row sums), each one pass forward and one pass backward over the data
+//! (Rayon-parallel, f32 arithmetic for f32, bf16 and f16, f64 too).
 //!
 //! They are drop-in replacements with `candle_nn`'s signatures, so switching is an import
 //! change, and unlike `candle_nn::LayerNorm` (its fused path), `candle_nn::RmsNorm` and
@@ -23,11 +24,16 @@
 //! # Ok(()) }
 //! ```
 
+mod elem;
+mod gelu;
+mod linear;
 mod loss;
 mod norm;
 mod softmax;
 
 pub use candle_nn::LayerNormConfig;
+pub use gelu::gelu;
+pub use linear::{linear, linear_no_bias, Linear};
 pub use loss::{cross_entropy, cross_entropy_with, CrossEntropyOptions};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
 pub use softmax::softmax_last_dim;

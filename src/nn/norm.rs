@@ -2,58 +2,13 @@
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, Tensor};
 use candle_nn::LayerNormConfig;
-use half::{bf16, f16};
 use rayon::prelude::*;
+
+use super::elem::{slice, Elem};
 
 /// Rows handled by one Rayon task in the backward pass (its partial weight/bias gradients are
 /// summed at the end).
 const ROWS_PER_TASK: usize = 32;
-
-/// Elements computed in f32.
-trait Elem: Copy + Send + Sync + 'static {
-    fn f(self) -> f32;
-    fn of(v: f32) -> Self;
-}
-impl Elem for f32 {
-    fn f(self) -> f32 {
-        self
-    }
-    fn of(v: f32) -> Self {
-        v
-    }
-}
-impl Elem for f64 {
-    fn f(self) -> f32 {
-        self as f32
-    }
-    fn of(v: f32) -> Self {
-        v as f64
-    }
-}
-impl Elem for bf16 {
-    fn f(self) -> f32 {
-        self.to_f32()
-    }
-    fn of(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-}
-impl Elem for f16 {
-    fn f(self) -> f32 {
-        self.to_f32()
-    }
-    fn of(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-}
-
-/// A contiguous CPU slice of `layout`.
-fn slice<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
-    match layout.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("accelerate_rs::nn: the input must be contiguous"),
-    }
-}
 
 /// Mean (0 without `remove_mean`) and 1/sqrt(var + eps) of one row.
 fn stats<T: Elem>(row: &[T], remove_mean: bool, eps: f32) -> (f32, f32) {

@@ -155,6 +155,95 @@ fn layer_norm_rms_norm_and_softmax_match_candle_values_and_gradients() {
 }
 
 #[test]
+fn gelu_and_linear_match_candle_values_and_gradients() {
+    // Linear inputs of rank 2, 3 and 4 (the last dim is `in`), contiguous or not.
+    const LINEAR: &[(&[usize], usize)] = &[
+        (&[1, 1], 1),
+        (&[3, 5], 7),
+        (&[2, 3, 17], 9),
+        (&[2, 2, 4, 16], 33),
+        (&[64, 256], 1024),
+    ];
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-5), (DType::BF16, 2e-2)] {
+        for shape in SHAPES {
+            for transposed in [false, true] {
+                let mut x = det(shape, 1).to_dtype(dtype).unwrap();
+                if transposed && shape.len() == 2 && shape[0] > 1 {
+                    x = det(&[shape[1], shape[0]], 1)
+                        .to_dtype(dtype)
+                        .unwrap()
+                        .t()
+                        .unwrap();
+                }
+                let diff = compare(
+                    &x,
+                    &[],
+                    |x, _| nn::gelu(x).unwrap(),
+                    |x, _| x.gelu().unwrap(),
+                );
+                assert!(
+                    diff < tol,
+                    "gelu {dtype:?} {shape:?} transposed {transposed}: {diff}"
+                );
+            }
+        }
+        for &(shape, out) in LINEAR {
+            let k = *shape.last().unwrap();
+            for transposed in [false, true] {
+                let mut x = det(shape, 4).to_dtype(dtype).unwrap();
+                if transposed && shape.len() == 2 && shape[0] > 1 {
+                    x = det(&[shape[1], shape[0]], 4)
+                        .to_dtype(dtype)
+                        .unwrap()
+                        .t()
+                        .unwrap();
+                }
+                let w = (det(&[out, k], 5).to_dtype(dtype).unwrap() * 0.1).unwrap();
+                let b = det(&[out], 6).to_dtype(dtype).unwrap();
+                let what = format!("{dtype:?} {shape:?} -> {out} transposed {transposed}");
+                let diff = compare(
+                    &x,
+                    &[w.clone(), b.clone()],
+                    |x, p| {
+                        nn::Linear::new(p[0].clone(), Some(p[1].clone()))
+                            .forward(x)
+                            .unwrap()
+                    },
+                    |x, p| {
+                        candle_nn::Linear::new(p[0].clone(), Some(p[1].clone()))
+                            .forward(x)
+                            .unwrap()
+                    },
+                );
+                assert!(diff < tol, "linear {what}: {diff}");
+                let diff = compare(
+                    &x,
+                    std::slice::from_ref(&w),
+                    |x, p| nn::Linear::new(p[0].clone(), None).forward(x).unwrap(),
+                    |x, p| {
+                        candle_nn::Linear::new(p[0].clone(), None)
+                            .forward(x)
+                            .unwrap()
+                    },
+                );
+                assert!(diff < tol, "linear without bias {what}: {diff}");
+            }
+        }
+    }
+    // The constructors take the same variables, initialized the same way, as candle_nn's.
+    let varmap = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let ours = nn::linear(4, 3, vb.pp("fc")).unwrap();
+    let theirs = candle_nn::linear(4, 3, vb.pp("fc")).unwrap();
+    let x = det(&[2, 4], 7);
+    assert!(max_diff(&ours.forward(&x).unwrap(), &theirs.forward(&x).unwrap()) < 1e-6);
+    assert_eq!(varmap.all_vars().len(), 2);
+    let nb = nn::linear_no_bias(4, 3, vb.pp("nb")).unwrap();
+    assert!(nb.bias().is_none());
+    assert_eq!(nb.weight().dims(), [3, 4]);
+}
+
+#[test]
 fn layers_built_like_candle_nn_train_what_candle_nns_fused_ones_freeze() {
     let varmap = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
