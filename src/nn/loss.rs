@@ -1,7 +1,7 @@
 //! Cross-entropy with the log-softmax and the negative log-likelihood fused: one pass over the
 //! logits forward, one backward, no `[N, C]` intermediate kept between them.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
 use half::{bf16, f16};
@@ -95,6 +95,7 @@ pub fn cross_entropy_with(
         targets: Arc::new(t),
         eps: eps as f32,
         ignore: options.ignore_index,
+        lse: Mutex::new(None),
     };
     logits.contiguous()?.apply_op1(op)
 }
@@ -130,6 +131,9 @@ struct CrossEntropy {
     targets: Arc<Vec<i64>>,
     eps: f32,
     ignore: Option<i64>,
+    /// Each row's log-sum-exp, kept by the forward pass for the backward one (which then takes
+    /// one `exp` per logit instead of two).
+    lse: Mutex<Option<Arc<Vec<f32>>>>,
 }
 
 impl CrossEntropy {
@@ -157,7 +161,8 @@ fn row_lse<T: Copy>(row: &[T], to: &impl Fn(T) -> f32) -> (f32, f32) {
     (max, max + sum.ln())
 }
 
-/// The summed loss of the counted rows (f64 accumulation across rows).
+/// The summed loss of the counted rows (f64 accumulation across rows); keeps each row's
+/// log-sum-exp in `op.lse`.
 fn forward<T: Copy + Send + Sync>(
     x: &[T],
     c: usize,
@@ -165,13 +170,17 @@ fn forward<T: Copy + Send + Sync>(
     to: impl Fn(T) -> f32 + Sync,
 ) -> f64 {
     let eps = op.eps;
-    x.par_chunks(c)
+    let mut lses = vec![0f32; op.targets.len()];
+    let sum = x
+        .par_chunks(c)
         .zip(op.targets.par_iter())
-        .map(|(row, &t)| {
+        .zip(lses.par_iter_mut())
+        .map(|((row, &t), keep)| {
             if Some(t) == op.ignore {
                 return 0.0;
             }
             let (_, lse) = row_lse(row, &to);
+            *keep = lse;
             let xt = to(row[t as usize]);
             let mut loss = lse - (1.0 - eps) * xt;
             if eps > 0.0 {
@@ -180,29 +189,36 @@ fn forward<T: Copy + Send + Sync>(
             }
             loss as f64
         })
-        .sum()
+        .sum();
+    *op.lse.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(lses));
+    sum
 }
 
-/// d(loss)/d(logits) times `scale` (the incoming gradient over the counted rows).
+/// d(loss)/d(logits) times `scale` (the incoming gradient over the counted rows); `lses` are
+/// the rows' log-sum-exps from the forward pass, when there.
 fn backward<T: Copy + Send + Sync>(
     x: &[T],
     c: usize,
-    op: &CrossEntropy,
-    scale: f32,
+    op: &CrossEntropyGrad,
+    lses: Option<&[f32]>,
     to: impl Fn(T) -> f32 + Sync,
     of: impl Fn(f32) -> T + Sync,
 ) -> Vec<T> {
-    let eps = op.eps;
+    let (eps, scale) = (op.eps, op.scale);
     let uniform = eps / c as f32;
     let mut out: Vec<T> = x.to_vec();
     out.par_chunks_mut(c)
         .zip(x.par_chunks(c).zip(op.targets.par_iter()))
-        .for_each(|(o, (row, &t))| {
+        .enumerate()
+        .for_each(|(i, (o, (row, &t)))| {
             if Some(t) == op.ignore {
                 o.iter_mut().for_each(|v| *v = of(0.0));
                 return;
             }
-            let (_, lse) = row_lse(row, &to);
+            let lse = match lses.and_then(|l| l.get(i)) {
+                Some(&lse) => lse,
+                None => row_lse(row, &to).1,
+            };
             for (j, (o, v)) in o.iter_mut().zip(row).enumerate() {
                 let mut g = (to(*v) - lse).exp() - uniform;
                 if j == t as usize {
@@ -249,11 +265,13 @@ impl CustomOp1 for CrossEntropy {
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         let scale = g / self.counted() as f32;
+        let lse = self.lse.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let op = CrossEntropyGrad {
             targets: Arc::clone(&self.targets),
             eps: self.eps,
             ignore: self.ignore,
             scale,
+            lse,
         };
         Ok(Some(arg.contiguous()?.apply_op1_no_bwd(&op)?))
     }
@@ -265,6 +283,8 @@ struct CrossEntropyGrad {
     eps: f32,
     ignore: Option<i64>,
     scale: f32,
+    /// The forward pass's log-sum-exps (recomputed when absent or of another length).
+    lse: Option<Arc<Vec<f32>>>,
 }
 
 impl CustomOp1 for CrossEntropyGrad {
@@ -274,35 +294,36 @@ impl CustomOp1 for CrossEntropyGrad {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let c = l.dims().last().copied().unwrap_or(1).max(1);
-        let op = CrossEntropy {
-            targets: Arc::clone(&self.targets),
-            eps: self.eps,
-            ignore: self.ignore,
-        };
-        let k = self.scale;
+        let lses = self
+            .lse
+            .as_deref()
+            .filter(|v| v.len() == self.targets.len())
+            .map(|v| v.as_slice());
         let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(backward(slice(x, l)?, c, &op, k, |v| v, |v| v)),
+            CpuStorage::F32(x) => {
+                CpuStorage::F32(backward(slice(x, l)?, c, self, lses, |v| v, |v| v))
+            }
             CpuStorage::F64(x) => CpuStorage::F64(backward(
                 slice(x, l)?,
                 c,
-                &op,
-                k,
+                self,
+                lses,
                 |v| v as f32,
                 |v| v as f64,
             )),
             CpuStorage::BF16(x) => CpuStorage::BF16(backward(
                 slice(x, l)?,
                 c,
-                &op,
-                k,
+                self,
+                lses,
                 bf16::to_f32,
                 bf16::from_f32,
             )),
             CpuStorage::F16(x) => CpuStorage::F16(backward(
                 slice(x, l)?,
                 c,
-                &op,
-                k,
+                self,
+                lses,
                 f16::to_f32,
                 f16::from_f32,
             )),
