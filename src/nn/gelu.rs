@@ -5,7 +5,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::elem::{slice, Elem};
+use super::elem::{binary_float, slice, unary_float, Elem};
 
 /// Elements per Rayon task.
 const CHUNK: usize = 4096;
@@ -49,13 +49,7 @@ impl CustomOp1 for GeluFwd {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(fwd(slice(x, l)?)),
-            CpuStorage::F64(x) => CpuStorage::F64(fwd(slice(x, l)?)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(fwd(slice(x, l)?)),
-            CpuStorage::F16(x) => CpuStorage::F16(fwd(slice(x, l)?)),
-            _ => candle_core::bail!("{}: a float dtype expected", self.name()),
-        };
+        let out = unary_float!(self.name(), s, l, fwd);
         Ok((out, l.shape().clone()))
     }
 
@@ -94,21 +88,7 @@ impl CustomOp2 for GeluBwd {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
-                CpuStorage::F32(bwd(slice(x, l1)?, slice(g, l2)?))
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(g)) => {
-                CpuStorage::F64(bwd(slice(x, l1)?, slice(g, l2)?))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
-                CpuStorage::BF16(bwd(slice(x, l1)?, slice(g, l2)?))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
-                CpuStorage::F16(bwd(slice(x, l1)?, slice(g, l2)?))
-            }
-            _ => candle_core::bail!("{}: one float dtype expected", self.name()),
-        };
+        let out = binary_float!(self.name(), s1, l1, s2, l2, bwd);
         Ok((out, l1.shape().clone()))
     }
 }

@@ -5,7 +5,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Module, Resul
 use candle_nn::VarBuilder;
 use rayon::prelude::*;
 
-use super::elem::{slice, Elem};
+use super::elem::{binary_float, slice, Elem};
 
 /// Rows summed by one Rayon task in the bias gradient.
 const ROWS_PER_TASK: usize = 64;
@@ -113,21 +113,7 @@ impl CustomOp2 for BiasAdd {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match (s1, s2) {
-            (CpuStorage::F32(y), CpuStorage::F32(b)) => {
-                CpuStorage::F32(add_rows(slice(y, l1)?, slice(b, l2)?))
-            }
-            (CpuStorage::F64(y), CpuStorage::F64(b)) => {
-                CpuStorage::F64(add_rows(slice(y, l1)?, slice(b, l2)?))
-            }
-            (CpuStorage::BF16(y), CpuStorage::BF16(b)) => {
-                CpuStorage::BF16(add_rows(slice(y, l1)?, slice(b, l2)?))
-            }
-            (CpuStorage::F16(y), CpuStorage::F16(b)) => {
-                CpuStorage::F16(add_rows(slice(y, l1)?, slice(b, l2)?))
-            }
-            _ => candle_core::bail!("{}: one float dtype expected", self.name()),
-        };
+        let out = binary_float!(self.name(), s1, l1, s2, l2, add_rows);
         Ok((out, l1.shape().clone()))
     }
 

@@ -314,21 +314,7 @@ impl ParamSet {
         for b in &self.buckets {
             let vars = &self.vars[b.members.clone()];
             let (dtype, device) = (vars[0].dtype(), vars[0].device().clone());
-            let mut parts = Vec::with_capacity(vars.len() + 1);
-            let mut present = Vec::with_capacity(vars.len());
-            for v in vars {
-                match grads.get(v.as_tensor()) {
-                    Some(g) => {
-                        self.check_grad_shape(c, v, g)?;
-                        parts.push(g.to_dtype(dtype)?.flatten_all()?);
-                        present.push(1f64);
-                    }
-                    None => {
-                        parts.push(Tensor::zeros(v.elem_count(), dtype, &device)?);
-                        present.push(0f64);
-                    }
-                }
-            }
+            let (mut parts, present) = self.bucket_grads_device(c, vars, grads)?;
             parts.push(Tensor::new(present.as_slice(), &device)?.to_dtype(dtype)?);
             let flat = Tensor::cat(&parts, 0)?;
             let mean = c.all_reduce_tensor(&flat, ReduceOp::Mean)?;
@@ -349,6 +335,33 @@ impl ParamSet {
             }
         }
         Ok(())
+    }
+
+    /// One bucket's gradients as flat tensors on the bucket's device, in the parameters' dtype
+    /// (zeros for a parameter without one), and one presence flag per parameter (1 or 0).
+    fn bucket_grads_device(
+        &self,
+        c: &dyn Collective,
+        vars: &[Var],
+        grads: &GradStore,
+    ) -> Result<(Vec<Tensor>, Vec<f64>)> {
+        let (dtype, device) = (vars[0].dtype(), vars[0].device().clone());
+        let mut parts = Vec::with_capacity(vars.len() + 1);
+        let mut present = Vec::with_capacity(vars.len());
+        for v in vars {
+            match grads.get(v.as_tensor()) {
+                Some(g) => {
+                    self.check_grad_shape(c, v, g)?;
+                    parts.push(g.to_dtype(dtype)?.flatten_all()?);
+                    present.push(1f64);
+                }
+                None => {
+                    parts.push(Tensor::zeros(v.elem_count(), dtype, &device)?);
+                    present.push(0f64);
+                }
+            }
+        }
+        Ok((parts, present))
     }
 
     /// One bucket of CPU gradients copied into its reusable flat tensor `slot` (followed by one
@@ -732,22 +745,7 @@ impl ParamSet {
         let mut present = Vec::with_capacity(self.vars.len());
         for b in &self.buckets {
             let vars = &self.vars[b.members.clone()];
-            let (dtype, device) = (vars[0].dtype(), vars[0].device().clone());
-            let mut parts = Vec::with_capacity(vars.len());
-            let mut flags = Vec::with_capacity(vars.len());
-            for v in vars {
-                match grads.get(v.as_tensor()) {
-                    Some(g) => {
-                        self.check_grad_shape(c, v, g)?;
-                        parts.push(g.to_dtype(dtype)?.flatten_all()?);
-                        flags.push(1f64);
-                    }
-                    None => {
-                        parts.push(Tensor::zeros(v.elem_count(), dtype, &device)?);
-                        flags.push(0f64);
-                    }
-                }
-            }
+            let (parts, mut flags) = self.bucket_grads_device(c, vars, grads)?;
             let flat = Tensor::cat(&parts, 0)?;
             let shard = c.reduce_scatter_tensor(&flat, ReduceOp::Mean)?;
             c.all_reduce((&mut flags[..]).into(), ReduceOp::Mean)?;
