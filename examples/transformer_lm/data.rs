@@ -1,17 +1,12 @@
-//! Command-line arguments, the character-level corpus and the two-group AdamW of the
-//! transformer_lm example.
+//! Command-line arguments and the character-level corpus of the transformer_lm example.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use accelerate_rs::checkpoint::StatefulOptimizer;
-use accelerate_rs::optim::{AdamW, OptimizerState, ParamsAdamW};
 use accelerate_rs::{IterableDataset, RecordStream};
 use anyhow::{bail, Context, Result};
-use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
-use candle_nn::Optimizer;
+use candle_core::{Device, Tensor};
 use clap::Parser;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -235,104 +230,5 @@ impl IterableDataset for CharWindows {
         let x = Tensor::new(&self.tokens[s..s + t], &Device::Cpu)?;
         let y = Tensor::new(&self.tokens[s + 1..s + t + 1], &Device::Cpu)?;
         Ok(vec![x, y])
-    }
-}
-
-/// AdamW with two parameter groups, as in GPT-2/nanoGPT: weight decay on the matrices (linear
-/// weights, embeddings), none on biases and LayerNorm gains. Both groups share the learning
-/// rate, so a schedule drives them together.
-pub struct GroupedAdamW {
-    decay: AdamW,
-    no_decay: AdamW,
-}
-
-impl GroupedAdamW {
-    /// Splits `params` by rank: 2-D and up decay, 1-D do not.
-    pub fn grouped(params: Vec<(String, Var)>, config: ParamsAdamW) -> candle_core::Result<Self> {
-        let (decay, no_decay): (Vec<_>, Vec<_>) =
-            params.into_iter().partition(|(_, v)| v.rank() >= 2);
-        let vars = |group: Vec<(String, Var)>| group.into_iter().map(|(_, v)| v).collect();
-        Ok(GroupedAdamW {
-            decay: AdamW::new(vars(decay), config.clone())?,
-            no_decay: AdamW::new(
-                vars(no_decay),
-                ParamsAdamW {
-                    weight_decay: 0.0,
-                    ..config
-                },
-            )?,
-        })
-    }
-}
-
-/// Both groups' states in one, their tensor names prefixed `decay/` and `no_decay/`.
-impl StatefulOptimizer for GroupedAdamW {
-    fn optimizer_state(&self) -> accelerate_rs::Result<OptimizerState> {
-        let (d, n) = (self.decay.state()?, self.no_decay.state()?);
-        let mut tensors = Vec::with_capacity(d.tensors.len() + n.tensors.len());
-        tensors.extend(
-            d.tensors
-                .into_iter()
-                .map(|(k, t)| (format!("decay/{k}"), t)),
-        );
-        tensors.extend(
-            n.tensors
-                .into_iter()
-                .map(|(k, t)| (format!("no_decay/{k}"), t)),
-        );
-        Ok(OptimizerState {
-            step: d.step,
-            lr: d.lr,
-            tensors,
-        })
-    }
-
-    fn load_optimizer_state(&mut self, state: OptimizerState) -> accelerate_rs::Result<()> {
-        let (mut d, mut n) = (Vec::new(), Vec::new());
-        for (k, t) in state.tensors {
-            match (k.strip_prefix("decay/"), k.strip_prefix("no_decay/")) {
-                (Some(k), _) => d.push((k.to_string(), t)),
-                (_, Some(k)) => n.push((k.to_string(), t)),
-                _ => {
-                    return Err(accelerate_rs::Error::invalid(
-                        format!("optimizer state tensor `{k}`"),
-                        "expected a `decay/` or `no_decay/` prefix",
-                    ))
-                }
-            }
-        }
-        let part = |tensors| OptimizerState {
-            step: state.step,
-            lr: state.lr,
-            tensors,
-        };
-        self.decay.load_state(part(d))?;
-        self.no_decay.load_state(part(n))
-    }
-}
-
-impl Optimizer for GroupedAdamW {
-    type Config = ParamsAdamW;
-
-    /// Without names to split by: every parameter in the decay group.
-    fn new(vars: Vec<Var>, config: ParamsAdamW) -> candle_core::Result<Self> {
-        Ok(GroupedAdamW {
-            decay: AdamW::new(vars, config.clone())?,
-            no_decay: AdamW::new(vec![], config)?,
-        })
-    }
-
-    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
-        self.decay.step(grads)?;
-        self.no_decay.step(grads)
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.decay.learning_rate()
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.decay.set_learning_rate(lr);
-        self.no_decay.set_learning_rate(lr);
     }
 }

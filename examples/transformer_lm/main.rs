@@ -21,15 +21,15 @@ mod model;
 use std::time::Instant;
 
 use accelerate_rs::checkpoint::{latest_checkpoint, CheckpointParts, LoadTargets};
-use accelerate_rs::optim::ParamsAdamW;
+use accelerate_rs::optim::{AdamW, ParamsAdamW};
 use accelerate_rs::scheduler::{LinearWarmupCosine, Schedule};
 use accelerate_rs::{tracking, Accelerator, Parameters, ReduceOp, StreamingLoader};
 use anyhow::Result;
-use candle_core::{DType, Tensor};
-use candle_nn::{VarBuilder, VarMap};
+use candle_core::{DType, Tensor, Var};
+use candle_nn::{Optimizer, VarBuilder, VarMap};
 use clap::Parser;
 
-use data::{Args, CharWindows, GroupedAdamW};
+use data::{Args, CharWindows};
 use model::{Config, TransformerLm};
 
 fn main() -> Result<()> {
@@ -67,16 +67,21 @@ fn main() -> Result<()> {
         accelerator.gradient_accumulation_steps(),
     ));
 
-    // AdamW in two groups: weight decay on matrices and embeddings, none on biases and norms.
-    let opt = GroupedAdamW::grouped(
-        varmap.named_parameters(),
-        ParamsAdamW {
-            lr: args.lr,
-            weight_decay: args.weight_decay,
-            beta2: 0.95,
-            ..Default::default()
-        },
-    )?;
+    // AdamW with GPT-2's two parameter groups: weight decay on matrices and embeddings, none
+    // on biases and norm gains. One optimizer, so that ZeRO can shard it.
+    let vars: Vec<Var> = varmap
+        .named_parameters()
+        .into_iter()
+        .map(|(_, v)| v)
+        .collect();
+    let no_decay: Vec<Var> = vars.iter().filter(|v| v.rank() < 2).cloned().collect();
+    let config = ParamsAdamW {
+        lr: args.lr,
+        weight_decay: args.weight_decay,
+        beta2: 0.95,
+        ..Default::default()
+    };
+    let opt = AdamW::new(vars, config)?.no_weight_decay_on(&no_decay);
     // The training windows as a stream, sharded across processes (each decodes its own).
     let windows = CharWindows::new(corpus.train.clone(), args.seq_len, args.seed)?;
     let mut loader =

@@ -22,6 +22,8 @@ struct Slot {
     /// sharded optimizer never holds the whole state.
     m: Option<Tensor>,
     v: Option<Tensor>,
+    /// Whether weight decay applies to this parameter ([`AdamW::no_weight_decay_on`]).
+    decays: bool,
 }
 
 /// AdamW (Loshchilov & Hutter): the same update and defaults as [`candle_nn::AdamW`]
@@ -96,6 +98,7 @@ impl Optimizer for AdamW {
                 range: None,
                 m: None,
                 v: None,
+                decays: true,
             })
             .collect();
         Ok(AdamW {
@@ -134,6 +137,18 @@ impl Optimizer for AdamW {
             let Some(g) = grads.get(&slot.var) else {
                 continue;
             };
+            let (weight_decay, scalars) = if slot.decays {
+                (weight_decay, scalars)
+            } else {
+                (
+                    0.0,
+                    AdamScalars {
+                        decay: 1.0,
+                        ..scalars
+                    },
+                )
+            };
+            let decay = scalars.decay;
             let g = &grad_view(g, &slot.range)?;
             let theta = &param_view(&slot.var, &slot.range)?;
             // Two allocations on the first gradient: the fused step writes both in place.
@@ -193,6 +208,38 @@ impl AdamW {
         Ok(<Self as Optimizer>::new(vars, params)?)
     }
 
+    /// Turns weight decay off for `vars` (PyTorch's parameter groups as GPT-2 and nanoGPT use
+    /// them: decay on weight matrices and embeddings, none on biases and norm gains), keeping
+    /// one optimizer, one learning rate and one state layout, so that it can be sharded (ZeRO)
+    /// like any `AdamW`. Parameters not in the optimizer are ignored.
+    ///
+    /// ```
+    /// # use accelerate_rs::optim::{AdamW, ParamsAdamW};
+    /// # use candle_core::{Device, Var};
+    /// # use candle_nn::Optimizer;
+    /// # fn main() -> accelerate_rs::Result<()> {
+    /// let w = Var::ones((4, 4), candle_core::DType::F32, &Device::Cpu)?;
+    /// let b = Var::ones(4, candle_core::DType::F32, &Device::Cpu)?;
+    /// let no_decay: Vec<Var> = [&w, &b].into_iter().filter(|v| v.rank() < 2).cloned().collect();
+    /// let opt = AdamW::new(vec![w, b], ParamsAdamW { weight_decay: 0.1, ..Default::default() })?
+    ///     .no_weight_decay_on(&no_decay);
+    /// assert_eq!(opt.decaying(), vec![true, false]);
+    /// # Ok(()) }
+    /// ```
+    pub fn no_weight_decay_on(mut self, vars: &[Var]) -> Self {
+        for slot in &mut self.slots {
+            if vars.iter().any(|v| v.id() == slot.var.id()) {
+                slot.decays = false;
+            }
+        }
+        self
+    }
+
+    /// Per parameter, in index order: whether weight decay applies to it.
+    pub fn decaying(&self) -> Vec<bool> {
+        self.slots.iter().map(|s| s.decays).collect()
+    }
+
     /// The hyper-parameters.
     pub fn params(&self) -> &ParamsAdamW {
         &self.params
@@ -248,6 +295,7 @@ impl AdamW {
                     m: cut(&slot.m)?,
                     v: cut(&slot.v)?,
                     range: Some(r),
+                    decays: slot.decays,
                 });
             }
         }
@@ -281,6 +329,26 @@ impl AdamW {
             lr: self.params.lr,
             tensors,
         })
+    }
+
+    /// ZeRO: this rank's slices of the moments (`None` unless sharded), for a checkpoint in
+    /// which every rank writes its own file.
+    pub fn state_shard(&self) -> Result<Option<super::StateShard>> {
+        if !self.is_sharded() {
+            return Ok(None);
+        }
+        let slots = self
+            .slots
+            .iter()
+            .map(|s| (&s.var, &s.range, vec![&s.m, &s.v]));
+        super::state_shard(
+            self.step_t,
+            self.params.lr,
+            &self.origin,
+            &["m", "v"],
+            slots,
+        )
+        .map(Some)
     }
 
     /// Bytes of optimizer state this rank holds (both moments).

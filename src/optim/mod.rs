@@ -61,6 +61,67 @@ impl OptimizerState {
     }
 }
 
+/// One rank's part of a ZeRO-sharded optimizer's state (`zero_stage` 1 or 2), for
+/// checkpoints where every rank writes its own file: the pieces of the state this rank holds,
+/// and the layout of the whole state they are cut from. The pieces of all ranks tile every
+/// tensor of [`layout`](Self::layout) exactly once, so a checkpoint reassembles the whole
+/// [`OptimizerState`] from them at any world size.
+#[derive(Clone, Debug)]
+pub struct StateShard {
+    /// Optimizer steps taken so far (the same on every rank).
+    pub step: u64,
+    /// The learning rate in force.
+    pub lr: f64,
+    /// Every tensor of the whole state, in order: its name and shape.
+    pub layout: Vec<(String, Vec<usize>)>,
+    /// This rank's pieces: `(name, start, piece)`, the 1-D `piece` holding elements
+    /// `start..start + piece.elem_count()` of the flattened tensor `name`.
+    pub pieces: Vec<(String, usize, Tensor)>,
+}
+
+/// ZeRO: `StateShard` of sharded slots. `origin` lists every parameter in index order; `slots`
+/// gives each of this rank's slices as its parameter, its range, and the state tensors it
+/// holds under their kinds (`"m"`, `"v"`, `"momentum"`; `None`: not allocated yet, zeros).
+pub(crate) fn state_shard<'a>(
+    step: u64,
+    lr: f64,
+    origin: &[candle_core::Var],
+    kinds: &[&str],
+    slots: impl Iterator<
+        Item = (
+            &'a candle_core::Var,
+            &'a Option<std::ops::Range<usize>>,
+            Vec<&'a Option<Tensor>>,
+        ),
+    >,
+) -> Result<StateShard> {
+    let mut layout = Vec::with_capacity(kinds.len() * origin.len());
+    for (i, var) in origin.iter().enumerate() {
+        for kind in kinds {
+            layout.push((format!("{i}.{kind}"), var.dims().to_vec()));
+        }
+    }
+    let mut pieces = Vec::new();
+    for (var, range, state) in slots {
+        let (Some(i), Some(r)) = (origin.iter().position(|v| v.id() == var.id()), range) else {
+            continue;
+        };
+        for (kind, t) in kinds.iter().zip(state) {
+            let piece = match t {
+                Some(t) => t.flatten_all()?.copy()?,
+                None => Tensor::zeros(r.len(), var.dtype(), var.device())?,
+            };
+            pieces.push((format!("{i}.{kind}"), r.start, piece));
+        }
+    }
+    Ok(StateShard {
+        step,
+        lr,
+        layout,
+        pieces,
+    })
+}
+
 /// Checks that `lr` is a usable learning rate.
 pub(crate) fn check_lr(name: &str, lr: f64) -> Result<()> {
     if !lr.is_finite() || lr < 0.0 {

@@ -104,6 +104,8 @@ struct Slot {
     /// ZeRO: the elements of the flattened parameter this rank updates (`None`: all).
     range: Option<std::ops::Range<usize>>,
     momentum: Option<Tensor>,
+    /// Whether weight decay applies to this parameter ([`Sgd::no_weight_decay_on`]).
+    decays: bool,
 }
 
 /// Stochastic gradient descent with PyTorch's semantics, with its state exposed for checkpoints
@@ -140,6 +142,7 @@ impl Optimizer for Sgd {
                 var,
                 range: None,
                 momentum: None,
+                decays: true,
             })
             .collect();
         Ok(Sgd {
@@ -164,6 +167,7 @@ impl Optimizer for Sgd {
             let Some(g) = grads.get(&slot.var) else {
                 continue;
             };
+            let weight_decay = if slot.decays { weight_decay } else { 0.0 };
             let g = &grad_view(g, &slot.range)?;
             let theta = &param_view(&slot.var, &slot.range)?;
             if self.fused {
@@ -260,6 +264,23 @@ impl Sgd {
         self.fused = on;
     }
 
+    /// Turns weight decay off for `vars` (parameter groups: see
+    /// [`AdamW::no_weight_decay_on`](super::AdamW::no_weight_decay_on)). Parameters not in the
+    /// optimizer are ignored.
+    pub fn no_weight_decay_on(mut self, vars: &[Var]) -> Self {
+        for slot in &mut self.slots {
+            if vars.iter().any(|v| v.id() == slot.var.id()) {
+                slot.decays = false;
+            }
+        }
+        self
+    }
+
+    /// Per parameter, in index order: whether weight decay applies to it.
+    pub fn decaying(&self) -> Vec<bool> {
+        self.slots.iter().map(|s| s.decays).collect()
+    }
+
     /// Optimizer steps taken so far.
     pub fn step_count(&self) -> u64 {
         self.step_t
@@ -288,6 +309,7 @@ impl Sgd {
                     var: slot.var.clone(),
                     range: Some(r),
                     momentum,
+                    decays: slot.decays,
                 });
             }
         }
@@ -315,6 +337,24 @@ impl Sgd {
             lr: self.config.lr,
             tensors,
         })
+    }
+
+    /// ZeRO: this rank's slices of the momentum buffers (`None` unless sharded), for a
+    /// checkpoint in which every rank writes its own file.
+    pub fn state_shard(&self) -> Result<Option<super::StateShard>> {
+        if !self.is_sharded() {
+            return Ok(None);
+        }
+        let kinds: &[&str] = if self.config.momentum != 0.0 {
+            &["momentum"]
+        } else {
+            &[]
+        };
+        let slots = self
+            .slots
+            .iter()
+            .map(|s| (&s.var, &s.range, vec![&s.momentum]));
+        super::state_shard(self.step_t, self.config.lr, &self.origin, kinds, slots).map(Some)
     }
 
     /// Bytes of optimizer state this rank holds (the momentum buffers).

@@ -7,6 +7,7 @@
 //! |---|---|
 //! | `model.safetensors` | the model's parameters, under their names ([`Parameters`]) |
 //! | `optimizer.safetensors` | the optimizer's state tensors (`"{i}.m"`, ...; only with an optimizer) |
+//! | `optimizer.rank-0000R-of-0000N.safetensors` | instead, with a ZeRO-sharded optimizer (`zero_stage` 1 or 2): rank `R`'s slices of the state, written by that rank |
 //! | `manifest.json` | [`Manifest`]: steps, learning rate, schedule step, loader position, world size, version, `extra` |
 //!
 //! What goes in is named explicitly with [`CheckpointParts`]; [`Accelerator::load_state`](crate::Accelerator::load_state) puts
@@ -54,6 +55,17 @@
 //! leaves either the old checkpoint (as `<dir>` or `<dir>.old`, which `load_state` falls back
 //! to) or the new one, never a mix; `manifest.json` is written last, so a directory without it
 //! is never taken for a checkpoint.
+//!
+//! **Sharded optimizers.** Under ZeRO (`zero_stage` 1 or 2) each rank holds only its slices of
+//! the optimizer state, and each writes them to its own file
+//! (`optimizer.rank-0000R-of-0000N.safetensors`, tensors named `"<name>@<first element>"`) in
+//! `<dir>.shards`; the main process moves the files into the new checkpoint, with their
+//! checksums in the manifest ([`OptimizerManifest::shards`]). No rank ever holds the whole
+//! state to save it. Loading reassembles the whole state from the N files, so the checkpoint
+//! loads at any world size and any stage (the optimizer is cut into the new world's slices at
+//! its first step), and into an unsharded optimizer. With
+//! [`save_on_each_node`](CheckpointParts::save_on_each_node) (no shared file system) the slices
+//! are instead gathered and every writer saves the whole state in `optimizer.safetensors`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -65,7 +77,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::collective::Collective;
 use crate::error::{Error, Result};
-use crate::optim::{AdamW, OptimizerState, Sgd};
+use crate::optim::{AdamW, OptimizerState, Sgd, StateShard};
 use crate::train::mixed_precision::MixedPrecisionOptimizer;
 use crate::train::optimizer::AcceleratedOptimizer;
 use crate::train::params::Parameters;
@@ -92,11 +104,20 @@ pub trait StatefulOptimizer {
     fn state_needs_every_rank(&self) -> bool {
         false
     }
+    /// ZeRO: this rank's slices of the state when the optimizer holds only those (then every
+    /// rank writes its own file; see the module docs). Default `None`: the whole state comes
+    /// from [`optimizer_state`](Self::optimizer_state).
+    fn optimizer_state_shard(&self) -> Result<Option<StateShard>> {
+        Ok(None)
+    }
 }
 
 impl StatefulOptimizer for AdamW {
     fn optimizer_state(&self) -> Result<OptimizerState> {
         self.state()
+    }
+    fn optimizer_state_shard(&self) -> Result<Option<StateShard>> {
+        self.state_shard()
     }
     fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
         self.load_state(state)
@@ -107,14 +128,19 @@ impl StatefulOptimizer for Sgd {
     fn optimizer_state(&self) -> Result<OptimizerState> {
         self.state()
     }
+    fn optimizer_state_shard(&self) -> Result<Option<StateShard>> {
+        self.state_shard()
+    }
     fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
         self.load_state(state)
     }
 }
 
-/// A ZeRO-sharded optimizer's state is gathered from every rank into the unsharded layout, so
-/// the checkpoint loads at any world size, any stage, and into an unsharded optimizer (every
-/// rank must take it: [`state_needs_every_rank`](StatefulOptimizer::state_needs_every_rank)).
+/// A ZeRO-sharded optimizer's [`optimizer_state`](StatefulOptimizer::optimizer_state) is
+/// gathered from every rank into the unsharded layout (every rank must take it:
+/// [`state_needs_every_rank`](StatefulOptimizer::state_needs_every_rank)); its
+/// [`optimizer_state_shard`](StatefulOptimizer::optimizer_state_shard) is this rank's slices,
+/// which checkpoints write one file per rank.
 impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for AcceleratedOptimizer<O> {
     fn optimizer_state(&self) -> Result<OptimizerState> {
         let mut state = self.inner().optimizer_state()?;
@@ -129,6 +155,13 @@ impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for Accelera
     }
     fn state_needs_every_rank(&self) -> bool {
         self.is_sharded()
+    }
+    fn optimizer_state_shard(&self) -> Result<Option<StateShard>> {
+        if self.is_sharded() {
+            self.inner().optimizer_state_shard()
+        } else {
+            Ok(None)
+        }
     }
     fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
         self.inner_mut().load_optimizer_state(state)
@@ -145,6 +178,28 @@ impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for Accelera
 impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for MixedPrecisionOptimizer<O> {
     fn state_needs_every_rank(&self) -> bool {
         self.accelerated().state_needs_every_rank()
+    }
+    /// The wrapped optimizer's slices; the loss scaler's scalars go with rank 0's.
+    fn optimizer_state_shard(&self) -> Result<Option<StateShard>> {
+        let Some(mut shard) = self.accelerated().optimizer_state_shard()? else {
+            return Ok(None);
+        };
+        if let Some(s) = self.loss_scaler() {
+            let dev = Device::Cpu;
+            let rank = self.accelerated().engine().collective().rank();
+            for (name, value) in [
+                (SCALER_SCALE, s.scale()),
+                (SCALER_CLEAN, s.clean_steps() as f64),
+            ] {
+                shard.layout.push((name.into(), Vec::new()));
+                if rank == 0 {
+                    shard
+                        .pieces
+                        .push((name.into(), 0, Tensor::new(&[value], &dev)?));
+                }
+            }
+        }
+        Ok(Some(shard))
     }
     fn optimizer_state(&self) -> Result<OptimizerState> {
         let mut state = self.accelerated().optimizer_state()?;
@@ -421,6 +476,14 @@ pub struct OptimizerManifest {
     pub lr: f64,
     /// The names of the tensors in `optimizer.safetensors`, in order.
     pub tensors: Vec<String>,
+    /// ZeRO: the number of per-rank files the state is cut across
+    /// (`optimizer.rank-00000-of-0000N.safetensors`, ...), instead of `optimizer.safetensors`;
+    /// `None` for one whole file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards: Option<usize>,
+    /// With [`shards`](Self::shards): the shape of each of [`tensors`](Self::tensors).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shapes: Vec<Vec<usize>>,
 }
 
 /// `manifest.json`: everything in a checkpoint besides tensors. Returned by
@@ -786,6 +849,7 @@ fn write_checkpoint(
     parts: &CheckpointParts<'_>,
     world_size: usize,
     taken: &Taken,
+    stage: Option<&Path>,
 ) -> Result<()> {
     let states = taken.states.as_deref();
     check_part_names(parts)?;
@@ -798,19 +862,10 @@ fn write_checkpoint(
     }
     let mut optimizers = BTreeMap::new();
     for (i, (name, o)) in parts.optimizers.iter().enumerate() {
-        let state = match taken.named.get(i).cloned().flatten() {
-            Some(s) => s,
-            None => o.optimizer_state()?,
-        };
-        write_safetensors(&tmp.join(named_optimizer_file(name)), &state.tensors)?;
-        optimizers.insert(
-            name.clone(),
-            OptimizerManifest {
-                step: state.step,
-                lr: state.lr,
-                tensors: state.tensors.iter().map(|(n, _)| n.clone()).collect(),
-            },
-        );
+        let took = taken.named.get(i).cloned().flatten();
+        let base = named_optimizer_base(name);
+        let m = write_optimizer(tmp, &base, took, *o, stage, world_size)?;
+        optimizers.insert(name.clone(), m);
     }
     for hook in &parts.hooks {
         hook(tmp)?;
@@ -825,17 +880,15 @@ fn write_checkpoint(
     crash_hook(MODEL_FILE);
     let optimizer = match parts.optimizer {
         Some(opt) => {
-            let state = match taken.main.clone() {
-                Some(s) => s,
-                None => opt.optimizer_state()?,
-            };
-            write_safetensors(&tmp.join(OPTIMIZER_FILE), &state.tensors)?;
-            crash_hook(OPTIMIZER_FILE);
-            Some(OptimizerManifest {
-                step: state.step,
-                lr: state.lr,
-                tensors: state.tensors.iter().map(|(n, _)| n.clone()).collect(),
-            })
+            let took = taken.main.clone();
+            Some(write_optimizer(
+                tmp,
+                OPTIMIZER_BASE,
+                took,
+                opt,
+                stage,
+                world_size,
+            )?)
         }
         None => None,
     };
@@ -881,7 +934,79 @@ fn write_checkpoint(
     Ok(())
 }
 
-/// Writes `parts` to `dir` atomically (see the module docs). Main process only.
+/// Puts an optimizer's state into `tmp`: `<base>.safetensors`, or for a sharded one
+/// ([`Took::Shard`]) the `world_size` per-rank files moved in from `stage`; returns its manifest
+/// entry.
+fn write_optimizer(
+    tmp: &Path,
+    base: &str,
+    took: Option<Took>,
+    opt: &dyn StatefulOptimizer,
+    stage: Option<&Path>,
+    world_size: usize,
+) -> Result<OptimizerManifest> {
+    let took = match took {
+        Some(t) => t,
+        None => Took::Whole(opt.optimizer_state()?),
+    };
+    match took {
+        Took::Whole(state) => {
+            let file = format!("{base}.safetensors");
+            write_safetensors(&tmp.join(&file), &state.tensors)?;
+            crash_hook(&file);
+            Ok(OptimizerManifest {
+                step: state.step,
+                lr: state.lr,
+                tensors: state.tensors.iter().map(|(n, _)| n.clone()).collect(),
+                shards: None,
+                shapes: Vec::new(),
+            })
+        }
+        Took::Shard(shard) => {
+            let stage = stage.ok_or_else(|| {
+                write_err(
+                    tmp,
+                    format!("`{base}`: the ranks' optimizer shards were not staged"),
+                    None,
+                )
+            })?;
+            for r in 0..world_size {
+                let file = shard_file(base, r, world_size);
+                let from = stage.join(&file);
+                fs::rename(&from, tmp.join(&file)).map_err(|e| {
+                    io_err(format!("moving rank {r}'s optimizer shard from"), &from, e)
+                })?;
+            }
+            crash_hook(&shard_file(base, 0, world_size));
+            let (tensors, shapes) = shard.layout.into_iter().unzip();
+            Ok(OptimizerManifest {
+                step: shard.step,
+                lr: shard.lr,
+                tensors,
+                shards: Some(world_size),
+                shapes,
+            })
+        }
+    }
+}
+
+/// The file of rank `rank`'s slices of a sharded optimizer's state (`base`: `optimizer` or
+/// `optimizer.<name>`).
+fn shard_file(base: &str, rank: usize, world_size: usize) -> String {
+    format!("{base}.rank-{rank:05}-of-{world_size:05}.safetensors")
+}
+
+/// How an optimizer's state is stored, for messages: its file, or its per-rank files.
+fn optimizer_files(dir: &Path, base: &str, m: &OptimizerManifest) -> PathBuf {
+    match m.shards {
+        Some(n) => dir.join(format!("{base}.rank-*-of-{n:05}.safetensors")),
+        None => dir.join(format!("{base}.safetensors")),
+    }
+}
+
+/// The base name of the main optimizer's files.
+const OPTIMIZER_BASE: &str = "optimizer";
+
 /// The per-rank states file inside a checkpoint.
 pub const STATES_FILE: &str = "states.json";
 
@@ -889,8 +1014,8 @@ fn named_model_file(name: &str) -> String {
     format!("model.{name}.safetensors")
 }
 
-fn named_optimizer_file(name: &str) -> String {
-    format!("optimizer.{name}.safetensors")
+fn named_optimizer_base(name: &str) -> String {
+    format!("{OPTIMIZER_BASE}.{name}")
 }
 
 /// Names of named parts: non-empty, `[A-Za-z0-9_-]`, unique per kind.
@@ -918,6 +1043,12 @@ fn check_part_names(parts: &CheckpointParts<'_>) -> Result<()> {
                     "use letters, digits, `_` and `-` only",
                 ));
             }
+            if kind == "optimizer" && n.starts_with("rank-") {
+                return Err(Error::invalid(
+                    format!("{kind} name {n:?}"),
+                    "may not start with `rank-` (the names of the per-rank files of sharded optimizers)",
+                ));
+            }
             if !seen.insert(n) {
                 return Err(Error::invalid(
                     format!("{kind} name {n:?}"),
@@ -934,24 +1065,58 @@ fn check_part_names(parts: &CheckpointParts<'_>) -> Result<()> {
 #[derive(Default)]
 struct Taken {
     states: Option<String>,
-    main: Option<OptimizerState>,
-    named: Vec<Option<OptimizerState>>,
+    main: Option<Took>,
+    named: Vec<Option<Took>>,
+}
+
+/// An optimizer state taken on every rank: whole (gathered), or this rank's slices.
+#[derive(Clone)]
+enum Took {
+    Whole(OptimizerState),
+    Shard(StateShard),
+}
+
+impl Taken {
+    /// The slices to write into per-rank files: `(file base, shard)`.
+    fn shards(&self, parts: &CheckpointParts<'_>) -> Vec<(String, &StateShard)> {
+        let main = std::iter::once((OPTIMIZER_BASE.to_string(), self.main.as_ref()));
+        let named = parts
+            .optimizers
+            .iter()
+            .zip(&self.named)
+            .map(|((name, _), t)| (named_optimizer_base(name), t.as_ref()));
+        main.chain(named)
+            .filter_map(|(base, t)| match t {
+                Some(Took::Shard(s)) => Some((base, s)),
+                _ => None,
+            })
+            .collect()
+    }
 }
 
 /// Takes [`Taken`] on every rank (every rank must call it, in the same order).
+/// A sharded optimizer gives its slices, to be written one file per rank, unless every writer
+/// must hold the whole state ([`CheckpointParts::save_on_each_node`]).
 fn take_on_every_rank(c: &dyn Collective, parts: &CheckpointParts<'_>) -> Result<Taken> {
     let states = gather_states(c, parts)?;
+    let take = |o: &dyn StatefulOptimizer| -> Result<Option<Took>> {
+        if !o.state_needs_every_rank() {
+            return Ok(None);
+        }
+        if !parts.save_on_each_node && c.world_size() > 1 {
+            if let Some(shard) = o.optimizer_state_shard()? {
+                return Ok(Some(Took::Shard(shard)));
+            }
+        }
+        Ok(Some(Took::Whole(o.optimizer_state()?)))
+    };
     let main = match parts.optimizer {
-        Some(o) if o.state_needs_every_rank() => Some(o.optimizer_state()?),
-        _ => None,
+        Some(o) => take(o)?,
+        None => None,
     };
     let mut named = Vec::with_capacity(parts.optimizers.len());
     for (_, o) in &parts.optimizers {
-        named.push(if o.state_needs_every_rank() {
-            Some(o.optimizer_state()?)
-        } else {
-            None
-        });
+        named.push(take(*o)?);
     }
     Ok(Taken {
         states,
@@ -998,17 +1163,89 @@ fn gather_states(c: &dyn Collective, parts: &CheckpointParts<'_>) -> Result<Opti
         .map_err(|e| Error::invalid("checkpoint state", e.to_string()))
 }
 
+/// ZeRO: every rank writes its slices of each sharded optimizer ([`Took::Shard`]) into
+/// `<dir>.shards`, made afresh by rank 0 (holding the lock of `folder`); returns the taken state
+/// and that folder (`None` when nothing is sharded). Every rank must call it; when any rank
+/// fails, every rank fails, naming it.
+fn stage_shards(
+    c: &dyn Collective,
+    dir: &Path,
+    folder: &Path,
+    parts: &CheckpointParts<'_>,
+    taken: Result<Taken>,
+) -> Result<(Taken, Option<PathBuf>)> {
+    let sharded = taken
+        .as_ref()
+        .map(|t| !t.shards(parts).is_empty())
+        .unwrap_or(false);
+    let mut any = [if sharded { 1f32 } else { 0f32 }];
+    c.all_reduce((&mut any[..]).into(), crate::collective::ReduceOp::Max)?;
+    if any[0] == 0.0 {
+        return taken.map(|t| (t, None));
+    }
+    let stage = with_suffix(dir, ".shards");
+    let made = if c.rank() == 0 {
+        lock_folder(folder).and_then(|()| {
+            if stage.exists() {
+                fs::remove_dir_all(&stage).map_err(|e| io_err("removing stale", &stage, e))?;
+            }
+            fs::create_dir_all(&stage).map_err(|e| io_err("creating", &stage, e))
+        })
+    } else {
+        Ok(())
+    };
+    agree(
+        c,
+        "save_state (making the folder of the optimizer shards)",
+        &stage,
+        made,
+    )?;
+    let (rank, world) = (c.rank(), c.world_size());
+    let wrote = taken.and_then(|t| {
+        for (base, shard) in t.shards(parts) {
+            let pieces: Vec<(String, Tensor)> = shard
+                .pieces
+                .iter()
+                .map(|(name, start, piece)| (format!("{name}@{start}"), piece.clone()))
+                .collect();
+            write_safetensors(&stage.join(shard_file(&base, rank, world)), &pieces)?;
+        }
+        Ok(t)
+    });
+    let mut failed = [match &wrote {
+        Ok(_) => 0f32,
+        Err(_) => (rank + 1) as f32,
+    }];
+    c.all_reduce((&mut failed[..]).into(), crate::collective::ReduceOp::Max)?;
+    if failed[0] != 0.0 && rank == 0 {
+        let _ = fs::remove_dir_all(&stage);
+    }
+    let t = wrote?;
+    if failed[0] != 0.0 {
+        return Err(write_err(
+            &stage,
+            format!(
+                "rank {} could not write its optimizer shard (see its error)",
+                failed[0] as usize - 1
+            ),
+            None,
+        ));
+    }
+    Ok((t, Some(stage)))
+}
+
 fn save_atomic(
     dir: &Path,
     parts: &CheckpointParts<'_>,
     world_size: usize,
     taken: &Taken,
+    stage: Option<&Path>,
 ) -> Result<()> {
     let tmp = with_suffix(dir, &format!(".tmp-{}", std::process::id()));
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(|e| io_err("removing stale", &tmp, e))?;
     }
-    if let Err(e) = write_checkpoint(&tmp, parts, world_size, taken) {
+    if let Err(e) = write_checkpoint(&tmp, parts, world_size, taken, stage) {
         let _ = fs::remove_dir_all(&tmp);
         return Err(e);
     }
@@ -1180,19 +1417,33 @@ pub(crate) fn save_state(
     dir: &Path,
     parts: &CheckpointParts<'_>,
 ) -> Result<()> {
-    let taken = take_on_every_rank(c, parts);
+    let folder = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let staged = stage_shards(c, dir, &folder, parts, take_on_every_rank(c, parts));
     let result = if writes(c, local_rank, parts) {
-        let folder = match dir.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        taken.and_then(|taken| {
-            lock_folder(&folder).and_then(|()| save_atomic(dir, parts, c.world_size(), &taken))
+        staged.and_then(|(taken, stage)| {
+            let saved = lock_folder(&folder)
+                .and_then(|()| save_atomic(dir, parts, c.world_size(), &taken, stage.as_deref()));
+            remove_stage(stage.as_deref());
+            saved
         })
     } else {
-        Ok(())
+        staged.map(|_| ())
     };
     agree_all(c, "save_state", dir, result)
+}
+
+/// Removes the staging folder of optimizer shards (what is left after a failed save).
+fn remove_stage(stage: Option<&Path>) {
+    if let Some(s) = stage {
+        if s.exists() {
+            if let Err(e) = fs::remove_dir_all(s) {
+                log::warn!("could not remove {}: {e}", s.display());
+            }
+        }
+    }
 }
 
 /// Whether this rank writes the checkpoint: rank 0, or every machine's local rank 0 with
@@ -1240,15 +1491,19 @@ pub(crate) fn save_state_auto(
     c.all_reduce((&mut agreed[..]).into(), crate::collective::ReduceOp::Max)?;
     let next = agreed[0] as u64;
     let dir = root.join(format!("{AUTO_PREFIX}{next}"));
-    let taken = take_on_every_rank(c, parts);
+    let staged = stage_shards(c, &dir, root, parts, take_on_every_rank(c, parts));
     let result = if writes(c, local_rank, parts) {
-        taken
-            .and_then(|taken| {
-                lock_folder(root).and_then(|()| save_atomic(&dir, parts, c.world_size(), &taken))
+        staged
+            .and_then(|(taken, stage)| {
+                let saved = lock_folder(root).and_then(|()| {
+                    save_atomic(&dir, parts, c.world_size(), &taken, stage.as_deref())
+                });
+                remove_stage(stage.as_deref());
+                saved
             })
             .and_then(|()| rotate(root, total_limit))
     } else {
-        Ok(())
+        staged.map(|_| ())
     };
     agree_all(c, "save_state_auto", &dir, result)?;
     Ok(dir)
@@ -1446,8 +1701,18 @@ impl<'a> LoadTargets<'a> {
     }
 }
 
-/// The optimizer state in `path` (tensor order from the manifest).
-fn read_optimizer(path: &Path, m: &OptimizerManifest, device: &Device) -> Result<OptimizerState> {
+/// The optimizer state stored in `dir` under `base` (tensor order from the manifest): one file,
+/// or reassembled from the per-rank files of a sharded optimizer.
+fn read_optimizer(
+    dir: &Path,
+    base: &str,
+    m: &OptimizerManifest,
+    device: &Device,
+) -> Result<OptimizerState> {
+    if let Some(n) = m.shards {
+        return read_optimizer_shards(dir, base, m, n, device);
+    }
+    let path = &dir.join(format!("{base}.safetensors"));
     let mut tensors = read_safetensors(path, device)?;
     let mut ordered = Vec::with_capacity(m.tensors.len());
     for name in &m.tensors {
@@ -1460,6 +1725,94 @@ fn read_optimizer(path: &Path, m: &OptimizerManifest, device: &Device) -> Result
         step: m.step,
         lr: m.lr,
         tensors: ordered,
+    })
+}
+
+/// The whole optimizer state from the `n` per-rank files of a sharded optimizer: every tensor of
+/// the manifest put together from its pieces, which must cover it exactly once.
+fn read_optimizer_shards(
+    dir: &Path,
+    base: &str,
+    m: &OptimizerManifest,
+    n: usize,
+    device: &Device,
+) -> Result<OptimizerState> {
+    let manifest = dir.join(MANIFEST_FILE);
+    if m.shapes.len() != m.tensors.len() {
+        return Err(corrupt(
+            &manifest,
+            format!(
+                "`{base}` lists {} tensor(s) but {} shape(s)",
+                m.tensors.len(),
+                m.shapes.len()
+            ),
+        ));
+    }
+    let mut pieces: HashMap<String, Vec<(usize, Tensor, PathBuf)>> = HashMap::new();
+    for r in 0..n {
+        let path = dir.join(shard_file(base, r, n));
+        for (key, t) in read_safetensors(&path, device)? {
+            let parsed = key
+                .rsplit_once('@')
+                .and_then(|(name, start)| Some((name, start.parse::<usize>().ok()?)));
+            let Some((name, start)) =
+                parsed.filter(|(name, _)| m.tensors.iter().any(|t| t == name))
+            else {
+                return Err(corrupt(
+                    &path,
+                    format!("tensor `{key}` is not `<name>@<first element>` of a tensor the manifest lists"),
+                ));
+            };
+            pieces
+                .entry(name.to_string())
+                .or_default()
+                .push((start, t, path.clone()));
+        }
+    }
+    let mut tensors = Vec::with_capacity(m.tensors.len());
+    for (name, shape) in m.tensors.iter().zip(&m.shapes) {
+        let total: usize = shape.iter().product();
+        let mut list = pieces.remove(name).unwrap_or_default();
+        list.sort_by_key(|(start, _, _)| *start);
+        let mut at = 0;
+        let mut flat = Vec::with_capacity(list.len());
+        for (start, t, path) in list {
+            if start != at || t.rank() != 1 || start + t.elem_count() > total {
+                return Err(corrupt(
+                    &path,
+                    format!(
+                        "optimizer tensor `{name}` ({total} elements): a piece of {} element(s) at {start} does not follow element {at}",
+                        t.elem_count()
+                    ),
+                ));
+            }
+            at += t.elem_count();
+            flat.push(t);
+        }
+        if at != total {
+            return Err(corrupt(
+                &optimizer_files(dir, base, m),
+                format!("optimizer tensor `{name}` has {at} of its {total} elements in the ranks' files"),
+            ));
+        }
+        let whole = if flat.is_empty() {
+            // A parameter without elements.
+            Tensor::zeros(shape.as_slice(), candle_core::DType::F32, device)
+        } else {
+            Tensor::cat(&flat, 0).and_then(|t| t.reshape(shape.as_slice()))
+        }
+        .map_err(|e| {
+            corrupt(
+                &optimizer_files(dir, base, m),
+                format!("optimizer tensor `{name}`: {e}"),
+            )
+        })?;
+        tensors.push((name.clone(), whole));
+    }
+    Ok(OptimizerState {
+        step: m.step,
+        lr: m.lr,
+        tensors,
     })
 }
 
@@ -1517,7 +1870,7 @@ pub(crate) fn load_state(
         sets.extend(fit_model(&path, read_safetensors(&path, device)?, *m)?);
     }
     let opt_state = match (&optimizer, &manifest.optimizer) {
-        (Some(_), Some(m)) => Some(read_optimizer(&found.join(OPTIMIZER_FILE), m, device)?),
+        (Some(_), Some(m)) => Some(read_optimizer(&found, OPTIMIZER_BASE, m, device)?),
         (Some(_), None) => {
             return Err(checkpoint_err(
                 &found,
@@ -1537,8 +1890,9 @@ pub(crate) fn load_state(
                 ),
             )
         })?;
-        let path = found.join(named_optimizer_file(&name));
-        named_states.push((path.clone(), opt, read_optimizer(&path, m, device)?));
+        let base = named_optimizer_base(&name);
+        let state = read_optimizer(&found, &base, m, device)?;
+        named_states.push((optimizer_files(&found, &base, m), opt, state));
     }
     let mine = if states.is_empty() {
         serde_json::Value::Null
@@ -1573,10 +1927,10 @@ pub(crate) fn load_state(
         }
     }
     // Then change things.
-    if let (Some(opt), Some(state)) = (optimizer, opt_state) {
+    if let (Some(opt), Some(state), Some(m)) = (optimizer, opt_state, &manifest.optimizer) {
         opt.load_optimizer_state(state).map_err(|e| {
             checkpoint_err(
-                &found.join(OPTIMIZER_FILE),
+                &optimizer_files(&found, OPTIMIZER_BASE, m),
                 format!("does not fit the optimizer: {e}"),
             )
         })?;

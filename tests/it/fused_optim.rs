@@ -259,3 +259,60 @@ fn set_fused_false_runs_the_tensor_op_chain_with_the_same_result() {
     let d = max_diff(&fused_vars, &chain_vars);
     assert!(d <= 1e-6, "Sgd fused vs chain: max abs diff {d}");
 }
+
+#[test]
+fn no_weight_decay_on_equals_two_parameter_groups() {
+    for fused in [true, false] {
+        let cfg = ParamsAdamW {
+            lr: 0.01,
+            weight_decay: 0.3,
+            ..Default::default()
+        };
+        let ours = params(DType::F32);
+        let mut opt = AdamW::new(ours.clone(), cfg.clone())
+            .unwrap()
+            .no_weight_decay_on(&ours[1..]);
+        opt.set_fused(fused);
+        assert!(opt.decaying()[0]);
+        assert!(opt.decaying()[1..].iter().all(|d| !d));
+        let theirs = params(DType::F32);
+        let mut decay = candle_nn::AdamW::new(theirs[..1].to_vec(), cfg.clone()).unwrap();
+        let no_decay = ParamsAdamW {
+            weight_decay: 0.0,
+            ..cfg.clone()
+        };
+        let mut rest = candle_nn::AdamW::new(theirs[1..].to_vec(), no_decay).unwrap();
+        let plain = params(DType::F32);
+        let mut all = AdamW::new(plain.clone(), cfg.clone()).unwrap();
+        for step in 0..30 {
+            opt.step(&grads(&ours, step)).unwrap();
+            let g = grads(&theirs, step);
+            decay.step(&g).unwrap();
+            rest.step(&g).unwrap();
+            all.step(&grads(&plain, step)).unwrap();
+        }
+        let d = max_diff(&ours, &theirs);
+        assert!(d < 1e-5, "fused {fused}: {d}");
+        // Decay on every parameter gives another result.
+        assert!(max_diff(&ours[1..], &plain[1..]) > 1e-3);
+        assert!(max_diff(&ours[..1], &plain[..1]) < 1e-6);
+
+        let sgd_cfg = SgdConfig::new(0.05).momentum(0.9).weight_decay(0.2);
+        let ours = params(DType::F32);
+        let mut opt = Sgd::new(ours.clone(), sgd_cfg.clone())
+            .unwrap()
+            .no_weight_decay_on(&ours[1..]);
+        opt.set_fused(fused);
+        let theirs = params(DType::F32);
+        let mut decay = Sgd::new(theirs[..1].to_vec(), sgd_cfg.clone()).unwrap();
+        let mut rest = Sgd::new(theirs[1..].to_vec(), sgd_cfg.weight_decay(0.0)).unwrap();
+        for step in 0..30 {
+            opt.step(&grads(&ours, step)).unwrap();
+            let g = grads(&theirs, step);
+            decay.step(&g).unwrap();
+            rest.step(&g).unwrap();
+        }
+        let d = max_diff(&ours, &theirs);
+        assert!(d < 1e-6, "sgd fused {fused}: {d}");
+    }
+}

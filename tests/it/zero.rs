@@ -7,11 +7,13 @@
 //! nothing unless `ACCEL_ZERO_ROLE` is set.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::common::tiny::{dataset, forward, max_abs_diff, params, snapshot, HIDDEN};
+use accelerate_rs::checkpoint::CheckpointParts;
 use accelerate_rs::collective::Collective;
 use accelerate_rs::optim::{AdamW, Sgd, SgdConfig};
 use accelerate_rs::{Accelerator, DataLoader};
@@ -300,50 +302,44 @@ fn worker_entry() {
     crate::common::exit_worker(result)
 }
 
-/// `STEPS` AdamW steps at `stage` on 2 in-process ranks, then a checkpoint into `dir` (every
-/// rank calls `save_state`); rank 0's parameters.
-fn train_and_save(stage: usize, dir: std::path::PathBuf) -> HashMap<String, Tensor> {
+/// On `world` in-process ranks at `stage`: loads the checkpoint `load` (if any) into the
+/// prepared AdamW, takes `STEPS` steps, then saves a checkpoint into `save` (every rank calls
+/// `save_state`); rank 0's parameters.
+fn train_and_save(
+    world: usize,
+    stage: usize,
+    load: Option<PathBuf>,
+    save: PathBuf,
+) -> HashMap<String, Tensor> {
     let out = crate::common::in_process_with(
-        2,
+        world,
         move |c: Arc<dyn Collective>| Accelerator::builder().collective(c).zero_stage(stage),
         move |acc| {
             let p = params(0.0, HIDDEN);
             let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
-            let loader = DataLoader::new(dataset(2 * BATCH * STEPS), BATCH);
+            let loader = DataLoader::new(dataset(world * BATCH * STEPS), BATCH);
             let (mut opt, loader) = acc
                 .prepare(&p, AdamW::new_lr(vars, 0.01).unwrap(), loader)
                 .unwrap();
+            if let Some(dir) = &load {
+                acc.load_state(dir, &p, Some(&mut opt)).unwrap();
+            }
             for b in loader.iter().unwrap() {
                 let b = b.unwrap();
                 let l = loss::cross_entropy(&forward(&p, &b[0]).unwrap(), &b[1]).unwrap();
                 opt.backward_step(&l).unwrap();
             }
-            assert_eq!(opt.is_sharded(), stage > 0);
-            acc.save_state(
-                &dir,
-                &accelerate_rs::checkpoint::CheckpointParts::new(&p).optimizer(&opt),
-            )
-            .unwrap();
+            assert_eq!(opt.is_sharded(), stage > 0 && world > 1);
+            acc.save_state(&save, &CheckpointParts::new(&p).optimizer(&opt))
+                .unwrap();
             snapshot(&p)
         },
     );
     out.into_iter().next().unwrap()
 }
 
-#[test]
-fn a_sharded_optimizer_saves_the_whole_state_loadable_anywhere() {
-    let dir = tempfile::tempdir().unwrap();
-    let (d0, d1) = (dir.path().join("stage0"), dir.path().join("stage1"));
-    let p0 = train_and_save(0, d0.clone());
-    let p1 = train_and_save(1, d1.clone());
-    assert!(max_abs_diff(&p0, &p1) < 1e-5);
-    // The stage-1 checkpoint holds the same (whole) optimizer state as the stage-0 one.
-    let dev = candle_core::Device::Cpu;
-    let s0 = candle_core::safetensors::load(d0.join("optimizer.safetensors"), &dev).unwrap();
-    let s1 = candle_core::safetensors::load(d1.join("optimizer.safetensors"), &dev).unwrap();
-    assert_eq!(s0.len(), s1.len());
-    assert!(max_abs_diff(&s0, &s1) < 1e-6, "{}", max_abs_diff(&s0, &s1));
-    // And it loads into one unsharded process.
+/// The checkpoint in `dir` loaded into one unsharded process: its parameters and AdamW state.
+fn load_unsharded(dir: &Path) -> (HashMap<String, Tensor>, HashMap<String, Tensor>, u64) {
     let acc = Accelerator::builder()
         .rank(0)
         .world_size(1)
@@ -351,7 +347,175 @@ fn a_sharded_optimizer_saves_the_whole_state_loadable_anywhere() {
         .unwrap();
     let q = params(5.0, HIDDEN);
     let mut opt = AdamW::new_lr(q.iter().map(|(_, v)| v.clone()).collect(), 0.01).unwrap();
-    acc.load_state(&d1, &q, Some(&mut opt)).unwrap();
-    assert!(max_abs_diff(&snapshot(&q), &p1) == 0.0);
+    acc.load_state(dir, &q, Some(&mut opt)).unwrap();
+    let state = opt.state().unwrap().tensors.into_iter().collect();
+    (snapshot(&q), state, opt.step_count())
+}
+
+fn file_size(path: &Path) -> u64 {
+    std::fs::metadata(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .len()
+}
+
+#[test]
+fn each_rank_writes_its_shard_and_the_checkpoint_loads_unsharded() {
+    let dir = tempfile::tempdir().unwrap();
+    let (d0, d1) = (dir.path().join("stage0"), dir.path().join("stage1"));
+    let p0 = train_and_save(2, 0, None, d0.clone());
+    let p1 = train_and_save(2, 1, None, d1.clone());
+    assert!(max_abs_diff(&p0, &p1) < 1e-5);
+    // Stage 1: one file per rank, each about half the whole state; nothing staged is left.
+    let whole = file_size(&d0.join("optimizer.safetensors"));
+    assert!(!d1.join("optimizer.safetensors").exists());
+    for r in 0..2 {
+        let shard = file_size(&d1.join(format!("optimizer.rank-0000{r}-of-00002.safetensors")));
+        assert!(
+            (shard as f64) < 0.6 * whole as f64,
+            "rank {r}'s file has {shard} bytes, the whole state {whole}"
+        );
+    }
+    assert!(!dir.path().join("stage1.shards").exists());
+    let manifest = accelerate_rs::checkpoint::verify_checkpoint(&d1).unwrap();
+    assert_eq!(manifest.optimizer.as_ref().and_then(|m| m.shards), Some(2));
+    // Loaded into one unsharded process, it is the stage-0 checkpoint's state.
+    let (q0, s0, t0) = load_unsharded(&d0);
+    let (q1, s1, t1) = load_unsharded(&d1);
+    assert!(max_abs_diff(&q1, &p1) == 0.0);
+    assert!(max_abs_diff(&q0, &p0) == 0.0);
+    assert_eq!((t0, t1), (STEPS as u64, STEPS as u64));
+    assert_eq!(s0.len(), s1.len());
+    assert!(max_abs_diff(&s0, &s1) < 1e-6, "{}", max_abs_diff(&s0, &s1));
+}
+
+#[test]
+fn a_checkpoint_of_3_sharded_ranks_continues_on_2_ranks_at_any_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |n: &str| dir.path().join(n);
+    // The same training on 3 ranks, saved unsharded and at stage 1 (uneven slices: 3 ranks).
+    let p0 = train_and_save(3, 0, None, d("w3s0"));
+    let p1 = train_and_save(3, 1, None, d("w3s1"));
+    assert!(max_abs_diff(&p0, &p1) < 1e-5);
+    assert!(d("w3s1")
+        .join("optimizer.rank-00002-of-00003.safetensors")
+        .exists());
+    let (_, s0, _) = load_unsharded(&d("w3s0"));
+    let (_, s1, _) = load_unsharded(&d("w3s1"));
+    assert!(max_abs_diff(&s0, &s1) < 1e-6, "{}", max_abs_diff(&s0, &s1));
+    // Continued on 2 ranks: from the unsharded checkpoint at stage 0, and from the sharded one
+    // at stages 0, 1 and 2 (re-cut into 2 ranks' slices at the first step).
+    let reference = train_and_save(2, 0, Some(d("w3s0")), d("ref"));
+    for stage in 0..3 {
+        let got = train_and_save(2, stage, Some(d("w3s1")), d(&format!("w2s{stage}")));
+        let diff = max_abs_diff(&reference, &got);
+        assert!(diff < 1e-5, "stage {stage}: {diff}");
+    }
+    // Had the moments not been restored, the continuation would differ.
+    let fresh = train_and_save(2, 0, None, d("fresh"));
+    assert!(max_abs_diff(&reference, &fresh) > 1e-3);
+}
+
+#[test]
+fn a_missing_or_damaged_shard_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    train_and_save(2, 1, None, ck.clone());
+    let file = ck.join("optimizer.rank-00001-of-00002.safetensors");
+    let acc = Accelerator::builder()
+        .rank(0)
+        .world_size(1)
+        .build()
+        .unwrap();
+    let q = params(0.0, HIDDEN);
+    let mut opt = AdamW::new_lr(q.iter().map(|(_, v)| v.clone()).collect(), 0.01).unwrap();
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::remove_file(&file).unwrap();
+    let err = acc
+        .load_state(&ck, &q, Some(&mut opt))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("optimizer.rank-00001-of-00002.safetensors"),
+        "{err}"
+    );
+    let mut bad = bytes.clone();
+    let n = bad.len();
+    bad[n - 3] ^= 0x55;
+    std::fs::write(&file, &bad).unwrap();
+    let err = acc
+        .load_state(&ck, &q, Some(&mut opt))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("optimizer.rank-00001-of-00002.safetensors"),
+        "{err}"
+    );
+    assert_eq!(opt.step_count(), 0);
+    std::fs::write(&file, &bytes).unwrap();
+    acc.load_state(&ck, &q, Some(&mut opt)).unwrap();
     assert_eq!(opt.step_count(), STEPS as u64);
+}
+
+/// f16 mixed precision on 2 in-process ranks at `stage`: loads `load` (if any), trains, saves
+/// into `save`; rank 0's (loss scale, parameters).
+fn mixed_f16_save(
+    stage: usize,
+    load: Option<PathBuf>,
+    save: PathBuf,
+) -> (f64, HashMap<String, Tensor>) {
+    let out = crate::common::in_process_with(
+        2,
+        move |c: Arc<dyn Collective>| {
+            Accelerator::builder()
+                .collective(c)
+                .zero_stage(stage)
+                .mixed_precision(accelerate_rs::MixedPrecision::Fp16)
+        },
+        move |acc| {
+            let p = params(0.0, HIDDEN);
+            let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
+            let loader = DataLoader::new(dataset(2 * BATCH * STEPS), BATCH);
+            let opt = AdamW::new_lr(vars, 0.01).unwrap();
+            let (mut opt, loader, work) = acc.prepare_mixed(&p, opt, loader).unwrap();
+            if let Some(dir) = &load {
+                acc.load_state(dir, &p, Some(&mut opt)).unwrap();
+                opt.sync_working_copies().unwrap();
+                let scale = opt.loss_scaler().map(|s| s.scale());
+                return (scale.unwrap_or(0.0), snapshot(&p));
+            }
+            let dtype = opt.compute_dtype();
+            let wp: Vec<(String, Var)> = p
+                .iter()
+                .map(|(k, _)| (k.clone(), work.data().lock().unwrap()[k].clone()))
+                .collect();
+            for b in loader.iter().unwrap() {
+                let b = b.unwrap();
+                let out = forward(&wp, &b[0].to_dtype(dtype).unwrap()).unwrap();
+                let l = loss::cross_entropy(&out.to_dtype(candle_core::DType::F32).unwrap(), &b[1])
+                    .unwrap();
+                opt.backward_step(&l).unwrap();
+            }
+            acc.save_state(&save, &CheckpointParts::new(&p).optimizer(&opt))
+                .unwrap();
+            let scale = opt.loss_scaler().map(|s| s.scale());
+            (scale.unwrap_or(0.0), snapshot(&p))
+        },
+    );
+    out.into_iter().next().unwrap()
+}
+
+#[test]
+fn a_sharded_f16_checkpoint_keeps_the_loss_scale() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("f16");
+    let (scale, p) = mixed_f16_save(1, None, ck.clone());
+    assert!(scale > 0.0);
+    let m = accelerate_rs::checkpoint::verify_checkpoint(&ck).unwrap();
+    let opt = m.optimizer.unwrap();
+    assert_eq!(opt.shards, Some(2));
+    assert!(opt.tensors.iter().any(|t| t == "loss_scaler.scale"));
+    // Loaded on 2 ranks at stage 2: the same scale and masters.
+    let (got, q) = mixed_f16_save(2, Some(ck), dir.path().join("unused"));
+    assert_eq!(got, scale);
+    assert!(max_abs_diff(&p, &q) == 0.0);
 }
