@@ -5,7 +5,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::elem::{binary_float, slice, unary_float, Elem};
+use super::elem::{binary_float, slice, tanh_f32, unary_float, Elem};
 
 /// Elements per Rayon task.
 const CHUNK: usize = 4096;
@@ -36,7 +36,7 @@ fn fwd<T: Elem>(x: &[T]) -> Vec<T> {
     out.par_chunks_mut(CHUNK).for_each(|o| {
         for v in o {
             let x = v.f();
-            let t = (K * (x + C * x * x * x)).tanh();
+            let t = tanh_f32(K * (x + C * x * x * x));
             *v = T::of(0.5 * x * (1.0 + t));
         }
     });
@@ -68,7 +68,7 @@ fn bwd<T: Elem>(x: &[T], dy: &[T]) -> Vec<T> {
         .for_each(|(o, g)| {
             for (v, g) in o.iter_mut().zip(g) {
                 let x = v.f();
-                let t = (K * (x + C * x * x * x)).tanh();
+                let t = tanh_f32(K * (x + C * x * x * x));
                 let d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * K * (1.0 + 3.0 * C * x * x);
                 *v = T::of(g.f() * d);
             }
