@@ -1,6 +1,7 @@
 //! `accelerate_rs::nn` against Candle's composed ops, forward and backward, on the shapes of the
 //! Transformer LM (batch 8 x 128 tokens x 256 features; attention scores 8 x 8 heads x 128 x
-//! 128; cross-entropy over 1024 tokens x 8000 classes; GELU over 8 x 128 x 1024; a 256 -> 1024
+//! 128, plain and scaled + causally masked; cross-entropy over 1024 tokens x 8000 classes; GELU and ReLU over 8 x 128 x
+//! 1024; a 256 -> 1024
 //! linear layer with bias), timed in alternating blocks in one run:
 //!
 //!     cargo bench --bench nn
@@ -41,6 +42,11 @@ fn main() -> Result<()> {
     let rows = Var::from_tensor(&Tensor::randn(0f32, 1.0, (8, 128, d), &dev)?)?;
     let scores = Var::from_tensor(&Tensor::randn(0f32, 1.0, (8, 8, 128, 128), &dev)?)?;
     let (w1, b1, w2, w3) = (w.clone(), b.clone(), w.clone(), w.clone());
+    // The attention's causal mask as a composed model adds it: 0 on and below the diagonal.
+    let mask: Vec<f32> = (0..128)
+        .flat_map(|i| (0..128).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    let mask = Tensor::from_vec(mask, (128, 128), &dev)?;
     let ln = nn::LayerNorm::new(w.clone(), b.clone(), 1e-5);
     let rms = nn::RmsNorm::new(w.clone(), 1e-5);
     let cases: Vec<(&str, &Var, Op, Op)> = vec![
@@ -61,6 +67,12 @@ fn main() -> Result<()> {
             &scores,
             Box::new(nn::softmax_last_dim),
             Box::new(|x| ops::softmax(x, D::Minus1)),
+        ),
+        (
+            "causal_softmax 8x8x128",
+            &scores,
+            Box::new(|x| nn::causal_softmax(x, 0.125)),
+            Box::new(move |x| ops::softmax(&(x * 0.125)?.broadcast_add(&mask)?, D::Minus1)),
         ),
     ];
     let _ = w3;
@@ -84,6 +96,12 @@ fn main() -> Result<()> {
         &hidden,
         Box::new(nn::gelu),
         Box::new(|x| x.gelu()),
+    ));
+    cases.push((
+        "relu 8x128x1024",
+        &hidden,
+        Box::new(nn::relu),
+        Box::new(|x| x.relu()),
     ));
     cases.push((
         "linear 1024x256->1024",

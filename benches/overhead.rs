@@ -13,7 +13,8 @@
 //! Model: MLP 784-1024-1024-10 (ReLU), f32, batch 64 per process, cross-entropy, on synthetic
 //! random data generated from a fixed seed (identical in every variant and process). With
 //! `--model transformer`, section 1 times `examples/transformer_lm`'s model instead (vocab 8000,
-//! d_model 256, 8 heads, 4 layers, sequences of 128 tokens, batch 8, random token ids). Section 1
+//! d_model 256, 8 heads, 4 layers, ReLU MLP 1024 wide as in the and PyTorch's
+//! `nn.TransformerEncoderLayer`, sequences of 128 tokens, batch 8, random token ids). Section 1
 //! steps with SGD (lr 0.01), section 2 with AdamW (lr 1e-3, accelerate-rs's fused one).
 //!
 //! 1. **Wrapper overhead at world size 1**: the same training step as a plain Candle loop and
@@ -78,7 +79,7 @@ impl Workload {
                 "MLP {INPUT}-{HIDDEN}-{HIDDEN}-{CLASSES} (ReLU), f32, batch {BATCH}/process"
             ),
             Workload::Transformer => format!(
-                "transformer_lm (vocab {LM_VOCAB}, d_model 256, 8 heads, 4 layers, seq {LM_SEQ}), f32, batch {LM_BATCH}/process"
+                "transformer_lm (vocab {LM_VOCAB}, d_model 256, 8 heads, 4 layers, ReLU, seq {LM_SEQ}), f32, batch {LM_BATCH}/process"
             ),
         }
     }
@@ -262,6 +263,7 @@ fn build_workload(workload: Workload, device: &Device) -> Result<(VarMap, Box<dy
                 heads: 8,
                 layers: 4,
                 tie_weights: false,
+                activation: lm::Activation::Relu,
             };
             let model =
                 lm::TransformerLm::new(cfg, VarBuilder::from_varmap(&varmap, DType::F32, device))?;

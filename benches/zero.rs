@@ -74,6 +74,7 @@ fn workload(name: &str, vb: VarBuilder) -> Result<(Box<dyn Module>, Tensor, Tens
                 heads: 8,
                 layers: 4,
                 tie_weights: false,
+                activation: lm::Activation::Gelu,
             };
             let m = lm::TransformerLm::new(cfg, vb)?;
             let ids = |salt: u32| -> Result<Tensor> {

@@ -38,6 +38,9 @@ pub struct Args {
     /// Tie the output head to the token embedding.
     #[arg(long)]
     pub tie_weights: bool,
+    /// The MLP's activation: gelu (GPT-2) or relu (PyTorch's `nn.TransformerEncoderLayer`).
+    #[arg(long, default_value = "gelu")]
+    pub activation: crate::model::Activation,
     /// Sequences per micro-batch on each process.
     #[arg(long, default_value_t = 8)]
     pub batch_size: usize,

@@ -50,6 +50,7 @@ fn main() -> Result<()> {
         heads: args.heads,
         layers: args.layers,
         tie_weights: args.tie_weights,
+        activation: args.activation,
     };
     let varmap = VarMap::new();
     let model = TransformerLm::new(cfg, VarBuilder::from_varmap(&varmap, DType::F32, &device))?;

@@ -1,13 +1,14 @@
 //! A small decoder-only Transformer (GPT-style) in plain candle-nn: token + learned position
-//! embeddings, pre-LayerNorm blocks with causal multi-head self-attention and a 4x GELU MLP, a
-//! final LayerNorm and an output head (tied to the token embedding or not).
+//! embeddings, pre-LayerNorm blocks with causal multi-head self-attention and a 4x GELU (or
+//! ReLU) MLP, a final LayerNorm and an output head (tied to the token embedding or not).
 //!
-//! LayerNorm, softmax, GELU and the linear layers come from `accelerate_rs::nn`: fused and
-//! differentiable (Candle's own fused CPU kernels for LayerNorm and softmax have no backward
-//! pass, so everything before them would not train; its GELU and bias backward are slow).
+//! LayerNorm, the causal softmax, GELU/ReLU and the linear layers come from `accelerate_rs::nn`:
+//! fused and differentiable (Candle's own fused CPU kernels for LayerNorm and softmax have no
+//! backward pass, so everything before them would not train; its GELU and bias backward are
+//! slow).
 
 use accelerate_rs::nn::{linear, Linear};
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{Module, Result, Tensor};
 use candle_nn::{Embedding, Init, VarBuilder};
 
 /// Architecture hyper-parameters.
@@ -19,6 +20,27 @@ pub struct Config {
     pub heads: usize,
     pub layers: usize,
     pub tie_weights: bool,
+    pub activation: Activation,
+}
+
+/// The MLP's non-linearity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// GELU, tanh approximation (GPT-2).
+    Gelu,
+    /// ReLU (PyTorch's `nn.TransformerEncoderLayer` default).
+    Relu,
+}
+
+impl std::str::FromStr for Activation {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "gelu" => Ok(Activation::Gelu),
+            "relu" => Ok(Activation::Relu),
+            _ => Err(format!("expected gelu or relu, got {s:?}")),
+        }
+    }
 }
 
 /// LayerNorm with weight and bias (`accelerate_rs::nn`'s fused, differentiable one).
@@ -54,8 +76,8 @@ impl Attention {
         })
     }
 
-    /// `x`: `[B, T, C]`; `mask`: `[T, T]`, 0 on and below the diagonal, -inf above.
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    /// `x`: `[B, T, C]`; position `t` attends to positions `0..=t`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let hd = c / self.heads;
         // [B, T, 3, H, hd] -> 3 x [B, H, T, hd]
@@ -64,9 +86,8 @@ impl Attention {
         let q = qkv.get(0)?.contiguous()?;
         let k = qkv.get(1)?.contiguous()?;
         let v = qkv.get(2)?.contiguous()?;
-        let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
-        let scores = scores.broadcast_add(mask)?;
-        let att = accelerate_rs::nn::softmax_last_dim(&scores)?;
+        // Scaled by 1/sqrt(hd) and causally masked inside the softmax.
+        let att = accelerate_rs::nn::causal_softmax(&q.matmul(&k.t()?)?, 1.0 / (hd as f64).sqrt())?;
         let y = att.matmul(&v)?; // [B, H, T, hd]
         let y = y.transpose(1, 2)?.reshape((b, t, c))?;
         self.proj.forward(&y)
@@ -80,6 +101,7 @@ struct Block {
     ln2: LayerNorm,
     fc: Linear,
     fc_out: Linear,
+    activation: Activation,
 }
 
 impl Block {
@@ -90,12 +112,17 @@ impl Block {
             ln2: LayerNorm::new(cfg.d_model, vb.pp("ln2"))?,
             fc: linear(cfg.d_model, 4 * cfg.d_model, vb.pp("mlp.fc"))?,
             fc_out: linear(4 * cfg.d_model, cfg.d_model, vb.pp("mlp.proj"))?,
+            activation: cfg.activation,
         })
     }
 
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let x = (x + self.attn.forward(&self.ln1.forward(x)?, mask)?)?;
-        let h = accelerate_rs::nn::gelu(&self.fc.forward(&self.ln2.forward(&x)?)?)?;
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = (x + self.attn.forward(&self.ln1.forward(x)?)?)?;
+        let h = self.fc.forward(&self.ln2.forward(&x)?)?;
+        let h = match self.activation {
+            Activation::Gelu => accelerate_rs::nn::gelu(&h)?,
+            Activation::Relu => accelerate_rs::nn::relu(&h)?,
+        };
         x + self.fc_out.forward(&h)?
     }
 }
@@ -108,7 +135,6 @@ pub struct TransformerLm {
     ln_f: LayerNorm,
     /// `None` when the head is tied to the token embedding.
     head: Option<Linear>,
-    mask: Tensor,
     cfg: Config,
 }
 
@@ -140,14 +166,12 @@ impl TransformerLm {
             let bias = vb.get_with_hints(cfg.vocab_size, "bias", Init::Const(0.0))?;
             Some(Linear::new(weight, Some(bias)))
         };
-        let mask = causal_mask(cfg.seq_len, vb.dtype(), vb.device())?;
         Ok(TransformerLm {
             tok,
             pos,
             blocks,
             ln_f,
             head,
-            mask,
             cfg,
         })
     }
@@ -165,9 +189,8 @@ impl TransformerLm {
             .tok
             .forward(ids)?
             .broadcast_add(&self.pos.forward(&positions)?)?;
-        let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?.contiguous()?;
         for block in &self.blocks {
-            x = block.forward(&x, &mask)?;
+            x = block.forward(&x)?;
         }
         let x = self.ln_f.forward(&x)?;
         match &self.head {
@@ -188,12 +211,4 @@ fn embedding(n: usize, dim: usize, vb: VarBuilder) -> Result<Embedding> {
         vb.get_with_hints((n, dim), "weight", init)?,
         dim,
     ))
-}
-
-/// `[T, T]`: 0 where a position may attend (itself and earlier ones), -inf after.
-fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-    let mask: Vec<f32> = (0..t)
-        .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
-        .collect();
-    Tensor::from_vec(mask, (t, t), device)?.to_dtype(dtype)
 }

@@ -43,7 +43,8 @@ impl Elem for f16 {
 
 /// `e^x` in f32 without a library call, so that loops over it vectorize: `x = n ln 2 + r` with
 /// `|r| <= ln 2 / 2`, `e^r` by its degree-6 Taylor polynomial (relative error below 2e-7), and
-/// `2^n` built in the exponent bits. `x` is clamped to [-87, 88] (no infinities, no denormals).
+/// `2^n` built in the exponent bits. Below -87 it is 0 (no denormals; `-inf` gives 0), above 88
+/// it stays at `e^88` (no infinities); NaN stays NaN.
 #[inline(always)]
 pub(super) fn exp_f32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -52,15 +53,20 @@ pub(super) fn exp_f32(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
-    let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
-    let r = x - n * LN2_HI - n * LN2_LO;
+    let c = x.clamp(-87.0, 88.0);
+    let n = (c * LOG2E + ROUND) - ROUND;
+    let r = c - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
     // n is in [-126, 127] here, so the biased exponent is in [1, 254].
-    f32::from_bits(((n as i32 + 127) << 23) as u32) * p
+    let e = f32::from_bits(((n as i32 + 127) << 23) as u32) * p;
+    if x < -87.0 {
+        0.0
+    } else {
+        e
+    }
 }
 
 /// `tanh(x)` through [`exp_f32`]: `sign(x) (1 - 2 / (e^{2|x|} + 1))`, absolute error below 3e-7
@@ -72,6 +78,58 @@ pub(super) fn tanh_f32(x: f32) -> f32 {
     let a = if a > 10.0 { 10.0 } else { a };
     let e = exp_f32(2.0 * a);
     (1.0 - 2.0 / (e + 1.0)).copysign(x)
+}
+
+/// `sum f(x)` over `xs` in 8 independent partial sums, so that the loop vectorizes (a plain
+/// serial float sum does not); the rounding differs from a serial sum's.
+#[inline(always)]
+pub(super) fn sum_by<T: Elem>(xs: &[T], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a += f(v.f());
+        }
+    }
+    rest.iter().map(|v| f(v.f())).sum::<f32>() + acc.iter().sum::<f32>()
+}
+
+/// `sum f(a, b)` over two slices of one length, like [`sum_by`].
+#[inline(always)]
+pub(super) fn sum2_by<A: Elem, B: Elem>(a: &[A], b: &[B], f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let rest: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| f(x.f(), y.f()))
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for ((acc, x), y) in acc.iter_mut().zip(x).zip(y) {
+            *acc += f(x.f(), y.f());
+        }
+    }
+    rest + acc.iter().sum::<f32>()
+}
+
+/// The largest `f(x)` over `xs` (NaNs skipped, `-inf` for none), in 8 lanes like [`sum_by`].
+#[inline(always)]
+pub(super) fn max_by<T: Elem>(xs: &[T], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            let v = f(v.f());
+            *a = if v > *a { v } else { *a };
+        }
+    }
+    rest.iter()
+        .map(|v| f(v.f()))
+        .chain(acc)
+        .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
 }
 
 /// A contiguous CPU slice of `layout`.
@@ -137,7 +195,24 @@ mod tests {
         assert_eq!(tanh_f32(0.0), 0.0);
         assert_eq!(tanh_f32(-30.0), -1.0);
         assert_eq!(tanh_f32(f32::INFINITY), 1.0);
-        assert!(exp_f32(-1000.0) > 0.0 && exp_f32(1000.0).is_finite());
+        assert_eq!(exp_f32(-1000.0), 0.0);
+        assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
+        assert!(exp_f32(1000.0).is_finite() && exp_f32(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn lane_reductions_match_serial_ones() {
+        for n in [0usize, 1, 7, 8, 9, 63, 1000] {
+            let xs: Vec<f32> = (0..n).map(|i| ((i * 37) % 11) as f32 - 5.0).collect();
+            let ys: Vec<f32> = (0..n).map(|i| ((i * 13) % 7) as f32 * 0.5).collect();
+            let serial: f32 = xs.iter().map(|v| v * v).sum();
+            assert_eq!(sum_by(&xs, |v| v * v), serial, "n {n}");
+            let dot: f32 = xs.iter().zip(&ys).map(|(a, b)| a * b).sum();
+            assert_eq!(sum2_by(&xs, &ys, |a, b| a * b), dot, "n {n}");
+            let max = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(max_by(&xs, |v| v), max, "n {n}");
+        }
+        assert_eq!(max_by(&[1.0f32, f32::NAN, 3.0], |v| v), 3.0);
         assert!(tanh_f32(f32::NAN).is_nan() && exp_f32(f32::NAN).is_nan());
     }
 }

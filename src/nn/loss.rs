@@ -7,6 +7,8 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use super::elem::{exp_f32, max_by, slice, sum_by, unary_float, Elem};
+
 /// Options of [`cross_entropy_with`] (PyTorch's `label_smoothing` and `ignore_index`).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct CrossEntropyOptions {
@@ -146,29 +148,16 @@ impl CrossEntropy {
     }
 }
 
-/// A contiguous CPU slice of `layout`.
-fn slice<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
-    match layout.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("accelerate_rs::nn: the input must be contiguous"),
-    }
-}
-
 /// Max and log-sum-exp of one row, in f32.
-fn row_lse<T: Copy>(row: &[T], to: &impl Fn(T) -> f32) -> (f32, f32) {
-    let max = row.iter().map(|v| to(*v)).fold(f32::NEG_INFINITY, f32::max);
-    let sum: f32 = row.iter().map(|v| (to(*v) - max).exp()).sum();
+fn row_lse<T: Elem>(row: &[T]) -> (f32, f32) {
+    let max = max_by(row, |v| v);
+    let sum = sum_by(row, |v| exp_f32(v - max));
     (max, max + sum.ln())
 }
 
 /// The summed loss of the counted rows (f64 accumulation across rows); keeps each row's
 /// log-sum-exp in `op.lse`.
-fn forward<T: Copy + Send + Sync>(
-    x: &[T],
-    c: usize,
-    op: &CrossEntropy,
-    to: impl Fn(T) -> f32 + Sync,
-) -> f64 {
+fn forward<T: Elem>(x: &[T], c: usize, op: &CrossEntropy) -> f64 {
     let eps = op.eps;
     let mut lses = vec![0f32; op.targets.len()];
     let sum = x
@@ -179,13 +168,12 @@ fn forward<T: Copy + Send + Sync>(
             if Some(t) == op.ignore {
                 return 0.0;
             }
-            let (_, lse) = row_lse(row, &to);
+            let (_, lse) = row_lse(row);
             *keep = lse;
-            let xt = to(row[t as usize]);
+            let xt = row.get(t as usize).map_or(f32::NAN, |v| v.f());
             let mut loss = lse - (1.0 - eps) * xt;
             if eps > 0.0 {
-                let sum: f32 = row.iter().map(|v| to(*v)).sum();
-                loss -= eps * sum / c as f32;
+                loss -= eps * sum_by(row, |v| v) / c as f32;
             }
             loss as f64
         })
@@ -196,14 +184,7 @@ fn forward<T: Copy + Send + Sync>(
 
 /// d(loss)/d(logits) times `scale` (the incoming gradient over the counted rows); `lses` are
 /// the rows' log-sum-exps from the forward pass, when there.
-fn backward<T: Copy + Send + Sync>(
-    x: &[T],
-    c: usize,
-    op: &CrossEntropyGrad,
-    lses: Option<&[f32]>,
-    to: impl Fn(T) -> f32 + Sync,
-    of: impl Fn(f32) -> T + Sync,
-) -> Vec<T> {
+fn backward<T: Elem>(x: &[T], c: usize, op: &CrossEntropyGrad, lses: Option<&[f32]>) -> Vec<T> {
     let (eps, scale) = (op.eps, op.scale);
     let uniform = eps / c as f32;
     let mut out: Vec<T> = x.to_vec();
@@ -212,19 +193,19 @@ fn backward<T: Copy + Send + Sync>(
         .enumerate()
         .for_each(|(i, (o, (row, &t)))| {
             if Some(t) == op.ignore {
-                o.iter_mut().for_each(|v| *v = of(0.0));
+                o.iter_mut().for_each(|v| *v = T::of(0.0));
                 return;
             }
             let lse = match lses.and_then(|l| l.get(i)) {
                 Some(&lse) => lse,
-                None => row_lse(row, &to).1,
+                None => row_lse(row).1,
             };
-            for (j, (o, v)) in o.iter_mut().zip(row).enumerate() {
-                let mut g = (to(*v) - lse).exp() - uniform;
-                if j == t as usize {
-                    g -= 1.0 - eps;
-                }
-                *o = of(g * scale);
+            for (o, v) in o.iter_mut().zip(row) {
+                *o = T::of((exp_f32(v.f() - lse) - uniform) * scale);
+            }
+            let t = t as usize;
+            if let (Some(o), Some(v)) = (o.get_mut(t), row.get(t)) {
+                *o = T::of((exp_f32(v.f() - lse) - uniform - (1.0 - eps)) * scale);
             }
         });
     out
@@ -240,23 +221,15 @@ impl CustomOp1 for CrossEntropy {
         let mean = |sum: f64| sum / self.counted() as f64;
         let out = match s {
             CpuStorage::F32(x) => {
-                CpuStorage::F32(vec![mean(forward(slice(x, l)?, c, self, |v| v)) as f32])
+                CpuStorage::F32(vec![mean(forward(slice(x, l)?, c, self)) as f32])
             }
-            CpuStorage::F64(x) => {
-                CpuStorage::F64(vec![mean(forward(slice(x, l)?, c, self, |v| v as f32))])
+            CpuStorage::F64(x) => CpuStorage::F64(vec![mean(forward(slice(x, l)?, c, self))]),
+            CpuStorage::BF16(x) => {
+                CpuStorage::BF16(vec![bf16::from_f64(mean(forward(slice(x, l)?, c, self)))])
             }
-            CpuStorage::BF16(x) => CpuStorage::BF16(vec![bf16::from_f64(mean(forward(
-                slice(x, l)?,
-                c,
-                self,
-                bf16::to_f32,
-            )))]),
-            CpuStorage::F16(x) => CpuStorage::F16(vec![f16::from_f64(mean(forward(
-                slice(x, l)?,
-                c,
-                self,
-                f16::to_f32,
-            )))]),
+            CpuStorage::F16(x) => {
+                CpuStorage::F16(vec![f16::from_f64(mean(forward(slice(x, l)?, c, self)))])
+            }
             _ => candle_core::bail!("{}: a float dtype is expected", self.name()),
         };
         Ok((out, Shape::from(())))
@@ -299,36 +272,7 @@ impl CustomOp1 for CrossEntropyGrad {
             .as_deref()
             .filter(|v| v.len() == self.targets.len())
             .map(|v| v.as_slice());
-        let out = match s {
-            CpuStorage::F32(x) => {
-                CpuStorage::F32(backward(slice(x, l)?, c, self, lses, |v| v, |v| v))
-            }
-            CpuStorage::F64(x) => CpuStorage::F64(backward(
-                slice(x, l)?,
-                c,
-                self,
-                lses,
-                |v| v as f32,
-                |v| v as f64,
-            )),
-            CpuStorage::BF16(x) => CpuStorage::BF16(backward(
-                slice(x, l)?,
-                c,
-                self,
-                lses,
-                bf16::to_f32,
-                bf16::from_f32,
-            )),
-            CpuStorage::F16(x) => CpuStorage::F16(backward(
-                slice(x, l)?,
-                c,
-                self,
-                lses,
-                f16::to_f32,
-                f16::from_f32,
-            )),
-            _ => candle_core::bail!("{}: a float dtype is expected", self.name()),
-        };
+        let out = unary_float!(self.name(), s, l, backward, c, self, lses);
         Ok((out, l.shape().clone()))
     }
 }

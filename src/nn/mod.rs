@@ -1,6 +1,7 @@
 //! Differentiable fused layers for Candle: [`LayerNorm`] / [`layer_norm`], [`RmsNorm`] /
-//! [`rms_norm`], [`softmax_last_dim`], [`cross_entropy`] (with label smoothing and an ignored
-//! index through [`cross_entropy_with`]), [`gelu`] and [`Linear`] / [`linear`] (its bias
+//! [`rms_norm`], [`softmax_last_dim`], [`causal_softmax`] (attention's scale and
+//! causal mask in the same pass), [`cross_entropy`] (with label smoothing and an ignored
+//! index through [`cross_entropy_with`]), [`gelu`], [`relu`] and [`Linear`] / [`linear`] (its bias
 //! gradient in one pass of row sums), each one pass forward and one pass backward over the data
 //! (Rayon-parallel, f32 arithmetic for f32, bf16 and f16, f64 too).
 //!
@@ -29,6 +30,7 @@ mod gelu;
 mod linear;
 mod loss;
 mod norm;
+mod relu;
 mod softmax;
 
 pub use candle_nn::LayerNormConfig;
@@ -36,4 +38,5 @@ pub use gelu::gelu;
 pub use linear::{linear, linear_no_bias, Linear};
 pub use loss::{cross_entropy, cross_entropy_with, CrossEntropyOptions};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
-pub use softmax::softmax_last_dim;
+pub use relu::relu;
+pub use softmax::{causal_softmax, softmax_last_dim};

@@ -4,7 +4,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, T
 use candle_nn::LayerNormConfig;
 use rayon::prelude::*;
 
-use super::elem::{slice, Elem};
+use super::elem::{slice, sum2_by, sum_by, Elem};
 
 /// Rows handled by one Rayon task in the backward pass (its partial weight/bias gradients are
 /// summed at the end).
@@ -14,11 +14,11 @@ const ROWS_PER_TASK: usize = 32;
 fn stats<T: Elem>(row: &[T], remove_mean: bool, eps: f32) -> (f32, f32) {
     let d = row.len() as f32;
     let mean = if remove_mean {
-        row.iter().map(|v| v.f()).sum::<f32>() / d
+        sum_by(row, |v| v) / d
     } else {
         0.0
     };
-    let var = row.iter().map(|v| (v.f() - mean).powi(2)).sum::<f32>() / d;
+    let var = sum_by(row, |v| (v - mean) * (v - mean)) / d;
     (mean, 1.0 / (var + eps).sqrt())
 }
 
@@ -35,9 +35,14 @@ fn fwd<T: Elem>(op: &NormFwd, x: &[T], w: &[T], b: &[T], d: usize) -> Vec<T> {
         .zip(x.par_chunks(d))
         .for_each(|(o, row)| {
             let (mean, rstd) = stats(row, op.remove_mean, op.eps);
-            for i in 0..d {
-                let bias = if op.has_bias { b[i].f() } else { 0.0 };
-                o[i] = T::of((row[i].f() - mean) * rstd * w[i].f() + bias);
+            if op.has_bias {
+                for (((o, x), w), b) in o.iter_mut().zip(row).zip(w).zip(b) {
+                    *o = T::of((x.f() - mean) * rstd * w.f() + b.f());
+                }
+            } else {
+                for ((o, x), w) in o.iter_mut().zip(row).zip(w) {
+                    *o = T::of((x.f() - mean) * rstd * w.f());
+                }
             }
         });
     out
@@ -125,25 +130,28 @@ fn bwd<T: Elem>(op: &NormBwd, x: &[T], w: &[T], dy: &[T], d: usize) -> Vec<T> {
         .zip(x.par_chunks(d * ROWS_PER_TASK))
         .zip(dy.par_chunks(d * ROWS_PER_TASK))
         .map(|((dxs, xs), dys)| {
-            let (mut dw, mut db) = (vec![0f32; d], vec![0f32; d]);
+            let (mut dw, mut db, mut g) = (vec![0f32; d], vec![0f32; d], vec![0f32; d]);
             for ((dxr, xr), dyr) in dxs.chunks_mut(d).zip(xs.chunks(d)).zip(dys.chunks(d)) {
                 let (mean, rstd) = stats(xr, op.remove_mean, op.eps);
                 // g = dy * w; dx = rstd * (g - mean(g) - xhat * mean(g * xhat)).
-                let (mut sum_g, mut sum_gx) = (0f32, 0f32);
-                for i in 0..d {
-                    let xhat = (xr[i].f() - mean) * rstd;
-                    let g = dyr[i].f() * w[i].f();
-                    sum_g += g;
-                    sum_gx += g * xhat;
-                    dw[i] += dyr[i].f() * xhat;
-                    db[i] += dyr[i].f();
+                for ((((g, dw), db), x), (dy, w)) in g
+                    .iter_mut()
+                    .zip(dw.iter_mut())
+                    .zip(db.iter_mut())
+                    .zip(xr)
+                    .zip(dyr.iter().zip(w))
+                {
+                    let (dy, xhat) = (dy.f(), (x.f() - mean) * rstd);
+                    *g = dy * w.f();
+                    *dw += dy * xhat;
+                    *db += dy;
                 }
-                let (mg, mgx) = (sum_g / d as f32, sum_gx / d as f32);
-                for i in 0..d {
-                    let xhat = (xr[i].f() - mean) * rstd;
-                    let g = dyr[i].f() * w[i].f();
-                    let centered = if op.remove_mean { g - mg } else { g };
-                    dxr[i] = T::of(rstd * (centered - xhat * mgx));
+                let mg = sum_by(&g, |g| g) / d as f32;
+                let mgx = sum2_by(&g, xr, |g, x| g * (x - mean) * rstd) / d as f32;
+                let shift = if op.remove_mean { mg } else { 0.0 };
+                for ((dx, x), g) in dxr.iter_mut().zip(xr).zip(&g) {
+                    let xhat = (x.f() - mean) * rstd;
+                    *dx = T::of(rstd * (g - shift - xhat * mgx));
                 }
             }
             (dw, db)

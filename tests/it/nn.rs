@@ -155,7 +155,64 @@ fn layer_norm_rms_norm_and_softmax_match_candle_values_and_gradients() {
 }
 
 #[test]
-fn gelu_and_linear_match_candle_values_and_gradients() {
+fn causal_softmax_matches_scaling_masking_and_candles_softmax() {
+    // [..., T_q, T_k] with T_q == T_k (training) and T_q < T_k (queries at the end), contiguous
+    // or not, against the composed ops: scale, add a -inf upper-triangular mask, softmax.
+    let shapes: &[&[usize]] = &[
+        &[1, 1],
+        &[4, 4],
+        &[2, 3, 5, 7],
+        &[2, 8, 16, 16],
+        &[1, 3, 128],
+    ];
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-5), (DType::BF16, 1e-2)] {
+        for shape in shapes {
+            let (tq, tk) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+            for transposed in [false, true] {
+                let mut x = det(shape, 8).to_dtype(dtype).unwrap();
+                if transposed && tq == tk {
+                    x = x.transpose(shape.len() - 2, shape.len() - 1).unwrap();
+                }
+                let scale = 0.37;
+                let mask: Vec<f32> = (0..tq)
+                    .flat_map(|i| {
+                        (0..tk).map(move |j| {
+                            if j + tq <= i + tk {
+                                0.0
+                            } else {
+                                f32::NEG_INFINITY
+                            }
+                        })
+                    })
+                    .collect();
+                let mask = Tensor::from_vec(mask, (tq, tk), &Device::Cpu).unwrap();
+                let diff = compare(
+                    &x,
+                    &[],
+                    |x, _| nn::causal_softmax(x, scale).unwrap(),
+                    |x, _| {
+                        let m = mask.to_dtype(x.dtype()).unwrap();
+                        ops::softmax(&(x * scale).unwrap().broadcast_add(&m).unwrap(), D::Minus1)
+                            .unwrap()
+                    },
+                );
+                assert!(
+                    diff < tol,
+                    "causal_softmax {dtype:?} {shape:?} {transposed}: {diff}"
+                );
+            }
+        }
+    }
+    // Masked entries are exactly 0, and a shape without two dims or with T_q > T_k is an error.
+    let y = nn::causal_softmax(&det(&[3, 3], 1), 1.0).unwrap();
+    assert_eq!(y.to_vec2::<f32>().unwrap()[0][1..], [0.0, 0.0]);
+    let err = nn::causal_softmax(&det(&[4, 3], 1), 1.0).unwrap_err();
+    assert!(err.to_string().contains("T_q <= T_k"), "{err}");
+    assert!(nn::causal_softmax(&det(&[5], 1), 1.0).is_err());
+}
+
+#[test]
+fn gelu_relu_and_linear_match_candle_values_and_gradients() {
     // Linear inputs of rank 2, 3 and 4 (the last dim is `in`), contiguous or not.
     const LINEAR: &[(&[usize], usize)] = &[
         (&[1, 1], 1),
@@ -184,6 +241,16 @@ fn gelu_and_linear_match_candle_values_and_gradients() {
                 assert!(
                     diff < tol,
                     "gelu {dtype:?} {shape:?} transposed {transposed}: {diff}"
+                );
+                let diff = compare(
+                    &x,
+                    &[],
+                    |x, _| nn::relu(x).unwrap(),
+                    |x, _| x.relu().unwrap(),
+                );
+                assert!(
+                    diff < tol,
+                    "relu {dtype:?} {shape:?} transposed {transposed}: {diff}"
                 );
             }
         }
