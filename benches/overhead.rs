@@ -230,21 +230,24 @@ impl Module for Mlp {
     }
 }
 
-/// The transformer as a `Module` from token ids `[B, T]` to logits `[B * T, vocab]`, so that one
-/// cross-entropy against the flattened targets serves both workloads.
+/// The transformer as a `Module` from token ids `[B, T]` to logits `[B, T, vocab]`.
 struct Lm(lm::TransformerLm);
 
 impl Module for Lm {
     fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let logits = self.0.forward(ids)?;
-        let (b, t, v) = logits.dims3()?;
-        logits.reshape((b * t, v))
+        self.0.forward(ids)
     }
 }
 
-/// One training step's loss: cross-entropy of the logits against the (flattened) targets.
+/// One training step's loss: cross-entropy of the logits (rows of the last dimension) against
+/// the (flattened) targets, in plain Candle.
 fn step_loss(model: &dyn Module, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
-    loss::cross_entropy(&model.forward(x)?, &y.flatten_all()?)
+    let logits = model.forward(x)?;
+    let logits = match logits.rank() {
+        3 => logits.flatten_to(1)?,
+        _ => logits,
+    };
+    loss::cross_entropy(&logits, &y.flatten_all()?)
 }
 
 /// Section 1's model with deterministic weights.
@@ -831,9 +834,8 @@ fn worker(plan: Plan, workload: Workload) -> Result<()> {
         let loss = match workload {
             Workload::Mlp => loss::cross_entropy(&logits, &batch[1])?,
             // The transformer's step as a user of `accelerate_rs::nn` writes it.
-            Workload::Transformer => {
-                accelerate_rs::nn::cross_entropy(&logits, &batch[1].flatten_all()?)?
-            }
+            // (Logits [B, T, vocab] against targets [B, T], no reshape.)
+            Workload::Transformer => accelerate_rs::nn::cross_entropy(&logits, &batch[1])?,
         };
         let t1 = Instant::now();
         // `backward_step` split in its two halves, to time them.

@@ -136,12 +136,9 @@ fn main() -> Result<()> {
         let mut batches = loader.iter()?;
         while let Some(batch) = batches.next() {
             let batch = batch?;
+            // Logits [B, T, vocab] against targets [B, T]: no reshape (nor its backward).
             let logits = model.forward(&batch[0])?;
-            let (b, t, v) = logits.dims3()?;
-            let loss = accelerate_rs::nn::cross_entropy(
-                &logits.reshape((b * t, v))?,
-                &batch[1].flatten_all()?,
-            )?;
+            let loss = accelerate_rs::nn::cross_entropy(&logits, &batch[1])?;
             opt.backward_step_batch(&loss, &batch)?;
             window_loss += loss.to_scalar::<f32>()? as f64;
             window_micro += 1;
@@ -228,10 +225,8 @@ fn evaluate(
         let idx = Tensor::new(chunk, device)?;
         let (xb, yb) = (x.index_select(&idx, 0)?, y.index_select(&idx, 0)?);
         let logits = model.forward(&xb)?;
-        let (b, t, v) = logits.dims3()?;
-        let loss =
-            accelerate_rs::nn::cross_entropy(&logits.reshape((b * t, v))?, &yb.flatten_all()?)?;
-        let tokens = (b * t) as f64;
+        let loss = accelerate_rs::nn::cross_entropy(&logits, &yb)?;
+        let tokens = yb.elem_count() as f64;
         sum += loss.to_scalar::<f32>()? as f64 * tokens;
         count += tokens;
     }

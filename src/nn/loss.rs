@@ -38,6 +38,10 @@ impl CrossEntropyOptions {
 /// indices, u8/u32/i64): `candle_nn::loss::cross_entropy`'s signature and result, fused and
 /// differentiable on the CPU (f32, f64, bf16, f16, computed in f32), Candle's composed ops
 /// elsewhere.
+///
+/// Logits of higher rank, `[..., C]` (a language model's `[B, T, vocab]`), are taken as their
+/// rows without a reshape, against targets of the leading shape (`[B, T]`) or flattened
+/// (`[B * T]`).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     cross_entropy_with(logits, targets, CrossEntropyOptions::default())
 }
@@ -50,13 +54,14 @@ pub fn cross_entropy_with(
     targets: &Tensor,
     options: CrossEntropyOptions,
 ) -> Result<Tensor> {
-    let (n, c) = logits.dims2().map_err(|_| {
-        candle_core::Error::Msg(format!(
-            "accelerate_rs::nn::cross_entropy: logits must be [N, C], got {:?}",
-            logits.dims()
-        ))
-    })?;
-    if targets.dims() != [n] {
+    let (lead, c) = match logits.dims() {
+        [lead @ .., c] if !lead.is_empty() => (lead, *c),
+        dims => candle_core::bail!(
+            "accelerate_rs::nn::cross_entropy: logits must be [N, C] (or [..., C]), got {dims:?}"
+        ),
+    };
+    let n: usize = lead.iter().product();
+    if targets.dims() != [n] && targets.dims() != lead {
         candle_core::bail!(
             "accelerate_rs::nn::cross_entropy: targets must be [N] = [{n}] for logits {:?}, got {:?}",
             logits.dims(),
@@ -75,6 +80,7 @@ pub fn cross_entropy_with(
             "accelerate_rs::nn::cross_entropy: label_smoothing must be in [0, 1), got {eps}"
         );
     }
+    let targets = targets.flatten_all()?;
     let t: Vec<i64> = targets.to_dtype(DType::I64)?.to_vec1()?;
     if let Some((row, bad)) = t
         .iter()
@@ -91,7 +97,7 @@ pub fn cross_entropy_with(
             DType::F32 | DType::F64 | DType::BF16 | DType::F16
         );
     if !fused {
-        return composed(logits, targets, options);
+        return composed(&logits.reshape((n, c))?, &targets, options);
     }
     let op = CrossEntropy {
         targets: Arc::new(t),
@@ -400,6 +406,28 @@ mod tests {
                 .zip(&b.1)
                 .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
         assert!(diff < 1e-6, "gradient differs by {diff}");
+    }
+
+    #[test]
+    fn logits_of_higher_rank_equal_their_rows() {
+        // [2, 3, 11] logits against [2, 3] or [6] targets: the loss and gradient of the [6, 11]
+        // rows, with label smoothing and an ignored target.
+        let x = logits(6, 11, 4);
+        let t = Tensor::from_vec(vec![3u32, 0, 10, 7, 99, 5], 6, &Device::Cpu).unwrap();
+        let opts = CrossEntropyOptions::default()
+            .label_smoothing(0.1)
+            .ignore_index(99);
+        let flat = run(&|x, t| cross_entropy_with(x, t, opts), &x, &t);
+        let x3 = x.reshape((2, 3, 11)).unwrap();
+        for t in [t.clone(), t.reshape((2, 3)).unwrap()] {
+            let r = run(&|x, t| cross_entropy_with(x, t, opts), &x3, &t);
+            assert_eq!(r.0, flat.0);
+            assert_eq!(r.1, flat.1);
+        }
+        let e = cross_entropy(&x3, &t.reshape((3, 2)).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("[N] = [6]"), "{e}");
     }
 
     #[test]
