@@ -239,6 +239,25 @@ impl Module for Lm {
     }
 }
 
+/// A workload's model with the training loss as its user writes it with accelerate-rs (section
+/// 2): Candle's cross-entropy for the MLP; the transformer's output layer and cross-entropy
+/// fused by `accelerate_rs::nn::linear_cross_entropy`.
+trait Trainable: Module {
+    fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor>;
+}
+
+impl Trainable for Mlp {
+    fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+        loss::cross_entropy(&self.forward(x)?, y)
+    }
+}
+
+impl Trainable for Lm {
+    fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+        self.0.loss(x, y)
+    }
+}
+
 /// One training step's loss: cross-entropy of the logits (rows of the last dimension) against
 /// the (flattened) targets, in plain Candle.
 fn step_loss(model: &dyn Module, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
@@ -250,8 +269,8 @@ fn step_loss(model: &dyn Module, x: &Tensor, y: &Tensor) -> candle_core::Result<
     loss::cross_entropy(&logits, &y.flatten_all()?)
 }
 
-/// Section 1's model with deterministic weights.
-fn build_workload(workload: Workload, device: &Device) -> Result<(VarMap, Box<dyn Module>)> {
+/// The workload's model with deterministic weights.
+fn build_workload(workload: Workload, device: &Device) -> Result<(VarMap, Box<dyn Trainable>)> {
     match workload {
         Workload::Mlp => {
             let (varmap, model) = build_model(device)?;
@@ -396,7 +415,7 @@ trait Variant {
 
 /// Plain Candle: `candle_nn::SGD`, batches pre-sliced from the data (no DataLoader).
 struct RawSliced {
-    model: Box<dyn Module>,
+    model: Box<dyn Trainable>,
     opt: SGD,
     batches: Vec<(Tensor, Tensor)>,
     next: usize,
@@ -424,7 +443,7 @@ impl Variant for RawSliced {
 /// Plain Candle: `candle_nn::SGD` over an unprepared accelerate-rs DataLoader (as in
 /// `examples/digits_plain`).
 struct RawLoader {
-    model: Box<dyn Module>,
+    model: Box<dyn Trainable>,
     opt: SGD,
     loader: DataLoader,
 }
@@ -453,7 +472,7 @@ impl Variant for RawLoader {
 /// accelerate-rs: `Accelerator`, `prepare`, `AcceleratedOptimizer::backward_step`.
 struct Accelerated {
     _accelerator: Accelerator,
-    model: Box<dyn Module>,
+    model: Box<dyn Trainable>,
     opt: accelerate_rs::AcceleratedOptimizer<SGD>,
     loader: DataLoader,
 }
@@ -830,13 +849,8 @@ fn worker(plan: Plan, workload: Workload) -> Result<()> {
         let batch = iter
             .next()
             .ok_or_else(|| anyhow!("the loader ran out of batches at step {step}"))??;
-        let logits = model.forward(&batch[0])?;
-        let loss = match workload {
-            Workload::Mlp => loss::cross_entropy(&logits, &batch[1])?,
-            // The transformer's step as a user of `accelerate_rs::nn` writes it.
-            // (Logits [B, T, vocab] against targets [B, T], no reshape.)
-            Workload::Transformer => accelerate_rs::nn::cross_entropy(&logits, &batch[1])?,
-        };
+        // The step as a user of `accelerate_rs::nn` writes it (see `Trainable`).
+        let loss = model.loss(&batch[0], &batch[1])?;
         let t1 = Instant::now();
         // `backward_step` split in its two halves, to time them.
         let grads = accelerator.backward(&loss)?;

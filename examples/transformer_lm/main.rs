@@ -136,9 +136,8 @@ fn main() -> Result<()> {
         let mut batches = loader.iter()?;
         while let Some(batch) = batches.next() {
             let batch = batch?;
-            // Logits [B, T, vocab] against targets [B, T]: no reshape (nor its backward).
-            let logits = model.forward(&batch[0])?;
-            let loss = accelerate_rs::nn::cross_entropy(&logits, &batch[1])?;
+            // The output layer and the cross-entropy fused: see `TransformerLm::loss`.
+            let loss = model.loss(&batch[0], &batch[1])?;
             opt.backward_step_batch(&loss, &batch)?;
             window_loss += loss.to_scalar::<f32>()? as f64;
             window_micro += 1;
@@ -224,8 +223,7 @@ fn evaluate(
     for chunk in mine.chunks(args.batch_size) {
         let idx = Tensor::new(chunk, device)?;
         let (xb, yb) = (x.index_select(&idx, 0)?, y.index_select(&idx, 0)?);
-        let logits = model.forward(&xb)?;
-        let loss = accelerate_rs::nn::cross_entropy(&logits, &yb)?;
+        let loss = model.loss(&xb, &yb)?;
         let tokens = yb.elem_count() as f64;
         sum += loss.to_scalar::<f32>()? as f64 * tokens;
         count += tokens;

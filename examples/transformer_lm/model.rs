@@ -176,7 +176,8 @@ impl TransformerLm {
         })
     }
 
-    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+    /// The hidden states after the final LayerNorm, `[B, T, d_model]`.
+    pub fn hidden(&self, ids: &Tensor) -> Result<Tensor> {
         let (_b, t) = ids.dims2()?;
         if t > self.cfg.seq_len {
             candle_core::bail!(
@@ -192,11 +193,34 @@ impl TransformerLm {
         for block in &self.blocks {
             x = block.forward(&x)?;
         }
-        let x = self.ln_f.forward(&x)?;
+        self.ln_f.forward(&x)
+    }
+
+    /// The output layer: its own, or the token embedding when tied.
+    fn head(&self) -> Linear {
         match &self.head {
-            Some(head) => head.forward(&x),
-            None => x.broadcast_matmul(&self.tok.embeddings().t()?),
+            Some(head) => head.clone(),
+            None => Linear::new(self.tok.embeddings().clone(), None),
         }
+    }
+
+    /// Logits `[B, T, vocab]` (training goes through [`TransformerLm::loss`]; the benches use
+    /// this).
+    #[allow(dead_code)]
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        self.head().forward(&self.hidden(ids)?)
+    }
+
+    /// The mean next-token cross-entropy of `ids` (`[B, T]`) against `targets` (`[B, T]`), with
+    /// the output layer and the loss fused (`accelerate_rs::nn::linear_cross_entropy`): the
+    /// `[B, T, vocab]` logits never become a graph node of their own.
+    pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        accelerate_rs::nn::linear_cross_entropy(
+            &self.hidden(ids)?,
+            &self.head(),
+            targets,
+            Default::default(),
+        )
     }
 }
 

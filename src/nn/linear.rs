@@ -88,7 +88,13 @@ pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<L
 
 /// Whether the fused op takes `x` (`[.., k]`, `rows` rows), `w` and `b`: all on the CPU, in one
 /// float dtype, of matching shapes (anything else goes the composed way, with Candle's errors).
-fn fusable(x: &Tensor, w: &Tensor, b: Option<&Tensor>, rows: usize, k: usize) -> Result<bool> {
+pub(super) fn fusable(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    rows: usize,
+    k: usize,
+) -> Result<bool> {
     let float = matches!(
         x.dtype(),
         DType::F32 | DType::F64 | DType::BF16 | DType::F16
@@ -113,12 +119,12 @@ fn fusable(x: &Tensor, w: &Tensor, b: Option<&Tensor>, rows: usize, k: usize) ->
 
 /// `y = x Wᵀ (+ b)` over the rows of a contiguous `x` (`[.., k]`), `W` `[n, k]`: Candle's CPU
 /// matrix product on the storages, then the bias added in place.
-struct LinearOp {
-    n: usize,
+pub(super) struct LinearOp {
+    pub(super) n: usize,
 }
 
 impl LinearOp {
-    fn product(
+    pub(super) fn product(
         &self,
         sx: &CpuStorage,
         lx: &Layout,
@@ -149,7 +155,19 @@ impl LinearOp {
     }
 }
 
-fn add_bias<T: Elem>(y: &mut [T], b: &[T]) {
+/// `y += b` on every row of `y` (`[rows, b.len()]`), in place.
+pub(super) fn add_bias(y: &mut CpuStorage, b: &CpuStorage, lb: &Layout) -> Result<()> {
+    match (y, b) {
+        (CpuStorage::F32(y), CpuStorage::F32(b)) => add_rows(y, slice(b, lb)?),
+        (CpuStorage::F64(y), CpuStorage::F64(b)) => add_rows(y, slice(b, lb)?),
+        (CpuStorage::BF16(y), CpuStorage::BF16(b)) => add_rows(y, slice(b, lb)?),
+        (CpuStorage::F16(y), CpuStorage::F16(b)) => add_rows(y, slice(b, lb)?),
+        _ => candle_core::bail!("accelerate-rs-linear: one float dtype is expected"),
+    }
+    Ok(())
+}
+
+fn add_rows<T: Elem>(y: &mut [T], b: &[T]) {
     let d = b.len().max(1);
     y.par_chunks_mut(d * ROWS_PER_TASK).for_each(|rows| {
         for row in rows.chunks_mut(d) {
@@ -202,13 +220,7 @@ impl CustomOp3 for LinearOp {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (mut y, shape) = self.product(s1, l1, s2, l2)?;
-        match (&mut y, s3) {
-            (CpuStorage::F32(y), CpuStorage::F32(b)) => add_bias(y, slice(b, l3)?),
-            (CpuStorage::F64(y), CpuStorage::F64(b)) => add_bias(y, slice(b, l3)?),
-            (CpuStorage::BF16(y), CpuStorage::BF16(b)) => add_bias(y, slice(b, l3)?),
-            (CpuStorage::F16(y), CpuStorage::F16(b)) => add_bias(y, slice(b, l3)?),
-            _ => candle_core::bail!("{}: one float dtype is expected", CustomOp3::name(self)),
-        }
+        add_bias(&mut y, s3, l3)?;
         Ok((y, shape))
     }
 
@@ -227,8 +239,8 @@ impl CustomOp3 for LinearOp {
 
 /// The sums of a contiguous `[rows, cols]` tensor's columns, `[cols]` (f32 accumulation; f64
 /// for f64), rows added one after another so every read is contiguous.
-struct ColumnSums {
-    cols: usize,
+pub(super) struct ColumnSums {
+    pub(super) cols: usize,
 }
 
 fn column_sums<T: Elem>(g: &[T], d: usize) -> Vec<T> {

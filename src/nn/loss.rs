@@ -54,9 +54,30 @@ pub fn cross_entropy_with(
     targets: &Tensor,
     options: CrossEntropyOptions,
 ) -> Result<Tensor> {
-    let (lead, c) = match logits.dims() {
+    let (t, n, c) = checked_targets(logits.dims(), targets, options)?;
+    let fused = logits.device().is_cpu()
+        && matches!(
+            logits.dtype(),
+            DType::F32 | DType::F64 | DType::BF16 | DType::F16
+        );
+    if !fused {
+        return composed(&logits.reshape((n, c))?, &targets.flatten_all()?, options);
+    }
+    logits
+        .contiguous()?
+        .apply_op1(CrossEntropy::new(t, options))
+}
+
+/// The targets as i64 (`[N]` for logits `dims` = `[..., C]`), checked against `dims` and the
+/// options: `(targets, N, C)`.
+pub(super) fn checked_targets(
+    dims: &[usize],
+    targets: &Tensor,
+    options: CrossEntropyOptions,
+) -> Result<(Vec<i64>, usize, usize)> {
+    let (lead, c) = match dims {
         [lead @ .., c] if !lead.is_empty() => (lead, *c),
-        dims => candle_core::bail!(
+        _ => candle_core::bail!(
             "accelerate_rs::nn::cross_entropy: logits must be [N, C] (or [..., C]), got {dims:?}"
         ),
     };
@@ -64,7 +85,7 @@ pub fn cross_entropy_with(
     if targets.dims() != [n] && targets.dims() != lead {
         candle_core::bail!(
             "accelerate_rs::nn::cross_entropy: targets must be [N] = [{n}] for logits {:?}, got {:?}",
-            logits.dims(),
+            dims,
             targets.dims()
         );
     }
@@ -80,8 +101,7 @@ pub fn cross_entropy_with(
             "accelerate_rs::nn::cross_entropy: label_smoothing must be in [0, 1), got {eps}"
         );
     }
-    let targets = targets.flatten_all()?;
-    let t: Vec<i64> = targets.to_dtype(DType::I64)?.to_vec1()?;
+    let t: Vec<i64> = targets.flatten_all()?.to_dtype(DType::I64)?.to_vec1()?;
     if let Some((row, bad)) = t
         .iter()
         .enumerate()
@@ -91,21 +111,7 @@ pub fn cross_entropy_with(
             "accelerate_rs::nn::cross_entropy: the target of row {row} is {bad}, outside 0..{c} (the number of classes)"
         );
     }
-    let fused = logits.device().is_cpu()
-        && matches!(
-            logits.dtype(),
-            DType::F32 | DType::F64 | DType::BF16 | DType::F16
-        );
-    if !fused {
-        return composed(&logits.reshape((n, c))?, &targets, options);
-    }
-    let op = CrossEntropy {
-        targets: Arc::new(t),
-        eps: eps as f32,
-        ignore: options.ignore_index,
-        lse: Mutex::new(None),
-    };
-    logits.contiguous()?.apply_op1(op)
+    Ok((t, n, c))
 }
 
 /// The same loss with Candle's differentiable ops (other devices and dtypes; the tests'
@@ -135,7 +141,7 @@ pub(crate) fn composed(
 }
 
 /// The fused op; its targets are fixed (not differentiated).
-struct CrossEntropy {
+pub(super) struct CrossEntropy {
     targets: Arc<Vec<i64>>,
     eps: f32,
     ignore: Option<i64>,
@@ -145,6 +151,46 @@ struct CrossEntropy {
 }
 
 impl CrossEntropy {
+    pub(super) fn new(targets: Vec<i64>, options: CrossEntropyOptions) -> Self {
+        CrossEntropy {
+            targets: Arc::new(targets),
+            eps: options.label_smoothing as f32,
+            ignore: options.ignore_index,
+            lse: Mutex::new(None),
+        }
+    }
+
+    /// The mean loss of the logits in `s` (rows of `c`), as a scalar storage of their dtype;
+    /// keeps the rows' log-sum-exps for [`CrossEntropy::grad_op`].
+    pub(super) fn loss(&self, s: &CpuStorage, l: &Layout, c: usize) -> Result<CpuStorage> {
+        let mean = |sum: f64| sum / self.counted() as f64;
+        Ok(match s {
+            CpuStorage::F32(x) => {
+                CpuStorage::F32(vec![mean(forward(slice(x, l)?, c, self)) as f32])
+            }
+            CpuStorage::F64(x) => CpuStorage::F64(vec![mean(forward(slice(x, l)?, c, self))]),
+            CpuStorage::BF16(x) => {
+                CpuStorage::BF16(vec![bf16::from_f64(mean(forward(slice(x, l)?, c, self)))])
+            }
+            CpuStorage::F16(x) => {
+                CpuStorage::F16(vec![f16::from_f64(mean(forward(slice(x, l)?, c, self)))])
+            }
+            _ => candle_core::bail!("accelerate-rs-cross-entropy: a float dtype is expected"),
+        })
+    }
+
+    /// The backward op for the upstream gradient `grad` (a scalar).
+    pub(super) fn grad_op(&self, grad: &Tensor) -> Result<CrossEntropyGrad> {
+        let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        Ok(CrossEntropyGrad {
+            targets: Arc::clone(&self.targets),
+            eps: self.eps,
+            ignore: self.ignore,
+            scale: g / self.counted() as f32,
+            lse: self.lse.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        })
+    }
+
     /// Rows that count (not ignored).
     fn counted(&self) -> usize {
         self.targets
@@ -188,32 +234,42 @@ fn forward<T: Elem>(x: &[T], c: usize, op: &CrossEntropy) -> f64 {
     sum
 }
 
-/// d(loss)/d(logits) times `scale` (the incoming gradient over the counted rows); `lses` are
-/// the rows' log-sum-exps from the forward pass, when there.
-fn backward<T: Elem>(x: &[T], c: usize, op: &CrossEntropyGrad, lses: Option<&[f32]>) -> Vec<T> {
+/// d(loss)/d(logits) times `scale` (the incoming gradient over the counted rows), over the
+/// logits `z` in place; `lses` are the rows' log-sum-exps from the forward pass, when there.
+pub(super) fn grad_in_place<T: Elem>(
+    z: &mut [T],
+    c: usize,
+    op: &CrossEntropyGrad,
+    lses: Option<&[f32]>,
+) {
     let (eps, scale) = (op.eps, op.scale);
     let uniform = eps / c as f32;
-    let mut out: Vec<T> = x.to_vec();
-    out.par_chunks_mut(c)
-        .zip(x.par_chunks(c).zip(op.targets.par_iter()))
+    z.par_chunks_mut(c)
+        .zip(op.targets.par_iter())
         .enumerate()
-        .for_each(|(i, (o, (row, &t)))| {
+        .for_each(|(i, (row, &t))| {
             if Some(t) == op.ignore {
-                o.iter_mut().for_each(|v| *v = T::of(0.0));
+                row.iter_mut().for_each(|v| *v = T::of(0.0));
                 return;
             }
             let lse = match lses.and_then(|l| l.get(i)) {
                 Some(&lse) => lse,
                 None => row_lse(row).1,
             };
-            for (o, v) in o.iter_mut().zip(row) {
-                *o = T::of((exp_f32(v.f() - lse) - uniform) * scale);
-            }
             let t = t as usize;
-            if let (Some(o), Some(v)) = (o.get_mut(t), row.get(t)) {
-                *o = T::of((exp_f32(v.f() - lse) - uniform - (1.0 - eps)) * scale);
+            let xt = row.get(t).map(|v| v.f());
+            for v in row.iter_mut() {
+                *v = T::of((exp_f32(v.f() - lse) - uniform) * scale);
+            }
+            if let (Some(v), Some(xt)) = (row.get_mut(t), xt) {
+                *v = T::of((exp_f32(xt - lse) - uniform - (1.0 - eps)) * scale);
             }
         });
+}
+
+fn backward<T: Elem>(x: &[T], c: usize, op: &CrossEntropyGrad, lses: Option<&[f32]>) -> Vec<T> {
+    let mut out: Vec<T> = x.to_vec();
+    grad_in_place(&mut out, c, op, lses);
     out
 }
 
@@ -224,46 +280,33 @@ impl CustomOp1 for CrossEntropy {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let c = l.dims().last().copied().unwrap_or(1).max(1);
-        let mean = |sum: f64| sum / self.counted() as f64;
-        let out = match s {
-            CpuStorage::F32(x) => {
-                CpuStorage::F32(vec![mean(forward(slice(x, l)?, c, self)) as f32])
-            }
-            CpuStorage::F64(x) => CpuStorage::F64(vec![mean(forward(slice(x, l)?, c, self))]),
-            CpuStorage::BF16(x) => {
-                CpuStorage::BF16(vec![bf16::from_f64(mean(forward(slice(x, l)?, c, self)))])
-            }
-            CpuStorage::F16(x) => {
-                CpuStorage::F16(vec![f16::from_f64(mean(forward(slice(x, l)?, c, self)))])
-            }
-            _ => candle_core::bail!("{}: a float dtype is expected", self.name()),
-        };
-        Ok((out, Shape::from(())))
+        Ok((self.loss(s, l, c)?, Shape::from(())))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-        let scale = g / self.counted() as f32;
-        let lse = self.lse.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let op = CrossEntropyGrad {
-            targets: Arc::clone(&self.targets),
-            eps: self.eps,
-            ignore: self.ignore,
-            scale,
-            lse,
-        };
+        let op = self.grad_op(grad)?;
         Ok(Some(arg.contiguous()?.apply_op1_no_bwd(&op)?))
     }
 }
 
 /// The gradient of [`CrossEntropy`] with respect to its logits, times `scale`.
-struct CrossEntropyGrad {
+pub(super) struct CrossEntropyGrad {
     targets: Arc<Vec<i64>>,
     eps: f32,
     ignore: Option<i64>,
     scale: f32,
     /// The forward pass's log-sum-exps (recomputed when absent or of another length).
     lse: Option<Arc<Vec<f32>>>,
+}
+
+impl CrossEntropyGrad {
+    /// The forward pass's log-sum-exps, when there for every row.
+    pub(super) fn lses(&self) -> Option<&[f32]> {
+        self.lse
+            .as_deref()
+            .filter(|v| v.len() == self.targets.len())
+            .map(|v| v.as_slice())
+    }
 }
 
 impl CustomOp1 for CrossEntropyGrad {
@@ -273,12 +316,7 @@ impl CustomOp1 for CrossEntropyGrad {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let c = l.dims().last().copied().unwrap_or(1).max(1);
-        let lses = self
-            .lse
-            .as_deref()
-            .filter(|v| v.len() == self.targets.len())
-            .map(|v| v.as_slice());
-        let out = unary_float!(self.name(), s, l, backward, c, self, lses);
+        let out = unary_float!(self.name(), s, l, backward, c, self, self.lses());
         Ok((out, l.shape().clone()))
     }
 }

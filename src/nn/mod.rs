@@ -1,7 +1,8 @@
 //! Differentiable fused layers for Candle: [`LayerNorm`] / [`layer_norm`], [`RmsNorm`] /
 //! [`rms_norm`], [`softmax_last_dim`], [`causal_softmax`] (attention's scale and
 //! causal mask in the same pass), [`cross_entropy`] (with label smoothing and an ignored
-//! index through [`cross_entropy_with`]), [`gelu`], [`relu`] and [`Linear`] / [`linear`] (its bias
+//! index through [`cross_entropy_with`]; [`linear_cross_entropy`] fuses it with the output layer),
+//! [`gelu`], [`relu`] and [`Linear`] / [`linear`] (its bias
 //! gradient in one pass of row sums), each one pass forward and one pass backward over the data
 //! (Rayon-parallel, f32 arithmetic for f32, bf16 and f16, f64 too).
 //!
@@ -27,6 +28,7 @@
 
 mod elem;
 mod gelu;
+mod head_loss;
 mod linear;
 mod loss;
 mod norm;
@@ -35,6 +37,7 @@ mod softmax;
 
 pub use candle_nn::LayerNormConfig;
 pub use gelu::gelu;
+pub use head_loss::linear_cross_entropy;
 pub use linear::{linear, linear_no_bias, Linear};
 pub use loss::{cross_entropy, cross_entropy_with, CrossEntropyOptions};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};

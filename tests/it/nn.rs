@@ -212,6 +212,65 @@ fn causal_softmax_matches_scaling_masking_and_candles_softmax() {
 }
 
 #[test]
+fn linear_cross_entropy_equals_the_head_then_the_loss() {
+    // x [rows.., k], head [n, k] (+ bias [n]); the composed reference is the head's forward and
+    // the fused cross-entropy (itself checked against Candle in src/nn/loss.rs).
+    let cases: &[(&[usize], usize)] = &[(&[1, 1], 1), (&[5, 7], 11), (&[2, 3, 16], 50)];
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-5), (DType::BF16, 2e-2)] {
+        for &(shape, n) in cases {
+            let k = *shape.last().unwrap();
+            let rows: usize = shape[..shape.len() - 1].iter().product();
+            let x = det(shape, 11).to_dtype(dtype).unwrap();
+            let w = (det(&[n, k], 12).to_dtype(dtype).unwrap() * 0.3).unwrap();
+            let b = det(&[n], 13).to_dtype(dtype).unwrap();
+            let t: Vec<i64> = (0..rows).map(|i| ((i * 7) % n) as i64).collect();
+            let t = Tensor::from_vec(t, rows, &Device::Cpu).unwrap();
+            for options in [
+                nn::CrossEntropyOptions::default(),
+                nn::CrossEntropyOptions::default()
+                    .label_smoothing(0.1)
+                    .ignore_index(0),
+            ] {
+                let what = format!("{dtype:?} {shape:?} -> {n} {options:?}");
+                for bias in [true, false] {
+                    let head = |p: &[Tensor]| nn::Linear::new(p[0].clone(), p.get(1).cloned());
+                    let params = if bias {
+                        vec![w.clone(), b.clone()]
+                    } else {
+                        vec![w.clone()]
+                    };
+                    let diff = compare(
+                        &x,
+                        &params,
+                        |x, p| nn::linear_cross_entropy(x, &head(p), &t, options).unwrap(),
+                        |x, p| {
+                            nn::cross_entropy_with(&head(p).forward(x).unwrap(), &t, options)
+                                .unwrap()
+                        },
+                    );
+                    assert!(
+                        diff < tol,
+                        "linear_cross_entropy {what} bias {bias}: {diff}"
+                    );
+                }
+            }
+        }
+    }
+    // A second backward pass over the same loss (the kept logits are gone) gives the same
+    // gradients; bad targets are the loss's errors.
+    let (x, w) = (Var::from_tensor(&det(&[4, 6], 1)).unwrap(), det(&[9, 6], 2));
+    let head = nn::Linear::new(w, None);
+    let t = Tensor::new(&[1u32, 8, 0, 3], &Device::Cpu).unwrap();
+    let loss = nn::linear_cross_entropy(&x, &head, &t, Default::default()).unwrap();
+    let g1 = loss.backward().unwrap().get(&x).unwrap().clone();
+    let g2 = loss.backward().unwrap().get(&x).unwrap().clone();
+    assert_eq!(max_diff(&g1, &g2), 0.0);
+    let bad = Tensor::new(&[1u32, 9, 0, 3], &Device::Cpu).unwrap();
+    let err = nn::linear_cross_entropy(&x, &head, &bad, Default::default()).unwrap_err();
+    assert!(err.to_string().contains("row 1"), "{err}");
+}
+
+#[test]
 fn gelu_relu_and_linear_match_candle_values_and_gradients() {
     // Linear inputs of rank 2, 3 and 4 (the last dim is `in`), contiguous or not.
     const LINEAR: &[(&[usize], usize)] = &[
