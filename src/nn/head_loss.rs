@@ -38,7 +38,7 @@ pub fn linear_cross_entropy(
 ) -> Result<Tensor> {
     let (w, b) = (head.weight(), head.bias());
     let k = x.dims().last().copied().unwrap_or(0);
-    let rows = if k == 0 { 0 } else { x.elem_count() / k };
+    let rows = x.elem_count().checked_div(k).unwrap_or(0);
     if !fusable(x, w, b, rows, k)? {
         return cross_entropy_with(&candle_core::Module::forward(head, x)?, targets, options);
     }
