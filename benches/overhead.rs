@@ -10,8 +10,8 @@
 //!                     # section 2 on transformer_lm's model (AdamW, clip 1.0, fused
 //!                     # cross-entropy; read by scripts/pytorch_lm_bench.py)
 //!
-//! Model: MLP 784-1024-1024-10 (ReLU), f32, batch 64 per process, cross-entropy, on synthetic
-//! random data generated from a fixed seed (identical in every variant and process). With
+//! Model: MLP 784-1024-1024-10 (ReLU; `accelerate_rs::nn` layers), f32, batch 64 per process,
+//! cross-entropy, on synthetic random data generated from a fixed seed (identical in every variant and process). With
 //! `--model transformer`, section 1 times `examples/transformer_lm`'s model instead (vocab 8000,
 //! d_model 256, 8 heads, 4 layers, ReLU MLP 1024 wide as in the and PyTorch's
 //! `nn.TransformerEncoderLayer`, sequences of 128 tokens, batch 8, random token ids). Section 1
@@ -29,10 +29,10 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use accelerate_rs::{Accelerator, DataLoader, TensorDataset};
+use accelerate_rs::{nn, Accelerator, DataLoader, TensorDataset};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder, VarMap, SGD};
+use candle_nn::{loss, Optimizer, VarBuilder, VarMap, SGD};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -206,26 +206,28 @@ fn main() -> Result<()> {
 // ---------------------------------------------------------------------------------------------
 // Model and data
 
+/// The MLP with `accelerate_rs::nn`'s layers (an import change from `candle_nn`'s: the same
+/// constructors, variables and results; one fused op per layer and a one-pass ReLU backward).
 struct Mlp {
-    fc1: Linear,
-    fc2: Linear,
-    fc3: Linear,
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+    fc3: nn::Linear,
 }
 
 impl Mlp {
     fn new(vb: VarBuilder) -> Result<Self> {
         Ok(Mlp {
-            fc1: linear(INPUT, HIDDEN, vb.pp("fc1"))?,
-            fc2: linear(HIDDEN, HIDDEN, vb.pp("fc2"))?,
-            fc3: linear(HIDDEN, CLASSES, vb.pp("fc3"))?,
+            fc1: nn::linear(INPUT, HIDDEN, vb.pp("fc1"))?,
+            fc2: nn::linear(HIDDEN, HIDDEN, vb.pp("fc2"))?,
+            fc3: nn::linear(HIDDEN, CLASSES, vb.pp("fc3"))?,
         })
     }
 }
 
 impl Module for Mlp {
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        let xs = self.fc1.forward(xs)?.relu()?;
-        let xs = self.fc2.forward(&xs)?.relu()?;
+        let xs = nn::relu(&self.fc1.forward(xs)?)?;
+        let xs = nn::relu(&self.fc2.forward(&xs)?)?;
         self.fc3.forward(&xs)
     }
 }
@@ -240,7 +242,7 @@ impl Module for Lm {
 }
 
 /// A workload's model with the training loss as its user writes it with accelerate-rs (section
-/// 2): Candle's cross-entropy for the MLP; the transformer's output layer and cross-entropy
+/// 2): `accelerate_rs::nn::cross_entropy` for the MLP; the transformer's output layer and cross-entropy
 /// fused by `accelerate_rs::nn::linear_cross_entropy`.
 trait Trainable: Module {
     fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor>;
@@ -248,7 +250,7 @@ trait Trainable: Module {
 
 impl Trainable for Mlp {
     fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
-        loss::cross_entropy(&self.forward(x)?, y)
+        nn::cross_entropy(&self.forward(x)?, y)
     }
 }
 
