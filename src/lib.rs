@@ -113,6 +113,10 @@
 //! - [`env`](mod@env): the name of every environment variable, and the launcher's environment
 //!   contract ([`env::CommonEnv`]); [`config`]: the settings' defaults; [`gpu`]: GPU discovery.
 //! - [`allocator`]: glibc allocator tuning for training loops (applied by [`Accelerator`]).
+//! - [`nn`]: differentiable fused layers with `candle_nn`'s signatures (LayerNorm, RMSNorm,
+//!   softmax, cross-entropy, GELU, ReLU, Linear) and two fusions Candle has no counterpart for:
+//!   [`nn::causal_softmax`] (attention) and [`nn::linear_cross_entropy`] (a language model's
+//!   head and loss).
 //!
 //! The `accelerate-rs` command line and its launcher are the separate `accelerate-rs-cli` crate
 //! (`cli/` in the repository), so that this library pulls in no clap, nix or signal-hook.
