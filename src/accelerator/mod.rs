@@ -191,7 +191,7 @@ impl Accelerator {
     }
 
     /// [`prepare_data_loader`](Self::prepare_data_loader) for a streaming dataset: shards a
-    /// [`StreamingLoader`] for this rank (every rank reads the stream, each decodes its own
+    /// [`StreamingLoader`](crate::StreamingLoader) for this rank (every rank reads the stream, each decodes its own
     /// records, all take the same number of steps), applies the `split_batches` setting and moves
     /// its batches to this process's device.
     pub fn prepare_streaming_loader<D: crate::IterableDataset + 'static>(
