@@ -1,6 +1,6 @@
 //! The element types the fused CPU kernels take (computed in f32) and a contiguous view helper.
 
-use candle_core::{Layout, Result};
+use candle_core::{DType, Layout, Result, Tensor};
 use half::{bf16, f16};
 
 /// Elements computed in f32.
@@ -130,6 +130,15 @@ pub(super) fn max_by<T: Elem>(xs: &[T], f: impl Fn(f32) -> f32) -> f32 {
         .map(|v| f(v.f()))
         .chain(acc)
         .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
+}
+
+/// Whether the fused CPU kernels take `x`: on the CPU, in a float dtype (f32, f64, bf16, f16).
+pub(super) fn fused_cpu(x: &Tensor) -> bool {
+    x.device().is_cpu()
+        && matches!(
+            x.dtype(),
+            DType::F32 | DType::F64 | DType::BF16 | DType::F16
+        )
 }
 
 /// A contiguous CPU slice of `layout`.

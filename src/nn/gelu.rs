@@ -2,10 +2,10 @@
 //! differentiates it through a chain of composed ops (a `powf`, a `tanh`, several products),
 //! about 15% of a Transformer LM training step on the CPU.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::elem::{binary_float, slice, tanh_f32, unary_float, Elem};
+use super::elem::{binary_float, fused_cpu, slice, tanh_f32, unary_float, Elem};
 
 /// Elements per Rayon task.
 const CHUNK: usize = 4096;
@@ -18,12 +18,7 @@ const C: f32 = 0.044_715;
 /// as Candle's `Tensor::gelu` (and PyTorch's `gelu(approximate="tanh")`). Fused and
 /// differentiable on the CPU (f32, f64, bf16, f16, computed in f32); Candle's op elsewhere.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    if !x.device().is_cpu()
-        || !matches!(
-            x.dtype(),
-            DType::F32 | DType::F64 | DType::BF16 | DType::F16
-        )
-    {
+    if !fused_cpu(x) {
         return x.gelu();
     }
     x.contiguous()?.apply_op1(GeluFwd)

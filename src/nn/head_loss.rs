@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
-use super::linear::{add_bias, fusable, ColumnSums, Linear, LinearOp};
+use super::linear::{add_bias, fusable, Linear, LinearOp};
 use super::loss::{checked_targets, cross_entropy_with, grad_in_place, CrossEntropy};
 use super::CrossEntropyOptions;
 
@@ -91,12 +91,10 @@ impl HeadLoss {
         let mut z = match kept {
             Some(z) => z,
             None => {
-                let z = x.reshape((rows, k))?.matmul(&w.t()?)?;
                 let z = match b {
-                    Some(b) => z.broadcast_add(b)?,
-                    None => z,
+                    Some(b) => x.apply_op3_no_bwd(w, b, &self.linear)?,
+                    None => x.apply_op2_no_bwd(w, &self.linear)?,
                 };
-                let z = z.contiguous()?;
                 let (s, _) = z.storage_and_layout();
                 match &*s {
                     Storage::Cpu(s) => s.clone(),
@@ -117,11 +115,8 @@ impl HeadLoss {
                 candle_core::bail!("accelerate-rs-linear-cross-entropy: a float dtype is expected")
             }
         }
-        let g = storage_tensor(z, (rows, n), x)?;
-        let dx = g.matmul(w)?.reshape(x.shape())?;
-        let dw = g.t()?.matmul(&x.reshape((rows, k))?)?;
-        let db = g.apply_op1_no_bwd(&ColumnSums { cols: n })?;
-        Ok((dx, dw, db))
+        self.linear
+            .grads_of(&storage_tensor(z, (rows, n), x)?, x, w)
     }
 }
 

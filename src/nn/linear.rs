@@ -6,12 +6,12 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Module, Result, Shape, Tensor,
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Module, Result, Shape, Tensor,
 };
 use candle_nn::VarBuilder;
 use rayon::prelude::*;
 
-use super::elem::{slice, Elem};
+use super::elem::{fused_cpu, slice, Elem};
 
 /// Rows summed by one Rayon task in the bias gradient.
 const ROWS_PER_TASK: usize = 64;
@@ -95,10 +95,6 @@ pub(super) fn fusable(
     rows: usize,
     k: usize,
 ) -> Result<bool> {
-    let float = matches!(
-        x.dtype(),
-        DType::F32 | DType::F64 | DType::BF16 | DType::F16
-    );
     let n = match w.dims() {
         [n, wk] if *wk == k => *n,
         _ => return Ok(false),
@@ -106,9 +102,8 @@ pub(super) fn fusable(
     let bias_ok = b.is_none_or(|b| {
         b.device().is_cpu() && b.dtype() == x.dtype() && b.dims() == [n] && b.is_contiguous()
     });
-    Ok(x.device().is_cpu()
+    Ok(fused_cpu(x)
         && w.device().is_cpu()
-        && float
         && w.dtype() == x.dtype()
         && w.is_contiguous()
         && bias_ok
@@ -145,9 +140,19 @@ impl LinearOp {
 
     /// `(dx, dw, db)` from the output gradient.
     fn grads(&self, x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let rows = x.elem_count() / w.dim(1)?;
+        self.grads_of(&grad.contiguous()?.reshape((rows, self.n))?, x, w)
+    }
+
+    /// `(dx, dw, db)` from the output gradient `g` as `[rows, n]` (contiguous).
+    pub(super) fn grads_of(
+        &self,
+        g: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let k = w.dim(1)?;
         let rows = x.elem_count() / k;
-        let g = grad.contiguous()?.reshape((rows, self.n))?;
         let dx = g.matmul(w)?.reshape(x.shape())?;
         let dw = g.t()?.matmul(&x.reshape((rows, k))?)?;
         let db = g.apply_op1_no_bwd(&ColumnSums { cols: self.n })?;
@@ -239,8 +244,8 @@ impl CustomOp3 for LinearOp {
 
 /// The sums of a contiguous `[rows, cols]` tensor's columns, `[cols]` (f32 accumulation; f64
 /// for f64), rows added one after another so every read is contiguous.
-pub(super) struct ColumnSums {
-    pub(super) cols: usize,
+struct ColumnSums {
+    cols: usize,
 }
 
 fn column_sums<T: Elem>(g: &[T], d: usize) -> Vec<T> {

@@ -7,7 +7,7 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::elem::{exp_f32, max_by, slice, sum_by, unary_float, Elem};
+use super::elem::{exp_f32, fused_cpu, max_by, slice, sum_by, unary_float, Elem};
 
 /// Options of [`cross_entropy_with`] (PyTorch's `label_smoothing` and `ignore_index`).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -55,12 +55,7 @@ pub fn cross_entropy_with(
     options: CrossEntropyOptions,
 ) -> Result<Tensor> {
     let (t, n, c) = checked_targets(logits.dims(), targets, options)?;
-    let fused = logits.device().is_cpu()
-        && matches!(
-            logits.dtype(),
-            DType::F32 | DType::F64 | DType::BF16 | DType::F16
-        );
-    if !fused {
+    if !fused_cpu(logits) {
         return composed(&logits.reshape((n, c))?, &targets.flatten_all()?, options);
     }
     logits

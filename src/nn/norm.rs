@@ -1,10 +1,10 @@
 //! Layer normalization and RMS normalization with a fused forward and a fused backward.
 
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, Layout, Module, Result, Shape, Tensor};
 use candle_nn::LayerNormConfig;
 use rayon::prelude::*;
 
-use super::elem::{slice, sum2_by, sum_by, Elem};
+use super::elem::{fused_cpu, slice, sum2_by, sum_by, Elem};
 
 /// Rows handled by one Rayon task in the backward pass (its partial weight/bias gradients are
 /// summed at the end).
@@ -205,12 +205,7 @@ impl CustomOp3 for NormBwd {
 
 /// The fused norm of `x` over its last dimension, or Candle's composed ops off the CPU.
 fn norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, remove_mean: bool, eps: f64) -> Result<Tensor> {
-    if !x.device().is_cpu()
-        || !matches!(
-            x.dtype(),
-            DType::F32 | DType::F64 | DType::BF16 | DType::F16
-        )
-    {
+    if !fused_cpu(x) {
         return match (remove_mean, b) {
             (true, Some(b)) => candle_nn::ops::layer_norm_slow(x, w, b, eps as f32),
             (true, None) => candle_nn::ops::layer_norm_slow(x, w, &w.zeros_like()?, eps as f32),

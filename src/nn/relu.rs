@@ -1,10 +1,10 @@
 //! ReLU with a fused backward: Candle's backward of `relu` compares with a zeros tensor, converts
 //! the mask's dtype and multiplies (three passes and two temporaries); here it is one pass.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::elem::{binary_float, slice, unary_float, Elem};
+use super::elem::{binary_float, fused_cpu, slice, unary_float, Elem};
 
 /// Elements per Rayon task.
 const CHUNK: usize = 8192;
@@ -13,12 +13,7 @@ const CHUNK: usize = 8192;
 /// backward on the CPU (f32, f64, bf16, f16); Candle's op elsewhere. The gradient at 0 is 0, as
 /// in PyTorch.
 pub fn relu(x: &Tensor) -> Result<Tensor> {
-    if !x.device().is_cpu()
-        || !matches!(
-            x.dtype(),
-            DType::F32 | DType::F64 | DType::BF16 | DType::F16
-        )
-    {
+    if !fused_cpu(x) {
         return x.relu();
     }
     x.contiguous()?.apply_op1(ReluFwd)

@@ -2,10 +2,12 @@
 //! causally masked in the same pass (attention scores: no separate scaling, mask addition or
 //! their backward passes over the `[B, H, T, T]` scores).
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use super::elem::{binary_float, exp_f32, max_by, slice, sum2_by, sum_by, unary_float, Elem};
+use super::elem::{
+    binary_float, exp_f32, fused_cpu, max_by, slice, sum2_by, sum_by, unary_float, Elem,
+};
 
 /// `softmax(scale * x)` per row of `d`; when `causal` holds `(t_q, t_k)`, row `r` is query
 /// `i = r % t_q` and sees keys `0..=i + t_k - t_q` only (the rest gets 0).
@@ -16,7 +18,8 @@ struct SoftmaxFwd {
 }
 
 fn fwd<T: Elem>(x: &[T], d: usize, op: SoftmaxFwd) -> Vec<T> {
-    let mut out = x.to_vec();
+    // Zeros: the masked tail of each row stays 0.
+    let mut out = vec![T::of(0.0); x.len()];
     out.par_chunks_mut(d)
         .zip(x.par_chunks(d))
         .enumerate()
@@ -35,9 +38,6 @@ fn fwd<T: Elem>(x: &[T], d: usize, op: SoftmaxFwd) -> Vec<T> {
                 let inv = 1.0 / sum_by(e, |v| v);
                 for (o, e) in o.iter_mut().zip(e.iter()) {
                     *o = T::of(e * inv);
-                }
-                for o in &mut o[seen..] {
-                    *o = T::of(0.0);
                 }
             },
         );
@@ -67,7 +67,7 @@ struct SoftmaxBwd {
 }
 
 fn bwd<T: Elem>(y: &[T], dy: &[T], d: usize, scale: f32) -> Vec<T> {
-    let mut out = y.to_vec();
+    let mut out = vec![T::of(0.0); y.len()];
     out.par_chunks_mut(d)
         .zip(y.par_chunks(d).zip(dy.par_chunks(d)))
         .for_each(|(o, (yr, gr))| {
@@ -96,20 +96,11 @@ impl CustomOp2 for SoftmaxBwd {
     }
 }
 
-/// Whether the fused CPU kernels take `x`.
-fn fused(x: &Tensor) -> bool {
-    x.device().is_cpu()
-        && matches!(
-            x.dtype(),
-            DType::F32 | DType::F64 | DType::BF16 | DType::F16
-        )
-}
-
 /// Softmax over the last dimension, fused and differentiable on the CPU (Candle's
 /// `candle_nn::ops::softmax_last_dim` has no backward pass); Candle's composed, differentiable
 /// softmax elsewhere.
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if !fused(x) {
+    if !fused_cpu(x) {
         return candle_nn::ops::softmax(x, D::Minus1);
     }
     x.contiguous()?.apply_op1(SoftmaxFwd {
@@ -142,7 +133,7 @@ pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
              expected, got {dims:?}"
         ),
     };
-    if !fused(x) {
+    if !fused_cpu(x) {
         let mask: Vec<f32> = (0..tq)
             .flat_map(|i| {
                 (0..tk).map(move |j| {
