@@ -1,8 +1,8 @@
 //! `accelerate_rs::nn` against Candle's composed ops, forward and backward, on the shapes of the
 //! Transformer LM (batch 8 x 128 tokens x 256 features; attention scores 8 x 8 heads x 128 x
-//! 128, plain and scaled + causally masked; cross-entropy over 1024 tokens x 8000 classes; GELU and ReLU over 8 x 128 x
-//! 1024; a 256 -> 1024
-//! linear layer with bias), timed in alternating blocks in one run:
+//! 128, plain and scaled + causally masked; causal self-attention over the packed 8 x 128 x 3 x 256
+//! projection, 8 heads; cross-entropy over 1024 tokens x 8000 classes; GELU and ReLU over 8 x 128
+//! x 1024; a 256 -> 1024 linear layer with bias), timed in alternating blocks in one run:
 //!
 //!     cargo bench --bench nn
 //!     cargo bench --bench nn -- --quick
@@ -108,6 +108,26 @@ fn main() -> Result<()> {
         &rows,
         Box::new(move |x| ours.forward(x)),
         Box::new(move |x| theirs.forward(x)),
+    ));
+    // Causal self-attention over the packed q|k|v projection (8 x 128 tokens x 3 x 256, 8 heads):
+    // one fused op, against the composed heads split, products, `causal_softmax` (itself fused)
+    // and heads merge the Transformer LM used before.
+    let qkv = Var::from_tensor(&Tensor::randn(0f32, 1.0, (8, 128, 3 * d), &dev)?)?;
+    let causal = nn::AttentionOptions::default().causal(true);
+    cases.push((
+        "attention 8x128x3x256",
+        &qkv,
+        Box::new(move |x| nn::packed_self_attention(x, 8, &causal)),
+        Box::new(|x| {
+            let s = x.reshape((8, 128, 3, 8, 32))?.permute((2, 0, 3, 1, 4))?;
+            let (q, k, v) = (
+                s.get(0)?.contiguous()?,
+                s.get(1)?.contiguous()?,
+                s.get(2)?.contiguous()?,
+            );
+            let att = nn::causal_softmax(&q.matmul(&k.t()?)?, 1.0 / 32f64.sqrt())?;
+            att.matmul(&v)?.transpose(1, 2)?.reshape((8, 128, 256))
+        }),
     ));
     cases.push((
         "cross_entropy 1024x8000",

@@ -7,7 +7,7 @@
 //! backward pass, so everything before them would not train; its GELU and bias backward are
 //! slow).
 
-use accelerate_rs::nn::{linear, Linear};
+use accelerate_rs::nn::{linear, AttentionOptions, Linear};
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{Embedding, Init, VarBuilder};
 
@@ -78,19 +78,13 @@ impl Attention {
 
     /// `x`: `[B, T, C]`; position `t` attends to positions `0..=t`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, t, c) = x.dims3()?;
-        let hd = c / self.heads;
-        // [B, T, 3, H, hd] -> 3 x [B, H, T, hd]
-        let qkv = self.qkv.forward(x)?.reshape((b, t, 3, self.heads, hd))?;
-        let qkv = qkv.permute((2, 0, 3, 1, 4))?;
-        let q = qkv.get(0)?.contiguous()?;
-        let k = qkv.get(1)?.contiguous()?;
-        let v = qkv.get(2)?.contiguous()?;
-        // Scaled by 1/sqrt(hd) and causally masked inside the softmax.
-        let att = accelerate_rs::nn::causal_softmax(&q.matmul(&k.t()?)?, 1.0 / (hd as f64).sqrt())?;
-        let y = att.matmul(&v)?; // [B, H, T, hd]
-        let y = y.transpose(1, 2)?.reshape((b, t, c))?;
-        self.proj.forward(&y)
+        // [B, T, 3C] (q, k, v side by side) -> [B, T, C], heads split and merged inside one
+        // fused op, scaled by 1/sqrt(head_dim) and causally masked.
+        let qkv = self.qkv.forward(x)?;
+        let causal = AttentionOptions::default().causal(true);
+        self.proj.forward(&accelerate_rs::nn::packed_self_attention(
+            &qkv, self.heads, &causal,
+        )?)
     }
 }
 

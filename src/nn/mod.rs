@@ -26,6 +26,7 @@
 //! # Ok(()) }
 //! ```
 
+mod attention;
 mod elem;
 mod gelu;
 mod head_loss;
@@ -35,6 +36,7 @@ mod norm;
 mod relu;
 mod softmax;
 
+pub use attention::{packed_self_attention, scaled_dot_product_attention, AttentionOptions};
 pub use candle_nn::LayerNormConfig;
 pub use gelu::gelu;
 pub use head_loss::linear_cross_entropy;

@@ -415,3 +415,204 @@ fn layers_built_like_candle_nn_train_what_candle_nns_fused_ones_freeze() {
         .unwrap();
     assert!(g.get(lin.weight()).is_some() && g.get(rms.weight()).is_some());
 }
+
+/// Attention composed from Candle's ops, formulated apart from the fused op: an additive `-1e4`
+/// mask, softmax, and rows that see no key multiplied by 0.
+fn attention_reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    causal: bool,
+    padding: Option<&[u8]>,
+    scale: f64,
+) -> Tensor {
+    let (b, _, tq, _) = q.dims4().unwrap();
+    let tk = k.dim(2).unwrap();
+    let mut add = vec![0f32; b * tq * tk];
+    let mut any = vec![0f32; b * tq];
+    for bi in 0..b {
+        for i in 0..tq {
+            for j in 0..tk {
+                let hidden =
+                    (causal && j + tq > i + tk) || padding.is_some_and(|p| p[bi * tk + j] != 0);
+                if hidden {
+                    add[(bi * tq + i) * tk + j] = -1e4;
+                } else {
+                    any[bi * tq + i] = 1.0;
+                }
+            }
+        }
+    }
+    let dt = q.dtype();
+    let add = Tensor::from_vec(add, (b, 1, tq, tk), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap();
+    let any = Tensor::from_vec(any, (b, 1, tq, 1), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap();
+    let s = (q.matmul(&k.t().unwrap()).unwrap() * scale).unwrap();
+    let p = ops::softmax(&s.broadcast_add(&add).unwrap(), D::Minus1).unwrap();
+    p.broadcast_mul(&any).unwrap().matmul(v).unwrap()
+}
+
+#[test]
+fn attention_matches_composed_ops_values_and_gradients() {
+    // (B, H, T_q, T_k, D, D_v); q is made [B, T_q, H, D] and transposed, so it is strided.
+    let cases: &[[usize; 6]] = &[
+        [1, 1, 1, 1, 1, 1],
+        [2, 3, 5, 5, 4, 4],
+        [2, 2, 3, 7, 8, 5],
+        [2, 1, 6, 4, 3, 3],
+        [1, 4, 64, 64, 16, 16],
+    ];
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-5), (DType::BF16, 2e-2)] {
+        for &[b, h, tq, tk, d, dv] in cases {
+            for causal in [false, true] {
+                if causal && tq > tk {
+                    continue;
+                }
+                for padded in [false, true] {
+                    // Sequence 0 keeps its last key; sequence 1 (if any) has every key padded.
+                    let pad: Vec<u8> = (0..b * tk)
+                        .map(|i| u8::from(padded && (i / tk == 1 || i % tk % 2 == 1)))
+                        .collect();
+                    let pad = padded.then_some(pad);
+                    let mut options = nn::AttentionOptions::default().causal(causal).scale(0.3);
+                    if let Some(p) = &pad {
+                        let m = Tensor::from_vec(p.clone(), (b, tk), &Device::Cpu).unwrap();
+                        options = options.key_padding_mask(m);
+                    }
+                    let q = det(&[b, tq, h, d], 1).to_dtype(dtype).unwrap();
+                    let k = det(&[b, h, tk, d], 2).to_dtype(dtype).unwrap();
+                    let v = det(&[b, h, tk, dv], 3).to_dtype(dtype).unwrap();
+                    let pad_ref = pad.as_deref();
+                    let diff = compare(
+                        &q,
+                        &[k, v],
+                        |q, p| {
+                            let q = q.transpose(1, 2).unwrap();
+                            nn::scaled_dot_product_attention(&q, &p[0], &p[1], &options).unwrap()
+                        },
+                        |q, p| {
+                            let q = q.transpose(1, 2).unwrap().contiguous().unwrap();
+                            attention_reference(&q, &p[0], &p[1], causal, pad_ref, 0.3)
+                        },
+                    );
+                    let case = format!(
+                        "{dtype:?} {:?} causal {causal} padded {padded}",
+                        [b, h, tq, tk, d, dv]
+                    );
+                    assert!(diff < tol, "scaled_dot_product_attention {case}: {diff}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_self_attention_equals_split_heads_and_merged_output() {
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+        for &(b, t, heads, d) in &[
+            (1usize, 1usize, 1usize, 1usize),
+            (2, 5, 3, 4),
+            (2, 16, 4, 8),
+        ] {
+            let c = heads * d;
+            for causal in [false, true] {
+                let pad: Vec<u8> = (0..b * t)
+                    .map(|i| u8::from(i % t == t / 2 && t > 1))
+                    .collect();
+                let mask = Tensor::from_vec(pad.clone(), (b, t), &Device::Cpu).unwrap();
+                let options = nn::AttentionOptions::default()
+                    .causal(causal)
+                    .key_padding_mask(mask);
+                let qkv = det(&[b, t, 3 * c], 4).to_dtype(dtype).unwrap();
+                let diff = compare(
+                    &qkv,
+                    &[],
+                    |x, _| nn::packed_self_attention(x, heads, &options).unwrap(),
+                    |x, _| {
+                        let s = x
+                            .reshape((b, t, 3, heads, d))
+                            .unwrap()
+                            .permute((2, 0, 3, 1, 4))
+                            .unwrap();
+                        let part = |i| s.get(i).unwrap().contiguous().unwrap();
+                        let scale = 1.0 / (d as f64).sqrt();
+                        let y = attention_reference(
+                            &part(0),
+                            &part(1),
+                            &part(2),
+                            causal,
+                            Some(&pad),
+                            scale,
+                        );
+                        y.transpose(1, 2).unwrap().reshape((b, t, c)).unwrap()
+                    },
+                );
+                assert!(
+                    diff < tol,
+                    "packed {dtype:?} {:?} causal {causal}: {diff}",
+                    (b, t, heads, d)
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_backward_twice_and_bad_inputs() {
+    // A second backward pass over one graph recomputes the weights and gives the same gradients.
+    let qkv = Var::from_tensor(&det(&[2, 6, 3 * 8], 5)).unwrap();
+    let y =
+        nn::packed_self_attention(&qkv, 2, &nn::AttentionOptions::default().causal(true)).unwrap();
+    let loss = (&y * &det(y.dims(), 6)).unwrap().sum_all().unwrap();
+    let g1 = loss.backward().unwrap().get(&qkv).unwrap().clone();
+    let g2 = loss.backward().unwrap().get(&qkv).unwrap().clone();
+    assert_eq!(max_diff(&g1, &g2), 0.0);
+
+    let q = det(&[1, 2, 4, 8], 1);
+    let k = det(&[1, 2, 3, 8], 2);
+    let opts = nn::AttentionOptions::default();
+    let err = |r: candle_core::Result<Tensor>| r.unwrap_err().to_string();
+    let e = err(nn::scaled_dot_product_attention(
+        &q,
+        &det(&[1, 2, 3, 7], 2),
+        &k,
+        &opts,
+    ));
+    assert!(
+        e.contains("expected q [B, H, T_q, D]") && e.contains("[1, 2, 3, 7]"),
+        "{e}"
+    );
+    let e = err(nn::scaled_dot_product_attention(
+        &q,
+        &k,
+        &k,
+        &opts.clone().causal(true),
+    ));
+    assert!(e.contains("T_q <= T_k") && e.contains("4 queries"), "{e}");
+    let bad_mask = opts.clone().key_padding_mask(det(&[1, 4], 0));
+    let e = err(nn::scaled_dot_product_attention(&q, &k, &k, &bad_mask));
+    assert!(
+        e.contains("key_padding_mask of shape [1, 4]") && e.contains("[1, 3]"),
+        "{e}"
+    );
+    let e = err(nn::scaled_dot_product_attention(
+        &q,
+        &k,
+        &k.to_dtype(DType::F64).unwrap(),
+        &opts,
+    ));
+    assert!(e.contains("one dtype"), "{e}");
+    let e = err(nn::packed_self_attention(&det(&[1, 4, 24], 0), 5, &opts));
+    assert!(e.contains("5 heads") && e.contains("[1, 4, 24]"), "{e}");
+    assert!(nn::packed_self_attention(&det(&[1, 4, 24], 0), 0, &opts).is_err());
+    // Empty sizes give empty (or zero) outputs, not a panic.
+    let y = nn::packed_self_attention(&det(&[2, 0, 24], 0), 2, &opts).unwrap();
+    assert_eq!(y.dims(), [2, 0, 8]);
+    let e = err(nn::packed_self_attention(&det(&[1, 4, 0], 0), 2, &opts));
+    assert!(e.contains("width 0"), "{e}");
+}

@@ -1,0 +1,734 @@
+//! Scaled dot-product attention as one differentiable op on the CPU. Composed, one attention
+//! layer is a dozen graph nodes — the head split (reshape, permute, three narrows and copies),
+//! the two batched products, the scaling, the mask, the softmax, the head merge — and Candle's
+//! backward zero-fills a gradient for each of them and adds into it (a narrow's gradient is the
+//! whole packed projection, zero-padded). Here the products read the heads where they lie (any
+//! strides, the packed `[B, T, 3C]` projection included) and the gradients are written where they
+//! belong, in one node; the attention weights are kept from the forward pass for the backward.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, D,
+};
+use rayon::prelude::*;
+
+use super::elem::{exp_f32, fused_cpu, max_by, sum2_by, sum_by};
+
+/// Options of [`scaled_dot_product_attention`] and [`packed_self_attention`] (PyTorch's
+/// `is_causal`, `scale` and `key_padding_mask`).
+#[derive(Debug, Clone, Default)]
+pub struct AttentionOptions {
+    /// Query `i` sees keys `0..=i + T_k - T_q` only (needs `T_q <= T_k`): a decoder's
+    /// self-attention.
+    pub causal: bool,
+    /// The factor on the scores; `None` (default) is `1 / sqrt(head_dim)`.
+    pub scale: Option<f64>,
+    /// `[B, T_k]`, any dtype: a nonzero entry marks a padding key that no query of that sequence
+    /// sees. A query that sees no key at all gets zeros (PyTorch gives NaN).
+    pub key_padding_mask: Option<Tensor>,
+}
+
+impl AttentionOptions {
+    /// Sets [`AttentionOptions::causal`].
+    pub fn causal(mut self, causal: bool) -> Self {
+        self.causal = causal;
+        self
+    }
+
+    /// Sets the factor on the scores.
+    pub fn scale(mut self, scale: f64) -> Self {
+        self.scale = Some(scale);
+        self
+    }
+
+    /// Sets the key padding mask (`[B, T_k]`, nonzero = padding).
+    pub fn key_padding_mask(mut self, mask: Tensor) -> Self {
+        self.key_padding_mask = Some(mask);
+        self
+    }
+}
+
+/// `softmax(scale · q kᵀ + mask) v` per batch entry and head: PyTorch's
+/// `scaled_dot_product_attention` for `q` `[B, H, T_q, D]`, `k` `[B, H, T_k, D]` and `v`
+/// `[B, H, T_k, D_v]` (any strides), giving `[B, H, T_q, D_v]`. On the CPU (float dtypes, computed
+/// in f32) it is one fused, differentiable op; elsewhere Candle's composed ops.
+///
+/// ```
+/// # fn main() -> candle_core::Result<()> {
+/// use accelerate_rs::nn::{scaled_dot_product_attention, AttentionOptions};
+/// use candle_core::{Device, Tensor};
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 1.0, (2, 4, 5, 8), &dev)?;
+/// let (k, v) = (q.clone(), q.clone());
+/// let y = scaled_dot_product_attention(&q, &k, &v, &AttentionOptions::default().causal(true))?;
+/// assert_eq!(y.dims(), [2, 4, 5, 8]);
+/// // The first query sees only the first key, so it gets the first value.
+/// let first = (y.narrow(2, 0, 1)? - v.narrow(2, 0, 1)?)?.abs()?.max_all()?;
+/// assert!(first.to_scalar::<f32>()? < 1e-6);
+/// # Ok(()) }
+/// ```
+pub fn scaled_dot_product_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    options: &AttentionOptions,
+) -> Result<Tensor> {
+    let shapes = || format!("q {:?}, k {:?}, v {:?}", q.dims(), k.dims(), v.dims());
+    let dims = match (q.dims(), k.dims(), v.dims()) {
+        (&[b, h, tq, d], &[kb, kh, tk, kd], &[vb, vh, vt, dv])
+            if (kb, kh, kd) == (b, h, d) && (vb, vh, vt) == (b, h, tk) =>
+        {
+            Dims {
+                b,
+                h,
+                tq,
+                tk,
+                d,
+                dv,
+            }
+        }
+        _ => candle_core::bail!(
+            "accelerate_rs::nn::scaled_dot_product_attention: {}: expected q [B, H, T_q, D], \
+             k [B, H, T_k, D] and v [B, H, T_k, D_v]",
+            shapes()
+        ),
+    };
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+        candle_core::bail!(
+            "accelerate_rs::nn::scaled_dot_product_attention: q, k and v in one dtype expected, \
+             got {:?}, {:?}, {:?}",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        );
+    }
+    let op = Attention::new(dims, options, false, "scaled_dot_product_attention")?;
+    let cpu = fused_cpu(q) && k.device().is_cpu() && v.device().is_cpu();
+    if !cpu {
+        return op.composed(q, k, v);
+    }
+    if dims.is_empty() {
+        return Tensor::zeros((dims.b, dims.h, dims.tq, dims.dv), q.dtype(), q.device());
+    }
+    let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+    let y = f32_of(q)?.apply_op3(&f32_of(k)?, &f32_of(v)?, op)?;
+    y.to_dtype(q.dtype())
+}
+
+/// Self-attention over a packed projection: `qkv` `[B, T, 3C]` holds the queries, keys and
+/// values side by side (`C` columns each, `heads` heads of `C / heads` columns in each, as GPT-2's
+/// `c_attn` or PyTorch's `in_proj` make them), and the result is `[B, T, C]` with the heads
+/// merged back, ready for the output projection. The same as splitting the heads, calling
+/// [`scaled_dot_product_attention`] and merging them, without the copies: on the CPU one fused op
+/// whose gradient is `[B, T, 3C]` straight away.
+///
+/// ```
+/// # fn main() -> candle_core::Result<()> {
+/// use accelerate_rs::nn::{packed_self_attention, AttentionOptions};
+/// use candle_core::{Device, Tensor};
+/// let qkv = Tensor::randn(0f32, 1.0, (2, 5, 3 * 16), &Device::Cpu)?;
+/// let y = packed_self_attention(&qkv, 4, &AttentionOptions::default().causal(true))?;
+/// assert_eq!(y.dims(), [2, 5, 16]);
+/// # Ok(()) }
+/// ```
+pub fn packed_self_attention(
+    qkv: &Tensor,
+    heads: usize,
+    options: &AttentionOptions,
+) -> Result<Tensor> {
+    let dims = match qkv.dims() {
+        &[b, t, c3] if heads > 0 && c3 % 3 == 0 && (c3 / 3) % heads == 0 => Dims {
+            b,
+            h: heads,
+            tq: t,
+            tk: t,
+            d: c3 / 3 / heads,
+            dv: c3 / 3 / heads,
+        },
+        d => candle_core::bail!(
+            "accelerate_rs::nn::packed_self_attention: qkv {d:?} with {heads} heads: expected \
+             [B, T, 3C] with C a multiple of the number of heads (and at least one head)"
+        ),
+    };
+    let op = Attention::new(dims, options, true, "packed_self_attention")?;
+    let c = dims.h * dims.d;
+    if !fused_cpu(qkv) {
+        let split = qkv
+            .reshape((dims.b, dims.tq, 3, dims.h, dims.d))?
+            .permute((2, 0, 3, 1, 4))?;
+        let y = op.composed(&split.get(0)?, &split.get(1)?, &split.get(2)?)?;
+        return y.transpose(1, 2)?.reshape((dims.b, dims.tq, c));
+    }
+    if dims.is_empty() {
+        return Tensor::zeros((dims.b, dims.tq, c), qkv.dtype(), qkv.device());
+    }
+    let y = qkv.to_dtype(DType::F32)?.contiguous()?.apply_op1(op)?;
+    y.to_dtype(qkv.dtype())
+}
+
+/// The sizes: batch, heads, queries, keys, the query/key width and the value width.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    b: usize,
+    h: usize,
+    tq: usize,
+    tk: usize,
+    d: usize,
+    dv: usize,
+}
+
+impl Dims {
+    /// Whether the output is empty or all zeros (no keys): nothing to compute.
+    fn is_empty(&self) -> bool {
+        self.b == 0 || self.h == 0 || self.tq == 0 || self.tk == 0 || self.dv == 0
+    }
+}
+
+/// Where an operand lies in its buffer: element `(b, h, t, c)` at
+/// `start + b·sb + h·sh + t·st + c·sc`.
+#[derive(Debug, Clone, Copy)]
+struct View {
+    start: usize,
+    sb: usize,
+    sh: usize,
+    st: usize,
+    sc: usize,
+}
+
+impl View {
+    /// A 4-dimensional layout's view.
+    fn of(l: &Layout) -> Result<View> {
+        match l.stride() {
+            &[sb, sh, st, sc] => Ok(View {
+                start: l.start_offset(),
+                sb,
+                sh,
+                st,
+                sc,
+            }),
+            s => candle_core::bail!("accelerate-rs-attention: 4 strides expected, got {s:?}"),
+        }
+    }
+
+    /// A contiguous `[B, H, T, width]` tensor's view.
+    fn heads_major(h: usize, t: usize, width: usize) -> View {
+        View {
+            start: 0,
+            sb: h * t * width,
+            sh: t * width,
+            st: width,
+            sc: 1,
+        }
+    }
+
+    /// Part `part` (0..3) of a packed `[B, T, parts · H · width]` buffer, viewed per head.
+    fn packed(start: usize, h: usize, t: usize, width: usize, parts: usize, part: usize) -> View {
+        let row = parts * h * width;
+        View {
+            start: start + part * h * width,
+            sb: t * row,
+            sh: width,
+            st: row,
+            sc: 1,
+        }
+    }
+
+    /// The first element of head `(b, h)`.
+    fn at(&self, b: usize, h: usize) -> usize {
+        self.start + b * self.sb + h * self.sh
+    }
+
+    /// Whether `dims.b × dims.h × t × width` elements at this view lie within `len`.
+    fn fits(&self, dims: Dims, t: usize, width: usize, len: usize) -> bool {
+        let last = |n: usize| n.saturating_sub(1);
+        let end = self.at(last(dims.b), last(dims.h)) + last(t) * self.st + last(width) * self.sc;
+        dims.b * dims.h * t * width == 0 || end < len
+    }
+
+    /// The strided matrix of head `(b, h)` in `data` (rows `t`, columns `c`).
+    fn mat(&self, data: *const f32, b: usize, h: usize) -> Mat {
+        Mat {
+            // `wrapping_add`: the offset is checked by `fits` before any read.
+            ptr: data.wrapping_add(self.at(b, h)),
+            rs: self.st as isize,
+            cs: self.sc as isize,
+        }
+    }
+}
+
+/// A strided matrix operand: the element `(i, j)` at `ptr + i·rs + j·cs`.
+#[derive(Clone, Copy)]
+struct Mat {
+    ptr: *const f32,
+    rs: isize,
+    cs: isize,
+}
+
+impl Mat {
+    /// The transposed matrix (no copy).
+    fn t(self) -> Mat {
+        Mat {
+            ptr: self.ptr,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+
+    /// A contiguous `cols`-wide row-major matrix in `data`.
+    fn rows(data: &[f32], cols: usize) -> Mat {
+        Mat {
+            ptr: data.as_ptr(),
+            rs: cols as isize,
+            cs: 1,
+        }
+    }
+}
+
+/// A pointer that Rayon's tasks share; each writes elements no other task touches.
+#[derive(Clone, Copy)]
+struct SharedMut(*mut f32);
+// SAFETY: the tasks given a `SharedMut` write disjoint elements (one attention head each) of a
+// buffer that outlives them, and nothing reads those elements until every task has finished.
+unsafe impl Send for SharedMut {}
+// SAFETY: as for `Send`: concurrent use only ever writes disjoint elements.
+unsafe impl Sync for SharedMut {}
+
+/// `dst = beta · lhs · rhs` for `lhs` `m × k` and `rhs` `k × n` (`gemm`, on this thread).
+///
+/// # Safety
+/// Every element of `lhs` (`m × k`), `rhs` (`k × n`) and `dst` (`m × n`, at `dst.rs`/`dst.cs`)
+/// lies in a live allocation; no other thread reads or writes `dst`'s elements meanwhile, and
+/// `dst` overlaps neither operand.
+unsafe fn matmul(m: usize, n: usize, k: usize, dst: Mat, lhs: Mat, rhs: Mat, beta: f32) {
+    // SAFETY: the caller's guarantees are `gemm`'s: in-bounds operands, an exclusive `dst`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.ptr as *mut f32,
+            dst.cs,
+            dst.rs,
+            false,
+            lhs.ptr,
+            lhs.cs,
+            lhs.rs,
+            rhs.ptr,
+            rhs.cs,
+            rhs.rs,
+            0.0,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// The fused op (f32): the sizes, the scale, the masks, whether its input is one packed
+/// `[B, T, 3C]` projection (else `q`, `k`, `v`), and the attention weights between the forward
+/// and the backward pass.
+struct Attention {
+    dims: Dims,
+    scale: f32,
+    causal: bool,
+    /// `[B, T_k]`, 1 where a key is padding.
+    padding: Option<Arc<Vec<u8>>>,
+    packed: bool,
+    probs: Mutex<Option<Vec<f32>>>,
+}
+
+impl Attention {
+    /// The op for `dims` and `options` (`caller` names the function in errors).
+    fn new(dims: Dims, options: &AttentionOptions, packed: bool, caller: &str) -> Result<Self> {
+        if dims.d == 0 {
+            candle_core::bail!("accelerate_rs::nn::{caller}: queries and keys of width 0");
+        }
+        if options.causal && dims.tq > dims.tk {
+            candle_core::bail!(
+                "accelerate_rs::nn::{caller}: causal attention needs T_q <= T_k, got {} queries \
+                 and {} keys",
+                dims.tq,
+                dims.tk
+            );
+        }
+        let padding = match &options.key_padding_mask {
+            None => None,
+            Some(m) if m.dims() == [dims.b, dims.tk] => {
+                let flags = m.ne(0.0)?.flatten_all()?.to_vec1::<u8>()?;
+                Some(Arc::new(flags))
+            }
+            Some(m) => candle_core::bail!(
+                "accelerate_rs::nn::{caller}: key_padding_mask of shape {:?}, expected [B, T_k] = \
+                 [{}, {}]",
+                m.dims(),
+                dims.b,
+                dims.tk
+            ),
+        };
+        let scale = options.scale.unwrap_or(1.0 / (dims.d.max(1) as f64).sqrt());
+        Ok(Attention {
+            dims,
+            scale: scale as f32,
+            causal: options.causal,
+            padding,
+            packed,
+            probs: Mutex::new(None),
+        })
+    }
+
+    /// The views of q, k and v: from their layouts, or in the one packed (contiguous) input.
+    fn views(&self, layouts: [&Layout; 3]) -> Result<[View; 3]> {
+        let Dims { h, tq, d, .. } = self.dims;
+        if self.packed {
+            let l = layouts[0];
+            if !l.is_contiguous() {
+                candle_core::bail!("accelerate-rs-attention: the packed input must be contiguous");
+            }
+            let part = |p| View::packed(l.start_offset(), h, tq, d, 3, p);
+            Ok([part(0), part(1), part(2)])
+        } else {
+            Ok([
+                View::of(layouts[0])?,
+                View::of(layouts[1])?,
+                View::of(layouts[2])?,
+            ])
+        }
+    }
+
+    /// The output's view: `[B, T, H · D_v]` for the packed input, else `[B, H, T_q, D_v]`.
+    fn out_view(&self) -> View {
+        let Dims { h, tq, dv, .. } = self.dims;
+        if self.packed {
+            View::packed(0, h, tq, dv, 1, 0)
+        } else {
+            View::heads_major(h, tq, dv)
+        }
+    }
+
+    /// The output's shape.
+    fn out_shape(&self) -> Shape {
+        let Dims { b, h, tq, dv, .. } = self.dims;
+        if self.packed {
+            Shape::from((b, tq, h * dv))
+        } else {
+            Shape::from((b, h, tq, dv))
+        }
+    }
+
+    /// Checks that q, k and v (in `data`) lie within their buffers.
+    fn check(&self, data: [&[f32]; 3], views: &[View; 3]) -> Result<()> {
+        let Dims { tq, tk, d, dv, .. } = self.dims;
+        let sizes = [(tq, d), (tk, d), (tk, dv)];
+        for ((x, v), (t, w)) in data.iter().zip(views).zip(sizes) {
+            if !v.fits(self.dims, t, w, x.len()) {
+                candle_core::bail!("accelerate-rs-attention: an input's layout exceeds its buffer");
+            }
+        }
+        Ok(())
+    }
+
+    /// Row `i` of head `(b, _)`'s scores turned into attention weights in place.
+    fn softmax_row(&self, row: &mut [f32], b: usize, i: usize) {
+        let Dims { tq, tk, .. } = self.dims;
+        let seen = if self.causal { i + tk - tq + 1 } else { tk }.min(tk);
+        let (live, rest) = row.split_at_mut(seen);
+        rest.fill(0.0);
+        if let Some(pad) = &self.padding {
+            for (s, &p) in live.iter_mut().zip(&pad[b * tk..]) {
+                if p != 0 {
+                    *s = f32::NEG_INFINITY;
+                }
+            }
+        }
+        let max = max_by(live, |v| v);
+        if max == f32::NEG_INFINITY {
+            live.fill(0.0);
+            return;
+        }
+        for s in live.iter_mut() {
+            *s = exp_f32(*s - max);
+        }
+        let inv = 1.0 / sum_by(live, |v| v);
+        for s in live.iter_mut() {
+            *s *= inv;
+        }
+    }
+
+    /// The attention weights `[B, H, T_q, T_k]` and, when `out` is given, `y = weights · v`
+    /// written there at `out_view` (non-empty dims; inputs checked).
+    fn forward(
+        &self,
+        data: [&[f32]; 3],
+        views: &[View; 3],
+        out: Option<(&mut [f32], View)>,
+    ) -> Vec<f32> {
+        let Dims {
+            h, tq, tk, d, dv, ..
+        } = self.dims;
+        let mut probs = vec![0f32; self.dims.b * h * tq * tk];
+        let out = out.map(|(y, v)| (SharedMut(y.as_mut_ptr()), v));
+        probs
+            .par_chunks_mut(tq * tk)
+            .enumerate()
+            .for_each(|(bh, p)| {
+                let (b, hh) = (bh / h, bh % h);
+                let [qm, km, vm] = mats(data, views, b, hh);
+                let pm = Mat::rows(p, tk);
+                // SAFETY: `check` bounded q and k; `p` is this task's own `tq × tk` chunk.
+                unsafe { matmul(tq, tk, d, pm, qm, km.t(), self.scale) };
+                for (i, row) in p.chunks_mut(tk).enumerate() {
+                    self.softmax_row(row, b, i);
+                }
+                if let Some((y, yv)) = &out {
+                    let ym = yv.mat(y.0, b, hh);
+                    // SAFETY: `check` bounded v; the output view (ours, sized for the dims)
+                    // gives head (b, hh) elements no other task writes.
+                    unsafe { matmul(tq, dv, tk, ym, Mat::rows(p, tk), vm, 1.0) };
+                }
+            });
+        probs
+    }
+
+    /// The gradients of q, k and v from the output's (`dy`, contiguous in the output's layout),
+    /// written at `grads`' views in `out` (`out` holds all three for the packed input).
+    fn backward(
+        &self,
+        data: [&[f32]; 3],
+        views: &[View; 3],
+        probs: &[f32],
+        dy: &[f32],
+        out: [(SharedMut, View); 3],
+    ) {
+        let Dims {
+            h, tq, tk, d, dv, ..
+        } = self.dims;
+        let yv = self.out_view();
+        probs.par_chunks(tq * tk).enumerate().for_each_init(
+            || vec![0f32; tq * tk],
+            |ds, (bh, p)| {
+                let (b, hh) = (bh / h, bh % h);
+                let dym = yv.mat(dy.as_ptr(), b, hh);
+                let [qm, km, vm] = mats(data, views, b, hh);
+                let [(gq, vq), (gk, vk), (gv, vv)] = &out;
+                // SAFETY: (all four products) `check` bounded q, k and v, `dy` is the output's
+                // contiguous gradient (its size checked), `p`/`ds` are this task's own `tq × tk` buffers, and the
+                // gradient views (ours, sized for the dims) give head (b, hh) elements that no
+                // other task writes.
+                unsafe {
+                    // dP = dY Vᵀ, then dS = P ∘ (dP − rowsum(P ∘ dP)) in place.
+                    matmul(tq, tk, dv, Mat::rows(ds, tk), dym, vm.t(), 1.0);
+                    // dV = Pᵀ dY.
+                    matmul(
+                        tk,
+                        dv,
+                        tq,
+                        vv.mat(gv.0, b, hh),
+                        Mat::rows(p, tk).t(),
+                        dym,
+                        1.0,
+                    );
+                }
+                for (dr, pr) in ds.chunks_mut(tk).zip(p.chunks(tk)) {
+                    let dot = sum2_by(pr, dr, |a, b| a * b);
+                    for (g, w) in dr.iter_mut().zip(pr) {
+                        *g = w * (*g - dot);
+                    }
+                }
+                // SAFETY: as above.
+                unsafe {
+                    // dQ = scale · dS K, dK = scale · dSᵀ Q.
+                    matmul(
+                        tq,
+                        d,
+                        tk,
+                        vq.mat(gq.0, b, hh),
+                        Mat::rows(ds, tk),
+                        km,
+                        self.scale,
+                    );
+                    matmul(
+                        tk,
+                        d,
+                        tq,
+                        vk.mat(gk.0, b, hh),
+                        Mat::rows(ds, tk).t(),
+                        qm,
+                        self.scale,
+                    );
+                }
+            },
+        );
+    }
+
+    /// The kept attention weights, or (a second backward pass) recomputed ones.
+    fn probs_for_backward(&self, data: [&[f32]; 3], views: &[View; 3]) -> Vec<f32> {
+        let kept = self.probs.lock().unwrap_or_else(|p| p.into_inner()).take();
+        kept.unwrap_or_else(|| self.forward(data, views, None))
+    }
+
+    /// The forward pass on f32 storages.
+    fn cpu_forward(&self, s: [&CpuStorage; 3], l: [&Layout; 3]) -> Result<(CpuStorage, Shape)> {
+        let (views, yv) = (self.views(l)?, self.out_view());
+        let data = f32_data(s)?;
+        self.check(data, &views)?;
+        let shape = self.out_shape();
+        let mut y = vec![0f32; shape.elem_count()];
+        let probs = self.forward(data, &views, Some((&mut y, yv)));
+        *self.probs.lock().unwrap_or_else(|p| p.into_inner()) = Some(probs);
+        Ok((CpuStorage::F32(y), shape))
+    }
+
+    /// The gradients of the inputs `x` (q, k, v, or the packed projection once) from `grad`.
+    fn grads(&self, x: &[&Tensor], grad: &Tensor) -> Result<Vec<Tensor>> {
+        let Dims {
+            b,
+            h,
+            tq,
+            tk,
+            d,
+            dv,
+        } = self.dims;
+        let grad = grad.contiguous()?;
+        let (gs, gl) = grad.storage_and_layout();
+        let dy = match &*gs {
+            Storage::Cpu(CpuStorage::F32(g)) => super::elem::slice(g, gl)?,
+            _ => candle_core::bail!("accelerate-rs-attention: an f32 CPU gradient is expected"),
+        };
+        if dy.len() != self.out_shape().elem_count() {
+            candle_core::bail!(
+                "accelerate-rs-attention: a gradient of shape {:?} for an output of shape {:?}",
+                grad.dims(),
+                self.out_shape().dims()
+            );
+        }
+        let guards: Vec<_> = x.iter().map(|t| t.storage_and_layout()).collect();
+        let mut storages = Vec::with_capacity(3);
+        let mut layouts = Vec::with_capacity(3);
+        for (s, l) in &guards {
+            match &**s {
+                Storage::Cpu(s) => storages.push(s),
+                _ => candle_core::bail!("accelerate-rs-attention: CPU inputs are expected"),
+            }
+            layouts.push(*l);
+        }
+        let (s, l) = match (&storages[..], &layouts[..]) {
+            ([a], [la]) if self.packed => ([*a; 3], [*la; 3]),
+            ([a, b, c], [la, lb, lc]) if !self.packed => ([*a, *b, *c], [*la, *lb, *lc]),
+            _ => candle_core::bail!("accelerate-rs-attention: unexpected inputs"),
+        };
+        let views = self.views(l)?;
+        let data = f32_data(s)?;
+        self.check(data, &views)?;
+        let probs = self.probs_for_backward(data, &views);
+        let dev = grad.device();
+        if self.packed {
+            let mut g = vec![0f32; b * tq * 3 * h * d];
+            let p = SharedMut(g.as_mut_ptr());
+            let part = |i| (p, View::packed(0, h, tq, d, 3, i));
+            self.backward(data, &views, &probs, dy, [part(0), part(1), part(2)]);
+            return Ok(vec![Tensor::from_vec(g, (b, tq, 3 * h * d), dev)?]);
+        }
+        let (mut gq, mut gk, mut gv) = (
+            vec![0f32; b * h * tq * d],
+            vec![0f32; b * h * tk * d],
+            vec![0f32; b * h * tk * dv],
+        );
+        let out = [
+            (SharedMut(gq.as_mut_ptr()), View::heads_major(h, tq, d)),
+            (SharedMut(gk.as_mut_ptr()), View::heads_major(h, tk, d)),
+            (SharedMut(gv.as_mut_ptr()), View::heads_major(h, tk, dv)),
+        ];
+        self.backward(data, &views, &probs, dy, out);
+        Ok(vec![
+            Tensor::from_vec(gq, (b, h, tq, d), dev)?,
+            Tensor::from_vec(gk, (b, h, tk, d), dev)?,
+            Tensor::from_vec(gv, (b, h, tk, dv), dev)?,
+        ])
+    }
+
+    /// Candle's composed ops (other devices and dtypes): scores, the masks as `-inf`, softmax,
+    /// rows that see no key zeroed, the product with `v`.
+    fn composed(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let Dims { b, h, tq, tk, .. } = self.dims;
+        let dev = q.device();
+        let scores = (q.contiguous()?.matmul(&k.contiguous()?.t()?)? * self.scale as f64)?;
+        let mut visible = vec![1u8; b * tq * tk];
+        for (bi, rows) in visible.chunks_mut((tq * tk).max(1)).enumerate() {
+            for (i, row) in rows.chunks_mut(tk.max(1)).enumerate() {
+                for (j, s) in row.iter_mut().enumerate() {
+                    let future = self.causal && j > i + tk - tq;
+                    let padded = self.padding.as_ref().is_some_and(|p| p[bi * tk + j] != 0);
+                    *s = u8::from(!(future || padded));
+                }
+            }
+        }
+        let visible =
+            Tensor::from_vec(visible, (b, 1, tq, tk), dev)?.broadcast_as((b, h, tq, tk))?;
+        let neg = Tensor::new(f32::NEG_INFINITY, dev)?
+            .to_dtype(scores.dtype())?
+            .broadcast_as(scores.shape())?;
+        let p = candle_nn::ops::softmax(&visible.where_cond(&scores, &neg)?, D::Minus1)?;
+        let p = visible.where_cond(&p, &p.zeros_like()?)?;
+        p.matmul(&v.contiguous()?)
+    }
+}
+
+/// Head `(b, h)` of q, k and v as matrices.
+fn mats(data: [&[f32]; 3], views: &[View; 3], b: usize, h: usize) -> [Mat; 3] {
+    [0, 1, 2].map(|i| views[i].mat(data[i].as_ptr(), b, h))
+}
+
+/// The f32 data of three storages.
+fn f32_data(s: [&CpuStorage; 3]) -> Result<[&[f32]; 3]> {
+    match s {
+        [CpuStorage::F32(a), CpuStorage::F32(b), CpuStorage::F32(c)] => Ok([a, b, c]),
+        _ => candle_core::bail!("accelerate-rs-attention: f32 inputs are expected"),
+    }
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "accelerate-rs-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.cpu_forward([s1, s2, s3], [l1, l2, l3])
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let mut g = self.grads(&[q, k, v], grad)?.into_iter();
+        Ok((g.next(), g.next(), g.next()))
+    }
+}
+
+impl CustomOp1 for Attention {
+    fn name(&self) -> &'static str {
+        "accelerate-rs-packed-attention"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.cpu_forward([s, s, s], [l, l, l])
+    }
+
+    fn bwd(&self, qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(self.grads(&[qkv], grad)?.into_iter().next())
+    }
+}
