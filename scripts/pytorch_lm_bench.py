@@ -11,8 +11,8 @@ compute thread per process.
   - PyTorch: the model as a PyTorch user writes it (`nn.TransformerEncoderLayer`, post-norm, ReLU,
     causal mask, PyTorch's fused attention path), 1 process and 2 processes under DDP (gloo).
   - accelerate-rs: `examples/transformer_lm`'s model of the same size (pre-norm, ReLU as in
-    PyTorch's layer, causal attention, `accelerate_rs::nn` LayerNorm/causal softmax/ReLU/
-    cross-entropy/Linear), 1 and 2 processes
+    PyTorch's layer, causal attention, `accelerate_rs::nn` LayerNorm/fused packed self-attention/
+    ReLU/cross-entropy/Linear), 1 and 2 processes
     (`cargo bench --bench overhead -- --ddp-only --model transformer --ddp-runs 1`).
 Each round runs PyTorch with 1 then 2 processes, then the accelerate-rs command (which runs 1
 then 2 processes), so drift hits both sides alike; one table and the ratios at the end.

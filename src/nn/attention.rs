@@ -15,6 +15,10 @@ use rayon::prelude::*;
 
 use super::elem::{exp_f32, fused_cpu, max_by, sum2_by, sum_by};
 
+/// Query rows (and keys) per block of a causal attention's products: a block's products skip
+/// the keys none of its rows sees (about 40% of the work at 128 tokens).
+const CAUSAL_BLOCK: usize = 32;
+
 /// Options of [`scaled_dot_product_attention`] and [`packed_self_attention`] (PyTorch's
 /// `is_causal`, `scale` and `key_padding_mask`).
 #[derive(Debug, Clone, Default)]
@@ -275,10 +279,29 @@ impl Mat {
         }
     }
 
-    /// A contiguous `cols`-wide row-major matrix in `data`.
+    /// The sub-matrix from element `(i, j)` on (no copy; the caller keeps it in bounds).
+    fn at(self, i: usize, j: usize) -> Mat {
+        let offset = i as isize * self.rs + j as isize * self.cs;
+        Mat {
+            ptr: self.ptr.wrapping_offset(offset),
+            ..self
+        }
+    }
+
+    /// A contiguous `cols`-wide row-major matrix in `data`, to read.
     fn rows(data: &[f32], cols: usize) -> Mat {
         Mat {
             ptr: data.as_ptr(),
+            rs: cols as isize,
+            cs: 1,
+        }
+    }
+
+    /// A contiguous `cols`-wide row-major matrix in `data`, to write (made just before the
+    /// product that writes it, with no other use of `data` in between).
+    fn rows_mut(data: &mut [f32], cols: usize) -> Mat {
+        Mat {
+            ptr: data.as_mut_ptr(),
             rs: cols as isize,
             cs: 1,
         }
@@ -430,6 +453,32 @@ impl Attention {
         Ok(())
     }
 
+    /// Blocks of query rows `(r0, r1, keys)`: rows `r0..r1` see keys `0..keys` at most (all of
+    /// them unless causal, where the products skip the keys no row of the block sees).
+    fn query_blocks(&self) -> impl Iterator<Item = (usize, usize, usize)> {
+        let (Dims { tq, tk, .. }, causal) = (self.dims, self.causal);
+        let step = if self.causal { CAUSAL_BLOCK } else { tq.max(1) };
+        (0..tq).step_by(step).map(move |r0| {
+            let r1 = (r0 + step).min(tq);
+            let keys = if causal { r1 + tk - tq } else { tk };
+            (r0, r1, keys)
+        })
+    }
+
+    /// Blocks of keys `(c0, c1, first)`: keys `c0..c1` are seen by query rows `first..` only.
+    fn key_blocks(&self) -> impl Iterator<Item = (usize, usize, usize)> {
+        let (Dims { tq, tk, .. }, causal) = (self.dims, self.causal);
+        let step = if self.causal { CAUSAL_BLOCK } else { tk.max(1) };
+        (0..tk).step_by(step).map(move |c0| {
+            let first = if causal {
+                c0.saturating_sub(tk - tq)
+            } else {
+                0
+            };
+            (c0, (c0 + step).min(tk), first.min(tq))
+        })
+    }
+
     /// Row `i` of head `(b, _)`'s scores turned into attention weights in place.
     fn softmax_row(&self, row: &mut [f32], b: usize, i: usize) {
         let Dims { tq, tk, .. } = self.dims;
@@ -476,17 +525,33 @@ impl Attention {
             .for_each(|(bh, p)| {
                 let (b, hh) = (bh / h, bh % h);
                 let [qm, km, vm] = mats(data, views, b, hh);
-                let pm = Mat::rows(p, tk);
-                // SAFETY: `check` bounded q and k; `p` is this task's own `tq × tk` chunk.
-                unsafe { matmul(tq, tk, d, pm, qm, km.t(), self.scale) };
+                for (r0, r1, keys) in self.query_blocks() {
+                    let pm = Mat::rows_mut(p, tk);
+                    // SAFETY: `check` bounded q and k (rows `r0..r1 <= tq`, keys `<= tk`);
+                    // `p` is this task's own `tq × tk` chunk.
+                    unsafe {
+                        matmul(
+                            r1 - r0,
+                            keys,
+                            d,
+                            pm.at(r0, 0),
+                            qm.at(r0, 0),
+                            km.t(),
+                            self.scale,
+                        )
+                    };
+                }
+                // Each row's weights; the keys it does not see (never computed) become 0.
                 for (i, row) in p.chunks_mut(tk).enumerate() {
                     self.softmax_row(row, b, i);
                 }
                 if let Some((y, yv)) = &out {
-                    let ym = yv.mat(y.0, b, hh);
-                    // SAFETY: `check` bounded v; the output view (ours, sized for the dims)
-                    // gives head (b, hh) elements no other task writes.
-                    unsafe { matmul(tq, dv, tk, ym, Mat::rows(p, tk), vm, 1.0) };
+                    let (ym, pm) = (yv.mat(y.0, b, hh), Mat::rows(p, tk));
+                    for (r0, r1, keys) in self.query_blocks() {
+                        // SAFETY: `check` bounded v; the output view (ours, sized for the dims)
+                        // gives head (b, hh) elements no other task writes.
+                        unsafe { matmul(r1 - r0, dv, keys, ym.at(r0, 0), pm.at(r0, 0), vm, 1.0) };
+                    }
                 }
             });
         probs
@@ -513,51 +578,61 @@ impl Attention {
                 let dym = yv.mat(dy.as_ptr(), b, hh);
                 let [qm, km, vm] = mats(data, views, b, hh);
                 let [(gq, vq), (gk, vk), (gv, vv)] = &out;
-                // SAFETY: (all four products) `check` bounded q, k and v, `dy` is the output's
-                // contiguous gradient (its size checked), `p`/`ds` are this task's own `tq × tk` buffers, and the
-                // gradient views (ours, sized for the dims) give head (b, hh) elements that no
-                // other task writes.
-                unsafe {
-                    // dP = dY Vᵀ, then dS = P ∘ (dP − rowsum(P ∘ dP)) in place.
-                    matmul(tq, tk, dv, Mat::rows(ds, tk), dym, vm.t(), 1.0);
-                    // dV = Pᵀ dY.
-                    matmul(
-                        tk,
-                        dv,
-                        tq,
-                        vv.mat(gv.0, b, hh),
-                        Mat::rows(p, tk).t(),
-                        dym,
-                        1.0,
-                    );
-                }
-                for (dr, pr) in ds.chunks_mut(tk).zip(p.chunks(tk)) {
-                    let dot = sum2_by(pr, dr, |a, b| a * b);
-                    for (g, w) in dr.iter_mut().zip(pr) {
-                        *g = w * (*g - dot);
+                let pm = Mat::rows(p, tk);
+                // SAFETY: (every product below) `check` bounded q, k and v, `dy` is the output's
+                // contiguous gradient (its size checked), `p`/`ds` are this task's own `tq × tk`
+                // buffers, the blocks stay within `tq` rows and `tk` keys, and the gradient
+                // views (ours, sized for the dims) give head (b, hh) elements that no other task
+                // writes.
+                for (r0, r1, keys) in self.query_blocks() {
+                    // dP = dY Vᵀ, then dS = P ∘ (dP − rowsum(P ∘ dP)) in place (0 past `keys`).
+                    let dsm = Mat::rows_mut(ds, tk).at(r0, 0);
+                    // SAFETY: see above.
+                    unsafe { matmul(r1 - r0, keys, dv, dsm, dym.at(r0, 0), vm.t(), 1.0) };
+                    let rows = ds[r0 * tk..r1 * tk].chunks_mut(tk);
+                    for (dr, pr) in rows.zip(p[r0 * tk..r1 * tk].chunks(tk)) {
+                        let (live, rest) = dr.split_at_mut(keys);
+                        let pr = &pr[..keys];
+                        let dot = sum2_by(pr, live, |a, b| a * b);
+                        for (g, w) in live.iter_mut().zip(pr) {
+                            *g = w * (*g - dot);
+                        }
+                        rest.fill(0.0);
                     }
+                    // dQ = scale · dS K.
+                    let (dq, dsm) = (vq.mat(gq.0, b, hh).at(r0, 0), Mat::rows(ds, tk));
+                    // SAFETY: see above.
+                    unsafe { matmul(r1 - r0, d, keys, dq, dsm.at(r0, 0), km, self.scale) };
                 }
-                // SAFETY: as above.
-                unsafe {
-                    // dQ = scale · dS K, dK = scale · dSᵀ Q.
-                    matmul(
-                        tq,
-                        d,
-                        tk,
-                        vq.mat(gq.0, b, hh),
-                        Mat::rows(ds, tk),
-                        km,
-                        self.scale,
-                    );
-                    matmul(
-                        tk,
-                        d,
-                        tq,
-                        vk.mat(gk.0, b, hh),
-                        Mat::rows(ds, tk).t(),
-                        qm,
-                        self.scale,
-                    );
+                for (c0, c1, first) in self.key_blocks() {
+                    if first >= tq {
+                        continue; // no query sees these keys: their gradients stay 0
+                    }
+                    let rows = tq - first;
+                    // dV = Pᵀ dY and dK = scale · dSᵀ Q, over the rows that see these keys.
+                    let (dvm, dkm) = (vv.mat(gv.0, b, hh).at(c0, 0), vk.mat(gk.0, b, hh).at(c0, 0));
+                    let dsm = Mat::rows(ds, tk);
+                    // SAFETY: see above.
+                    unsafe {
+                        matmul(
+                            c1 - c0,
+                            dv,
+                            rows,
+                            dvm,
+                            pm.at(first, c0).t(),
+                            dym.at(first, 0),
+                            1.0,
+                        );
+                        matmul(
+                            c1 - c0,
+                            d,
+                            rows,
+                            dkm,
+                            dsm.at(first, c0).t(),
+                            qm.at(first, 0),
+                            self.scale,
+                        );
+                    }
                 }
             },
         );

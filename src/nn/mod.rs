@@ -1,6 +1,7 @@
 //! Differentiable fused layers for Candle: [`LayerNorm`] / [`layer_norm`], [`RmsNorm`] /
 //! [`rms_norm`], [`softmax_last_dim`], [`causal_softmax`] (attention's scale and
-//! causal mask in the same pass), [`cross_entropy`] (with label smoothing and an ignored
+//! causal mask in the same pass), [`scaled_dot_product_attention`] and [`packed_self_attention`]
+//! (the whole attention, causal or with a key padding mask, as one op), [`cross_entropy`] (with label smoothing and an ignored
 //! index through [`cross_entropy_with`]; [`linear_cross_entropy`] fuses it with the output layer),
 //! [`gelu`], [`relu`] and [`Linear`] / [`linear`] (its bias
 //! gradient in one pass of row sums), each one pass forward and one pass backward over the data
