@@ -2,7 +2,7 @@
 //! Transformer LM (batch 8 x 128 tokens x 256 features; attention scores 8 x 8 heads x 128 x
 //! 128, plain and scaled + causally masked; causal self-attention over the packed 8 x 128 x 3 x 256
 //! projection, 8 heads; cross-entropy over 1024 tokens x 8000 classes; GELU and ReLU over 8 x 128
-//! x 1024; a 256 -> 1024 linear layer with bias), timed in alternating blocks in one run:
+//! x 1024; a 256 -> 1024 linear layer with bias, and with a ReLU), timed in alternating blocks in one run:
 //!
 //!     cargo bench --bench nn
 //!     cargo bench --bench nn -- --quick
@@ -102,6 +102,13 @@ fn main() -> Result<()> {
         &hidden,
         Box::new(nn::relu),
         Box::new(|x| x.relu()),
+    ));
+    let (ours2, theirs2) = (ours.clone(), theirs.clone());
+    cases.push((
+        "linear_relu 1024x256->1024",
+        &rows,
+        Box::new(move |x| nn::linear_relu(x, &ours2)),
+        Box::new(move |x| theirs2.forward(x)?.relu()),
     ));
     cases.push((
         "linear 1024x256->1024",

@@ -112,10 +112,11 @@ impl Block {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = (x + self.attn.forward(&self.ln1.forward(x)?)?)?;
-        let h = self.fc.forward(&self.ln2.forward(&x)?)?;
+        let h = self.ln2.forward(&x)?;
         let h = match self.activation {
-            Activation::Gelu => accelerate_rs::nn::gelu(&h)?,
-            Activation::Relu => accelerate_rs::nn::relu(&h)?,
+            Activation::Gelu => accelerate_rs::nn::gelu(&self.fc.forward(&h)?)?,
+            // The product and the ReLU as one op.
+            Activation::Relu => accelerate_rs::nn::linear_relu(&h, &self.fc)?,
         };
         x + self.fc_out.forward(&h)?
     }

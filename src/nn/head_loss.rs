@@ -49,7 +49,7 @@ pub fn linear_cross_entropy(
     }
     let (t, _, _) = checked_targets(&logits_dims, targets, options)?;
     let op = HeadLoss {
-        linear: LinearOp { n },
+        linear: LinearOp { n, relu: false },
         loss: CrossEntropy::new(t, options),
         logits: Mutex::new(None),
     };
@@ -175,7 +175,7 @@ impl CustomOp3 for HeadLoss {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (mut z, shape) = self.linear.product(s1, l1, s2, l2)?;
-        add_bias(&mut z, s3, l3)?;
+        add_bias(&mut z, Some((s3, l3)), false)?;
         self.forward(z, &shape)
     }
 

@@ -12,6 +12,7 @@ use candle_nn::VarBuilder;
 use rayon::prelude::*;
 
 use super::elem::{fused_cpu, slice, Elem};
+use super::relu::ReluBwd;
 
 /// Rows summed by one Rayon task in the bias gradient.
 const ROWS_PER_TASK: usize = 64;
@@ -45,6 +46,35 @@ impl Linear {
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.apply(x, false)
+    }
+}
+
+/// `relu(linear.forward(x))` as one op on the CPU (Apex's fused dense + ReLU): the ReLU is applied
+/// in place on the product, and its backward masks the output gradient in the same op, so the
+/// pre-activation never becomes a graph node (no gradient of its own to zero-fill and add into).
+/// The same values and gradients as [`relu`](super::relu) after [`Linear`]; elsewhere than on the
+/// CPU, those two ops.
+///
+/// ```
+/// # fn main() -> candle_core::Result<()> {
+/// use accelerate_rs::nn::{linear_relu, relu, Linear};
+/// use candle_core::{Device, Module, Tensor};
+/// let dev = Device::Cpu;
+/// let fc = Linear::new(Tensor::randn(0f32, 1.0, (8, 4), &dev)?, None);
+/// let x = Tensor::randn(0f32, 1.0, (3, 4), &dev)?;
+/// let fused = linear_relu(&x, &fc)?;
+/// let plain = relu(&fc.forward(&x)?)?;
+/// assert!((fused - plain)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+/// # Ok(()) }
+/// ```
+pub fn linear_relu(x: &Tensor, linear: &Linear) -> Result<Tensor> {
+    linear.apply(x, true)
+}
+
+impl Linear {
+    /// `x Wᵀ + b`, then the ReLU if `relu`: one fused node when the CPU takes it.
+    fn apply(&self, x: &Tensor, relu: bool) -> Result<Tensor> {
         let dims = x.dims();
         let Some((&k, lead)) = dims.split_last() else {
             candle_core::bail!("accelerate_rs::nn::Linear: a scalar input has no features");
@@ -55,9 +85,10 @@ impl Module for Linear {
             // One node: the product, the bias and both reshapes; its backward gives the input,
             // weight and bias gradients straight (no intermediate gradients to accumulate).
             let x = x.contiguous()?;
+            let op = LinearOp { n, relu };
             return match &self.bias {
-                Some(b) => x.apply_op3(&self.weight, b, LinearOp { n }),
-                None => x.apply_op2(&self.weight, LinearOp { n }),
+                Some(b) => x.apply_op3(&self.weight, b, op),
+                None => x.apply_op2(&self.weight, op),
             };
         }
         // One [rows, in] x [in, out] product (a copy first if the input is strided).
@@ -69,7 +100,12 @@ impl Module for Linear {
         };
         let mut out = lead.to_vec();
         out.push(y.dim(1)?);
-        y.reshape(out)
+        let y = y.reshape(out)?;
+        if relu {
+            super::relu(&y)
+        } else {
+            Ok(y)
+        }
     }
 }
 
@@ -113,9 +149,10 @@ pub(super) fn fusable(
 }
 
 /// `y = x Wᵀ (+ b)` over the rows of a contiguous `x` (`[.., k]`), `W` `[n, k]`: Candle's CPU
-/// matrix product on the storages, then the bias added in place.
+/// matrix product on the storages, then the bias added in place (and the ReLU, if `relu`).
 pub(super) struct LinearOp {
     pub(super) n: usize,
+    pub(super) relu: bool,
 }
 
 impl LinearOp {
@@ -138,10 +175,23 @@ impl LinearOp {
         Ok((y, Shape::from(out)))
     }
 
-    /// `(dx, dw, db)` from the output gradient.
-    fn grads(&self, x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    /// `(dx, dw, db)` from the output `res` and its gradient (masked where the ReLU, if any,
+    /// gave 0).
+    fn grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let rows = x.elem_count() / w.dim(1)?;
-        self.grads_of(&grad.contiguous()?.reshape((rows, self.n))?, x, w)
+        let grad = grad.contiguous()?;
+        let grad = if self.relu {
+            res.contiguous()?.apply_op2_no_bwd(&grad, &ReluBwd)?
+        } else {
+            grad
+        };
+        self.grads_of(&grad.reshape((rows, self.n))?, x, w)
     }
 
     /// `(dx, dw, db)` from the output gradient `g` as `[rows, n]` (contiguous).
@@ -160,27 +210,55 @@ impl LinearOp {
     }
 }
 
-/// `y += b` on every row of `y` (`[rows, b.len()]`), in place.
-pub(super) fn add_bias(y: &mut CpuStorage, b: &CpuStorage, lb: &Layout) -> Result<()> {
+/// `y += b` on every row of `y` (`[rows, b.len()]`), in place; then `max(y, 0)` if `relu`.
+pub(super) fn add_bias(
+    y: &mut CpuStorage,
+    b: Option<(&CpuStorage, &Layout)>,
+    relu: bool,
+) -> Result<()> {
     match (y, b) {
-        (CpuStorage::F32(y), CpuStorage::F32(b)) => add_rows(y, slice(b, lb)?),
-        (CpuStorage::F64(y), CpuStorage::F64(b)) => add_rows(y, slice(b, lb)?),
-        (CpuStorage::BF16(y), CpuStorage::BF16(b)) => add_rows(y, slice(b, lb)?),
-        (CpuStorage::F16(y), CpuStorage::F16(b)) => add_rows(y, slice(b, lb)?),
+        (CpuStorage::F32(y), Some((CpuStorage::F32(b), lb))) => {
+            add_rows(y, Some(slice(b, lb)?), relu)
+        }
+        (CpuStorage::F64(y), Some((CpuStorage::F64(b), lb))) => {
+            add_rows(y, Some(slice(b, lb)?), relu)
+        }
+        (CpuStorage::BF16(y), Some((CpuStorage::BF16(b), lb))) => {
+            add_rows(y, Some(slice(b, lb)?), relu)
+        }
+        (CpuStorage::F16(y), Some((CpuStorage::F16(b), lb))) => {
+            add_rows(y, Some(slice(b, lb)?), relu)
+        }
+        (_, None) if !relu => {}
+        (CpuStorage::F32(y), None) => add_rows(y, None, relu),
+        (CpuStorage::F64(y), None) => add_rows(y, None, relu),
+        (CpuStorage::BF16(y), None) => add_rows(y, None, relu),
+        (CpuStorage::F16(y), None) => add_rows(y, None, relu),
         _ => candle_core::bail!("accelerate-rs-linear: one float dtype is expected"),
     }
     Ok(())
 }
 
-fn add_rows<T: Elem>(y: &mut [T], b: &[T]) {
-    let d = b.len().max(1);
-    y.par_chunks_mut(d * ROWS_PER_TASK).for_each(|rows| {
-        for row in rows.chunks_mut(d) {
-            for (o, bias) in row.iter_mut().zip(b) {
-                *o = T::of(o.f() + bias.f());
+/// `y += b` row by row (if there is a bias), then the ReLU if `relu` (NaN stays NaN, as in
+/// [`relu`](super::relu)).
+fn add_rows<T: Elem>(y: &mut [T], b: Option<&[T]>, relu: bool) {
+    let d = b.map_or(1, <[T]>::len).max(1);
+    let act = |v: f32| T::of(if relu && v <= 0.0 { 0.0 } else { v });
+    y.par_chunks_mut(d.max(64) * ROWS_PER_TASK)
+        .for_each(|rows| match b {
+            Some(b) => {
+                for row in rows.chunks_mut(d) {
+                    for (o, bias) in row.iter_mut().zip(b) {
+                        *o = act(o.f() + bias.f());
+                    }
+                }
             }
-        }
-    });
+            None => {
+                for o in rows.iter_mut() {
+                    *o = act(o.f());
+                }
+            }
+        });
 }
 
 impl CustomOp2 for LinearOp {
@@ -195,17 +273,19 @@ impl CustomOp2 for LinearOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.product(s1, l1, s2, l2)
+        let (mut y, shape) = self.product(s1, l1, s2, l2)?;
+        add_bias(&mut y, None, self.relu)?;
+        Ok((y, shape))
     }
 
     fn bwd(
         &self,
         x: &Tensor,
         w: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = self.grads(x, w, grad)?;
+        let (dx, dw, _) = self.grads(x, w, res, grad)?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -225,7 +305,7 @@ impl CustomOp3 for LinearOp {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (mut y, shape) = self.product(s1, l1, s2, l2)?;
-        add_bias(&mut y, s3, l3)?;
+        add_bias(&mut y, Some((s3, l3)), self.relu)?;
         Ok((y, shape))
     }
 
@@ -234,10 +314,10 @@ impl CustomOp3 for LinearOp {
         x: &Tensor,
         w: &Tensor,
         _b: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = self.grads(x, w, grad)?;
+        let (dx, dw, db) = self.grads(x, w, res, grad)?;
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }

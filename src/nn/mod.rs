@@ -41,7 +41,7 @@ pub use attention::{packed_self_attention, scaled_dot_product_attention, Attenti
 pub use candle_nn::LayerNormConfig;
 pub use gelu::gelu;
 pub use head_loss::linear_cross_entropy;
-pub use linear::{linear, linear_no_bias, Linear};
+pub use linear::{linear, linear_no_bias, linear_relu, Linear};
 pub use loss::{cross_entropy, cross_entropy_with, CrossEntropyOptions};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
 pub use relu::relu;

@@ -53,7 +53,7 @@ impl CustomOp1 for ReluFwd {
 }
 
 /// `(y, dy)` → `dy` where `y > 0`, else 0.
-struct ReluBwd;
+pub(super) struct ReluBwd;
 
 fn bwd<T: Elem>(y: &[T], dy: &[T]) -> Vec<T> {
     y.par_iter()

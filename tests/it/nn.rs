@@ -353,6 +353,37 @@ fn gelu_relu_and_linear_match_candle_values_and_gradients() {
                     },
                 );
                 assert!(diff < tol, "linear without bias {what}: {diff}");
+                // Linear + ReLU as one op, against Candle's Linear then its ReLU (in bf16, against
+                // our Linear then our ReLU in bf16: where a product is near 0, bf16 and f32 can
+                // disagree on its sign, and so on the ReLU's mask).
+                for bias in [true, false] {
+                    let params = if bias {
+                        vec![w.clone(), b.clone()]
+                    } else {
+                        vec![w.clone()]
+                    };
+                    let layer = |p: &[Tensor]| nn::Linear::new(p[0].clone(), p.get(1).cloned());
+                    let fused = |x: &Tensor, p: &[Tensor]| nn::linear_relu(x, &layer(p)).unwrap();
+                    if dtype == DType::BF16 {
+                        let composed = |x: &Tensor, p: &[Tensor]| {
+                            nn::relu(&layer(p).forward(x).unwrap()).unwrap()
+                        };
+                        let a = run_with(&fused, &x, &params, dtype);
+                        let c = run_with(&composed, &x, &params, dtype);
+                        for (a, c) in a.iter().zip(&c) {
+                            assert_eq!(max_diff(a, c), 0.0, "linear_relu (bias {bias}) {what}");
+                        }
+                        continue;
+                    }
+                    let diff = compare(&x, &params, fused, |x, p| {
+                        candle_nn::Linear::new(p[0].clone(), p.get(1).cloned())
+                            .forward(x)
+                            .unwrap()
+                            .relu()
+                            .unwrap()
+                    });
+                    assert!(diff < tol, "linear_relu (bias {bias}) {what}: {diff}");
+                }
             }
         }
     }
