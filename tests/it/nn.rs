@@ -497,7 +497,7 @@ fn attention_matches_composed_ops_values_and_gradients() {
         [2, 2, 3, 7, 8, 5],
         [2, 1, 6, 4, 3, 3],
         [1, 4, 64, 64, 16, 16],
-        // Causal attention works in blocks of 32 rows and keys: lengths across them.
+        // Causal attention works in blocks of 64 rows and keys: lengths across them.
         [1, 2, 70, 70, 8, 8],
         [1, 1, 40, 75, 4, 4],
     ];
