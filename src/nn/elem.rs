@@ -132,6 +132,42 @@ pub(super) fn max_by<T: Elem>(xs: &[T], f: impl Fn(f32) -> f32) -> f32 {
         .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
 }
 
+/// Defines `fn $name<T: Elem>(args) -> ret` whose body is compiled twice: for the crate's target
+/// (x86-64's baseline has 4-lane SSE2 only) and with AVX2 and FMA enabled, the latter picked at
+/// run time when the CPU has them, so the row loops (exp, sums, maxima) run 8 lanes wide. Both
+/// compute the same operations in the same order, so they give the same bits.
+macro_rules! multiversion {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident<$t:ident: Elem>($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$meta])*
+        $vis fn $name<$t: Elem>($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                // SAFETY: `avx2` is `portable` compiled with AVX2 and FMA enabled, and this CPU
+                // was just found to have both.
+                return unsafe { $name::avx2::<$t>($($arg),*) };
+            }
+            $name::portable::<$t>($($arg),*)
+        }
+
+        /// The two builds of the function of the same name.
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            /// For the crate's target.
+            #[inline(always)]
+            pub(super) fn portable<$t: Elem>($($arg: $ty),*) $(-> $ret)? $body
+
+            /// With AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            pub(super) unsafe fn avx2<$t: Elem>($($arg: $ty),*) $(-> $ret)? {
+                portable::<$t>($($arg),*)
+            }
+        }
+    };
+}
+
 /// Whether the fused CPU kernels take `x`: on the CPU, in a float dtype (f32, f64, bf16, f16).
 pub(super) fn fused_cpu(x: &Tensor) -> bool {
     x.device().is_cpu()
@@ -184,7 +220,7 @@ macro_rules! binary_float {
     };
 }
 
-pub(super) use {binary_float, unary_float};
+pub(super) use {binary_float, multiversion, unary_float};
 
 #[cfg(test)]
 mod tests {

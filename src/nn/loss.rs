@@ -7,7 +7,7 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::elem::{exp_f32, fused_cpu, max_by, slice, sum_by, unary_float, Elem};
+use super::elem::{exp_f32, fused_cpu, max_by, multiversion, slice, sum_by, unary_float, Elem};
 
 /// Options of [`cross_entropy_with`] (PyTorch's `label_smoothing` and `ignore_index`).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -195,11 +195,26 @@ impl CrossEntropy {
     }
 }
 
-/// Max and log-sum-exp of one row, in f32.
-fn row_lse<T: Elem>(row: &[T]) -> (f32, f32) {
-    let max = max_by(row, |v| v);
-    let sum = sum_by(row, |v| exp_f32(v - max));
-    (max, max + sum.ln())
+multiversion! {
+    /// Max and log-sum-exp of one row, in f32.
+    fn row_lse<T: Elem>(row: &[T]) -> (f32, f32) {
+        let max = max_by(row, |v| v);
+        let sum = sum_by(row, |v| exp_f32(v - max));
+        (max, max + sum.ln())
+    }
+}
+
+multiversion! {
+    /// One row's gradient in place: `(softmax - uniform) * scale`, less `(1 - eps) * scale` at
+    /// the target `t` (`xt`, its logit, read before the row was overwritten).
+    fn grad_row<T: Elem>(row: &mut [T], t: usize, xt: Option<f32>, lse: f32, uniform: f32, scale: f32, eps: f32) {
+        for v in row.iter_mut() {
+            *v = T::of((exp_f32(v.f() - lse) - uniform) * scale);
+        }
+        if let (Some(v), Some(xt)) = (row.get_mut(t), xt) {
+            *v = T::of((exp_f32(xt - lse) - uniform - (1.0 - eps)) * scale);
+        }
+    }
 }
 
 /// The summed loss of the counted rows (f64 accumulation across rows); keeps each row's
@@ -253,12 +268,7 @@ pub(super) fn grad_in_place<T: Elem>(
             };
             let t = t as usize;
             let xt = row.get(t).map(|v| v.f());
-            for v in row.iter_mut() {
-                *v = T::of((exp_f32(v.f() - lse) - uniform) * scale);
-            }
-            if let (Some(v), Some(xt)) = (row.get_mut(t), xt) {
-                *v = T::of((exp_f32(xt - lse) - uniform - (1.0 - eps)) * scale);
-            }
+            grad_row(row, t, xt, lse, uniform, scale, eps);
         });
 }
 
@@ -489,5 +499,27 @@ mod tests {
             .to_scalar::<f32>()
             .unwrap();
         assert!(l.is_nan());
+    }
+
+    #[test]
+    fn both_builds_of_the_row_kernels_give_the_same_bits() {
+        // On an AVX2 machine the dispatched function runs the AVX2 build; either way it must
+        // equal the portable one bit for bit (same operations, same order).
+        for n in [1usize, 7, 8, 9, 100, 8000] {
+            let row: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0)
+                .collect();
+            let (a, b) = (row_lse(&row), row_lse::portable(&row));
+            assert_eq!(
+                (a.0.to_bits(), a.1.to_bits()),
+                (b.0.to_bits(), b.1.to_bits()),
+                "n {n}"
+            );
+            let (mut g1, mut g2) = (row.clone(), row.clone());
+            grad_row(&mut g1, n / 2, Some(row[n / 2]), a.1, 0.01, 0.5, 0.1);
+            grad_row::portable(&mut g2, n / 2, Some(row[n / 2]), a.1, 0.01, 0.5, 0.1);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&g1), bits(&g2), "n {n}");
+        }
     }
 }
