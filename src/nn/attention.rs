@@ -13,7 +13,8 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::elem::{exp_f32, fused_cpu, max_by, multiversion, sum2_by, sum_by, Elem};
+use super::elem::fused_cpu;
+use super::softmax::{softmax_grad_in_place, softmax_in_place};
 
 /// Query rows (and keys) per block of a causal attention's products: a block's products skip
 /// the keys none of its rows sees. At 128 tokens that saves a quarter of the products' work and
@@ -493,7 +494,7 @@ impl Attention {
                 }
             }
         }
-        softmax_in_place(live);
+        softmax_in_place(live, true);
     }
 
     /// The attention weights `[B, H, T_q, T_k]` and, when `out` is given, `y = weights · v`
@@ -582,7 +583,7 @@ impl Attention {
                     let rows = ds[r0 * tk..r1 * tk].chunks_mut(tk);
                     for (dr, pr) in rows.zip(p[r0 * tk..r1 * tk].chunks(tk)) {
                         let (live, rest) = dr.split_at_mut(keys);
-                        softmax_grad_in_place(live, &pr[..keys]);
+                        softmax_grad_in_place(live, &pr[..keys], 1.0);
                         rest.fill(0.0);
                     }
                     // dQ = scale · dS K.
@@ -665,23 +666,18 @@ impl Attention {
                 self.out_shape().dims()
             );
         }
-        let guards: Vec<_> = x.iter().map(|t| t.storage_and_layout()).collect();
-        let mut storages = Vec::with_capacity(3);
-        let mut layouts = Vec::with_capacity(3);
-        for (s, l) in &guards {
-            match &**s {
-                Storage::Cpu(s) => storages.push(s),
-                _ => candle_core::bail!("accelerate-rs-attention: CPU inputs are expected"),
-            }
-            layouts.push(*l);
+        if x.len() != if self.packed { 1 } else { 3 } {
+            candle_core::bail!("accelerate-rs-attention: unexpected inputs");
         }
-        let (s, l) = match (&storages[..], &layouts[..]) {
-            ([a], [la]) if self.packed => ([*a; 3], [*la; 3]),
-            ([a, b, c], [la, lb, lc]) if !self.packed => ([*a, *b, *c], [*la, *lb, *lc]),
-            _ => candle_core::bail!("accelerate-rs-attention: unexpected inputs"),
+        let guards: Vec<_> = x.iter().map(|t| t.storage_and_layout()).collect();
+        // q, k and v; the packed input is all three.
+        let part = |i: usize| &guards[i.min(guards.len() - 1)];
+        let [(sq, lq), (sk, lk), (sv, lv)] = [part(0), part(1), part(2)];
+        let views = self.views([lq, lk, lv])?;
+        let data = match [&**sq, &**sk, &**sv] {
+            [Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)] => f32_data([a, b, c])?,
+            _ => candle_core::bail!("accelerate-rs-attention: CPU inputs are expected"),
         };
-        let views = self.views(l)?;
-        let data = f32_data(s)?;
         self.check(data, &views)?;
         let probs = self.probs_for_backward(data, &views);
         let dev = grad.device();
@@ -742,34 +738,6 @@ fn mats(data: [&[f32]; 3], views: &[View; 3], b: usize, h: usize) -> [Mat; 3] {
     [0, 1, 2].map(|i| views[i].mat(data[i].as_ptr(), b, h))
 }
 
-multiversion! {
-    /// `softmax(row)` in place (`-inf` entries get 0; all `-inf`: all 0).
-    fn softmax_in_place<T: Elem>(row: &mut [T]) {
-        let max = max_by(row, |v| v);
-        if max == f32::NEG_INFINITY {
-            row.fill(T::of(0.0));
-            return;
-        }
-        for s in row.iter_mut() {
-            *s = T::of(exp_f32(s.f() - max));
-        }
-        let inv = 1.0 / sum_by(row, |v| v);
-        for s in row.iter_mut() {
-            *s = T::of(s.f() * inv);
-        }
-    }
-}
-
-multiversion! {
-    /// The softmax's backward in place: `g = p ∘ (g − Σ p ∘ g)`.
-    fn softmax_grad_in_place<T: Elem>(g: &mut [T], p: &[T]) {
-        let dot = sum2_by(p, g, |a, b| a * b);
-        for (g, w) in g.iter_mut().zip(p) {
-            *g = T::of(w.f() * (g.f() - dot));
-        }
-    }
-}
-
 /// The f32 data of three storages.
 fn f32_data(s: [&CpuStorage; 3]) -> Result<[&[f32]; 3]> {
     match s {
@@ -819,31 +787,5 @@ impl CustomOp1 for Attention {
 
     fn bwd(&self, qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         Ok(self.grads(&[qkv], grad)?.into_iter().next())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn both_builds_of_the_row_kernels_give_the_same_bits() {
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for n in [1usize, 7, 8, 9, 128, 1000] {
-            let row: Vec<f32> = (0..n)
-                .map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0)
-                .collect();
-            let (mut a, mut b) = (row.clone(), row.clone());
-            a[0] = f32::NEG_INFINITY;
-            b[0] = f32::NEG_INFINITY;
-            softmax_in_place(&mut a);
-            softmax_in_place::portable(&mut b);
-            assert_eq!(bits(&a), bits(&b), "softmax n {n}");
-            assert!((a.iter().sum::<f32>() - if n > 1 { 1.0 } else { 0.0 }).abs() < 1e-5);
-            let (mut g1, mut g2) = (row.clone(), row.clone());
-            softmax_grad_in_place(&mut g1, &a);
-            softmax_grad_in_place::portable(&mut g2, &a);
-            assert_eq!(bits(&g1), bits(&g2), "softmax backward n {n}");
-        }
     }
 }

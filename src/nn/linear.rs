@@ -6,7 +6,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Module, Result, Shape, Tensor,
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Module, Result, Shape, Tensor, WithDType,
 };
 use candle_nn::VarBuilder;
 use rayon::prelude::*;
@@ -216,27 +216,28 @@ pub(super) fn add_bias(
     b: Option<(&CpuStorage, &Layout)>,
     relu: bool,
 ) -> Result<()> {
-    match (y, b) {
-        (CpuStorage::F32(y), Some((CpuStorage::F32(b), lb))) => {
-            add_rows(y, Some(slice(b, lb)?), relu)
-        }
-        (CpuStorage::F64(y), Some((CpuStorage::F64(b), lb))) => {
-            add_rows(y, Some(slice(b, lb)?), relu)
-        }
-        (CpuStorage::BF16(y), Some((CpuStorage::BF16(b), lb))) => {
-            add_rows(y, Some(slice(b, lb)?), relu)
-        }
-        (CpuStorage::F16(y), Some((CpuStorage::F16(b), lb))) => {
-            add_rows(y, Some(slice(b, lb)?), relu)
-        }
-        (_, None) if !relu => {}
-        (CpuStorage::F32(y), None) => add_rows(y, None, relu),
-        (CpuStorage::F64(y), None) => add_rows(y, None, relu),
-        (CpuStorage::BF16(y), None) => add_rows(y, None, relu),
-        (CpuStorage::F16(y), None) => add_rows(y, None, relu),
-        _ => candle_core::bail!("accelerate-rs-linear: one float dtype is expected"),
+    if b.is_none() && !relu {
+        return Ok(());
     }
-    Ok(())
+    fn typed<T: Elem + WithDType>(
+        y: &mut [T],
+        b: Option<(&CpuStorage, &Layout)>,
+        relu: bool,
+    ) -> Result<()> {
+        let b = match b {
+            Some((s, l)) => Some(slice(s.as_slice::<T>()?, l)?),
+            None => None,
+        };
+        add_rows(y, b, relu);
+        Ok(())
+    }
+    match y {
+        CpuStorage::F32(y) => typed(y, b, relu),
+        CpuStorage::F64(y) => typed(y, b, relu),
+        CpuStorage::BF16(y) => typed(y, b, relu),
+        CpuStorage::F16(y) => typed(y, b, relu),
+        _ => candle_core::bail!("accelerate-rs-linear: a float dtype is expected"),
+    }
 }
 
 /// `y += b` row by row (if there is a bias), then the ReLU if `relu` (NaN stays NaN, as in

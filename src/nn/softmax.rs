@@ -6,7 +6,8 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 use rayon::prelude::*;
 
 use super::elem::{
-    binary_float, exp_f32, fused_cpu, max_by, slice, sum2_by, sum_by, unary_float, Elem,
+    binary_float, exp_f32, fused_cpu, max_by, multiversion, slice, sum2_by, sum_by, unary_float,
+    Elem,
 };
 
 /// `softmax(scale * x)` per row of `d`; when `causal` holds `(t_q, t_k)`, row `r` is query
@@ -30,14 +31,13 @@ fn fwd<T: Elem>(x: &[T], d: usize, op: SoftmaxFwd) -> Vec<T> {
                     Some((tq, tk)) => (r % tq + tk - tq + 1).min(d),
                     None => d,
                 };
-                let (e, row) = (&mut e[..seen], &row[..seen]);
-                let max = max_by(row, |v| op.scale * v);
+                let e = &mut e[..seen];
                 for (e, v) in e.iter_mut().zip(row) {
-                    *e = exp_f32(op.scale * v.f() - max);
+                    *e = op.scale * v.f();
                 }
-                let inv = 1.0 / sum_by(e, |v| v);
+                softmax_in_place(e, false);
                 for (o, e) in o.iter_mut().zip(e.iter()) {
-                    *o = T::of(e * inv);
+                    *o = T::of(*e);
                 }
             },
         );
@@ -67,16 +67,40 @@ struct SoftmaxBwd {
 }
 
 fn bwd<T: Elem>(y: &[T], dy: &[T], d: usize, scale: f32) -> Vec<T> {
-    let mut out = vec![T::of(0.0); y.len()];
+    let mut out = dy.to_vec();
     out.par_chunks_mut(d)
-        .zip(y.par_chunks(d).zip(dy.par_chunks(d)))
-        .for_each(|(o, (yr, gr))| {
-            let dot = sum2_by(yr, gr, |a, b| a * b);
-            for ((o, a), b) in o.iter_mut().zip(yr).zip(gr) {
-                *o = T::of(scale * a.f() * (b.f() - dot));
-            }
-        });
+        .zip(y.par_chunks(d))
+        .for_each(|(g, yr)| softmax_grad_in_place(g, yr, scale));
     out
+}
+
+multiversion! {
+    /// `softmax(row)` in place, in f32 arithmetic. A row whose entries are all `-inf` (e.g. fully
+    /// masked) becomes all 0 if `empty_is_zero`, else NaN (as Candle's and PyTorch's softmax).
+    pub(super) fn softmax_in_place<T: Elem>(row: &mut [T], empty_is_zero: bool) {
+        let max = max_by(row, |v| v);
+        if empty_is_zero && max == f32::NEG_INFINITY {
+            row.fill(T::of(0.0));
+            return;
+        }
+        for s in row.iter_mut() {
+            *s = T::of(exp_f32(s.f() - max));
+        }
+        let inv = 1.0 / sum_by(row, |v| v);
+        for s in row.iter_mut() {
+            *s = T::of(s.f() * inv);
+        }
+    }
+}
+
+multiversion! {
+    /// The softmax's backward in place: `g = scale · p ∘ (g − Σ p ∘ g)` for weights `p`.
+    pub(super) fn softmax_grad_in_place<T: Elem>(g: &mut [T], p: &[T], scale: f32) {
+        let dot = sum2_by(p, g, |a, b| a * b);
+        for (g, w) in g.iter_mut().zip(p) {
+            *g = T::of(scale * w.f() * (g.f() - dot));
+        }
+    }
 }
 
 impl CustomOp2 for SoftmaxBwd {
@@ -155,4 +179,34 @@ pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
         scale: scale as f32,
         causal: Some((tq, tk)),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_builds_of_the_row_kernels_give_the_same_bits() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for n in [1usize, 7, 8, 9, 128, 1000] {
+            let row: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0)
+                .collect();
+            let (mut a, mut b) = (row.clone(), row.clone());
+            a[0] = f32::NEG_INFINITY;
+            b[0] = f32::NEG_INFINITY;
+            softmax_in_place(&mut a, true);
+            softmax_in_place::portable(&mut b, true);
+            assert_eq!(bits(&a), bits(&b), "softmax n {n}");
+            assert!((a.iter().sum::<f32>() - if n > 1 { 1.0 } else { 0.0 }).abs() < 1e-5);
+            let (mut g1, mut g2) = (row.clone(), row.clone());
+            softmax_grad_in_place(&mut g1, &a, 0.5);
+            softmax_grad_in_place::portable(&mut g2, &a, 0.5);
+            assert_eq!(bits(&g1), bits(&g2), "softmax backward n {n}");
+        }
+        // All -inf: zeros when asked, else NaN like Candle's softmax.
+        let mut z = [f32::NEG_INFINITY; 3];
+        softmax_in_place(&mut z, false);
+        assert!(z.iter().all(|v| v.is_nan()));
+    }
 }
