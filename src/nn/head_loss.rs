@@ -7,8 +7,10 @@ use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
-use super::linear::{add_bias, fusable, Linear, LinearOp};
-use super::loss::{checked_targets, cross_entropy_with, grad_in_place, CrossEntropy};
+use super::linear::{fusable, Linear, LinearOp};
+use super::loss::{
+    checked_targets, cross_entropy_with, grad_in_place, grad_in_place_exp, CrossEntropy,
+};
 use super::CrossEntropyOptions;
 
 /// `cross_entropy_with(&head.forward(x)?, targets, options)` in one fused op on the CPU: the
@@ -64,19 +66,22 @@ pub fn linear_cross_entropy(
 struct HeadLoss {
     linear: LinearOp,
     loss: CrossEntropy,
-    logits: Mutex<Option<CpuStorage>>,
+    /// The logits (or, when the flag says so, each row's `exp(x - max)`, left by
+    /// [`CrossEntropy::loss_in_place`]).
+    logits: Mutex<Option<(CpuStorage, bool)>>,
 }
 
 impl HeadLoss {
-    fn forward(&self, logits: CpuStorage, shape: &Shape) -> Result<(CpuStorage, Shape)> {
+    fn forward(&self, mut logits: CpuStorage, shape: &Shape) -> Result<(CpuStorage, Shape)> {
         let l = Layout::contiguous(shape);
-        let loss = self.loss.loss(&logits, &l, self.linear.n)?;
-        *self.logits.lock().unwrap_or_else(|p| p.into_inner()) = Some(logits);
+        let (loss, exps) = self.loss.loss_in_place(&mut logits, &l, self.linear.n)?;
+        *self.logits.lock().unwrap_or_else(|p| p.into_inner()) = Some((logits, exps));
         Ok((loss, Shape::from(())))
     }
 
-    /// `(dx, dw, db)`: the logits' gradient made in place of the kept logits (recomputed if a
-    /// second backward pass finds them gone), then the product's gradients.
+    /// `(dx, dw, db)`: the logits' gradient made in place of the kept logits (recomputed, with
+    /// the loss's forward pass, if a second backward pass finds them gone), then the product's
+    /// gradients.
     fn grads(
         &self,
         x: &Tensor,
@@ -88,29 +93,37 @@ impl HeadLoss {
         let k = w.dim(1)?;
         let rows = x.elem_count() / k;
         let kept = self.logits.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let mut z = match kept {
-            Some(z) => z,
+        let (mut z, exps) = match kept {
+            Some(kept) => kept,
             None => {
                 let z = match b {
                     Some(b) => x.apply_op3_no_bwd(w, b, &self.linear)?,
                     None => x.apply_op2_no_bwd(w, &self.linear)?,
                 };
-                let (s, _) = z.storage_and_layout();
-                match &*s {
+                let (s, l) = z.storage_and_layout();
+                let mut s = match &*s {
                     Storage::Cpu(s) => s.clone(),
                     _ => candle_core::bail!(
                         "accelerate-rs-linear-cross-entropy: CPU logits are expected"
                     ),
-                }
+                };
+                // The forward pass again, so that the rows take the same form, with the same
+                // bits, as the first time.
+                let (_, exps) = self.loss.loss_in_place(&mut s, l, n)?;
+                (s, exps)
             }
         };
         let op = self.loss.grad_op(grad)?;
         let lses = op.lses();
-        match &mut z {
-            CpuStorage::F32(v) => grad_in_place(v, n, &op, lses),
-            CpuStorage::F64(v) => grad_in_place(v, n, &op, lses),
-            CpuStorage::BF16(v) => grad_in_place(v, n, &op, lses),
-            CpuStorage::F16(v) => grad_in_place(v, n, &op, lses),
+        match (&mut z, op.invs()) {
+            (CpuStorage::F32(v), Some(invs)) if exps => grad_in_place_exp(v, n, &op, invs),
+            (CpuStorage::F32(v), _) if exps => candle_core::bail!(
+                "accelerate-rs-linear-cross-entropy: the forward pass's row sums are missing"
+            ),
+            (CpuStorage::F32(v), _) => grad_in_place(v, n, &op, lses),
+            (CpuStorage::F64(v), _) => grad_in_place(v, n, &op, lses),
+            (CpuStorage::BF16(v), _) => grad_in_place(v, n, &op, lses),
+            (CpuStorage::F16(v), _) => grad_in_place(v, n, &op, lses),
             _ => {
                 candle_core::bail!("accelerate-rs-linear-cross-entropy: a float dtype is expected")
             }
@@ -144,7 +157,7 @@ impl CustomOp2 for HeadLoss {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (z, shape) = self.linear.product(s1, l1, s2, l2)?;
+        let (z, shape) = self.linear.forward(s1, l1, s2, l2, None)?;
         self.forward(z, &shape)
     }
 
@@ -174,8 +187,7 @@ impl CustomOp3 for HeadLoss {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (mut z, shape) = self.linear.product(s1, l1, s2, l2)?;
-        add_bias(&mut z, Some((s3, l3)), false)?;
+        let (z, shape) = self.linear.forward(s1, l1, s2, l2, Some((s3, l3)))?;
         self.forward(z, &shape)
     }
 

@@ -156,22 +156,35 @@ pub(super) struct LinearOp {
 }
 
 impl LinearOp {
-    pub(super) fn product(
+    /// `x Wᵀ (+ b)`, then the ReLU if this op has one. In f32 the product is accumulated straight
+    /// onto the bias rows ([`product_f32`]); other dtypes take Candle's CPU matrix product, then
+    /// one pass adding the bias (and applying the ReLU).
+    pub(super) fn forward(
         &self,
         sx: &CpuStorage,
         lx: &Layout,
         sw: &CpuStorage,
         lw: &Layout,
+        b: Option<(&CpuStorage, &Layout)>,
     ) -> Result<(CpuStorage, Shape)> {
         let dims = lx.dims();
         let k = dims.last().copied().unwrap_or(1).max(1);
         let rows = lx.shape().elem_count() / k;
-        let lx2 = Layout::contiguous_with_offset((rows, k), lx.start_offset());
-        let y = sx.matmul(sw, (1, rows, self.n, k), &lx2, &lw.transpose(0, 1)?)?;
         let mut out = dims.to_vec();
         if let Some(last) = out.last_mut() {
             *last = self.n;
         }
+        if let (CpuStorage::F32(x), CpuStorage::F32(w), Some((CpuStorage::F32(bias), lb))) =
+            (sx, sw, b)
+        {
+            let y = product_f32(slice(x, lx)?, slice(w, lw)?, slice(bias, lb)?, rows, k)?;
+            let mut y = CpuStorage::F32(y);
+            add_bias(&mut y, None, self.relu)?;
+            return Ok((y, Shape::from(out)));
+        }
+        let lx2 = Layout::contiguous_with_offset((rows, k), lx.start_offset());
+        let mut y = sx.matmul(sw, (1, rows, self.n, k), &lx2, &lw.transpose(0, 1)?)?;
+        add_bias(&mut y, b, self.relu)?;
         Ok((y, Shape::from(out)))
     }
 
@@ -210,12 +223,62 @@ impl LinearOp {
     }
 }
 
+/// `x Wᵀ + b` in f32 for a contiguous `x` (`[rows, k]`) and `W` (`[n, k]`, `n = b.len()`): the
+/// output starts as `rows` copies of `b` and `gemm` adds the product onto it, so the output is
+/// written once before the product instead of being zero-filled and then read again for the
+/// bias (the bias is added before the last of `gemm`'s depth blocks rather than after it: the
+/// same value up to rounding).
+fn product_f32(x: &[f32], w: &[f32], b: &[f32], rows: usize, k: usize) -> Result<Vec<f32>> {
+    let n = b.len();
+    if x.len() != rows * k || w.len() != n * k {
+        candle_core::bail!(
+            "accelerate-rs-linear: {} input and {} weight elements for {rows} x {k} by {n} x {k}",
+            x.len(),
+            w.len()
+        );
+    }
+    let mut y = Vec::with_capacity(rows * n);
+    for _ in 0..rows {
+        y.extend_from_slice(b);
+    }
+    let threads = candle_core::utils::get_num_threads();
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: `x` holds `rows × k` elements read with row stride `k`; `w` holds `n × k`, read as
+    // the `k × n` matrix `Wᵀ` (row stride 1, column stride `k`); `y` holds `rows × n` elements
+    // (checked above and filled just now), written with row stride `n`, and is a fresh buffer that
+    // overlaps neither operand and that no other code sees until `gemm` returns.
+    unsafe {
+        gemm::gemm(
+            rows,
+            n,
+            k,
+            y.as_mut_ptr(),
+            1,
+            n as isize,
+            true,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+    Ok(y)
+}
+
 /// `y += b` on every row of `y` (`[rows, b.len()]`), in place; then `max(y, 0)` if `relu`.
-pub(super) fn add_bias(
-    y: &mut CpuStorage,
-    b: Option<(&CpuStorage, &Layout)>,
-    relu: bool,
-) -> Result<()> {
+fn add_bias(y: &mut CpuStorage, b: Option<(&CpuStorage, &Layout)>, relu: bool) -> Result<()> {
     if b.is_none() && !relu {
         return Ok(());
     }
@@ -274,9 +337,7 @@ impl CustomOp2 for LinearOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (mut y, shape) = self.product(s1, l1, s2, l2)?;
-        add_bias(&mut y, None, self.relu)?;
-        Ok((y, shape))
+        self.forward(s1, l1, s2, l2, None)
     }
 
     fn bwd(
@@ -305,9 +366,7 @@ impl CustomOp3 for LinearOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (mut y, shape) = self.product(s1, l1, s2, l2)?;
-        add_bias(&mut y, Some((s3, l3)), self.relu)?;
-        Ok((y, shape))
+        self.forward(s1, l1, s2, l2, Some((s3, l3)))
     }
 
     fn bwd(

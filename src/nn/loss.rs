@@ -143,6 +143,9 @@ pub(super) struct CrossEntropy {
     /// Each row's log-sum-exp, kept by the forward pass for the backward one (which then takes
     /// one `exp` per logit instead of two).
     lse: Mutex<Option<Arc<Vec<f32>>>>,
+    /// Each row's `1 / Σ exp(x - max)`, kept by [`CrossEntropy::loss_in_place`] (whose rows then
+    /// hold `exp(x - max)`, so that the backward pass takes no `exp` at all).
+    inv: Mutex<Option<Arc<Vec<f32>>>>,
 }
 
 impl CrossEntropy {
@@ -152,6 +155,7 @@ impl CrossEntropy {
             eps: options.label_smoothing as f32,
             ignore: options.ignore_index,
             lse: Mutex::new(None),
+            inv: Mutex::new(None),
         }
     }
 
@@ -174,6 +178,24 @@ impl CrossEntropy {
         })
     }
 
+    /// [`CrossEntropy::loss`] of contiguous f32 logits (`s`, rows of `c`) that then overwrites
+    /// each row with `exp(x - max)`, for [`grad_in_place_exp`]: `(loss, true)`. Other dtypes are
+    /// left as they are (`(loss, false)`: their rounding would change the softmax).
+    pub(super) fn loss_in_place(
+        &self,
+        s: &mut CpuStorage,
+        l: &Layout,
+        c: usize,
+    ) -> Result<(CpuStorage, bool)> {
+        if let (CpuStorage::F32(x), Some((a, b))) = (&mut *s, l.contiguous_offsets()) {
+            if let Some(x) = x.get_mut(a..b) {
+                let mean = forward_in_place(x, c, self) / self.counted() as f64;
+                return Ok((CpuStorage::F32(vec![mean as f32]), true));
+            }
+        }
+        Ok((self.loss(s, l, c)?, false))
+    }
+
     /// The backward op for the upstream gradient `grad` (a scalar).
     pub(super) fn grad_op(&self, grad: &Tensor) -> Result<CrossEntropyGrad> {
         let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
@@ -183,6 +205,7 @@ impl CrossEntropy {
             ignore: self.ignore,
             scale: g / self.counted() as f32,
             lse: self.lse.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            inv: self.inv.lock().unwrap_or_else(|p| p.into_inner()).clone(),
         })
     }
 
@@ -201,6 +224,45 @@ multiversion! {
         let max = max_by(row, |v| v);
         let sum = sum_by(row, |v| exp_f32(v - max));
         (max, max + sum.ln())
+    }
+}
+
+multiversion! {
+    /// [`row_lse`] that also overwrites the row with `exp(x - max)` (the same sums in the same
+    /// order, so the same bits).
+    fn row_lse_exp<T: Elem>(row: &mut [T]) -> (f32, f32) {
+        let max = max_by(row, |v| v);
+        let mut acc = [0f32; 8];
+        let mut chunks = row.chunks_exact_mut(8);
+        for c in &mut chunks {
+            for (a, v) in acc.iter_mut().zip(c) {
+                let e = exp_f32(v.f() - max);
+                *v = T::of(e);
+                *a += e;
+            }
+        }
+        let mut rest = 0f32;
+        for v in chunks.into_remainder() {
+            let e = exp_f32(v.f() - max);
+            *v = T::of(e);
+            rest += e;
+        }
+        let sum = rest + acc.iter().sum::<f32>();
+        (max, max + sum.ln())
+    }
+}
+
+multiversion! {
+    /// [`grad_row`] for a row holding `exp(x - max)` (from [`row_lse_exp`]): the softmax is
+    /// that times `inv = exp(max - lse)`, so no `exp` is taken here.
+    fn grad_row_exp<T: Elem>(row: &mut [T], t: usize, inv: f32, uniform: f32, scale: f32, eps: f32) {
+        let et = row.get(t).map(|v| v.f());
+        for v in row.iter_mut() {
+            *v = T::of((v.f() * inv - uniform) * scale);
+        }
+        if let (Some(v), Some(et)) = (row.get_mut(t), et) {
+            *v = T::of((et * inv - uniform - (1.0 - eps)) * scale);
+        }
     }
 }
 
@@ -242,6 +304,63 @@ fn forward<T: Elem>(x: &[T], c: usize, op: &CrossEntropy) -> f64 {
         .sum();
     *op.lse.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(lses));
     sum
+}
+
+/// [`forward`] that overwrites each counted row with `exp(x - max)` (ignored rows are left as
+/// they are) and keeps each row's `1 / Σ exp(x - max)` in `op.inv`.
+fn forward_in_place<T: Elem>(x: &mut [T], c: usize, op: &CrossEntropy) -> f64 {
+    let eps = op.eps;
+    let n = op.targets.len();
+    let (mut lses, mut invs) = (vec![0f32; n], vec![0f32; n]);
+    let sum = x
+        .par_chunks_mut(c)
+        .zip(op.targets.par_iter())
+        .zip(lses.par_iter_mut().zip(invs.par_iter_mut()))
+        .map(|((row, &t), (keep, inv))| {
+            if Some(t) == op.ignore {
+                return 0.0;
+            }
+            let xt = row.get(t as usize).map_or(f32::NAN, |v| v.f());
+            let smooth = if eps > 0.0 {
+                eps * sum_by(row, |v| v) / c as f32
+            } else {
+                0.0
+            };
+            let (max, lse) = row_lse_exp(row);
+            *keep = lse;
+            *inv = exp_f32(max - lse);
+            let mut loss = lse - (1.0 - eps) * xt;
+            if eps > 0.0 {
+                loss -= smooth;
+            }
+            loss as f64
+        })
+        .sum();
+    *op.lse.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(lses));
+    *op.inv.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(invs));
+    sum
+}
+
+/// [`grad_in_place`] over rows left by [`forward_in_place`] (`exp(x - max)`), with their
+/// `1 / Σ exp(x - max)` in `invs`.
+pub(super) fn grad_in_place_exp<T: Elem>(
+    z: &mut [T],
+    c: usize,
+    op: &CrossEntropyGrad,
+    invs: &[f32],
+) {
+    let (eps, scale) = (op.eps, op.scale);
+    let uniform = eps / c as f32;
+    z.par_chunks_mut(c)
+        .zip(op.targets.par_iter())
+        .zip(invs.par_iter())
+        .for_each(|((row, &t), &inv)| {
+            if Some(t) == op.ignore {
+                row.iter_mut().for_each(|v| *v = T::of(0.0));
+                return;
+            }
+            grad_row_exp(row, t as usize, inv, uniform, scale, eps);
+        });
 }
 
 /// d(loss)/d(logits) times `scale` (the incoming gradient over the counted rows), over the
@@ -302,12 +421,22 @@ pub(super) struct CrossEntropyGrad {
     scale: f32,
     /// The forward pass's log-sum-exps (recomputed when absent or of another length).
     lse: Option<Arc<Vec<f32>>>,
+    /// [`CrossEntropy::loss_in_place`]'s `1 / Σ exp(x - max)` per row, when it ran.
+    inv: Option<Arc<Vec<f32>>>,
 }
 
 impl CrossEntropyGrad {
     /// The forward pass's log-sum-exps, when there for every row.
     pub(super) fn lses(&self) -> Option<&[f32]> {
         self.lse
+            .as_deref()
+            .filter(|v| v.len() == self.targets.len())
+            .map(|v| v.as_slice())
+    }
+
+    /// [`CrossEntropy::loss_in_place`]'s `1 / Σ exp(x - max)`, when there for every row.
+    pub(super) fn invs(&self) -> Option<&[f32]> {
+        self.inv
             .as_deref()
             .filter(|v| v.len() == self.targets.len())
             .map(|v| v.as_slice())
@@ -520,6 +649,29 @@ mod tests {
             grad_row::portable(&mut g2, n / 2, Some(row[n / 2]), a.1, 0.01, 0.5, 0.1);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&g1), bits(&g2), "n {n}");
+            // The in-place variant: the same maximum and log-sum-exp bits as `row_lse`, rows of
+            // `exp(x - max)`, and a gradient from them within rounding of `grad_row`'s.
+            let (mut e1, mut e2) = (row.clone(), row.clone());
+            let (c, d) = (row_lse_exp(&mut e1), row_lse_exp::portable(&mut e2));
+            assert_eq!(
+                (c.0.to_bits(), c.1.to_bits()),
+                (a.0.to_bits(), a.1.to_bits())
+            );
+            assert_eq!(
+                (d.0.to_bits(), d.1.to_bits()),
+                (a.0.to_bits(), a.1.to_bits())
+            );
+            assert_eq!(bits(&e1), bits(&e2), "n {n}");
+            for (e, x) in e1.iter().zip(&row) {
+                assert_eq!(*e, exp_f32(x - a.0), "n {n}");
+            }
+            let inv = exp_f32(a.0 - a.1);
+            grad_row_exp(&mut e1, n / 2, inv, 0.01, 0.5, 0.1);
+            grad_row_exp::portable(&mut e2, n / 2, inv, 0.01, 0.5, 0.1);
+            assert_eq!(bits(&e1), bits(&e2), "n {n}");
+            for (x, y) in e1.iter().zip(&g1) {
+                assert!((x - y).abs() <= 1e-6, "n {n}: {x} vs {y}");
+            }
         }
     }
 }

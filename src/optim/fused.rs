@@ -88,6 +88,95 @@ fn len_err(what: &str) -> Error {
     )
 }
 
+/// `Σ x²` over `t`'s elements in f64, read in place when `t` is a contiguous CPU float tensor
+/// (`None` otherwise: the caller computes it with tensor ops). Chunks of [`CHUNK`] elements are
+/// summed in parallel, each in 8 f64 lanes, and the chunk sums are added in order, so the result
+/// does not depend on the number of threads.
+pub(crate) fn sq_sum(t: &Tensor) -> Option<f64> {
+    let (storage, layout) = t.storage_and_layout();
+    let (a, b) = layout.contiguous_offsets()?;
+    match &*storage {
+        candle_core::Storage::Cpu(s) => match s {
+            CpuStorage::F32(x) => Some(sq_sum_kernel(&x[a..b])),
+            CpuStorage::F64(x) => Some(sq_sum_kernel(&x[a..b])),
+            CpuStorage::BF16(x) => Some(sq_sum_kernel(&x[a..b])),
+            CpuStorage::F16(x) => Some(sq_sum_kernel(&x[a..b])),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+fn sq_sum_kernel<T: Wide>(x: &[T]) -> f64 {
+    if x.len() <= CHUNK {
+        return sq_sum_chunk(x);
+    }
+    let sums: Vec<f64> = x.par_chunks(CHUNK).map(sq_sum_chunk).collect();
+    sums.iter().sum()
+}
+
+/// An element widened to f64 (exactly, for every float storage type).
+trait Wide: Copy + Send + Sync {
+    fn wide(self) -> f64;
+}
+impl Wide for f32 {
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self as f64
+    }
+}
+impl Wide for f64 {
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self
+    }
+}
+impl Wide for bf16 {
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self.to_f64()
+    }
+}
+impl Wide for f16 {
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self.to_f64()
+    }
+}
+
+/// One chunk of [`sq_sum`]: with AVX2 and FMA when the CPU has them, else the portable loop (the
+/// same operations in the same order, so the same bits).
+fn sq_sum_chunk<T: Wide>(x: &[T]) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: `sq_sum_avx2` only differs from `sq_sum_loop` by being compiled with AVX2 and
+        // FMA enabled, and this CPU was just found to have both.
+        return unsafe { sq_sum_avx2(x) };
+    }
+    sq_sum_loop(x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn sq_sum_avx2<T: Wide>(x: &[T]) -> f64 {
+    sq_sum_loop(x)
+}
+
+/// `Σ x²` in 8 independent f64 partial sums (a serial float sum does not vectorize).
+#[inline(always)]
+fn sq_sum_loop<T: Wide>(x: &[T]) -> f64 {
+    let mut acc = [0f64; 8];
+    let chunks = x.chunks_exact(8);
+    let rest: f64 = chunks.remainder().iter().map(|v| v.wide() * v.wide()).sum();
+    for c in chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            let v = v.wide();
+            *a += v * v;
+        }
+    }
+    acc.iter().sum::<f64>() + rest
+}
+
 /// Updates `param`, `m` and `v` in place by one AdamW step with gradient `grad`.
 pub(crate) fn adamw(
     param: &Tensor,
@@ -343,5 +432,53 @@ fn momentum_pass<
             .zip(buf.par_chunks_mut(CHUNK))
             .zip(g.par_chunks(CHUNK))
             .for_each(|((p, b), g)| body(p, b, g));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    /// `Σ x²` in f64 through tensor ops (the path for tensors the kernel does not take).
+    fn reference(t: &Tensor) -> f64 {
+        let sq = t.to_dtype(DType::F64).and_then(|t| t.sqr()?.sum_all());
+        sq.and_then(|s| s.to_scalar::<f64>()).unwrap_or(f64::NAN)
+    }
+
+    #[test]
+    fn sum_of_squares_matches_tensor_ops_for_every_float_dtype_and_length(
+    ) -> candle_core::Result<()> {
+        for n in [
+            0usize,
+            1,
+            7,
+            8,
+            9,
+            1000,
+            super::CHUNK + 13,
+            3 * super::CHUNK,
+        ] {
+            let base = Tensor::arange(0f64, n as f64, &Device::Cpu)?;
+            // Values in [-2.5, 2.5) that do not repeat with the lane or chunk period.
+            let x = ((base * 0.618_034)?.sin()? * 2.5)?;
+            for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+                let t = x.to_dtype(dtype)?;
+                let want = reference(&t);
+                let got = super::sq_sum(&t);
+                let got = got.ok_or_else(|| candle_core::Error::Msg(format!("{dtype:?} {n}")))?;
+                assert!(
+                    (got - want).abs() <= 1e-12 * want.max(1.0),
+                    "{dtype:?} n {n}: {got} vs {want}"
+                );
+            }
+        }
+        // A contiguous view with an offset reads its own elements only.
+        let t = Tensor::new(&[100f32, 1., 2., 3., 100.], &Device::Cpu)?;
+        assert_eq!(super::sq_sum(&t.narrow(0, 1, 3)?), Some(14.0));
+        // Strided views and integer tensors are left to tensor ops.
+        let m = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?;
+        assert_eq!(super::sq_sum(&m.t()?), None);
+        assert_eq!(super::sq_sum(&m.to_dtype(DType::U32)?), None);
+        Ok(())
     }
 }

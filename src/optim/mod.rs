@@ -34,6 +34,7 @@ mod sgd;
 
 pub use adamw::AdamW;
 pub use candle_nn::ParamsAdamW;
+pub(crate) use fused::sq_sum;
 pub use sgd::{Sgd, SgdConfig};
 
 pub use fused_cuda::launches as cuda_kernel_launches;

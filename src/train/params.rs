@@ -755,16 +755,20 @@ impl ParamSet {
         Ok(present)
     }
 
-    /// The sum of squares of the registered parameters' gradients in `grads` (f64).
+    /// The sum of squares of the registered parameters' gradients in `grads` (f64; read in
+    /// place for contiguous CPU gradients).
     pub(crate) fn grad_sq_sum(&self, grads: &GradStore) -> Result<f64> {
         let mut sum = 0f64;
         for v in &self.vars {
             if let Some(g) = grads.get(v.as_tensor()) {
-                sum += g
-                    .to_dtype(DType::F64)?
-                    .sqr()?
-                    .sum_all()?
-                    .to_scalar::<f64>()?;
+                sum += match crate::optim::sq_sum(g) {
+                    Some(s) => s,
+                    None => g
+                        .to_dtype(DType::F64)?
+                        .sqr()?
+                        .sum_all()?
+                        .to_scalar::<f64>()?,
+                };
             }
         }
         Ok(sum)
