@@ -63,7 +63,7 @@ pub use tcp::{TcpCollective, TcpOptions};
 pub use threads::{ThreadCollective, ThreadGroup};
 
 pub(crate) use buffer::{tensor_from_bytes, HostVec};
-pub(crate) use reduce::{check_reducible, finish_mean, reduce_into};
+pub(crate) use reduce::{check_reducible, finish_mean, reduce_into, reduce_last};
 
 use crate::error::{Error, Result};
 

@@ -125,6 +125,86 @@ pub(crate) fn reduce_into(elem: ElemType, op: ReduceOp, dst: &mut [u8], src: &[u
     Ok(())
 }
 
+/// The last [`reduce_into`] of a reduction with everything after it in the same pass:
+/// `dst = dst (op) src`, divided by `world_size` when `op` is `Mean` (as [`finish_mean`] would,
+/// with the same roundings, so the same bits), and the result also written to `copy` when given
+/// (same length as `dst`). One pass over the data instead of up to three.
+pub(crate) fn reduce_last(
+    elem: ElemType,
+    op: ReduceOp,
+    dst: &mut [u8],
+    src: &[u8],
+    copy: Option<&mut [u8]>,
+    world_size: usize,
+) -> Result<()> {
+    if copy.as_ref().is_some_and(|c| c.len() != dst.len()) || src.len() != dst.len() {
+        return Err(Error::invalid(
+            "reduction buffers",
+            format!(
+                "of {} (destination), {} (source) and {:?} (copy) bytes; they must be equal",
+                dst.len(),
+                src.len(),
+                copy.map(|c| c.len())
+            ),
+        ));
+    }
+    let n = world_size as f64;
+    fn run<T: bytemuck::Pod>(
+        dst: &mut [u8],
+        src: &[u8],
+        copy: Option<&mut [u8]>,
+        what: &str,
+        f: impl Fn(T, T) -> T,
+    ) -> Result<()> {
+        let (d, s) = (view_mut::<T>(dst, what)?, view::<T>(src, what)?);
+        match copy {
+            Some(c) => {
+                let c = view_mut::<T>(c, what)?;
+                for ((d, s), c) in d.iter_mut().zip(s).zip(c.iter_mut()) {
+                    let v = f(*d, *s);
+                    *d = v;
+                    *c = v;
+                }
+            }
+            None => combine(d, s, f),
+        }
+        Ok(())
+    }
+    match (elem, op) {
+        (ElemType::F32, ReduceOp::Sum) => run(dst, src, copy, "f32", |a: f32, b| a + b),
+        (ElemType::F32, ReduceOp::Mean) => {
+            let n = n as f32;
+            run(dst, src, copy, "f32", |a: f32, b| (a + b) / n)
+        }
+        (ElemType::F32, ReduceOp::Max) => run(dst, src, copy, "f32", fmax32),
+        (ElemType::F64, ReduceOp::Sum) => run(dst, src, copy, "f64", |a: f64, b| a + b),
+        (ElemType::F64, ReduceOp::Mean) => run(dst, src, copy, "f64", |a: f64, b| (a + b) / n),
+        (ElemType::F64, ReduceOp::Max) => run(dst, src, copy, "f64", fmax64),
+        (ElemType::F16, ReduceOp::Sum) => run(dst, src, copy, "f16", |a: f16, b: f16| {
+            f16::from_f32(a.to_f32() + b.to_f32())
+        }),
+        (ElemType::F16, ReduceOp::Mean) => run(dst, src, copy, "f16", |a: f16, b: f16| {
+            f16::from_f64(f16::from_f32(a.to_f32() + b.to_f32()).to_f64() / n)
+        }),
+        (ElemType::F16, ReduceOp::Max) => run(dst, src, copy, "f16", |a: f16, b: f16| {
+            f16::from_f32(fmax32(a.to_f32(), b.to_f32()))
+        }),
+        (ElemType::BF16, ReduceOp::Sum) => run(dst, src, copy, "bf16", |a: bf16, b: bf16| {
+            bf16::from_f32(a.to_f32() + b.to_f32())
+        }),
+        (ElemType::BF16, ReduceOp::Mean) => run(dst, src, copy, "bf16", |a: bf16, b: bf16| {
+            bf16::from_f64(bf16::from_f32(a.to_f32() + b.to_f32()).to_f64() / n)
+        }),
+        (ElemType::BF16, ReduceOp::Max) => run(dst, src, copy, "bf16", |a: bf16, b: bf16| {
+            bf16::from_f32(fmax32(a.to_f32(), b.to_f32()))
+        }),
+        (ElemType::U8, _) => Err(Error::UnsupportedDType {
+            op: format!("all_reduce({})", op.name()),
+            dtype: elem.name().to_string(),
+        }),
+    }
+}
+
 /// Divides every element by `world_size` (the last step of a `Mean`).
 pub(crate) fn finish_mean(elem: ElemType, buf: &mut [u8], world_size: usize) -> Result<()> {
     let n = world_size as f64;
@@ -160,4 +240,73 @@ pub(crate) fn check_reducible(elem: ElemType, op: ReduceOp) -> Result<()> {
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bytes of `n` values of `elem` (varied, with negative values and ties).
+    fn bytes(elem: ElemType, n: usize, salt: usize) -> Vec<u8> {
+        let v = |i: usize| ((i * 37 + salt * 11) % 23) as f64 * 0.37 - 3.0;
+        match elem {
+            ElemType::F32 => (0..n).flat_map(|i| (v(i) as f32).to_ne_bytes()).collect(),
+            ElemType::F64 => (0..n).flat_map(|i| v(i).to_ne_bytes()).collect(),
+            ElemType::F16 => (0..n)
+                .flat_map(|i| f16::from_f64(v(i)).to_ne_bytes())
+                .collect(),
+            ElemType::BF16 => (0..n)
+                .flat_map(|i| bf16::from_f64(v(i)).to_ne_bytes())
+                .collect(),
+            ElemType::U8 => (0..n).map(|i| i as u8).collect(),
+        }
+    }
+
+    /// Owned, aligned storage for `b` (the views need alignment).
+    fn aligned(b: &[u8]) -> Vec<u64> {
+        let mut v = vec![0u64; b.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut v)[..b.len()].copy_from_slice(b);
+        v
+    }
+
+    #[test]
+    fn fused_last_step_equals_reduce_then_mean_then_copy() -> Result<()> {
+        let elems = [ElemType::F32, ElemType::F64, ElemType::F16, ElemType::BF16];
+        for elem in elems {
+            for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+                for (n, world) in [(1usize, 2usize), (7, 3), (1001, 5)] {
+                    let len = n * elem.size();
+                    let (d0, s0) = (aligned(&bytes(elem, n, 1)), aligned(&bytes(elem, n, 2)));
+                    // Reference: the three passes.
+                    let mut want = d0.clone();
+                    let want_b = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut want)[..len];
+                    let src = &bytemuck::cast_slice::<u64, u8>(&s0)[..len];
+                    let acc = if op == ReduceOp::Mean {
+                        ReduceOp::Sum
+                    } else {
+                        op
+                    };
+                    reduce_into(elem, acc, want_b, src)?;
+                    if op == ReduceOp::Mean {
+                        finish_mean(elem, want_b, world)?;
+                    }
+                    // Fused, with and without the copy.
+                    let (mut got, mut copy) = (d0.clone(), vec![0u64; d0.len()]);
+                    let got_b = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut got)[..len];
+                    let copy_b = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut copy)[..len];
+                    reduce_last(elem, op, got_b, src, Some(copy_b), world)?;
+                    assert_eq!(got_b, want_b, "{elem:?} {op:?} n {n}");
+                    assert_eq!(copy_b, want_b, "{elem:?} {op:?} n {n} (copy)");
+                    let mut alone = d0.clone();
+                    let alone_b = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut alone)[..len];
+                    reduce_last(elem, op, alone_b, src, None, world)?;
+                    assert_eq!(alone_b, want_b, "{elem:?} {op:?} n {n} (no copy)");
+                }
+            }
+        }
+        let (mut d, s, mut c) = (vec![0u8; 8], vec![0u8; 8], vec![0u8; 4]);
+        let err = reduce_last(ElemType::F32, ReduceOp::Sum, &mut d, &s, Some(&mut c), 2);
+        assert!(err.is_err());
+        Ok(())
+    }
 }

@@ -63,7 +63,7 @@ use memmap2::MmapRaw;
 
 use super::ring::Ring;
 use super::wire::OpHeader;
-use crate::collective::{finish_mean, reduce_into, Buffer, ElemType, ReduceOp};
+use crate::collective::{finish_mean, reduce_into, reduce_last, Buffer, ElemType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::settings::{env, Transport};
 
@@ -828,16 +828,17 @@ impl Shm {
             }
             Kind::ScatterReduce(rop, count) => {
                 let mine = share_here(me, count);
-                for r in (0..n).filter(|&r| r != me) {
-                    reduce_into(
-                        elem,
-                        acc_op(rop),
-                        &mut chunk[mine.clone()],
-                        slot_ref(r, mine.clone()),
-                    )?;
-                }
-                if rop == ReduceOp::Mean {
-                    finish_mean(elem, &mut chunk[mine], n)?;
+                let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
+                match others.split_last() {
+                    Some((&last, rest)) => {
+                        let dst = &mut chunk[mine.clone()];
+                        for &r in rest {
+                            reduce_into(elem, acc_op(rop), dst, slot_ref(r, mine.clone()))?;
+                        }
+                        reduce_last(elem, rop, dst, slot_ref(last, mine.clone()), None, n)?;
+                    }
+                    None if rop == ReduceOp::Mean => finish_mean(elem, &mut chunk[mine], n)?,
+                    None => {}
                 }
             }
             Kind::GatherInto(count) => {
@@ -873,13 +874,23 @@ impl Shm {
                             mine.len(),
                         )
                     };
-                    for r in (0..n).filter(|&r| r != me) {
-                        reduce_into(elem, acc_op(rop), dst, slot_ref(r, mine.clone()))?;
+                    // The last peer's share, the mean's division and the copy out in one pass.
+                    let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
+                    match others.split_last() {
+                        Some((&last, rest)) => {
+                            for &r in rest {
+                                reduce_into(elem, acc_op(rop), dst, slot_ref(r, mine.clone()))?;
+                            }
+                            let out = Some(&mut chunk[mine.clone()]);
+                            reduce_last(elem, rop, dst, slot_ref(last, mine.clone()), out, n)?;
+                        }
+                        None => {
+                            if rop == ReduceOp::Mean {
+                                finish_mean(elem, dst, n)?;
+                            }
+                            chunk[mine.clone()].copy_from_slice(dst);
+                        }
                     }
-                    if rop == ReduceOp::Mean {
-                        finish_mean(elem, dst, n)?;
-                    }
-                    chunk[mine.clone()].copy_from_slice(dst);
                 }
                 self.state(me).store(2 * g + 2, Ordering::Release);
                 for k in 1..n {
