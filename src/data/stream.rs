@@ -320,6 +320,7 @@ pub struct StreamingLoader<D: IterableDataset> {
     split_batches: bool,
     device: Device,
     prefetch: usize,
+    num_workers: usize,
     epoch: u64,
     rank: usize,
     world: usize,
@@ -336,6 +337,7 @@ impl<D: IterableDataset> Clone for StreamingLoader<D> {
             split_batches: self.split_batches,
             device: self.device.clone(),
             prefetch: self.prefetch,
+            num_workers: self.num_workers,
             epoch: self.epoch,
             rank: self.rank,
             world: self.world,
@@ -361,6 +363,7 @@ impl<D: IterableDataset + 'static> StreamingLoader<D> {
             split_batches: false,
             device: Device::Cpu,
             prefetch: 2,
+            num_workers: 1,
             epoch: 0,
             rank: 0,
             world: 1,
@@ -393,9 +396,21 @@ impl<D: IterableDataset + 'static> StreamingLoader<D> {
         self
     }
 
-    /// How many batches a background thread reads and decodes ahead; 0 does it in `next`.
+    /// How many batches are read and decoded ahead in the background (default 2; split across
+    /// [`num_workers`](Self::num_workers), at least 1 each); 0 does it in `next`, on the calling
+    /// thread.
     pub fn prefetch(mut self, prefetch: usize) -> Self {
         self.prefetch = prefetch;
+        self
+    }
+
+    /// The number of background threads decoding batches (default 1). With `n > 1`, one thread
+    /// reads the records (cheap) and groups them into batches, and worker `k` decodes batches
+    /// `k, k + n, ...` ([`IterableDataset::decode`] runs in parallel: tokenizing, parsing); the
+    /// batches are yielded in order, so they are exactly those of one worker. 0 decodes in
+    /// `next`, on the calling thread (as does [`prefetch`](Self::prefetch)`(0)`).
+    pub fn num_workers(mut self, num_workers: usize) -> Self {
+        self.num_workers = num_workers;
         self
     }
 
@@ -522,7 +537,13 @@ impl<D: IterableDataset + 'static> StreamingLoader<D> {
             index: 0,
             done: false,
         };
-        StreamIter::start(Box::new(engine), self.prefetch, start)
+        match (self.prefetch, self.num_workers) {
+            (0, _) | (_, 0) => StreamIter::start(Box::new(engine), 0, start),
+            (prefetch, 1) => StreamIter::start(Box::new(engine), prefetch, start),
+            (prefetch, workers) => {
+                StreamIter::start_workers(engine, workers, (prefetch / workers).max(1), start)
+            }
+        }
     }
 }
 
@@ -535,6 +556,7 @@ impl<D: IterableDataset> std::fmt::Debug for StreamingLoader<D> {
             .field("split_batches", &self.split_batches)
             .field("device", &self.device.location())
             .field("prefetch", &self.prefetch)
+            .field("num_workers", &self.num_workers)
             .field("epoch", &self.epoch)
             .field("rank", &self.rank)
             .field("world", &self.world)
@@ -630,15 +652,16 @@ impl<D: IterableDataset> Engine<D> {
         )
     }
 
-    /// Decodes this rank's records (chunk-relative positions `from..to`) into a batch.
-    fn build(
+    /// This rank's records (chunk-relative positions `from..to`) of the next batch, to decode;
+    /// `after` is the global position after its global batch.
+    fn job(
         &self,
         chunk: &[D::Record],
         start: u64,
-        from: usize,
-        to: usize,
+        (from, to): (usize, usize),
         last: bool,
-    ) -> Result<Batch> {
+        after: u64,
+    ) -> Job<D::Record> {
         let total = start + chunk.len() as u64;
         let mut padding = 0;
         let mut samples = Vec::with_capacity(to - from);
@@ -654,27 +677,24 @@ impl<D: IterableDataset> Engine<D> {
                         .and_then(|p| self.first.get(p))
                 }
             };
-            let sample = match record {
-                Some(record) => self.dataset.decode(record),
-                None => Err(Error::data(format!(
-                    "no record kept for padding position {position}"
-                ))),
-            };
-            samples.push((usize::try_from(position).unwrap_or(usize::MAX), sample));
+            samples.push((position, record.cloned()));
         }
-        let tensors = stack_fields(samples)?;
-        let tensors = tensors
-            .iter()
-            .map(|t| t.to_device(&self.device))
-            .collect::<candle_core::Result<Vec<Tensor>>>()?;
-        let global_padding = ((to - from) * self.world).saturating_sub(chunk.len());
-        // The number of batches is unknown ahead: a lower bound until the last batch.
-        let num_batches = self.index + if last { 1 } else { 2 };
-        Ok(Batch::new(tensors, self.index, padding, num_batches)
-            .with_global_padding(global_padding))
+        Job {
+            samples,
+            index: self.index,
+            padding,
+            global_padding: ((to - from) * self.world).saturating_sub(chunk.len()),
+            // The number of batches is unknown ahead: a lower bound until the last batch.
+            num_batches: self.index + if last { 1 } else { 2 },
+            position: SamplePosition {
+                epoch: self.epoch,
+                samples: after,
+            },
+        }
     }
 
-    fn step(&mut self) -> Option<Step> {
+    /// The next batch to decode, or the error that ends the epoch.
+    fn next_job(&mut self) -> Option<Result<Job<D::Record>>> {
         if self.done {
             return None;
         }
@@ -693,12 +713,13 @@ impl<D: IterableDataset> Engine<D> {
                     let last = next.0.is_empty()
                         || (next.0.len() < self.global && self.last_len(next.0.len()) == 0);
                     let from = self.rank * self.local;
-                    let batch = self.build(&chunk, start, from, from + self.local, last);
+                    let after = start + self.global as u64;
+                    let job = self.job(&chunk, start, (from, from + self.local), last, after);
                     self.current = Some(next);
                     if last {
                         self.done = true;
                     }
-                    batch.map(|b| (b, start + self.global as u64))
+                    Ok(job)
                 }
             }
         } else {
@@ -708,23 +729,14 @@ impl<D: IterableDataset> Engine<D> {
                 return None;
             }
             let from = self.rank * per_rank;
-            self.build(&chunk, start, from, from + per_rank, true)
-                .map(|b| (b, start + chunk.len() as u64))
+            let after = start + chunk.len() as u64;
+            Ok(self.job(&chunk, start, (from, from + per_rank), true, after))
         };
         self.index += 1;
-        Some(match result {
-            Ok((batch, samples)) => Ok((
-                batch,
-                SamplePosition {
-                    epoch: self.epoch,
-                    samples,
-                },
-            )),
-            Err(e) => {
-                self.done = true;
-                Err(e)
-            }
-        })
+        if result.is_err() {
+            self.done = true;
+        }
+        Some(result)
     }
 }
 
@@ -732,7 +744,44 @@ impl<D: IterableDataset> Iterator for Engine<D> {
     type Item = Step;
 
     fn next(&mut self) -> Option<Step> {
-        self.step()
+        let job = self.next_job()?;
+        Some(job.and_then(|job| job.build(self.dataset.as_ref(), &self.device)))
+    }
+}
+
+/// One batch's records, read and grouped by the [`Engine`], to be decoded (by the engine's
+/// thread, or by one of [`StreamingLoader::num_workers`]'s workers).
+struct Job<R> {
+    /// Each sample's global position, and its record (`None`: no record kept for padding).
+    samples: Vec<(u64, Option<R>)>,
+    index: usize,
+    padding: usize,
+    global_padding: usize,
+    num_batches: usize,
+    /// The position after this batch's global batch.
+    position: SamplePosition,
+}
+
+impl<R> Job<R> {
+    /// Decodes the records, stacks them and moves the batch to `device`.
+    fn build<D: IterableDataset<Record = R> + ?Sized>(self, dataset: &D, device: &Device) -> Step {
+        let samples = self.samples.into_iter().map(|(position, record)| {
+            let sample = match record {
+                Some(record) => dataset.decode(&record),
+                None => Err(Error::data(format!(
+                    "no record kept for padding position {position}"
+                ))),
+            };
+            (usize::try_from(position).unwrap_or(usize::MAX), sample)
+        });
+        let tensors = stack_fields(samples)?;
+        let tensors = tensors
+            .iter()
+            .map(|t| t.to_device(device))
+            .collect::<candle_core::Result<Vec<Tensor>>>()?;
+        let batch = Batch::new(tensors, self.index, self.padding, self.num_batches)
+            .with_global_padding(self.global_padding);
+        Ok((batch, self.position))
     }
 }
 
@@ -757,6 +806,47 @@ enum StreamInner {
         stop: Arc<AtomicBool>,
         handle: Option<JoinHandle<()>>,
     },
+    Workers(Workers),
+}
+
+/// A reader thread grouping records into batch [`Job`]s and `n` workers decoding them: job `j`
+/// goes to worker `j % n`, and the iterator takes batch `j` from that worker's channel.
+struct Workers {
+    /// One channel per worker; `None` marks the end of the epoch.
+    receivers: Vec<Receiver<Option<Step>>>,
+    /// The batches taken so far (the next comes from worker `taken % n`).
+    taken: usize,
+    stop: Arc<AtomicBool>,
+    handles: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Closing the channels wakes the workers blocked on a full one; a worker that stops
+        // closes its job channel, which wakes the reader.
+        self.receivers.clear();
+        for handle in self.handles.drain(..) {
+            if handle.join().is_err() {
+                log::warn!("a streaming loader thread panicked");
+            }
+        }
+    }
+}
+
+impl Workers {
+    /// The next batch, `None` at the end of the epoch.
+    fn next(&mut self) -> Option<Step> {
+        let n = self.receivers.len();
+        let k = self.taken % n.max(1);
+        self.taken += 1;
+        match self.receivers.get(k).map(|r| r.recv()) {
+            Some(Ok(item)) => item,
+            _ => Some(Err(Error::data(format!(
+                "streaming loader worker {k} stopped before the end of the epoch (it panicked)"
+            )))),
+        }
+    }
 }
 
 impl Drop for StreamInner {
@@ -779,6 +869,78 @@ impl Drop for StreamInner {
 }
 
 impl StreamIter {
+    /// Starts the reader thread and `workers` decoding threads over `engine`'s jobs, each
+    /// worker with channels of `capacity`.
+    fn start_workers<D: IterableDataset + 'static>(
+        mut engine: Engine<D>,
+        workers: usize,
+        capacity: usize,
+        position: SamplePosition,
+    ) -> Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut pool = Workers {
+            receivers: Vec::with_capacity(workers),
+            taken: 0,
+            stop: Arc::clone(&stop),
+            handles: Vec::with_capacity(workers + 1),
+        };
+        let mut jobs = Vec::with_capacity(workers);
+        for k in 0..workers {
+            let (job_sender, job_receiver) =
+                sync_channel::<Option<Result<Job<D::Record>>>>(capacity);
+            let (sender, receiver) = sync_channel::<Option<Step>>(capacity);
+            let (dataset, device) = (Arc::clone(&engine.dataset), engine.device.clone());
+            let stop_flag = Arc::clone(&stop);
+            let handle = std::thread::Builder::new()
+                .name(format!("accelerate-stream-worker-{k}"))
+                .spawn(move || {
+                    for job in job_receiver {
+                        if stop_flag.load(Ordering::Relaxed) {
+                            return;
+                        }
+                        let item =
+                            job.map(|job| job.and_then(|j| j.build(dataset.as_ref(), &device)));
+                        // The epoch ends here: with its last batch's successor, or an error.
+                        let end = item.as_ref().is_none_or(|i| i.is_err());
+                        if sender.send(item).is_err() || end {
+                            return;
+                        }
+                    }
+                })
+                .map_err(|e| {
+                    Error::data(format!("could not start streaming loader worker {k}: {e}"))
+                })?;
+            pool.receivers.push(receiver);
+            pool.handles.push(handle);
+            jobs.push(job_sender);
+        }
+        let stop_flag = Arc::clone(&stop);
+        let reader = std::thread::Builder::new()
+            .name("accelerate-stream-reader".into())
+            .spawn(move || {
+                for j in 0.. {
+                    if stop_flag.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let job = engine.next_job();
+                    let end = job.as_ref().is_none_or(|i| i.is_err());
+                    let Some(worker) = jobs.get(j % jobs.len().max(1)) else {
+                        return;
+                    };
+                    if worker.send(job).is_err() || end {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| Error::data(format!("could not start the stream reader thread: {e}")))?;
+        pool.handles.push(reader);
+        Ok(StreamIter {
+            inner: StreamInner::Workers(pool),
+            position,
+            done: false,
+        })
+    }
+
     fn start(
         mut engine: Box<dyn Iterator<Item = Step> + Send>,
         prefetch: usize,
@@ -840,6 +1002,7 @@ impl Iterator for StreamIter {
                      (it panicked)",
                 ))),
             },
+            StreamInner::Workers(workers) => workers.next(),
         };
         match item {
             None => {
@@ -862,9 +1025,14 @@ impl std::fmt::Debug for StreamIter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StreamIter")
             .field("position", &self.position)
+            .field("prefetch", &!matches!(self.inner, StreamInner::Sync(_)))
             .field(
-                "prefetch",
-                &matches!(self.inner, StreamInner::Thread { .. }),
+                "workers",
+                &match &self.inner {
+                    StreamInner::Workers(w) => w.receivers.len(),
+                    StreamInner::Thread { .. } => 1,
+                    StreamInner::Sync(_) => 0,
+                },
             )
             .field("done", &self.done)
             .finish()

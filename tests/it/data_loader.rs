@@ -664,6 +664,7 @@ fn streaming_shards_give_equal_steps_and_match_the_map_style_loader() {
                             .drop_last(drop_last)
                             .split_batches(split)
                             .prefetch(r % 2 * 2)
+                            .num_workers((r + b) % 4)
                             .shard(r, world)
                             .unwrap();
                         let map = DataLoader::new(dataset_of(NS), batch)
@@ -954,6 +955,107 @@ fn text_lines_options_and_errors_name_the_problem() {
         .unwrap_err()
         .to_string();
     assert!(msg.contains("6 does not divide by 4"), "{msg}");
+}
+
+#[test]
+fn streaming_workers_decode_in_parallel_yield_in_order_and_end_on_errors() {
+    let dir = shard_dir();
+    // Which threads decoded: worker k takes batches k, k + n, ...
+    let threads = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
+    let seen_by = Arc::clone(&threads);
+    let data = Arc::new(
+        TextLines::from_dir(dir.path(), move |line: &str| {
+            let name = std::thread::current().name().unwrap_or("?").to_string();
+            seen_by.lock().unwrap().insert(name);
+            parse_id(line)
+        })
+        .unwrap(),
+    );
+    let positions = |workers: usize, resume: u64| {
+        let mut l = StreamingLoader::from_arc(Arc::clone(&data), 2)
+            .num_workers(workers)
+            .shard(1, 2)
+            .unwrap();
+        l.resume_from(SamplePosition {
+            epoch: 0,
+            samples: resume,
+        });
+        let mut it = l.iter().unwrap();
+        let mut out = Vec::new();
+        while let Some(b) = it.next() {
+            out.push((ids(&b.unwrap()), it.position()));
+        }
+        out
+    };
+    for resume in [0, 4, 7] {
+        let one = positions(1, resume);
+        assert!(one.len() >= 3, "resume {resume}: {} batches", one.len());
+        for workers in [2, 3, 5] {
+            assert_eq!(
+                positions(workers, resume),
+                one,
+                "{workers} workers, resume {resume}"
+            );
+        }
+    }
+    let names = threads.lock().unwrap().clone();
+    let workers: Vec<_> = names
+        .iter()
+        .filter(|n| n.starts_with("accelerate-stream-worker-"))
+        .collect();
+    assert!(workers.len() >= 3, "decoded by {names:?}");
+
+    // A bad line: the same good batches, then one error naming it, then the end.
+    let bad = dir.path().join("bad.txt");
+    let text: String = (0..9).map(|i| format!("{i}\n")).collect::<String>() + "x9\n10\n";
+    std::fs::write(&bad, text).unwrap();
+    let parse = parse_id as fn(&str) -> Result<Vec<Tensor>>;
+    let run = |workers: usize| {
+        let l = StreamingLoader::new(TextLines::new(vec![bad.clone()], parse).unwrap(), 2)
+            .num_workers(workers);
+        l.iter()
+            .unwrap()
+            .map(|b| b.map(|b| ids(&b)).map_err(|e| e.to_string()))
+            .collect::<Vec<_>>()
+    };
+    let one = run(1);
+    assert_eq!(one.len(), 5, "{one:?}");
+    let msg = one[4].as_ref().unwrap_err();
+    assert!(
+        msg.contains("bad.txt:10") && msg.contains("not an id"),
+        "{msg}"
+    );
+    for workers in [2, 3, 4] {
+        assert_eq!(run(workers), one, "{workers} workers");
+    }
+
+    // A decoder that panics is an error naming the worker, not a hang.
+    let panicky = TextLines::new(vec![bad.clone()], |line: &str| {
+        if line.starts_with('x') {
+            panic!("test decoder panics on {line}");
+        }
+        parse_id(line)
+    })
+    .unwrap();
+    let items: Vec<_> = StreamingLoader::new(panicky, 2)
+        .num_workers(3)
+        .iter()
+        .unwrap()
+        .collect();
+    assert_eq!(items.len(), 5, "four good batches, then the error");
+    let msg = items[4].as_ref().unwrap_err().to_string();
+    assert!(
+        msg.contains("worker 1") && msg.contains("panicked"),
+        "{msg}"
+    );
+
+    // Dropping the iterator mid-epoch stops every thread (the test would hang otherwise).
+    let l = StreamingLoader::from_arc(Arc::clone(&data), 1)
+        .num_workers(4)
+        .prefetch(1);
+    let mut it = l.iter().unwrap();
+    it.next().unwrap().unwrap();
+    drop(it);
 }
 
 fn collect_stream(loader: &StreamingLoader<Lines>) -> Vec<Vec<usize>> {
