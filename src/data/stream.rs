@@ -537,13 +537,19 @@ impl<D: IterableDataset + 'static> StreamingLoader<D> {
             index: 0,
             done: false,
         };
-        match (self.prefetch, self.num_workers) {
-            (0, _) | (_, 0) => StreamIter::start(Box::new(engine), 0, start),
-            (prefetch, 1) => StreamIter::start(Box::new(engine), prefetch, start),
-            (prefetch, workers) => {
-                StreamIter::start_workers(engine, workers, (prefetch / workers).max(1), start)
-            }
-        }
+        let inner = match (self.prefetch, self.num_workers) {
+            (0, _) | (_, 0) => StreamInner::Sync(Box::new(engine)),
+            (prefetch, workers) => StreamInner::Workers(Workers::start(
+                engine,
+                workers,
+                (prefetch / workers).max(1),
+            )?),
+        };
+        Ok(StreamIter {
+            inner,
+            position: start,
+            done: false,
+        })
     }
 }
 
@@ -799,13 +805,9 @@ pub struct StreamIter {
 }
 
 enum StreamInner {
+    /// Read and decoded in `next`.
     Sync(Box<dyn Iterator<Item = Step> + Send>),
-    Thread {
-        /// `None` marks the end of the epoch.
-        receiver: Option<Receiver<Option<Step>>>,
-        stop: Arc<AtomicBool>,
-        handle: Option<JoinHandle<()>>,
-    },
+    /// Read and decoded ahead by background threads.
     Workers(Workers),
 }
 
@@ -835,47 +837,12 @@ impl Drop for Workers {
 }
 
 impl Workers {
-    /// The next batch, `None` at the end of the epoch.
-    fn next(&mut self) -> Option<Step> {
-        let n = self.receivers.len();
-        let k = self.taken % n.max(1);
-        self.taken += 1;
-        match self.receivers.get(k).map(|r| r.recv()) {
-            Some(Ok(item)) => item,
-            _ => Some(Err(Error::data(format!(
-                "streaming loader worker {k} stopped before the end of the epoch (it panicked)"
-            )))),
-        }
-    }
-}
-
-impl Drop for StreamInner {
-    fn drop(&mut self) {
-        if let StreamInner::Thread {
-            receiver,
-            stop,
-            handle,
-        } = self
-        {
-            stop.store(true, Ordering::Relaxed);
-            drop(receiver.take());
-            if let Some(handle) = handle.take() {
-                if handle.join().is_err() {
-                    log::warn!("the streaming loader's prefetch thread panicked");
-                }
-            }
-        }
-    }
-}
-
-impl StreamIter {
     /// Starts the reader thread and `workers` decoding threads over `engine`'s jobs, each
     /// worker with channels of `capacity`.
-    fn start_workers<D: IterableDataset + 'static>(
+    fn start<D: IterableDataset + 'static>(
         mut engine: Engine<D>,
         workers: usize,
         capacity: usize,
-        position: SamplePosition,
     ) -> Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let mut pool = Workers {
@@ -934,51 +901,25 @@ impl StreamIter {
             })
             .map_err(|e| Error::data(format!("could not start the stream reader thread: {e}")))?;
         pool.handles.push(reader);
-        Ok(StreamIter {
-            inner: StreamInner::Workers(pool),
-            position,
-            done: false,
-        })
+        Ok(pool)
     }
 
-    fn start(
-        mut engine: Box<dyn Iterator<Item = Step> + Send>,
-        prefetch: usize,
-        position: SamplePosition,
-    ) -> Result<Self> {
-        let inner = if prefetch == 0 {
-            StreamInner::Sync(engine)
-        } else {
-            let (sender, receiver) = sync_channel(prefetch);
-            let stop = Arc::new(AtomicBool::new(false));
-            let stop_flag = Arc::clone(&stop);
-            let handle = std::thread::Builder::new()
-                .name("accelerate-stream-prefetch".into())
-                .spawn(move || {
-                    while !stop_flag.load(Ordering::Relaxed) {
-                        let item = engine.next();
-                        let end = item.as_ref().is_none_or(|i| i.is_err());
-                        if sender.send(item).is_err() || end {
-                            return;
-                        }
-                    }
-                })
-                .map_err(|e| {
-                    Error::data(format!("could not start the stream prefetch thread: {e}"))
-                })?;
-            StreamInner::Thread {
-                receiver: Some(receiver),
-                stop,
-                handle: Some(handle),
-            }
-        };
-        Ok(StreamIter {
-            inner,
-            position,
-            done: false,
-        })
+    /// The next batch, `None` at the end of the epoch.
+    fn next(&mut self) -> Option<Step> {
+        let n = self.receivers.len();
+        let k = self.taken % n.max(1);
+        self.taken += 1;
+        match self.receivers.get(k).map(|r| r.recv()) {
+            Some(Ok(item)) => item,
+            _ => Some(Err(Error::data(format!(
+                "streaming loader worker {k}, or the thread reading the records, stopped before \
+                 the end of the epoch (it panicked)"
+            )))),
+        }
     }
+}
 
+impl StreamIter {
     /// The position after the last batch yielded (the start position before the first): every
     /// record before it was consumed by some rank. The same on every rank.
     pub fn position(&self) -> SamplePosition {
@@ -995,13 +936,6 @@ impl Iterator for StreamIter {
         }
         let item = match &mut self.inner {
             StreamInner::Sync(engine) => engine.next(),
-            StreamInner::Thread { receiver, .. } => match receiver.as_ref().map(|r| r.recv()) {
-                Some(Ok(item)) => item,
-                _ => Some(Err(Error::data(
-                    "the streaming loader's prefetch thread stopped before the end of the epoch \
-                     (it panicked)",
-                ))),
-            },
             StreamInner::Workers(workers) => workers.next(),
         };
         match item {
@@ -1030,7 +964,6 @@ impl std::fmt::Debug for StreamIter {
                 "workers",
                 &match &self.inner {
                     StreamInner::Workers(w) => w.receivers.len(),
-                    StreamInner::Thread { .. } => 1,
                     StreamInner::Sync(_) => 0,
                 },
             )
