@@ -1,13 +1,13 @@
 //! [`BatchIter`]: the iterator over one epoch of a [`DataLoader`](super::DataLoader), synchronous
 //! or with background worker threads.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::sync_channel;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use candle_core::{Device, Tensor};
 
+use super::threads::Threads;
 use super::{Batch, Dataset};
 use crate::{Error, Result};
 
@@ -63,23 +63,8 @@ enum Inner {
 
 struct Prefetcher {
     /// One channel per worker; batch `first + j` comes from worker `j % workers`.
-    receivers: Vec<Receiver<Result<Batch>>>,
+    threads: Threads<Result<Batch>>,
     first: usize,
-    stop: Arc<AtomicBool>,
-    handles: Vec<JoinHandle<()>>,
-}
-
-impl Drop for Prefetcher {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        // Closing the channels wakes producers blocked on a full channel.
-        self.receivers.clear();
-        for handle in self.handles.drain(..) {
-            if handle.join().is_err() {
-                log::warn!("a data loader worker thread panicked");
-            }
-        }
-    }
 }
 
 impl Prefetcher {
@@ -96,23 +81,19 @@ impl Prefetcher {
     ) -> Result<Self> {
         let num_batches = plans.len();
         let plans = Arc::new(plans);
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut prefetcher = Prefetcher {
-            receivers: Vec::with_capacity(workers),
-            first,
-            stop: Arc::clone(&stop),
-            handles: Vec::with_capacity(workers),
-        };
+        let mut threads = Threads::new("data loader worker");
         for worker in 0..workers {
             let (sender, receiver) = sync_channel(capacity);
             let (dataset, device, plans) =
                 (Arc::clone(&dataset), device.clone(), Arc::clone(&plans));
-            let stop_flag = Arc::clone(&stop);
-            let handle = std::thread::Builder::new()
-                .name(format!("accelerate-data-worker-{worker}"))
-                .spawn(move || {
+            let stop = threads.stop_flag();
+            // On an error, dropping `threads` stops and joins the workers started so far.
+            threads.spawn(
+                format!("accelerate-data-worker-{worker}"),
+                Some(receiver),
+                move || {
                     for index in (first + worker..num_batches).step_by(workers) {
-                        if stop_flag.load(Ordering::Relaxed) {
+                        if stop.load(Ordering::Relaxed) {
                             return;
                         }
                         let item = build(
@@ -128,26 +109,17 @@ impl Prefetcher {
                             return;
                         }
                     }
-                })
-                .map_err(|e| {
-                    Error::data(format!(
-                        "could not start data loader worker thread {worker}: {e}"
-                    ))
-                })?;
-            // On an error above, dropping `prefetcher` stops and joins the workers started so far.
-            prefetcher.receivers.push(receiver);
-            prefetcher.handles.push(handle);
+                },
+            )?;
         }
-        Ok(prefetcher)
+        Ok(Prefetcher { threads, first })
     }
 
     /// Receives batch `index` from the worker that builds it.
     fn recv(&self, index: usize) -> Option<Result<Batch>> {
-        let workers = self.receivers.len();
-        if workers == 0 {
-            return None;
-        }
-        self.receivers[(index - self.first) % workers].recv().ok()
+        let workers = self.threads.channels().max(1);
+        self.threads
+            .recv(index.saturating_sub(self.first) % workers)
     }
 }
 

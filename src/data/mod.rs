@@ -20,6 +20,7 @@ mod loader;
 mod sampler;
 mod samplers;
 mod stream;
+mod threads;
 
 pub use batch::Batch;
 pub use dataset::{Dataset, TensorDataset};

@@ -5,10 +5,9 @@
 use std::fs::File;
 use std::io::{BufRead, BufReader, Lines};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::sync_channel;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use candle_core::{Device, Tensor};
 use rand::seq::SliceRandom;
@@ -16,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use super::dataset::stack_fields;
 use super::sampler::{epoch_rng, last_batch_len, validate_shard, validate_split};
+use super::threads::Threads;
 use super::{Batch, EvenBatches};
 use crate::{Error, Result};
 
@@ -815,25 +815,9 @@ enum StreamInner {
 /// goes to worker `j % n`, and the iterator takes batch `j` from that worker's channel.
 struct Workers {
     /// One channel per worker; `None` marks the end of the epoch.
-    receivers: Vec<Receiver<Option<Step>>>,
+    threads: Threads<Option<Step>>,
     /// The batches taken so far (the next comes from worker `taken % n`).
     taken: usize,
-    stop: Arc<AtomicBool>,
-    handles: Vec<JoinHandle<()>>,
-}
-
-impl Drop for Workers {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        // Closing the channels wakes the workers blocked on a full one; a worker that stops
-        // closes its job channel, which wakes the reader.
-        self.receivers.clear();
-        for handle in self.handles.drain(..) {
-            if handle.join().is_err() {
-                log::warn!("a streaming loader thread panicked");
-            }
-        }
-    }
 }
 
 impl Workers {
@@ -844,25 +828,22 @@ impl Workers {
         workers: usize,
         capacity: usize,
     ) -> Result<Self> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut pool = Workers {
-            receivers: Vec::with_capacity(workers),
-            taken: 0,
-            stop: Arc::clone(&stop),
-            handles: Vec::with_capacity(workers + 1),
-        };
+        let mut threads = Threads::new("streaming loader");
+        // Declared after `threads`, so that on an error it is dropped first: the workers'
+        // loops end and dropping `threads` can join them.
         let mut jobs = Vec::with_capacity(workers);
         for k in 0..workers {
             let (job_sender, job_receiver) =
                 sync_channel::<Option<Result<Job<D::Record>>>>(capacity);
             let (sender, receiver) = sync_channel::<Option<Step>>(capacity);
             let (dataset, device) = (Arc::clone(&engine.dataset), engine.device.clone());
-            let stop_flag = Arc::clone(&stop);
-            let handle = std::thread::Builder::new()
-                .name(format!("accelerate-stream-worker-{k}"))
-                .spawn(move || {
+            let stop = threads.stop_flag();
+            threads.spawn(
+                format!("accelerate-stream-worker-{k}"),
+                Some(receiver),
+                move || {
                     for job in job_receiver {
-                        if stop_flag.load(Ordering::Relaxed) {
+                        if stop.load(Ordering::Relaxed) {
                             return;
                         }
                         let item =
@@ -873,45 +854,36 @@ impl Workers {
                             return;
                         }
                     }
-                })
-                .map_err(|e| {
-                    Error::data(format!("could not start streaming loader worker {k}: {e}"))
-                })?;
-            pool.receivers.push(receiver);
-            pool.handles.push(handle);
+                },
+            )?;
             jobs.push(job_sender);
         }
-        let stop_flag = Arc::clone(&stop);
-        let reader = std::thread::Builder::new()
-            .name("accelerate-stream-reader".into())
-            .spawn(move || {
-                for j in 0.. {
-                    if stop_flag.load(Ordering::Relaxed) {
-                        return;
-                    }
-                    let job = engine.next_job();
-                    let end = job.as_ref().is_none_or(|i| i.is_err());
-                    let Some(worker) = jobs.get(j % jobs.len().max(1)) else {
-                        return;
-                    };
-                    if worker.send(job).is_err() || end {
-                        return;
-                    }
+        let stop = threads.stop_flag();
+        threads.spawn("accelerate-stream-reader".into(), None, move || {
+            for j in 0.. {
+                if stop.load(Ordering::Relaxed) {
+                    return;
                 }
-            })
-            .map_err(|e| Error::data(format!("could not start the stream reader thread: {e}")))?;
-        pool.handles.push(reader);
-        Ok(pool)
+                let job = engine.next_job();
+                let end = job.as_ref().is_none_or(|i| i.is_err());
+                let Some(worker) = jobs.get(j % jobs.len().max(1)) else {
+                    return;
+                };
+                if worker.send(job).is_err() || end {
+                    return;
+                }
+            }
+        })?;
+        Ok(Workers { threads, taken: 0 })
     }
 
     /// The next batch, `None` at the end of the epoch.
     fn next(&mut self) -> Option<Step> {
-        let n = self.receivers.len();
-        let k = self.taken % n.max(1);
+        let k = self.taken % self.threads.channels().max(1);
         self.taken += 1;
-        match self.receivers.get(k).map(|r| r.recv()) {
-            Some(Ok(item)) => item,
-            _ => Some(Err(Error::data(format!(
+        match self.threads.recv(k) {
+            Some(item) => item,
+            None => Some(Err(Error::data(format!(
                 "streaming loader worker {k}, or the thread reading the records, stopped before \
                  the end of the epoch (it panicked)"
             )))),
@@ -963,7 +935,7 @@ impl std::fmt::Debug for StreamIter {
             .field(
                 "workers",
                 &match &self.inner {
-                    StreamInner::Workers(w) => w.receivers.len(),
+                    StreamInner::Workers(w) => w.threads.channels(),
                     StreamInner::Sync(_) => 0,
                 },
             )
