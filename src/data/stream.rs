@@ -542,7 +542,7 @@ impl<D: IterableDataset + 'static> StreamingLoader<D> {
             (prefetch, workers) => StreamInner::Workers(Workers::start(
                 engine,
                 workers,
-                (prefetch / workers).max(1),
+                prefetch.div_ceil(workers).max(1),
             )?),
         };
         Ok(StreamIter {
@@ -658,38 +658,40 @@ impl<D: IterableDataset> Engine<D> {
         )
     }
 
-    /// This rank's records (chunk-relative positions `from..to`) of the next batch, to decode;
-    /// `after` is the global position after its global batch.
+    /// This rank's records (chunk-relative positions `from..to`, moved out of the global batch's
+    /// `chunk`) of the next batch, to decode; `after` is the global position after the global
+    /// batch.
     fn job(
         &self,
-        chunk: &[D::Record],
+        chunk: Vec<D::Record>,
         start: u64,
         (from, to): (usize, usize),
         last: bool,
         after: u64,
     ) -> Job<D::Record> {
-        let total = start + chunk.len() as u64;
-        let mut padding = 0;
-        let mut samples = Vec::with_capacity(to - from);
-        for q in from..to {
+        let len = chunk.len();
+        let total = start + len as u64;
+        let mut samples: Vec<(u64, Option<D::Record>)> = chunk
+            .into_iter()
+            .enumerate()
+            .skip(from)
+            .take(to.saturating_sub(from))
+            .map(|(q, record)| (start + q as u64, Some(record)))
+            .collect();
+        // Padding past the stream's end: cycle from the start of the epoch.
+        let padding = to.saturating_sub(from + samples.len());
+        for q in to - padding..to {
             let position = start + q as u64;
-            let record = match chunk.get(q) {
-                Some(record) => Some(record),
-                None => {
-                    // Padding: cycle from the start of the epoch.
-                    padding += 1;
-                    usize::try_from(position % total.max(1))
-                        .ok()
-                        .and_then(|p| self.first.get(p))
-                }
-            };
+            let record = usize::try_from(position % total.max(1))
+                .ok()
+                .and_then(|p| self.first.get(p));
             samples.push((position, record.cloned()));
         }
         Job {
             samples,
             index: self.index,
             padding,
-            global_padding: ((to - from) * self.world).saturating_sub(chunk.len()),
+            global_padding: ((to - from) * self.world).saturating_sub(len),
             // The number of batches is unknown ahead: a lower bound until the last batch.
             num_batches: self.index + if last { 1 } else { 2 },
             position: SamplePosition {
@@ -720,7 +722,7 @@ impl<D: IterableDataset> Engine<D> {
                         || (next.0.len() < self.global && self.last_len(next.0.len()) == 0);
                     let from = self.rank * self.local;
                     let after = start + self.global as u64;
-                    let job = self.job(&chunk, start, (from, from + self.local), last, after);
+                    let job = self.job(chunk, start, (from, from + self.local), last, after);
                     self.current = Some(next);
                     if last {
                         self.done = true;
@@ -736,7 +738,7 @@ impl<D: IterableDataset> Engine<D> {
             }
             let from = self.rank * per_rank;
             let after = start + chunk.len() as u64;
-            Ok(self.job(&chunk, start, (from, from + per_rank), true, after))
+            Ok(self.job(chunk, start, (from, from + per_rank), true, after))
         };
         self.index += 1;
         if result.is_err() {
