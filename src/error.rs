@@ -233,6 +233,27 @@ pub enum Error {
         holder: String,
     },
 
+    /// Resuming found checkpoints under a folder, but none of them is sound: rather than start
+    /// over from step 0 (losing the run), this error lists each one and why it was refused.
+    /// To start fresh on purpose, move them out of the folder (or catch this variant).
+    #[error("no sound checkpoint to resume from in {}: {}; refusing to start over from step 0 (to start fresh on purpose, move these checkpoints out of the folder)", root.display(), refused.iter().map(|(p, why)| format!("{} ({why})", p.display())).collect::<Vec<_>>().join("; "))]
+    NoSoundCheckpoint {
+        /// The folder searched.
+        root: std::path::PathBuf,
+        /// Each complete checkpoint found, newest first, and why it was refused.
+        refused: Vec<(std::path::PathBuf, String)>,
+    },
+
+    /// Something accelerate-rs itself should never get wrong failed (a serialization of its own
+    /// data, a broken invariant): an internal failure, not a usage error. Please report it.
+    #[error("internal error while {what}: {reason}")]
+    Internal {
+        /// What accelerate-rs was doing.
+        what: String,
+        /// What failed.
+        reason: String,
+    },
+
     /// A thread of accelerate-rs itself panicked (e.g. the communication thread that reduces
     /// gradient buckets): an internal failure, not a usage error.
     #[error("rank {rank}: {thread} panicked: {message}")]

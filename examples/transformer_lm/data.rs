@@ -87,6 +87,10 @@ pub struct Args {
     /// `accelerate-rs launch --max-restarts`).
     #[arg(long)]
     pub resume: bool,
+    /// With `--resume`: when checkpoints exist but none is sound, start from step 0 anyway
+    /// (without it, such a resume is an error listing each checkpoint and why it was refused).
+    #[arg(long)]
+    pub start_fresh: bool,
     /// Seed for initialization and shuffling.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

@@ -112,7 +112,18 @@ fn main() -> Result<()> {
     let checkpoints = args.log_dir.join("checkpoints");
     let restarted = std::env::var(accelerate_rs::env::RESTART_COUNT).is_ok_and(|c| c != "0");
     if args.resume || restarted {
-        if let Some(dir) = latest_checkpoint(&checkpoints) {
+        let found = match latest_checkpoint(&checkpoints) {
+            Err(accelerate_rs::Error::NoSoundCheckpoint { refused, .. }) if args.start_fresh => {
+                accelerator.print(format!(
+                    "--start-fresh: none of the {} checkpoint(s) in {} is sound; starting from step 0",
+                    refused.len(),
+                    checkpoints.display()
+                ));
+                None
+            }
+            found => found?,
+        };
+        if let Some(dir) = found {
             let targets = LoadTargets::new(&varmap)
                 .optimizer(&mut opt)
                 .state("schedule", &mut schedule);

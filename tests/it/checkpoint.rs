@@ -55,7 +55,7 @@ fn train(acc: &Accelerator, mode: Mode, root: &Path, out: &Path) -> accelerate_r
     let mut step = 0u64;
     let mut first_epoch = 0;
     if mode == Mode::Resume {
-        let dir = latest_checkpoint(root)
+        let dir = latest_checkpoint(root)?
             .ok_or_else(|| Error::invalid("checkpoint root", "no checkpoint to resume"))?;
         let m = acc.load_state(&dir, &p, Some(&mut opt))?;
         step = m.step;
@@ -176,7 +176,7 @@ fn two_process_resume_mid_epoch_is_bit_identical() {
     let resumed = dir.path().join("resumed.safetensors");
     launch("full", &root.join("unused"), &full, &[]);
     launch("first_half", &root, &resumed, &[]);
-    let latest = latest_checkpoint(&root).unwrap();
+    let latest = latest_checkpoint(&root).unwrap().unwrap();
     assert_eq!(latest, root.join("checkpoint_0"));
     let m = read_manifest(&latest).unwrap();
     assert_eq!(m.step, CKPT_AT);
@@ -311,7 +311,7 @@ fn crash_mid_save_falls_back_to_the_last_complete_checkpoint() {
     std::fs::write(partial.join("model.safetensors"), b"garbage").unwrap();
     // And a final-looking directory without a manifest (never produced by save, but be safe).
     std::fs::create_dir_all(root.join("checkpoint_2")).unwrap();
-    let latest = latest_checkpoint(root).unwrap();
+    let latest = latest_checkpoint(root).unwrap().unwrap();
     assert_eq!(latest, root.join("checkpoint_0"));
     let q = filled(0.0);
     let m = acc.load_state(&latest, &q, None).unwrap();
@@ -362,7 +362,7 @@ fn crash_hook_in_a_real_process_leaves_the_previous_checkpoint() {
         .filter(|n| n.contains(".tmp-"))
         .collect();
     assert_eq!(leftovers.len(), 1, "the killed save leaves its tmp dir");
-    let latest = latest_checkpoint(&root).unwrap();
+    let latest = latest_checkpoint(&root).unwrap().unwrap();
     assert_eq!(latest, root.join("checkpoint_0"));
     let q = filled(0.0);
     let vars: Vec<Var> = q.iter().map(|(_, v)| v.clone()).collect();
@@ -371,7 +371,10 @@ fn crash_hook_in_a_real_process_leaves_the_previous_checkpoint() {
     assert_eq!(value_of(&q), 2.0);
     // The next auto save cleans the leftover up and takes the next number.
     assert!(run(None).success());
-    assert_eq!(latest_checkpoint(&root).unwrap(), root.join("checkpoint_1"));
+    assert_eq!(
+        latest_checkpoint(&root).unwrap().unwrap(),
+        root.join("checkpoint_1")
+    );
     assert!(!std::fs::read_dir(&root).unwrap().any(|e| e
         .unwrap()
         .file_name()
@@ -410,11 +413,11 @@ fn total_limit_keeps_the_newest() {
         .collect();
     names.sort();
     assert_eq!(names, vec!["checkpoint_3", "checkpoint_4"]);
-    let latest = latest_checkpoint(root).unwrap();
+    let latest = latest_checkpoint(root).unwrap().unwrap();
     let q = filled(0.0);
     assert_eq!(acc.load_state(&latest, &q, None).unwrap().step, 4);
     assert_eq!(value_of(&q), 4.0);
-    assert_eq!(latest_checkpoint(root.join("missing")), None);
+    assert_eq!(latest_checkpoint(root.join("missing")).unwrap(), None);
 }
 
 #[test]

@@ -197,9 +197,12 @@ fn resume_falls_back_to_the_newest_sound_checkpoint() {
         acc.save_state_auto(root, &CheckpointParts::new(&filled(i as f32)).step(i), 0)
             .unwrap();
     }
-    assert_eq!(latest_checkpoint(root).unwrap(), root.join("checkpoint_2"));
+    assert_eq!(
+        latest_checkpoint(root).unwrap().unwrap(),
+        root.join("checkpoint_2")
+    );
     flip_byte(&root.join("checkpoint_2").join(MODEL_FILE), 2);
-    let latest = latest_checkpoint(root).unwrap();
+    let latest = latest_checkpoint(root).unwrap().unwrap();
     assert_eq!(latest, root.join("checkpoint_1"));
     assert_eq!(load(&latest).unwrap(), 1.0);
     // The damaged one keeps its number: the next save does not overwrite it.
@@ -210,7 +213,28 @@ fn resume_falls_back_to_the_newest_sound_checkpoint() {
     for n in 0..=3 {
         flip_byte(&root.join(format!("checkpoint_{n}")).join(MODEL_FILE), 7);
     }
-    assert_eq!(latest_checkpoint(root), None);
+    // None is sound: an error listing all four, newest first, never a silent fresh start.
+    match latest_checkpoint(root) {
+        Err(Error::NoSoundCheckpoint { root: r, refused }) => {
+            assert_eq!(r, root);
+            let dirs: Vec<_> = refused.iter().map(|(p, _)| p.clone()).collect();
+            let want: Vec<_> = (0..=3)
+                .rev()
+                .map(|n| root.join(format!("checkpoint_{n}")))
+                .collect();
+            assert_eq!(dirs, want);
+            assert!(
+                refused.iter().all(|(_, why)| why.contains(MODEL_FILE)),
+                "{refused:?}"
+            );
+        }
+        other => panic!("expected NoSoundCheckpoint, got {other:?}"),
+    }
+    let msg = latest_checkpoint(root).unwrap_err().to_string();
+    assert!(
+        msg.contains("checkpoint_3") && msg.contains("checkpoint_0") && msg.contains("start fresh"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -224,7 +248,7 @@ fn checkpoints_without_checksums_load_and_nan_parameters_do_not() {
     let text = std::fs::read_to_string(old.join(MANIFEST_FILE)).unwrap();
     let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let obj = v.as_object_mut().unwrap();
-    assert!(obj.remove("files").is_some() && obj.remove("checksum").is_some());
+    assert!(obj.remove("files").is_some() && obj.remove("manifest_crc32").is_some());
     std::fs::write(
         old.join(MANIFEST_FILE),
         serde_json::to_string_pretty(&v).unwrap(),
@@ -253,7 +277,10 @@ fn an_interrupted_rotation_leaves_nothing_a_loader_reads() {
     let doomed = root.join("checkpoint_5.deleting-4242");
     copy_dir(&root.join("checkpoint_0"), &doomed);
     std::fs::remove_file(doomed.join(MODEL_FILE)).unwrap();
-    assert_eq!(latest_checkpoint(root).unwrap(), root.join("checkpoint_0"));
+    assert_eq!(
+        latest_checkpoint(root).unwrap().unwrap(),
+        root.join("checkpoint_0")
+    );
     // The next save numbers after the real ones and sweeps the leftover away.
     let d = acc
         .save_state_auto(root, &CheckpointParts::new(&filled(2.0)), 1)
@@ -307,7 +334,7 @@ fn a_second_run_saving_into_the_same_folder_is_told_who_holds_it() {
     );
     let pid = child.0.id();
     let deadline = Instant::now() + Duration::from_secs(30);
-    while latest_checkpoint(&root).is_none() {
+    while latest_checkpoint(&root).unwrap().is_none() {
         assert!(Instant::now() < deadline, "the holder never saved");
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -321,12 +348,18 @@ fn a_second_run_saving_into_the_same_folder_is_told_who_holds_it() {
         other => panic!("expected CheckpointLocked, got {other}"),
     }
     // Its checkpoint is untouched, and once it is gone (killed: no clean-up) the folder is free.
-    assert_eq!(latest_checkpoint(&root).unwrap(), root.join("checkpoint_0"));
+    assert_eq!(
+        latest_checkpoint(&root).unwrap().unwrap(),
+        root.join("checkpoint_0")
+    );
     drop(child);
     single()
         .save_state_auto(&root, &CheckpointParts::new(&filled(2.0)), 0)
         .unwrap();
-    assert_eq!(latest_checkpoint(&root).unwrap(), root.join("checkpoint_1"));
+    assert_eq!(
+        latest_checkpoint(&root).unwrap().unwrap(),
+        root.join("checkpoint_1")
+    );
 }
 
 #[test]

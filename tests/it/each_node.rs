@@ -27,7 +27,7 @@ fn worker(each: bool) -> accelerate_rs::Result<()> {
     )?;
     if each {
         let q = params(9.0, HIDDEN);
-        let dir = latest_checkpoint("ckpts").ok_or_else(|| {
+        let dir = latest_checkpoint("ckpts")?.ok_or_else(|| {
             accelerate_rs::Error::invalid(
                 "ckpts",
                 format!("rank {}: no checkpoint on this machine", acc.rank()),

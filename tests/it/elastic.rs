@@ -32,7 +32,8 @@ fn worker(root: &Path, stop_after: Option<usize>) -> accelerate_rs::Result<()> {
         .seed(11);
     let mut loader = acc.prepare_data_loader(loader)?;
     if stop_after.is_none() {
-        let dir = latest_checkpoint(root).ok_or_else(|| Error::invalid("root", "no checkpoint"))?;
+        let dir =
+            latest_checkpoint(root)?.ok_or_else(|| Error::invalid("root", "no checkpoint"))?;
         let m = acc.load_state(&dir, &p, None)?;
         let pos = m
             .samples
@@ -90,7 +91,7 @@ fn resume_elsewhere(before: usize, after: usize, stop_after: usize) {
     let dir = tempfile::tempdir().unwrap();
     let first = launch(before, dir.path(), Some(stop_after));
     assert_eq!(first.values().sum::<usize>(), before * BATCH * stop_after);
-    let m = read_manifest(latest_checkpoint(dir.path()).unwrap()).unwrap();
+    let m = read_manifest(latest_checkpoint(dir.path()).unwrap().unwrap()).unwrap();
     assert_eq!(
         m.samples.unwrap().samples as usize,
         before * BATCH * stop_after

@@ -7,6 +7,7 @@ mod accumulate;
 mod batching;
 mod checkpoint;
 mod checkpoint_complete;
+mod checkpoint_floats;
 mod checkpoint_integrity;
 mod collectives;
 mod data_loader;

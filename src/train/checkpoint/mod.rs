@@ -34,7 +34,7 @@
 //! acc.save_state_auto("ckpts", &parts, 3)?;
 //!
 //! // Resume (every rank reads the same files):
-//! if let Some(dir) = latest_checkpoint("ckpts") {
+//! if let Some(dir) = latest_checkpoint("ckpts")? {
 //!     let manifest = acc.load_state(&dir, &varmap, Some(&mut opt))?;
 //!     if let Some(pos) = manifest.loader {
 //!         loader.resume_at(pos.epoch, pos.batches_done);
@@ -81,6 +81,16 @@ use crate::optim::{AdamW, OptimizerState, Sgd, StateShard};
 use crate::train::mixed_precision::MixedPrecisionOptimizer;
 use crate::train::optimizer::AcceleratedOptimizer;
 use crate::train::params::Parameters;
+
+mod manifest;
+mod rotation;
+
+use manifest::checksum_file;
+pub use manifest::{
+    read_manifest, resolve_checkpoint, verify_checkpoint, FileChecksum, Manifest, OptimizerManifest,
+};
+pub use rotation::latest_checkpoint;
+use rotation::{auto_entries, latest_number, rotate};
 
 /// The model file inside a checkpoint.
 pub const MODEL_FILE: &str = "model.safetensors";
@@ -467,108 +477,6 @@ impl<'a> CheckpointParts<'a> {
     }
 }
 
-/// The optimizer's scalars in a [`Manifest`].
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct OptimizerManifest {
-    /// Optimizer steps taken.
-    pub step: u64,
-    /// The learning rate in force.
-    pub lr: f64,
-    /// The names of the tensors in `optimizer.safetensors`, in order.
-    pub tensors: Vec<String>,
-    /// ZeRO: the number of per-rank files the state is cut across
-    /// (`optimizer.rank-00000-of-0000N.safetensors`, ...), instead of `optimizer.safetensors`;
-    /// `None` for one whole file.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub shards: Option<usize>,
-    /// With [`shards`](Self::shards): the shape of each of [`tensors`](Self::tensors).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub shapes: Vec<Vec<usize>>,
-}
-
-/// `manifest.json`: everything in a checkpoint besides tensors. Returned by
-/// [`Accelerator::load_state`](crate::Accelerator::load_state) and [`read_manifest`].
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Manifest {
-    /// The accelerate-rs version that wrote it.
-    pub version: String,
-    /// The number of processes of the run that wrote it.
-    pub world_size: usize,
-    /// The training loop's step ([`CheckpointParts::step`]).
-    pub step: u64,
-    /// The optimizer's scalars, when an optimizer was saved.
-    pub optimizer: Option<OptimizerManifest>,
-    /// The schedule's step, when saved.
-    pub schedule_step: Option<u64>,
-    /// The loader's position, when saved.
-    pub loader: Option<LoaderPosition>,
-    /// The loader's position in global samples, when saved.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub samples: Option<crate::data::SamplePosition>,
-    /// The parameter names in `model.safetensors`, in name order.
-    pub parameters: Vec<String>,
-    /// Free-form strings ([`CheckpointParts::extra`]).
-    pub extra: BTreeMap<String, String>,
-    /// The named models ([`CheckpointParts::model_named`]) and their parameter names.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub models: BTreeMap<String, Vec<String>>,
-    /// The named optimizers' scalars ([`CheckpointParts::optimizer_named`]).
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub optimizers: BTreeMap<String, OptimizerManifest>,
-    /// The names of the states of [`CheckpointParts::state`] (their values, per rank, are in
-    /// `states.json`).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub states: Vec<String>,
-    /// Size and CRC-32 of every file of the checkpoint, checked by [`verify_checkpoint`] and on
-    /// every load (empty in checkpoints written before checksums existed: those load unverified,
-    /// with a warning).
-    #[serde(default)]
-    pub files: BTreeMap<String, FileChecksum>,
-    /// CRC-32 of this manifest as written with this field unset, so that an edited manifest
-    /// (a changed step, a swapped file list) is caught too.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub checksum: Option<u32>,
-}
-
-/// A file's size and CRC-32, as recorded in a [`Manifest`] when the file was written.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FileChecksum {
-    /// Size in bytes.
-    pub bytes: u64,
-    /// CRC-32 (IEEE) of the contents.
-    pub crc32: u32,
-}
-
-/// Size and CRC-32 of the file at `path`, read in 1 MiB blocks.
-fn checksum_file(path: &Path) -> std::io::Result<FileChecksum> {
-    use std::io::Read;
-    let mut f = fs::File::open(path)?;
-    let mut hasher = crc32fast::Hasher::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut bytes = 0u64;
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        bytes += n as u64;
-    }
-    Ok(FileChecksum {
-        bytes,
-        crc32: hasher.finalize(),
-    })
-}
-
-/// The CRC-32 of `m`'s JSON form with [`Manifest::checksum`] unset.
-fn manifest_crc(m: &Manifest, path: &Path) -> Result<u32> {
-    let mut bare = m.clone();
-    bare.checksum = None;
-    let text = serde_json::to_string_pretty(&bare)
-        .map_err(|e| checkpoint_err(path, format!("could not serialize the manifest: {e}")))?;
-    Ok(crc32fast::hash(text.as_bytes()))
-}
-
 fn corrupt(path: &Path, reason: impl Into<String>) -> Error {
     Error::CheckpointCorrupt {
         path: path.to_path_buf(),
@@ -582,101 +490,6 @@ fn write_err(path: &Path, reason: impl Into<String>, source: Option<std::io::Err
         reason: reason.into(),
         source,
     }
-}
-
-/// Checks the checkpoint in `dir` (or its `.old` copy after an interrupted save) against its
-/// manifest: the manifest's own checksum, then the size and CRC-32 of every file it lists.
-/// Returns the manifest; the error names the file that does not match. A checkpoint written
-/// before checksums existed passes, with a warning (once per process).
-pub fn verify_checkpoint(dir: impl AsRef<Path>) -> Result<Manifest> {
-    let dir = dir.as_ref();
-    let manifest = read_manifest(dir)?;
-    let found = resolve_checkpoint(dir).unwrap_or_else(|| dir.to_path_buf());
-    let mpath = found.join(MANIFEST_FILE);
-    if let Some(sum) = manifest.checksum {
-        if manifest_crc(&manifest, &mpath)? != sum {
-            return Err(corrupt(
-                &mpath,
-                "its checksum does not match its contents (the manifest was edited or damaged)",
-            ));
-        }
-    }
-    if manifest.files.is_empty() {
-        static ONCE: std::sync::Once = std::sync::Once::new();
-        ONCE.call_once(|| {
-            crate::logging::warn_always(format_args!(
-                "checkpoint {} has no checksums (written by an accelerate-rs before 0.2): it is loaded unverified",
-                found.display()
-            ))
-        });
-        return Ok(manifest);
-    }
-    if !manifest.files.contains_key(MODEL_FILE) {
-        return Err(corrupt(
-            &mpath,
-            format!("it lists no checksum for {MODEL_FILE}"),
-        ));
-    }
-    for (name, want) in &manifest.files {
-        let path = found.join(name);
-        if verified(&path, want) {
-            continue;
-        }
-        let got = match checksum_file(&path) {
-            Ok(s) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(corrupt(&path, "the file is missing"))
-            }
-            Err(e) => return Err(io_err("reading", &path, e)),
-        };
-        if got.bytes != want.bytes {
-            return Err(corrupt(
-                &path,
-                format!(
-                    "it has {} bytes, the manifest recorded {} (truncated or replaced)",
-                    got.bytes, want.bytes
-                ),
-            ));
-        }
-        if got.crc32 != want.crc32 {
-            return Err(corrupt(
-                &path,
-                format!(
-                    "its CRC-32 is {:08x}, the manifest recorded {:08x} (damaged or replaced)",
-                    got.crc32, want.crc32
-                ),
-            ));
-        }
-        remember_verified(&path, want);
-    }
-    Ok(manifest)
-}
-
-/// Files verified in this process (path, checksum, modification time), so that resuming
-/// ([`latest_checkpoint`] then `load_state`) reads each file once for its checksum.
-static VERIFIED: std::sync::Mutex<Vec<(PathBuf, FileChecksum, Option<std::time::SystemTime>)>> =
-    std::sync::Mutex::new(Vec::new());
-
-fn mtime(path: &Path) -> Option<std::time::SystemTime> {
-    fs::metadata(path).and_then(|m| m.modified()).ok()
-}
-
-fn verified(path: &Path, sum: &FileChecksum) -> bool {
-    let now = mtime(path);
-    now.is_some()
-        && VERIFIED
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .any(|(p, s, t)| p == path && s == sum && *t == now)
-}
-
-fn remember_verified(path: &Path, sum: &FileChecksum) {
-    let mut v = VERIFIED.lock().unwrap_or_else(|p| p.into_inner());
-    if v.len() > 64 {
-        v.remove(0);
-    }
-    v.push((path.to_path_buf(), *sum, mtime(path)));
 }
 
 fn io_err(context: impl Into<String>, path: &Path, source: std::io::Error) -> Error {
@@ -696,99 +509,6 @@ fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
     let mut s = path.as_os_str().to_os_string();
     s.push(suffix);
     PathBuf::from(s)
-}
-
-fn is_complete(dir: &Path) -> bool {
-    dir.join(MANIFEST_FILE).is_file()
-}
-
-/// The directory `load_state(dir)` reads: `dir` when complete, else `dir.old` when complete
-/// (a crash between the two renames of a save), else `None`.
-pub fn resolve_checkpoint(dir: impl AsRef<Path>) -> Option<PathBuf> {
-    let dir = dir.as_ref();
-    if is_complete(dir) {
-        return Some(dir.to_path_buf());
-    }
-    let old = with_suffix(dir, ".old");
-    is_complete(&old).then_some(old)
-}
-
-/// Reads a checkpoint's manifest (falling back to `<dir>.old` like
-/// [`Accelerator::load_state`](crate::Accelerator::load_state)).
-pub fn read_manifest(dir: impl AsRef<Path>) -> Result<Manifest> {
-    let dir = dir.as_ref();
-    let found = resolve_checkpoint(dir).ok_or_else(|| {
-        checkpoint_err(
-            dir,
-            format!("no complete checkpoint here: {MANIFEST_FILE} is missing (and there is no complete `.old` copy)"),
-        )
-    })?;
-    let path = found.join(MANIFEST_FILE);
-    let text = fs::read_to_string(&path).map_err(|e| io_err("reading", &path, e))?;
-    serde_json::from_str(&text)
-        .map_err(|e| checkpoint_err(&path, format!("the manifest does not parse: {e}")))
-}
-
-/// The number `N` of a `checkpoint_<N>` directory name.
-fn auto_number(name: &str) -> Option<u64> {
-    name.strip_prefix(AUTO_PREFIX)?.parse().ok()
-}
-
-/// The `checkpoint_<N>` entries of `root` (complete or not), sorted by `N`.
-fn auto_entries(root: &Path) -> Vec<(u64, PathBuf)> {
-    let mut out: Vec<(u64, PathBuf)> = fs::read_dir(root)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name();
-            let n = auto_number(name.to_str()?)?;
-            Some((n, e.path()))
-        })
-        .collect();
-    out.sort();
-    out
-}
-
-/// The newest sound checkpoint written by [`Accelerator::save_state_auto`](crate::Accelerator::save_state_auto) under `root`: the
-/// `checkpoint_<N>` with the largest `N` that is complete (its manifest exists, or its `.old`
-/// copy is complete) and passes [`verify_checkpoint`]. A newer checkpoint that fails
-/// verification is skipped with a warning naming the bad file, so a run resumes from the newest
-/// one that is intact. Partial directories (`*.tmp-<pid>` of a crashed save, `*.deleting-<pid>`
-/// of an interrupted rotation) are ignored. `None` when there is none (or `root` does not
-/// exist).
-pub fn latest_checkpoint(root: impl AsRef<Path>) -> Option<PathBuf> {
-    for dir in complete_checkpoints(root.as_ref()).into_iter().rev() {
-        match verify_checkpoint(&dir) {
-            Ok(_) => return Some(dir),
-            Err(e) => crate::logging::warn_always(format_args!(
-                "skipping checkpoint {}: {e}; falling back to an older one",
-                dir.display()
-            )),
-        }
-    }
-    None
-}
-
-/// The complete `checkpoint_<N>` directories under `root`, oldest first (not verified).
-fn complete_checkpoints(root: &Path) -> Vec<PathBuf> {
-    let mut numbers: Vec<u64> = fs::read_dir(root)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name();
-            let name = name.to_str()?;
-            auto_number(name.strip_suffix(".old").unwrap_or(name))
-        })
-        .collect();
-    numbers.sort_unstable();
-    numbers.dedup();
-    numbers
-        .into_iter()
-        .map(|n| root.join(format!("{AUTO_PREFIX}{n}")))
-        .filter(|dir| resolve_checkpoint(dir).is_some())
-        .collect()
 }
 
 /// Parameters as a name → tensor map, checking that names are unique.
@@ -907,7 +627,7 @@ fn write_checkpoint(
         files.insert(name, sum);
     }
     let path = tmp.join(MANIFEST_FILE);
-    let mut manifest = Manifest {
+    let manifest = Manifest {
         version: env!("CARGO_PKG_VERSION").to_string(),
         world_size,
         step: parts.step,
@@ -922,10 +642,9 @@ fn write_checkpoint(
         states: parts.states.iter().map(|(n, _)| n.clone()).collect(),
         files,
         checksum: None,
+        manifest_crc32: None,
     };
-    manifest.checksum = Some(manifest_crc(&manifest, &path)?);
-    let text = serde_json::to_string_pretty(&manifest)
-        .map_err(|e| checkpoint_err(&path, format!("could not serialize the manifest: {e}")))?;
+    let text = manifest.to_sealed_json()?;
     let mut f = fs::File::create(&path).map_err(|e| io_err("creating", &path, e))?;
     f.write_all(text.as_bytes())
         .and_then(|()| f.sync_all())
@@ -1963,71 +1682,4 @@ fn agree(c: &dyn Collective, op: &str, path: &Path, result: Result<()>) -> Resul
         ));
     }
     Ok(())
-}
-
-/// The largest `N` of a complete checkpoint under `root` (sound or not: a new checkpoint never
-/// takes the number of a damaged one).
-fn latest_number(root: &Path) -> Option<u64> {
-    complete_checkpoints(root)
-        .last()
-        .and_then(|p| p.file_name().and_then(|n| n.to_str()).and_then(auto_number))
-}
-
-/// Keeps the newest `total_limit` complete `checkpoint_<N>` directories under `root` and removes
-/// the rest, plus leftovers of crashed saves.
-fn rotate(root: &Path, total_limit: usize) -> Result<()> {
-    let entries = fs::read_dir(root).map_err(|e| io_err("listing", root, e))?;
-    let mut complete = Vec::new();
-    for entry in entries.flatten() {
-        let path = entry.path();
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if !name.starts_with(AUTO_PREFIX) {
-            continue;
-        }
-        if name.contains(".tmp-")
-            || name.contains(DELETING)
-            || (name.ends_with(".old") && {
-                let base = path.with_file_name(name.trim_end_matches(".old"));
-                is_complete(&base)
-            })
-        {
-            remove_dir_safely(&path)?;
-            continue;
-        }
-        if let Some(n) = auto_number(name) {
-            if is_complete(&path) {
-                complete.push((n, path));
-            }
-        }
-    }
-    if total_limit == 0 || complete.len() <= total_limit {
-        return Ok(());
-    }
-    complete.sort();
-    let excess = complete.len() - total_limit;
-    for (_, path) in complete.into_iter().take(excess) {
-        remove_dir_safely(&path)?;
-    }
-    Ok(())
-}
-
-/// The infix of a directory being deleted by rotation.
-const DELETING: &str = ".deleting-";
-
-/// Removes a checkpoint directory without ever leaving a half-deleted checkpoint under its
-/// name: it is first renamed to `<name>.deleting-<pid>` (which no loader reads), then removed.
-fn remove_dir_safely(path: &Path) -> Result<()> {
-    let doomed = if path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .is_some_and(|n| n.contains(DELETING))
-    {
-        path.to_path_buf()
-    } else {
-        let doomed = with_suffix(path, &format!("{DELETING}{}", std::process::id()));
-        fs::rename(path, &doomed).map_err(|e| io_err("renaming for removal", path, e))?;
-        doomed
-    };
-    fs::remove_dir_all(&doomed).map_err(|e| io_err("removing", &doomed, e))
 }
