@@ -28,6 +28,7 @@
 //! ```
 
 mod attention;
+mod checkpoint;
 mod elem;
 mod gelu;
 mod head_loss;
@@ -39,6 +40,7 @@ mod softmax;
 
 pub use attention::{packed_self_attention, scaled_dot_product_attention, AttentionOptions};
 pub use candle_nn::LayerNormConfig;
+pub use checkpoint::{backward, checkpoint, checkpoint_fn};
 pub use gelu::gelu;
 pub use head_loss::linear_cross_entropy;
 pub use linear::{linear, linear_no_bias, linear_relu, Linear};

@@ -195,10 +195,11 @@ impl GradSync {
     /// One micro-step from a loss (see [the module](self)); `end` forces a sync step. `Some`
     /// holds the gradients averaged across ranks, on sync steps only.
     pub(crate) fn backward(&self, loss: &Tensor, end: bool) -> Result<Option<GradStore>> {
+        // `nn::backward`: `loss.backward()` plus the parameters inside checkpointed blocks.
         let grads = if self.steps == 1 {
-            loss.backward()?
+            crate::nn::backward(loss)?
         } else {
-            (loss / self.steps as f64)?.backward()?
+            crate::nn::backward(&(loss / self.steps as f64)?)?
         };
         self.accumulate(grads, end)
     }

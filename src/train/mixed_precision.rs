@@ -320,7 +320,7 @@ impl<O: Optimizer + 'static> MixedPrecisionOptimizer<O> {
         } else {
             loss.affine(factor, 0.0)?
         };
-        let half = scaled.backward()?;
+        let half = crate::nn::backward(&scaled)?;
         let mut grads = GradStore::default();
         for (master, copy) in &self.pairs {
             if let Some(g) = half.get(copy.as_tensor()) {

@@ -9,6 +9,7 @@ mod checkpoint;
 mod checkpoint_complete;
 mod checkpoint_floats;
 mod checkpoint_integrity;
+mod checkpointing;
 mod collectives;
 mod data_loader;
 mod ddp;

@@ -1,0 +1,231 @@
+//! Activation checkpointing: a block's forward pass keeps only its input; the backward pass runs
+//! the block again and back-propagates through the recomputed graph (PyTorch's
+//! `torch.utils.checkpoint`).
+//!
+//! How it fits Candle's graph: [`checkpoint`] runs the block on a detached copy of its input, so
+//! the intermediate activations are freed as soon as the output is taken, and returns that
+//! output through one custom op whose only input is the block's input. When Candle's backward
+//! reaches the op, it runs the block again on a fresh variable holding the input, back-propagates
+//! the op's output gradient through it, returns the input's gradient to Candle, and sets the
+//! parameters' gradients aside on this thread. [`backward`] (which `Accelerator::backward` and
+//! the optimizer wrappers call) adds them to the store `loss.backward()` returned. A plain
+//! `loss.backward()` would miss them: the next [`checkpoint`] call then fails naming this.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::backend::BackendStorage;
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Module, Result, Shape, Storage};
+use candle_core::{Tensor, TensorId, Var};
+
+/// A block's forward function, as [`checkpoint_fn`] takes it.
+type Block = dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync;
+
+thread_local! {
+    /// Parameter gradients of the checkpointed blocks back-propagated on this thread, waiting for
+    /// [`backward`] (id -> (parameter, gradient)).
+    static PENDING: RefCell<HashMap<TensorId, (Tensor, Tensor)>> = RefCell::new(HashMap::new());
+    /// How many [`backward`] calls are running on this thread.
+    static DEPTH: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Runs `module` on `x` with activation checkpointing: the same output and the same gradients
+/// as `module.forward(x)`, but only `x` is kept for the backward pass, which runs `module`
+/// again. Use it on each block of a deep model to trade about one more forward pass for the
+/// memory of the blocks' activations.
+///
+/// The module is cloned into the graph (Candle modules are cheap to clone: their tensors are
+/// shared). Its forward must be deterministic: no dropout drawing new masks (the recomputation
+/// would draw different ones). Compute the gradients with `accelerator.backward(&loss)`, an
+/// optimizer wrapper's `backward_step`, or [`backward`]: a plain `loss.backward()` does not see
+/// the parameters inside checkpointed blocks.
+///
+/// ```
+/// use accelerate_rs::nn::{self, linear};
+/// use candle_core::{DType, Device, Module, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+///
+/// # fn main() -> candle_core::Result<()> {
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+/// let block = linear(8, 8, vb.pp("block"))?;
+/// let x = Tensor::randn(0f32, 1.0, (4, 8), &Device::Cpu)?;
+/// let y = nn::checkpoint(&block, &x)?;
+/// let grads = nn::backward(&y.sqr()?.sum_all()?)?;
+/// assert!(grads.get(block.weight()).is_some());
+/// # Ok(()) }
+/// ```
+pub fn checkpoint<M>(module: &M, x: &Tensor) -> Result<Tensor>
+where
+    M: Module + Clone + Send + Sync + 'static,
+{
+    let m = module.clone();
+    checkpoint_fn(move |x: &Tensor| m.forward(x), x)
+}
+
+/// [`checkpoint`] for a closure: `checkpoint_fn(move |x| block.forward(x, &mask), &x)` (move
+/// in clones of what it needs: it is kept in the graph until the backward pass).
+pub fn checkpoint_fn<F>(f: F, x: &Tensor) -> Result<Tensor>
+where
+    F: Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
+{
+    // Reported once, then forgotten: the gradients are lost either way.
+    let uncollected = if DEPTH.with(Cell::get) == 0 {
+        PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()).len())
+    } else {
+        0
+    };
+    if uncollected > 0 {
+        candle_core::bail!(
+            "accelerate_rs::nn::checkpoint: the gradients of {uncollected} parameter(s) inside checkpointed blocks were never collected: compute gradients with `accelerator.backward(&loss)`, an optimizer wrapper's `backward_step`, or `accelerate_rs::nn::backward(&loss)` instead of `loss.backward()`"
+        );
+    }
+    let y = f(&x.detach())?;
+    if !y.track_op() {
+        // Nothing inside needs a gradient: no need to keep anything.
+        return Ok(y);
+    }
+    let y = y.detach();
+    // The op must be recorded even when `x` itself needs no gradient (the block's parameters
+    // do): then it hangs off a variable holding `x`, which nobody reads.
+    let input = if x.track_op() {
+        x.clone()
+    } else {
+        Var::from_tensor(x)?.as_tensor().clone()
+    };
+    let op = Checkpointed {
+        f: Arc::new(f),
+        output: Mutex::new(Some(y)),
+    };
+    input.apply_op1_arc(Arc::new(Box::new(op)))
+}
+
+/// `loss.backward()`, plus the gradients of the parameters inside [`checkpoint`]ed blocks. The
+/// one backward pass accelerate-rs runs; call it instead of `loss.backward()` when not going
+/// through an [`Accelerator`](crate::Accelerator) or optimizer wrapper.
+pub fn backward(loss: &Tensor) -> Result<GradStore> {
+    if DEPTH.with(Cell::get) > 0 {
+        // Inside a checkpointed block's recomputation: its parameters' gradients stay pending
+        // for the outermost call.
+        return loss.backward();
+    }
+    PENDING.with(|p| p.borrow_mut().clear());
+    DEPTH.with(|d| d.set(1));
+    let result = loss.backward();
+    DEPTH.with(|d| d.set(0));
+    let pending = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    let mut grads = result?;
+    for (id, (param, g)) in pending {
+        match grads.get_id(id) {
+            Some(other) => {
+                let sum = (other + &g)?;
+                grads.insert(&param, sum);
+            }
+            None => {
+                grads.insert(&param, g);
+            }
+        }
+    }
+    Ok(grads)
+}
+
+/// The checkpoint node: forward hands out the output computed in [`checkpoint_fn`]; backward
+/// recomputes the block.
+struct Checkpointed {
+    f: Arc<Block>,
+    /// The block's output until the forward pass takes it.
+    output: Mutex<Option<Tensor>>,
+}
+
+impl Checkpointed {
+    /// The block's output as new storage of the device's kind.
+    fn take<S>(&self, pick: impl Fn(&Storage) -> Option<&S>) -> Result<(S, Shape)>
+    where
+        S: BackendStorage,
+    {
+        let y = self
+            .output
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| {
+                candle_core::Error::Msg(
+                    "accelerate_rs::nn::checkpoint: the op's forward ran twice".into(),
+                )
+            })?;
+        let y = if y.is_contiguous() && y.layout().start_offset() == 0 {
+            y
+        } else {
+            y.force_contiguous()?
+        };
+        let (storage, layout) = y.storage_and_layout();
+        let s = pick(&storage).ok_or_else(|| {
+            candle_core::Error::Msg(
+                "accelerate_rs::nn::checkpoint: the block's output is on another device than its input"
+                    .into(),
+            )
+        })?;
+        Ok((s.try_clone(layout)?, layout.shape().clone()))
+    }
+}
+
+impl CustomOp1 for Checkpointed {
+    fn name(&self) -> &'static str {
+        "accelerate-rs-checkpoint"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.take(|s| match s {
+            Storage::Cpu(s) => Some(s),
+            _ => None,
+        })
+    }
+
+    fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> Result<(CudaStorage, Shape)> {
+        self.take(|s| match s {
+            Storage::Cuda(s) => Some(s),
+            _ => None,
+        })
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let input = Var::from_tensor(&x.detach())?;
+        let y = (self.f)(input.as_tensor())?;
+        if y.shape() != grad.shape() {
+            candle_core::bail!(
+                "accelerate_rs::nn::checkpoint: the recomputed block gives shape {:?}, the first pass gave {:?} (the block must be deterministic)",
+                y.shape(),
+                grad.shape()
+            );
+        }
+        // `sum(y * grad)` back-propagates exactly `grad` into `y` (`1 * g` and `0 + g` are exact),
+        // as the first pass's graph would have.
+        let seeded = (&y * grad.detach())?.sum_all()?;
+        let mut grads = seeded.backward()?;
+        let dx = grads.remove(input.as_tensor());
+        let params: HashMap<TensorId, Tensor> = y
+            .sorted_nodes()
+            .into_iter()
+            .filter(|t| t.is_variable() && t.id() != input.as_tensor().id())
+            .map(|t| (t.id(), t.clone()))
+            .collect();
+        PENDING.with(|p| -> Result<()> {
+            let mut p = p.borrow_mut();
+            for (id, param) in params {
+                let Some(g) = grads.remove(&param) else {
+                    continue;
+                };
+                match p.get_mut(&id) {
+                    Some((_, sum)) => *sum = (&*sum + &g)?,
+                    None => {
+                        p.insert(id, (param, g));
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        Ok(dx)
+    }
+}
