@@ -392,10 +392,12 @@ def corrupt(kind: str) -> Result:
                                                        or "verif" in text)
         refused = code != 0 and os.path.basename(newest) in text
         r.leftovers = "-"
-        if code == 0 and resumed_older and warned:
+        back = [line.split("goes back ", 1)[1].split(" step")[0] for line in text.splitlines()
+                if "goes back " in line]
+        if code == 0 and resumed_older and warned and back:
             r.verdict = "PASS"
-            r.data_lost = "2 steps (fell back to the previous checkpoint)"
-            r.detail = "the bad checkpoint was named and skipped"
+            r.data_lost = f"{back[0]} steps (fell back to the previous checkpoint, said so)"
+            r.detail = "the bad checkpoint was named and skipped, with the steps the resume goes back"
         elif refused:
             r.verdict = "PASS"
             r.data_lost = "none loaded; the run stopped"
@@ -447,6 +449,182 @@ def crash_during_save() -> Result:
         shutil.rmtree(work, ignore_errors=True)
 
 
+# --- kill at random moments, resume, compare with an uninterrupted run ------------------------------
+
+# The run the kill-resume scenario interrupts: a checkpoint every 3 steps, 2 kept, a warmup-cosine
+# schedule whose learning rates include ones serde_json's default parser does not round-trip.
+KR_STEPS, KR_EVERY, KR_KEEP = 45, 3, 2
+
+
+def kr_run(workdir: str, resume: bool = False) -> Run:
+    lm_args = [a for i, a in enumerate(LM_ARGS) if a != "--warmup-steps"
+               and (i == 0 or LM_ARGS[i - 1] != "--warmup-steps")]
+    args = ["-n", "2", "--collective-timeout-secs", "20", LM, *lm_args, "--warmup-steps", "5",
+            "--max-steps", str(KR_STEPS), "--checkpoint-every", str(KR_EVERY),
+            "--keep-checkpoints", str(KR_KEEP), "--log-dir", os.path.join(workdir, "run")]
+    if resume:
+        args.append("--resume")
+    return start(args, cwd=workdir)
+
+
+def kr_losses(workdir: str, skip_bytes: int = 0) -> dict[int, float]:
+    """step -> loss from the run's metrics.jsonl, from byte `skip_bytes` on (full precision)."""
+    import json
+    out = {}
+    path = os.path.join(workdir, "run", "metrics.jsonl")
+    if not os.path.exists(path):
+        return out
+    with open(path, "rb") as f:
+        f.seek(skip_bytes)
+        for line in f.read().decode().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if "loss" in rec and "step" in rec:
+                out[int(rec["step"])] = rec["loss"]
+    return out
+
+
+def kr_step_of(checkpoint: str) -> int | None:
+    import json
+    for d in (checkpoint, checkpoint + ".old"):
+        try:
+            with open(os.path.join(d, "manifest.json")) as f:
+                return int(json.load(f)["step"])
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
+
+
+def kill_resume(tries: int) -> Result:
+    r = Result(f"kill -9 a random rank at random moments, resume ({tries} tries)")
+    shm = shm_files()
+    lost, teardowns, missed = [], [], 0
+    t = 0
+    while t < tries:
+        if missed > tries:
+            r.detail = f"{missed} runs finished before their kill"
+            return r
+        work = tempfile.mkdtemp(prefix="accelerate-rs-faults-")
+        try:
+            run = kr_run(work)
+            pids = workers(run, 2)
+            victim = random.choice(sorted(pids))
+            root = os.path.join(work, "run", "checkpoints")
+            if t % 2 == 0:
+                # Anywhere in the run, mostly between saves: a random moment shortly after a
+                # random step was logged.
+                k = random.randint(1, KR_STEPS - 2)
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and run.proc.poll() is None \
+                        and f"step {k:4}/{KR_STEPS}" not in run.text():
+                    time.sleep(0.001)
+                time.sleep(random.uniform(0.0, 0.03))
+            else:
+                # While a save is being written: after a few saves, when a temporary directory
+                # of the next one appears.
+                want = random.randint(1, KR_STEPS // KR_EVERY - 2)
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and run.text().count("saved ") < want:
+                    time.sleep(0.002)
+                while time.monotonic() < deadline and run.proc.poll() is None \
+                        and not glob.glob(os.path.join(root, "*.tmp-*")):
+                    time.sleep(0.0002)
+            t0 = time.monotonic()
+            try:
+                os.kill(pids[victim], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            code = run.wait(60)
+            if code is None:
+                r.detail = f"try {t}: the launcher was still running 60 s after the kill"
+                kill_group(run)
+                return r
+            if code == 0:
+                # The run finished before the kill: not a try.
+                missed += 1
+                continue
+            teardowns.append(time.monotonic() - t0)
+            left, clean = leftovers(list(pids.values()), shm)
+            if not clean:
+                r.detail = f"try {t}: leftovers after the kill: {left}"
+                return r
+            first = run.text()
+            saved = [line.split("saved ", 1)[1].strip() for line in first.splitlines() if "saved " in line]
+            newest = saved[-1] if saved else None
+            want_step = (kr_step_of(newest) if newest else 0) or 0
+            if newest and want_step == 0:
+                r.detail = f"try {t}: the reported checkpoint {newest} is gone"
+                return r
+            metrics = os.path.join(work, "run", "metrics.jsonl")
+            before = os.path.getsize(metrics) if os.path.exists(metrics) else 0
+            first_losses = kr_losses(work)
+            killed_at = max(first_losses, default=0)
+            # The reference: a second resume, from a pristine copy of the checkpoints as the kill
+            # left them, run without interruption.
+            pristine = os.path.join(work, "pristine")
+            if os.path.isdir(root):
+                shutil.copytree(root, os.path.join(pristine, "run", "checkpoints"), symlinks=True)
+            run2 = kr_run(work, resume=True)
+            code2 = run2.wait(300)
+            text = run2.text()
+            if code2 != 0:
+                r.detail = f"try {t}: the resumed run failed (exit {code2}):\n{text[-1500:]}"
+                return r
+            got_step = 0
+            for line in text.splitlines():
+                if "resumed from " in line and " at step " in line:
+                    got_step = int(line.rsplit(" at step ", 1)[1].split()[0])
+            if got_step < want_step:
+                r.detail = (f"try {t}: resumed at step {got_step}, but {newest} (step {want_step}) "
+                            f"was reported saved:\n{text[-1500:]}")
+                r.data_lost = f"{want_step - got_step} steps"
+                return r
+            if "refused" in text or "skipping" in text:
+                r.detail = f"try {t}: a sound checkpoint was refused:\n{text[-1500:]}"
+                return r
+            after = kr_losses(work, before)
+            if set(after) != set(range(got_step + 1, KR_STEPS + 1)):
+                r.detail = f"try {t}: the resumed run logged steps {sorted(after)}, not {got_step + 1}..{KR_STEPS}"
+                return r
+            # The steps the killed run took past the checkpoint, uninterrupted from it in memory,
+            # must come out the same after loading it.
+            redone = {s_: v for s_, v in first_losses.items() if s_ > got_step}
+            if any(after[s_] != v for s_, v in redone.items()):
+                diff = [(s_, after[s_], v) for s_, v in redone.items() if after[s_] != v][:3]
+                r.detail = (f"try {t}: after resuming at step {got_step}, losses differ from the "
+                            f"killed run's, which went on from the same state (step, resumed, "
+                            f"killed run): {diff}")
+                return r
+            ref = kr_run(pristine, resume=True)
+            if ref.wait(300) != 0:
+                r.detail = f"try {t}: the reference resume failed:\n{ref.text()[-1500:]}"
+                return r
+            expect = kr_losses(pristine)
+            if after != expect:
+                diff = [(s_, after.get(s_), v) for s_, v in sorted(expect.items()) if after.get(s_) != v][:3]
+                r.detail = (f"try {t}: losses after resuming at step {got_step} differ from an "
+                            f"uninterrupted run from the same checkpoint (step, resumed, "
+                            f"uninterrupted): {diff}")
+                return r
+            lost.append(max(0, killed_at - got_step))
+            print(f"    try {t}: killed rank {victim} after step {killed_at}, newest reported save "
+                  f"step {want_step}, resumed at step {got_step}, {len(redone)} redone and "
+                  f"{KR_STEPS - got_step} losses equal",
+                  file=sys.stderr, flush=True)
+            t += 1
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    r.verdict = "PASS"
+    r.teardown = f"max {max(teardowns):.2f} s"
+    r.leftovers = "0 proc, 0 shm"
+    r.data_lost = f"steps since the last save only (max {max(lost)}, of every {KR_EVERY})"
+    r.detail = (f"{tries} resumes at the newest reported checkpoint; losses equal to the killed "
+                f"run's past it and to an uninterrupted run from it")
+    return r
+
+
 SCENARIOS = {
     "kill-rank0": lambda: kill_rank(0),
     "kill-rank1": lambda: kill_rank(1),
@@ -464,7 +642,11 @@ SCENARIOS = {
     "corrupt-older": lambda: corrupt("older"),
     "corrupt-step": lambda: corrupt("step"),
     "crash-save": crash_during_save,
+    "kill-resume": lambda: kill_resume(TRIES[0]),
 }
+
+# How many times kill-resume kills and resumes (--tries).
+TRIES = [20]
 
 
 def main() -> int:
@@ -473,6 +655,7 @@ def main() -> int:
     ap.add_argument("--list", action="store_true", help="list the scenarios and exit")
     ap.add_argument("--no-build", action="store_true", help="use the release binaries as they are")
     ap.add_argument("--seed", type=int, default=1, help="seed of the random kill times")
+    ap.add_argument("--tries", type=int, default=20, help="kill-and-resume rounds of kill-resume")
     ap.add_argument("--bin-dir", help="directory holding accelerate-rs and examples/ (default: the "
                     "release build; implies --no-build)")
     a = ap.parse_args()
@@ -491,6 +674,7 @@ def main() -> int:
         print(f"faults.py: unknown scenario(s) {unknown}; --list shows them", file=sys.stderr)
         return 2
     random.seed(a.seed)
+    TRIES[0] = a.tries
     if not a.no_build:
         subprocess.run(["cargo", "build", "--release", "-p", "accelerate-rs-cli"], cwd=ROOT, check=True)
         subprocess.run(["cargo", "build", "--release", "--example", "digits", "--example",
