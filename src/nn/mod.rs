@@ -35,6 +35,8 @@ mod linear;
 mod loss;
 mod norm;
 mod relu;
+mod rope;
+mod silu;
 mod softmax;
 
 pub use attention::{packed_self_attention, scaled_dot_product_attention, AttentionOptions};
@@ -45,4 +47,6 @@ pub use linear::{linear, linear_no_bias, linear_relu, Linear};
 pub use loss::{cross_entropy, cross_entropy_with, CrossEntropyOptions};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
 pub use relu::relu;
+pub use rope::{rope, rope_i, rope_thd};
+pub use silu::{silu, swiglu};
 pub use softmax::{causal_softmax, softmax_last_dim};
