@@ -10,6 +10,9 @@
 //!   trains: the op between them and the attention scores has no backward — rotary embeddings
 //!   (`candle_nn::rotary_emb::rope`, `rope_i`, `rope_thd`) or the softmax of the scores
 //!   (`candle_nn::ops::softmax_last_dim`); the values go around both;
+//! - all three projections frozen while the block's output projection trains: the attention
+//!   itself has no backward (Candle's CPU flash attention, `candle_nn::attention::flash_attn`,
+//!   which builds its output from raw data; candle-transformers' Qwen3 takes it on the CPU);
 //! - a normalization layer's own weight frozen: the norm is Candle's fused one (or everything
 //!   after it is cut, which the same replacement fixes when the cut is a norm further up);
 //! - a mixture-of-experts router (`gate`, `router`) frozen: its routing weights leave the graph.
@@ -111,6 +114,9 @@ fn modules(name: &str) -> Vec<&str> {
 struct Causes {
     /// Attention blocks whose query and key projections get nothing while the values train.
     attention: Vec<String>,
+    /// Attention blocks whose query, key and value projections get nothing while another
+    /// parameter of the block (the output projection) trains.
+    kernels: Vec<String>,
     /// Normalization layers whose own parameters get nothing.
     norms: Vec<String>,
     /// Mixture-of-experts routers that get nothing.
@@ -119,7 +125,10 @@ struct Causes {
 
 impl Causes {
     fn is_empty(&self) -> bool {
-        self.attention.is_empty() && self.norms.is_empty() && self.routers.is_empty()
+        self.attention.is_empty()
+            && self.kernels.is_empty()
+            && self.norms.is_empty()
+            && self.routers.is_empty()
     }
 }
 
@@ -147,15 +156,39 @@ fn guess(missing: &[String], all: &[String]) -> Causes {
         }
     }
     let only_frozen = |r: Option<&(usize, usize)>| r.is_some_and(|&(f, t)| f > 0 && t == 0);
+    let qk_frozen = |roles: &BTreeMap<Proj, (usize, usize)>| {
+        only_frozen(roles.get(&Proj::Q)) && only_frozen(roles.get(&Proj::K))
+    };
     let attention: Vec<String> = blocks
-        .into_iter()
-        .filter(|(_, roles)| {
-            only_frozen(roles.get(&Proj::Q))
-                && only_frozen(roles.get(&Proj::K))
-                && roles.get(&Proj::V).is_some_and(|&(_, t)| t > 0)
-        })
-        .map(|(block, _)| block)
+        .iter()
+        .filter(|(_, roles)| qk_frozen(roles) && roles.get(&Proj::V).is_some_and(|&(_, t)| t > 0))
+        .map(|(block, _)| block.clone())
         .collect();
+    let kernels: Vec<String> = blocks
+        .iter()
+        .filter(|(block, roles)| {
+            let (prefix, depth) = if block.is_empty() {
+                (String::new(), 0)
+            } else {
+                (format!("{block}."), block.split('.').count())
+            };
+            qk_frozen(roles)
+                && only_frozen(roles.get(&Proj::V))
+                && all.iter().any(|n| {
+                    n.starts_with(&prefix)
+                        && !frozen.contains(n.as_str())
+                        && modules(n).get(depth).and_then(|s| projection(s)).is_none()
+                })
+        })
+        .map(|(block, _)| block.clone())
+        .collect();
+    // The parent module of an attention block whose whole attention is cut (a decoder layer):
+    // its norms in front of the attention are cut off with it.
+    let parent_of = |m: &str| {
+        m.rsplit_once('.')
+            .map_or(String::new(), |(p, _)| p.to_string())
+    };
+    let kernel_parents: BTreeSet<String> = kernels.iter().map(|k| parent_of(k)).collect();
     let mut norms = BTreeSet::new();
     let mut routers = BTreeSet::new();
     for name in missing {
@@ -164,9 +197,13 @@ fn guess(missing: &[String], all: &[String]) -> Causes {
             let module = segs[..=i].join(".");
             let parent = segs[..i].join(".");
             if is_norm(s) {
-                // A q/k norm inside a block already explained by the attention cut is not a
-                // cause of its own.
-                if !(is_qk_norm(s) && attention.contains(&parent)) {
+                // A norm explained by an attention cut (a q/k norm of a block whose queries and
+                // keys are cut, any norm inside or beside a block whose attention is cut) is not
+                // a cause of its own.
+                let explained = (is_qk_norm(s) && attention.contains(&parent))
+                    || kernels.contains(&parent)
+                    || kernel_parents.contains(&parent);
+                if !explained {
                     norms.insert(module);
                 }
                 break;
@@ -180,6 +217,7 @@ fn guess(missing: &[String], all: &[String]) -> Causes {
     }
     Causes {
         attention,
+        kernels,
         norms: norms.into_iter().collect(),
         routers: routers.into_iter().collect(),
     }
@@ -217,6 +255,17 @@ pub(crate) fn report(missing: &[String], all: &[String]) -> String {
              `candle_nn::ops::softmax_last_dim` on the scores (use \
              `accelerate_rs::nn::softmax_last_dim` or `accelerate_rs::nn::causal_softmax`)",
             some_of(&causes.attention)
+        ));
+    }
+    if !causes.kernels.is_empty() {
+        why.push(format!(
+            "the query, key and value projections of {} get no gradient while the rest of the \
+             block does, so the attention itself has no backward pass: most likely \
+             `candle_nn::attention::flash_attn` (Candle's CPU flash attention, which \
+             candle-transformers' Qwen3 takes on the CPU; use \
+             `accelerate_rs::nn::scaled_dot_product_attention`); the norm in front of it gets no \
+             gradient either",
+            some_of(&causes.kernels)
         ));
     }
     if !causes.norms.is_empty() {
@@ -371,6 +420,49 @@ mod tests {
             .cloned()
             .collect();
         assert!(guess(&missing, &all).attention.is_empty());
+    }
+
+    #[test]
+    fn a_whole_attention_cut_points_to_the_attention_kernel() {
+        // Qwen3 with differentiable norms and RoPE, on the CPU: q, k, v and the norms in front
+        // of the attention get nothing, the output projection trains.
+        let all = llama(2, true);
+        let missing: Vec<String> = all
+            .iter()
+            .filter(|n| {
+                [
+                    "q_proj",
+                    "k_proj",
+                    "v_proj",
+                    "q_norm",
+                    "k_norm",
+                    "input_layernorm",
+                ]
+                .iter()
+                .any(|m| n.contains(m))
+            })
+            .cloned()
+            .collect();
+        let c = guess(&missing, &all);
+        assert_eq!(
+            c.kernels,
+            ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+        );
+        assert!(c.attention.is_empty() && c.norms.is_empty(), "{c:?}");
+        let r = report(&missing, &all);
+        assert!(r.contains("candle_nn::attention::flash_attn"), "{r}");
+        assert!(
+            r.contains("accelerate_rs::nn::scaled_dot_product_attention"),
+            "{r}"
+        );
+        assert!(!r.contains("RmsNorm") && !r.contains("rotary_emb"), "{r}");
+        // The whole block frozen (output projection too): not the attention's doing.
+        let missing: Vec<String> = all
+            .iter()
+            .filter(|n| n.contains("self_attn"))
+            .cloned()
+            .collect();
+        assert!(guess(&missing, &all).kernels.is_empty());
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! on the main process (default), fails on every rank (`error`) or stays quiet (`off`), and the
 //! same model with a differentiable layer norm passes the check. The report names the op that
 //! most likely cut the graph: Candle's RoPE in an attention block (queries and keys frozen, values
+//! training), Candle's CPU flash attention (queries, keys and values frozen, the output projection
 //! training), or Candle's fused RmsNorm (everything before it frozen).
 //!
 //! The multi-process tests re-run this test binary as the workers: `frozen::worker_entry` does
@@ -227,6 +228,8 @@ enum Cut {
     CandleRope,
     /// `candle_nn::RmsNorm` as the final norm.
     CandleFinalNorm,
+    /// `candle_nn::attention::flash_attn` (Candle's CPU flash attention) for the attention.
+    CandleFlashAttention,
 }
 
 /// One Llama-style attention block with Hugging Face's parameter names: RMS norm, q/k/v
@@ -293,8 +296,24 @@ impl Attention {
             rope(&split(&self.k)?)?,
             split(&self.v)?,
         );
-        let att = accelerate_rs::nn::softmax_last_dim(&(q.matmul(&k.t()?)? * 0.5)?)?;
-        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, 8))?;
+        let y = if self.cut == Cut::CandleFlashAttention {
+            // [B, T, H, D] in, [B, H, T, D] out.
+            let bthd = |x: &Tensor| x.transpose(1, 2)?.contiguous();
+            let mask = candle_nn::attention::AttnMask::causal();
+            candle_nn::attention::flash_attn::<f32>(
+                &bthd(&q)?,
+                &bthd(&k)?,
+                &bthd(&v)?,
+                0.5,
+                mask,
+                None,
+                None,
+            )?
+        } else {
+            let att = accelerate_rs::nn::causal_softmax(&q.matmul(&k.t()?)?, 0.5)?;
+            att.matmul(&v)?
+        };
+        let y = y.transpose(1, 2)?.reshape((b, t, 8))?;
         let h = (x + self.o.forward(&y)?)?;
         let out = self.head.forward(&self.final_norm.forward(&h)?)?;
         loss::mse(&out, &out.ones_like()?)
@@ -340,6 +359,33 @@ fn the_report_names_the_op_that_cut_the_graph() {
                 "{report}"
             );
             assert!(!report.contains("candle_nn::RmsNorm"), "{report}");
+        }
+        other => panic!("expected MissingGradients, got {other:?}"),
+    }
+    // Candle's CPU flash attention: queries, keys, values and the norm in front of them freeze,
+    // the output projection trains; the report blames the attention, not the norm.
+    match train_attention(Cut::CandleFlashAttention) {
+        Err(Error::MissingGradients { params, report, .. }) => {
+            assert_eq!(
+                params,
+                [
+                    "model.layers.0.input_layernorm.weight",
+                    "model.layers.0.self_attn.k_proj.weight",
+                    "model.layers.0.self_attn.q_proj.weight",
+                    "model.layers.0.self_attn.v_proj.weight"
+                ],
+                "{report}"
+            );
+            assert!(
+                report.contains("candle_nn::attention::flash_attn"),
+                "{report}"
+            );
+            assert!(
+                report.contains("nn::scaled_dot_product_attention"),
+                "{report}"
+            );
+            assert!(!report.contains("candle_nn::RmsNorm"), "{report}");
+            assert!(!report.contains("rotary_emb"), "{report}");
         }
         other => panic!("expected MissingGradients, got {other:?}"),
     }
