@@ -3,14 +3,18 @@
 //! causal mask in the same pass), [`scaled_dot_product_attention`] and [`packed_self_attention`]
 //! (the whole attention, causal or with a key padding mask, as one op), [`cross_entropy`] (with label smoothing and an ignored
 //! index through [`cross_entropy_with`]; [`linear_cross_entropy`] fuses it with the output layer),
-//! [`gelu`], [`relu`] and [`Linear`] / [`linear`] (its bias
+//! [`gelu`], [`relu`], [`silu`], [`swiglu`] (Llama's MLP gate, `silu(gate) * up`), rotary
+//! embeddings [`rope`] / [`rope_i`] / [`rope_thd`] and [`Linear`] / [`linear`] (its bias
 //! gradient in one pass of row sums), each one pass forward and one pass backward over the data
 //! (Rayon-parallel, f32 arithmetic for f32, bf16 and f16, f64 too).
 //!
 //! They are drop-in replacements with `candle_nn`'s signatures, so switching is an import
-//! change, and unlike `candle_nn::LayerNorm` (its fused path), `candle_nn::RmsNorm` and
-//! `candle_nn::ops::softmax_last_dim`, they have a backward pass: the parameters before them
-//! train. On other devices than the CPU they fall back to Candle's differentiable composed ops.
+//! change, and unlike `candle_nn::LayerNorm` (its fused path), `candle_nn::RmsNorm`,
+//! `candle_nn::ops::softmax_last_dim` and `candle_nn::rotary_emb::{rope, rope_i, rope_thd}`, they
+//! have a backward pass: the parameters before them train (a model's query and key projections,
+//! for RoPE). On other devices than the CPU they fall back to Candle's differentiable composed
+//! ops. `docs/candle-transformers.md` in the repository lists which `candle-transformers` models
+//! call the ops without a backward pass, and how to switch.
 //!
 //! ```
 //! use accelerate_rs::nn::{layer_norm, LayerNormConfig};
