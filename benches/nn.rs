@@ -2,10 +2,13 @@
 //! Transformer LM (batch 8 x 128 tokens x 256 features; attention scores 8 x 8 heads x 128 x
 //! 128, plain and scaled + causally masked; causal self-attention over the packed 8 x 128 x 3 x 256
 //! projection, 8 heads; cross-entropy over 1024 tokens x 8000 classes; GELU and ReLU over 8 x 128
-//! x 1024; a 256 -> 1024 linear layer with bias, and with a ReLU), timed in alternating blocks in one run:
+//! x 1024; a 256 -> 1024 linear layer with bias, and with a ReLU), and on a Llama-style model's
+//! (batch 4 x 256 tokens; SiLU and the SwiGLU gate over the 1376-wide MLP; rotary embeddings on
+//! the queries, 8 heads x 64), timed in alternating blocks in one run:
 //!
 //!     cargo bench --bench nn
 //!     cargo bench --bench nn -- --quick
+//!     cargo bench --bench nn -- --quick rope swiglu   # only the ops whose names contain these
 
 use std::time::Instant;
 
@@ -34,6 +37,10 @@ fn time(op: &Op, x: &Var, reps: usize) -> Result<(f64, f64)> {
 
 fn main() -> Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
     let reps = if quick { 3 } else { 20 };
     let dev = Device::Cpu;
     let d = 256;
@@ -142,6 +149,59 @@ fn main() -> Result<()> {
         Box::new(move |x| nn::cross_entropy(x, &labels)),
         Box::new(move |x| candle_nn::loss::cross_entropy(x, &labels2)),
     ));
+    // A Llama-style MLP's activations (4 x 256 tokens x 1376): SiLU, and the SwiGLU gate
+    // `silu(gate) * up` against Candle's `silu` then a product (both inputs get gradients).
+    let gate = Var::from_tensor(&Tensor::randn(0f32, 1.0, (4, 256, 1376), &dev)?)?;
+    let up = Var::from_tensor(&Tensor::randn(0f32, 1.0, (4, 256, 1376), &dev)?)?;
+    let up2 = up.clone();
+    cases.push((
+        "silu 4x256x1376",
+        &gate,
+        Box::new(nn::silu),
+        Box::new(ops::silu),
+    ));
+    cases.push((
+        "swiglu 4x256x1376",
+        &gate,
+        Box::new(move |x| nn::swiglu(x, &up)),
+        Box::new(move |x| ops::silu(x)? * up2.as_tensor()),
+    ));
+    // Rotary embeddings on the queries (batch 4, 8 heads, 256 tokens, head_dim 64), tables of 512
+    // positions (constants); Candle's differentiable composed `rope_slow` / `rope_i_slow`, and for
+    // the [B, T, H, D] layout `rope_slow` between two transposes.
+    let q = Var::from_tensor(&Tensor::randn(0f32, 1.0, (4, 8, 256, 64), &dev)?)?;
+    let q_thd = Var::from_tensor(&Tensor::randn(0f32, 1.0, (4, 256, 8, 64), &dev)?)?;
+    let angles = Tensor::arange(0f32, 512.0 * 32.0, &dev)?
+        .reshape((512, 32))?
+        .affine(1e-3, 0.0)?;
+    let (cos, sin) = (angles.cos()?, angles.sin()?);
+    let cs = || (cos.clone(), sin.clone());
+    let ((c1, s1), (c2, s2), (c3, s3)) = (cs(), cs(), cs());
+    let ((c4, s4), (c5, s5), (c6, s6)) = (cs(), cs(), cs());
+    cases.push((
+        "rope 4x8x256x64",
+        &q,
+        Box::new(move |x| nn::rope(x, &c1, &s1)),
+        Box::new(move |x| candle_nn::rotary_emb::rope_slow(x, &c2, &s2)),
+    ));
+    cases.push((
+        "rope_i 4x8x256x64",
+        &q,
+        Box::new(move |x| nn::rope_i(x, &c3, &s3)),
+        Box::new(move |x| candle_nn::rotary_emb::rope_i_slow(x, &c4, &s4)),
+    ));
+    cases.push((
+        "rope_thd 4x256x8x64",
+        &q_thd,
+        Box::new(move |x| nn::rope_thd(x, &c5, &s5)),
+        Box::new(move |x| {
+            candle_nn::rotary_emb::rope_slow(&x.transpose(1, 2)?.contiguous()?, &c6, &s6)?
+                .transpose(1, 2)
+        }),
+    ));
+    if !filters.is_empty() {
+        cases.retain(|(name, ..)| filters.iter().any(|f| name.contains(f.as_str())));
+    }
     println!(
         "{:<22} | {:>14} | {:>14} | {:>16} | {:>16} | {:>7}",
         "op", "fused fwd ms", "candle fwd ms", "fused fwd+bwd ms", "candle fwd+bwd ms", "speedup"

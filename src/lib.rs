@@ -114,7 +114,8 @@
 //!   contract ([`env::CommonEnv`]); [`config`]: the settings' defaults; [`gpu`]: GPU discovery.
 //! - [`allocator`]: glibc allocator tuning for training loops (applied by [`Accelerator`]).
 //! - [`nn`]: differentiable fused layers with `candle_nn`'s signatures (LayerNorm, RMSNorm,
-//!   softmax, cross-entropy, GELU, ReLU, Linear) and fusions Candle has no counterpart for:
+//!   softmax, cross-entropy, GELU, ReLU, SiLU, Linear, RoPE: `rope`, `rope_i`, `rope_thd`) and
+//!   fusions Candle has no counterpart for: [`nn::swiglu`],
 //!   [`nn::scaled_dot_product_attention`] / [`nn::packed_self_attention`] (the whole attention
 //!   as one op), [`nn::causal_softmax`] and [`nn::linear_cross_entropy`] (a language model's
 //!   head and loss).

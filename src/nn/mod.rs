@@ -3,14 +3,22 @@
 //! causal mask in the same pass), [`scaled_dot_product_attention`] and [`packed_self_attention`]
 //! (the whole attention, causal or with a key padding mask, as one op), [`cross_entropy`] (with label smoothing and an ignored
 //! index through [`cross_entropy_with`]; [`linear_cross_entropy`] fuses it with the output layer),
-//! [`gelu`], [`relu`] and [`Linear`] / [`linear`] (its bias
+//! [`gelu`], [`relu`], [`silu`], [`swiglu`] (Llama's MLP gate, `silu(gate) * up`), rotary
+//! embeddings [`rope`] / [`rope_i`] / [`rope_thd`] and [`Linear`] / [`linear`] (its bias
 //! gradient in one pass of row sums), each one pass forward and one pass backward over the data
 //! (Rayon-parallel, f32 arithmetic for f32, bf16 and f16, f64 too).
 //!
 //! They are drop-in replacements with `candle_nn`'s signatures, so switching is an import
-//! change, and unlike `candle_nn::LayerNorm` (its fused path), `candle_nn::RmsNorm` and
-//! `candle_nn::ops::softmax_last_dim`, they have a backward pass: the parameters before them
-//! train. On other devices than the CPU they fall back to Candle's differentiable composed ops.
+//! change, and unlike `candle_nn::LayerNorm` (its fused path), `candle_nn::RmsNorm`,
+//! `candle_nn::ops::softmax_last_dim` and `candle_nn::rotary_emb::{rope, rope_i, rope_thd}`, they
+//! have a backward pass: the parameters before them train (a model's query and key projections,
+//! for RoPE). On other devices than the CPU they fall back to Candle's differentiable composed
+//! ops. `docs/candle-transformers.md` in the repository lists which `candle-transformers` models
+//! call the ops without a backward pass, and how to switch.
+//!
+//! [`checkpoint`] / [`checkpoint_fn`] add activation checkpointing to any block (its
+//! activations are recomputed in the backward pass instead of kept); [`backward`] is the
+//! backward pass that collects the checkpointed blocks' parameter gradients.
 //!
 //! ```
 //! use accelerate_rs::nn::{layer_norm, LayerNormConfig};
@@ -36,6 +44,8 @@ mod linear;
 mod loss;
 mod norm;
 mod relu;
+mod rope;
+mod silu;
 mod softmax;
 
 pub use attention::{packed_self_attention, scaled_dot_product_attention, AttentionOptions};
@@ -47,4 +57,6 @@ pub use linear::{linear, linear_no_bias, linear_relu, Linear};
 pub use loss::{cross_entropy, cross_entropy_with, CrossEntropyOptions};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
 pub use relu::relu;
+pub use rope::{rope, rope_i, rope_thd};
+pub use silu::{silu, swiglu};
 pub use softmax::{causal_softmax, softmax_last_dim};

@@ -32,7 +32,6 @@
 //! it. With `N = 1` every backward is a sync step and nothing changes. With one process the
 //! semantics are the same, minus the communication.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -328,7 +327,7 @@ impl GradSync {
         if missing.is_empty() {
             return Ok(());
         }
-        let report = missing_report(&missing, params.len());
+        let report = crate::train::missing::report(&missing, params.names());
         match self.missing {
             MissingGradients::Error => Err(Error::MissingGradients {
                 rank: self.rank(),
@@ -398,68 +397,6 @@ impl GradSync {
     }
 }
 
-/// The most groups a report lists before it groups parameters under shorter prefixes.
-const MAX_GROUPS: usize = 8;
-
-/// `names` (dot-separated parameter names) grouped under the longest prefixes that make at most
-/// [`MAX_GROUPS`] groups: `(prefix or the name itself, count)`, in name order. A group of one is
-/// shown by its full name.
-pub(crate) fn group_by_prefix(names: &[String]) -> Vec<(String, usize)> {
-    let depth = names
-        .iter()
-        .map(|n| n.split('.').count().saturating_sub(1))
-        .max()
-        .unwrap_or(0);
-    let group = |d: usize| {
-        let mut groups: BTreeMap<String, Vec<&String>> = BTreeMap::new();
-        for n in names {
-            let parts: Vec<&str> = n.split('.').collect();
-            let key = if parts.len() == 1 {
-                n.clone()
-            } else {
-                parts[..d.min(parts.len() - 1)].join(".")
-            };
-            groups.entry(key).or_default().push(n);
-        }
-        groups
-    };
-    let mut d = depth;
-    let mut groups = group(d);
-    while groups.len() > MAX_GROUPS && d > 0 {
-        d -= 1;
-        groups = group(d);
-    }
-    groups
-        .into_iter()
-        .map(|(prefix, members)| match members.as_slice() {
-            [only] => ((*only).clone(), 1),
-            _ if prefix.is_empty() => ("*".to_string(), members.len()),
-            _ => (format!("{prefix}.*"), members.len()),
-        })
-        .collect()
-}
-
-/// The warning (or error text) for parameters that received no gradient.
-fn missing_report(missing: &[String], total: usize) -> String {
-    let groups: Vec<String> = group_by_prefix(missing)
-        .into_iter()
-        .map(|(g, n)| if n == 1 { g } else { format!("{g} ({n})") })
-        .collect();
-    format!(
-        "{} of {} trainable parameters received no gradient at the first optimizer step, on any rank, \
-         and will never be updated: {}. Likely cause: a Candle op without a backward pass between them \
-         and the loss: `candle_nn::LayerNorm` / `layer_norm` (its fused path), `candle_nn::RmsNorm` / \
-         `rms_norm` and `candle_nn::ops::softmax_last_dim` cut the graph (candle issues #2168, #2977); use \
-         `accelerate_rs::nn::{{layer_norm, rms_norm, softmax_last_dim}}` (same signatures, fused and \
-         differentiable). \
-         If they are frozen on purpose, leave them out of `prepare`, or set `missing_gradients` to `off` \
-         (ACCELERATE_RS_MISSING_GRADIENTS=off); `error` makes this an error",
-        missing.len(),
-        total,
-        groups.join(", ")
-    )
-}
-
 /// Clipping applied in every optimizer step (both off by default).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub(crate) struct Clipping {
@@ -477,51 +414,5 @@ fn check_positive(what: &str, v: f64) -> Result<()> {
             what,
             format!("must be a finite number above 0, got {v}"),
         ))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn names(v: &[&str]) -> Vec<String> {
-        v.iter().map(|s| s.to_string()).collect()
-    }
-
-    #[test]
-    fn groups_under_the_longest_prefixes_that_fit() {
-        // Few names: grouped by module, a lone parameter by its full name.
-        let g = group_by_prefix(&names(&["enc.bias", "enc.weight", "norm.weight"]));
-        assert_eq!(
-            g,
-            [("enc.*".to_string(), 2), ("norm.weight".to_string(), 1)]
-        );
-        // 4 layers x 3 modules x 2 = 24 parameters: 12 module groups are too many, 4 layers fit.
-        let mut many = Vec::new();
-        for l in 0..4 {
-            for m in ["attn", "ffn", "norm"] {
-                for p in ["weight", "bias"] {
-                    many.push(format!("layers.{l}.{m}.{p}"));
-                }
-            }
-        }
-        let g = group_by_prefix(&many);
-        assert_eq!(g.len(), 4, "{g:?}");
-        assert_eq!(g[0], ("layers.0.*".to_string(), 6));
-        // Top-level names without a common module.
-        let g = group_by_prefix(&names(&["a", "b"]));
-        assert_eq!(g, [("a".to_string(), 1), ("b".to_string(), 1)]);
-        let nine: Vec<String> = (0..9).map(|i| format!("m{i}.w")).collect();
-        assert_eq!(group_by_prefix(&nine), [("*".to_string(), 9)]);
-        assert!(group_by_prefix(&[]).is_empty());
-    }
-
-    #[test]
-    fn the_report_counts_and_names_the_cause() {
-        let r = missing_report(&names(&["enc.bias", "enc.weight"]), 6);
-        assert!(r.starts_with("2 of 6 trainable parameters"), "{r}");
-        assert!(r.contains("enc.* (2)"), "{r}");
-        assert!(r.contains("softmax_last_dim"), "{r}");
-        assert!(r.contains("ACCELERATE_RS_MISSING_GRADIENTS=off"), "{r}");
     }
 }

@@ -199,6 +199,11 @@ impl ParamSet {
             .collect()
     }
 
+    /// The registered names, in name order.
+    pub(crate) fn names(&self) -> &[String] {
+        &self.names
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.vars.len()
     }

@@ -37,10 +37,10 @@ fn compare(
 ) -> f32 {
     let run = |f: &dyn Fn(&Tensor, &[Tensor]) -> Tensor| run_with(f, x, params, x.dtype());
     let a = run(&fused);
-    // The reference in f32 at least: Candle's composed ops in bf16 round every partial sum.
+    // The reference in f32 at least: Candle's composed ops in bf16 (f16) round every partial sum.
     // The difference is taken relative to the reference's magnitude.
     let up = |t: &Tensor| {
-        if t.dtype() == DType::BF16 {
+        if matches!(t.dtype(), DType::BF16 | DType::F16) {
             t.to_dtype(DType::F32).unwrap()
         } else {
             t.clone()
@@ -649,4 +649,261 @@ fn attention_backward_twice_and_bad_inputs() {
     assert_eq!(y.dims(), [2, 0, 8]);
     let e = err(nn::packed_self_attention(&det(&[1, 4, 0], 0), 2, &opts));
     assert!(e.contains("width 0"), "{e}");
+}
+
+/// The three rotary layouts: `(name, fused, Candle's fused op, the layout of xs)`.
+type RopeFn = fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>;
+const ROPES: [(&str, RopeFn, RopeFn, bool); 3] = [
+    ("rope", nn::rope, candle_nn::rotary_emb::rope, false),
+    ("rope_i", nn::rope_i, candle_nn::rotary_emb::rope_i, false),
+    (
+        "rope_thd",
+        nn::rope_thd,
+        candle_nn::rotary_emb::rope_thd,
+        true,
+    ),
+];
+
+/// Rotary embeddings composed from Candle's differentiable ops: `candle_nn`'s own `rope_slow` /
+/// `rope_i_slow` (a `[B, H, T, D]` layout and one `[T, D/2]` table); `thd` through a transpose,
+/// and one table per sequence (`[B, T, D/2]`) sequence by sequence.
+fn rope_reference(name: &str, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    use candle_nn::rotary_emb::{rope_i_slow, rope_slow};
+    if cos.rank() == 3 {
+        let parts: Vec<Tensor> = (0..x.dim(0).unwrap())
+            .map(|b| {
+                let xb = x.narrow(0, b, 1).unwrap();
+                rope_reference(name, &xb, &cos.get(b).unwrap(), &sin.get(b).unwrap())
+            })
+            .collect();
+        return Tensor::cat(&parts, 0).unwrap();
+    }
+    match name {
+        "rope" => rope_slow(x, cos, sin).unwrap(),
+        "rope_i" => rope_i_slow(x, cos, sin).unwrap(),
+        _ => rope_slow(&x.transpose(1, 2).unwrap(), cos, sin)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap(),
+    }
+}
+
+/// `(B, H, T, D, positions in the tables)`: odd sizes, one token, more positions than tokens.
+const ROPE_CASES: &[[usize; 5]] = &[
+    [1, 1, 1, 2, 1],
+    [2, 3, 5, 6, 5],
+    [3, 2, 7, 14, 9],
+    [2, 4, 1, 8, 4],
+    [1, 5, 33, 64, 40],
+    [2, 8, 64, 128, 64],
+];
+
+#[test]
+fn rope_forward_equals_candles_fused_rope() {
+    for (name, ours, theirs, thd) in ROPES {
+        for &[b, h, t, d, positions] in ROPE_CASES {
+            for batched in [false, true] {
+                // Candle's CPU kernel reads a per-sequence table as if it had exactly `T`
+                // positions (see `rope`'s docs), so compare those with `T` positions only.
+                let positions = if batched { t } else { positions };
+                let shape = if thd { [b, t, h, d] } else { [b, h, t, d] };
+                let cs: Vec<usize> = if batched {
+                    vec![b, positions, d / 2]
+                } else {
+                    vec![positions, d / 2]
+                };
+                let (x, c, s) = (det(&shape, 1), det(&cs, 2), det(&cs, 3));
+                let what = format!("{name} {:?} batched {batched}", [b, h, t, d, positions]);
+                let diff = max_diff(&ours(&x, &c, &s).unwrap(), &theirs(&x, &c, &s).unwrap());
+                assert!(diff <= 1e-6, "{what}: f32 {diff}");
+                for (dtype, tol) in [(DType::F64, 1e-6), (DType::BF16, 5e-2), (DType::F16, 5e-3)] {
+                    let [x, c, s] = [&x, &c, &s].map(|t| t.to_dtype(dtype).unwrap());
+                    let diff = max_diff(&ours(&x, &c, &s).unwrap(), &theirs(&x, &c, &s).unwrap());
+                    assert!(diff <= tol, "{what}: {dtype:?} {diff}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rope_gradients_match_composed_ops_for_xs_cos_and_sin() {
+    for (dtype, tol) in [
+        (DType::F32, 1e-5),
+        (DType::F64, 1e-5),
+        (DType::BF16, 2e-2),
+        (DType::F16, 5e-3),
+    ] {
+        for (name, ours, _, thd) in ROPES {
+            for &[b, h, t, d, positions] in ROPE_CASES {
+                for batched in [false, true] {
+                    // xs comes out of the projection as [B, T, H, D]: `rope` and `rope_i` get it
+                    // transposed (strided), `rope_thd` as it is; and the other way round.
+                    for strided in [false, true] {
+                        let made = if thd == strided {
+                            [b, h, t, d]
+                        } else {
+                            [b, t, h, d]
+                        };
+                        let x = det(&made, 1).to_dtype(dtype).unwrap();
+                        let cs: Vec<usize> = if batched {
+                            vec![b, positions, d / 2]
+                        } else {
+                            vec![positions, d / 2]
+                        };
+                        let c = det(&cs, 2).to_dtype(dtype).unwrap();
+                        let s = det(&cs, 3).to_dtype(dtype).unwrap();
+                        let layout = |x: &Tensor| {
+                            if made == [b, h, t, d] && !thd || made == [b, t, h, d] && thd {
+                                x.clone()
+                            } else {
+                                x.transpose(1, 2).unwrap()
+                            }
+                        };
+                        let diff = compare(
+                            &x,
+                            &[c, s],
+                            |x, p| ours(&layout(x), &p[0], &p[1]).unwrap(),
+                            |x, p| {
+                                let x = layout(x).contiguous().unwrap();
+                                rope_reference(name, &x, &p[0], &p[1])
+                            },
+                        );
+                        let what = format!(
+                            "{name} {dtype:?} {:?} batched {batched} strided {strided}",
+                            [b, h, t, d, positions]
+                        );
+                        assert!(diff < tol, "{what}: {diff}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rope_shape_errors_name_the_tensor_and_shapes() {
+    let err = |r: candle_core::Result<Tensor>| r.unwrap_err().to_string();
+    let (x, c) = (det(&[1, 2, 3, 8], 1), det(&[3, 4], 2));
+    let e = err(nn::rope(&det(&[2, 3, 8], 1), &c, &c));
+    assert!(
+        e.contains("nn::rope: xs must be [batch, heads, seq, head_dim]") && e.contains("[2, 3, 8]"),
+        "{e}"
+    );
+    let e = err(nn::rope_thd(&det(&[2, 3, 8], 1), &c, &c));
+    assert!(e.contains("[batch, seq, heads, head_dim]"), "{e}");
+    let e = err(nn::rope(&x, &det(&[3, 3], 2), &c));
+    assert!(
+        e.contains("cos of shape [3, 3]") && e.contains("head_dim / 2 = 4"),
+        "{e}"
+    );
+    let e = err(nn::rope_i(&det(&[1, 2, 3, 7], 1), &c, &c));
+    assert!(
+        e.contains("head_dim / 2 = 3.5") && e.contains("must be even"),
+        "{e}"
+    );
+    let e = err(nn::rope(&x, &c, &det(&[2, 4], 2)));
+    assert!(
+        e.contains("sin of shape [2, 4] has 2 positions for a sequence of 3"),
+        "{e}"
+    );
+    let e = err(nn::rope(&x, &det(&[2, 3, 4], 2), &det(&[2, 3, 4], 2)));
+    assert!(
+        e.contains("has a batch of 2, xs [1, 2, 3, 8] a batch of 1"),
+        "{e}"
+    );
+    let e = err(nn::rope(&x, &c, &det(&[1, 3, 4], 2)));
+    assert!(e.contains("cos and sin must both be"), "{e}");
+    let e = err(nn::rope(&x, &c, &det(&[4], 2)));
+    assert!(e.contains("cos and sin must both be"), "{e}");
+    let e = err(nn::rope(&x, &c.to_dtype(DType::F16).unwrap(), &c));
+    assert!(e.contains("one dtype") && e.contains("F16"), "{e}");
+    // Empty sizes give empty outputs.
+    let y = nn::rope(&det(&[2, 0, 3, 8], 1), &c, &c).unwrap();
+    assert_eq!(y.dims(), [2, 0, 3, 8]);
+}
+
+#[test]
+fn the_projections_before_rope_train_where_candles_rope_freezes_them() {
+    let varmap = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let q_proj = candle_nn::linear_no_bias(8, 8, vb.pp("q_proj")).unwrap();
+    let x = det(&[1, 5, 8], 1);
+    let (cos, sin) = (
+        det(&[5, 2], 2).cos().unwrap(),
+        det(&[5, 2], 2).sin().unwrap(),
+    );
+    let q = q_proj
+        .forward(&x)
+        .unwrap()
+        .reshape((1, 5, 2, 4))
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap();
+    let loss = |y: Tensor| y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+    let g = loss(nn::rope(&q, &cos, &sin).unwrap());
+    assert!(g.get(q_proj.weight()).is_some());
+    let g = loss(candle_nn::rotary_emb::rope(&q.contiguous().unwrap(), &cos, &sin).unwrap());
+    assert!(
+        g.get(q_proj.weight()).is_none(),
+        "candle_nn::rotary_emb::rope now has a backward pass"
+    );
+}
+
+#[test]
+fn silu_and_swiglu_match_candle_values_and_gradients() {
+    for (dtype, tol) in [
+        (DType::F32, 1e-5),
+        (DType::F64, 1e-5),
+        (DType::BF16, 2e-2),
+        (DType::F16, 5e-3),
+    ] {
+        for shape in SHAPES {
+            for transposed in [false, true] {
+                let mut x = det(shape, 1).to_dtype(dtype).unwrap();
+                if transposed && shape.len() == 2 && shape[0] > 1 {
+                    x = det(&[shape[1], shape[0]], 1)
+                        .to_dtype(dtype)
+                        .unwrap()
+                        .t()
+                        .unwrap();
+                }
+                let what = format!("{dtype:?} {shape:?} transposed {transposed}");
+                let diff = compare(
+                    &x,
+                    &[],
+                    |x, _| nn::silu(x).unwrap(),
+                    |x, _| ops::silu(x).unwrap(),
+                );
+                assert!(diff < tol, "silu {what}: {diff}");
+                let up = (det(shape, 2).to_dtype(dtype).unwrap() * 2.0).unwrap();
+                let diff = compare(
+                    &x,
+                    std::slice::from_ref(&up),
+                    |x, p| nn::swiglu(x, &p[0]).unwrap(),
+                    |x, p| (ops::silu(x).unwrap() * &p[0]).unwrap(),
+                );
+                assert!(diff < tol, "swiglu {what}: {diff}");
+            }
+        }
+    }
+    // Large magnitudes saturate without NaN or infinity (e^{-x} is clamped).
+    let x = Tensor::new(&[-1000f32, -90.0, 0.0, 90.0, 1000.0], &Device::Cpu).unwrap();
+    let y = nn::silu(&x).unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(y[2], 0.0);
+    assert!(y[0].abs() < 1e-30 && (y[4] - 1000.0).abs() < 1e-3, "{y:?}");
+    let e = nn::swiglu(&det(&[2, 3], 1), &det(&[3, 2], 1))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("one shape") && e.contains("[2, 3]") && e.contains("[3, 2]"),
+        "{e}"
+    );
+    let e = nn::swiglu(
+        &det(&[2, 3], 1),
+        &det(&[2, 3], 1).to_dtype(DType::F64).unwrap(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("one dtype"), "{e}");
 }
