@@ -100,7 +100,7 @@ impl TcpCollective {
                 rank,
                 addr: format!("{}:{}", opts.master_addr, opts.master_port),
                 reason: format!(
-                    "{op} with rank {peer} timed out during start-up: {}",
+                    "{op}: timed out during start-up waiting for rank {peer}: {}",
                     store::startup_hint(timeout)
                 ),
                 source: None,
@@ -210,10 +210,17 @@ impl TcpCollective {
             world: world as u32,
             secret: opts.secret.clone(),
         };
-        let mut next = connect_peer(&next_addr, rank, next_rank, deadline)?;
+        let mut next = connect_peer(&next_addr, rank, next_rank, deadline, opts.timeout)?;
         next.write_all(&hello.encode())
             .map_err(|e| peer_setup_err(rank, &next_addr, "sending the handshake failed", e))?;
-        let prev = accept_peer(&listener, rank, prev_rank, world, &opts.secret, deadline)?;
+        let prev = accept_peer(
+            &listener,
+            rank,
+            prev_rank,
+            world,
+            &opts.secret,
+            (deadline, opts.timeout),
+        )?;
         drop(listener);
         // The next rank acknowledges our handshake once it has accepted it.
         next.set_read_timeout(Some(
@@ -326,7 +333,16 @@ fn peer_setup_err(rank: usize, addr: &str, reason: &str, e: io::Error) -> Error 
     }
 }
 
-fn connect_peer(addr: &str, rank: usize, peer: usize, deadline: Instant) -> Result<TcpStream> {
+/// Connects to rank `peer` at `addr`, retrying until `deadline` (`timeout` after start-up began;
+/// running out of it is an [`Error::Timeout`], which [`TcpCollective::connect`] calls too short
+/// when it is).
+fn connect_peer(
+    addr: &str,
+    rank: usize,
+    peer: usize,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<TcpStream> {
     let sock: SocketAddr = addr.parse().map_err(|_| Error::Rendezvous {
         rank,
         addr: addr.to_string(),
@@ -341,12 +357,12 @@ fn connect_peer(addr: &str, rank: usize, peer: usize, deadline: Instant) -> Resu
                 return Ok(s);
             }
             Err(e) if Instant::now() >= deadline => {
-                return Err(peer_setup_err(
+                return Err(Error::Timeout {
                     rank,
-                    addr,
-                    &format!("cannot connect to rank {peer}"),
-                    e,
-                ))
+                    peer,
+                    op: format!("connecting to rank {peer} at {addr} (last error: {e})"),
+                    timeout,
+                })
             }
             Err(_) => std::thread::sleep(Duration::from_millis(20)),
         }
@@ -361,7 +377,7 @@ fn accept_peer(
     prev: usize,
     world: usize,
     secret: &[u8],
-    deadline: Instant,
+    (deadline, timeout): (Instant, Duration),
 ) -> Result<TcpStream> {
     let addr = listener
         .local_addr()
@@ -398,11 +414,11 @@ fn accept_peer(
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
-                    return Err(Error::Rendezvous {
+                    return Err(Error::Timeout {
                         rank,
-                        addr,
-                        reason: format!("rank {prev} never connected"),
-                        source: None,
+                        peer: prev,
+                        op: format!("accepting rank {prev}'s connection on {addr}"),
+                        timeout,
                     });
                 }
                 std::thread::sleep(Duration::from_millis(5));
@@ -512,5 +528,39 @@ impl Collective for TcpCollective {
             }
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Running out of start-up time while meeting the peers is a timeout (which `connect` calls
+    /// too short for a tiny collective timeout), not an unexplained "never connected": on a busy
+    /// machine the store can answer within a microsecond and the peers not.
+    #[test]
+    fn meeting_the_peers_past_the_deadline_is_a_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let tiny = Duration::from_micros(1);
+        let past = Instant::now();
+        let e = accept_peer(&listener, 1, 0, 2, b"s", (past, tiny)).unwrap_err();
+        assert!(
+            matches!(&e, Error::Timeout { rank: 1, peer: 0, timeout, .. } if *timeout == tiny),
+            "{e}"
+        );
+        drop(listener);
+        let e = connect_peer(&addr, 0, 1, past, tiny).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::Timeout {
+                    rank: 0,
+                    peer: 1,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }
