@@ -20,9 +20,10 @@ Python.
         `cargo run -p accelerate-rs-models --example roundtrip -- OUT` writes such folders for
         every fixture; `finetune --probe FILE` writes one for its output.
 
-    python scripts/hf_reference.py tokenizer [--corpus data/corpus.txt] [--out DIR]
+    python scripts/hf_reference.py tokenizer [--corpus data/corpus.txt] [--out DIR] [--arch A]
         Trains a tiny byte-level BPE tokenizer on the corpus and saves, with it, a tiny random
-        Llama as a Hugging Face folder (the fine-tuning example's model).
+        model (`llama`, `gpt2` or `bert`) as a Hugging Face folder: the fine-tuning example's
+        model (`models/examples/tiny-llama`, committed).
 """
 
 import argparse
@@ -285,41 +286,65 @@ def check(folder, probe_path):
     return ok
 
 
-def make_tokenizer(corpus, out, vocab_size):
+def make_tokenizer(corpus, out, vocab_size, arch):
+    """A byte-level BPE tokenizer trained on `corpus` and a tiny random model of `arch` whose
+    vocabulary is the tokenizer's, saved together as a Hugging Face folder."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    specials = ["<pad>", "<s>", "</s>", "<mask>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<pad>", "<s>", "</s>"],
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train([corpus], trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        mask_token="<mask>",
     )
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = AutoModelForCausalLM.from_config(config)
+    vocab = tok.get_vocab_size()
+    if arch == "llama":
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        model = AutoModelForCausalLM.from_config(config)
+    elif arch == "gpt2":
+        config = GPT2Config(
+            vocab_size=vocab, n_embd=48, n_layer=2, n_head=4, n_positions=256,
+            bos_token_id=1, eos_token_id=2,
+        )
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        config = BertConfig(
+            vocab_size=vocab, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=128, max_position_embeddings=256, pad_token_id=0,
+        )
+        model = AutoModelForMaskedLM.from_config(config)
     model.save_pretrained(out)
+    gen_config = os.path.join(out, "generation_config.json")
+    if os.path.exists(gen_config):
+        os.remove(gen_config)
     fast.save_pretrained(out)
     size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
-    print(f"{out}: tokenizer of {tok.get_vocab_size()} tokens and a tiny Llama, {size / 1024:.0f} KiB")
+    print(f"{out}: tokenizer of {vocab} tokens and a tiny {arch}, {size / 1024:.0f} KiB")
 
 
 def main():
@@ -333,8 +358,9 @@ def main():
     c.add_argument("--probe")
     t = sub.add_parser("tokenizer")
     t.add_argument("--corpus", default="data/corpus.txt")
-    t.add_argument("--out", default="models/tests/fixtures/tiny_llama_tok")
-    t.add_argument("--vocab-size", type=int, default=512)
+    t.add_argument("--out", default="models/examples/tiny-llama")
+    t.add_argument("--vocab-size", type=int, default=384)
+    t.add_argument("--arch", choices=["llama", "gpt2", "bert"], default="llama")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.cmd == "fixtures":
@@ -346,7 +372,7 @@ def main():
         ok = all([check(d, args.probe) for d in args.dirs])
         sys.exit(0 if ok else 1)
     else:
-        make_tokenizer(args.corpus, args.out, args.vocab_size)
+        make_tokenizer(args.corpus, args.out, args.vocab_size, args.arch)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,6 @@ pub const ARCHITECTURES: &[&str] = &[
     "GPT2Model",
     "BertForMaskedLM",
     "BertForPreTraining",
-    "BertModel",
     "BertForSequenceClassification",
 ];
 
@@ -116,7 +115,7 @@ impl AutoModel {
                 AutoModel::Gpt2(Gpt2LmHeadModel::load(c, dir, device, dtype)?)
             }
             Config::Bert(c) => match arch.as_deref() {
-                None | Some("BertForMaskedLM" | "BertForPreTraining" | "BertModel") => {
+                None | Some("BertForMaskedLM" | "BertForPreTraining") => {
                     AutoModel::BertMaskedLm(BertForMaskedLm::load(c, dir, device, dtype)?)
                 }
                 Some("BertForSequenceClassification") => AutoModel::BertSequenceClassification(

@@ -393,11 +393,7 @@ impl BertForMaskedLm {
     ) -> CrateResult<Self> {
         let dir = dir.as_ref();
         let (path, json) = read_json(dir)?;
-        check_architecture(
-            &path,
-            &json,
-            &["BertForMaskedLM", "BertForPreTraining", "BertModel"],
-        )?;
+        check_architecture(&path, &json, &["BertForMaskedLM", "BertForPreTraining"])?;
         let config = BertConfig::from_json(&path, &json)?;
         Self::load(config, dir, device, dtype)
     }
