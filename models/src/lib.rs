@@ -48,7 +48,7 @@
 //! by `scripts/hf_reference.py`): logits, loss, every gradient, and the parameters after three
 //! AdamW steps.
 //!
-//! The `hub` feature adds [`hub::download`] (the `hf-hub` crate).
+//! The `hub` feature adds `hub::download` (the `hf-hub` crate).
 #![deny(missing_docs)]
 
 mod auto;
