@@ -223,6 +223,22 @@ pub enum Error {
         source: Option<std::io::Error>,
     },
 
+    /// A model's files (its safetensors weights, a sharded checkpoint's index, its
+    /// `config.json`) cannot be read or written, or do not fit the model: the file and, when one
+    /// is to blame, the tensor.
+    #[error("model file {}: {}{reason}", path.display(), tensor.as_deref().map(|t| format!("tensor `{t}`: ")).unwrap_or_default())]
+    ModelFile {
+        /// The file (or folder).
+        path: std::path::PathBuf,
+        /// The tensor, when one is to blame.
+        tensor: Option<String>,
+        /// What is wrong.
+        reason: String,
+        /// The underlying I/O error, if any.
+        #[source]
+        source: Option<std::io::Error>,
+    },
+
     /// Another run holds the checkpoint directory (two runs saving into one folder would
     /// overwrite and rotate away each other's checkpoints).
     #[error("checkpoint directory {} is in use by another run ({holder}); give this run its own directory", path.display())]

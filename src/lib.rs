@@ -99,7 +99,10 @@
 //!
 //! - [`checkpoint`]: the checkpoint format ([`checkpoint::CheckpointParts`],
 //!   [`checkpoint::StatefulOptimizer`], [`checkpoint::latest_checkpoint`], the manifest); saved
-//!   and loaded with [`Accelerator::save_state`] / [`Accelerator::load_state`].
+//!   and loaded with [`Accelerator::save_state`] / [`Accelerator::load_state`]. Also model
+//!   weights alone: [`checkpoint::load_weights`] reads a single or sharded safetensors
+//!   checkpoint (Hugging Face's layout) into any `VarMap`, all or nothing;
+//!   [`checkpoint::write_model_folder`] writes one.
 //! - [`collective`]: the [`Collective`](collective::Collective) trait and its backends (single
 //!   process, TCP ring with a same-host shared-memory data path, in-process threads, NCCL).
 //! - [`optim`]: [`optim::AdamW`] and [`optim::Sgd`] (momentum, Nesterov, weight decay) with

@@ -42,8 +42,9 @@ impl Accelerator {
     }
 
     /// Saves the model's parameters only, as one safetensors file under their names (what
-    /// inference needs). Every rank must call it; the main process writes (atomically, through
-    /// `<path>.tmp-<pid>`).
+    /// inference needs), creating the folders above it. Every rank must call it; the main
+    /// process writes (atomically, through `<path>.tmp-<pid>`). Read it back with
+    /// [`load_model`](Self::load_model).
     pub fn save_model(&self, path: impl AsRef<Path>, model: &dyn Parameters) -> Result<()> {
         checkpoint::save_model(self.collective().as_ref(), path.as_ref(), model)
     }
@@ -53,8 +54,8 @@ impl Accelerator {
     /// `model.safetensors` when everything fits in one, else
     /// `model-00001-of-0000N.safetensors`, ... and `model.safetensors.index.json` (its
     /// `weight_map` names each parameter's file). Load the files back with
-    /// `candle_nn::VarBuilder::from_mmaped_safetensors`. Every rank must call it; the main
-    /// process writes (into `<dir>.tmp-<pid>`, renamed into place).
+    /// [`load_model`](Self::load_model). Every rank must call it; the main process writes (into
+    /// `<dir>.tmp-<pid>`, renamed into place; the folders above `dir` are created).
     pub fn save_model_sharded(
         &self,
         dir: impl AsRef<Path>,
@@ -66,7 +67,37 @@ impl Accelerator {
             dir.as_ref(),
             model,
             max_shard_bytes,
+            None,
         )
+    }
+
+    /// [`save_model_sharded`](Self::save_model_sharded) with the model's Hugging Face
+    /// configuration written beside the weights as `config.json`, in the same atomic rename:
+    /// a folder `transformers`' `from_pretrained` loads. Every rank must call it.
+    pub fn save_model_with_config(
+        &self,
+        dir: impl AsRef<Path>,
+        model: &dyn Parameters,
+        config: &serde_json::Value,
+        max_shard_bytes: usize,
+    ) -> Result<()> {
+        checkpoint::save_model_sharded(
+            self.collective().as_ref(),
+            dir.as_ref(),
+            model,
+            max_shard_bytes,
+            Some(config),
+        )
+    }
+
+    /// Loads model weights into `model`'s parameters: a folder holding `model.safetensors` or a
+    /// sharded `model.safetensors.index.json` (what [`save_model_sharded`](Self::save_model_sharded)
+    /// and Hugging Face's `save_pretrained` write), a single `.safetensors` file (what
+    /// [`save_model`](Self::save_model) writes) or an index file. All or nothing, with dtype
+    /// conversion; see [`checkpoint::load_weights`](crate::checkpoint::load_weights). Every rank
+    /// reads the files itself; nothing communicates.
+    pub fn load_model(&self, path: impl AsRef<Path>, model: &dyn Parameters) -> Result<()> {
+        checkpoint::load_weights(path, model)
     }
 
     /// Loads the checkpoint in `dir` (or its `.old` copy, after a crash mid-save) into `model`

@@ -8,3 +8,4 @@ pub(crate) mod mixed_precision;
 pub(crate) mod optimizer;
 pub(crate) mod params;
 pub mod scheduler;
+pub(crate) mod weights;

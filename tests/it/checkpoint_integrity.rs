@@ -365,14 +365,17 @@ fn a_second_run_saving_into_the_same_folder_is_told_who_holds_it() {
 #[test]
 fn write_failures_are_write_errors_on_every_rank() {
     let dir = tempfile::tempdir().unwrap();
-    // A model file into a directory that does not exist: the file system refuses.
-    let bad = dir.path().join("no-such-dir").join("model.safetensors");
+    // A model file under a "folder" that is a file: the file system refuses (a missing folder
+    // is created).
+    let blocker = dir.path().join("blocker");
+    std::fs::write(&blocker, b"x").unwrap();
+    let bad = blocker.join("model.safetensors");
     match single().save_model(&bad, &filled(1.0)).unwrap_err() {
-        Error::CheckpointWrite { path, source, .. } => {
+        Error::ModelFile { path, source, .. } => {
             assert!(path.starts_with(dir.path()));
             assert!(source.is_some());
         }
-        other => panic!("expected CheckpointWrite, got {other}"),
+        other => panic!("expected ModelFile, got {other}"),
     }
     // Two ranks, and the checkpoint root is a file: rank 0 fails to create it, rank 1 is told
     // that rank 0 failed (neither calls it an invalid checkpoint).

@@ -31,4 +31,5 @@ mod sampler;
 mod scripts;
 mod shm;
 mod tracking;
+mod weights;
 mod zero;

@@ -1228,11 +1228,39 @@ pub(crate) fn save_state_auto(
     Ok(dir)
 }
 
+pub use super::weights::{
+    load_weights, load_weights_mapped, WeightFiles, CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
+};
+
+/// A model file's write error as [`Error::ModelFile`] (the checkpoint writers' errors say
+/// "checkpoint").
+fn model_write_err(e: Error) -> Error {
+    match e {
+        Error::CheckpointWrite {
+            path,
+            reason,
+            source,
+        } => Error::ModelFile {
+            path,
+            tensor: None,
+            reason: format!("could not write it: {reason}"),
+            source,
+        },
+        e => e,
+    }
+}
+
 /// See [`Accelerator::save_model`](crate::Accelerator::save_model).
 pub(crate) fn save_model(c: &dyn Collective, path: &Path, model: &dyn Parameters) -> Result<()> {
     let result = if c.rank() == 0 {
         let tmp = with_suffix(path, &format!(".tmp-{}", std::process::id()));
-        named_tensors(model)
+        let folder = path.parent().filter(|p| !p.as_os_str().is_empty());
+        folder
+            .map_or(Ok(()), |f| {
+                fs::create_dir_all(f)
+                    .map_err(|e| write_err(f, "could not create the folder", Some(e)))
+            })
+            .and_then(|()| named_tensors(model))
             .and_then(|t| write_safetensors(&tmp, &t))
             .and_then(|()| {
                 fs::rename(&tmp, path).map_err(|e| io_err("renaming the model into", path, e))
@@ -1240,7 +1268,7 @@ pub(crate) fn save_model(c: &dyn Collective, path: &Path, model: &dyn Parameters
     } else {
         Ok(())
     };
-    agree(c, "save_model", path, result)
+    agree(c, "save_model", path, result).map_err(model_write_err)
 }
 
 /// The index Hugging Face tooling reads next to sharded safetensors files.
@@ -1269,7 +1297,12 @@ fn plan_shards(tensors: &[(String, Tensor)], max_bytes: usize) -> Vec<Vec<(Strin
 /// shard of `max_shard_bytes`, else `model-0000i-of-0000n.safetensors` files and
 /// `model.safetensors.index.json` (`metadata.total_size`, `weight_map`). Main process only;
 /// written into `<dir>.tmp-<pid>` and renamed into place.
-fn write_sharded(dir: &Path, model: &dyn Parameters, max_shard_bytes: usize) -> Result<()> {
+fn write_sharded(
+    dir: &Path,
+    model: &dyn Parameters,
+    max_shard_bytes: usize,
+    config: Option<&serde_json::Value>,
+) -> Result<()> {
     if max_shard_bytes == 0 {
         return Err(Error::invalid("max_shard_size", "must be at least 1 byte"));
     }
@@ -1306,6 +1339,13 @@ fn write_sharded(dir: &Path, model: &dyn Parameters, max_shard_bytes: usize) -> 
         fs::write(&path, text).map_err(|e| write_err(&path, "could not write it", Some(e)))?;
         sync_file(&path)?;
     }
+    if let Some(config) = config {
+        let path = tmp.join(CONFIG_FILE);
+        let text = serde_json::to_string_pretty(config)
+            .map_err(|e| write_err(&path, format!("could not serialize the config: {e}"), None))?;
+        fs::write(&path, text).map_err(|e| write_err(&path, "could not write it", Some(e)))?;
+        sync_file(&path)?;
+    }
     sync_dir(&tmp);
     let old = with_suffix(dir, ".old");
     if dir.exists() {
@@ -1327,13 +1367,29 @@ pub(crate) fn save_model_sharded(
     dir: &Path,
     model: &dyn Parameters,
     max_shard_bytes: usize,
+    config: Option<&serde_json::Value>,
 ) -> Result<()> {
     let result = if c.rank() == 0 {
-        write_sharded(dir, model, max_shard_bytes)
+        write_sharded(dir, model, max_shard_bytes, config)
     } else {
         Ok(())
     };
-    agree(c, "save_model_sharded", dir, result)
+    agree(c, "save_model_sharded", dir, result).map_err(model_write_err)
+}
+
+/// What the main process does in
+/// [`save_model_sharded`](crate::Accelerator::save_model_sharded), with no communication (call
+/// it on one process only): writes `model`'s parameters into the folder `dir` as Hugging Face
+/// does (`model.safetensors`, or shards of at most `max_shard_bytes` and their index), and
+/// `config` as `config.json` if given, into `<dir>.tmp-<pid>` renamed into place (replacing a
+/// previous `dir`). The folders above `dir` are created.
+pub fn write_model_folder(
+    dir: impl AsRef<Path>,
+    model: &dyn Parameters,
+    max_shard_bytes: usize,
+    config: Option<&serde_json::Value>,
+) -> Result<()> {
+    write_sharded(dir.as_ref(), model, max_shard_bytes, config).map_err(model_write_err)
 }
 
 /// See [`Accelerator::load_state`](crate::Accelerator::load_state): reads onto `device`;

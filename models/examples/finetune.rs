@@ -1,0 +1,354 @@
+//! Fine-tunes a Hugging Face model folder on a plain-text file, data-parallel with
+//! accelerate-rs, and saves a folder `transformers` loads.
+//!
+//! Any folder of a supported architecture that `save_pretrained` wrote, with its
+//! `tokenizer.json`: Llama, Mistral, Qwen2 and GPT-2 learn the next token; BERT (masked-LM) learns
+//! masked tokens (15% of the tokens replaced by the tokenizer's mask token). The text is
+//! tokenized once, cut into windows of `--seq-len` tokens, the last `--eval-fraction` of it held
+//! out; the held-out loss is printed before and after training.
+//!
+//!     cargo build --release -p accelerate-rs-models --example finetune
+//!     target/release/examples/finetune --model models/examples/tiny-llama \
+//!         --train data/corpus.txt --max-steps 100 --output runs/tiny-llama-ft
+//!     cargo run --release -- launch --cpu -n 2 target/release/examples/finetune \
+//!         --model models/examples/tiny-llama --train data/corpus.txt --output runs/ft2
+//!
+//! `--batch-size` is per process; under `ACCELERATE_RS_SPLIT_BATCHES=1` (or the launcher's
+//! `--split-batches`) it is the global batch, split across the processes, so one process and N
+//! processes follow the same trajectory. `--probe FILE` writes a few held-out windows and the
+//! logits of the trained model, for `python scripts/hf_reference.py check OUTPUT --probe FILE`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use accelerate_rs::optim::{AdamW, ParamsAdamW};
+use accelerate_rs::{Accelerator, DataLoader, ReduceOp, TensorDataset};
+use accelerate_rs_models::{encode_corpus, load_tokenizer, AutoModel, Task, IGNORE_INDEX};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::Optimizer;
+use clap::Parser;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+#[derive(Parser, Debug)]
+#[command(about = "Fine-tune a Hugging Face model folder on a text file with accelerate-rs")]
+struct Args {
+    /// A Hugging Face model folder (config.json, model.safetensors or a sharded index,
+    /// tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// The training text (plain UTF-8).
+    #[arg(long)]
+    train: PathBuf,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 100)]
+    max_steps: u64,
+    /// Tokens per window.
+    #[arg(long, default_value_t = 64)]
+    seq_len: usize,
+    /// Windows per batch, per process (the global batch with split batches).
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// AdamW's learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// AdamW's decoupled weight decay.
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f64,
+    /// Where the fine-tuned folder goes (config.json, weights, tokenizer files).
+    #[arg(long)]
+    output: PathBuf,
+    /// The share of the text held out for evaluation (its end).
+    #[arg(long, default_value_t = 0.1)]
+    eval_fraction: f64,
+    /// At most this many held-out windows are evaluated (0: all).
+    #[arg(long, default_value_t = 256)]
+    eval_windows: usize,
+    /// The share of tokens masked for a masked LM.
+    #[arg(long, default_value_t = 0.15)]
+    mlm_probability: f64,
+    /// Print the training loss every N steps.
+    #[arg(long, default_value_t = 10)]
+    log_every: u64,
+    /// Seed of the data order, the masks and the dropout.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Also write held-out inputs and the trained model's logits to this file.
+    #[arg(long)]
+    probe: Option<PathBuf>,
+}
+
+/// The model's inputs and labels for windows `ids` `[B, T]` whose dataset indices are `index`:
+/// the windows themselves for a causal LM (shifted in `loss`); for a masked LM, each token
+/// replaced by `mask_id` with probability `p` (the same positions for a window on any number
+/// of processes: drawn from the seed and the window's index), labels -100 elsewhere.
+fn inputs_and_labels(
+    task: Task,
+    ids: &Tensor,
+    index: &Tensor,
+    mask_id: Option<u32>,
+    p: f64,
+    seed: u64,
+) -> Result<(Tensor, Tensor)> {
+    if task != Task::MaskedLm {
+        return Ok((ids.clone(), ids.to_dtype(DType::I64)?));
+    }
+    let mask_id = mask_id.context("a masked LM needs a mask token")?;
+    let rows = ids.to_vec2::<u32>()?;
+    let index = index.to_vec1::<u32>()?;
+    let (mut input, mut labels) = (Vec::new(), Vec::new());
+    for (row, &i) in rows.iter().zip(&index) {
+        let mut rng =
+            ChaCha8Rng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9).wrapping_add(i as u64));
+        for &tok in row {
+            if rng.random::<f64>() < p {
+                input.push(mask_id);
+                labels.push(tok as i64);
+            } else {
+                input.push(tok);
+                labels.push(IGNORE_INDEX);
+            }
+        }
+    }
+    let shape = ids.dims2()?;
+    Ok((
+        Tensor::from_vec(input, shape, ids.device())?,
+        Tensor::from_vec(labels, shape, ids.device())?,
+    ))
+}
+
+/// Non-overlapping windows of `t` tokens: `[N, t]` and their indices `[N]`.
+fn windows(tokens: &[u32], t: usize, limit: usize) -> Result<(Tensor, Tensor)> {
+    let mut n = tokens.len() / t;
+    if limit > 0 {
+        n = n.min(limit);
+    }
+    if n == 0 {
+        bail!(
+            "{} tokens make no window of {t}: use a longer text or a shorter --seq-len",
+            tokens.len()
+        );
+    }
+    let ids = Tensor::from_slice(&tokens[..n * t], (n, t), &Device::Cpu)?;
+    let index = Tensor::arange(0u32, n as u32, &Device::Cpu)?;
+    Ok((ids, index))
+}
+
+/// The mean held-out loss over every held-out window (each process takes every
+/// `world_size`-th window; the sums are reduced), weighted by the tokens predicted.
+fn evaluate(
+    accelerator: &Accelerator,
+    model: &AutoModel,
+    task: Task,
+    val: &(Tensor, Tensor),
+    args: &Args,
+    mask_id: Option<u32>,
+) -> Result<f64> {
+    let device = accelerator.device();
+    let n = val.0.dim(0)?;
+    let mine: Vec<u32> = (accelerator.rank()..n)
+        .step_by(accelerator.world_size())
+        .map(|i| i as u32)
+        .collect();
+    let (mut sum, mut count) = (0f64, 0f64);
+    for chunk in mine.chunks(args.batch_size.max(1)) {
+        let idx = Tensor::new(chunk, &Device::Cpu)?;
+        let ids = val.0.index_select(&idx, 0)?;
+        let index = val.1.index_select(&idx, 0)?;
+        // Held-out masks from their own seed.
+        let (x, y) = inputs_and_labels(
+            task,
+            &ids,
+            &index,
+            mask_id,
+            args.mlm_probability,
+            args.seed ^ 0xEEEE,
+        )?;
+        let predicted = match task {
+            Task::CausalLm => (ids.dim(0)? * (ids.dim(1)? - 1)) as f64,
+            _ => y
+                .ge(0i64)?
+                .to_dtype(DType::F32)?
+                .sum_all()?
+                .to_scalar::<f32>()? as f64,
+        };
+        if predicted == 0.0 {
+            continue;
+        }
+        let loss = model.loss(&x.to_device(device)?, &y.to_device(device)?)?;
+        sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()? * predicted;
+        count += predicted;
+    }
+    let totals = accelerator.reduce(&Tensor::new(&[sum, count], device)?, ReduceOp::Sum)?;
+    let totals = totals.to_vec1::<f64>()?;
+    if totals[1] == 0.0 {
+        bail!("no held-out token to evaluate: raise --eval-fraction");
+    }
+    Ok(totals[0] / totals[1])
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let accelerator = Accelerator::new()?;
+    accelerator.set_seed(args.seed)?;
+    let device = accelerator.device().clone();
+
+    let mut model = AutoModel::from_pretrained(&args.model, &device, DType::F32)?;
+    let task = model.task();
+    if task == Task::SequenceClassification {
+        bail!(
+            "{}: a sequence classifier needs labelled examples; this example trains language \
+             models (causal or masked) on plain text",
+            args.model.display()
+        );
+    }
+    let tokenizer = load_tokenizer(&args.model)?;
+    let mask_id = ["<mask>", "[MASK]"]
+        .iter()
+        .find_map(|t| tokenizer.token_to_id(t));
+    if task == Task::MaskedLm && mask_id.is_none() {
+        bail!(
+            "{}: the tokenizer has no <mask> or [MASK] token",
+            args.model.display()
+        );
+    }
+    let text = std::fs::read_to_string(&args.train)
+        .with_context(|| format!("reading {}", args.train.display()))?;
+    let tokens = encode_corpus(&tokenizer, &text)?;
+    let vocab = model.config_json()["vocab_size"].as_u64().unwrap_or(0) as usize;
+    if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        bail!("the tokenizer gives id {bad}, outside the model's vocabulary of {vocab}");
+    }
+    if !(0.0..1.0).contains(&args.eval_fraction) {
+        bail!(
+            "--eval-fraction must be in [0, 1), got {}",
+            args.eval_fraction
+        );
+    }
+    let split = tokens.len() - (tokens.len() as f64 * args.eval_fraction) as usize;
+    let train = windows(&tokens[..split], args.seq_len, 0)?;
+    let val = windows(&tokens[split..], args.seq_len, args.eval_windows)?;
+    let n_params: usize = model
+        .varmap()
+        .all_vars()
+        .iter()
+        .map(|v| v.elem_count())
+        .sum();
+    accelerator.print(format!(
+        "{}: {} ({} parameters), {} processes; {} tokens: {} training windows, {} held out, \
+         {} tokens each",
+        args.model.display(),
+        model.model_type(),
+        n_params,
+        accelerator.world_size(),
+        tokens.len(),
+        train.0.dim(0)?,
+        val.0.dim(0)?,
+        args.seq_len
+    ));
+
+    let before = evaluate(&accelerator, &model, task, &val, &args, mask_id)?;
+    accelerator.print(format!("held-out loss before: {before:.4}"));
+
+    let opt = AdamW::new(
+        model.varmap().all_vars(),
+        ParamsAdamW {
+            lr: args.lr,
+            weight_decay: args.weight_decay,
+            ..Default::default()
+        },
+    )?;
+    let loader = DataLoader::new(TensorDataset::new(vec![train.0, train.1])?, args.batch_size)
+        .shuffle(true)
+        .seed(args.seed)
+        .drop_last(true);
+    let (mut opt, mut loader) = accelerator.prepare(model.varmap(), opt, loader)?;
+
+    model.train(true);
+    let start = Instant::now();
+    let (mut step, mut epoch) = (0u64, 0u64);
+    let (mut window_loss, mut window_n) = (0f64, 0usize);
+    'train: loop {
+        loader.set_epoch(epoch);
+        let mut any = false;
+        for batch in loader.iter()? {
+            let batch = batch?;
+            any = true;
+            let (x, y) = inputs_and_labels(
+                task,
+                &batch[0].to_device(&Device::Cpu)?,
+                &batch[1].to_device(&Device::Cpu)?,
+                mask_id,
+                args.mlm_probability,
+                args.seed.wrapping_add(epoch),
+            )?;
+            let loss = model.loss(&x.to_device(&device)?, &y.to_device(&device)?)?;
+            opt.backward_step(&loss)?;
+            window_loss += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            window_n += 1;
+            step += 1;
+            if step % args.log_every == 0 || step == args.max_steps {
+                let mean = accelerator.average(window_loss / window_n as f64)?;
+                accelerator.print(format!(
+                    "step {step:4}/{} epoch {epoch} training loss {mean:.4}",
+                    args.max_steps
+                ));
+                (window_loss, window_n) = (0.0, 0);
+            }
+            if step >= args.max_steps {
+                break 'train;
+            }
+        }
+        if !any {
+            bail!("no training batch: fewer windows than --batch-size times the processes");
+        }
+        epoch += 1;
+    }
+    model.train(false);
+    let secs = start.elapsed().as_secs_f64();
+    let after = evaluate(&accelerator, &model, task, &val, &args, mask_id)?;
+    accelerator.print(format!(
+        "trained {step} steps in {secs:.1} s; held-out loss {before:.4} -> {after:.4}"
+    ));
+
+    // Every rank calls it; the main process writes config.json and the weights.
+    accelerator.save_model_with_config(
+        &args.output,
+        model.varmap(),
+        &model.config_json(),
+        accelerate_rs_models::DEFAULT_MAX_SHARD_BYTES,
+    )?;
+    if accelerator.is_main_process() {
+        for file in [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+        ] {
+            let src = args.model.join(file);
+            if src.is_file() {
+                std::fs::copy(&src, args.output.join(file))
+                    .with_context(|| format!("copying {}", src.display()))?;
+            }
+        }
+        if let Some(path) = &args.probe {
+            let rows = val.0.dim(0)?.min(2);
+            let ids = val.0.narrow(0, 0, rows)?;
+            let index = val.1.narrow(0, 0, rows)?;
+            let (x, _) =
+                inputs_and_labels(task, &ids, &index, mask_id, args.mlm_probability, args.seed)?;
+            let logits = model.forward(&x.to_device(&device)?, None)?;
+            let probe: HashMap<String, Tensor> = [
+                ("input_ids".to_string(), x.to_dtype(DType::I64)?),
+                ("logits".to_string(), logits.to_device(&Device::Cpu)?),
+            ]
+            .into_iter()
+            .collect();
+            candle_core::safetensors::save(&probe, path)?;
+        }
+        println!("saved {}", args.output.display());
+    }
+    accelerator.wait_for_everyone()?;
+    Ok(())
+}

@@ -1,0 +1,105 @@
+//! The accelerate-rs side of `scripts/pytorch_hf_bench.py`: a Llama-style
+//! `LlamaForCausalLm` (default hidden 512, 4 layers, 8 heads, 2 key/value heads, vocab 8000,
+//! SwiGLU 1408) trained on random tokens (sequences of 256, batch 4 per process) with AdamW,
+//! timed per step. Run it under the launcher; rank 0 prints one line
+//! `RESULT-DDP world=W ms_mean=... ms_median=... samples_per_s=...`.
+//!
+//!     cargo build --release -p accelerate-rs-models --example hf_bench
+//!     cargo run --release -- launch --cpu -n 2 target/release/examples/hf_bench --steps 10
+
+use std::time::Instant;
+
+use accelerate_rs::optim::{AdamW, ParamsAdamW};
+use accelerate_rs::Accelerator;
+use accelerate_rs_models::{LlamaConfig, LlamaForCausalLm};
+use anyhow::Result;
+use candle_core::{DType, Tensor};
+use candle_nn::Optimizer;
+use clap::Parser;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+#[derive(Parser, Debug)]
+struct Args {
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    #[arg(long, default_value_t = 8000)]
+    vocab: usize,
+    #[arg(long, default_value_t = 512)]
+    hidden: usize,
+    #[arg(long, default_value_t = 1408)]
+    intermediate: usize,
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    #[arg(long, default_value_t = 2)]
+    kv_heads: usize,
+    #[arg(long, default_value_t = 256)]
+    seq: usize,
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let accelerator = Accelerator::new()?;
+    let device = accelerator.device().clone();
+    let json = serde_json::json!({
+        "model_type": "llama",
+        "vocab_size": args.vocab,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "max_position_embeddings": args.seq,
+        "tie_word_embeddings": false,
+    });
+    let config = LlamaConfig::from_json(std::path::Path::new("<hf_bench>"), &json)?;
+    let model = LlamaForCausalLm::from_config(&config, &device, DType::F32)?;
+    let opt = AdamW::new(
+        model.varmap().all_vars(),
+        ParamsAdamW {
+            lr: 1e-3,
+            ..Default::default()
+        },
+    )?;
+    accelerator.prepare_model(model.varmap())?;
+    let mut opt = accelerator.prepare_optimizer(opt);
+
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5EED + accelerator.rank() as u64);
+    let mut times = Vec::new();
+    for step in 0..args.warmup + args.steps {
+        if step == args.warmup {
+            accelerator.wait_for_everyone()?;
+        }
+        let ids: Vec<u32> = (0..args.batch * args.seq)
+            .map(|_| rng.random_range(0..args.vocab as u32))
+            .collect();
+        let ids = Tensor::from_vec(ids, (args.batch, args.seq), &device)?;
+        let labels = ids.to_dtype(DType::I64)?;
+        let start = Instant::now();
+        let loss = model.loss(&ids, &labels)?;
+        opt.backward_step(&loss)?;
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        if step >= args.warmup {
+            times.push(ms);
+        }
+    }
+    let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
+    let mut sorted = times.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
+    let world = accelerator.world_size();
+    let mean_all = accelerator.average(mean)?;
+    if accelerator.is_main_process() {
+        println!(
+            "RESULT-DDP world={world} ms_mean={mean_all:.4} ms_median={median:.4} samples_per_s={:.4}",
+            (world * args.batch) as f64 * 1e3 / mean_all
+        );
+    }
+    Ok(())
+}

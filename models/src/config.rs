@@ -1,0 +1,225 @@
+//! Hugging Face `config.json` files: which architecture a folder holds, and the parsing shared
+//! by the architectures' configurations (a missing key or a value of the wrong type is an error
+//! naming the file and the key).
+
+use std::path::{Path, PathBuf};
+
+use candle_core::DType;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::bert::BertConfig;
+use crate::error::{Error, Result};
+use crate::gpt2::Gpt2Config;
+use crate::llama::LlamaConfig;
+
+/// The `model_type` values this crate implements.
+pub const MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "gpt2", "bert"];
+
+/// A model folder's configuration, by family: what `config.json` says, parsed.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Config {
+    /// `model_type` `llama`, `mistral` or `qwen2`.
+    Llama(LlamaConfig),
+    /// `model_type` `gpt2`.
+    Gpt2(Gpt2Config),
+    /// `model_type` `bert`.
+    Bert(BertConfig),
+}
+
+impl Config {
+    /// Reads `path`: a `config.json`, or a model folder holding one. An unknown `model_type` is
+    /// an error naming the file and the value; a missing required key (`hidden_size`, ...) or a
+    /// value of the wrong type names the key.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let (path, json) = read_json(path.as_ref())?;
+        Self::from_json(&path, &json)
+    }
+
+    /// Parses a configuration already read; `path` is named in errors.
+    pub fn from_json(path: &Path, json: &serde_json::Value) -> Result<Self> {
+        let model_type = json
+            .get("model_type")
+            .ok_or_else(|| {
+                Error::config(
+                    path,
+                    Some("model_type"),
+                    format!("missing (one of {} expected)", MODEL_TYPES.join(", ")),
+                )
+            })?
+            .as_str()
+            .ok_or_else(|| {
+                Error::config(path, Some("model_type"), "expected a string".to_string())
+            })?;
+        match model_type {
+            "llama" | "mistral" | "qwen2" => Ok(Config::Llama(LlamaConfig::from_json(path, json)?)),
+            "gpt2" => Ok(Config::Gpt2(Gpt2Config::from_json(path, json)?)),
+            "bert" => Ok(Config::Bert(BertConfig::from_json(path, json)?)),
+            other => Err(Error::config(
+                path,
+                Some("model_type"),
+                format!(
+                    "unknown value `{other}`: this crate implements {}",
+                    MODEL_TYPES.join(", ")
+                ),
+            )),
+        }
+    }
+
+    /// The `model_type`.
+    pub fn model_type(&self) -> &str {
+        match self {
+            Config::Llama(c) => &c.model_type,
+            Config::Gpt2(_) => "gpt2",
+            Config::Bert(_) => "bert",
+        }
+    }
+
+    /// The first entry of `architectures` (the class `save_pretrained` was called on), if any.
+    pub fn architecture(&self) -> Option<&str> {
+        let extra = match self {
+            Config::Llama(c) => &c.extra,
+            Config::Gpt2(c) => &c.extra,
+            Config::Bert(c) => &c.extra,
+        };
+        extra
+            .get("architectures")
+            .and_then(|a| a.as_array())
+            .and_then(|a| a.first())
+            .and_then(|a| a.as_str())
+    }
+}
+
+/// Reads a JSON file (or `config.json` in a folder): the file's path and its value.
+pub(crate) fn read_json(path: &Path) -> Result<(PathBuf, serde_json::Value)> {
+    let path = if path.is_dir() {
+        path.join(accelerate_rs::checkpoint::CONFIG_FILE)
+    } else {
+        path.to_path_buf()
+    };
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::config(&path, None, format!("could not read it: {e}")))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::config(&path, None, format!("not valid JSON: {e}")))?;
+    if !json.is_object() {
+        return Err(Error::config(&path, None, "expected a JSON object"));
+    }
+    Ok((path, json))
+}
+
+/// Deserializes `json` into `T`, naming the key of a missing or mistyped value.
+pub(crate) fn parse<T: DeserializeOwned>(path: &Path, json: &serde_json::Value) -> Result<T> {
+    serde_path_to_error::deserialize(json).map_err(|e| {
+        let at = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        // serde's message for a missing key is "missing field `name`".
+        if let Some(rest) = inner.strip_prefix("missing field `") {
+            let key = rest.split('`').next().unwrap_or(rest);
+            let key = if at == "." || at.is_empty() {
+                key.to_string()
+            } else {
+                format!("{at}.{key}")
+            };
+            return Error::config(path, Some(&key), "missing (required)");
+        }
+        let key = (at != "." && !at.is_empty()).then_some(at);
+        Error::config(path, key.as_deref(), inner)
+    })
+}
+
+/// An activation function, by its `transformers` name (`hidden_act`, `activation_function`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Activation {
+    /// `gelu`: the exact GELU, `x Φ(x)` (erf).
+    #[serde(rename = "gelu")]
+    Gelu,
+    /// `gelu_new`: the tanh approximation.
+    #[serde(rename = "gelu_new")]
+    GeluNew,
+    /// `gelu_pytorch_tanh`: the tanh approximation.
+    #[serde(rename = "gelu_pytorch_tanh")]
+    GeluPytorchTanh,
+    /// `gelu_fast`: the tanh approximation.
+    #[serde(rename = "gelu_fast")]
+    GeluFast,
+    /// `relu`.
+    #[serde(rename = "relu")]
+    Relu,
+    /// `silu`: `x σ(x)`.
+    #[serde(rename = "silu")]
+    Silu,
+    /// `swish`: `x σ(x)`.
+    #[serde(rename = "swish")]
+    Swish,
+}
+
+impl Activation {
+    /// Applies it (differentiable: the tanh GELU, ReLU and SiLU are `accelerate_rs::nn`'s fused
+    /// ops, the exact GELU Candle's).
+    pub fn apply(self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+        match self {
+            Activation::Gelu => x.gelu_erf(),
+            Activation::GeluNew | Activation::GeluPytorchTanh | Activation::GeluFast => {
+                accelerate_rs::nn::gelu(x)
+            }
+            Activation::Relu => accelerate_rs::nn::relu(x),
+            Activation::Silu | Activation::Swish => accelerate_rs::nn::silu(x),
+        }
+    }
+}
+
+/// The `transformers` name of a dtype (`config.json`'s `dtype` / `torch_dtype`).
+pub(crate) fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "float32",
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        DType::F64 => "float64",
+        _ => "float32",
+    }
+}
+
+/// A configuration as `config.json`: `value` (the configuration's own serialization, unknown
+/// keys included) with `architectures` set to `class` and `dtype` (and `torch_dtype` when
+/// present) to the dtype the weights are saved in.
+pub(crate) fn to_config_json(
+    mut value: serde_json::Value,
+    class: &str,
+    dtype: DType,
+) -> serde_json::Value {
+    if let Some(map) = value.as_object_mut() {
+        map.insert("architectures".into(), serde_json::json!([class]));
+        map.insert("dtype".into(), dtype_name(dtype).into());
+        if map.contains_key("torch_dtype") {
+            map.insert("torch_dtype".into(), dtype_name(dtype).into());
+        }
+    }
+    value
+}
+
+/// A configuration's JSON form: its serialization with `model_type` set, without the `null`s of
+/// optional keys the original file did not have.
+pub(crate) fn config_value<T: Serialize>(
+    config: &T,
+    present: &std::collections::BTreeSet<String>,
+    model_type: &str,
+) -> serde_json::Value {
+    let mut v = serde_json::to_value(config)
+        .unwrap_or_else(|_| serde_json::Value::Object(Default::default()));
+    if let Some(m) = v.as_object_mut() {
+        m.retain(|k, v| !v.is_null() || present.contains(k));
+        m.insert("model_type".into(), model_type.into());
+    }
+    v
+}
+
+/// A check on a parsed configuration: `Ok` when `ok`, else an error naming `key`.
+pub(crate) fn ensure(ok: bool, path: &Path, key: &str, reason: impl Into<String>) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::config(path, Some(key), reason))
+    }
+}

@@ -1,0 +1,414 @@
+//! GPT-2 (`GPT2LMHeadModel`): learned positions, pre-norm blocks, its `Conv1D` weight layout
+//! (`[in, out]`), the output layer tied to the token embeddings; `transformers`' parameter names
+//! (`transformer.h.0.attn.c_attn.weight`, ...).
+
+use std::path::{Path, PathBuf};
+
+use accelerate_rs::nn::{packed_self_attention, AttentionOptions, LayerNorm, Linear};
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::config::{ensure, parse, read_json, Activation};
+use crate::error::Result as CrateResult;
+use crate::layers::{
+    attention, causal_lm_loss, check_mask, dropout, embedding, linear, lookup, norm_params, normal,
+    AttentionSpec,
+};
+use crate::pretrained::{check_architecture, pretrained_methods, Weights};
+
+fn default_act() -> Activation {
+    Activation::GeluNew
+}
+fn default_pdrop() -> f64 {
+    0.1
+}
+fn default_eps() -> f64 {
+    1e-5
+}
+fn default_init() -> f64 {
+    0.02
+}
+fn yes() -> bool {
+    true
+}
+
+/// A GPT-2 `config.json` (`GPT2Config`). `vocab_size`, `n_positions`, `n_embd`, `n_layer` and
+/// `n_head` are required; the rest default as in `transformers`. Other keys are kept in `extra`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Gpt2Config {
+    /// Tokens in the vocabulary.
+    pub vocab_size: usize,
+    /// The longest sequence (learned positions).
+    pub n_positions: usize,
+    /// The model width.
+    pub n_embd: usize,
+    /// Blocks.
+    pub n_layer: usize,
+    /// Attention heads.
+    pub n_head: usize,
+    /// The MLP's inner width; default `4 n_embd`.
+    #[serde(default)]
+    pub n_inner: Option<usize>,
+    /// The MLP's activation (`gelu_new`).
+    #[serde(default = "default_act")]
+    pub activation_function: Activation,
+    /// Dropout after each block's attention and MLP.
+    #[serde(default = "default_pdrop")]
+    pub resid_pdrop: f64,
+    /// Dropout on the embeddings.
+    #[serde(default = "default_pdrop")]
+    pub embd_pdrop: f64,
+    /// Dropout on the attention probabilities.
+    #[serde(default = "default_pdrop")]
+    pub attn_pdrop: f64,
+    /// LayerNorm's epsilon.
+    #[serde(default = "default_eps")]
+    pub layer_norm_epsilon: f64,
+    /// The standard deviation of the initial weights.
+    #[serde(default = "default_init")]
+    pub initializer_range: f64,
+    /// Scores divided by `sqrt(head width)`.
+    #[serde(default = "yes")]
+    pub scale_attn_weights: bool,
+    /// Scores also divided by the layer's index + 1.
+    #[serde(default)]
+    pub scale_attn_by_inverse_layer_idx: bool,
+    /// The output layer is the token embedding matrix (default).
+    #[serde(default = "yes")]
+    pub tie_word_embeddings: bool,
+    /// Every other key of the file, written back as it was.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, Value>,
+    #[serde(skip)]
+    path: PathBuf,
+    /// The keys the file had (a `null` is written back only where the file had one).
+    #[serde(skip)]
+    present: std::collections::BTreeSet<String>,
+}
+
+impl Gpt2Config {
+    /// Reads a `config.json` (or the one in a model folder).
+    pub fn from_file(path: impl AsRef<Path>) -> CrateResult<Self> {
+        let (path, json) = read_json(path.as_ref())?;
+        Self::from_json(&path, &json)
+    }
+
+    /// Parses and checks a configuration; `path` is named in errors.
+    pub fn from_json(path: &Path, json: &Value) -> CrateResult<Self> {
+        let mut c: Gpt2Config = parse(path, json)?;
+        c.path = path.to_path_buf();
+        c.present = json
+            .as_object()
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default();
+        c.check()?;
+        Ok(c)
+    }
+
+    fn check(&self) -> CrateResult<()> {
+        let p = &self.path;
+        for (key, v) in [
+            ("vocab_size", self.vocab_size),
+            ("n_positions", self.n_positions),
+            ("n_embd", self.n_embd),
+            ("n_head", self.n_head),
+        ] {
+            ensure(v > 0, p, key, "must be at least 1")?;
+        }
+        ensure(
+            self.n_embd % self.n_head == 0,
+            p,
+            "n_embd",
+            format!(
+                "{} is not a multiple of n_head = {}",
+                self.n_embd, self.n_head
+            ),
+        )?;
+        for (key, v) in [
+            ("resid_pdrop", self.resid_pdrop),
+            ("embd_pdrop", self.embd_pdrop),
+            ("attn_pdrop", self.attn_pdrop),
+        ] {
+            ensure((0.0..1.0).contains(&v), p, key, "must be in [0, 1)")?;
+        }
+        Ok(())
+    }
+
+    /// The MLP's inner width.
+    pub fn inner(&self) -> usize {
+        self.n_inner.unwrap_or(4 * self.n_embd)
+    }
+}
+
+/// `transformers`' `Conv1D`: `y = x W + b` with `W` stored `[in, out]`.
+#[derive(Debug, Clone)]
+struct Conv1D {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Conv1D {
+    fn new(in_dim: usize, out_dim: usize, std: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(Conv1D {
+            weight: vb.get_with_hints((in_dim, out_dim), "weight", normal(std))?,
+            bias: vb.get_with_hints(out_dim, "bias", candle_nn::Init::Const(0.0))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // The fused `Linear` takes `[out, in]`: one transposed copy of the weight per call
+        // (its gradient flows back through the copy).
+        Linear::new(self.weight.t()?.contiguous()?, Some(self.bias.clone())).forward(x)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    ln_1: LayerNorm,
+    c_attn: Conv1D,
+    c_proj: Conv1D,
+    ln_2: LayerNorm,
+    c_fc: Conv1D,
+    mlp_proj: Conv1D,
+    heads: usize,
+    scale: f64,
+    act: Activation,
+    attn_pdrop: f64,
+    resid_pdrop: f64,
+}
+
+fn layer_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
+    let (w, b) = norm_params(size, true, &vb)?;
+    let b = b.ok_or_else(|| candle_core::Error::Msg("layer norm without bias".into()))?;
+    Ok(LayerNorm::new(w, b, eps))
+}
+
+impl Block {
+    fn new(c: &Gpt2Config, layer: usize, std: f64, vb: VarBuilder) -> Result<Self> {
+        let e = c.n_embd;
+        let mut scale = if c.scale_attn_weights {
+            1.0 / ((e / c.n_head) as f64).sqrt()
+        } else {
+            1.0
+        };
+        if c.scale_attn_by_inverse_layer_idx {
+            scale /= (layer + 1) as f64;
+        }
+        Ok(Block {
+            ln_1: layer_norm(e, c.layer_norm_epsilon, vb.pp("ln_1"))?,
+            c_attn: Conv1D::new(e, 3 * e, std, vb.pp("attn.c_attn"))?,
+            c_proj: Conv1D::new(e, e, std, vb.pp("attn.c_proj"))?,
+            ln_2: layer_norm(e, c.layer_norm_epsilon, vb.pp("ln_2"))?,
+            c_fc: Conv1D::new(e, c.inner(), std, vb.pp("mlp.c_fc"))?,
+            mlp_proj: Conv1D::new(c.inner(), e, std, vb.pp("mlp.c_proj"))?,
+            heads: c.n_head,
+            scale,
+            act: c.activation_function,
+            attn_pdrop: c.attn_pdrop,
+            resid_pdrop: c.resid_pdrop,
+        })
+    }
+
+    fn attention(&self, x: &Tensor, mask: Option<&Tensor>, train: bool) -> Result<Tensor> {
+        let qkv = self.c_attn.forward(x)?;
+        if train && self.attn_pdrop > 0.0 {
+            let (b, t, c3) = qkv.dims3()?;
+            let (h, d) = (self.heads, c3 / 3 / self.heads);
+            let split = qkv.reshape((b, t, 3, h, d))?.permute((2, 0, 3, 1, 4))?;
+            let spec = AttentionSpec {
+                causal: true,
+                mask,
+                window: None,
+                scale: self.scale,
+                dropout: self.attn_pdrop,
+            };
+            let y = attention(&split.get(0)?, &split.get(1)?, &split.get(2)?, &spec, train)?;
+            return y.transpose(1, 2)?.reshape((b, t, h * d));
+        }
+        let mut options = AttentionOptions::default().causal(true).scale(self.scale);
+        if let Some(m) = mask {
+            options = options.key_padding_mask(m.eq(0.0)?);
+        }
+        packed_self_attention(&qkv, self.heads, &options)
+    }
+
+    fn forward(&self, x: &Tensor, mask: Option<&Tensor>, train: bool) -> Result<Tensor> {
+        let a = self
+            .c_proj
+            .forward(&self.attention(&self.ln_1.forward(x)?, mask, train)?)?;
+        let h = (x + dropout(&a, self.resid_pdrop, train)?)?;
+        let m = self.mlp_proj.forward(
+            &self
+                .act
+                .apply(&self.c_fc.forward(&self.ln_2.forward(&h)?)?)?,
+        )?;
+        &h + dropout(&m, self.resid_pdrop, train)?
+    }
+}
+
+/// GPT-2 with its language-model head (`GPT2LMHeadModel`), trainable: every parameter gets a
+/// gradient. It owns its parameters ([`varmap`](Self::varmap)), under the checkpoints' names.
+#[derive(Debug, Clone)]
+pub struct Gpt2LmHeadModel {
+    config: Gpt2Config,
+    wte: Tensor,
+    wpe: Tensor,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    lm_head: Linear,
+    weights: Weights,
+    training: bool,
+}
+
+pretrained_methods!(Gpt2LmHeadModel);
+
+impl Gpt2LmHeadModel {
+    /// A model with fresh parameters, drawn as `transformers` initializes them.
+    pub fn from_config(config: &Gpt2Config, device: &Device, dtype: DType) -> CrateResult<Self> {
+        Self::build(config, device, dtype, config.initializer_range)
+    }
+
+    /// Loads a Hugging Face folder (`config.json` and the weights, single or sharded), all or
+    /// nothing. Checkpoints of the bare `GPT2Model` (names without `transformer.`, such as the
+    /// original `gpt2`) load too.
+    pub fn from_pretrained(
+        dir: impl AsRef<Path>,
+        device: &Device,
+        dtype: DType,
+    ) -> CrateResult<Self> {
+        let dir = dir.as_ref();
+        let (path, json) = read_json(dir)?;
+        check_architecture(&path, &json, &["GPT2LMHeadModel", "GPT2Model"])?;
+        let config = Gpt2Config::from_json(&path, &json)?;
+        Self::load(config, dir, device, dtype)
+    }
+
+    pub(crate) fn load(
+        config: Gpt2Config,
+        dir: &Path,
+        device: &Device,
+        dtype: DType,
+    ) -> CrateResult<Self> {
+        let model = Self::build(&config, device, dtype, 0.0)?;
+        let tied = config.tie_word_embeddings;
+        model.weights.load(dir, |name| {
+            // The causal-mask buffers of older checkpoints.
+            if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") {
+                return None;
+            }
+            if name == "lm_head.weight" {
+                return (!tied).then(|| name.to_string());
+            }
+            if name.starts_with("transformer.") {
+                Some(name.to_string())
+            } else {
+                Some(format!("transformer.{name}"))
+            }
+        })?;
+        Ok(model)
+    }
+
+    fn build(config: &Gpt2Config, device: &Device, dtype: DType, std: f64) -> CrateResult<Self> {
+        config.check()?;
+        let (parts, weights) = Weights::build(device, dtype, |vb| {
+            let t = vb.pp("transformer");
+            let wte = embedding(config.vocab_size, config.n_embd, std, t.pp("wte"))?;
+            let wpe = embedding(config.n_positions, config.n_embd, std, t.pp("wpe"))?;
+            let blocks = (0..config.n_layer)
+                .map(|i| Block::new(config, i, std, t.pp(format!("h.{i}"))))
+                .collect::<Result<Vec<_>>>()?;
+            let ln_f = layer_norm(config.n_embd, config.layer_norm_epsilon, t.pp("ln_f"))?;
+            let lm_head = if config.tie_word_embeddings {
+                Linear::new(wte.clone(), None)
+            } else {
+                linear(
+                    config.n_embd,
+                    config.vocab_size,
+                    false,
+                    std,
+                    vb.pp("lm_head"),
+                )?
+            };
+            Ok((wte, wpe, blocks, ln_f, lm_head))
+        })?;
+        let (wte, wpe, blocks, ln_f, lm_head) = parts;
+        Ok(Gpt2LmHeadModel {
+            config: config.clone(),
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            lm_head,
+            weights,
+            training: false,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Gpt2Config {
+        &self.config
+    }
+
+    fn config_value(&self) -> Value {
+        crate::config::config_value(&self.config, &self.config.present, "gpt2")
+    }
+
+    fn class_name(&self) -> &'static str {
+        "GPT2LMHeadModel"
+    }
+
+    /// The final hidden states `[B, T, n_embd]` (after `ln_f`) of `input_ids` `[B, T]`, with an
+    /// optional `attention_mask` `[B, T]` (1 token, 0 padding). Positions are `0..T`; a
+    /// sequence longer than `n_positions` is an error.
+    pub fn hidden_states(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (b, t) = input_ids.dims2()?;
+        check_mask(attention_mask, b, t)?;
+        if t > self.config.n_positions {
+            candle_core::bail!(
+                "input_ids: {t} tokens, but GPT-2 has positions for n_positions = {} only",
+                self.config.n_positions
+            );
+        }
+        // GPT-2's embedding has no padding index.
+        let tok = lookup(&self.wte, input_ids, None, "input_ids")?;
+        let pos = self.wpe.narrow(0, 0, t)?.unsqueeze(0)?;
+        let mut h = dropout(
+            &tok.broadcast_add(&pos)?,
+            self.config.embd_pdrop,
+            self.training,
+        )?;
+        for block in &self.blocks {
+            h = block.forward(&h, attention_mask, self.training)?;
+        }
+        self.ln_f.forward(&h)
+    }
+
+    /// The logits `[B, T, vocab]` of every position.
+    pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
+        self.lm_head
+            .forward(&self.hidden_states(input_ids, attention_mask)?)
+    }
+
+    /// The next-token loss (labels shifted here, -100 ignored), the head and the cross-entropy
+    /// fused.
+    pub fn loss(&self, input_ids: &Tensor, labels: &Tensor) -> Result<Tensor> {
+        self.loss_with_mask(input_ids, None, labels)
+    }
+
+    /// [`loss`](Self::loss) with an attention mask.
+    pub fn loss_with_mask(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        labels: &Tensor,
+    ) -> Result<Tensor> {
+        let hidden = self.hidden_states(input_ids, attention_mask)?;
+        causal_lm_loss(&hidden, &self.lm_head, labels)
+    }
+}

@@ -1,0 +1,76 @@
+//! # accelerate-rs-models
+//!
+//! Hugging Face architectures that **train** with [accelerate-rs](accelerate_rs): Llama 2/3,
+//! Mistral and Qwen2 (one implementation), GPT-2, and BERT (masked-LM and
+//! sequence-classification heads), loaded from and saved to Hugging Face model folders, with
+//! `tokenizer.json` through the `tokenizers` crate.
+//!
+//! Built on `accelerate_rs::nn`'s differentiable fused layers (RMSNorm, LayerNorm, attention,
+//! `Linear`, GELU, the head fused with the cross-entropy) and differentiable RoPE, so that
+//! **every parameter gets a gradient**: unlike `candle-transformers`' models, whose fused norms,
+//! softmax and RoPE have no backward pass, the whole model learns. Forward passes are
+//! training-shaped: the full sequence, an attention (padding) mask, logits for every position,
+//! and `loss(input_ids, labels)` with `transformers`' shift and ignore index (-100).
+//!
+//! ```no_run
+//! use accelerate_rs::optim::AdamW;
+//! use accelerate_rs::{Accelerator, DataLoader, TensorDataset};
+//! use accelerate_rs_models::{load_tokenizer, AutoModel};
+//! use candle_core::DType;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let accelerator = Accelerator::new()?;
+//! let mut model = AutoModel::from_pretrained("my-llama", accelerator.device(), DType::F32)?;
+//! let tokenizer = load_tokenizer("my-llama")?;
+//! # let loader: DataLoader = todo!();
+//! let opt = AdamW::new_lr(model.varmap().all_vars(), 1e-4)?;
+//! let (mut opt, mut loader) = accelerator.prepare(model.varmap(), opt, loader)?;
+//! model.train(true);
+//! for batch in loader.iter()? {
+//!     let batch = batch?;
+//!     let loss = model.loss(&batch[0], &batch[0])?; // next-token loss, shifted inside
+//!     opt.backward_step(&loss)?;
+//! }
+//! if accelerator.is_main_process() {
+//!     model.save_pretrained("my-llama-finetuned")?; // transformers loads it
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! Each model owns its parameters ([`LlamaForCausalLm::varmap`]), under the Hugging Face names
+//! (`model.layers.0.self_attn.q_proj.weight`, `transformer.h.0.attn.c_attn.weight`,
+//! `bert.encoder.layer.0.attention.self.query.weight`), so a folder `save_pretrained` wrote in
+//! Python loads here, and one saved here loads in `transformers`. Loading is all or nothing
+//! (`accelerate_rs::checkpoint::load_weights`): a missing, unexpected or mis-shaped tensor, a
+//! truncated shard or an unknown `model_type` is an error naming the file and the tensor or key.
+//!
+//! Parity with `transformers` is tested against golden files (`models/tests/fixtures`, written
+//! by `scripts/hf_reference.py`): logits, loss, every gradient, and the parameters after three
+//! AdamW steps.
+//!
+//! The `hub` feature adds `hub::download` (the `hf-hub` crate).
+#![deny(missing_docs)]
+
+mod auto;
+mod bert;
+mod config;
+mod error;
+mod gpt2;
+#[cfg(feature = "hub")]
+pub mod hub;
+mod layers;
+mod llama;
+mod pretrained;
+mod rope;
+mod tokenizer;
+
+pub use auto::{AutoModel, Task, ARCHITECTURES};
+pub use bert::{BertConfig, BertForMaskedLm, BertForSequenceClassification};
+pub use config::{Activation, Config, MODEL_TYPES};
+pub use error::{Error, Result};
+pub use gpt2::{Gpt2Config, Gpt2LmHeadModel};
+pub use layers::IGNORE_INDEX;
+pub use llama::{LlamaConfig, LlamaForCausalLm};
+pub use pretrained::DEFAULT_MAX_SHARD_BYTES;
+pub use rope::{RopeConfig, RopeScaling};
+pub use tokenizer::{encode_corpus, load_tokenizer, Tokenizer, TOKENIZER_FILE};

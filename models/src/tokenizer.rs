@@ -1,0 +1,51 @@
+//! `tokenizer.json` through the `tokenizers` crate (pure Rust here: its regex engine is
+//! `fancy-regex`, no C library).
+
+use std::path::{Path, PathBuf};
+
+pub use tokenizers::Tokenizer;
+
+use crate::error::{Error, Result};
+
+/// The tokenizer file of a model folder.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// Reads `tokenizer.json`: the file, or the one in a model folder. The error names the file.
+pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
+    let path = tokenizer_path(path.as_ref());
+    if !path.is_file() {
+        return Err(Error::Tokenizer {
+            path,
+            reason: "no such file (a Hugging Face tokenizer folder holds tokenizer.json)".into(),
+        });
+    }
+    Tokenizer::from_file(&path).map_err(|e| Error::Tokenizer {
+        reason: format!("could not read it: {e}"),
+        path,
+    })
+}
+
+fn tokenizer_path(path: &Path) -> PathBuf {
+    if path.is_dir() {
+        path.join(TOKENIZER_FILE)
+    } else {
+        path.to_path_buf()
+    }
+}
+
+/// The token ids of `text`, without special tokens (for a running corpus that is cut into
+/// windows afterwards). Lines are encoded in parallel, each with its line break, and the ids
+/// joined in order.
+pub fn encode_corpus(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let lines: Vec<String> = text.split_inclusive('\n').map(str::to_string).collect();
+    let encodings = tokenizer
+        .encode_batch(lines, false)
+        .map_err(|e| Error::Tokenizer {
+            path: PathBuf::from("<tokenizer>"),
+            reason: format!("could not encode the text: {e}"),
+        })?;
+    Ok(encodings
+        .iter()
+        .flat_map(|e| e.get_ids().iter().copied())
+        .collect())
+}

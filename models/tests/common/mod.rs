@@ -1,0 +1,61 @@
+//! Helpers of the model tests: the committed fixtures and their golden files, and tensor
+//! comparisons.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor};
+
+/// The fixtures `scripts/hf_reference.py fixtures` writes, one per architecture.
+pub const ARCHS: &[&str] = &[
+    "llama",
+    "llama_tied",
+    "mistral",
+    "qwen2",
+    "gpt2",
+    "bert_mlm",
+    "bert_cls",
+];
+
+/// The folder of fixture `name`.
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+/// The golden tensors of fixture `name`.
+pub fn golden(name: &str) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(fixture(name).join("golden.safetensors"), &Device::Cpu).unwrap()
+}
+
+/// `max |a - b| / max |b|`: the largest difference relative to the reference's scale.
+pub fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    let a = a.to_dtype(DType::F32).unwrap();
+    let b = b.to_dtype(DType::F32).unwrap();
+    let max = |t: Tensor| {
+        t.abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
+    let diff = max((&a - &b).unwrap());
+    diff / max(b).max(1e-12)
+}
+
+/// A copy of fixture `name` in a fresh temporary folder (to damage).
+pub fn copy_fixture(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dst = tmp.path().join(name);
+    std::fs::create_dir(&dst).unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dst.join(entry.file_name())).unwrap();
+    }
+    (tmp, dst)
+}

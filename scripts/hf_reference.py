@@ -1,0 +1,379 @@
+#!/usr/bin/env python3
+"""Golden files for accelerate-rs-models' parity tests, from Hugging Face `transformers`.
+
+Needs `pip install torch transformers safetensors` (PyPI; CPU is enough). Not run by CI: its
+outputs are committed, and `cargo test -p accelerate-rs-models` checks against them without
+Python.
+
+    python scripts/hf_reference.py fixtures [--out models/tests/fixtures]
+        For each architecture (Llama with grouped-query attention and Llama 3 RoPE scaling,
+        Llama with tied embeddings and biases, Mistral with a sliding window that cuts, Qwen2,
+        GPT-2, BERT masked-LM, BERT sequence classification): a tiny random model saved as a
+        Hugging Face folder (float32), and `golden.safetensors` beside it holding the inputs
+        (`input_ids`, `attention_mask`, `labels`), the `logits`, the `loss`, every parameter's
+        gradient (`grad.<name>`) and every parameter after 3 AdamW steps (`step3.<name>`).
+
+    python scripts/hf_reference.py check DIR [DIR ...]
+        Loads each folder accelerate-rs saved (`save_pretrained`) into `transformers` with
+        `AutoModelFor*.from_pretrained`, runs the inputs of `DIR/probe.safetensors` (or the
+        file given by --probe) and compares with the logits accelerate-rs computed there.
+        `cargo run -p accelerate-rs-models --example roundtrip -- OUT` writes such folders for
+        every fixture; `finetune --probe FILE` writes one for its output.
+
+    python scripts/hf_reference.py tokenizer [--corpus data/corpus.txt] [--out DIR] [--arch A]
+        Trains a tiny byte-level BPE tokenizer on the corpus and saves, with it, a tiny random
+        model (`llama`, `gpt2` or `bert`) as a Hugging Face folder: the fine-tuning example's
+        model (`models/examples/tiny-llama`, committed).
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    BertConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+
+# accelerate_rs::optim::AdamW's hyper-parameters (src/optim/adamw.rs: lr, betas, eps,
+# weight_decay, bias correction; decay on every parameter).
+LR = 1e-3
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+WEIGHT_DECAY = 0.01
+STEPS = 3
+
+BATCH, SEQ, VOCAB = 2, 8, 64
+
+
+def configs():
+    """name -> (config, auto class, task)."""
+    tiny = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2)
+    return {
+        # GQA (2 query heads share 1 key/value head), head_dim 8: the four inverse frequencies
+        # fall in Llama 3's high, medium and low bands with original_max_position_embeddings 128.
+        "llama": (
+            LlamaConfig(
+                **tiny,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=256,
+                pad_token_id=0,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 4.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 128,
+                },
+                tie_word_embeddings=False,
+            ),
+            AutoModelForCausalLM,
+            "causal",
+        ),
+        "llama_tied": (
+            LlamaConfig(
+                **tiny,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                max_position_embeddings=64,
+                tie_word_embeddings=True,
+                attention_bias=True,
+                mlp_bias=True,
+                rope_theta=500.0,
+            ),
+            AutoModelForCausalLM,
+            "causal",
+        ),
+        # A window of 4 over 8 tokens: the sliding window really cuts.
+        "mistral": (
+            MistralConfig(
+                **tiny,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=8,
+                max_position_embeddings=64,
+                sliding_window=4,
+                tie_word_embeddings=False,
+            ),
+            AutoModelForCausalLM,
+            "causal",
+        ),
+        "qwen2": (
+            Qwen2Config(
+                **tiny,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+                tie_word_embeddings=True,
+            ),
+            AutoModelForCausalLM,
+            "causal",
+        ),
+        "gpt2": (
+            GPT2Config(
+                vocab_size=VOCAB,
+                n_embd=16,
+                n_layer=2,
+                n_head=2,
+                n_positions=16,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+            AutoModelForCausalLM,
+            "causal",
+        ),
+        "bert_mlm": (
+            BertConfig(
+                **tiny,
+                num_attention_heads=2,
+                max_position_embeddings=16,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            ),
+            AutoModelForMaskedLM,
+            "mlm",
+        ),
+        "bert_cls": (
+            BertConfig(
+                **tiny,
+                num_attention_heads=2,
+                max_position_embeddings=16,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                num_labels=3,
+            ),
+            AutoModelForSequenceClassification,
+            "cls",
+        ),
+    }
+
+
+def randomize(model, gen):
+    """Every parameter drawn afresh (larger than `transformers`' 0.02 init, so that logits and
+    gradients are far from trivial): norms' gains near 1, everything else N(0, 0.3^2)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            is_gain = p.dim() == 1 and ("norm" in name.lower() or ".ln_" in name)
+            if is_gain and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_(0.3 * noise)
+
+
+def inputs(task, gen):
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, -2:] = 0  # the second sequence is right-padded by two tokens...
+    ids[1, -2:] = 0  # ...of id 0 (the padding index where pad_token_id is 0: no gradient)
+    if task == "causal":
+        labels = ids.clone()
+        labels[mask == 0] = -100
+    elif task == "mlm":
+        labels = torch.full_like(ids, -100)
+        for b, positions in enumerate([[1, 3, 6], [0, 2, 5]]):
+            for t in positions:
+                labels[b, t] = torch.randint(0, VOCAB, (1,), generator=gen).item()
+    else:
+        labels = torch.tensor([2, 0])
+    return ids, mask, labels
+
+
+def state_names(model):
+    """Parameter name -> tensor, as save_pretrained writes them (tied copies once)."""
+    seen = {}
+    for name, p in model.named_parameters():  # named_parameters skips tied duplicates
+        seen[name] = p
+    return seen
+
+
+def make_fixture(name, out, seed):
+    config, auto, task = configs()[name]
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = auto.from_config(config, attn_implementation="eager")
+    randomize(model, gen)
+    folder = os.path.join(out, name)
+    model.save_pretrained(folder)
+    # Generation settings play no part in the tests.
+    gen_config = os.path.join(folder, "generation_config.json")
+    if os.path.exists(gen_config):
+        os.remove(gen_config)
+    saved = load_file(os.path.join(folder, "model.safetensors"))
+    params = state_names(model)
+    missing = set(params) - set(saved)
+    if missing:
+        sys.exit(f"{name}: parameters not in the saved file: {sorted(missing)}")
+
+    ids, mask, labels = inputs(task, gen)
+    model.train()  # dropout is 0 in every fixture: train mode is deterministic
+    out_ = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out_.loss.backward()
+    golden = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": labels,
+        "logits": out_.logits.detach().contiguous(),
+        "loss": out_.loss.detach().reshape(1),
+    }
+    for pname, p in params.items():
+        if p.grad is None:
+            sys.exit(f"{name}: {pname} got no gradient in transformers")
+        golden[f"grad.{pname}"] = p.grad.detach().clone().contiguous()
+
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
+    )
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    for pname, p in params.items():
+        golden[f"step{STEPS}.{pname}"] = p.detach().clone().contiguous()
+    golden["step_losses"] = torch.tensor(losses)
+    save_file(golden, os.path.join(folder, "golden.safetensors"))
+    size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+    print(f"{name}: {len(params)} tensors, loss {out_.loss.item():.6f}, {size / 1024:.1f} KiB")
+
+
+AUTO_BY_ARCH = {
+    "ForCausalLM": AutoModelForCausalLM,
+    "LMHeadModel": AutoModelForCausalLM,
+    "ForMaskedLM": AutoModelForMaskedLM,
+    "ForSequenceClassification": AutoModelForSequenceClassification,
+}
+
+
+def check(folder, probe_path):
+    probe_path = probe_path or os.path.join(folder, "probe.safetensors")
+    probe = load_file(probe_path)
+    with open(os.path.join(folder, "config.json")) as f:
+        arch = json.load(f)["architectures"][0]
+    auto = next(a for suffix, a in AUTO_BY_ARCH.items() if arch.endswith(suffix))
+    model = auto.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(
+            input_ids=probe["input_ids"], attention_mask=probe.get("attention_mask")
+        ).logits
+    want = probe["logits"].float()
+    diff = (logits - want).abs().max().item()
+    scale = want.abs().max().item()
+    ok = diff <= 1e-4 * max(scale, 1.0)
+    print(
+        f"{folder}: {arch} loaded by transformers {transformers.__version__}; max |logits diff| "
+        f"{diff:.3e} (scale {scale:.3f}): {'OK' if ok else 'MISMATCH'}"
+    )
+    return ok
+
+
+def make_tokenizer(corpus, out, vocab_size, arch):
+    """A byte-level BPE tokenizer trained on `corpus` and a tiny random model of `arch` whose
+    vocabulary is the tokenizer's, saved together as a Hugging Face folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<mask>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train([corpus], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        mask_token="<mask>",
+    )
+    torch.manual_seed(0)
+    vocab = tok.get_vocab_size()
+    if arch == "llama":
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        model = AutoModelForCausalLM.from_config(config)
+    elif arch == "gpt2":
+        config = GPT2Config(
+            vocab_size=vocab, n_embd=48, n_layer=2, n_head=4, n_positions=256,
+            bos_token_id=1, eos_token_id=2,
+        )
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        config = BertConfig(
+            vocab_size=vocab, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=128, max_position_embeddings=256, pad_token_id=0,
+        )
+        model = AutoModelForMaskedLM.from_config(config)
+    model.save_pretrained(out)
+    gen_config = os.path.join(out, "generation_config.json")
+    if os.path.exists(gen_config):
+        os.remove(gen_config)
+    fast.save_pretrained(out)
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+    print(f"{out}: tokenizer of {vocab} tokens and a tiny {arch}, {size / 1024:.0f} KiB")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("fixtures")
+    f.add_argument("--out", default="models/tests/fixtures")
+    f.add_argument("--only", nargs="*")
+    c = sub.add_parser("check")
+    c.add_argument("dirs", nargs="+")
+    c.add_argument("--probe")
+    t = sub.add_parser("tokenizer")
+    t.add_argument("--corpus", default="data/corpus.txt")
+    t.add_argument("--out", default="models/examples/tiny-llama")
+    t.add_argument("--vocab-size", type=int, default=384)
+    t.add_argument("--arch", choices=["llama", "gpt2", "bert"], default="llama")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.cmd == "fixtures":
+        for i, name in enumerate(configs()):
+            if args.only and name not in args.only:
+                continue
+            make_fixture(name, args.out, seed=1000 + i)
+    elif args.cmd == "check":
+        ok = all([check(d, args.probe) for d in args.dirs])
+        sys.exit(0 if ok else 1)
+    else:
+        make_tokenizer(args.corpus, args.out, args.vocab_size, args.arch)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,473 @@
+//! Loading a model's weights from safetensors files into its parameters: one `model.safetensors`,
+//! or a sharded checkpoint (`model.safetensors.index.json` and the files its `weight_map` names),
+//! as Hugging Face tooling and [`save_model_sharded`](crate::Accelerator::save_model_sharded)
+//! write them.
+//!
+//! All or nothing: every file's header is read and every tensor checked against the model (name,
+//! shape, dtype family) before any data is read, and every tensor is read and converted before
+//! any parameter changes. An error names the file and the tensor.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::Load;
+use candle_core::{Tensor, Var};
+use safetensors::SafeTensors;
+
+use crate::error::{Error, Result};
+use crate::train::params::Parameters;
+
+/// The single-file checkpoint of a model folder.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// The index of a sharded checkpoint (`weight_map`: tensor name → file).
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// A model folder's Hugging Face configuration.
+pub const CONFIG_FILE: &str = "config.json";
+
+fn file_err(path: &Path, tensor: Option<&str>, reason: impl Into<String>) -> Error {
+    Error::ModelFile {
+        path: path.to_path_buf(),
+        tensor: tensor.map(str::to_string),
+        reason: reason.into(),
+        source: None,
+    }
+}
+
+fn io_file_err(path: &Path, reason: impl Into<String>, source: std::io::Error) -> Error {
+    Error::ModelFile {
+        path: path.to_path_buf(),
+        tensor: None,
+        reason: reason.into(),
+        source: Some(source),
+    }
+}
+
+/// The safetensors files of a model checkpoint, found from a folder, a `.safetensors` file or an
+/// index file.
+#[derive(Debug, Clone)]
+pub struct WeightFiles {
+    /// The files, in order.
+    files: Vec<PathBuf>,
+    /// With a sharded checkpoint: the index file, and each tensor's file (an index into `files`).
+    index: Option<(PathBuf, BTreeMap<String, usize>)>,
+}
+
+impl WeightFiles {
+    /// Finds the weight files at `path`: a folder holding `model.safetensors` (taken first, as
+    /// `transformers` does) or `model.safetensors.index.json`, a `.json` index, or a single
+    /// safetensors file. An index naming a file that is absent is an error naming the index, the
+    /// file and a tensor it should hold; file names in an index may not leave its folder.
+    pub fn find(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            let single = path.join(SINGLE_FILE);
+            if single.is_file() {
+                return Ok(WeightFiles {
+                    files: vec![single],
+                    index: None,
+                });
+            }
+            let index = path.join(INDEX_FILE);
+            if index.is_file() {
+                return Self::from_index(&index);
+            }
+            return Err(file_err(
+                path,
+                None,
+                format!("the folder holds neither {SINGLE_FILE} nor {INDEX_FILE}"),
+            ));
+        }
+        if !path.is_file() {
+            return Err(file_err(path, None, "no such file or folder"));
+        }
+        if path.extension().is_some_and(|e| e == "json") {
+            return Self::from_index(path);
+        }
+        Ok(WeightFiles {
+            files: vec![path.to_path_buf()],
+            index: None,
+        })
+    }
+
+    fn from_index(index: &Path) -> Result<Self> {
+        let text = fs::read_to_string(index)
+            .map_err(|e| io_file_err(index, "could not read the index", e))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| file_err(index, None, format!("not valid JSON: {e}")))?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| {
+                file_err(
+                    index,
+                    None,
+                    "has no `weight_map` object (tensor name → file name)",
+                )
+            })?;
+        let folder = index.parent().unwrap_or_else(|| Path::new("."));
+        let mut files: Vec<PathBuf> = Vec::new();
+        let mut by_name: HashMap<String, usize> = HashMap::new();
+        let mut tensors = BTreeMap::new();
+        for (tensor, file) in map {
+            let Some(file) = file.as_str() else {
+                return Err(file_err(
+                    index,
+                    Some(tensor),
+                    format!("its file in `weight_map` is {file}, not a file name"),
+                ));
+            };
+            let plain = Path::new(file)
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)));
+            if !plain || file.is_empty() {
+                return Err(file_err(
+                    index,
+                    Some(tensor),
+                    format!("its file `{file}` is not a plain file name in the index's folder"),
+                ));
+            }
+            let i = match by_name.get(file) {
+                Some(&i) => i,
+                None => {
+                    let full = folder.join(file);
+                    if !full.is_file() {
+                        return Err(file_err(
+                            index,
+                            Some(tensor),
+                            format!(
+                                "the shard `{file}` that should hold it is missing ({} not found)",
+                                full.display()
+                            ),
+                        ));
+                    }
+                    files.push(full);
+                    by_name.insert(file.to_string(), files.len() - 1);
+                    files.len() - 1
+                }
+            };
+            tensors.insert(tensor.clone(), i);
+        }
+        if files.is_empty() {
+            return Err(file_err(index, None, "its `weight_map` is empty"));
+        }
+        Ok(WeightFiles {
+            files,
+            index: Some((index.to_path_buf(), tensors)),
+        })
+    }
+
+    /// The safetensors files, in order.
+    pub fn files(&self) -> &[PathBuf] {
+        &self.files
+    }
+
+    /// The index file of a sharded checkpoint.
+    pub fn index_file(&self) -> Option<&Path> {
+        self.index.as_ref().map(|(p, _)| p.as_path())
+    }
+}
+
+/// One safetensors file's tensor from its header: dtype, shape and byte range in the data.
+struct HeaderEntry {
+    dtype: String,
+    shape: Vec<usize>,
+    offsets: (usize, usize),
+}
+
+/// Reads the header of a safetensors file by hand, to say which tensor a truncated file cuts
+/// off (the `safetensors` crate only says that the file is incomplete).
+fn truncated_tensor(bytes: &[u8]) -> Option<(String, HeaderEntry, usize)> {
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+    let header = bytes.get(8..8usize.checked_add(n)?)?;
+    let json: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
+    let data_len = bytes.len() - 8 - n;
+    let mut entries: Vec<(String, HeaderEntry)> = json
+        .into_iter()
+        .filter(|(k, _)| k != "__metadata__")
+        .filter_map(|(k, v)| {
+            let offsets = v.get("data_offsets")?.as_array()?;
+            let (a, b) = (offsets.first()?.as_u64()?, offsets.get(1)?.as_u64()?);
+            let shape = v
+                .get("shape")?
+                .as_array()?
+                .iter()
+                .map(|d| d.as_u64().map(|d| d as usize))
+                .collect::<Option<Vec<_>>>()?;
+            let dtype = v.get("dtype")?.as_str()?.to_string();
+            Some((
+                k,
+                HeaderEntry {
+                    dtype,
+                    shape,
+                    offsets: (a as usize, b as usize),
+                },
+            ))
+        })
+        .collect();
+    entries.sort_by_key(|(_, e)| e.offsets.0);
+    entries
+        .into_iter()
+        .find(|(_, e)| e.offsets.1 > data_len)
+        .map(|(k, e)| (k, e, data_len))
+}
+
+/// A mapped safetensors file and its parsed header.
+struct Mapped {
+    path: PathBuf,
+    mmap: memmap2::Mmap,
+}
+
+impl Mapped {
+    fn open(path: &Path) -> Result<Self> {
+        let file = fs::File::open(path).map_err(|e| io_file_err(path, "could not open it", e))?;
+        // SAFETY: the map is read-only and lives as long as this value. Another process
+        // truncating the file while it is mapped would fault the reader; that is the contract of
+        // every memory-mapped checkpoint loader (Candle's `MmapedSafetensors` included), and
+        // model files are not modified while a model loads.
+        let mmap = unsafe { memmap2::Mmap::map(&file) }
+            .map_err(|e| io_file_err(path, "could not map it into memory", e))?;
+        Ok(Mapped {
+            path: path.to_path_buf(),
+            mmap,
+        })
+    }
+
+    fn tensors(&self) -> Result<SafeTensors<'_>> {
+        SafeTensors::deserialize(&self.mmap).map_err(|e| {
+            if let Some((name, entry, data_len)) = truncated_tensor(&self.mmap) {
+                return file_err(
+                    &self.path,
+                    Some(&name),
+                    format!(
+                        "the file is truncated: this {} tensor {:?} needs bytes {}..{} of the \
+                         data, which has only {data_len} ({} bytes in all; an interrupted \
+                         download or copy?)",
+                        entry.dtype,
+                        entry.shape,
+                        entry.offsets.0,
+                        entry.offsets.1,
+                        self.mmap.len()
+                    ),
+                );
+            }
+            file_err(
+                &self.path,
+                None,
+                format!("not a valid safetensors file: {e}"),
+            )
+        })
+    }
+}
+
+fn st_dtype_is_float(d: safetensors::Dtype) -> bool {
+    use safetensors::Dtype as S;
+    matches!(d, S::F16 | S::BF16 | S::F32 | S::F64)
+}
+
+/// Loads the weights at `path` (a folder, a `.safetensors` file or a sharded index; see
+/// [`WeightFiles::find`]) into `model`'s parameters (a `candle_nn::VarMap` or any
+/// [`Parameters`]), under the same names. Every parameter must be in the files and every tensor
+/// of the files must be a parameter, of the same shape; float tensors are converted to the
+/// parameter's dtype (a bf16 checkpoint into f32 parameters, or the reverse) and moved to its
+/// device. All or nothing: on any error nothing has changed, and the error names the file and
+/// the tensor. Memory: the converted tensors are all held until the parameters are set (a
+/// second copy of the model, briefly).
+///
+/// ```
+/// # fn main() -> accelerate_rs::Result<()> {
+/// use accelerate_rs::checkpoint::{load_weights, write_model_folder};
+/// use candle_core::{DType, Device};
+/// use candle_nn::{VarBuilder, VarMap};
+///
+/// let dir = tempfile::tempdir().unwrap();
+/// let saved = VarMap::new();
+/// candle_nn::linear(4, 2, VarBuilder::from_varmap(&saved, DType::F32, &Device::Cpu).pp("fc"))?;
+/// write_model_folder(dir.path().join("model"), &saved, 5 << 30, None)?;
+///
+/// let fresh = VarMap::new();
+/// candle_nn::linear(4, 2, VarBuilder::from_varmap(&fresh, DType::BF16, &Device::Cpu).pp("fc"))?;
+/// load_weights(dir.path().join("model"), &fresh)?; // f32 file into bf16 parameters
+/// # Ok(()) }
+/// ```
+pub fn load_weights(path: impl AsRef<Path>, model: &dyn Parameters) -> Result<()> {
+    load_weights_mapped(path, model, |name| Some(name.to_string()))
+}
+
+/// [`load_weights`] with the files' tensor names mapped to parameter names: `map(name)` gives
+/// the parameter a tensor loads into, or `None` to skip the tensor (a buffer the model does not
+/// keep, a head it does not have). Two tensors mapped to one parameter are an error.
+pub fn load_weights_mapped(
+    path: impl AsRef<Path>,
+    model: &dyn Parameters,
+    map: impl Fn(&str) -> Option<String>,
+) -> Result<()> {
+    let found = WeightFiles::find(path.as_ref())?;
+    let mapped: Vec<Mapped> = found
+        .files
+        .iter()
+        .map(|p| Mapped::open(p))
+        .collect::<Result<_>>()?;
+    let headers: Vec<SafeTensors<'_>> =
+        mapped.iter().map(|m| m.tensors()).collect::<Result<_>>()?;
+
+    // Which file each tensor comes from, checked against the index.
+    let mut sources: BTreeMap<String, (usize, String)> = BTreeMap::new(); // param -> (file, tensor)
+    for (i, st) in headers.iter().enumerate() {
+        let file = &found.files[i];
+        let mut names = st.names();
+        names.sort_unstable();
+        for tensor in names {
+            if let Some((index, tensors)) = &found.index {
+                match tensors.get(tensor) {
+                    Some(&j) if j == i => {}
+                    Some(&j) => {
+                        return Err(file_err(
+                            file,
+                            Some(tensor),
+                            format!(
+                                "the tensor is also in this shard, but the index {} puts it in {}",
+                                index.display(),
+                                found.files[j].display()
+                            ),
+                        ))
+                    }
+                    None => {
+                        return Err(file_err(
+                            file,
+                            Some(tensor),
+                            format!(
+                                "the tensor is in this shard but not in the index {}",
+                                index.display()
+                            ),
+                        ))
+                    }
+                }
+            }
+            let Some(param) = map(tensor) else { continue };
+            if let Some((j, other)) = sources.get(&param) {
+                return Err(file_err(
+                    file,
+                    Some(tensor),
+                    format!(
+                        "loads into parameter `{param}`, as `{other}` of {} does",
+                        found.files[*j].display()
+                    ),
+                ));
+            }
+            sources.insert(param, (i, tensor.to_string()));
+        }
+    }
+    if let Some((index, tensors)) = &found.index {
+        for (tensor, &i) in tensors {
+            if headers[i].tensor(tensor).is_err() {
+                return Err(file_err(
+                    &found.files[i],
+                    Some(tensor),
+                    format!(
+                        "the index {} puts the tensor in this shard, but the shard does not hold it",
+                        index.display()
+                    ),
+                ));
+            }
+        }
+    }
+
+    // Check every parameter against its tensor, and every tensor against the model.
+    let params: BTreeMap<String, Var> = model.named_parameters().into_iter().collect();
+    let file_list = || {
+        found
+            .files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let missing: Vec<&String> = params
+        .keys()
+        .filter(|n| !sources.contains_key(*n))
+        .collect();
+    if let Some(first) = missing.first() {
+        let at = found.index_file().unwrap_or(&found.files[0]);
+        return Err(file_err(
+            at,
+            Some(first),
+            format!(
+                "missing: the model has this parameter, no file holds it ({} missing in all; \
+                 files: {})",
+                missing.len(),
+                file_list()
+            ),
+        ));
+    }
+    let unexpected: Vec<(&String, &(usize, String))> = sources
+        .iter()
+        .filter(|(p, _)| !params.contains_key(*p))
+        .collect();
+    if let Some((param, (i, tensor))) = unexpected.first() {
+        let renamed = if *param != tensor {
+            format!(" (as parameter `{param}`)")
+        } else {
+            String::new()
+        };
+        return Err(file_err(
+            &found.files[*i],
+            Some(tensor),
+            format!(
+                "unexpected: the file holds this tensor{renamed}, the model has no such \
+                 parameter ({} unexpected in all)",
+                unexpected.len()
+            ),
+        ));
+    }
+    let mut plan: Vec<(Var, usize, &str)> = Vec::with_capacity(params.len());
+    for (name, var) in &params {
+        let Some((i, tensor)) = sources.get(name) else {
+            continue; // reported above
+        };
+        let view = headers[*i]
+            .tensor(tensor)
+            .map_err(|e| file_err(&found.files[*i], Some(tensor), e.to_string()))?;
+        if view.shape() != var.dims() {
+            return Err(file_err(
+                &found.files[*i],
+                Some(tensor),
+                format!(
+                    "shape {:?} in the file, but the model's parameter `{name}` is {:?}",
+                    view.shape(),
+                    var.dims()
+                ),
+            ));
+        }
+        if st_dtype_is_float(view.dtype()) != var.dtype().is_float() {
+            return Err(file_err(
+                &found.files[*i],
+                Some(tensor),
+                format!(
+                    "dtype {:?} in the file, but the model's parameter `{name}` is {:?}",
+                    view.dtype(),
+                    var.dtype()
+                ),
+            ));
+        }
+        plan.push((var.clone(), *i, tensor.as_str()));
+    }
+
+    // Read and convert everything, then set.
+    let mut values: Vec<(Var, Tensor)> = Vec::with_capacity(plan.len());
+    for (var, i, tensor) in plan {
+        let file = &found.files[i];
+        let read = || -> candle_core::Result<Tensor> {
+            let view = headers[i]
+                .tensor(tensor)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            view.load(var.device())?.to_dtype(var.dtype())
+        };
+        let t = read().map_err(|e| file_err(file, Some(tensor), format!("could not read: {e}")))?;
+        values.push((var, t));
+    }
+    for (var, t) in values {
+        var.set(&t)?;
+    }
+    Ok(())
+}
