@@ -148,6 +148,7 @@
 //! gradients to f32 (with loss scaling) before handing them to the same engine, and the copy of
 //! the masters back after the step. More in `ARCHITECTURE.md`.
 #![deny(missing_docs)]
+#![deny(rustdoc::broken_intra_doc_links)]
 
 mod accelerator;
 pub mod allocator;

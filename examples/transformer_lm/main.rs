@@ -157,7 +157,7 @@ fn main() -> Result<()> {
             }
             // An optimizer step was taken, with learning rate `lr`.
             step += 1;
-            if step % args.log_every == 0 || step == 1 || step == args.max_steps {
+            if step.is_multiple_of(args.log_every) || step == 1 || step == args.max_steps {
                 let elapsed = window_start.elapsed().as_secs_f64();
                 let mean_loss = window_loss / window_micro as f64;
                 let tokens_per_s = window_micro as f64 * tokens_per_micro / elapsed;
@@ -181,7 +181,7 @@ fn main() -> Result<()> {
                 (window_loss, window_micro) = (0.0, 0);
                 window_start = Instant::now();
             }
-            if args.checkpoint_every > 0 && step % args.checkpoint_every == 0 {
+            if args.checkpoint_every > 0 && step.is_multiple_of(args.checkpoint_every) {
                 let parts = CheckpointParts::new(&varmap)
                     .optimizer(&opt)
                     .state("schedule", &schedule)
