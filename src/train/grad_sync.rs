@@ -77,6 +77,8 @@ pub(crate) struct GradSync {
     missing: MissingGradients,
     /// Whether that check has run (it runs once).
     checked: AtomicBool,
+    /// Whether the first micro-step's same-data check has run (it runs once).
+    data_checked: AtomicBool,
     /// ZeRO stage: 0, 1 (optimizer state sharded) or 2 (gradients too).
     zero_stage: usize,
     params: Mutex<Option<Arc<ParamSet>>>,
@@ -118,6 +120,7 @@ impl GradSync {
             overlap,
             missing,
             checked: AtomicBool::new(false),
+            data_checked: AtomicBool::new(false),
             zero_stage,
             params: Mutex::new(None),
             accum: Mutex::new(Accumulation::default()),
@@ -208,6 +211,9 @@ impl GradSync {
     /// local sums, and at a sync step (the `N`-th micro-step, or `end`) the sums are averaged
     /// across ranks and returned. Mixed precision feeds its f32 gradients in here.
     pub(crate) fn accumulate(&self, mut grads: GradStore, end: bool) -> Result<Option<GradStore>> {
+        if !self.alone() && !self.data_checked.swap(true, Ordering::Relaxed) {
+            self.check_same_data(&grads)?;
+        }
         if self.steps == 1 {
             lock(&self.accum).synced = true;
             self.average(&mut grads)?;
@@ -343,6 +349,40 @@ impl GradSync {
         }
     }
 
+    /// The forgot-to-shard check of the first micro-step (several ranks only, every rank calls
+    /// it): ranks start from the same parameters, so identical gradients on every rank mean
+    /// identical batches. Compares a fingerprint of this rank's gradients (a weighted sum of the
+    /// per-parameter sums) across ranks with one small all-reduce, and warns on the main process
+    /// when they are all equal.
+    fn check_same_data(&self, grads: &GradStore) -> Result<()> {
+        let Some(params) = self.params() else {
+            return Ok(());
+        };
+        let mut fp = 0f64;
+        for (i, v) in params.vars().iter().enumerate() {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                let sum = g
+                    .sum_all()?
+                    .to_dtype(candle_core::DType::F64)?
+                    .to_scalar::<f64>()?;
+                fp += (i + 1) as f64 * sum;
+            }
+        }
+        let finite = fp.is_finite();
+        let fp = if finite { fp } else { 0.0 };
+        // max(fp), max(-fp) = -min(fp), and whether any rank had a non-finite gradient.
+        let mut v = [fp, -fp, if finite { 0.0 } else { 1.0 }];
+        self.collective
+            .all_reduce((&mut v[..]).into(), crate::collective::ReduceOp::Max)?;
+        if v[2] == 0.0 && v[0] == -v[1] && self.rank() == 0 {
+            crate::logging::warn_always(format_args!(
+                "{}",
+                same_data_report(self.collective.world_size())
+            ));
+        }
+        Ok(())
+    }
+
     /// Clips gradients by their global L2 norm over the registered parameters and returns the
     /// norm before clipping (see [`Accelerator::clip_grad_norm`](crate::Accelerator::clip_grad_norm)).
     pub(crate) fn clip_grad_norm(&self, grads: &mut GradStore, max_norm: f64) -> Result<f64> {
@@ -456,6 +496,19 @@ fn missing_report(missing: &[String], total: usize) -> String {
         missing.len(),
         total,
         groups.join(", ")
+    )
+}
+
+/// The warning of [`GradSync::check_same_data`].
+fn same_data_report(world: usize) -> String {
+    format!(
+        "all {world} ranks (0 to {}) computed the same gradients at the first step: they are \
+         training on the same batches, so {world} processes do the work of one. Give each rank \
+         its own share of the data: pass the DataLoader through `accelerator.prepare` (or \
+         `prepare_data_loader` / `prepare_streaming_loader`), or take this rank's rows with \
+         `accelerator.shard_rows(&x)` (indices: `shard_range`). If the ranks are meant to see \
+         the same data, ignore this warning (it is printed once)",
+        world - 1
     )
 }
 
