@@ -316,6 +316,17 @@ impl Accelerator {
         self.inner.grads.average(grads)
     }
 
+    /// A [`StepTimer`](crate::tracking::StepTimer) for this accelerator's steps: forward,
+    /// backward, communication, optimizer and data time, tokens/s and FLOP/s, as metrics for
+    /// [`tracking`](crate::tracking)'s trackers.
+    pub fn step_timer(&self) -> crate::tracking::StepTimer {
+        crate::tracking::StepTimer::new(
+            Arc::clone(self.inner.grads.clock()),
+            self.world_size(),
+            self.device(),
+        )
+    }
+
     /// Prints a line on the main process only (other ranks print nothing).
     pub fn print(&self, line: impl std::fmt::Display) {
         if self.is_main_process() {

@@ -42,6 +42,7 @@ use candle_core::{Tensor, Var};
 use crate::collective::Collective;
 use crate::error::{Error, Result};
 use crate::settings::MissingGradients;
+use crate::tracking::timing::{Phase, PhaseClock};
 use crate::train::params::ParamSet;
 
 /// The accumulation state of one engine.
@@ -83,6 +84,8 @@ pub(crate) struct GradSync {
     zero_stage: usize,
     params: Mutex<Option<Arc<ParamSet>>>,
     accum: Mutex<Accumulation>,
+    /// Time spent in backward, communication and the optimizer (for `StepTimer`).
+    clock: Arc<PhaseClock>,
 }
 
 impl std::fmt::Debug for GradSync {
@@ -124,7 +127,13 @@ impl GradSync {
             zero_stage,
             params: Mutex::new(None),
             accum: Mutex::new(Accumulation::default()),
+            clock: Arc::default(),
         }
+    }
+
+    /// The engine's phase clock, read by [`StepTimer`](crate::tracking::StepTimer).
+    pub(crate) fn clock(&self) -> &Arc<PhaseClock> {
+        &self.clock
     }
 
     /// Whether this rank is alone, so that nothing needs to be verified, broadcast or averaged:
@@ -198,11 +207,13 @@ impl GradSync {
     /// One micro-step from a loss (see [the module](self)); `end` forces a sync step. `Some`
     /// holds the gradients averaged across ranks, on sync steps only.
     pub(crate) fn backward(&self, loss: &Tensor, end: bool) -> Result<Option<GradStore>> {
-        let grads = if self.steps == 1 {
-            loss.backward()?
-        } else {
-            (loss / self.steps as f64)?.backward()?
-        };
+        let grads = self.clock.measure(Phase::Backward, || {
+            if self.steps == 1 {
+                loss.backward()
+            } else {
+                (loss / self.steps as f64)?.backward()
+            }
+        })?;
         self.accumulate(grads, end)
     }
 
@@ -283,12 +294,16 @@ impl GradSync {
     /// that no rank gave a gradient (after averaging, a gradient is present when any rank had
     /// one, so every rank reaches the same verdict).
     fn average_with(&self, params: &ParamSet, grads: &mut GradStore) -> Result<()> {
+        let c = self.collective.as_ref();
         if self.zero_stage >= 2 && !self.alone() {
-            let present = params.reduce_scatter_gradients(self.collective.as_ref(), grads)?;
+            let present = self.clock.measure(Phase::Communication, || {
+                params.reduce_scatter_gradients(c, grads)
+            })?;
             return self.check_missing(params, || params.names_where_absent(&present));
         }
         if !self.alone() {
-            params.average_gradients(self.collective.as_ref(), grads)?;
+            self.clock
+                .measure(Phase::Communication, || params.average_gradients(c, grads))?;
         }
         self.check_missing(params, || params.without_grad(grads))
     }
@@ -316,7 +331,9 @@ impl GradSync {
             return Ok(());
         }
         let params = self.require_params("zero_stage")?;
-        params.gather_params(self.collective.as_ref())
+        self.clock.measure(Phase::Communication, || {
+            params.gather_params(self.collective.as_ref())
+        })
     }
 
     /// The frozen-parameter check of the first sync step (see [`MissingGradients`]); `missing`
