@@ -30,10 +30,8 @@ fn main() -> Result<()> {
             opt.backward_step(&loss)?;
             total += loss.to_scalar::<f32>()?;
         }
-        acc.print(format!(
-            "epoch {epoch} loss {:.6}",
-            acc.average(total / n as f32)?
-        ));
+        let loss = acc.average(total / n as f32)?;
+        acc.print(format!("epoch {epoch} loss {loss:.6}"));
     }
     acc.print(format!("weights {:?}", model.weight().to_vec2::<f32>()?));
     Ok(())

@@ -150,7 +150,9 @@ fn regression_on(n: usize, self_launch: bool) -> String {
     text
 }
 
-/// The README's conversion of a plain loop, checked end to end: at most 10 lines, and the same
+/// The README's conversion of a plain loop, checked end to end: at most 11 lines (9 to make it
+/// data-parallel, 2 for reproducible initial weights: `acc.var_builder` instead of
+/// `VarBuilder::from_varmap`, and the import that no longer needs `VarBuilder`), and the same
 /// seed gives the same run at 1, 2 and 4 processes.
 ///
 /// Bit for bit where the arithmetic allows it: the initial weights (drawn by
@@ -162,12 +164,12 @@ fn regression_on(n: usize, self_launch: bool) -> String {
 /// than one process's mean over 64, so f32 rounding differs in the last bits from the first step
 /// on (measured: at most a few 1e-7 after 160 steps).
 #[test]
-fn a_manual_batching_loop_converts_in_at_most_ten_lines_and_the_same_seed_gives_the_same_run() {
+fn a_manual_batching_loop_converts_in_at_most_eleven_lines_and_the_same_seed_gives_the_same_run() {
     let (plain, converted) = (code_lines("regression_plain"), code_lines("regression"));
     let common = lcs(&plain, &converted);
     let (added, removed) = (converted.len() - common, plain.len() - common);
     assert!(
-        added <= 10 && removed <= 10,
+        added <= 11 && removed <= 11,
         "{added} lines added or changed, {removed} removed"
     );
 

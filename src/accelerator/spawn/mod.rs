@@ -245,29 +245,74 @@ fn spawn(
 
 type Exit = (usize, std::io::Result<ExitStatus>, Instant);
 
-/// Waits for the workers; returns the exit code of the whole run after reporting a failure.
+/// `SIGINT`, `SIGTERM`, `SIGHUP` or `signal N`.
+fn signal_name(sig: i32) -> String {
+    match sig {
+        libc::SIGINT => "SIGINT".into(),
+        libc::SIGTERM => "SIGTERM".into(),
+        libc::SIGHUP => "SIGHUP".into(),
+        n => format!("signal {n}"),
+    }
+}
+
+/// Waits for the workers, then for their output; returns the exit code of the whole run after
+/// reporting a failure or an interruption.
 fn supervise(workers: &mut [Worker], rx: &Receiver<Exit>, out: output::Output) -> i32 {
+    let (code, note, failed) = wait(workers, rx);
+    // Every worker has exited: wait for the last lines they printed (a process a worker left
+    // behind may hold a pipe open: not for long).
+    let tails = out.finish(Duration::from_secs(1));
+    let mut report = note;
+    if let Some(rank) = failed {
+        match tails
+            .get(&rank)
+            .map(|t| t.lines())
+            .filter(|t| !t.is_empty())
+        {
+            None => report.push_str(&format!("accelerate-rs: rank {rank} printed nothing\n")),
+            Some(tail) => {
+                report.push_str(&format!(
+                    "accelerate-rs: last lines of rank {rank}'s output:\n"
+                ));
+                for line in tail {
+                    report.push_str(&format!("  [rank {rank}] {line}\n"));
+                }
+            }
+        }
+    }
+    eprint!("{report}");
+    code
+}
+
+/// Waits until every worker exited 0, one failed or this process got a signal (then stops the
+/// others). Returns the exit code, the report's first line(s) and the rank that failed.
+fn wait(workers: &mut [Worker], rx: &Receiver<Exit>) -> (i32, String, Option<usize>) {
     loop {
         if SIGNALS.load(Ordering::SeqCst) > 0 {
             let sig = FIRST_SIGNAL.load(Ordering::SeqCst);
             let stopped = stop(workers, rx, GRACE);
-            eprintln!("accelerate-rs: received signal {sig}; stopped {stopped} worker(s)");
-            return 128 + sig;
+            let note = format!(
+                "accelerate-rs: received {}; stopped {stopped} worker(s)\n",
+                signal_name(sig)
+            );
+            return (128 + sig, note, None);
         }
         if workers.iter().all(|w| w.status.is_some()) {
-            return 0;
+            return (0, String::new(), None);
         }
         let (rank, status, _) = match rx.recv_timeout(TICK) {
             Ok(exit) => exit,
             Err(RecvTimeoutError::Timeout) => continue,
-            Err(RecvTimeoutError::Disconnected) => return 0,
+            Err(RecvTimeoutError::Disconnected) => return (0, String::new(), None),
         };
         let status = match status {
             Ok(s) => s,
             Err(e) => {
                 let stopped = stop(workers, rx, GRACE);
-                eprintln!("accelerate-rs: waiting for rank {rank} failed ({e}); stopped {stopped} worker(s)");
-                return 1;
+                let note = format!(
+                    "accelerate-rs: waiting for rank {rank} failed ({e}); stopped {stopped} worker(s)\n"
+                );
+                return (1, note, None);
             }
         };
         if let Some(w) = workers.get_mut(rank) {
@@ -279,22 +324,10 @@ fn supervise(workers: &mut [Worker], rx: &Receiver<Exit>, out: output::Output) -
         let (code, how) = describe(status);
         let pid = workers.get(rank).map_or(0, |w| w.pid);
         let stopped = stop(workers, rx, GRACE);
-        let tail = out.finish(rank, Duration::from_secs(1));
-        let mut report = format!(
+        let note = format!(
             "accelerate-rs: rank {rank} (pid {pid}) {how}; stopped {stopped} other worker(s)\n"
         );
-        if tail.is_empty() {
-            report.push_str(&format!("accelerate-rs: rank {rank} printed nothing\n"));
-        } else {
-            report.push_str(&format!(
-                "accelerate-rs: last lines of rank {rank}'s output:\n"
-            ));
-            for line in tail {
-                report.push_str(&format!("  [rank {rank}] {line}\n"));
-            }
-        }
-        eprint!("{report}");
-        return code;
+        return (code, note, Some(rank));
     }
 }
 

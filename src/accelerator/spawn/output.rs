@@ -39,14 +39,14 @@ impl Output {
     }
 
     /// Waits (at most `timeout`: a process a worker left behind may hold a pipe open) until every
-    /// pipe is closed, then returns `rank`'s last lines.
-    pub(super) fn finish(self, rank: usize, timeout: Duration) -> Vec<String> {
+    /// pipe is closed and its lines printed, then returns every rank's last lines.
+    pub(super) fn finish(self, timeout: Duration) -> HashMap<usize, LastLines> {
         let deadline = Instant::now() + timeout;
         while self.readers.iter().any(|r| !r.is_finished()) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
         }
-        let tails = self.tails.lock().unwrap_or_else(|p| p.into_inner());
-        tails.get(&rank).map(LastLines::lines).unwrap_or_default()
+        let mut tails = self.tails.lock().unwrap_or_else(|p| p.into_inner());
+        std::mem::take(&mut *tails)
     }
 }
 
