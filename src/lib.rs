@@ -111,7 +111,9 @@
 //! - [`scheduler`]: learning-rate schedules ([`scheduler::LrScheduler`], warmup + cosine or
 //!   linear decay) and the [`scheduler::Schedule`] driver, stepped once per optimizer step.
 //! - [`tracking`]: metric trackers (JSON Lines, TensorBoard) written by the main process only,
-//!   and a main-process [`Progress`](tracking::Progress) bar; [`logging`]: `env_logger` set-up
+//!   the run's hyperparameters ([`HParams`](tracking::HParams)), a per-step time breakdown
+//!   ([`StepTimer`](tracking::StepTimer), from [`Accelerator::step_timer`]), and a main-process
+//!   [`Progress`](tracking::Progress) bar; [`logging`]: `env_logger` set-up
 //!   with a `[rank N]` prefix on each line.
 //! - [`env`](mod@env): the name of every environment variable, and the launcher's environment
 //!   contract ([`env::CommonEnv`]); [`config`]: the settings' defaults; [`gpu`]: GPU discovery.
