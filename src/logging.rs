@@ -79,6 +79,8 @@ pub(crate) fn warn_always(msg: std::fmt::Arguments<'_>) {
 /// let mut tail = LastLines::new(3);
 /// tail.push("step 1");
 /// tail.push("Error: shard 7 is truncated");
+/// tail.push("");
+/// tail.push("Stack backtrace:");
 /// for i in 0..40 {
 ///     tail.push(&format!("  {i}: std::rt::lang_start"));
 /// }

@@ -78,7 +78,7 @@ pub(crate) struct GradSync {
     missing: MissingGradients,
     /// Whether that check has run (it runs once).
     checked: AtomicBool,
-    /// Whether the first micro-step's same-data check has run (it runs once).
+    /// Whether the same-data check of the first sync step has run (it runs once).
     data_checked: AtomicBool,
     /// ZeRO stage: 0, 1 (optimizer state sharded) or 2 (gradients too).
     zero_stage: usize,
@@ -222,9 +222,6 @@ impl GradSync {
     /// local sums, and at a sync step (the `N`-th micro-step, or `end`) the sums are averaged
     /// across ranks and returned. Mixed precision feeds its f32 gradients in here.
     pub(crate) fn accumulate(&self, mut grads: GradStore, end: bool) -> Result<Option<GradStore>> {
-        if !self.alone() && !self.data_checked.swap(true, Ordering::Relaxed) {
-            self.check_same_data(&grads)?;
-        }
         if self.steps == 1 {
             lock(&self.accum).synced = true;
             self.average(&mut grads)?;
@@ -294,6 +291,9 @@ impl GradSync {
     /// that no rank gave a gradient (after averaging, a gradient is present when any rank had
     /// one, so every rank reaches the same verdict).
     fn average_with(&self, params: &ParamSet, grads: &mut GradStore) -> Result<()> {
+        if !self.alone() && !self.data_checked.swap(true, Ordering::Relaxed) {
+            self.check_same_data(params, grads)?;
+        }
         let c = self.collective.as_ref();
         if self.zero_stage >= 2 && !self.alone() {
             let present = self.clock.measure(Phase::Communication, || {
@@ -366,15 +366,13 @@ impl GradSync {
         }
     }
 
-    /// The forgot-to-shard check of the first micro-step (several ranks only, every rank calls
-    /// it): ranks start from the same parameters, so identical gradients on every rank mean
-    /// identical batches. Compares a fingerprint of this rank's gradients (a weighted sum of the
-    /// per-parameter sums) across ranks with one small all-reduce, and warns on the main process
-    /// when they are all equal.
-    fn check_same_data(&self, grads: &GradStore) -> Result<()> {
-        let Some(params) = self.params() else {
-            return Ok(());
-        };
+    /// The forgot-to-shard check of the first sync step (several ranks only, every rank calls
+    /// it, just before the gradients are averaged): ranks start from the same parameters, so
+    /// identical local gradients on every rank mean identical batches. Compares a fingerprint of
+    /// this rank's gradients (a weighted sum of the per-parameter sums) across ranks with one
+    /// small all-reduce, and warns on the main process when they are all equal. Non-sync
+    /// micro-steps still communicate nothing.
+    fn check_same_data(&self, params: &ParamSet, grads: &GradStore) -> Result<()> {
         let mut fp = 0f64;
         for (i, v) in params.vars().iter().enumerate() {
             if let Some(g) = grads.get(v.as_tensor()) {

@@ -107,9 +107,15 @@ fn numbers(text: &str, label: &str) -> Vec<f32> {
         .collect()
 }
 
-/// The final weights printed.
+/// The final weights printed (lines from different ranks may come in any order: the initial
+/// weights of rank 1 can follow rank 0's final line).
 fn weights(text: &str) -> Vec<f32> {
-    numbers(text, "weights")
+    let finals: String = text
+        .lines()
+        .filter(|l| !l.contains("initial weights"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    numbers(&finals, "weights")
 }
 
 /// Every rank's `initial weights [[...]]` line (each rank prints its own).
