@@ -5,6 +5,7 @@
 //! on `accelerate-rs` compiles neither clap, nor nix, nor signal-hook: only this crate, which
 //! builds the `accelerate-rs` binary, needs them.
 #![deny(missing_docs)]
+#![deny(rustdoc::broken_intra_doc_links)]
 
 mod cmd;
 pub mod launch;

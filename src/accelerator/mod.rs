@@ -9,6 +9,7 @@ mod checkpoint;
 mod connect;
 pub(crate) mod dp;
 mod ops;
+mod spawn;
 
 use std::sync::Arc;
 
@@ -46,6 +47,8 @@ struct Inner {
     state: ProcessState,
     collective: Arc<dyn Collective>,
     grads: Arc<GradSync>,
+    /// The seed of [`Accelerator::set_seed`] (0 until it is called), for `var_builder`.
+    seed: std::sync::atomic::AtomicU64,
 }
 
 impl Accelerator {
@@ -75,6 +78,7 @@ impl Accelerator {
                 state,
                 collective,
                 grads,
+                seed: std::sync::atomic::AtomicU64::new(0),
             }),
         }
     }
@@ -124,6 +128,34 @@ impl Accelerator {
     /// The collective used between ranks.
     pub fn collective(&self) -> &Arc<dyn Collective> {
         &self.inner.collective
+    }
+
+    /// A [`VarBuilder`](candle_nn::VarBuilder) for creating the model in `varmap` on this
+    /// process's device, like `VarBuilder::from_varmap(varmap, dtype, accelerator.device())`
+    /// but reproducible: every new variable is drawn from the seed of
+    /// [`set_seed`](Self::set_seed) (0 when it was not called) and the variable's name (see
+    /// [`seeded_var_builder`](crate::seeded_var_builder)). The same seed gives the same initial
+    /// weights in every run, at any world size and whatever the order the layers are created in
+    /// (Candle's CPU initialisers are unseeded).
+    ///
+    /// ```
+    /// # fn main() -> accelerate_rs::Result<()> {
+    /// use candle_core::DType;
+    /// use candle_nn::{linear, VarMap};
+    /// let acc = accelerate_rs::Accelerator::builder().cpu(true).build()?;
+    /// acc.set_seed(42)?;
+    /// let varmap = VarMap::new();
+    /// let model = linear(8, 1, acc.var_builder(&varmap, DType::F32).pp("fc"))?;
+    /// # let _ = model;
+    /// # Ok(()) }
+    /// ```
+    pub fn var_builder(
+        &self,
+        varmap: &candle_nn::VarMap,
+        dtype: candle_core::DType,
+    ) -> candle_nn::VarBuilder<'static> {
+        let seed = self.inner.seed.load(std::sync::atomic::Ordering::Relaxed);
+        crate::train::init::seeded_var_builder(varmap, seed, dtype, self.device())
     }
 
     /// Prepares the three pieces of a training loop: checks that every rank has the same
@@ -282,6 +314,17 @@ impl Accelerator {
     /// Averages gradients computed elsewhere across ranks, in place.
     pub fn reduce_gradients(&self, grads: &mut GradStore) -> Result<()> {
         self.inner.grads.average(grads)
+    }
+
+    /// A [`StepTimer`](crate::tracking::StepTimer) for this accelerator's steps: forward,
+    /// backward, communication, optimizer and data time, tokens/s and FLOP/s, as metrics for
+    /// [`tracking`](crate::tracking)'s trackers.
+    pub fn step_timer(&self) -> crate::tracking::StepTimer {
+        crate::tracking::StepTimer::new(
+            Arc::clone(self.inner.grads.clock()),
+            self.world_size(),
+            self.device(),
+        )
     }
 
     /// Prints a line on the main process only (other ranks print nothing).

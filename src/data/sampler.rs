@@ -468,7 +468,7 @@ pub(crate) fn validate_split(
     batch_size: usize,
     num_replicas: usize,
 ) -> Result<()> {
-    if split_batches && num_replicas > 0 && batch_size % num_replicas != 0 {
+    if split_batches && num_replicas > 0 && !batch_size.is_multiple_of(num_replicas) {
         return Err(Error::invalid(
             "batch_size",
             format!(

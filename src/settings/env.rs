@@ -84,6 +84,11 @@ pub const ZERO_STAGE: &str = "ACCELERATE_RS_ZERO_STAGE";
 /// Whether the data loaders' batch size is the global one, split across the ranks (`1`/`0`;
 /// default off: the batch size is per rank).
 pub const SPLIT_BATCHES: &str = "ACCELERATE_RS_SPLIT_BATCHES";
+/// How many processes a program started on its own runs as: with `N > 1`, building the
+/// accelerator starts `N` workers of the program (same arguments, each with the launcher's
+/// variables) and supervises them instead of training itself. Ignored in a process a launcher
+/// started (`RANK` set). Default 1.
+pub const NUM_PROCESSES: &str = "ACCELERATE_RS_NUM_PROCESSES";
 /// How many times the launcher restarted the worker group (0 on the first run).
 pub const RESTART_COUNT: &str = "ACCELERATE_RS_RESTART_COUNT";
 /// Set by `accelerate-rs launch` for rank 0 only: the number of an inherited file descriptor

@@ -13,12 +13,14 @@ pub mod gpu;
 pub mod limits;
 mod missing_gradients;
 pub(crate) mod parse;
+mod processes;
 pub(crate) mod state;
 mod transport;
 mod worker_env;
 
 pub use config::{ConfigFile, MixedPrecision};
 pub use missing_gradients::MissingGradients;
+pub(crate) use processes::{self_launch, SelfLaunch};
 pub(crate) use state::Overrides;
 pub use state::{DistributedType, ProcessState};
 pub use transport::Transport;

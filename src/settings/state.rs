@@ -73,6 +73,9 @@ pub(crate) struct Overrides {
     /// Set by `AcceleratorBuilder::run` for each DP replica: its device. The state then resolves
     /// to [`DistributedType::Dp`] on that device.
     pub replica_device: Option<Device>,
+    /// Worker processes a program started on its own runs as (`processes`, see
+    /// `settings/processes.rs`).
+    pub processes: Option<usize>,
 }
 
 /// The highest ZeRO stage there is.
@@ -179,6 +182,15 @@ const FAMILIES: [Family; 3] = [
         local_world: env::OMPI_LOCAL_SIZE,
     },
 ];
+
+/// The launcher family (`torchrun`, `slurm` or `mpi`) whose rank variable is set, if any: this
+/// process was placed in a run by a launcher.
+pub(crate) fn launched_by(getenv: &dyn Fn(&str) -> Option<String>) -> Option<&'static str> {
+    FAMILIES
+        .iter()
+        .find(|f| getenv(f.rank).is_some_and(|v| !v.trim().is_empty()))
+        .map(|f| f.name)
+}
 
 /// The GPU ordinal (an index among the visible GPUs) a process with local rank `local_rank` drives
 /// when it sees `visible` GPUs: its local rank when there are enough, GPU 0 when it sees exactly
@@ -948,7 +960,7 @@ mod property {
     use crate::settings::env as e;
 
     /// Every variable the settings read.
-    const VARS: [&str; 30] = [
+    const VARS: [&str; 31] = [
         e::RANK,
         e::WORLD_SIZE,
         e::LOCAL_RANK,
@@ -979,6 +991,7 @@ mod property {
         e::TRANSPORT,
         e::MISSING_GRADIENTS,
         e::ZERO_STAGE,
+        e::NUM_PROCESSES,
     ];
 
     /// Config keys and the kind of value they take (any value is tried anyway).
@@ -1065,6 +1078,7 @@ mod property {
             };
             // Ok or Err; a panic fails the test.
             let _ = ProcessState::resolve(&o, &|k| map.get(k).cloned());
+            let _ = crate::settings::self_launch(&o, &|k| map.get(k).cloned());
             let _ = ConfigFile::parse(&text, cfg.path());
         }
 

@@ -45,6 +45,18 @@ impl JsonlTracker {
     }
 }
 
+impl JsonlTracker {
+    fn write_line(&mut self, line: &str) -> Result<()> {
+        self.file
+            .write_all(line.as_bytes())
+            .map_err(|source| Error::Io {
+                context: "jsonl tracker: cannot write".into(),
+                path: self.path.clone(),
+                source,
+            })
+    }
+}
+
 fn number(v: f64) -> String {
     // serde_json writes non-finite floats as `null`.
     serde_json::Value::from(v).to_string()
@@ -70,13 +82,17 @@ impl Tracker for JsonlTracker {
             line.push_str(&number(*value));
         }
         line.push_str("}\n");
-        self.file
-            .write_all(line.as_bytes())
-            .map_err(|source| Error::Io {
-                context: "jsonl tracker: cannot write".into(),
-                path: self.path.clone(),
-                source,
-            })
+        self.write_line(&line)
+    }
+
+    /// Appends one line `{"time":...,"hparams":{...}}` (no `step`: it holds for the whole run).
+    fn log_hparams(&mut self, hparams: &super::HParams) -> Result<()> {
+        let line = format!(
+            "{{\"time\":{},\"hparams\":{}}}\n",
+            number(super::unix_time()),
+            hparams.to_json()
+        );
+        self.write_line(&line)
     }
 
     /// Syncs the file to disk (lines are already handed to the OS by [`log`](Tracker::log)).

@@ -41,6 +41,7 @@ use candle_core::{Tensor, Var};
 use crate::collective::Collective;
 use crate::error::{Error, Result};
 use crate::settings::MissingGradients;
+use crate::tracking::timing::{Phase, PhaseClock};
 use crate::train::params::ParamSet;
 
 /// The accumulation state of one engine.
@@ -76,10 +77,14 @@ pub(crate) struct GradSync {
     missing: MissingGradients,
     /// Whether that check has run (it runs once).
     checked: AtomicBool,
+    /// Whether the same-data check of the first sync step has run (it runs once).
+    data_checked: AtomicBool,
     /// ZeRO stage: 0, 1 (optimizer state sharded) or 2 (gradients too).
     zero_stage: usize,
     params: Mutex<Option<Arc<ParamSet>>>,
     accum: Mutex<Accumulation>,
+    /// Time spent in backward, communication and the optimizer (for `StepTimer`).
+    clock: Arc<PhaseClock>,
 }
 
 impl std::fmt::Debug for GradSync {
@@ -117,10 +122,17 @@ impl GradSync {
             overlap,
             missing,
             checked: AtomicBool::new(false),
+            data_checked: AtomicBool::new(false),
             zero_stage,
             params: Mutex::new(None),
             accum: Mutex::new(Accumulation::default()),
+            clock: Arc::default(),
         }
+    }
+
+    /// The engine's phase clock, read by [`StepTimer`](crate::tracking::StepTimer).
+    pub(crate) fn clock(&self) -> &Arc<PhaseClock> {
+        &self.clock
     }
 
     /// Whether this rank is alone, so that nothing needs to be verified, broadcast or averaged:
@@ -195,11 +207,13 @@ impl GradSync {
     /// holds the gradients averaged across ranks, on sync steps only.
     pub(crate) fn backward(&self, loss: &Tensor, end: bool) -> Result<Option<GradStore>> {
         // `nn::backward`: `loss.backward()` plus the parameters inside checkpointed blocks.
-        let grads = if self.steps == 1 {
-            crate::nn::backward(loss)?
-        } else {
-            crate::nn::backward(&(loss / self.steps as f64)?)?
-        };
+        let grads = self.clock.measure(Phase::Backward, || {
+            if self.steps == 1 {
+                crate::nn::backward(loss)
+            } else {
+                crate::nn::backward(&(loss / self.steps as f64)?)
+            }
+        })?;
         self.accumulate(grads, end)
     }
 
@@ -277,12 +291,19 @@ impl GradSync {
     /// that no rank gave a gradient (after averaging, a gradient is present when any rank had
     /// one, so every rank reaches the same verdict).
     fn average_with(&self, params: &ParamSet, grads: &mut GradStore) -> Result<()> {
+        if !self.alone() && !self.data_checked.swap(true, Ordering::Relaxed) {
+            self.check_same_data(params, grads)?;
+        }
+        let c = self.collective.as_ref();
         if self.zero_stage >= 2 && !self.alone() {
-            let present = params.reduce_scatter_gradients(self.collective.as_ref(), grads)?;
+            let present = self.clock.measure(Phase::Communication, || {
+                params.reduce_scatter_gradients(c, grads)
+            })?;
             return self.check_missing(params, || params.names_where_absent(&present));
         }
         if !self.alone() {
-            params.average_gradients(self.collective.as_ref(), grads)?;
+            self.clock
+                .measure(Phase::Communication, || params.average_gradients(c, grads))?;
         }
         self.check_missing(params, || params.without_grad(grads))
     }
@@ -310,7 +331,9 @@ impl GradSync {
             return Ok(());
         }
         let params = self.require_params("zero_stage")?;
-        params.gather_params(self.collective.as_ref())
+        self.clock.measure(Phase::Communication, || {
+            params.gather_params(self.collective.as_ref())
+        })
     }
 
     /// The frozen-parameter check of the first sync step (see [`MissingGradients`]); `missing`
@@ -341,6 +364,38 @@ impl GradSync {
                 Ok(())
             }
         }
+    }
+
+    /// The forgot-to-shard check of the first sync step (several ranks only, every rank calls
+    /// it, just before the gradients are averaged): ranks start from the same parameters, so
+    /// identical local gradients on every rank mean identical batches. Compares a fingerprint of
+    /// this rank's gradients (a weighted sum of the per-parameter sums) across ranks with one
+    /// small all-reduce, and warns on the main process when they are all equal. Non-sync
+    /// micro-steps still communicate nothing.
+    fn check_same_data(&self, params: &ParamSet, grads: &GradStore) -> Result<()> {
+        let mut fp = 0f64;
+        for (i, v) in params.vars().iter().enumerate() {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                let sum = g
+                    .sum_all()?
+                    .to_dtype(candle_core::DType::F64)?
+                    .to_scalar::<f64>()?;
+                fp += (i + 1) as f64 * sum;
+            }
+        }
+        let finite = fp.is_finite();
+        let fp = if finite { fp } else { 0.0 };
+        // max(fp), max(-fp) = -min(fp), and whether any rank had a non-finite gradient.
+        let mut v = [fp, -fp, if finite { 0.0 } else { 1.0 }];
+        self.collective
+            .all_reduce((&mut v[..]).into(), crate::collective::ReduceOp::Max)?;
+        if v[2] == 0.0 && v[0] == -v[1] && self.rank() == 0 {
+            crate::logging::warn_always(format_args!(
+                "{}",
+                crate::train::missing::same_data_report(self.collective.world_size())
+            ));
+        }
+        Ok(())
     }
 
     /// Clips gradients by their global L2 norm over the registered parameters and returns the

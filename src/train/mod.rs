@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub(crate) mod grad_sync;
+pub(crate) mod init;
 pub(crate) mod missing;
 pub(crate) mod mixed_precision;
 pub(crate) mod optimizer;

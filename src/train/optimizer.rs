@@ -132,15 +132,18 @@ impl<O: Optimizer + 'static> AcceleratedOptimizer<O> {
         if !self.grads.sync_gradients() {
             return Ok(());
         }
-        match self.grads.clipped(grads, self.clip)? {
-            None => self.apply(grads),
-            Some((clipped, norm)) => {
-                if norm.is_some() {
-                    self.last_norm = norm;
+        let clock = std::sync::Arc::clone(self.grads.clock());
+        clock.measure(crate::tracking::timing::Phase::Optimizer, || {
+            match self.grads.clipped(grads, self.clip)? {
+                None => self.apply(grads),
+                Some((clipped, norm)) => {
+                    if norm.is_some() {
+                        self.last_norm = norm;
+                    }
+                    self.apply(&clipped)
                 }
-                self.apply(&clipped)
             }
-        }
+        })
     }
 
     /// `backward` (with the gradients averaged across ranks) followed by [`step`](Self::step).
