@@ -101,7 +101,7 @@
 //! [`Accelerator::var_builder`]), and the typed [`Error`] (with [`ReplicaFailure`]). The modules:
 //!
 //! - [`checkpoint`]: the checkpoint format ([`checkpoint::CheckpointParts`],
-//!   [`checkpoint::StatefulOptimizer`], [`checkpoint::latest_checkpoint`], the manifest); saved
+//!   [`optim::StatefulOptimizer`], [`checkpoint::latest_checkpoint`], the manifest); saved
 //!   and loaded with [`Accelerator::save_state`] / [`Accelerator::load_state`]. Also model
 //!   weights alone: [`checkpoint::load_weights`] reads a single or sharded safetensors
 //!   checkpoint (Hugging Face's layout) into any `VarMap`, all or nothing;

@@ -62,6 +62,29 @@ impl OptimizerState {
     }
 }
 
+/// An optimizer whose state can go into a checkpoint: [`AdamW`], [`Sgd`], and the wrappers
+/// [`AcceleratedOptimizer`](crate::AcceleratedOptimizer) and
+/// [`MixedPrecisionOptimizer`](crate::MixedPrecisionOptimizer) around one of them (each
+/// implements it beside its own code).
+pub trait StatefulOptimizer {
+    /// A snapshot of the state (see [`OptimizerState`]).
+    fn optimizer_state(&self) -> Result<OptimizerState>;
+    /// Puts a state back; errors (changing nothing) when it does not fit the parameters.
+    fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()>;
+    /// Whether [`optimizer_state`](Self::optimizer_state) is a collective that every rank must
+    /// call (a ZeRO-sharded optimizer gathers its slices); the checkpoint writers then take the
+    /// state on every rank. Default false.
+    fn state_needs_every_rank(&self) -> bool {
+        false
+    }
+    /// ZeRO: this rank's slices of the state when the optimizer holds only those (then every
+    /// rank writes its own file; see the module docs). Default `None`: the whole state comes
+    /// from [`optimizer_state`](Self::optimizer_state).
+    fn optimizer_state_shard(&self) -> Result<Option<StateShard>> {
+        Ok(None)
+    }
+}
+
 /// One rank's part of a ZeRO-sharded optimizer's state (`zero_stage` 1 or 2), for
 /// checkpoints where every rank writes its own file: the pieces of the state this rank holds,
 /// and the layout of the whole state they are cut from. The pieces of all ranks tile every

@@ -32,6 +32,7 @@
 //! # }
 //! ```
 
+use crate::train::checkpoint::Checkpointable;
 use std::f64::consts::PI;
 
 use crate::error::{Error, Result};
@@ -335,6 +336,19 @@ impl<S: LrScheduler> Schedule<S> {
     /// The scheduler.
     pub fn scheduler(&self) -> &S {
         &self.scheduler
+    }
+}
+
+impl<S: crate::scheduler::LrScheduler> Checkpointable for crate::scheduler::Schedule<S> {
+    fn checkpoint_state(&self) -> Result<serde_json::Value> {
+        Ok(serde_json::json!({ "step": self.current_step() }))
+    }
+    fn restore_state(&mut self, state: &serde_json::Value) -> Result<()> {
+        let step = state["step"].as_u64().ok_or_else(|| {
+            Error::invalid("schedule state", "`step` is not a non-negative integer")
+        })?;
+        self.set_step(step);
+        Ok(())
     }
 }
 
