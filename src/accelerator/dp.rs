@@ -2,7 +2,7 @@
 //!
 //! Rust has no global interpreter lock, so a thread per replica scales like a process per
 //! replica (DDP) without a launcher: each replica gets its own [`Accelerator`] (rank = replica
-//! index, world size = number of replicas, [`DistributedType::Dp`](crate::DistributedType::Dp)),
+//! index, world size = number of replicas, [`DistributedType::Dp`](crate::settings::DistributedType::Dp)),
 //! and the replicas average their gradients through an in-process collective: NCCL
 //! communicators between GPUs `0..replicas`, or a [`ThreadGroup`] for CPU replicas
 //! ([`cpu(true)`](crate::AcceleratorBuilder::cpu)).
@@ -304,8 +304,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::accelerator::AcceleratorBuilder;
     use crate::settings::state::data_parallel as replicas;
-    use crate::AcceleratorBuilder;
     use std::collections::HashMap;
 
     fn env_of(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + Sync {
@@ -380,7 +380,7 @@ mod tests {
         assert_eq!(
             out,
             (0..3)
-                .map(|r| (r, 3, crate::DistributedType::Dp))
+                .map(|r| (r, 3, crate::settings::DistributedType::Dp))
                 .collect::<Vec<_>>()
         );
         // The builder beats the environment.
@@ -389,7 +389,7 @@ mod tests {
             ..overrides(&cfg)
         };
         let out = run(o, None, &getenv, |acc| Ok(acc.distributed_type())).unwrap();
-        assert_eq!(out, vec![crate::DistributedType::No]);
+        assert_eq!(out, vec![crate::settings::DistributedType::No]);
     }
 
     #[test]

@@ -51,6 +51,14 @@ struct Inner {
     seed: std::sync::atomic::AtomicU64,
 }
 
+/// The settings of the run, for what takes `impl AsRef<ProcessState>`
+/// ([`tracking::trackers`](crate::tracking::trackers), ...).
+impl AsRef<ProcessState> for Accelerator {
+    fn as_ref(&self) -> &ProcessState {
+        self.state()
+    }
+}
+
 impl Accelerator {
     /// The one constructor: an accelerator for a resolved state and a connected collective
     /// (used by [`AcceleratorBuilder::build`] and by every DP replica).
@@ -226,10 +234,10 @@ impl Accelerator {
     /// [`StreamingLoader`](crate::StreamingLoader) for this rank (every rank reads the stream, each decodes its own
     /// records, all take the same number of steps), applies the `split_batches` setting and moves
     /// its batches to this process's device.
-    pub fn prepare_streaming_loader<D: crate::IterableDataset + 'static>(
+    pub fn prepare_streaming_loader<D: crate::data::IterableDataset + 'static>(
         &self,
-        loader: crate::StreamingLoader<D>,
-    ) -> Result<crate::StreamingLoader<D>> {
+        loader: crate::data::StreamingLoader<D>,
+    ) -> Result<crate::data::StreamingLoader<D>> {
         let loader = if self.inner.state.split_batches() {
             loader.split_batches(true)
         } else {

@@ -10,7 +10,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A custom epoch order for a [`DistributedSampler`] (and so a
 /// [`DataLoader`](super::DataLoader)): which dataset indices an epoch visits, in which order.

@@ -44,7 +44,7 @@ pub fn device(ordinal: usize) -> Result<Device> {
             what: format!("GPU {ordinal}"),
             reason: format!(
                 "only {n} GPU(s) are visible{}",
-                crate::env::cuda_visible_devices_note()
+                super::env::cuda_visible_devices_note()
             ),
         });
     }

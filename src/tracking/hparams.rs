@@ -2,7 +2,7 @@
 //! ([`Trackers::log_hparams`](super::Trackers::log_hparams)): a JSON Lines record, TensorBoard's
 //! hparams plugin format.
 
-use crate::Accelerator;
+use crate::settings::ProcessState;
 
 /// One hyperparameter value: a number, a string or a flag.
 #[derive(Clone, Debug, PartialEq)]
@@ -66,9 +66,10 @@ impl HParams {
 
     /// The settings in force for `accelerator`'s run: `world_size`, `distributed_type`,
     /// `device`, `mixed_precision`, `gradient_accumulation_steps`, `split_batches`,
-    /// `zero_stage`, `bucket_cap_mb` and `transport`.
-    pub fn of_run(accelerator: &Accelerator) -> Self {
-        let s = accelerator.state();
+    /// `zero_stage`, `bucket_cap_mb` and `transport`. Takes `&accelerator` (or its
+    /// [`ProcessState`]).
+    pub fn of_run(run: impl AsRef<ProcessState>) -> Self {
+        let s = run.as_ref();
         HParams::new()
             .set("world_size", s.world_size())
             .set("distributed_type", format!("{:?}", s.distributed_type()))

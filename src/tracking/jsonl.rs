@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::Tracker;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Writes each [`log`](Tracker::log) call as one line of JSON:
 /// `{"step":3,"time":1718000000.25,"loss":0.5,"lr":0.01}`.

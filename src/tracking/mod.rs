@@ -42,7 +42,8 @@ pub use progress::Progress;
 pub use tensorboard::TensorBoardTracker;
 pub use timing::{StepTimer, StepTimes};
 
-use crate::{Accelerator, Result};
+use crate::error::Result;
+use crate::settings::ProcessState;
 
 /// Something that records scalar metrics against a training step.
 pub trait Tracker: Send {
@@ -92,7 +93,7 @@ impl Trackers {
     }
 
     /// An empty set that is active only when `is_main` is true; pass
-    /// [`Accelerator::is_main_process`]. See [`trackers`].
+    /// [`Accelerator::is_main_process`](crate::Accelerator::is_main_process). See [`trackers`].
     pub fn for_process(is_main: bool) -> Self {
         Trackers {
             active: is_main,
@@ -199,9 +200,10 @@ impl Tracker for Trackers {
 }
 
 /// An empty [`Trackers`] set for this process: active on the main process (rank 0), inert on every
-/// other rank. Same as `Trackers::for_process(accelerator.is_main_process())`.
-pub fn trackers(accelerator: &Accelerator) -> Trackers {
-    Trackers::for_process(accelerator.is_main_process())
+/// other rank. Same as `Trackers::for_process(accelerator.is_main_process())`; takes
+/// `&accelerator` (or its [`ProcessState`]).
+pub fn trackers(run: impl AsRef<ProcessState>) -> Trackers {
+    Trackers::for_process(run.as_ref().is_main_process())
 }
 
 /// Seconds since the Unix epoch, as a float (0 if the clock is before 1970).
@@ -217,7 +219,7 @@ pub(crate) fn create_dir(dir: &Path) -> Result<()> {
     if dir.as_os_str().is_empty() {
         return Ok(());
     }
-    std::fs::create_dir_all(dir).map_err(|source| crate::Error::Io {
+    std::fs::create_dir_all(dir).map_err(|source| crate::error::Error::Io {
         context: "tracking: cannot create directory".into(),
         path: dir.to_path_buf(),
         source,

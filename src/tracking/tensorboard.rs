@@ -17,7 +17,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::Tracker;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Writes scalars to `<dir>/events.out.tfevents.<secs>.<hostname>.<pid>`, readable by
 /// `tensorboard --logdir <dir>`.

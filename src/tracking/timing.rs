@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A phase the gradient engine measures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -29,8 +29,8 @@ use store::{StoreClient, StoreServer};
 use wire::{Hello, Role};
 
 use super::{check_reducible, check_root, Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp};
-use crate::env;
 use crate::error::{Error, Result};
+use crate::settings::env;
 use wire::op;
 
 /// Where and how to form a TCP group.
