@@ -14,6 +14,7 @@ pub mod limits;
 mod missing_gradients;
 pub(crate) mod parse;
 mod processes;
+pub(crate) mod runtime;
 pub(crate) mod state;
 mod transport;
 mod worker_env;

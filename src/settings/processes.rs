@@ -19,6 +19,8 @@ pub(crate) struct SelfLaunch {
     /// Whether the CPU was asked for (builder, `ACCELERATE_RS_USE_CPU` or `use_cpu`); `None`:
     /// nobody said, so the workers use GPUs when they have them.
     pub(crate) use_cpu: Option<bool>,
+    /// The run's secret for the workers (builder > `ACCELERATE_RS_SECRET`); `None`: a random one.
+    pub(crate) secret: Option<String>,
 }
 
 /// `Some` when this process must start workers of itself instead of joining a run: more than one
@@ -73,9 +75,16 @@ pub(crate) fn self_launch(
     }
     let (cfg, _) = ConfigFile::load_located(o.config_file.as_deref(), getenv)?;
     let use_cpu = o.cpu.or(env_value(getenv, env::USE_CPU)?).or(cfg.use_cpu);
+    let secret = pick(
+        o.secret.clone(),
+        env_value::<String>(getenv, env::SECRET)?,
+        None,
+        String::new(),
+    );
     Ok(Some(SelfLaunch {
         processes: n,
         use_cpu,
+        secret: (!secret.is_empty()).then_some(secret),
     }))
 }
 

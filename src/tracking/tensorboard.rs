@@ -163,12 +163,7 @@ impl Tracker for TensorBoardTracker {
 /// The host name for the file name: `/proc/sys/kernel/hostname`, else `$HOSTNAME`, else
 /// `localhost`; characters other than alphanumerics, `-` and `_` become `_`.
 fn hostname() -> String {
-    let raw = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok().filter(|s| !s.is_empty()))
-        .unwrap_or_else(|| "localhost".to_string());
+    let raw = crate::settings::runtime::host_name().unwrap_or_else(|| "localhost".to_string());
     raw.chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' {

@@ -116,13 +116,10 @@ pub(crate) fn run(plan: &SelfLaunch) -> Result<std::convert::Infallible> {
     // Rank 0 inherits the store's socket, bound here: nothing can take the port in between.
     let store = TcpListener::bind(("127.0.0.1", 0)).map_err(spawn_err(0))?;
     let port = store.local_addr().map_err(spawn_err(0))?.port();
-    let secret = std::env::var(env::SECRET)
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| {
-            let bytes: [u8; 32] = rand::random();
-            bytes.iter().map(|b| format!("{b:02x}")).collect()
-        });
+    let secret = plan.secret.clone().unwrap_or_else(|| {
+        let bytes: [u8; 32] = rand::random();
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    });
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let common = CommonEnv::new(
         &EnvSpec {

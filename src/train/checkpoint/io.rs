@@ -40,8 +40,8 @@ pub(super) fn sync_dir(path: &Path) {
 /// Test-only hook ([`env::TEST_CRASH_AFTER`](crate::env::TEST_CRASH_AFTER)`=<file>`): the main process exits (code 3)
 /// right after writing that file of a checkpoint, as a kill would.
 pub(super) fn crash_hook(file: &str) {
-    let var = crate::settings::env::TEST_CRASH_AFTER;
-    if matches!(crate::settings::parse::process_env::<String>(var), Ok(Some(v)) if v == file) {
+    if crate::settings::runtime::crash_after(file) {
+        let var = crate::settings::env::TEST_CRASH_AFTER;
         log::error!("{var}={file}: exiting mid-save");
         std::process::exit(3);
     }
@@ -66,12 +66,7 @@ pub(super) static LOCKS: std::sync::Mutex<Vec<(PathBuf, fs::File)>> =
 
 /// This machine's host name, for lock files.
 pub(super) fn host_name() -> String {
-    fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "an unknown host".into())
+    crate::settings::runtime::host_name().unwrap_or_else(|| "an unknown host".into())
 }
 
 /// Takes (once per process) the exclusive lock of checkpoint folder `folder`: two runs saving
