@@ -77,6 +77,7 @@
 //! | reduce CPU gradient buckets on a communication thread while the next is flattened | - | `ACCELERATE_RS_OVERLAP`: `1` or `0` | - | on |
 //! | fused optimizer kernels ([`optim`]) | [`AdamW::set_fused`](optim::AdamW::set_fused), [`Sgd::set_fused`](optim::Sgd::set_fused) | `ACCELERATE_RS_FUSED_OPTIM`: `1` or `0` | - | on |
 //! | check shapes across ranks before `gather`, `reduce`, `broadcast` | - | `ACCELERATE_RS_DEBUG`: `1` or `0` | - | off |
+//! | simulated device-memory limit (tests of [`find_executable_batch_size`](Accelerator::find_executable_batch_size) on the CPU) | - | [`ACCELERATE_RS_TEST_MEMORY_LIMIT`](env::TEST_MEMORY_LIMIT): bytes, e.g. `512MiB` | - | none |
 //!
 //! The launcher families are not mixed: the first of torchrun, SLURM, Open MPI whose rank
 //! variable is set provides rank, world size and local rank. Inconsistent values (a rank not below
@@ -95,7 +96,10 @@
 //! [`Parameters`], the data types ([`DataLoader`], [`Dataset`], [`TensorDataset`],
 //! [`DistributedSampler`], [`Batch`], [`BatchIter`], [`EvenBatches`]), the settings
 //! ([`ProcessState`], [`DistributedType`], [`MixedPrecision`], [`Transport`], [`ConfigFile`]),
-//! [`ReduceOp`], and the typed [`Error`] (with [`ReplicaFailure`]). The modules:
+//! [`ReduceOp`], [`BatchSizeSearch`] (the options of
+//! [`find_executable_batch_size`](Accelerator::find_executable_batch_size), which retries a
+//! training closure with smaller batches when a rank runs out of memory, every rank agreeing),
+//! and the typed [`Error`] (with [`ReplicaFailure`]). The modules:
 //!
 //! - [`checkpoint`]: the checkpoint format ([`checkpoint::CheckpointParts`],
 //!   [`checkpoint::StatefulOptimizer`], [`checkpoint::latest_checkpoint`], the manifest); saved
@@ -187,6 +191,7 @@ pub use error::{Error, ReplicaCause, ReplicaFailure, Result};
 pub use settings::{
     ConfigFile, DistributedType, MissingGradients, MixedPrecision, ProcessState, Transport,
 };
+pub use train::batch_size::BatchSizeSearch;
 pub use train::mixed_precision::{LossScaler, MixedPrecisionOptimizer};
 pub use train::optimizer::{AcceleratedOptimizer, TrainOptimizer};
 pub use train::params::Parameters;

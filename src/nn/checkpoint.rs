@@ -111,6 +111,7 @@ pub fn backward(loss: &Tensor) -> Result<GradStore> {
         // for the outermost call.
         return loss.backward();
     }
+    check_memory_limit(loss)?;
     PENDING.with(|p| p.borrow_mut().clear());
     DEPTH.with(|d| d.set(1));
     let result = loss.backward();
@@ -129,6 +130,36 @@ pub fn backward(loss: &Tensor) -> Result<GradStore> {
         }
     }
     Ok(grads)
+}
+
+/// The simulated memory limit of tests ([`env::TEST_MEMORY_LIMIT`](crate::env::TEST_MEMORY_LIMIT)):
+/// an [`Error::OutOfMemory`](crate::Error::OutOfMemory) (typed through Candle's `Result`) when
+/// the tensors the loss's graph holds exceed it. Nothing to do when the variable is unset.
+fn check_memory_limit(loss: &Tensor) -> Result<()> {
+    let Some(limit) = crate::settings::memory::injected_memory_limit()? else {
+        return Ok(());
+    };
+    let nodes = loss.sorted_nodes();
+    let held: u64 = nodes
+        .iter()
+        .filter(|t| !t.is_variable())
+        .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+        .sum();
+    if held <= limit {
+        return Ok(());
+    }
+    Err(crate::Error::OutOfMemory {
+        rank: None,
+        device: crate::error::device_label(loss.device()),
+        requested: Some(held),
+        limit: Some(limit),
+        detail: format!(
+            "the backward pass of a graph of {} tensors holding {held} bytes of activations would exceed the simulated limit {}",
+            nodes.len(),
+            crate::settings::env::TEST_MEMORY_LIMIT
+        ),
+    }
+    .into())
 }
 
 /// The checkpoint node: forward hands out the output computed in [`checkpoint_fn`]; backward

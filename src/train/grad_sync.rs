@@ -41,6 +41,7 @@ use candle_core::{Tensor, Var};
 use crate::collective::Collective;
 use crate::error::{Error, Result};
 use crate::settings::MissingGradients;
+use crate::train::batch_size::Probe;
 use crate::train::params::ParamSet;
 
 /// The accumulation state of one engine.
@@ -80,6 +81,8 @@ pub(crate) struct GradSync {
     zero_stage: usize,
     params: Mutex<Option<Arc<ParamSet>>>,
     accum: Mutex<Accumulation>,
+    /// The batch-size search's attempt state: told of every sync step.
+    probe: Arc<Probe>,
 }
 
 impl std::fmt::Debug for GradSync {
@@ -109,6 +112,7 @@ impl GradSync {
         overlap: bool,
         missing: MissingGradients,
         zero_stage: usize,
+        probe: Arc<Probe>,
     ) -> Self {
         GradSync {
             collective,
@@ -120,7 +124,23 @@ impl GradSync {
             zero_stage,
             params: Mutex::new(None),
             accum: Mutex::new(Accumulation::default()),
+            probe,
         }
+    }
+
+    /// The registered parameters, to hand back to [`restart`](Self::restart) later.
+    pub(crate) fn registration(&self) -> Option<Arc<ParamSet>> {
+        self.params()
+    }
+
+    /// Starts over with `params` registered (what [`registration`](Self::registration) gave):
+    /// what was registered since is forgotten (its buffers freed once nobody holds them), as are
+    /// pending micro-steps, and the first sync step checks for missing gradients again. A
+    /// batch-size search calls it before each retry.
+    pub(crate) fn restart(&self, params: Option<Arc<ParamSet>>) {
+        *lock(&self.params) = params;
+        *lock(&self.accum) = Accumulation::default();
+        self.checked.store(false, Ordering::Relaxed);
     }
 
     /// Whether this rank is alone, so that nothing needs to be verified, broadcast or averaged:
@@ -277,13 +297,16 @@ impl GradSync {
     /// that no rank gave a gradient (after averaging, a gradient is present when any rank had
     /// one, so every rank reaches the same verdict).
     fn average_with(&self, params: &ParamSet, grads: &mut GradStore) -> Result<()> {
+        self.probe.sync_step_starting()?;
         if self.zero_stage >= 2 && !self.alone() {
             let present = params.reduce_scatter_gradients(self.collective.as_ref(), grads)?;
+            self.probe.sync_step_done();
             return self.check_missing(params, || params.names_where_absent(&present));
         }
         if !self.alone() {
             params.average_gradients(self.collective.as_ref(), grads)?;
         }
+        self.probe.sync_step_done();
         self.check_missing(params, || params.without_grad(grads))
     }
 

@@ -4,6 +4,7 @@
 mod common;
 
 mod accumulate;
+mod batch_size;
 mod batching;
 mod checkpoint;
 mod checkpoint_complete;
