@@ -153,6 +153,18 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// A model file (a Hugging Face `config.json`, a safetensors header or a sharded index)
+    /// holds something that cannot be used.
+    #[error("model file {}: {}{reason}", path.display(), key.as_deref().map(|k| format!("`{k}`: ")).unwrap_or_default())]
+    ModelFile {
+        /// The file (or folder).
+        path: PathBuf,
+        /// The key or tensor to blame, when one is.
+        key: Option<String>,
+        /// What is wrong and what was expected.
+        reason: String,
+    },
+
     /// A launcher worker could not be started.
     #[error("launch: could not start rank {rank} (`{program}`)")]
     Spawn {

@@ -117,6 +117,9 @@
 //! - [`env`](mod@env): the name of every environment variable, and the launcher's environment
 //!   contract ([`env::CommonEnv`]); [`config`]: the settings' defaults; [`gpu`]: GPU discovery.
 //! - [`allocator`]: glibc allocator tuning for training loops (applied by [`Accelerator`]).
+//! - [`memory`]: memory planning, what `accelerate-rs estimate-memory` prints: per rank, the
+//!   parameters, gradients, optimizer state, f32 masters and activations of a model read from
+//!   its `config.json` and safetensors headers, for a precision, ZeRO stage, LoRA rank and batch.
 //! - [`nn`]: differentiable fused layers with `candle_nn`'s signatures (LayerNorm, RMSNorm,
 //!   softmax, cross-entropy, GELU, ReLU, SiLU, Linear, RoPE: `rope`, `rope_i`, `rope_thd`) and
 //!   fusions Candle has no counterpart for: [`nn::swiglu`],
@@ -161,6 +164,7 @@ mod data;
 mod error;
 mod inplace;
 pub mod logging;
+pub mod memory;
 pub mod nn;
 pub mod optim;
 mod settings;

@@ -129,7 +129,24 @@ pub fn backward(loss: &Tensor) -> Result<GradStore> {
             }
         }
     }
+    detach_all(&mut grads);
     Ok(grads)
+}
+
+/// Replaces every gradient that records the ops it was computed with by a detached tensor on
+/// the same storage. Candle's backward pass computes a parameter's gradient from tracked tensors
+/// (`zeros + dW`, `dW = gᵀ·x`), so the gradient it hands out keeps those operands alive (a
+/// zero-filled and a partial copy of the parameter's size, and the gradient of the layer's
+/// output) for as long as the gradients are held, through the optimizer step: about two more
+/// copies of the gradients. Detached, only the gradients themselves stay.
+fn detach_all(grads: &mut GradStore) {
+    let ids: Vec<TensorId> = grads.get_ids().copied().collect();
+    for id in ids {
+        if let Some(g) = grads.get_id(id).filter(|g| g.track_op()) {
+            let plain = g.detach();
+            grads.insert_id(id, plain);
+        }
+    }
 }
 
 /// The simulated memory limit of tests ([`env::TEST_MEMORY_LIMIT`](crate::env::TEST_MEMORY_LIMIT)):

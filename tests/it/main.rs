@@ -21,6 +21,7 @@ mod examples;
 mod faults;
 mod frozen;
 mod fused_optim;
+mod memory;
 mod mixed_precision;
 #[cfg(feature = "mpi")]
 mod mpi;
