@@ -163,3 +163,40 @@ fn bad_models_and_flags_are_clear_errors() {
         "{e}"
     );
 }
+
+/// The README's "Fine-tune a 7B model on one GPU" shows what the tool prints: every table row
+/// there is a row of one of its three commands.
+#[test]
+fn the_readme_shows_what_the_tool_prints() {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
+            .unwrap();
+    let section = readme
+        .split("## Fine-tune a 7B model on one GPU")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("the README has the section");
+    let dir = fixture();
+    let d = dir.to_str().unwrap();
+    let common = [d, "--precision", "bf16", "--seq-len", "2048"];
+    let outputs = [
+        ok(&common),
+        ok(&[&common[..], &["--lora-r", "16"]].concat()),
+        ok(&[&common[..], &["-n", "8", "--zero-stage", "2"]].concat()),
+    ]
+    .concat();
+    let rows: Vec<&str> = section
+        .lines()
+        .map(str::trim)
+        .filter(|l| {
+            l.starts_with("| bf16") || l.starts_with("| precision") || l.starts_with("Per rank:")
+        })
+        .collect();
+    assert!(rows.len() >= 5, "{rows:?}");
+    for r in rows {
+        assert!(
+            outputs.lines().any(|l| l.trim() == r),
+            "README line not printed by the tool: {r}"
+        );
+    }
+}
