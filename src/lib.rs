@@ -79,6 +79,7 @@
 //! | reduce CPU gradient buckets on a communication thread while the next is flattened | - | `ACCELERATE_RS_OVERLAP`: `1` or `0` | - | on |
 //! | fused optimizer kernels ([`optim`]) | [`AdamW::set_fused`](optim::AdamW::set_fused), [`Sgd::set_fused`](optim::Sgd::set_fused) | `ACCELERATE_RS_FUSED_OPTIM`: `1` or `0` | - | on |
 //! | check shapes across ranks before `gather`, `reduce`, `broadcast` | - | `ACCELERATE_RS_DEBUG`: `1` or `0` | - | off |
+//! | simulated device-memory limit (tests of [`find_executable_batch_size`](Accelerator::find_executable_batch_size) on the CPU) | - | [`ACCELERATE_RS_TEST_MEMORY_LIMIT`](env::TEST_MEMORY_LIMIT): bytes, e.g. `512MiB` | - | none |
 //!
 //! The launcher families are not mixed: the first of torchrun, SLURM, Open MPI whose rank
 //! variable is set provides rank, world size and local rank. Inconsistent values (a rank not below
@@ -98,7 +99,10 @@
 //! [`DistributedSampler`], [`Batch`], [`BatchIter`], [`EvenBatches`]), the settings
 //! ([`ProcessState`], [`DistributedType`], [`MixedPrecision`], [`Transport`], [`ConfigFile`]),
 //! [`ReduceOp`], [`seeded_var_builder`] (reproducible initial weights, also
-//! [`Accelerator::var_builder`]), and the typed [`Error`] (with [`ReplicaFailure`]). The modules:
+//! [`Accelerator::var_builder`]), [`BatchSizeSearch`] (the options of
+//! [`find_executable_batch_size`](Accelerator::find_executable_batch_size), which retries a
+//! training closure with smaller batches when a rank runs out of memory, every rank agreeing),
+//! and the typed [`Error`] (with [`ReplicaFailure`]). The modules:
 //!
 //! - [`checkpoint`]: the checkpoint format ([`checkpoint::CheckpointParts`],
 //!   [`optim::StatefulOptimizer`], [`checkpoint::latest_checkpoint`], the manifest); saved
@@ -121,6 +125,9 @@
 //! - [`env`](mod@env): the name of every environment variable, and the launcher's environment
 //!   contract ([`env::CommonEnv`]); [`config`]: the settings' defaults; [`gpu`]: GPU discovery.
 //! - [`allocator`]: glibc allocator tuning for training loops (applied by [`Accelerator`]).
+//! - [`memory`]: memory planning, what `accelerate-rs estimate-memory` prints: per rank, the
+//!   parameters, gradients, optimizer state, f32 masters and activations of a model read from
+//!   its `config.json` and safetensors headers, for a precision, ZeRO stage, LoRA rank and batch.
 //! - [`nn`]: differentiable fused layers with `candle_nn`'s signatures (LayerNorm, RMSNorm,
 //!   softmax, cross-entropy, GELU, ReLU, SiLU, Linear, RoPE: `rope`, `rope_i`, `rope_thd`) and
 //!   fusions Candle has no counterpart for: [`nn::swiglu`],
@@ -166,6 +173,7 @@ mod data;
 mod error;
 mod inplace;
 pub mod logging;
+pub mod memory;
 pub mod nn;
 pub mod optim;
 mod settings;
@@ -196,6 +204,7 @@ pub use error::{Error, ReplicaCause, ReplicaFailure, Result};
 pub use settings::{
     ConfigFile, DistributedType, MissingGradients, MixedPrecision, ProcessState, Transport,
 };
+pub use train::batch_size::BatchSizeSearch;
 pub use train::init::seeded_var_builder;
 pub use train::mixed_precision::{LossScaler, MixedPrecisionOptimizer};
 pub use train::optimizer::{AcceleratedOptimizer, TrainOptimizer};

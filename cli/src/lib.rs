@@ -1,4 +1,4 @@
-//! The `accelerate-rs` command line (`config`, `launch`, `env`, `test`) and the launcher behind
+//! The `accelerate-rs` command line (`config`, `launch`, `env`, `test`, `estimate-memory`) and the launcher behind
 //! `accelerate-rs launch`, built on the [`accelerate_rs`] library.
 //!
 //! A crate of its own (like nextest's runner and CLI split) so that a training script depending

@@ -4,6 +4,7 @@
 //! [`backward`](Accelerator::backward). Its builder is in `builder.rs`, DP (one thread per
 //! replica) in `dp.rs`, the collectives for users in `ops.rs`, checkpoints in `checkpoint.rs`.
 
+mod batch_size;
 mod builder;
 mod checkpoint;
 mod connect;
@@ -23,6 +24,7 @@ use crate::collective::Collective;
 use crate::data::{Batch, DataLoader};
 use crate::error::Result;
 use crate::settings::{DistributedType, ProcessState};
+use crate::train::batch_size::{Probe, ProbedCollective};
 use crate::train::grad_sync::GradSync;
 use crate::train::mixed_precision::MixedPrecisionOptimizer;
 use crate::train::optimizer::AcceleratedOptimizer;
@@ -45,7 +47,12 @@ pub struct Accelerator {
 #[derive(Debug)]
 struct Inner {
     state: ProcessState,
+    /// The backend's communicator wrapped by the batch-size search's agreement
+    /// ([`find_executable_batch_size`](Accelerator::find_executable_batch_size)): what every
+    /// collective of the accelerator, its gradient engine and its users goes through.
     collective: Arc<dyn Collective>,
+    /// The batch-size search's attempt state (it holds the backend's communicator itself).
+    probe: Arc<Probe>,
     grads: Arc<GradSync>,
     /// The seed of [`Accelerator::set_seed`] (0 until it is called), for `var_builder`.
     seed: std::sync::atomic::AtomicU64,
@@ -73,6 +80,8 @@ impl Accelerator {
             state.world_size(),
             collective.backend()
         );
+        let probe = Arc::new(Probe::new(collective));
+        let collective: Arc<dyn Collective> = Arc::new(ProbedCollective::new(probe.clone()));
         let grads = Arc::new(GradSync::new(
             collective.clone(),
             state.gradient_accumulation_steps(),
@@ -80,11 +89,13 @@ impl Accelerator {
             state.overlap(),
             state.missing_gradients(),
             state.zero_stage(),
+            probe.clone(),
         ));
         Accelerator {
             inner: Arc::new(Inner {
                 state,
                 collective,
+                probe,
                 grads,
                 seed: std::sync::atomic::AtomicU64::new(0),
             }),

@@ -4,7 +4,7 @@
 //! |---|---|
 //! | [`gather`](Accelerator::gather) | all ranks' tensors concatenated on dim 0, in rank order |
 //! | [`gather_for_metrics`](Accelerator::gather_for_metrics) | the same, without the padding duplicates of the last uneven batch |
-//! | [`reduce`](Accelerator::reduce) | the element-wise sum, mean or max |
+//! | [`reduce`](Accelerator::reduce) | the element-wise sum, mean, max or min |
 //! | [`broadcast`](Accelerator::broadcast) | the root's tensor |
 //! | [`pad_across_processes`](Accelerator::pad_across_processes) | its tensor padded to the largest size across ranks |
 //! | [`main_process_first`](Accelerator::main_process_first) | runs a closure after the main process ran it |
@@ -163,7 +163,7 @@ impl Accelerator {
         Ok(all.narrow(0, 0, rows - pad)?)
     }
 
-    /// The element-wise sum, mean or max of every rank's `t`, on every rank (same shape and dtype
+    /// The element-wise sum, mean, max or min of every rank's `t`, on every rank (same shape and dtype
     /// everywhere; `u8`, `f16`, `bf16`, `f32`, `f64`).
     pub fn reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         if self.world_size() == 1 {

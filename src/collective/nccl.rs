@@ -476,6 +476,7 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
         ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
         ReduceOp::Mean => sys::ncclRedOp_t::ncclAvg,
         ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
     }
 }
 

@@ -216,7 +216,10 @@ impl LinearOp {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let k = w.dim(1)?;
         let rows = x.elem_count() / k;
-        let dx = g.matmul(w)?.reshape(x.shape())?;
+        // Detached operands: the gradients record no ops, so they do not keep `g` (and through
+        // the backward pass's sums, zero-filled copies of the weight) alive while they are held.
+        let (x, w) = (x.detach(), w.detach());
+        let dx = g.matmul(&w)?.reshape(x.shape())?;
         let dw = g.t()?.matmul(&x.reshape((rows, k))?)?;
         let db = g.apply_op1_no_bwd(&ColumnSums { cols: self.n })?;
         Ok((dx, dw, db))

@@ -100,6 +100,16 @@ pub const STORE_FD: &str = "ACCELERATE_RS_STORE_FD";
 /// checkpoint file, as if killed mid-save. Not for production use.
 pub const TEST_CRASH_AFTER: &str = "ACCELERATE_RS_TEST_CRASH_AFTER";
 
+/// Fault injection for tests: a simulated device-memory limit, in bytes (`1048576`, or with a
+/// binary suffix: `64KiB`, `512MiB`, `2GiB`). When set, [`nn::backward`](crate::nn::backward)
+/// (the backward pass of the accelerator and of the optimizer wrappers) fails with
+/// [`Error::OutOfMemory`](crate::Error::OutOfMemory) when the tensors held by the loss's graph
+/// (the activations kept for the backward pass, views counted in full) exceed it, as an
+/// allocation on a full GPU would: the memory grows with the batch, so
+/// [`find_executable_batch_size`](crate::Accelerator::find_executable_batch_size) can be tested
+/// on the CPU. Read once per process. Not for production use.
+pub const TEST_MEMORY_LIMIT: &str = "ACCELERATE_RS_TEST_MEMORY_LIMIT";
+
 /// GPUs visible to CUDA programs.
 pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 

@@ -11,6 +11,7 @@ pub mod gpu;
 #[path = "gpu_stub.rs"]
 pub mod gpu;
 pub mod limits;
+pub(crate) mod memory;
 mod missing_gradients;
 pub(crate) mod parse;
 mod processes;

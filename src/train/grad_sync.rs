@@ -42,6 +42,7 @@ use crate::collective::Collective;
 use crate::error::{Error, Result};
 use crate::settings::MissingGradients;
 use crate::tracking::timing::{Phase, PhaseClock};
+use crate::train::batch_size::Probe;
 use crate::train::params::ParamSet;
 
 /// The accumulation state of one engine.
@@ -85,6 +86,8 @@ pub(crate) struct GradSync {
     accum: Mutex<Accumulation>,
     /// Time spent in backward, communication and the optimizer (for `StepTimer`).
     clock: Arc<PhaseClock>,
+    /// The batch-size search's attempt state: told of every sync step.
+    probe: Arc<Probe>,
 }
 
 impl std::fmt::Debug for GradSync {
@@ -114,6 +117,7 @@ impl GradSync {
         overlap: bool,
         missing: MissingGradients,
         zero_stage: usize,
+        probe: Arc<Probe>,
     ) -> Self {
         GradSync {
             collective,
@@ -127,12 +131,28 @@ impl GradSync {
             params: Mutex::new(None),
             accum: Mutex::new(Accumulation::default()),
             clock: Arc::default(),
+            probe,
         }
     }
 
     /// The engine's phase clock, read by [`StepTimer`](crate::tracking::StepTimer).
     pub(crate) fn clock(&self) -> &Arc<PhaseClock> {
         &self.clock
+    }
+
+    /// The registered parameters, to hand back to [`restart`](Self::restart) later.
+    pub(crate) fn registration(&self) -> Option<Arc<ParamSet>> {
+        self.params()
+    }
+
+    /// Starts over with `params` registered (what [`registration`](Self::registration) gave):
+    /// what was registered since is forgotten (its buffers freed once nobody holds them), as are
+    /// pending micro-steps, and the first sync step checks for missing gradients again. A
+    /// batch-size search calls it before each retry.
+    pub(crate) fn restart(&self, params: Option<Arc<ParamSet>>) {
+        *lock(&self.params) = params;
+        *lock(&self.accum) = Accumulation::default();
+        self.checked.store(false, Ordering::Relaxed);
     }
 
     /// Whether this rank is alone, so that nothing needs to be verified, broadcast or averaged:
@@ -291,6 +311,7 @@ impl GradSync {
     /// that no rank gave a gradient (after averaging, a gradient is present when any rank had
     /// one, so every rank reaches the same verdict).
     fn average_with(&self, params: &ParamSet, grads: &mut GradStore) -> Result<()> {
+        self.probe.sync_step_starting()?;
         if !self.alone() && !self.data_checked.swap(true, Ordering::Relaxed) {
             self.check_same_data(params, grads)?;
         }
@@ -299,12 +320,14 @@ impl GradSync {
             let present = self.clock.measure(Phase::Communication, || {
                 params.reduce_scatter_gradients(c, grads)
             })?;
+            self.probe.sync_step_done();
             return self.check_missing(params, || params.names_where_absent(&present));
         }
         if !self.alone() {
             self.clock
                 .measure(Phase::Communication, || params.average_gradients(c, grads))?;
         }
+        self.probe.sync_step_done();
         self.check_missing(params, || params.without_grad(grads))
     }
 

@@ -1,6 +1,7 @@
 //! Training machinery, the middle floor: parameters and gradient buckets, gradient accumulation,
 //! the optimizer wrappers, mixed precision, learning-rate schedules and the checkpoint format.
 
+pub(crate) mod batch_size;
 pub mod checkpoint;
 pub(crate) mod grad_sync;
 pub(crate) mod init;

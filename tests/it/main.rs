@@ -4,6 +4,7 @@
 mod common;
 
 mod accumulate;
+mod batch_size;
 mod batching;
 mod checkpoint;
 mod checkpoint_complete;
@@ -21,6 +22,7 @@ mod examples;
 mod faults;
 mod frozen;
 mod fused_optim;
+mod memory;
 mod mixed_precision;
 #[cfg(feature = "mpi")]
 mod mpi;

@@ -253,7 +253,7 @@ fn check_all_reduce(acc: &Accelerator) -> Result<Outcome> {
     let c = acc.collective().as_ref();
     let (rank, n) = (acc.rank(), acc.world_size());
     let len = 2 * n + 1;
-    for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+    for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
         let want: Vec<f64> = (0..len)
             .map(|i| {
                 let vals = (0..n).map(|r| value(r, i));
@@ -261,6 +261,7 @@ fn check_all_reduce(acc: &Accelerator) -> Result<Outcome> {
                     ReduceOp::Sum => vals.sum(),
                     ReduceOp::Mean => vals.sum::<f64>() / n as f64,
                     ReduceOp::Max => vals.fold(f64::MIN, f64::max),
+                    ReduceOp::Min => vals.fold(f64::MAX, f64::min),
                 }
             })
             .collect();
@@ -386,6 +387,7 @@ fn check_gpu_tensors(acc: &Accelerator) -> Result<Outcome> {
             (ReduceOp::Sum, sum),
             (ReduceOp::Mean, sum / n as f32),
             (ReduceOp::Max, n as f32),
+            (ReduceOp::Min, 1.0),
         ] {
             let out = c.all_reduce_tensor(&t, op)?;
             let got = out.to_dtype(DType::F32)?.to_vec1::<f32>()?;

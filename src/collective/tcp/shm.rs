@@ -909,11 +909,7 @@ impl Shm {
 
 /// The accumulating operation of a reduction (`Mean` sums, then divides once).
 fn acc_op(rop: ReduceOp) -> ReduceOp {
-    if rop == ReduceOp::Max {
-        ReduceOp::Max
-    } else {
-        ReduceOp::Sum
-    }
+    rop.accumulating()
 }
 
 #[cfg(test)]
