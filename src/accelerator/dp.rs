@@ -176,7 +176,7 @@ fn gpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
 fn replica_ordinals(n: usize, visible: usize) -> Result<Vec<usize>> {
     (0..n)
         .map(|i| {
-            crate::settings::state::gpu_ordinal(i, visible).ok_or_else(|| Error::NotAvailable {
+            crate::settings::place::gpu_ordinal(i, visible).ok_or_else(|| Error::NotAvailable {
                 what: "GPU".into(),
                 reason: format!(
                     "DP over {n} GPU replicas, but no GPU is visible{}; `.cpu(true)` (or {}=1) runs them on the CPU",
@@ -305,7 +305,7 @@ where
 mod tests {
     use super::*;
     use crate::accelerator::AcceleratorBuilder;
-    use crate::settings::state::data_parallel as replicas;
+    use crate::settings::place::data_parallel as replicas;
     use std::collections::HashMap;
 
     fn env_of(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + Sync {

@@ -9,7 +9,7 @@
 use crate::collective::{Buffer, Collective};
 use crate::error::{Error, Result};
 #[cfg(test)]
-use crate::settings::state::gpu_ordinal;
+use crate::settings::place::gpu_ordinal;
 
 /// The first two ranks (in rank order) whose GPU identities are equal, if any.
 pub(crate) fn first_shared<T: PartialEq>(ids: &[T]) -> Option<(usize, usize)> {

@@ -14,6 +14,7 @@ pub mod limits;
 pub(crate) mod memory;
 mod missing_gradients;
 pub(crate) mod parse;
+pub(crate) mod place;
 mod processes;
 pub(crate) mod runtime;
 pub(crate) mod state;

@@ -8,7 +8,8 @@
 
 use crate::error::{Error, Result};
 use crate::settings::parse::{env_value, pick};
-use crate::settings::state::{launched_by, Overrides};
+use crate::settings::place::launched_by;
+use crate::settings::state::Overrides;
 use crate::settings::{env, limits, ConfigFile};
 
 /// What a program started on its own should do: start `processes` workers of itself.
