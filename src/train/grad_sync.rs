@@ -312,8 +312,11 @@ impl GradSync {
     /// one, so every rank reaches the same verdict).
     fn average_with(&self, params: &ParamSet, grads: &mut GradStore) -> Result<()> {
         self.probe.sync_step_starting()?;
-        if !self.alone() && !self.data_checked.swap(true, Ordering::Relaxed) {
+        // Marked done only once the check's collective went through on every rank: a batch-size
+        // search can abort it on some ranks, and then every rank runs it again.
+        if !self.alone() && !self.data_checked.load(Ordering::Relaxed) {
             self.check_same_data(params, grads)?;
+            self.data_checked.store(true, Ordering::Relaxed);
         }
         let c = self.collective.as_ref();
         if self.zero_stage >= 2 && !self.alone() {

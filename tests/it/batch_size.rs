@@ -301,16 +301,25 @@ fn three_processes_agree_when_the_memory_limit_hits_one_rank() {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+    let mut failed = false;
     for c in std::mem::take(&mut children.0) {
         let out = c.wait_with_output().unwrap();
-        let text = format!(
+        failed |= !out.status.success();
+        outputs.push(format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(out.status.success(), "{text}");
-        outputs.push(text);
+        ));
     }
+    assert!(
+        !failed,
+        "a worker failed:\n{}",
+        outputs
+            .iter()
+            .enumerate()
+            .map(|(r, t)| format!("--- rank {r}:\n{t}"))
+            .collect::<String>()
+    );
     // Every rank settled on 8 after 32 and 16 failed on rank 1, with the same parameters.
     let lines: Vec<&str> = outputs
         .iter()
