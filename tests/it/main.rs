@@ -30,3 +30,4 @@ mod scripts;
 mod shm;
 mod tracking;
 mod zero;
+mod zero_overflow;
