@@ -46,6 +46,10 @@ pub(crate) mod mpi;
 pub(crate) mod mpi;
 #[allow(dead_code)]
 mod nccl_dtype;
+// The watchdog and close logic of NCCL communicators: used by nccl.rs (cuda builds only);
+// compiled and tested (with fake communicators) in every build.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod nccl_life;
 pub(crate) mod placement;
 pub(crate) mod reduce;
 mod single;
@@ -159,6 +163,14 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     fn check_peers(&self) -> Result<()> {
         Ok(())
     }
+
+    /// Tells the collective how the run ended on this rank, before its last handle is dropped:
+    /// `true` when it finished, `false` after an error.
+    /// [`AcceleratorBuilder::run`](crate::AcceleratorBuilder::run) tells it. Backends that must
+    /// be closed in step with the other ranks use it: NCCL closes a finished run together with
+    /// the other ranks (barrier, finalize, destroy) and aborts after an error. The default (every
+    /// other backend) ignores it.
+    fn set_run_outcome(&self, _finished: bool) {}
 
     /// [`all_reduce`](Collective::all_reduce) on a tensor; returns a new tensor of the same shape
     /// on the same device. Backends with device memory (NCCL) override this to avoid host copies.

@@ -13,15 +13,29 @@
 //! rank: the training thread (a DP replica's thread in DP). The data loader's prefetch thread
 //! only copies batches.
 //!
-//! The dtype and layout are checked before anything is queued, so a wrong call is an error that
-//! leaves the communicator usable. NCCL calls are asynchronous and a dead peer can leave them
-//! spinning forever, so every operation is followed by a watchdog: it polls an event recorded
-//! after the operation, checks that the host collective's peers are still alive, and past the
-//! timeout aborts the communicator and returns an error naming the operation, the rank and the
-//! peer. Aborting never panics, even after a sticky CUDA error.
+//! The dtype, layout and GPU are checked before anything is queued, so a wrong call is an error
+//! that leaves the communicator usable. NCCL calls are asynchronous and a dead peer can leave
+//! them spinning forever, so every wait has a watchdog ([`super::nccl_life`]):
+//!
+//! - **Creation.** Communicators are created non-blocking (`ncclCommInitRankConfig` with
+//!   `blocking = 0`) and waited for with the collective timeout: a rank that never arrives, or a
+//!   bootstrap interface the other machines cannot reach, is an error naming this rank and what
+//!   to check (`NCCL_SOCKET_IFNAME`, `NCCL_DEBUG`) instead of a hang. Right after creation every
+//!   rank runs one warm-up all-reduce (grouped over the replicas in DP), so that NCCL connects
+//!   its peers there and then, under the same watchdog, and not lazily inside the first
+//!   training step while other threads copy memory.
+//! - **Operations.** After each operation the watchdog polls an event recorded after it and
+//!   `ncclCommGetAsyncError`: a network error with every process alive fails at once, naming the
+//!   rank, the operation and NCCL's error; a host peer that is gone fails within 50 ms; past the
+//!   timeout the error names the rank and the operation. A failed operation aborts the
+//!   communicator; every later call fails with [`Error::Broken`].
+//! - **Closing.** When the last handle goes, a communicator whose run finished
+//!   ([`Collective::set_run_outcome`], told by `AcceleratorBuilder::run`) is closed together with
+//!   the other ranks: a barrier, `ncclCommFinalize`, `ncclCommDestroy`. One dropped without that
+//!   word is finalized and destroyed without the barrier; one whose run failed (or whose thread
+//!   panics) is aborted. Aborting never panics, even after a sticky CUDA error.
 
 use std::ffi::c_void;
-use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -32,16 +46,20 @@ use candle_core::{CpuStorage, CustomOp1, DType, Device, InplaceOp1, Layout, Shap
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result as nccl, sys};
 
+use super::nccl_life::{self, CommHandle, CommState, Wait};
 use super::{
     Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp, TcpCollective, TcpOptions, ThreadGroup,
 };
 use crate::error::{Error, Result};
 
-/// One NCCL communicator, owned: aborted (never panicking) when dropped.
+/// One NCCL communicator, owned: aborted (never panicking) when dropped unless
+/// [`nccl_life::close`] closed it first.
 struct RawComm {
     comm: sys::ncclComm_t,
     stream: Arc<CudaStream>,
     rank: usize,
+    /// Set once closed (finalized and destroyed, or aborted): nothing is left to abort.
+    closed: bool,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as no two calls on it run at
@@ -50,15 +68,107 @@ unsafe impl Send for RawComm {}
 
 impl Drop for RawComm {
     fn drop(&mut self) {
-        // SAFETY: `self.comm` was initialised by NCCL (`init_rank`/`init_all` only build a
-        // `RawComm` after success) and is aborted exactly once, here.
-        if let Err(e) = unsafe { nccl::comm_abort(self.comm) } {
+        if self.closed {
+            return;
+        }
+        if let Err(e) = self.abort() {
             log::warn!(
-                "rank {}: aborting the NCCL communicator failed ({:?}); ignored at teardown",
-                self.rank,
-                e.0
+                "rank {}: aborting the NCCL communicator failed ({e}); ignored at teardown",
+                self.rank
             );
         }
+    }
+}
+
+/// `ncclConfig_t` as NCCL 2.14 laid it out; every later version only appends fields. NCCL reads
+/// `size` bytes of the caller's config and gives the fields it did not get their defaults, so
+/// this works with whichever NCCL 2.14+ is found at run time, whatever version cudarc's bindings
+/// were generated from.
+#[repr(C)]
+struct Config214 {
+    size: usize,
+    magic: std::ffi::c_uint,
+    version: std::ffi::c_uint,
+    blocking: std::ffi::c_int,
+    cga_cluster_size: std::ffi::c_int,
+    min_ctas: std::ffi::c_int,
+    max_ctas: std::ffi::c_int,
+    net_name: *const std::ffi::c_char,
+}
+
+/// `NCCL_CONFIG_UNDEF_INT`: NCCL picks the value.
+const CONFIG_UNDEF_INT: std::ffi::c_int = std::ffi::c_int::MIN;
+
+impl Config214 {
+    /// `NCCL_CONFIG_INITIALIZER` of NCCL 2.14 with `blocking = 0`: creation and calls return at
+    /// once (`ncclInProgress`) and are waited for with `ncclCommGetAsyncError`.
+    fn non_blocking() -> Self {
+        Config214 {
+            size: std::mem::size_of::<Config214>(),
+            magic: 0xcafe_beef,
+            // NCCL_VERSION(2, 14, 0)
+            version: 21_400,
+            blocking: 0,
+            cga_cluster_size: CONFIG_UNDEF_INT,
+            min_ctas: CONFIG_UNDEF_INT,
+            max_ctas: CONFIG_UNDEF_INT,
+            net_name: std::ptr::null(),
+        }
+    }
+}
+
+/// NCCL's last error message for `comm` (`ncclGetLastError`), empty if none.
+fn last_error(comm: sys::ncclComm_t) -> String {
+    // SAFETY: ncclGetLastError accepts any communicator handle (or null) and returns null or a
+    // NUL-terminated string owned by NCCL, read here before any other NCCL call.
+    unsafe {
+        let p = sys::ncclGetLastError(comm);
+        if p.is_null() {
+            String::new()
+        } else {
+            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    }
+}
+
+/// An NCCL call's result as the text of a close step's error.
+fn step(
+    res: std::result::Result<nccl::NcclStatus, nccl::NcclError>,
+) -> std::result::Result<(), String> {
+    res.map(|_| ())
+        .map_err(|e| nccl_life::result_name(e.0 as u32).to_string())
+}
+
+impl CommHandle for RawComm {
+    fn state(&self) -> CommState {
+        let mut code: u32 = 0;
+        // SAFETY: `self.comm` is a live communicator (not yet closed) and `code` is a valid place
+        // for one `ncclResult_t` (a `u32`-sized C enum), read as a plain integer so that a code
+        // newer than cudarc's bindings cannot make an invalid Rust enum.
+        let ret = unsafe {
+            sys::ncclCommGetAsyncError(
+                self.comm,
+                (&mut code as *mut u32).cast::<sys::ncclResult_t>(),
+            )
+        };
+        if ret != sys::ncclResult_t::ncclSuccess {
+            return CommState::Failed(format!("ncclCommGetAsyncError itself failed: {ret:?}"));
+        }
+        nccl_life::state_of(code, || last_error(self.comm))
+    }
+    fn finalize(&self) -> std::result::Result<(), String> {
+        // SAFETY: a live communicator, finalized once (by `nccl_life::close`).
+        step(unsafe { nccl::comm_finalize(self.comm) })
+    }
+    fn destroy(&self) -> std::result::Result<(), String> {
+        // SAFETY: a finalized communicator, destroyed once (by `nccl_life::close`, which marks
+        // the `RawComm` closed so that its drop does not abort it too).
+        step(unsafe { nccl::comm_destroy(self.comm) })
+    }
+    fn abort(&self) -> std::result::Result<(), String> {
+        // SAFETY: a communicator NCCL handed out, aborted at most once: by `nccl_life::close`
+        // (which marks the `RawComm` closed) or by the drop of a `RawComm` not yet closed.
+        step(unsafe { nccl::comm_abort(self.comm) })
     }
 }
 
@@ -73,12 +183,25 @@ fn nccl_err(rank: usize, op: &str, what: impl std::fmt::Debug) -> Error {
 }
 
 impl RawComm {
-    /// `ncclCommInitRank` on `stream`'s GPU, with its context bound to this thread first.
+    fn new(comm: sys::ncclComm_t, stream: Arc<CudaStream>, rank: usize) -> Self {
+        RawComm {
+            comm,
+            stream,
+            rank,
+            closed: false,
+        }
+    }
+
+    /// Non-blocking `ncclCommInitRankConfig` on `stream`'s GPU (its context bound to this thread
+    /// first), waited for with the watchdog: at most `timeout`, failing early on an NCCL error
+    /// or when `check_peers` finds a host peer gone.
     fn init_rank(
         stream: Arc<CudaStream>,
         rank: usize,
         world: usize,
         id: sys::ncclUniqueId,
+        timeout: Duration,
+        check_peers: &mut dyn FnMut() -> Result<()>,
     ) -> Result<Self> {
         stream
             .context()
@@ -88,37 +211,230 @@ impl RawComm {
             i32::try_from(world).map_err(|_| Error::invalid("world size", "too large for NCCL"))?,
             i32::try_from(rank).map_err(|_| Error::invalid("rank", "too large for NCCL"))?,
         );
-        let mut comm = MaybeUninit::uninit();
-        // SAFETY: `comm` is a valid place for one communicator handle, written by NCCL on
-        // success (and only read then); the unique id came from rank 0's `ncclGetUniqueId`.
-        let comm = unsafe {
-            nccl::comm_init_rank(comm.as_mut_ptr(), n, id, r)
-                .map_err(|e| nccl_err(rank, "nccl init", e.0))?;
-            comm.assume_init()
+        let mut config = Config214::non_blocking();
+        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` is a valid place for one communicator handle; `config` is a valid NCCL
+        // 2.14 config (NCCL reads `config.size` bytes of it) that outlives the call; the unique id
+        // came from rank 0's `ncclGetUniqueId`.
+        let res = unsafe {
+            nccl::comm_init_rank_config(
+                &mut comm,
+                n,
+                id,
+                r,
+                (&mut config as *mut Config214).cast::<sys::ncclConfig_t>(),
+            )
         };
-        Ok(RawComm { comm, stream, rank })
+        Self::started(vec![comm], vec![stream], rank, res, timeout, check_peers)?
+            .pop()
+            .ok_or_else(|| nccl_err(rank, "nccl init", "NCCL returned no communicator"))
     }
 
-    /// `ncclCommInitAll`: one communicator per stream (each on its own GPU), rank i on stream i.
-    fn init_all(streams: Vec<Arc<CudaStream>>) -> Result<Vec<Self>> {
-        let ordinals: Vec<i32> = streams
-            .iter()
-            .map(|s| i32::try_from(s.context().ordinal()).unwrap_or(i32::MAX))
-            .collect();
+    /// DP: one communicator per stream (each on its own GPU), rank i on stream i, created from
+    /// this one thread inside one NCCL group (non-blocking) and waited for with the watchdog.
+    fn init_group(streams: Vec<Arc<CudaStream>>, timeout: Duration) -> Result<Vec<Self>> {
         let n = i32::try_from(streams.len())
             .map_err(|_| Error::invalid("data_parallel", "too many replicas for NCCL"))?;
+        let id = nccl::get_uniqueid().map_err(|e| nccl_err(0, "nccl unique id", e.0))?;
+        // One config per communicator: in a group NCCL reads them at `ncclGroupEnd`.
+        let mut configs: Vec<Config214> =
+            streams.iter().map(|_| Config214::non_blocking()).collect();
         let mut comms: Vec<sys::ncclComm_t> = vec![std::ptr::null_mut(); streams.len()];
-        // SAFETY: `comms` has room for `n` handles and `ordinals` holds `n` device ordinals, as
-        // ncclCommInitAll requires.
-        unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n, ordinals.as_ptr()) }
-            .map_err(|e| nccl_err(0, "nccl init", e.0))?;
-        Ok(comms
-            .into_iter()
+        nccl::group_start().map_err(|e| nccl_err(0, "nccl init (group start)", e.0))?;
+        let mut first_err = None;
+        for (i, (stream, (comm, config))) in streams
+            .iter()
+            .zip(comms.iter_mut().zip(configs.iter_mut()))
+            .enumerate()
+        {
+            if let Err(e) = stream.context().bind_to_thread() {
+                first_err.get_or_insert_with(|| nccl_err(i, "nccl init (binding the GPU)", e));
+                break;
+            }
+            // SAFETY: `comm` is a valid place for one handle; `config` is a valid NCCL 2.14
+            // config kept alive (in `configs`) until the group has ended and every communicator
+            // is waited for; `i < n`; the id is this process's own.
+            let res = unsafe {
+                nccl::comm_init_rank_config(
+                    comm,
+                    n,
+                    id,
+                    i as i32,
+                    (config as *mut Config214).cast::<sys::ncclConfig_t>(),
+                )
+            };
+            if let Err(e) = res {
+                first_err.get_or_insert_with(|| nccl_err(i, "nccl init", e.0));
+                break;
+            }
+        }
+        // The group is always ended, so that NCCL is left outside a group whatever happened.
+        let res = nccl::group_end();
+        let out = match first_err {
+            Some(e) => {
+                // Drop (abort) whatever was handed out.
+                drop(Self::wrap(&comms, &streams, 0));
+                Err(e)
+            }
+            None => Self::started(comms, streams, 0, res, timeout, &mut || Ok(())),
+        };
+        drop(configs);
+        out
+    }
+
+    /// The communicators NCCL handed out (null handles skipped), owned; the i-th is rank
+    /// `first_rank + i`.
+    fn wrap(
+        comms: &[sys::ncclComm_t],
+        streams: &[Arc<CudaStream>],
+        first_rank: usize,
+    ) -> Vec<Self> {
+        comms
+            .iter()
             .zip(streams)
             .enumerate()
-            .map(|(rank, (comm, stream))| RawComm { comm, stream, rank })
-            .collect())
+            .filter(|(_, (c, _))| !c.is_null())
+            .map(|(i, (c, s))| RawComm::new(*c, s.clone(), first_rank + i))
+            .collect()
     }
+
+    /// After the (non-blocking) creation call returned `res`: owns the communicators, then waits
+    /// until each is ready. Any failure drops (aborts) them all.
+    fn started(
+        comms: Vec<sys::ncclComm_t>,
+        streams: Vec<Arc<CudaStream>>,
+        rank: usize,
+        res: std::result::Result<nccl::NcclStatus, nccl::NcclError>,
+        timeout: Duration,
+        check_peers: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Vec<Self>> {
+        let all = comms.len();
+        let owned = Self::wrap(&comms, &streams, rank);
+        if let Err(e) = res {
+            let last = comms.first().map(|c| last_error(*c)).unwrap_or_default();
+            return Err(Error::Nccl {
+                rank,
+                op: "nccl init".into(),
+                reason: format!(
+                    "NCCL refused to create the communicator: {} {last}",
+                    nccl_life::result_name(e.0 as u32)
+                ),
+            });
+        }
+        if owned.len() != all {
+            return Err(nccl_err(rank, "nccl init", "NCCL returned no communicator"));
+        }
+        let deadline = Instant::now() + timeout;
+        for c in &owned {
+            let w = Wait {
+                rank: c.rank,
+                op: "nccl init",
+                timeout: deadline.saturating_duration_since(Instant::now()),
+                hint: nccl_life::INIT_HINT,
+            };
+            nccl_life::wait(&w, c, &mut || Ok(true), check_peers)?;
+        }
+        Ok(owned)
+    }
+
+    /// Waits until a call queued on this (non-blocking) communicator has really been queued on
+    /// its stream, then until the GPU has done it: at most `timeout`.
+    fn wait_done(
+        &self,
+        rank: usize,
+        op: &str,
+        timeout: Duration,
+        check_peers: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let w = Wait {
+            rank,
+            op,
+            timeout,
+            hint: nccl_life::OP_HINT,
+        };
+        // `ncclInProgress` from a call means it is still being queued (connecting, say): the
+        // event below must come after it on the stream.
+        nccl_life::wait(&w, self, &mut || Ok(true), check_peers)?;
+        let event = self
+            .stream
+            .record_event(None)
+            .map_err(|e| nccl_err(rank, op, e))?;
+        let w = Wait {
+            timeout: timeout.saturating_sub(start.elapsed()),
+            ..w
+        };
+        nccl_life::wait(
+            &w,
+            self,
+            &mut || event.try_is_complete().map_err(|e| nccl_err(rank, op, e)),
+            check_peers,
+        )
+    }
+}
+
+/// One all-reduce of a single f32 on each communicator, queued in one NCCL group and waited
+/// for: NCCL connects the peers there and then (it connects lazily, on the first operation).
+fn warm_up(
+    comms: &[&RawComm],
+    timeout: Duration,
+    check_peers: &mut dyn FnMut() -> Result<()>,
+) -> Result<()> {
+    let mut bufs = Vec::with_capacity(comms.len());
+    for c in comms {
+        let buf = c
+            .stream
+            .alloc_zeros::<f32>(1)
+            .map_err(|e| nccl_err(c.rank, "nccl warm-up", e))?;
+        bufs.push(buf);
+    }
+    nccl::group_start().map_err(|e| nccl_err(0, "nccl warm-up (group start)", e.0))?;
+    let mut first_err = None;
+    {
+        let mut guards = Vec::with_capacity(comms.len());
+        for (c, buf) in comms.iter().zip(bufs.iter_mut()) {
+            let (ptr, sync) = buf.device_ptr_mut(&c.stream);
+            guards.push(sync);
+            let p = ptr as *mut c_void;
+            // SAFETY: `p` points to one f32 on `c`'s GPU, alive (in `bufs`) until every
+            // communicator has been waited for below; in-place all-reduce takes it as source and
+            // destination; the call is queued on `c`'s stream.
+            let res = unsafe {
+                nccl::all_reduce(
+                    p,
+                    p,
+                    1,
+                    sys::ncclDataType_t::ncclFloat32,
+                    sys::ncclRedOp_t::ncclSum,
+                    c.comm,
+                    c.stream.cu_stream() as _,
+                )
+            };
+            if let Err(e) = res {
+                first_err.get_or_insert_with(|| nccl_err(c.rank, "nccl warm-up", e.0));
+                break;
+            }
+        }
+        let end = nccl::group_end();
+        if let Err(e) = end {
+            first_err.get_or_insert_with(|| nccl_err(0, "nccl warm-up (group end)", e.0));
+        }
+        drop(guards);
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    let deadline = Instant::now() + timeout;
+    for c in comms {
+        c.wait_done(
+            c.rank,
+            "nccl warm-up",
+            deadline.saturating_duration_since(Instant::now()),
+            check_peers,
+        )?;
+    }
+    drop(bufs);
+    Ok(())
 }
 
 /// The NCCL element type of a Candle dtype, if NCCL has one.
@@ -156,6 +472,34 @@ pub struct NcclCollective {
     /// Call NCCL even at world size 1 (a diagnostic switch; see [`NcclCollective::force_calls`]).
     force: bool,
     calls: AtomicU64,
+    /// How the run ended, when told ([`Collective::set_run_outcome`]): decides how the
+    /// communicator is closed.
+    outcome: Mutex<Option<bool>>,
+}
+
+impl Drop for NcclCollective {
+    fn drop(&mut self) {
+        let Some(mut comm) = self.comm.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            return;
+        };
+        let outcome = nccl_life::outcome(
+            self.broken_guard().clone(),
+            std::thread::panicking(),
+            *self.outcome.lock().unwrap_or_else(|p| p.into_inner()),
+        );
+        let rank = self.host.rank();
+        let host = self.host.clone();
+        let closed = nccl_life::close(
+            &comm,
+            outcome,
+            rank,
+            self.timeout,
+            &mut || host.barrier(),
+            &mut || host.check_peers(),
+        );
+        comm.closed = true;
+        log::debug!("rank {rank}: NCCL communicator closed: {closed:?}");
+    }
 }
 
 impl std::fmt::Debug for NcclCollective {
@@ -258,7 +602,10 @@ impl NcclCollective {
             rank,
             host.world_size(),
             sys::ncclUniqueId { internal },
+            timeout,
+            &mut || host.check_peers(),
         )?;
+        warm_up(&[&comm], timeout, &mut || host.check_peers())?;
         Ok(Self::assemble(host, comm, device.clone(), timeout))
     }
 
@@ -276,29 +623,40 @@ impl NcclCollective {
             timeout,
             force: false,
             calls: AtomicU64::new(0),
+            outcome: Mutex::new(None),
         }
     }
 
     /// DP: one communicator per GPU ordinal of this process (rank i drives `ordinals[i]`), each
     /// paired with a thread-group rank for host operations. Returns each rank's device and
-    /// collective; move each into its own thread. The ordinals must be distinct (NCCL cannot put
-    /// two ranks on one GPU; DP falls back to a thread group then).
+    /// collective; move each into its own thread. The GPUs must be distinct, by PCI bus id (NCCL
+    /// cannot put two ranks on one GPU, nor on two MIG slices of one; DP falls back to a thread
+    /// group then).
+    ///
+    /// The communicators are created in one NCCL group and connected with one grouped warm-up
+    /// all-reduce before this returns, on this thread: the replicas' threads never connect NCCL
+    /// while other threads copy memory.
     pub fn group(ordinals: &[usize], timeout: Duration) -> Result<Vec<(Device, NcclCollective)>> {
-        if let Some((a, b)) = super::placement::first_shared(ordinals) {
-            return Err(Error::invalid(
-                "NCCL group",
-                format!(
-                    "ranks {a} and {b} both drive GPU {}: NCCL needs one GPU per rank",
-                    ordinals[a]
-                ),
-            ));
-        }
         let devices: Vec<Device> = ordinals
             .iter()
             .map(|&o| crate::gpu::device(o))
             .collect::<Result<_>>()?;
+        let bus_ids = devices
+            .iter()
+            .map(crate::gpu::pci_bus_id)
+            .collect::<Result<Vec<_>>>()?;
+        if let Some((a, b)) = super::placement::first_shared(&bus_ids) {
+            return Err(Error::invalid(
+                "NCCL group",
+                format!(
+                    "ranks {a} and {b} both drive the GPU at PCI bus id {} (GPUs {} and {}): NCCL needs one GPU per rank",
+                    bus_ids[a], ordinals[a], ordinals[b]
+                ),
+            ));
+        }
         let streams = devices.iter().map(stream_of).collect::<Result<Vec<_>>>()?;
-        let comms = RawComm::init_all(streams)?;
+        let comms = RawComm::init_group(streams, timeout)?;
+        warm_up(&comms.iter().collect::<Vec<_>>(), timeout, &mut || Ok(()))?;
         let hosts = ThreadGroup::new(ordinals.len(), timeout)?;
         Ok(devices
             .into_iter()
@@ -373,47 +731,19 @@ impl NcclCollective {
     }
 
     fn watch(&self, op: &str, comm: &RawComm) -> Result<()> {
-        let rank = self.host.rank();
-        let event = comm
-            .stream
-            .record_event(None)
-            .map_err(|e| nccl_err(rank, op, e))?;
-        let start = Instant::now();
-        let mut last_check = start;
-        loop {
-            match event.try_is_complete() {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => return Err(nccl_err(rank, op, e)),
-            }
-            let now = Instant::now();
-            if now.duration_since(last_check) > Duration::from_millis(50) {
-                self.host.check_peers().map_err(|e| Error::Peer {
-                    rank,
-                    peer: match &e {
-                        Error::Peer { peer, .. } => *peer,
-                        _ => rank,
-                    },
-                    op: op.into(),
-                    reason: format!("a peer is gone while NCCL waits: {e}"),
-                    source: None,
-                })?;
-                last_check = now;
-            }
-            if now.duration_since(start) >= self.timeout {
-                return Err(Error::Timeout {
-                    rank,
-                    peer: (rank + 1) % self.host.world_size(),
-                    op: op.into(),
-                    timeout: self.timeout,
-                });
-            }
-            if now.duration_since(start) < Duration::from_millis(2) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-        }
+        let host = &self.host;
+        comm.wait_done(self.host.rank(), op, self.timeout, &mut || {
+            host.check_peers()
+        })
+    }
+
+    /// Refuses a tensor on another GPU than this rank's (checked before anything is queued).
+    fn check_device(&self, op: &str, t: &Tensor) -> Result<()> {
+        let want = match self.device.location() {
+            candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
+            _ => return Ok(()),
+        };
+        nccl_life::check_ordinal(self.host.rank(), op, want, t.device().location())
     }
 }
 
@@ -702,6 +1032,9 @@ impl Collective for NcclCollective {
     fn check_peers(&self) -> Result<()> {
         self.host.check_peers()
     }
+    fn set_run_outcome(&self, finished: bool) {
+        *self.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(finished);
+    }
 
     fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         if self.skip() {
@@ -710,6 +1043,7 @@ impl Collective for NcclCollective {
         if !t.device().is_cuda() {
             return self.host.all_reduce_tensor(t, op);
         }
+        self.check_device("all_reduce", t)?;
         let ty = checked("all_reduce", t.dtype(), Some(op))?;
         // A private contiguous copy: the caller's tensor is never modified.
         let out = t.contiguous()?.copy()?;
@@ -728,6 +1062,7 @@ impl Collective for NcclCollective {
         if !t.device().is_cuda() {
             return self.host.broadcast_tensor(t, root);
         }
+        self.check_device("broadcast", t)?;
         let ty = checked("broadcast", t.dtype(), None)?;
         let root =
             i32::try_from(root).map_err(|_| Error::invalid("broadcast root", "too large"))?;
@@ -747,6 +1082,7 @@ impl Collective for NcclCollective {
         if !t.device().is_cuda() || len == 0 {
             return self.host.reduce_scatter_tensor(t, op);
         }
+        self.check_device("reduce_scatter", t)?;
         let ty = checked("reduce_scatter", t.dtype(), Some(op))?;
         let block = len.div_ceil(world);
         let padded = padded_blocks(&t.flatten_all()?, world, block)?;
@@ -774,6 +1110,7 @@ impl Collective for NcclCollective {
         if !t.device().is_cuda() || len == 0 {
             return self.host.all_gather_into_tensor(t);
         }
+        self.check_device("all_gather_into", t)?;
         let ty = checked("all_gather_into", t.dtype(), None)?;
         let block = len.div_ceil(world);
         let own = super::chunk_range(len, world, self.rank());
@@ -810,6 +1147,7 @@ impl Collective for NcclCollective {
         if !t.device().is_cuda() || t.rank() == 0 {
             return self.host.all_gather_tensor(t);
         }
+        self.check_device("all_gather", t)?;
         let ty = checked("all_gather", t.dtype(), None)?;
         // NCCL gathers equal sizes: agree on every rank's row count (host side, which also
         // checks dtype and trailing dims), pad to the largest, gather, then drop the padding.

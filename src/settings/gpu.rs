@@ -67,3 +67,23 @@ pub fn identity(device: &Device) -> Result<Vec<u8>> {
         })?;
     Ok(uuid.bytes.iter().map(|&b| b as u8).collect())
 }
+
+/// The PCI bus id of the GPU behind `device`: `domain:bus:device` in hex, as `nvidia-smi`
+/// prints it (`0000:17:00`). MIG slices of one GPU share it, and NCCL tells GPUs apart by it
+/// (with the host), so GPU sharing is decided on it.
+pub fn pci_bus_id(device: &Device) -> Result<String> {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let cuda = device.as_cuda_device()?;
+    let stream = cuda.cuda_stream();
+    let ctx = stream.context();
+    let get = |attr: A, what: &str| {
+        ctx.attribute(attr).map_err(|e| Error::NotAvailable {
+            what: format!("the PCI {what} of {device:?}"),
+            reason: format!("the CUDA driver refused it: {e:?}"),
+        })
+    };
+    let domain = get(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID, "domain")?;
+    let bus = get(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID, "bus id")?;
+    let dev = get(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID, "device id")?;
+    Ok(format!("{domain:04x}:{bus:02x}:{dev:02x}"))
+}
