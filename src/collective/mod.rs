@@ -183,6 +183,14 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         host.into_tensor(t.shape().clone(), t.device())
     }
 
+    /// [`all_reduce_tensor`](Collective::all_reduce_tensor) of several tensors, in order, as one
+    /// batch: backends with device memory (NCCL) queue them all back to back and wait once. Every
+    /// rank must pass the same number of tensors with matching sizes and dtypes. The default
+    /// reduces them one by one.
+    fn all_reduce_tensors(&self, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>> {
+        ts.iter().map(|t| self.all_reduce_tensor(t, op)).collect()
+    }
+
     /// [`broadcast`](Collective::broadcast) on a tensor: returns `root`'s tensor on every rank.
     fn broadcast_tensor(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         if self.world_size() == 1 {

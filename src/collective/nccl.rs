@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::CudaStorage;
-use candle_core::{CpuStorage, CustomOp1, DType, Device, InplaceOp1, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result as nccl, sys};
 
@@ -699,6 +699,17 @@ impl NcclCollective {
     /// validated the arguments, so a failure here is NCCL's or a peer's: the communicator is
     /// aborted and every later call fails with [`Error::Broken`].
     fn run(&self, op: &str, enqueue: impl FnOnce(&RawComm) -> Result<()>) -> Result<()> {
+        self.run_n(op, 1, enqueue)
+    }
+
+    /// [`run`](Self::run) for `count` operations queued by `enqueue` (counted in
+    /// [`nccl_calls`](Self::nccl_calls)), waited for once.
+    fn run_n(
+        &self,
+        op: &str,
+        count: u64,
+        enqueue: impl FnOnce(&RawComm) -> Result<()>,
+    ) -> Result<()> {
         let rank = self.host.rank();
         if let Some(first) = self.broken_guard().clone() {
             return Err(Error::Broken {
@@ -718,7 +729,7 @@ impl NcclCollective {
         };
         match &res {
             Ok(()) => {
-                self.calls.fetch_add(1, Ordering::Relaxed);
+                self.calls.fetch_add(count, Ordering::Relaxed);
             }
             Err(e) => {
                 // Dropping the communicator aborts it, which unblocks NCCL kernels still waiting
@@ -754,8 +765,9 @@ enum Call {
     Broadcast(i32),
 }
 
-/// An in-place NCCL call on a contiguous CUDA tensor.
-struct InPlace<'a> {
+/// An out-of-place NCCL all-reduce or broadcast of a contiguous CUDA tensor into a new one of
+/// the same shape: no copy of the input first, and the caller's tensor is never modified.
+struct OutOfPlace<'a> {
     comm: &'a RawComm,
     call: Call,
     ty: sys::ncclDataType_t,
@@ -867,51 +879,61 @@ macro_rules! per_dtype {
     };
 }
 
-impl InplaceOp1 for InPlace<'_> {
+impl CustomOp1 for OutOfPlace<'_> {
     fn name(&self) -> &'static str {
         match self.call {
             Call::AllReduce(_) => "nccl-all-reduce",
             Call::Broadcast(_) => "nccl-broadcast",
         }
     }
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         Err(cpu_refused(self.name()))
     }
-    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         let (a, b) = contiguous(l, self.name())?;
+        let n = b - a;
+        let dev = s.device.clone();
         let stream = &self.comm.stream;
         per_dtype!(s.dtype(), self.name(), |T| {
-            let mut view = s.as_cuda_slice_mut::<T>()?.slice_mut(a..b);
-            // Recorded on the stream when `_sync` drops, after the call is queued.
-            let (ptr, _sync) = view.device_ptr_mut(stream);
-            let buf = ptr as *mut c_void;
-            // SAFETY: `buf` points to `b - a` elements of type `ty` on the communicator's GPU,
-            // borrowed mutably (Candle's write lock on the storage) until the call is queued on
-            // the communicator's stream, where later uses of the tensor are ordered after it.
-            // In-place NCCL calls take the same pointer as source and destination.
-            let res = unsafe {
-                match self.call {
-                    Call::AllReduce(op) => nccl::all_reduce(
-                        buf,
-                        buf,
-                        b - a,
-                        self.ty,
-                        op,
-                        self.comm.comm,
-                        stream.cu_stream() as _,
-                    ),
-                    Call::Broadcast(root) => nccl::broadcast(
-                        buf,
-                        buf,
-                        b - a,
-                        self.ty,
-                        root,
-                        self.comm.comm,
-                        stream.cu_stream() as _,
-                    ),
-                }
-            };
-            res.map(|_| ()).map_err(wrap)
+            let src = s.as_cuda_slice::<T>()?.slice(a..b);
+            // SAFETY: the NCCL call below writes all `n` elements before anything reads them
+            // (later uses are queued after it on the same stream).
+            let mut dst = unsafe { dev.alloc::<T>(n)? };
+            {
+                let (sp, _sync_src) = src.device_ptr(stream);
+                let (dp, _sync_dst) = dst.device_ptr_mut(stream);
+                let (sp, dp) = (sp as *const c_void, dp as *mut c_void);
+                // SAFETY: `sp` and `dp` point to `n` elements of type `ty` on the
+                // communicator's GPU, alive until the call is queued on its stream (later uses
+                // are ordered after it there); source and destination do not overlap.
+                let res = unsafe {
+                    match self.call {
+                        Call::AllReduce(op) => nccl::all_reduce(
+                            sp,
+                            dp,
+                            n,
+                            self.ty,
+                            op,
+                            self.comm.comm,
+                            stream.cu_stream() as _,
+                        ),
+                        Call::Broadcast(root) => nccl::broadcast(
+                            sp,
+                            dp,
+                            n,
+                            self.ty,
+                            root,
+                            self.comm.comm,
+                            stream.cu_stream() as _,
+                        ),
+                    }
+                };
+                res.map_err(wrap)?;
+            }
+            Ok((
+                CudaStorage::wrap_cuda_slice(dst, dev.clone()),
+                l.shape().clone(),
+            ))
         })
     }
 }
@@ -1043,15 +1065,61 @@ impl Collective for NcclCollective {
         if !t.device().is_cuda() {
             return self.host.all_reduce_tensor(t, op);
         }
-        self.check_device("all_reduce", t)?;
-        let ty = checked("all_reduce", t.dtype(), Some(op))?;
-        // A private contiguous copy: the caller's tensor is never modified.
-        let out = t.contiguous()?.copy()?;
-        self.run("all_reduce", |comm| {
-            let call = Call::AllReduce(nccl_op(op));
-            Ok(out.inplace_op1(&InPlace { comm, call, ty })?)
+        Ok(self
+            .all_reduce_tensors(std::slice::from_ref(t), op)?
+            .remove(0))
+    }
+
+    fn all_reduce_tensors(&self, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>> {
+        if self.skip() {
+            return Ok(ts.to_vec());
+        }
+        if ts.iter().any(|t| !t.device().is_cuda()) {
+            return ts
+                .iter()
+                .map(|t| {
+                    if t.device().is_cuda() {
+                        self.all_reduce_tensors(std::slice::from_ref(t), op)
+                            .map(|mut v| v.remove(0))
+                    } else {
+                        self.host.all_reduce_tensor(t, op)
+                    }
+                })
+                .collect();
+        }
+        // Everything checked before anything is queued.
+        let mut inputs = Vec::with_capacity(ts.len());
+        for t in ts {
+            self.check_device("all_reduce", t)?;
+            inputs.push((t.contiguous()?, checked("all_reduce", t.dtype(), Some(op))?));
+        }
+        let mut outs = Vec::with_capacity(ts.len());
+        // One NCCL group, queued back to back on the stream, one wait for all of them.
+        self.run_n("all_reduce", ts.len() as u64, |comm| {
+            nccl::group_start()
+                .map_err(|e| nccl_err(comm.rank, "all_reduce (group start)", e.0))?;
+            let mut queued = Ok(());
+            for (t, ty) in &inputs {
+                let call = Call::AllReduce(nccl_op(op));
+                match t.apply_op1_no_bwd(&OutOfPlace {
+                    comm,
+                    call,
+                    ty: *ty,
+                }) {
+                    Ok(out) => outs.push(out),
+                    Err(e) => {
+                        queued = Err(e.into());
+                        break;
+                    }
+                }
+            }
+            // Always ended, whatever happened inside.
+            let ended = nccl::group_end()
+                .map(|_| ())
+                .map_err(|e| nccl_err(comm.rank, "all_reduce (group end)", e.0));
+            queued.and(ended)
         })?;
-        Ok(out)
+        Ok(outs)
     }
 
     fn broadcast_tensor(&self, t: &Tensor, root: usize) -> Result<Tensor> {
@@ -1066,12 +1134,14 @@ impl Collective for NcclCollective {
         let ty = checked("broadcast", t.dtype(), None)?;
         let root =
             i32::try_from(root).map_err(|_| Error::invalid("broadcast root", "too large"))?;
-        let out = t.contiguous()?.copy()?;
+        let input = t.contiguous()?;
+        let mut out = None;
         self.run("broadcast", |comm| {
             let call = Call::Broadcast(root);
-            Ok(out.inplace_op1(&InPlace { comm, call, ty })?)
+            out = Some(input.apply_op1_no_bwd(&OutOfPlace { comm, call, ty })?);
+            Ok(())
         })?;
-        Ok(out)
+        out.ok_or_else(|| nccl_err(self.rank(), "broadcast", "no output"))
     }
 
     fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {

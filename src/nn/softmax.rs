@@ -55,6 +55,7 @@ impl CustomOp1 for SoftmaxFwd {
             l.shape().clone(),
         ))
     }
+
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let bwd = SoftmaxBwd { scale: self.scale };
         Ok(Some(res.apply_op2_no_bwd(&grad.contiguous()?, &bwd)?))
@@ -158,19 +159,7 @@ pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
         ),
     };
     if !fused_cpu(x) {
-        let mask: Vec<f32> = (0..tq)
-            .flat_map(|i| {
-                (0..tk).map(move |j| {
-                    if j <= i + tk - tq {
-                        0.0
-                    } else {
-                        f32::NEG_INFINITY
-                    }
-                })
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (tq, tk), x.device())?.to_dtype(x.dtype())?;
-        return candle_nn::ops::softmax(&(x * scale)?.broadcast_add(&mask)?, D::Minus1);
+        return causal_softmax_composed(x, scale, tq, tk);
     }
     if tq == 0 || tk == 0 {
         return x.contiguous();
@@ -181,9 +170,39 @@ pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
     })
 }
 
+/// [`causal_softmax`] with Candle's composed ops (devices other than the CPU). The mask is
+/// built once per device and size, on the device (shared with the composed attention).
+fn causal_softmax_composed(x: &Tensor, scale: f64, tq: usize, tk: usize) -> Result<Tensor> {
+    let dims = x.dims();
+    let visible = super::attention::causal_mask(tq, tk, x.device())?.broadcast_as(dims)?;
+    let neg = Tensor::new(f32::NEG_INFINITY, x.device())?
+        .to_dtype(x.dtype())?
+        .broadcast_as(dims)?;
+    candle_nn::ops::softmax(&visible.where_cond(&(x * scale)?, &neg)?, D::Minus1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The composed path (what runs on a GPU) equals the fused op.
+    #[test]
+    fn the_composed_causal_softmax_equals_the_fused_op() {
+        let x = Tensor::randn(0f32, 1.0, (2, 3, 4, 6), &candle_core::Device::Cpu).unwrap();
+        let fused = causal_softmax(&x, 0.7).unwrap();
+        let composed = causal_softmax_composed(&x, 0.7, 4, 6).unwrap();
+        let d = (fused - composed)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(d < 1e-6, "{d}");
+    }
 
     #[test]
     fn both_builds_of_the_row_kernels_give_the_same_bits() {

@@ -311,22 +311,52 @@ impl ParamSet {
         if all_cpu {
             return self.average_cpu(c, grads, &mut slots, self.overlap);
         }
+        drop(slots);
+        self.average_device(c, grads)
+    }
+
+    /// The device path of [`average_gradients`](Self::average_gradients) (GPU gradients, or
+    /// dtypes the CPU buckets do not take): plain tensor ops and the tensor collective.
+    fn average_device(&self, c: &dyn Collective, grads: &mut GradStore) -> Result<()> {
+        // Every bucket flattened (its presence flags at its end), then all reduced as one batch:
+        // NCCL queues them back to back and the host waits once per step, not once per bucket.
+        let mut flats = Vec::with_capacity(self.buckets.len());
         for b in &self.buckets {
             let vars = &self.vars[b.members.clone()];
             let (dtype, device) = (vars[0].dtype(), vars[0].device().clone());
             let (mut parts, present) = self.bucket_grads_device(c, vars, grads)?;
             parts.push(Tensor::new(present.as_slice(), &device)?.to_dtype(dtype)?);
-            let flat = Tensor::cat(&parts, 0)?;
-            let mean = c.all_reduce_tensor(&flat, ReduceOp::Mean)?;
-            let total: usize = vars.iter().map(|v| v.elem_count()).sum();
-            let flags = mean
-                .narrow(0, total, vars.len())?
-                .to_dtype(DType::F64)?
-                .to_vec1::<f64>()?;
+            flats.push(Tensor::cat(&parts, 0)?);
+        }
+        let means = c.all_reduce_tensors(&flats, ReduceOp::Mean)?;
+        // All the buckets' presence flags, read back together (one read per device).
+        let mut flag_parts = Vec::with_capacity(means.len());
+        for (b, mean) in self.buckets.iter().zip(&means) {
+            let total = self.bucket_elems(b);
+            flag_parts.push(
+                mean.narrow(0, total, b.members.len())?
+                    .to_dtype(DType::F32)?,
+            );
+        }
+        let one_device = flag_parts
+            .iter()
+            .all(|f| f.device().same_device(flag_parts[0].device()));
+        let flags: Vec<f32> = if one_device && !flag_parts.is_empty() {
+            Tensor::cat(&flag_parts, 0)?.to_vec1::<f32>()?
+        } else {
+            let mut all = Vec::new();
+            for f in &flag_parts {
+                all.extend(f.to_vec1::<f32>()?);
+            }
+            all
+        };
+        let mut next_flag = flags.into_iter();
+        for (b, mean) in self.buckets.iter().zip(&means) {
+            let vars = &self.vars[b.members.clone()];
             let mut off = 0;
-            for (v, flag) in vars.iter().zip(flags) {
+            for v in vars {
                 let n = v.elem_count();
-                if flag > 0.0 {
+                if next_flag.next().is_some_and(|f| f > 0.0) {
                     grads.insert(v.as_tensor(), mean.narrow(0, off, n)?.reshape(v.shape())?);
                 } else {
                     grads.remove(v.as_tensor());
@@ -756,20 +786,43 @@ impl ParamSet {
     }
 
     /// The sum of squares of the registered parameters' gradients in `grads` (f64; read in
-    /// place for contiguous CPU gradients).
+    /// place for contiguous CPU gradients). Gradients on a GPU are summed there, per parameter
+    /// in f32 and over the parameters in f64, and read back once: one host synchronization per
+    /// call, not one per parameter.
     pub(crate) fn grad_sq_sum(&self, grads: &GradStore) -> Result<f64> {
         let mut sum = 0f64;
+        // Per-parameter sums still on their device, grouped by device.
+        let mut on_device: Vec<Vec<Tensor>> = Vec::new();
         for v in &self.vars {
-            if let Some(g) = grads.get(v.as_tensor()) {
-                sum += match crate::optim::sq_sum(g) {
-                    Some(s) => s,
-                    None => g
-                        .to_dtype(DType::F64)?
-                        .sqr()?
-                        .sum_all()?
-                        .to_scalar::<f64>()?,
-                };
+            let Some(g) = grads.get(v.as_tensor()) else {
+                continue;
+            };
+            if let Some(s) = crate::optim::sq_sum(g) {
+                sum += s;
+                continue;
             }
+            if g.device().is_cpu() {
+                sum += g
+                    .to_dtype(DType::F64)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f64>()?;
+                continue;
+            }
+            let part = g.to_dtype(DType::F32)?.sqr()?.sum_all()?;
+            match on_device
+                .iter_mut()
+                .find(|parts| parts[0].device().same_device(g.device()))
+            {
+                Some(parts) => parts.push(part),
+                None => on_device.push(vec![part]),
+            }
+        }
+        for parts in on_device {
+            sum += Tensor::stack(&parts, 0)?
+                .to_dtype(DType::F64)?
+                .sum_all()?
+                .to_scalar::<f64>()?;
         }
         Ok(sum)
     }
@@ -906,6 +959,64 @@ mod tests {
             // Means of (0, 1), (1, 2) and (absent = 0, 3).
             assert_eq!(first, vec![vec![0.5; 5], vec![1.5; 5], vec![1.5; 5]]);
             assert_eq!(second, first);
+        }
+    }
+
+    /// The device path of the averaging (every bucket reduced in one batch, the presence flags
+    /// read back together) runs on CPU tensors too and gives what the CPU path gives.
+    #[test]
+    fn the_batched_device_average_equals_the_cpu_path() {
+        use crate::collective::ThreadGroup;
+        for world in 1..=3 {
+            let group = ThreadGroup::new(world, std::time::Duration::from_secs(20)).unwrap();
+            let handles: Vec<_> = group
+                .into_iter()
+                .map(|c| {
+                    std::thread::spawn(move || {
+                        let r = c.rank();
+                        let sizes = [7usize, 3, 11, 1];
+                        let vars: Vec<Var> = sizes.iter().map(|&n| var(n, DType::F32)).collect();
+                        let named: Vec<(String, Var)> = vars
+                            .iter()
+                            .enumerate()
+                            .map(|(i, v)| (format!("p{i}"), v.clone()))
+                            .collect();
+                        // A cap of 48 bytes: several buckets.
+                        let set = ParamSet::new(named, 48, false).unwrap();
+                        assert!(set.num_buckets() > 1);
+                        let grads = || {
+                            let mut g = GradStore::default();
+                            for (i, v) in vars.iter().enumerate() {
+                                // `p1` has a gradient on rank 0 only, `p3` on none.
+                                if i == 3 || (i == 1 && r != 0) {
+                                    continue;
+                                }
+                                let x: Vec<f32> = (0..v.elem_count())
+                                    .map(|k| (r * 7 + i * 3 + k) as f32 * 0.25)
+                                    .collect();
+                                let t = Tensor::from_vec(x, v.elem_count(), &Device::Cpu);
+                                g.insert(v.as_tensor(), t.unwrap());
+                            }
+                            g
+                        };
+                        let read = |g: &GradStore| {
+                            vars.iter()
+                                .map(|v| g.get(v.as_tensor()).map(|t| t.to_vec1::<f32>().unwrap()))
+                                .collect::<Vec<_>>()
+                        };
+                        let mut a = grads();
+                        set.average_gradients(&c, &mut a).unwrap();
+                        let mut b = grads();
+                        set.average_device(&c, &mut b).unwrap();
+                        (read(&a), read(&b))
+                    })
+                })
+                .collect();
+            for h in handles {
+                let (cpu, device) = h.join().unwrap();
+                assert_eq!(cpu, device, "world {world}");
+                assert!(cpu[1].is_some() && cpu[3].is_none());
+            }
         }
     }
 
