@@ -78,6 +78,7 @@
 //! | fused optimizer kernels ([`optim`]) | [`AdamW::set_fused`](optim::AdamW::set_fused), [`Sgd::set_fused`](optim::Sgd::set_fused) | `ACCELERATE_RS_FUSED_OPTIM`: `1` or `0` | - | on |
 //! | check shapes across ranks before `gather`, `reduce`, `broadcast` | - | `ACCELERATE_RS_DEBUG`: `1` or `0` | - | off |
 //! | GPU memory pool release threshold ([`gpu`]) | - | `ACCELERATE_RS_CUDA_POOL_RELEASE_MB` | - | unset: freed GPU memory stays in the pool |
+//! | `nn`'s CUDA kernels (build feature `nn-cuda`) | [`nn::set_cuda_kernels`] | `ACCELERATE_RS_NN_CUDA`: `1` or `0` | - | on when built with `nn-cuda` |
 //!
 //! The launcher families are not mixed: the first of torchrun, SLURM, Open MPI whose rank
 //! variable is set provides rank, world size and local rank. Inconsistent values (a rank not below

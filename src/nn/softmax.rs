@@ -6,8 +6,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 use rayon::prelude::*;
 
 use super::elem::{
-    binary_float, exp_f32, fused_cpu, max_by, multiversion, slice, sum2_by, sum_by, unary_float,
-    Elem,
+    binary_float, exp_f32, fused, max_by, multiversion, slice, sum2_by, sum_by, unary_float, Elem,
 };
 
 /// `softmax(scale * x)` per row of `d`; when `causal` holds `(t_q, t_k)`, row `r` is query
@@ -54,6 +53,14 @@ impl CustomOp1 for SoftmaxFwd {
             unary_float!(self.name(), s, l, fwd, d, *self),
             l.shape().clone(),
         ))
+    }
+    #[cfg(feature = "nn-cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::softmax_fwd(s, l, self.scale, self.causal)
     }
 
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -119,13 +126,24 @@ impl CustomOp2 for SoftmaxBwd {
         let out = binary_float!(self.name(), s1, l1, s2, l2, bwd, d, self.scale);
         Ok((out, l1.shape().clone()))
     }
+
+    #[cfg(feature = "nn-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::softmax_bwd((s1, l1), (s2, l2), self.scale)
+    }
 }
 
 /// Softmax over the last dimension, fused and differentiable on the CPU (Candle's
 /// `candle_nn::ops::softmax_last_dim` has no backward pass); Candle's composed, differentiable
 /// softmax elsewhere.
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if !fused_cpu(x) {
+    if !fused(x)? {
         return candle_nn::ops::softmax(x, D::Minus1);
     }
     x.contiguous()?.apply_op1(SoftmaxFwd {
@@ -158,7 +176,7 @@ pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
              expected, got {dims:?}"
         ),
     };
-    if !fused_cpu(x) {
+    if !fused(x)? {
         return causal_softmax_composed(x, scale, tq, tk);
     }
     if tq == 0 || tk == 0 {

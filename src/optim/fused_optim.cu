@@ -7,11 +7,16 @@ struct f16_t { unsigned short x; };
 
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(bf16_t v) { return __uint_as_float(((unsigned int)v.x) << 16); }
+#ifndef ACCEL_HOST_EMULATION
 __device__ __forceinline__ float to_f(f16_t v) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
     return f;
 }
+#else
+// tests/cuda_emulation runs these kernels on the CPU: the PTX conversions in software.
+__device__ __forceinline__ float to_f(f16_t v) { return emu_half_to_float(v.x); }
+#endif
 
 template <typename T> __device__ __forceinline__ T from_f(float f);
 template <> __device__ __forceinline__ float from_f<float>(float f) { return f; }
@@ -29,7 +34,11 @@ template <> __device__ __forceinline__ bf16_t from_f<bf16_t>(float f) {
 }
 template <> __device__ __forceinline__ f16_t from_f<f16_t>(float f) {
     f16_t r;
+#ifndef ACCEL_HOST_EMULATION
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.x) : "f"(f));
+#else
+    r.x = emu_float_to_half(f);
+#endif
     return r;
 }
 

@@ -9,6 +9,7 @@ mod checkpoint;
 mod checkpoint_complete;
 mod checkpoint_integrity;
 mod collectives;
+mod cuda_emulation;
 mod data_loader;
 mod ddp;
 mod dp;
