@@ -24,9 +24,11 @@
 #      bf16 and f16, forward and backward, within the dtype's tolerance, kernels really launched;
 #      then their time against the composed ops (examples/nn_kernels.rs)
 #   9. transformer_lm 30 steps with the nn CUDA kernels on
+#  10. PyTorch eager vs accelerate-rs (composed ops, and nn CUDA kernels) on transformer_lm's model
+#      on GPU 0, one table: scripts/pytorch_lm_bench.py --gpu (the device's python3 has torch)
 # Steps 1-7 run with the nn CUDA kernels off (ACCELERATE_RS_NN_CUDA=0: the default, composed path
-# the bundle was proven with); 8-9 switch them on.
-# ACCEL_SMOKE_ONLY="8 9" runs only the steps whose number is listed (e.g. to split the run over
+# the bundle was proven with); 8-10 switch them on.
+# ACCEL_SMOKE_ONLY="8 9 10" runs only the steps whose number is listed (e.g. to split the run over
 # several device calls of at most 10 minutes each).
 # The summary file gets one line per step plus the figures that matter; bring it back.
 set -uo pipefail
@@ -93,7 +95,7 @@ step() {
 
 export RUST_LOG="${RUST_LOG:-warn}"
 # The bundle has the nn CUDA kernels compiled in (feature nn-cuda); steps 1-7 prove the default,
-# composed path, so they run with the kernels off. Steps 8-9 turn them on.
+# composed path, so they run with the kernels off. Steps 8-10 turn them on.
 export ACCELERATE_RS_NN_CUDA=0
 step "1. digits on 1 GPU (>= 0.95)" 240 "final test accuracy" \
   env CUDA_VISIBLE_DEVICES=0 "$B/digits" --min-accuracy 0.95
@@ -137,6 +139,9 @@ step "8. nn CUDA kernels equal the CPU path (f32/bf16/f16, forward and backward)
 step "9. transformer_lm 30 steps with the nn CUDA kernels" 300 "trained 30 steps" \
   env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_NN_CUDA=1 "$B/transformer_lm" --max-steps 30 \
   --log-every 10 --log-dir "$work/lm-kernels"
+step "10. PyTorch eager vs accelerate-rs on transformer_lm's model, 1 GPU" 600 "\| PyTorch eager" \
+  env CUDA_VISIBLE_DEVICES=0 python3 "$repo/scripts/pytorch_lm_bench.py" --gpu --runs 2 --steps 40 \
+  --rust-cmd "$B/overhead --lm-gpu"
 
 say "gpu-smoke: $passed passed, $failed failed (logs in $work)"
 [ "$failed" -eq 0 ]
