@@ -86,6 +86,19 @@ pub enum Error {
         timeout: Duration,
     },
 
+    /// An NCCL communicator failed or stalled: its creation did not complete in time, NCCL
+    /// reported an asynchronous error (a network or peer failure), an operation did not finish
+    /// within the collective timeout, or a tensor was on another GPU than the communicator's.
+    #[error("rank {rank}: {op} over NCCL: {reason}")]
+    Nccl {
+        /// This process's rank.
+        rank: usize,
+        /// The operation (`nccl init`, `all_reduce`, `nccl finalize`, ...).
+        op: String,
+        /// What happened, and what to look at.
+        reason: String,
+    },
+
     /// Ranks called different collectives, or the same one with different sizes or dtypes.
     #[error("rank {rank}: {op}: ranks disagree: {detail}")]
     Mismatch {

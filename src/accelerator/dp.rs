@@ -98,7 +98,13 @@ where
             Some(c) => c,
             None => super::connect::connect(&probe)?,
         };
-        return Ok(vec![f(Accelerator::from_parts(probe, collective))?]);
+        // A handle kept here, so that the collective hears how the run ended before it goes
+        // (NCCL closes a finished run together with the other ranks, and aborts a failed one).
+        let keep = collective.clone();
+        let result = f(Accelerator::from_parts(probe, collective));
+        keep.set_run_outcome(result.is_ok());
+        drop(keep);
+        return Ok(vec![result?]);
     }
     if collective.is_some() {
         return Err(Error::invalid(
@@ -140,17 +146,22 @@ fn gpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
         other => other,
     })?;
     let ordinals = replica_ordinals(n, visible)?;
-    if let Some((a, b)) = crate::collective::placement::first_shared(&ordinals) {
+    let devices = ordinals
+        .iter()
+        .map(|&o| crate::settings::gpu::device(o))
+        .collect::<Result<Vec<_>>>()?;
+    // Two ordinals can be one GPU to NCCL (the same PCI bus id), not only a repeated ordinal.
+    let bus_ids = devices
+        .iter()
+        .map(crate::settings::gpu::pci_bus_id)
+        .collect::<Result<Vec<_>>>()?;
+    if let Some((a, b)) = crate::collective::placement::first_shared(&bus_ids) {
         // NCCL cannot put two replicas on one GPU: reduce through host memory in a thread group,
         // every replica on its GPU's one device (and stream).
         eprintln!(
             "{}",
             crate::collective::placement::sharing_warning(a, b, "DP replicas", "a thread group")
         );
-        let devices = ordinals
-            .iter()
-            .map(|&o| crate::settings::gpu::device(o))
-            .collect::<Result<Vec<_>>>()?;
         let collectives = ThreadGroup::new(n, timeout)?
             .into_iter()
             .map(|c| Arc::new(c) as Arc<dyn Collective>)
@@ -248,6 +259,7 @@ where
                     .and_then(f);
                 guard.armed = result.is_err();
                 drop(guard);
+                keep.set_run_outcome(result.is_ok());
                 drop(keep);
                 result
             };

@@ -16,9 +16,10 @@
 //! restoring (e.g. sorted by name, as [`Parameters`](crate::Parameters) does).
 //!
 //! On the CPU both update every parameter in one fused, in-place pass (parameter, gradient and
-//! state read once and written where they are, no tensor allocated per step). On CUDA (f32) one
-//! kernel launch per parameter does the same; it is compiled with NVRTC at first use, and if that
-//! fails the optimizers warn once and fall back. Elsewhere, or with fusion off
+//! state read once and written where they are, no tensor allocated per step). On CUDA (f32, bf16
+//! and f16) one kernel launch per parameter does the same, with the CPU kernels' arithmetic (bf16
+//! and f16 computed in f32); it is compiled with NVRTC at first use for the GPU's architecture,
+//! and if that fails the optimizers warn once and fall back. Elsewhere, or with fusion off
 //! ([`AdamW::set_fused`], `ACCELERATE_RS_FUSED_OPTIM=0`), they run the same formulas as tensor
 //! ops. Because the state is written in place,
 //! [`state`](AdamW::state) copies it: a state taken is a snapshot that later steps do not change.

@@ -54,6 +54,13 @@ pub const BUCKET_CAP_MB: &str = "ACCELERATE_RS_BUCKET_CAP_MB";
 /// Whether optimizers use their fused in-place kernels (`0` turns them off for optimizers created
 /// afterwards; default on). See [`crate::optim`].
 pub const FUSED_OPTIM: &str = "ACCELERATE_RS_FUSED_OPTIM";
+/// The release threshold, in MiB, of each GPU's memory pool (freed memory above it goes back to
+/// the system at synchronizations); unset keeps all of it in the pool, as PyTorch's caching
+/// allocator does. See [`crate::gpu`].
+pub const CUDA_POOL_RELEASE_MB: &str = "ACCELERATE_RS_CUDA_POOL_RELEASE_MB";
+/// Whether `accelerate_rs::nn`'s CUDA kernels are used in a build with the `nn-cuda` feature
+/// (`0` turns them off; default on). See [`crate::nn`].
+pub const NN_CUDA: &str = "ACCELERATE_RS_NN_CUDA";
 /// Whether CPU gradient buckets are all-reduced on a communication thread while the next bucket
 /// is flattened (`0` turns it off; default on). Read when an accelerator is built.
 pub const OVERLAP: &str = "ACCELERATE_RS_OVERLAP";

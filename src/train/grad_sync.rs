@@ -334,6 +334,29 @@ impl GradSync {
         self.check_missing(params, || params.without_grad(grads))
     }
 
+    /// Whether the gradients handed out at a sync step are only this rank's slices (ZeRO stage 2
+    /// with more than one rank): then a verdict drawn from them (an f16 overflow) must be agreed
+    /// on by every rank, see [`agree_all_finite`](Self::agree_all_finite).
+    pub(crate) fn grads_sharded(&self) -> bool {
+        self.zero_stage >= 2 && !self.alone()
+    }
+
+    /// One verdict for every rank from each rank's own `finite` (whether its gradients held no
+    /// inf or NaN): true only if it is true on every rank. With whole gradients every rank saw the
+    /// same averaged values and reached the same verdict, so nothing is sent; with sharded
+    /// gradients (ZeRO stage 2) each rank saw only its slices, and one Max all-reduce of an
+    /// overflow flag makes them agree, so that all skip or all step (otherwise their next
+    /// collectives would stop matching).
+    pub(crate) fn agree_all_finite(&self, finite: bool) -> Result<bool> {
+        if !self.grads_sharded() {
+            return Ok(finite);
+        }
+        let mut overflow = [if finite { 0f32 } else { 1f32 }];
+        self.collective
+            .all_reduce((&mut overflow[..]).into(), crate::collective::ReduceOp::Max)?;
+        Ok(overflow[0] == 0.0)
+    }
+
     /// The collective the gradients are averaged over.
     pub(crate) fn collective(&self) -> &dyn Collective {
         self.collective.as_ref()

@@ -132,7 +132,8 @@ impl LossScaler {
 ///    master;
 /// 3. averages these f32 gradients across ranks (the usual bucketed all-reduce);
 /// 4. (f16 only) if any averaged gradient holds an inf or NaN, the step is **skipped** on every
-///    rank alike (they all see the same averaged gradients), the scale is multiplied by 0.5 and the
+///    rank alike (they all see the same averaged gradients; under ZeRO stage 2, where each rank
+///    holds only its slices, one all-reduce of an overflow flag makes them agree), the scale is multiplied by 0.5 and the
 ///    skip is counted ([`skipped_steps`](MixedPrecisionOptimizer::skipped_steps)); after
 ///    [`growth_interval`](LossScaler::growth_interval) (2000) clean steps in a row the scale is
 ///    doubled. The initial scale is 2^16;
@@ -343,7 +344,10 @@ impl<O: Optimizer + 'static> MixedPrecisionOptimizer<O> {
     /// the masters, copy back into the working copies.
     fn apply(&mut self, grads: GradStore) -> Result<bool> {
         if let Some(scaler) = self.scaler.as_mut() {
-            let clean = all_finite(&self.pairs, &grads)?;
+            // Under ZeRO stage 2 each rank holds only its slices of the averaged gradients: the
+            // engine makes every rank reach the overflow verdict of the whole model.
+            let engine = self.inner.engine();
+            let clean = engine.agree_all_finite(all_finite(&self.pairs, &grads)?)?;
             scaler.update(clean);
             if !clean {
                 self.skipped += 1;
