@@ -12,7 +12,6 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, InplaceOp1, InplaceOp2, Layout, Storage, Tensor};
 use half::{bf16, f16};
 
-use crate::collective::BufferMut;
 use crate::error::{Error, Result};
 
 /// The storage of the tensor being updated, on its device.
@@ -346,17 +345,6 @@ pub(crate) fn read_f64(src: &CpuStorage, sr: Range<usize>) -> Result<Vec<f64>> {
         CpuStorage::BF16(s) => s[sr].iter().map(|x| x.to_f64()).collect(),
         CpuStorage::F16(s) => s[sr].iter().map(|x| x.to_f64()).collect(),
         s => return Err(unsupported("gradient bucket read", s)),
-    })
-}
-
-/// `dst[dr]` as a typed buffer for the collectives (no copy).
-pub(crate) fn buffer_mut(dst: &mut CpuStorage, dr: Range<usize>) -> Result<BufferMut<'_>> {
-    Ok(match dst {
-        CpuStorage::F32(d) => BufferMut::from(&mut d[dr]),
-        CpuStorage::F64(d) => BufferMut::from(&mut d[dr]),
-        CpuStorage::BF16(d) => BufferMut::from(&mut d[dr]),
-        CpuStorage::F16(d) => BufferMut::from(&mut d[dr]),
-        d => return Err(unsupported("gradient bucket all_reduce", d)),
     })
 }
 

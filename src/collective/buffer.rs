@@ -1,6 +1,8 @@
 //! Typed views over the bytes that collectives move, and the host copies of tensors.
 
-use candle_core::{DType, Device, Shape, Tensor};
+use std::ops::Range;
+
+use candle_core::{CpuStorage, DType, Device, Shape, Tensor};
 use half::{bf16, f16};
 
 use crate::error::{Error, Result};
@@ -117,6 +119,23 @@ macro_rules! typed_buffers {
 typed_buffers!(u8 => ElemType::U8, f16 => ElemType::F16, bf16 => ElemType::BF16, f32 => ElemType::F32, f64 => ElemType::F64);
 
 impl<'a> BufferMut<'a> {
+    /// Elements `range` of a CPU tensor's storage as a typed buffer for the collectives (no
+    /// copy); float storages only.
+    pub(crate) fn of_cpu(dst: &'a mut CpuStorage, range: Range<usize>) -> Result<Self> {
+        Ok(match dst {
+            CpuStorage::F32(d) => BufferMut::from(&mut d[range]),
+            CpuStorage::F64(d) => BufferMut::from(&mut d[range]),
+            CpuStorage::BF16(d) => BufferMut::from(&mut d[range]),
+            CpuStorage::F16(d) => BufferMut::from(&mut d[range]),
+            d => {
+                return Err(Error::UnsupportedDType {
+                    op: "gradient bucket collective".into(),
+                    dtype: format!("{:?}", candle_core::backend::BackendStorage::dtype(d)),
+                })
+            }
+        })
+    }
+
     /// Element type.
     pub fn elem(&self) -> ElemType {
         self.elem

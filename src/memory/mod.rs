@@ -236,12 +236,12 @@ fn check_plan(plan: &Plan) -> Result<()> {
             format!("must be 0, 1 or 2, got {}", plan.zero_stage),
         );
     }
-    if plan.world_size == 0 || plan.world_size > crate::limits::MAX_WORLD_SIZE {
+    if plan.world_size == 0 || plan.world_size > crate::settings::limits::MAX_WORLD_SIZE {
         return bad(
             "world_size",
             format!(
                 "must be from 1 to {}, got {}",
-                crate::limits::MAX_WORLD_SIZE,
+                crate::settings::limits::MAX_WORLD_SIZE,
                 plan.world_size
             ),
         );

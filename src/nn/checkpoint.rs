@@ -165,7 +165,7 @@ fn check_memory_limit(loss: &Tensor) -> Result<()> {
     if held <= limit {
         return Ok(());
     }
-    Err(crate::Error::OutOfMemory {
+    Err(crate::error::Error::OutOfMemory {
         rank: None,
         device: crate::error::device_label(loss.device()),
         requested: Some(held),

@@ -277,7 +277,7 @@ impl AdamW {
 
     /// ZeRO: keeps the state of only `shards` (this rank's slices of the parameters), slicing
     /// the moments already there; the other parameters' slots are dropped.
-    pub(crate) fn shard(&mut self, shards: &[crate::train::params::Shard]) -> Result<()> {
+    pub(crate) fn shard(&mut self, shards: &[super::Shard]) -> Result<()> {
         if self.is_sharded() {
             return Ok(());
         }

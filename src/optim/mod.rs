@@ -40,7 +40,9 @@ pub use sgd::{Sgd, SgdConfig};
 
 pub use fused_cuda::launches as cuda_kernel_launches;
 
-use candle_core::{DType, Device, Shape, Tensor};
+use std::ops::Range;
+
+use candle_core::{DType, Device, Shape, Tensor, Var};
 
 use crate::error::{Error, Result};
 
@@ -84,6 +86,17 @@ pub trait StatefulOptimizer {
     fn optimizer_state_shard(&self) -> Result<Option<StateShard>> {
         Ok(None)
     }
+}
+
+/// A rank's slice of one parameter under ZeRO sharding: elements `range` of the flattened
+/// parameter. In each bucket, rank `r` owns [`chunk_range`](crate::collective::chunk_range) of
+/// the bucket's elements (its parameters end to end, in name order).
+#[derive(Clone, Debug)]
+pub(crate) struct Shard {
+    /// The parameter.
+    pub(crate) var: Var,
+    /// The elements of the flattened parameter this rank owns.
+    pub(crate) range: Range<usize>,
 }
 
 /// One rank's part of a ZeRO-sharded optimizer's state (`zero_stage` 1 or 2), for
@@ -257,7 +270,7 @@ pub(crate) fn sharded_state_err(what: &str) -> Error {
 /// the slices of it this rank owns.
 pub(crate) fn shard_ranges(
     var: &candle_core::Var,
-    shards: &[crate::train::params::Shard],
+    shards: &[Shard],
 ) -> Vec<std::ops::Range<usize>> {
     shards
         .iter()

@@ -294,7 +294,7 @@ impl Sgd {
 
     /// ZeRO: keeps the state of only `shards` (this rank's slices of the parameters), slicing
     /// the momentum buffers already there; the other parameters' slots are dropped.
-    pub(crate) fn shard(&mut self, shards: &[crate::train::params::Shard]) -> Result<()> {
+    pub(crate) fn shard(&mut self, shards: &[super::Shard]) -> Result<()> {
         if self.is_sharded() {
             return Ok(());
         }

@@ -368,7 +368,7 @@ impl GradSync {
     }
 
     /// ZeRO: this rank's slices of the registered parameters (checked to be shardable).
-    pub(crate) fn shards(&self) -> Result<Vec<crate::train::params::Shard>> {
+    pub(crate) fn shards(&self) -> Result<Vec<crate::optim::Shard>> {
         let params = self.require_params("zero_stage")?;
         params.check_shardable()?;
         Ok(params.shards(self.collective.world_size(), self.rank()))

@@ -68,7 +68,7 @@ pub struct AcceleratedOptimizer<O> {
 /// sharded.
 fn shard_optimizer<O: Optimizer + 'static>(
     opt: &mut O,
-    shards: &[crate::train::params::Shard],
+    shards: &[crate::optim::Shard],
 ) -> Result<()> {
     let any = opt as &mut dyn std::any::Any;
     if let Some(adamw) = any.downcast_mut::<crate::optim::AdamW>() {

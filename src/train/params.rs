@@ -9,9 +9,11 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Storage, Tensor, Var};
 use candle_nn::VarMap;
 
+use crate::collective::BufferMut;
 use crate::collective::{chunk_range, Buffer, Collective, ReduceOp};
 use crate::error::{Error, Result};
-use crate::inplace::{buffer_mut, copy_cpu, fill_cpu, read_f64, storage_addr, with_cpu_mut};
+use crate::inplace::{copy_cpu, fill_cpu, read_f64, storage_addr, with_cpu_mut};
+use crate::optim::Shard;
 
 /// Float dtypes whose CPU gradients take the flat, in-place bucket path.
 fn fusable_dtype(dtype: DType) -> bool {
@@ -62,17 +64,6 @@ impl Parameters for BTreeMap<String, Var> {
     fn named_parameters(&self) -> Vec<(String, Var)> {
         self.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
     }
-}
-
-/// A rank's slice of one parameter under ZeRO sharding: elements `range` of the flattened
-/// parameter. In each bucket, rank `r` owns [`chunk_range`](crate::collective::chunk_range) of
-/// the bucket's elements (its parameters end to end, in name order).
-#[derive(Clone, Debug)]
-pub(crate) struct Shard {
-    /// The parameter.
-    pub(crate) var: Var,
-    /// The elements of the flattened parameter this rank owns.
-    pub(crate) range: Range<usize>,
 }
 
 /// ZeRO stage 2, one bucket: puts into `grads`, for each of `vars` overlapping this rank's
@@ -466,7 +457,7 @@ impl ParamSet {
     fn reduce_bucket_cpu(c: &dyn Collective, flat: &Tensor, members: usize) -> Result<Vec<f64>> {
         let mut flags = Vec::new();
         with_cpu_mut(flat, "gradient bucket", |dst, range| {
-            c.all_reduce(buffer_mut(dst, range.clone())?, ReduceOp::Mean)?;
+            c.all_reduce(BufferMut::of_cpu(dst, range.clone())?, ReduceOp::Mean)?;
             flags = read_f64(dst, range.end - members..range.end)?;
             Ok(())
         })?;
@@ -691,7 +682,7 @@ impl ParamSet {
                     copy_cpu(dst, off..off + n, src, start..start + n)?;
                     off += n;
                 }
-                c.all_gather_into(buffer_mut(dst, range)?)
+                c.all_gather_into(BufferMut::of_cpu(dst, range)?)
             })?;
             // And back.
             let (src, layout) = flat.storage_and_layout();
@@ -739,9 +730,9 @@ impl ParamSet {
             let mut flags = Vec::new();
             with_cpu_mut(&flat, "gradient bucket", |dst, range| {
                 let params = range.start..range.start + total;
-                c.reduce_scatter(buffer_mut(dst, params)?, ReduceOp::Mean)?;
+                c.reduce_scatter(BufferMut::of_cpu(dst, params)?, ReduceOp::Mean)?;
                 let fl = range.start + total..range.end;
-                c.all_reduce(buffer_mut(dst, fl.clone())?, ReduceOp::Mean)?;
+                c.all_reduce(BufferMut::of_cpu(dst, fl.clone())?, ReduceOp::Mean)?;
                 flags = read_f64(dst, fl)?;
                 Ok(())
             })?;
