@@ -43,6 +43,7 @@ use crate::error::{Error, Result};
 use crate::settings::MissingGradients;
 use crate::tracking::timing::{Phase, PhaseClock};
 use crate::train::batch_size::Probe;
+use crate::train::clip;
 use crate::train::params::ParamSet;
 
 /// The accumulation state of one engine.
@@ -290,7 +291,7 @@ impl GradSync {
     /// Rescales a short cycle of `k < N` micro-steps by `N/k` and averages across ranks.
     fn finish_cycle(&self, params: &ParamSet, mut grads: GradStore, k: usize) -> Result<GradStore> {
         if k < self.steps {
-            params.scale_grads(&mut grads, self.steps as f64 / k as f64)?;
+            clip::scale_grads(params.vars(), &mut grads, self.steps as f64 / k as f64)?;
         }
         self.average_with(params, &mut grads)?;
         Ok(grads)
@@ -454,15 +455,15 @@ impl GradSync {
         let params = self.require_params("clip_grad_norm")?;
         let norm = if self.zero_stage >= 2 && !self.alone() && self.sync_gradients() {
             // Each rank holds only its slice of the averaged gradients: add the squares up.
-            let mut sq = [params.grad_sq_sum(grads)?];
+            let mut sq = [clip::grad_sq_sum(params.vars(), grads)?];
             self.collective
                 .all_reduce((&mut sq[..]).into(), crate::collective::ReduceOp::Sum)?;
             sq[0].sqrt()
         } else {
-            params.grad_norm(grads)?
+            clip::grad_norm(params.vars(), grads)?
         };
         if self.sync_gradients() && norm > max_norm {
-            params.scale_grads(grads, max_norm / (norm + 1e-6))?;
+            clip::scale_grads(params.vars(), grads, max_norm / (norm + 1e-6))?;
         }
         Ok(norm)
     }
@@ -472,7 +473,7 @@ impl GradSync {
         check_positive("clip", clip)?;
         let params = self.require_params("clip_grad_value")?;
         if self.sync_gradients() {
-            params.clamp_grads(grads, clip)?;
+            clip::clamp_grads(params.vars(), grads, clip)?;
         }
         Ok(())
     }
@@ -489,7 +490,7 @@ impl GradSync {
             return Ok(None);
         }
         let params = self.require_params("gradient clipping")?;
-        let mut grads = params.copy_grads(grads);
+        let mut grads = clip::copy_grads(params.vars(), grads);
         let norm = match clip.norm {
             Some(max) => Some(self.clip_grad_norm(&mut grads, max)?),
             None => None,

@@ -3,11 +3,13 @@
 
 pub(crate) mod batch_size;
 pub mod checkpoint;
+pub(crate) mod clip;
 pub(crate) mod grad_sync;
 pub(crate) mod init;
 pub(crate) mod missing;
 pub(crate) mod mixed_precision;
 pub(crate) mod optimizer;
 pub(crate) mod params;
+pub(crate) mod reducer;
 pub mod scheduler;
 pub(crate) mod weights;

@@ -116,7 +116,7 @@ fn the_batched_device_average_equals_the_cpu_path() {
                     let mut a = grads();
                     set.average_gradients(&c, &mut a).unwrap();
                     let mut b = grads();
-                    set.average_device(&c, &mut b).unwrap();
+                    set.reducer.average_device(&set, &c, &mut b).unwrap();
                     (read(&a), read(&b))
                 })
             })
@@ -188,7 +188,10 @@ fn zero_device_paths_equal_the_cpu_paths() {
                     let cpu_grads = slices(&cpu_set, &cpu_vars, &g);
                     let (dev_set, dev_vars) = make();
                     let mut g = grads_for(&dev_vars);
-                    let dev_present = dev_set.reduce_scatter_gradients_device(&c, &mut g).unwrap();
+                    let dev_present = dev_set
+                        .reducer
+                        .reduce_scatter_gradients_device(&dev_set, &c, &mut g)
+                        .unwrap();
                     let dev_grads = slices(&dev_set, &dev_vars, &g);
                     // Each rank changes only the parameters' elements it owns, then both
                     // gathers must give every rank every owner's values.
@@ -201,7 +204,7 @@ fn zero_device_paths_equal_the_cpu_paths() {
                         }
                     }
                     cpu_set.gather_params(&c).unwrap();
-                    dev_set.gather_params_device(&c).unwrap();
+                    dev_set.reducer.gather_params_device(&dev_set, &c).unwrap();
                     let values = |vars: &[Var]| {
                         vars.iter()
                             .map(|v| v.as_tensor().to_vec1::<f32>().unwrap())
