@@ -130,7 +130,7 @@ impl BertConfig {
             ensure(v > 0, p, key, "must be at least 1")?;
         }
         ensure(
-            self.hidden_size % self.num_attention_heads == 0,
+            self.hidden_size.is_multiple_of(self.num_attention_heads),
             p,
             "hidden_size",
             format!(

@@ -118,7 +118,7 @@ impl Gpt2Config {
             ensure(v > 0, p, key, "must be at least 1")?;
         }
         ensure(
-            self.n_embd % self.n_head == 0,
+            self.n_embd.is_multiple_of(self.n_head),
             p,
             "n_embd",
             format!(

@@ -149,7 +149,7 @@ impl LlamaConfig {
         }
         let kv = self.kv_heads();
         ensure(
-            kv > 0 && self.num_attention_heads % kv == 0,
+            kv > 0 && self.num_attention_heads.is_multiple_of(kv),
             p,
             "num_key_value_heads",
             format!(
@@ -159,7 +159,7 @@ impl LlamaConfig {
         )?;
         if self.head_dim.is_none() {
             ensure(
-                self.hidden_size % self.num_attention_heads == 0,
+                self.hidden_size.is_multiple_of(self.num_attention_heads),
                 p,
                 "hidden_size",
                 format!(
@@ -170,7 +170,7 @@ impl LlamaConfig {
         }
         let d = self.head_dim();
         ensure(
-            d > 0 && d % 2 == 0,
+            d > 0 && d.is_multiple_of(2),
             p,
             "head_dim",
             format!("{d}: RoPE needs an even head width"),
