@@ -2,8 +2,8 @@
 """Compiles the crate's run-time CUDA sources with the real NVRTC, on a machine WITHOUT a GPU.
 
 accelerate-rs compiles its CUDA kernels at run time with NVRTC (src/optim/fused_optim.cu for the
-fused optimizers, src/nn/kernels.cu for the `nn-cuda` feature). `cargo build` never sees that
-code, so a syntax error would only show on a GPU. This script loads libnvrtc.so.13 (NVIDIA's
+fused optimizers, src/nn/kernels.cu for the `nn-cuda` feature; each behind src/cuda_prelude.cu).
+`cargo build` never sees that code, so a syntax error would only show on a GPU. This script loads libnvrtc.so.13 (NVIDIA's
 `nvidia-cuda-nvrtc` wheel from PyPI, downloaded into ~/.cache/accel-nvrtc the first time, or
 $ACCEL_NVRTC_LIB), compiles each source with the options the crate uses, for the architectures
 given (default compute_80 and compute_90), checks that every kernel the Rust side launches is
@@ -85,7 +85,9 @@ def nvrtc_lib() -> pathlib.Path:
 
 
 def compile_source(nvrtc, path: str, options, arch: str):
-    src = (REPO / path).read_bytes()
+    # The sources are compiled with the shared prelude in front, as src/nn/cuda.rs and
+    # src/optim/fused_cuda.rs put it there (`concat!`).
+    src = (REPO / "src/cuda_prelude.cu").read_bytes() + (REPO / path).read_bytes()
     prog = ctypes.c_void_p()
     rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, path.encode(), 0, None, None)
     if rc != 0:

@@ -178,19 +178,6 @@ pub enum Error {
         source: std::io::Error,
     },
 
-    /// A launcher worker failed.
-    #[error("launch: rank {rank} (pid {pid}) failed: {status}")]
-    WorkerFailed {
-        /// The first rank that failed.
-        rank: usize,
-        /// Its process id.
-        pid: u32,
-        /// Exit code to propagate (the worker's code, or 128 + signal).
-        code: i32,
-        /// Human readable exit status.
-        status: String,
-    },
-
     /// Asked for something this build does not have (e.g. CUDA).
     #[error("{what} is not available: {reason}")]
     NotAvailable {
@@ -381,17 +368,6 @@ pub enum Error {
         oom_rank: usize,
         /// The smallest batch size the search was allowed to try.
         min_batch_size: usize,
-    },
-
-    /// The launcher received SIGINT or SIGTERM and stopped its workers.
-    #[error("launch: interrupted by {signal}; stopped {stopped} worker(s)")]
-    Interrupted {
-        /// The signal received (`SIGINT` or `SIGTERM`).
-        signal: String,
-        /// Exit code to propagate: 128 + the signal number (130 for SIGINT).
-        code: i32,
-        /// How many workers were still running and had to be stopped.
-        stopped: usize,
     },
 }
 

@@ -8,6 +8,8 @@
 #![deny(rustdoc::broken_intra_doc_links)]
 
 mod cmd;
+mod error;
 pub mod launch;
 
 pub use cmd::main;
+pub use error::{Error, Result};

@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use candle_core::Device;
 
+use super::geometry::BatchGeometry;
 use super::iter::BatchPlan;
-use super::sampler::{validate_shard, validate_split};
 use super::{BatchIter, Dataset, DistributedSampler, EvenBatches, SamplePosition, Sampler};
 use crate::error::{Error, Result};
 
@@ -34,19 +34,14 @@ use crate::error::{Error, Result};
 #[derive(Clone)]
 pub struct DataLoader {
     dataset: Arc<dyn Dataset>,
-    batch_size: usize,
+    geometry: BatchGeometry,
     shuffle: bool,
     seed: u64,
-    drop_last: bool,
-    even_batches: EvenBatches,
-    split_batches: bool,
     custom: Option<Arc<dyn Sampler>>,
     device: Device,
     prefetch: usize,
     num_workers: usize,
     epoch: u64,
-    rank: usize,
-    world: usize,
     /// `(epoch, batches_done)` set by [`DataLoader::resume_at`].
     resume: Option<(u64, usize)>,
     /// Set by [`DataLoader::resume_from`].
@@ -64,19 +59,14 @@ impl DataLoader {
     pub fn from_arc(dataset: Arc<dyn Dataset>, batch_size: usize) -> Self {
         DataLoader {
             dataset,
-            batch_size,
+            geometry: BatchGeometry::new(batch_size),
             shuffle: false,
             seed: 0,
-            drop_last: false,
-            even_batches: EvenBatches::Pad,
-            split_batches: false,
             custom: None,
             device: Device::Cpu,
             prefetch: 2,
             num_workers: 1,
             epoch: 0,
-            rank: 0,
-            world: 1,
             resume: None,
             sample_resume: None,
         }
@@ -96,13 +86,13 @@ impl DataLoader {
 
     /// Drop the partial last batch (on every rank).
     pub fn drop_last(mut self, drop_last: bool) -> Self {
-        self.drop_last = drop_last;
+        self.geometry.drop_last = drop_last;
         self
     }
 
     /// How to handle a dataset that does not split evenly across ranks.
     pub fn even_batches(mut self, even_batches: EvenBatches) -> Self {
-        self.even_batches = even_batches;
+        self.geometry.even_batches = even_batches;
         self
     }
 
@@ -117,7 +107,7 @@ impl DataLoader {
     /// [`shard`](Self::shard) and [`iter`](Self::iter) fail if `batch_size` does not divide by
     /// the world size.
     pub fn split_batches(mut self, split_batches: bool) -> Self {
-        self.split_batches = split_batches;
+        self.geometry.split_batches = split_batches;
         self
     }
 
@@ -167,10 +157,9 @@ impl DataLoader {
     /// Fails if `world_size == 0` or `rank >= world_size`, or, with
     /// [`split_batches`](Self::split_batches), if the batch size does not divide by `world_size`.
     pub fn shard(mut self, rank: usize, world_size: usize) -> Result<Self> {
-        validate_shard(rank, world_size)?;
-        validate_split(self.split_batches, self.batch_size, world_size)?;
-        self.rank = rank;
-        self.world = world_size;
+        let geometry = self.geometry.sharded(rank, world_size)?;
+        geometry.validate()?;
+        self.geometry = geometry;
         Ok(self)
     }
 
@@ -230,10 +219,7 @@ impl DataLoader {
         let samples = match plan.get(batches_done.saturating_sub(1)) {
             _ if batches_done == 0 => sampler.start(),
             // Global batches are rank-major: the global batch ends where the last rank's ends.
-            Some(b) => {
-                let global_start = b.start - sampler.rank() * b.len;
-                global_start + b.len * sampler.num_replicas()
-            }
+            Some(b) => sampler.geometry().global_span(b).1,
             None => n,
         };
         SamplePosition {
@@ -265,33 +251,33 @@ impl DataLoader {
 
     /// This loader's rank.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.geometry.rank
     }
 
     /// The number of processes the dataset is split across.
     pub fn world_size(&self) -> usize {
-        self.world
+        self.geometry.world
     }
 
     /// The batch size as set: per rank, or global with [`split_batches`](Self::split_batches).
     pub fn batch_size(&self) -> usize {
-        self.batch_size
+        self.geometry.batch_size
     }
 
     /// The number of samples in this rank's full batches: `batch_size`, or
     /// `batch_size / world_size` with [`split_batches`](Self::split_batches).
     pub fn local_batch_size(&self) -> usize {
-        self.sampler().local_batch_size()
+        self.geometry.local_batch_size()
     }
 
     /// The number of samples in a full global batch (all ranks together).
     pub fn global_batch_size(&self) -> usize {
-        self.sampler().global_batch_size()
+        self.geometry.global_batch_size()
     }
 
     /// Whether `batch_size` is the global batch size ([`split_batches`](Self::split_batches)).
     pub fn is_split_batches(&self) -> bool {
-        self.split_batches
+        self.geometry.split_batches
     }
 
     /// The number of background threads building batches.
@@ -341,13 +327,9 @@ impl DataLoader {
 
     /// The batch plan of this rank for the current epoch.
     pub fn sampler(&self) -> DistributedSampler {
-        let mut sampler = DistributedSampler::new(self.dataset.len(), self.batch_size)
+        let mut sampler = DistributedSampler::with_geometry(self.dataset.len(), self.geometry)
             .shuffle(self.shuffle)
-            .seed(self.seed)
-            .drop_last(self.drop_last)
-            .even_batches(self.even_batches)
-            .split_batches(self.split_batches)
-            .with_shard_unchecked(self.rank, self.world);
+            .seed(self.seed);
         if let Some(custom) = &self.custom {
             sampler = sampler.sampler(Arc::clone(custom));
         }
@@ -366,7 +348,7 @@ impl DataLoader {
     /// processes, or a custom sampler's order is out of range. Errors from the dataset are
     /// yielded as `Err` items and end the epoch.
     pub fn iter(&self) -> Result<BatchIter> {
-        if self.batch_size == 0 {
+        if self.geometry.batch_size == 0 {
             return Err(Error::invalid(
                 "batch_size",
                 "the data loader's batch_size is 0; it must be at least 1",
@@ -383,10 +365,8 @@ impl DataLoader {
             .into_iter()
             .zip(sampler.plan())
             .map(|(indices, planned)| {
-                // Every rank's batch of this global batch has the same length, and rank r's starts
-                // r lengths after the global batch's start; padding is what lies past the dataset.
-                let start = planned.start - sampler.rank() * planned.len;
-                let end = start + sampler.num_replicas() * planned.len;
+                // Padding is what lies past the dataset in the global batch.
+                let (start, end) = self.geometry.global_span(&planned);
                 BatchPlan {
                     indices,
                     padding: sampler.padding_of(&planned),
@@ -410,19 +390,14 @@ impl std::fmt::Debug for DataLoader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DataLoader")
             .field("len", &self.dataset.len())
-            .field("batch_size", &self.batch_size)
+            .field("geometry", &self.geometry)
             .field("shuffle", &self.shuffle)
             .field("seed", &self.seed)
-            .field("drop_last", &self.drop_last)
-            .field("even_batches", &self.even_batches)
-            .field("split_batches", &self.split_batches)
             .field("sampler", &self.custom)
             .field("device", &self.device.location())
             .field("prefetch", &self.prefetch)
             .field("num_workers", &self.num_workers)
             .field("epoch", &self.epoch)
-            .field("rank", &self.rank)
-            .field("world", &self.world)
             .field("resume", &self.resume)
             .field("sample_resume", &self.sample_resume)
             .finish()

@@ -15,6 +15,7 @@
 
 mod batch;
 mod dataset;
+mod geometry;
 mod iter;
 mod loader;
 mod sampler;
@@ -24,9 +25,10 @@ mod threads;
 
 pub use batch::Batch;
 pub use dataset::{Dataset, TensorDataset};
+pub use geometry::EvenBatches;
 pub use iter::BatchIter;
 pub use loader::DataLoader;
-pub use sampler::{DistributedSampler, EvenBatches, Sampler};
+pub use sampler::{DistributedSampler, Sampler};
 pub use samplers::{LengthGroupedSampler, WeightedSampler};
 pub use stream::{
     IterableDataset, RecordStream, SamplePosition, StreamIter, StreamingLoader, TextLine, TextLines,

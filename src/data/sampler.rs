@@ -10,6 +10,8 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use super::geometry::{BatchGeometry, PlannedBatch};
+use super::EvenBatches;
 use crate::error::{Error, Result};
 
 /// A custom epoch order for a [`DistributedSampler`] (and so a
@@ -43,60 +45,6 @@ pub(crate) fn epoch_rng(seed: u64, epoch: u64) -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(seed.wrapping_add(epoch))
 }
 
-/// Per-rank length of the epoch's last, partial global batch of `remaining` positions
-/// (`0 < remaining < global batch size`); 0 when it is dropped.
-///
-/// `local` is the per-rank batch size. Without `split_batches`, [`EvenBatches::Pad`] gives each
-/// rank `ceil(remaining / world)` positions (kept with `drop_last` only when that is a full
-/// batch) and [`EvenBatches::Drop`] `floor(remaining / world)`. With `split_batches`, `Pad` pads
-/// the global batch to its full size (so it is the same at every world size), `Drop` cuts it to a
-/// multiple of the world size, and `drop_last` drops it.
-pub(crate) fn last_batch_len(
-    remaining: usize,
-    world: usize,
-    local: usize,
-    split_batches: bool,
-    even_batches: EvenBatches,
-    drop_last: bool,
-) -> usize {
-    match (split_batches, even_batches) {
-        _ if remaining == 0 || world == 0 => 0,
-        (true, _) if drop_last => 0,
-        (true, EvenBatches::Pad) => local,
-        (_, EvenBatches::Drop) if drop_last => 0,
-        (_, EvenBatches::Drop) => remaining / world,
-        (false, EvenBatches::Pad) => {
-            let per_rank = remaining.div_ceil(world);
-            if per_rank < local && drop_last {
-                0
-            } else {
-                per_rank
-            }
-        }
-    }
-}
-
-/// What to do when the dataset does not split evenly across processes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum EvenBatches {
-    /// Pad by cycling from the start of the epoch's order, so that every rank gets
-    /// `ceil(len / num_replicas)` samples (Accelerate's `even_batches=True`).
-    #[default]
-    Pad,
-    /// Drop the tail, so that every rank gets `floor(len / num_replicas)` samples and no sample is
-    /// duplicated.
-    Drop,
-}
-
-/// One planned batch: a contiguous range of global positions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct PlannedBatch {
-    /// First global position.
-    pub(crate) start: usize,
-    /// Number of positions.
-    pub(crate) len: usize,
-}
-
 /// The per-rank batch plan (`DistributedSampler` semantics).
 ///
 /// Let `n = len` (or the custom [`Sampler`]'s length), `w = num_replicas`, `B = batch_size`.
@@ -111,15 +59,10 @@ pub(crate) struct PlannedBatch {
 #[derive(Debug, Clone)]
 pub struct DistributedSampler {
     len: usize,
-    batch_size: usize,
-    num_replicas: usize,
-    rank: usize,
+    geometry: BatchGeometry,
     shuffle: bool,
     seed: u64,
     epoch: u64,
-    drop_last: bool,
-    even_batches: EvenBatches,
-    split_batches: bool,
     custom: Option<Arc<dyn Sampler>>,
     /// Global positions already consumed (a resume position in samples).
     start: usize,
@@ -135,15 +78,10 @@ impl PartialEq for DistributedSampler {
         };
         same_custom
             && self.len == other.len
-            && self.batch_size == other.batch_size
-            && self.num_replicas == other.num_replicas
-            && self.rank == other.rank
+            && self.geometry == other.geometry
             && self.shuffle == other.shuffle
             && self.seed == other.seed
             && self.epoch == other.epoch
-            && self.drop_last == other.drop_last
-            && self.even_batches == other.even_batches
-            && self.split_batches == other.split_batches
             && self.start == other.start
     }
 }
@@ -153,17 +91,18 @@ impl Eq for DistributedSampler {}
 impl DistributedSampler {
     /// A single-replica, unshuffled sampler over `len` samples in batches of `batch_size`.
     pub fn new(len: usize, batch_size: usize) -> Self {
+        Self::with_geometry(len, BatchGeometry::new(batch_size))
+    }
+
+    /// An unshuffled sampler over `len` samples cut by `geometry` (already validated by the
+    /// caller, or checked by [`batches`](Self::batches)).
+    pub(crate) fn with_geometry(len: usize, geometry: BatchGeometry) -> Self {
         DistributedSampler {
             len,
-            batch_size,
-            num_replicas: 1,
-            rank: 0,
+            geometry,
             shuffle: false,
             seed: 0,
             epoch: 0,
-            drop_last: false,
-            even_batches: EvenBatches::Pad,
-            split_batches: false,
             custom: None,
             start: 0,
         }
@@ -191,7 +130,7 @@ impl DistributedSampler {
     /// the last one is padded to the full `batch_size` (from the start of the epoch's order).
     /// [`batches`](Self::batches) fails if `batch_size` does not divide by `num_replicas`.
     pub fn split_batches(mut self, split_batches: bool) -> Self {
-        self.split_batches = split_batches;
+        self.geometry.split_batches = split_batches;
         self
     }
 
@@ -220,13 +159,13 @@ impl DistributedSampler {
 
     /// Drop the partial last batch on every rank.
     pub fn drop_last(mut self, drop_last: bool) -> Self {
-        self.drop_last = drop_last;
+        self.geometry.drop_last = drop_last;
         self
     }
 
     /// How to handle a dataset that does not split evenly across ranks.
     pub fn even_batches(mut self, even_batches: EvenBatches) -> Self {
-        self.even_batches = even_batches;
+        self.geometry.even_batches = even_batches;
         self
     }
 
@@ -234,17 +173,8 @@ impl DistributedSampler {
     ///
     /// Fails if `num_replicas == 0` or `rank >= num_replicas`.
     pub fn shard(mut self, rank: usize, num_replicas: usize) -> Result<Self> {
-        validate_shard(rank, num_replicas)?;
-        self.rank = rank;
-        self.num_replicas = num_replicas;
+        self.geometry = self.geometry.sharded(rank, num_replicas)?;
         Ok(self)
-    }
-
-    /// Sets rank and world size already validated by the caller.
-    pub(crate) fn with_shard_unchecked(mut self, rank: usize, num_replicas: usize) -> Self {
-        self.rank = rank;
-        self.num_replicas = num_replicas;
-        self
     }
 
     /// Set the epoch; with shuffling on, each epoch gets a different order.
@@ -269,28 +199,24 @@ impl DistributedSampler {
 
     /// The batch size as set: per rank, or global with [`split_batches`](Self::split_batches).
     pub fn batch_size(&self) -> usize {
-        self.batch_size
+        self.geometry.batch_size
     }
 
     /// The number of samples in each of this rank's full batches: `batch_size`, or
     /// `batch_size / num_replicas` with [`split_batches`](Self::split_batches).
     pub fn local_batch_size(&self) -> usize {
-        if self.split_batches {
-            self.batch_size / self.num_replicas.max(1)
-        } else {
-            self.batch_size
-        }
+        self.geometry.local_batch_size()
     }
 
     /// The number of samples in a full global batch (all ranks together): `batch_size *
     /// num_replicas`, or `batch_size` with [`split_batches`](Self::split_batches).
     pub fn global_batch_size(&self) -> usize {
-        self.local_batch_size() * self.num_replicas
+        self.geometry.global_batch_size()
     }
 
     /// Whether `batch_size` is the global batch size ([`split_batches`](Self::split_batches)).
     pub fn is_split_batches(&self) -> bool {
-        self.split_batches
+        self.geometry.split_batches
     }
 
     /// The number of positions an epoch covers before padding or dropping: the dataset's length,
@@ -304,12 +230,17 @@ impl DistributedSampler {
 
     /// This sampler's rank.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.geometry.rank
     }
 
     /// The number of processes.
     pub fn num_replicas(&self) -> usize {
-        self.num_replicas
+        self.geometry.world
+    }
+
+    /// The batch geometry.
+    pub(crate) fn geometry(&self) -> &BatchGeometry {
+        &self.geometry
     }
 
     /// The epoch's global order of dataset indices (`0..len`, its seeded permutation, or the
@@ -373,11 +304,8 @@ impl DistributedSampler {
         if self.validate().is_err() {
             return 0;
         }
-        let n = self.samples_per_epoch();
-        let rest = n.saturating_sub(self.start);
-        let g = self.global_batch_size();
-        let last = self.last_len(rest % g);
-        (self.start + rest / g * g + last * self.num_replicas).saturating_sub(n)
+        self.geometry
+            .total_padding(self.start, self.samples_per_epoch())
     }
 
     /// Checks that a plan can be made.
@@ -392,14 +320,13 @@ impl DistributedSampler {
                 "the custom sampler's len() is 0: an epoch would visit no sample",
             ));
         }
-        if self.batch_size == 0 {
+        if self.geometry.batch_size == 0 {
             return Err(Error::invalid(
                 "batch_size",
                 "batch_size is 0; it must be at least 1",
             ));
         }
-        validate_shard(self.rank, self.num_replicas)?;
-        validate_split(self.split_batches, self.batch_size, self.num_replicas)?;
+        self.geometry.validate()?;
         let n = self.samples_per_epoch();
         if self.start > n {
             return Err(Error::data(format!(
@@ -408,26 +335,14 @@ impl DistributedSampler {
                 self.start
             )));
         }
-        if self.even_batches == EvenBatches::Drop && n < self.num_replicas && self.start == 0 {
+        let world = self.geometry.world;
+        if self.geometry.even_batches == EvenBatches::Drop && n < world && self.start == 0 {
             return Err(Error::data(format!(
-                "the dataset ({n} samples) is smaller than the number of processes ({}); \
-                 with EvenBatches::Drop no rank would get a sample (use EvenBatches::Pad)",
-                self.num_replicas
+                "the dataset ({n} samples) is smaller than the number of processes ({world}); \
+                 with EvenBatches::Drop no rank would get a sample (use EvenBatches::Pad)"
             )));
         }
         Ok(())
-    }
-
-    /// Per-rank length of the last, partial global batch of `remaining` positions.
-    fn last_len(&self, remaining: usize) -> usize {
-        last_batch_len(
-            remaining,
-            self.num_replicas,
-            self.local_batch_size(),
-            self.split_batches,
-            self.even_batches,
-            self.drop_last,
-        )
     }
 
     /// This rank's batches as ranges of global positions (empty where no plan can be made).
@@ -435,24 +350,7 @@ impl DistributedSampler {
         if self.validate().is_err() {
             return Vec::new();
         }
-        let (b, r) = (self.local_batch_size(), self.rank);
-        let g = self.global_batch_size();
-        let rest = self.samples_per_epoch().saturating_sub(self.start);
-        let full = rest / g;
-        let mut plan: Vec<PlannedBatch> = (0..full)
-            .map(|k| PlannedBatch {
-                start: self.start + k * g + r * b,
-                len: b,
-            })
-            .collect();
-        let last = self.last_len(rest % g);
-        if last > 0 {
-            plan.push(PlannedBatch {
-                start: self.start + full * g + r * last,
-                len: last,
-            });
-        }
-        plan
+        self.geometry.plan(self.start, self.samples_per_epoch())
     }
 
     /// How many positions of a planned batch are padding.
@@ -460,40 +358,4 @@ impl DistributedSampler {
         let end = batch.start + batch.len;
         end.saturating_sub(batch.start.max(self.samples_per_epoch()))
     }
-}
-
-/// Checks that a global batch of `batch_size` splits evenly across `num_replicas` ranks.
-pub(crate) fn validate_split(
-    split_batches: bool,
-    batch_size: usize,
-    num_replicas: usize,
-) -> Result<()> {
-    if split_batches && num_replicas > 0 && !batch_size.is_multiple_of(num_replicas) {
-        return Err(Error::invalid(
-            "batch_size",
-            format!(
-                "with split_batches the batch size is global and each of the {num_replicas} \
-                 processes takes an equal share, but {batch_size} does not divide by \
-                 {num_replicas}; use a multiple of {num_replicas}"
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// Checks a (rank, world size) pair.
-pub(crate) fn validate_shard(rank: usize, num_replicas: usize) -> Result<()> {
-    if num_replicas == 0 {
-        return Err(Error::invalid(
-            "num_replicas",
-            format!("num_replicas is 0 (rank {rank}); it must be at least 1"),
-        ));
-    }
-    if rank >= num_replicas {
-        return Err(Error::invalid(
-            "rank",
-            format!("rank {rank} is out of range for num_replicas {num_replicas} (must be < {num_replicas})"),
-        ));
-    }
-    Ok(())
 }

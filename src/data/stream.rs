@@ -14,7 +14,8 @@ use rand::seq::SliceRandom;
 use serde::{Deserialize, Serialize};
 
 use super::dataset::stack_fields;
-use super::sampler::{epoch_rng, last_batch_len, validate_shard, validate_split};
+use super::geometry::BatchGeometry;
+use super::sampler::epoch_rng;
 use super::threads::Threads;
 use super::{Batch, EvenBatches};
 use crate::error::{Error, Result};
@@ -314,16 +315,11 @@ impl Iterator for LineReader {
 /// `batch_size` is per rank, or global with [`split_batches`](Self::split_batches).
 pub struct StreamingLoader<D: IterableDataset> {
     dataset: Arc<D>,
-    batch_size: usize,
-    drop_last: bool,
-    even_batches: EvenBatches,
-    split_batches: bool,
+    geometry: BatchGeometry,
     device: Device,
     prefetch: usize,
     num_workers: usize,
     epoch: u64,
-    rank: usize,
-    world: usize,
     resume: Option<SamplePosition>,
 }
 
@@ -331,16 +327,11 @@ impl<D: IterableDataset> Clone for StreamingLoader<D> {
     fn clone(&self) -> Self {
         StreamingLoader {
             dataset: Arc::clone(&self.dataset),
-            batch_size: self.batch_size,
-            drop_last: self.drop_last,
-            even_batches: self.even_batches,
-            split_batches: self.split_batches,
+            geometry: self.geometry,
             device: self.device.clone(),
             prefetch: self.prefetch,
             num_workers: self.num_workers,
             epoch: self.epoch,
-            rank: self.rank,
-            world: self.world,
             resume: self.resume,
         }
     }
@@ -357,36 +348,31 @@ impl<D: IterableDataset + 'static> StreamingLoader<D> {
     pub fn from_arc(dataset: Arc<D>, batch_size: usize) -> Self {
         StreamingLoader {
             dataset,
-            batch_size,
-            drop_last: false,
-            even_batches: EvenBatches::Pad,
-            split_batches: false,
+            geometry: BatchGeometry::new(batch_size),
             device: Device::Cpu,
             prefetch: 2,
             num_workers: 1,
             epoch: 0,
-            rank: 0,
-            world: 1,
             resume: None,
         }
     }
 
     /// Drop the last, partial global batch (unless padding made it full).
     pub fn drop_last(mut self, drop_last: bool) -> Self {
-        self.drop_last = drop_last;
+        self.geometry.drop_last = drop_last;
         self
     }
 
     /// How to handle a last global batch that does not split evenly across ranks.
     pub fn even_batches(mut self, even_batches: EvenBatches) -> Self {
-        self.even_batches = even_batches;
+        self.geometry.even_batches = even_batches;
         self
     }
 
     /// `batch_size` is the global batch size, split evenly across ranks (see
     /// [`DataLoader::split_batches`](super::DataLoader::split_batches)).
     pub fn split_batches(mut self, split_batches: bool) -> Self {
-        self.split_batches = split_batches;
+        self.geometry.split_batches = split_batches;
         self
     }
 
@@ -419,10 +405,9 @@ impl<D: IterableDataset + 'static> StreamingLoader<D> {
     /// Fails if `world_size == 0` or `rank >= world_size`, or, with
     /// [`split_batches`](Self::split_batches), if the batch size does not divide by `world_size`.
     pub fn shard(mut self, rank: usize, world_size: usize) -> Result<Self> {
-        validate_shard(rank, world_size)?;
-        validate_split(self.split_batches, self.batch_size, world_size)?;
-        self.rank = rank;
-        self.world = world_size;
+        let geometry = self.geometry.sharded(rank, world_size)?;
+        geometry.validate()?;
+        self.geometry = geometry;
         Ok(self)
     }
 
@@ -468,31 +453,27 @@ impl<D: IterableDataset + 'static> StreamingLoader<D> {
 
     /// This loader's rank.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.geometry.rank
     }
 
     /// The number of processes.
     pub fn world_size(&self) -> usize {
-        self.world
+        self.geometry.world
     }
 
     /// The batch size as set (per rank, or global with [`split_batches`](Self::split_batches)).
     pub fn batch_size(&self) -> usize {
-        self.batch_size
+        self.geometry.batch_size
     }
 
     /// The number of records in this rank's full batches.
     pub fn local_batch_size(&self) -> usize {
-        if self.split_batches {
-            self.batch_size / self.world.max(1)
-        } else {
-            self.batch_size
-        }
+        self.geometry.local_batch_size()
     }
 
     /// The number of records in a full global batch (all ranks together).
     pub fn global_batch_size(&self) -> usize {
-        self.local_batch_size() * self.world
+        self.geometry.global_batch_size()
     }
 
     /// The dataset.
@@ -508,27 +489,21 @@ impl<D: IterableDataset + 'static> StreamingLoader<D> {
     /// and a resume position past the end of the stream, are yielded as `Err` items and end the
     /// epoch.
     pub fn iter(&self) -> Result<StreamIter> {
-        if self.batch_size == 0 {
+        if self.geometry.batch_size == 0 {
             return Err(Error::invalid(
                 "batch_size",
                 "the streaming loader's batch_size is 0; it must be at least 1",
             ));
         }
-        validate_shard(self.rank, self.world)?;
-        validate_split(self.split_batches, self.batch_size, self.world)?;
+        self.geometry.validate()?;
         let start = self.start_position();
         let records = self.dataset.records(self.epoch)?;
         let engine = Engine {
             dataset: Arc::clone(&self.dataset),
             records,
             device: self.device.clone(),
-            rank: self.rank,
-            world: self.world,
-            local: self.local_batch_size(),
+            geometry: self.geometry,
             global: self.global_batch_size(),
-            split_batches: self.split_batches,
-            even_batches: self.even_batches,
-            drop_last: self.drop_last,
             epoch: self.epoch,
             skip: start.samples,
             first: Vec::new(),
@@ -556,16 +531,11 @@ impl<D: IterableDataset + 'static> StreamingLoader<D> {
 impl<D: IterableDataset> std::fmt::Debug for StreamingLoader<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StreamingLoader")
-            .field("batch_size", &self.batch_size)
-            .field("drop_last", &self.drop_last)
-            .field("even_batches", &self.even_batches)
-            .field("split_batches", &self.split_batches)
+            .field("geometry", &self.geometry)
             .field("device", &self.device.location())
             .field("prefetch", &self.prefetch)
             .field("num_workers", &self.num_workers)
             .field("epoch", &self.epoch)
-            .field("rank", &self.rank)
-            .field("world", &self.world)
             .field("resume", &self.resume)
             .finish()
     }
@@ -579,13 +549,9 @@ struct Engine<D: IterableDataset> {
     dataset: Arc<D>,
     records: RecordStream<D::Record>,
     device: Device,
-    rank: usize,
-    world: usize,
-    local: usize,
+    geometry: BatchGeometry,
+    /// The global batch size (of the geometry).
     global: usize,
-    split_batches: bool,
-    even_batches: EvenBatches,
-    drop_last: bool,
     epoch: u64,
     /// Records to skip at the start (the resume position).
     skip: u64,
@@ -646,18 +612,6 @@ impl<D: IterableDataset> Engine<D> {
         Ok(())
     }
 
-    /// Per-rank length of a last global batch of `remaining` records (0: dropped).
-    fn last_len(&self, remaining: usize) -> usize {
-        last_batch_len(
-            remaining,
-            self.world,
-            self.local,
-            self.split_batches,
-            self.even_batches,
-            self.drop_last,
-        )
-    }
-
     /// This rank's records (chunk-relative positions `from..to`, moved out of the global batch's
     /// `chunk`) of the next batch, to decode; `after` is the global position after the global
     /// batch.
@@ -691,7 +645,7 @@ impl<D: IterableDataset> Engine<D> {
             samples,
             index: self.index,
             padding,
-            global_padding: ((to - from) * self.world).saturating_sub(len),
+            global_padding: ((to - from) * self.geometry.world).saturating_sub(len),
             // The number of batches is unknown ahead: a lower bound until the last batch.
             num_batches: self.index + if last { 1 } else { 2 },
             position: SamplePosition {
@@ -719,10 +673,11 @@ impl<D: IterableDataset> Engine<D> {
                 Err(e) => Err(e),
                 Ok(next) => {
                     let last = next.0.is_empty()
-                        || (next.0.len() < self.global && self.last_len(next.0.len()) == 0);
-                    let from = self.rank * self.local;
+                        || (next.0.len() < self.global
+                            && self.geometry.last_len(next.0.len()) == 0);
+                    let slice = self.geometry.slice(self.geometry.local_batch_size());
                     let after = start + self.global as u64;
-                    let job = self.job(chunk, start, (from, from + self.local), last, after);
+                    let job = self.job(chunk, start, slice, last, after);
                     self.current = Some(next);
                     if last {
                         self.done = true;
@@ -732,13 +687,12 @@ impl<D: IterableDataset> Engine<D> {
             }
         } else {
             self.done = true;
-            let per_rank = self.last_len(chunk.len());
+            let per_rank = self.geometry.last_len(chunk.len());
             if per_rank == 0 {
                 return None;
             }
-            let from = self.rank * per_rank;
             let after = start + chunk.len() as u64;
-            Ok(self.job(chunk, start, (from, from + per_rank), true, after))
+            Ok(self.job(chunk, start, self.geometry.slice(per_rank), true, after))
         };
         self.index += 1;
         if result.is_err() {

@@ -21,7 +21,8 @@ use candle_core::{CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, T
 use cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 
 const MODULE: &str = "accelerate_rs_nn";
-const SOURCE: &str = include_str!("kernels.cu");
+/// The source NVRTC compiles: the shared element types and conversions, then the kernels.
+const SOURCE: &str = concat!(include_str!("../cuda_prelude.cu"), include_str!("kernels.cu"));
 
 /// Set once compiling or loading failed: the composed ops are used from then on.
 static BROKEN: AtomicBool = AtomicBool::new(false);

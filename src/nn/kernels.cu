@@ -5,55 +5,16 @@
 //
 // Layout conventions: every input is contiguous; a "row" is the last dimension. Row kernels run
 // one block per row; reductions go through warp shuffles and one shared array per block.
-// Element types: float, and bf16/f16 as their 16-bit patterns (no cuda_fp16.h / cuda_bf16.h:
-// NVRTC does not ship them everywhere).
+// Element types: float, and bf16_t/f16_t with the conversions to_f/from_f of
+// src/cuda_prelude.cu, put in front of this source before it is compiled.
 //
 // tests/cuda_emulation compiles this file for the CPU (ACCEL_HOST_EMULATION: one thread per CUDA
 // thread, barriers for __syncthreads and the warp shuffles) and checks every kernel against
 // double-precision references: the kernels' logic is tested without a GPU.
 
-struct bf16_t { unsigned short x; };
-struct f16_t { unsigned short x; };
-
 // No math.h under NVRTC: the special values by their bits.
 #define NEG_INF __int_as_float(0xff800000)
 #define QNAN __int_as_float(0x7fc00000)
-
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(bf16_t v) { return __uint_as_float(((unsigned int)v.x) << 16); }
-#ifndef ACCEL_HOST_EMULATION
-__device__ __forceinline__ float to_f(f16_t v) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
-    return f;
-}
-#else
-// tests/cuda_emulation runs these kernels on the CPU: the PTX conversions in software.
-__device__ __forceinline__ float to_f(f16_t v) { return emu_half_to_float(v.x); }
-#endif
-
-template <typename T> __device__ __forceinline__ T from_f(float f);
-template <> __device__ __forceinline__ float from_f<float>(float f) { return f; }
-template <> __device__ __forceinline__ bf16_t from_f<bf16_t>(float f) {
-    unsigned int u = __float_as_uint(f);
-    bf16_t r;
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        r.x = (unsigned short)((u >> 16) | 0x40u);
-        return r;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    r.x = (unsigned short)(u >> 16);
-    return r;
-}
-template <> __device__ __forceinline__ f16_t from_f<f16_t>(float f) {
-    f16_t r;
-#ifndef ACCEL_HOST_EMULATION
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.x) : "f"(f));
-#else
-    r.x = emu_float_to_half(f);
-#endif
-    return r;
-}
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

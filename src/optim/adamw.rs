@@ -1,31 +1,21 @@
 //! AdamW with exposed state.
 
-use super::{StateShard, StatefulOptimizer};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 
 use super::fused::{self, AdamScalars};
 use super::fused_cuda;
-use super::{
-    candle_err, check_lr, fit_tensor, grad_view, param_view, parse_name, shard_ranges,
-    sharded_state_err, write_param, OptimizerState,
-};
+use super::slots::{SlotSpec, Slots};
+use super::{candle_err, check_lr, OptimizerState, StateShard, StatefulOptimizer};
 use crate::error::{Error, Result};
 
-/// One parameter and its two moments.
-#[derive(Debug)]
-struct Slot {
-    var: Var,
-    /// ZeRO: the elements of the flattened parameter this rank updates (`None`: all).
-    range: Option<std::ops::Range<usize>>,
-    /// The moments, allocated on the parameter's first gradient (zeros until then), so that a
-    /// sharded optimizer never holds the whole state.
-    m: Option<Tensor>,
-    v: Option<Tensor>,
-    /// Whether weight decay applies to this parameter ([`AdamW::no_weight_decay_on`]).
-    decays: bool,
-}
+/// AdamW's state: the first and second moments of each parameter.
+static SLOTS: SlotSpec<2> = SlotSpec {
+    optimizer: "AdamW",
+    kinds: ["m", "v"],
+    complete: true,
+};
 
 /// AdamW (Loshchilov & Hutter): the same update and defaults as [`candle_nn::AdamW`]
 /// ([`ParamsAdamW`]: lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01, bias correction),
@@ -44,13 +34,8 @@ struct Slot {
 /// Elsewhere the update runs as a chain of tensor ops.
 #[derive(Debug)]
 pub struct AdamW {
-    slots: Vec<Slot>,
-    step_t: u64,
+    slots: Slots<2>,
     params: ParamsAdamW,
-    fused: bool,
-    /// ZeRO: every parameter of the optimizer before it was cut down to this rank's slices, in
-    /// index order (empty unless sharded), so that checkpoints keep the unsharded layout.
-    origin: Vec<Var>,
 }
 
 fn check_params(p: &ParamsAdamW) -> Result<()> {
@@ -91,28 +76,15 @@ impl Optimizer for AdamW {
 
     fn new(vars: Vec<Var>, params: ParamsAdamW) -> candle_core::Result<Self> {
         check_params(&params).map_err(candle_err)?;
-        let slots = vars
-            .into_iter()
-            .filter(|var| var.dtype().is_float())
-            .map(|var| Slot {
-                var,
-                range: None,
-                m: None,
-                v: None,
-                decays: true,
-            })
-            .collect();
         Ok(AdamW {
-            slots,
-            step_t: 0,
+            slots: Slots::new(&SLOTS, vars).map_err(candle_err)?,
             params,
-            fused: fused::default_on()?,
-            origin: Vec::new(),
         })
     }
 
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
-        self.step_t += 1;
+        let fused_on = self.slots.fused();
+        let (t, slots) = self.slots.begin_step();
         let ParamsAdamW {
             lr,
             beta1,
@@ -120,8 +92,8 @@ impl Optimizer for AdamW {
             eps,
             weight_decay,
         } = self.params;
-        let scale_m = 1.0 / (1.0 - pow(beta1, self.step_t));
-        let scale_v = 1.0 / (1.0 - pow(beta2, self.step_t));
+        let scale_m = 1.0 / (1.0 - pow(beta1, t));
+        let scale_v = 1.0 / (1.0 - pow(beta2, t));
         // sqrt(v / (1 - β2ᵗ)) = sqrt(v) · sqrt(1 / (1 - β2ᵗ)): one fused affine instead of two ops.
         let sqrt_scale_v = scale_v.sqrt();
         let decay = 1.0 - lr * weight_decay;
@@ -134,7 +106,7 @@ impl Optimizer for AdamW {
             scale_m,
             scale_v,
         };
-        for slot in self.slots.iter_mut() {
+        for slot in slots.iter_mut() {
             let Some(g) = grads.get(&slot.var) else {
                 continue;
             };
@@ -150,26 +122,27 @@ impl Optimizer for AdamW {
                 )
             };
             let decay = scalars.decay;
-            let g = &grad_view(g, &slot.range)?;
-            let theta = &param_view(&slot.var, &slot.range)?;
+            let g = &slot.grad_view(g)?;
+            let theta = &slot.param_view()?;
             // Two allocations on the first gradient: the fused step writes both in place.
             let zeros = || Tensor::zeros(theta.shape(), theta.dtype(), theta.device());
-            let sm = match &slot.m {
+            let [m, v] = &slot.state;
+            let sm = match m {
                 Some(m) => m.clone(),
                 None => zeros()?,
             };
-            let sv = match &slot.v {
+            let sv = match v {
                 Some(v) => v.clone(),
                 None => zeros()?,
             };
-            if self.fused {
+            if fused_on {
                 if fused::fusable(theta, g) {
                     fused::adamw(theta, &sm, &sv, g, scalars).map_err(candle_err)?;
-                    (slot.m, slot.v) = (Some(sm), Some(sv));
+                    slot.state = [Some(sm), Some(sv)];
                     continue;
                 }
                 if fused_cuda::adamw(theta, &sm, &sv, g, scalars).map_err(candle_err)? {
-                    (slot.m, slot.v) = (Some(sm), Some(sv));
+                    slot.state = [Some(sm), Some(sv)];
                     continue;
                 }
             }
@@ -183,9 +156,8 @@ impl Optimizer for AdamW {
             } else {
                 theta.affine(decay, 0.0)?.sub(&update)?
             };
-            write_param(&slot.var, &slot.range, &next)?;
-            slot.m = Some(m);
-            slot.v = Some(v);
+            slot.write_param(&next)?;
+            slot.state = [Some(m), Some(v)];
         }
         Ok(())
     }
@@ -228,17 +200,13 @@ impl AdamW {
     /// # Ok(()) }
     /// ```
     pub fn no_weight_decay_on(mut self, vars: &[Var]) -> Self {
-        for slot in &mut self.slots {
-            if vars.iter().any(|v| v.id() == slot.var.id()) {
-                slot.decays = false;
-            }
-        }
+        self.slots.no_weight_decay_on(vars);
         self
     }
 
     /// Per parameter, in index order: whether weight decay applies to it.
     pub fn decaying(&self) -> Vec<bool> {
-        self.slots.iter().map(|s| s.decays).collect()
+        self.slots.decaying()
     }
 
     /// The hyper-parameters.
@@ -256,140 +224,53 @@ impl AdamW {
     /// Whether steps use the fused in-place kernels where they apply (CPU; f32 on CUDA). On by
     /// default; `ACCELERATE_RS_FUSED_OPTIM=0` turns it off for optimizers created afterwards.
     pub fn fused(&self) -> bool {
-        self.fused
+        self.slots.fused()
     }
 
     /// Turns the fused kernels on or off (off: every step is the chain of tensor ops that
     /// `candle_nn::AdamW` runs; useful to compare or debug).
     pub fn set_fused(&mut self, on: bool) {
-        self.fused = on;
+        self.slots.set_fused(on);
     }
 
     /// Optimizer steps taken so far.
     pub fn step_count(&self) -> u64 {
-        self.step_t
+        self.slots.step_count()
     }
 
     /// Whether this optimizer keeps only this rank's slice of the state (ZeRO stage 1 or 2).
     pub fn is_sharded(&self) -> bool {
-        self.slots.iter().any(|s| s.range.is_some())
+        self.slots.is_sharded()
     }
 
     /// ZeRO: keeps the state of only `shards` (this rank's slices of the parameters), slicing
     /// the moments already there; the other parameters' slots are dropped.
     pub(crate) fn shard(&mut self, shards: &[super::Shard]) -> Result<()> {
-        if self.is_sharded() {
-            return Ok(());
-        }
-        self.origin = self.slots.iter().map(|s| s.var.clone()).collect();
-        let mut slots = Vec::new();
-        for slot in self.slots.drain(..) {
-            for r in shard_ranges(&slot.var, shards) {
-                let cut = |t: &Option<Tensor>| -> Result<Option<Tensor>> {
-                    match t {
-                        Some(t) => Ok(Some(t.flatten_all()?.narrow(0, r.start, r.len())?.copy()?)),
-                        None => Ok(None),
-                    }
-                };
-                slots.push(Slot {
-                    var: slot.var.clone(),
-                    m: cut(&slot.m)?,
-                    v: cut(&slot.v)?,
-                    range: Some(r),
-                    decays: slot.decays,
-                });
-            }
-        }
-        self.slots = slots;
-        Ok(())
-    }
-
-    /// ZeRO: the state in the unsharded layout (`"{i}.m"`, `"{i}.v"` of full shape for every
-    /// parameter), holding this rank's slices and zeros elsewhere: summed over the ranks (each
-    /// element is some rank's), it is the whole state.
-    fn sharded_state(&self) -> Result<OptimizerState> {
-        let mut tensors = Vec::with_capacity(2 * self.origin.len());
-        for (i, var) in self.origin.iter().enumerate() {
-            let mut m = vec![Tensor::zeros(var.elem_count(), var.dtype(), var.device())?; 2];
-            for s in self.slots.iter().filter(|s| s.var.id() == var.id()) {
-                if let Some(r) = &s.range {
-                    for (full, part) in m.iter_mut().zip([&s.m, &s.v]) {
-                        if let Some(p) = part {
-                            *full =
-                                full.slice_assign(std::slice::from_ref(r), &p.flatten_all()?)?;
-                        }
-                    }
-                }
-            }
-            let [mm, vv] = [&m[0], &m[1]].map(|t| t.reshape(var.shape()));
-            tensors.push((format!("{i}.m"), mm?));
-            tensors.push((format!("{i}.v"), vv?));
-        }
-        Ok(OptimizerState {
-            step: self.step_t,
-            lr: self.params.lr,
-            tensors,
-        })
+        self.slots.shard(shards)
     }
 
     /// ZeRO: this rank's slices of the moments (`None` unless sharded), for a checkpoint in
     /// which every rank writes its own file.
-    pub fn state_shard(&self) -> Result<Option<super::StateShard>> {
-        if !self.is_sharded() {
-            return Ok(None);
-        }
-        let slots = self
-            .slots
-            .iter()
-            .map(|s| (&s.var, &s.range, vec![&s.m, &s.v]));
-        super::state_shard(
-            self.step_t,
-            self.params.lr,
-            &self.origin,
-            &["m", "v"],
-            slots,
-        )
-        .map(Some)
+    pub fn state_shard(&self) -> Result<Option<StateShard>> {
+        self.slots.state_shard(self.params.lr, true)
     }
 
     /// Bytes of optimizer state this rank holds (both moments).
     pub fn state_bytes(&self) -> usize {
-        self.slots
-            .iter()
-            .flat_map(|s| [&s.m, &s.v])
-            .flatten()
-            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-            .sum()
+        self.slots.state_bytes()
     }
 
     /// The parameters, in index order (the `i` of the state's tensor names).
     pub fn vars(&self) -> Vec<&Var> {
-        self.slots.iter().map(|s| &s.var).collect()
+        self.slots.vars()
     }
 
     /// The state for a checkpoint: step count, learning rate and `"{i}.m"`, `"{i}.v"` for every
-    /// parameter `i`. A snapshot: the moments are copied, since later steps write into them.
+    /// parameter `i` (zeros before its first gradient). A snapshot: the moments are copied,
+    /// since later steps write into them. Sharded (ZeRO), the same layout, holding this rank's
+    /// slices and zeros elsewhere: summed over the ranks it is the whole state.
     pub fn state(&self) -> Result<OptimizerState> {
-        if self.is_sharded() {
-            return self.sharded_state();
-        }
-        let mut tensors = Vec::with_capacity(2 * self.slots.len());
-        for (i, s) in self.slots.iter().enumerate() {
-            // Moments not allocated yet (no gradient so far) are zeros.
-            let moment = |t: &Option<Tensor>| -> Result<Tensor> {
-                Ok(match t {
-                    Some(t) => t.copy()?,
-                    None => Tensor::zeros(s.var.shape(), s.var.dtype(), s.var.device())?,
-                })
-            };
-            tensors.push((format!("{i}.m"), moment(&s.m)?));
-            tensors.push((format!("{i}.v"), moment(&s.v)?));
-        }
-        Ok(OptimizerState {
-            step: self.step_t,
-            lr: self.params.lr,
-            tensors,
-        })
+        self.slots.state(self.params.lr, true)
     }
 
     /// Restores a state taken with [`state`](Self::state) on an optimizer over parameters of the
@@ -398,74 +279,7 @@ impl AdamW {
     /// missing, duplicate, unknown or misshapen tensor, or on a wrong count; on error nothing
     /// changes.
     pub fn load_state(&mut self, state: OptimizerState) -> Result<()> {
-        if self.is_sharded() {
-            return Err(sharded_state_err("AdamW"));
-        }
-        check_lr("AdamW state lr", state.lr)?;
-        let n = self.slots.len();
-        if state.tensors.len() != 2 * n {
-            return Err(Error::invalid(
-                "AdamW state",
-                format!(
-                    "has {} tensors, but this optimizer has {n} parameters and expects {} \
-                     (`{{i}}.m` and `{{i}}.v` for each)",
-                    state.tensors.len(),
-                    2 * n
-                ),
-            ));
-        }
-        let mut ms: Vec<Option<Tensor>> = vec![None; n];
-        let mut vs: Vec<Option<Tensor>> = vec![None; n];
-        for (name, tensor) in &state.tensors {
-            let (i, target) = match parse_name(name) {
-                Some((i, "m")) if i < n => (i, &mut ms),
-                Some((i, "v")) if i < n => (i, &mut vs),
-                _ => {
-                    return Err(Error::invalid(
-                        format!("AdamW state tensor `{name}`"),
-                        format!("unknown name: expected `{{i}}.m` or `{{i}}.v` with i < {n}"),
-                    ))
-                }
-            };
-            if target[i].is_some() {
-                return Err(Error::invalid(
-                    format!("AdamW state tensor `{name}`"),
-                    "appears twice",
-                ));
-            }
-            let var = &self.slots[i].var;
-            target[i] = Some(fit_tensor(
-                "AdamW",
-                name,
-                tensor,
-                var.shape(),
-                var.dtype(),
-                var.device(),
-            )?);
-        }
-        let mut fitted = Vec::with_capacity(n);
-        for (i, (m, v)) in ms.into_iter().zip(vs).enumerate() {
-            match (m, v) {
-                (Some(m), Some(v)) => fitted.push((m, v)),
-                (None, _) => {
-                    return Err(Error::invalid(
-                        format!("AdamW state tensor `{i}.m`"),
-                        "is missing",
-                    ))
-                }
-                (_, None) => {
-                    return Err(Error::invalid(
-                        format!("AdamW state tensor `{i}.v`"),
-                        "is missing",
-                    ))
-                }
-            }
-        }
-        for (slot, (m, v)) in self.slots.iter_mut().zip(fitted) {
-            slot.m = Some(m);
-            slot.v = Some(v);
-        }
-        self.step_t = state.step;
+        self.slots.load_state(&state)?;
         self.params.lr = state.lr;
         Ok(())
     }

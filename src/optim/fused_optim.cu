@@ -1,46 +1,8 @@
 // Fused AdamW and SGD kernels (f32, bf16, f16) of accelerate_rs::optim, compiled at run time with
 // NVRTC for the GPU's architecture (see src/optim/fused_cuda.rs), with --fmad=false so that the
 // f32 arithmetic equals the CPU kernels' in src/optim/fused.rs.
-// bf16 and f16 as their bits: no header needed (NVRTC has no cuda_bf16.h of its own).
-struct bf16_t { unsigned short x; };
-struct f16_t { unsigned short x; };
-
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(bf16_t v) { return __uint_as_float(((unsigned int)v.x) << 16); }
-#ifndef ACCEL_HOST_EMULATION
-__device__ __forceinline__ float to_f(f16_t v) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
-    return f;
-}
-#else
-// tests/cuda_emulation runs these kernels on the CPU: the PTX conversions in software.
-__device__ __forceinline__ float to_f(f16_t v) { return emu_half_to_float(v.x); }
-#endif
-
-template <typename T> __device__ __forceinline__ T from_f(float f);
-template <> __device__ __forceinline__ float from_f<float>(float f) { return f; }
-// Round to nearest even; a NaN stays a (quiet) NaN.
-template <> __device__ __forceinline__ bf16_t from_f<bf16_t>(float f) {
-    unsigned int u = __float_as_uint(f);
-    bf16_t r;
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        r.x = (unsigned short)((u >> 16) | 0x40u);
-        return r;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    r.x = (unsigned short)(u >> 16);
-    return r;
-}
-template <> __device__ __forceinline__ f16_t from_f<f16_t>(float f) {
-    f16_t r;
-#ifndef ACCEL_HOST_EMULATION
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.x) : "f"(f));
-#else
-    r.x = emu_float_to_half(f);
-#endif
-    return r;
-}
+// The element types bf16_t/f16_t and the conversions to_f/from_f come from src/cuda_prelude.cu,
+// put in front of this source before it is compiled.
 
 template <typename T>
 __device__ void adamw(T* p, T* m, T* v, const T* g, unsigned long long n, float b1, float c1,

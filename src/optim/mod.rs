@@ -32,6 +32,7 @@ mod fused_cuda;
 #[path = "fused_cuda_stub.rs"]
 mod fused_cuda;
 mod sgd;
+mod slots;
 
 pub use adamw::AdamW;
 pub use candle_nn::ParamsAdamW;
@@ -42,7 +43,7 @@ pub use fused_cuda::launches as cuda_kernel_launches;
 
 use std::ops::Range;
 
-use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_core::{Tensor, Var};
 
 use crate::error::{Error, Result};
 
@@ -117,49 +118,6 @@ pub struct StateShard {
     pub pieces: Vec<(String, usize, Tensor)>,
 }
 
-/// ZeRO: `StateShard` of sharded slots. `origin` lists every parameter in index order; `slots`
-/// gives each of this rank's slices as its parameter, its range, and the state tensors it
-/// holds under their kinds (`"m"`, `"v"`, `"momentum"`; `None`: not allocated yet, zeros).
-pub(crate) fn state_shard<'a>(
-    step: u64,
-    lr: f64,
-    origin: &[candle_core::Var],
-    kinds: &[&str],
-    slots: impl Iterator<
-        Item = (
-            &'a candle_core::Var,
-            &'a Option<std::ops::Range<usize>>,
-            Vec<&'a Option<Tensor>>,
-        ),
-    >,
-) -> Result<StateShard> {
-    let mut layout = Vec::with_capacity(kinds.len() * origin.len());
-    for (i, var) in origin.iter().enumerate() {
-        for kind in kinds {
-            layout.push((format!("{i}.{kind}"), var.dims().to_vec()));
-        }
-    }
-    let mut pieces = Vec::new();
-    for (var, range, state) in slots {
-        let (Some(i), Some(r)) = (origin.iter().position(|v| v.id() == var.id()), range) else {
-            continue;
-        };
-        for (kind, t) in kinds.iter().zip(state) {
-            let piece = match t {
-                Some(t) => t.flatten_all()?.copy()?,
-                None => Tensor::zeros(r.len(), var.dtype(), var.device())?,
-            };
-            pieces.push((format!("{i}.{kind}"), r.start, piece));
-        }
-    }
-    Ok(StateShard {
-        step,
-        lr,
-        layout,
-        pieces,
-    })
-}
-
 /// Checks that `lr` is a usable learning rate.
 pub(crate) fn check_lr(name: &str, lr: f64) -> Result<()> {
     if !lr.is_finite() || lr < 0.0 {
@@ -171,110 +129,7 @@ pub(crate) fn check_lr(name: &str, lr: f64) -> Result<()> {
     Ok(())
 }
 
-/// Splits `"{i}.{kind}"` into the parameter index and the kind.
-pub(crate) fn parse_name(name: &str) -> Option<(usize, &str)> {
-    let (index, kind) = name.split_once('.')?;
-    Some((index.parse().ok()?, kind))
-}
-
-/// Checks a loaded tensor against its parameter and brings it to the parameter's dtype and device
-/// (a fresh copy, so the caller's tensor is never aliased).
-pub(crate) fn fit_tensor(
-    optimizer: &str,
-    name: &str,
-    tensor: &Tensor,
-    shape: &Shape,
-    dtype: DType,
-    device: &Device,
-) -> Result<Tensor> {
-    if tensor.shape() != shape {
-        return Err(Error::invalid(
-            format!("{optimizer} state tensor `{name}`"),
-            format!(
-                "has shape {:?}, but its parameter has shape {:?}",
-                tensor.dims(),
-                shape.dims()
-            ),
-        ));
-    }
-    if !tensor.dtype().is_float() {
-        return Err(Error::invalid(
-            format!("{optimizer} state tensor `{name}`"),
-            format!("has non-float dtype {:?}", tensor.dtype()),
-        ));
-    }
-    let t = tensor.to_device(device)?.to_dtype(dtype)?;
-    // `to_device`/`to_dtype` return the same storage when nothing changes: copy so that the
-    // optimizer never shares storage with a tensor the caller may still hold (a `Var`).
-    Ok(t.copy()?)
-}
-
 /// Wraps a crate error for [`candle_nn::Optimizer`] methods, which return Candle's `Result`.
 pub(crate) fn candle_err(e: Error) -> candle_core::Error {
     e.into()
-}
-
-/// The part of a parameter an optimizer slot updates: all of it, or under ZeRO sharding
-/// elements `range` of the flattened parameter (a view sharing its storage, so in-place updates
-/// land in the parameter).
-pub(crate) fn param_view(
-    var: &candle_core::Var,
-    range: &Option<std::ops::Range<usize>>,
-) -> candle_core::Result<Tensor> {
-    match range {
-        None => Ok(var.as_tensor().clone()),
-        Some(r) => var.as_tensor().flatten_all()?.narrow(0, r.start, r.len()),
-    }
-}
-
-/// The gradient of a slot's part: the whole gradient, or elements `range` of it. A gradient
-/// that already has `range.len()` elements is this rank's slice (ZeRO stage 2).
-pub(crate) fn grad_view(
-    g: &Tensor,
-    range: &Option<std::ops::Range<usize>>,
-) -> candle_core::Result<Tensor> {
-    match range {
-        None => Ok(g.clone()),
-        Some(r) if g.elem_count() == r.len() => g.flatten_all(),
-        Some(r) => g.flatten_all()?.narrow(0, r.start, r.len()),
-    }
-}
-
-/// Writes `next` (computed out of place) into a slot's part of the parameter.
-pub(crate) fn write_param(
-    var: &candle_core::Var,
-    range: &Option<std::ops::Range<usize>>,
-    next: &Tensor,
-) -> candle_core::Result<()> {
-    match range {
-        None => var.set(next),
-        Some(r) => var
-            .as_tensor()
-            .flatten_all()?
-            .slice_set(&next.contiguous()?, 0, r.start),
-    }
-}
-
-/// The error of a checkpoint of a sharded optimizer (not supported yet).
-pub(crate) fn sharded_state_err(what: &str) -> Error {
-    Error::invalid(
-        format!("{what} state"),
-        "this optimizer is sharded (zero_stage 1 or 2) and holds only this rank's slices: load a \
-         checkpoint before the first optimizer step (the optimizer is cut into slices then, \
-         keeping the loaded state), and save it through the accelerator's optimizer wrapper, \
-         which gathers the slices",
-    )
-}
-
-/// Under ZeRO, `shards` (this rank's slices) as the parameters' ranges: for each of `vars`,
-/// the slices of it this rank owns.
-pub(crate) fn shard_ranges(
-    var: &candle_core::Var,
-    shards: &[Shard],
-) -> Vec<std::ops::Range<usize>> {
-    shards
-        .iter()
-        .filter(|s| s.var.id() == var.id())
-        .map(|s| s.range.clone())
-        .collect()
 }

@@ -1,17 +1,22 @@
 //! SGD with momentum, Nesterov and weight decay, with exposed state.
 
-use super::{StateShard, StatefulOptimizer};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::Optimizer;
 
 use super::fused::{self, SgdScalars};
 use super::fused_cuda;
-use super::{
-    candle_err, check_lr, fit_tensor, grad_view, param_view, parse_name, shard_ranges,
-    sharded_state_err, write_param, OptimizerState,
-};
+use super::slots::{SlotSpec, Slots};
+use super::{candle_err, check_lr, OptimizerState, StateShard, StatefulOptimizer};
 use crate::error::{Error, Result};
+
+/// Sgd's state: each parameter's momentum buffer, created on its first step with a gradient
+/// (none without momentum).
+static SLOTS: SlotSpec<1> = SlotSpec {
+    optimizer: "Sgd",
+    kinds: ["momentum"],
+    complete: false,
+};
 
 /// [`Sgd`]'s hyper-parameters (PyTorch's `torch.optim.SGD`).
 #[derive(Clone, Debug, PartialEq)]
@@ -98,17 +103,6 @@ impl From<f64> for SgdConfig {
     }
 }
 
-/// One parameter and its momentum buffer (created on its first step with a gradient).
-#[derive(Debug)]
-struct Slot {
-    var: Var,
-    /// ZeRO: the elements of the flattened parameter this rank updates (`None`: all).
-    range: Option<std::ops::Range<usize>>,
-    momentum: Option<Tensor>,
-    /// Whether weight decay applies to this parameter ([`Sgd::no_weight_decay_on`]).
-    decays: bool,
-}
-
 /// Stochastic gradient descent with PyTorch's semantics, with its state exposed for checkpoints
 /// ([`state`](Self::state), [`load_state`](Self::load_state)).
 ///
@@ -123,12 +117,8 @@ struct Slot {
 /// runs as a chain of tensor ops.
 #[derive(Debug)]
 pub struct Sgd {
-    slots: Vec<Slot>,
-    step_t: u64,
+    slots: Slots<1>,
     config: SgdConfig,
-    fused: bool,
-    /// ZeRO: every parameter before the optimizer was cut down to this rank's slices.
-    origin: Vec<Var>,
 }
 
 impl Optimizer for Sgd {
@@ -136,27 +126,15 @@ impl Optimizer for Sgd {
 
     fn new(vars: Vec<Var>, config: SgdConfig) -> candle_core::Result<Self> {
         config.validate().map_err(candle_err)?;
-        let slots = vars
-            .into_iter()
-            .filter(|var| var.dtype().is_float())
-            .map(|var| Slot {
-                var,
-                range: None,
-                momentum: None,
-                decays: true,
-            })
-            .collect();
         Ok(Sgd {
-            slots,
-            step_t: 0,
+            slots: Slots::new(&SLOTS, vars).map_err(candle_err)?,
             config,
-            fused: fused::default_on()?,
-            origin: Vec::new(),
         })
     }
 
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
-        self.step_t += 1;
+        let fused_on = self.slots.fused();
+        let (_, slots) = self.slots.begin_step();
         let SgdConfig {
             lr,
             momentum,
@@ -164,18 +142,18 @@ impl Optimizer for Sgd {
             weight_decay,
             nesterov,
         } = self.config;
-        for slot in self.slots.iter_mut() {
+        for slot in slots.iter_mut() {
             let Some(g) = grads.get(&slot.var) else {
                 continue;
             };
             let weight_decay = if slot.decays { weight_decay } else { 0.0 };
-            let g = &grad_view(g, &slot.range)?;
-            let theta = &param_view(&slot.var, &slot.range)?;
-            if self.fused {
-                let first = momentum != 0.0 && slot.momentum.is_none();
+            let g = &slot.grad_view(g)?;
+            let theta = &slot.param_view()?;
+            let [buffer] = &mut slot.state;
+            if fused_on {
+                let first = momentum != 0.0 && buffer.is_none();
                 if first {
-                    slot.momentum =
-                        Some(Tensor::zeros(theta.shape(), theta.dtype(), theta.device())?);
+                    *buffer = Some(Tensor::zeros(theta.shape(), theta.dtype(), theta.device())?);
                 }
                 let scalars = SgdScalars {
                     lr,
@@ -188,7 +166,7 @@ impl Optimizer for Sgd {
                 let buf = if momentum == 0.0 {
                     None
                 } else {
-                    slot.momentum.as_ref()
+                    buffer.as_ref()
                 };
                 let done = if fused::fusable(theta, g) {
                     fused::sgd(theta, buf, g, scalars).map_err(candle_err)?;
@@ -201,7 +179,7 @@ impl Optimizer for Sgd {
                 }
                 if first {
                     // Not fused after all: the chain below creates the buffer itself.
-                    slot.momentum = None;
+                    *buffer = None;
                 }
             }
             // Unfused (other dtypes and devices, or fusion turned off): a chain of tensor ops.
@@ -213,7 +191,7 @@ impl Optimizer for Sgd {
             let d = if momentum == 0.0 {
                 d
             } else {
-                let buf = match &slot.momentum {
+                let buf = match &*buffer {
                     None => d.clone(),
                     Some(buf) => (buf * momentum)?.add(&(&d * (1.0 - dampening))?)?,
                 };
@@ -222,11 +200,11 @@ impl Optimizer for Sgd {
                 } else {
                     buf.clone()
                 };
-                slot.momentum = Some(buf);
+                *buffer = Some(buf);
                 d
             };
             // The same two ops as `candle_nn::SGD`, so plain SGD matches it bit for bit.
-            write_param(&slot.var, &slot.range, &theta.sub(&(d * lr)?)?)?;
+            slot.write_param(&theta.sub(&(d * lr)?)?)?;
         }
         Ok(())
     }
@@ -256,164 +234,82 @@ impl Sgd {
     /// Whether steps use the fused in-place kernels where they apply (CPU; f32 on CUDA). On by
     /// default; `ACCELERATE_RS_FUSED_OPTIM=0` turns it off for optimizers created afterwards.
     pub fn fused(&self) -> bool {
-        self.fused
+        self.slots.fused()
     }
 
     /// Turns the fused kernels on or off (off: every step is a chain of tensor ops, as in
     /// Candle; useful to compare or debug).
     pub fn set_fused(&mut self, on: bool) {
-        self.fused = on;
+        self.slots.set_fused(on);
     }
 
     /// Turns weight decay off for `vars` (parameter groups: see
     /// [`AdamW::no_weight_decay_on`](super::AdamW::no_weight_decay_on)). Parameters not in the
     /// optimizer are ignored.
     pub fn no_weight_decay_on(mut self, vars: &[Var]) -> Self {
-        for slot in &mut self.slots {
-            if vars.iter().any(|v| v.id() == slot.var.id()) {
-                slot.decays = false;
-            }
-        }
+        self.slots.no_weight_decay_on(vars);
         self
     }
 
     /// Per parameter, in index order: whether weight decay applies to it.
     pub fn decaying(&self) -> Vec<bool> {
-        self.slots.iter().map(|s| s.decays).collect()
+        self.slots.decaying()
     }
 
     /// Optimizer steps taken so far.
     pub fn step_count(&self) -> u64 {
-        self.step_t
+        self.slots.step_count()
     }
 
     /// Whether this optimizer keeps only this rank's slice of the state (ZeRO stage 1 or 2).
     pub fn is_sharded(&self) -> bool {
-        self.slots.iter().any(|s| s.range.is_some())
+        self.slots.is_sharded()
     }
 
     /// ZeRO: keeps the state of only `shards` (this rank's slices of the parameters), slicing
     /// the momentum buffers already there; the other parameters' slots are dropped.
     pub(crate) fn shard(&mut self, shards: &[super::Shard]) -> Result<()> {
-        if self.is_sharded() {
-            return Ok(());
-        }
-        self.origin = self.slots.iter().map(|s| s.var.clone()).collect();
-        let mut slots = Vec::new();
-        for slot in self.slots.drain(..) {
-            for r in shard_ranges(&slot.var, shards) {
-                let momentum = match &slot.momentum {
-                    Some(m) => Some(m.flatten_all()?.narrow(0, r.start, r.len())?.copy()?),
-                    None => None,
-                };
-                slots.push(Slot {
-                    var: slot.var.clone(),
-                    range: Some(r),
-                    momentum,
-                    decays: slot.decays,
-                });
-            }
-        }
-        self.slots = slots;
-        Ok(())
+        self.slots.shard(shards)
     }
 
-    /// ZeRO: the state in the unsharded layout, this rank's slices and zeros elsewhere (see
-    /// `AdamW`'s); with momentum, a `"{i}.momentum"` for every parameter.
-    fn sharded_state(&self) -> Result<OptimizerState> {
-        let mut tensors = Vec::new();
-        if self.config.momentum != 0.0 {
-            for (i, var) in self.origin.iter().enumerate() {
-                let mut full = Tensor::zeros(var.elem_count(), var.dtype(), var.device())?;
-                for s in self.slots.iter().filter(|s| s.var.id() == var.id()) {
-                    if let (Some(r), Some(m)) = (&s.range, &s.momentum) {
-                        full = full.slice_assign(std::slice::from_ref(r), &m.flatten_all()?)?;
-                    }
-                }
-                tensors.push((format!("{i}.momentum"), full.reshape(var.shape())?));
-            }
-        }
-        Ok(OptimizerState {
-            step: self.step_t,
-            lr: self.config.lr,
-            tensors,
-        })
+    /// Whether this optimizer keeps momentum buffers with its present hyper-parameters.
+    fn keeps_state(&self) -> bool {
+        self.config.momentum != 0.0
     }
 
     /// ZeRO: this rank's slices of the momentum buffers (`None` unless sharded), for a
     /// checkpoint in which every rank writes its own file.
-    pub fn state_shard(&self) -> Result<Option<super::StateShard>> {
-        if !self.is_sharded() {
-            return Ok(None);
-        }
-        let kinds: &[&str] = if self.config.momentum != 0.0 {
-            &["momentum"]
-        } else {
-            &[]
-        };
-        let slots = self
-            .slots
-            .iter()
-            .map(|s| (&s.var, &s.range, vec![&s.momentum]));
-        super::state_shard(self.step_t, self.config.lr, &self.origin, kinds, slots).map(Some)
+    pub fn state_shard(&self) -> Result<Option<StateShard>> {
+        self.slots.state_shard(self.config.lr, self.keeps_state())
     }
 
     /// Bytes of optimizer state this rank holds (the momentum buffers).
     pub fn state_bytes(&self) -> usize {
-        self.slots
-            .iter()
-            .filter_map(|s| s.momentum.as_ref())
-            .map(|m| m.elem_count() * m.dtype().size_in_bytes())
-            .sum()
+        self.slots.state_bytes()
     }
 
     /// The parameters, in index order (the `i` of the state's tensor names).
     pub fn vars(&self) -> Vec<&Var> {
-        self.slots.iter().map(|s| &s.var).collect()
+        self.slots.vars()
     }
 
     /// The state for a checkpoint: step count, learning rate and `"{i}.momentum"` for every
     /// parameter `i` that has a momentum buffer (none without momentum, and none for a parameter
     /// that never had a gradient). A snapshot: the buffers are copied, since later steps write
-    /// into them.
+    /// into them. Sharded (ZeRO), with momentum, a `"{i}.momentum"` for every parameter in the
+    /// unsharded layout, holding this rank's slices and zeros elsewhere.
     pub fn state(&self) -> Result<OptimizerState> {
-        if self.is_sharded() {
-            return self.sharded_state();
-        }
-        let mut tensors = Vec::new();
-        for (i, s) in self.slots.iter().enumerate() {
-            if let Some(m) = &s.momentum {
-                tensors.push((format!("{i}.momentum"), m.copy()?));
-            }
-        }
-        Ok(OptimizerState {
-            step: self.step_t,
-            lr: self.config.lr,
-            tensors,
-        })
+        self.slots.state(self.config.lr, self.keeps_state())
     }
 
     /// Restores a state taken with [`state`](Self::state) on an optimizer over parameters of the
     /// same shapes, in the same order. Sets the step count and the learning rate; parameters
     /// without a `"{i}.momentum"` tensor get no buffer (as before their first step). Errors,
-    /// naming the offending tensor, on a duplicate, unknown or misshapen tensor, or on more
-    /// tensors than parameters; on error nothing changes.
+    /// naming the offending tensor, on a duplicate, unknown or misshapen tensor, on more
+    /// tensors than parameters, or on buffers for an optimizer without momentum; on error
+    /// nothing changes.
     pub fn load_state(&mut self, state: OptimizerState) -> Result<()> {
-        if self.is_sharded() {
-            return Err(sharded_state_err("Sgd"));
-        }
-        check_lr("Sgd state lr", state.lr)?;
-        let n = self.slots.len();
-        if state.tensors.len() > n {
-            return Err(Error::invalid(
-                "Sgd state",
-                format!(
-                    "has {} tensors, but this optimizer has only {n} parameters",
-                    state.tensors.len()
-                ),
-            ));
-        }
-        if self.config.momentum == 0.0 && !state.tensors.is_empty() {
+        if !self.keeps_state() && !state.tensors.is_empty() && !self.is_sharded() {
             return Err(Error::invalid(
                 "Sgd state",
                 format!(
@@ -422,37 +318,7 @@ impl Sgd {
                 ),
             ));
         }
-        let mut bufs: Vec<Option<Tensor>> = vec![None; n];
-        for (name, tensor) in &state.tensors {
-            let i = match parse_name(name) {
-                Some((i, "momentum")) if i < n => i,
-                _ => {
-                    return Err(Error::invalid(
-                        format!("Sgd state tensor `{name}`"),
-                        format!("unknown name: expected `{{i}}.momentum` with i < {n}"),
-                    ))
-                }
-            };
-            if bufs[i].is_some() {
-                return Err(Error::invalid(
-                    format!("Sgd state tensor `{name}`"),
-                    "appears twice",
-                ));
-            }
-            let var = &self.slots[i].var;
-            bufs[i] = Some(fit_tensor(
-                "Sgd",
-                name,
-                tensor,
-                var.shape(),
-                var.dtype(),
-                var.device(),
-            )?);
-        }
-        for (slot, buf) in self.slots.iter_mut().zip(bufs) {
-            slot.momentum = buf;
-        }
-        self.step_t = state.step;
+        self.slots.load_state(&state)?;
         self.config.lr = state.lr;
         Ok(())
     }

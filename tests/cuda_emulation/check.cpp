@@ -6,6 +6,7 @@
 //     c++ -std=c++20 -O1 -pthread tests/cuda_emulation/check.cpp -o check && ./check
 #include "emu.hpp"
 
+#include "../../src/cuda_prelude.cu"
 #include "../../src/nn/kernels.cu"
 
 #include <algorithm>

@@ -5,6 +5,7 @@
 // Built and run by tests/it/cuda_emulation.rs.
 #include "emu.hpp"
 
+#include "../../src/cuda_prelude.cu"
 #include "../../src/optim/fused_optim.cu"
 
 #include <cstdio>

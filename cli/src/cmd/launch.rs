@@ -154,7 +154,7 @@ fn options(args: LaunchArgs, cfg: &ConfigFile) -> LaunchOptions {
     o
 }
 
-pub(crate) fn run(args: LaunchArgs) -> accelerate_rs::Result<()> {
+pub(crate) fn run(args: LaunchArgs) -> crate::Result<()> {
     let getenv = |k: &str| std::env::var(k).ok();
     let (cfg, path) = ConfigFile::load_located(args.config_file.as_deref(), &getenv)?;
     if let Some(path) = &path {

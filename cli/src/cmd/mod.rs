@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
-use accelerate_rs::Error;
+use crate::Error;
 
 /// Data-parallel training for Candle: configure and launch multi-process runs.
 #[derive(Debug, Parser)]
@@ -57,17 +57,17 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Launch(args) => launch::run(*args),
-        Command::Config(args) => config::run(*args),
-        Command::Env(args) => env::run(args),
+        Command::Config(args) => config::run(*args).map_err(Error::from),
+        Command::Env(args) => env::run(args).map_err(Error::from),
         Command::Test(args) => test::run(args),
-        Command::EstimateMemory(args) => estimate::run(*args),
-        Command::TestWorker => test::worker(),
+        Command::EstimateMemory(args) => estimate::run(*args).map_err(Error::from),
+        Command::TestWorker => test::worker().map_err(Error::from),
     };
     exit_code(result)
 }
 
 /// Maps a subcommand's result to the process exit code, printing errors with their causes.
-fn exit_code(result: accelerate_rs::Result<()>) -> ExitCode {
+fn exit_code(result: crate::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         // The launcher already printed which rank failed or which signal arrived.

@@ -38,7 +38,7 @@ pub(crate) struct TestArgs {
 }
 
 /// Runs the check (under the launcher, or in this process for DP) and prints the verdict.
-pub(crate) fn run(args: TestArgs) -> Result<()> {
+pub(crate) fn run(args: TestArgs) -> crate::Result<()> {
     let getenv = |k: &str| std::env::var(k).ok();
     let (cfg, _) = ConfigFile::load_located(args.config_file.as_deref(), &getenv)?;
     let cpu = args.cpu || cfg.use_cpu == Some(true) || accelerate_rs::config::gpus_seen() == 0;
@@ -50,7 +50,8 @@ pub(crate) fn run(args: TestArgs) -> Result<()> {
                 .cpu(cpu)
                 .data_parallel(replicas)
                 .run(|acc| run_checks(&acc))
-                .map(|_| ());
+                .map(|_| ())
+                .map_err(crate::Error::from);
             (format!("{replicas} DP replica(s)"), res)
         }
         None => {

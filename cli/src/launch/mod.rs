@@ -503,9 +503,9 @@ fn print_dry_run(opts: &LaunchOptions, env: &CommonEnv, port: u16, master: &str)
 /// fine. When one exits non-zero or is killed by a signal, every other worker's group gets
 /// SIGTERM, then SIGKILL after [`LaunchOptions::grace_period`]; the rank that failed first, its
 /// status and its last lines of output are printed to stderr, and (once no restart is left)
-/// [`Error::WorkerFailed`] is returned with the exit code to propagate (the worker's code, or
+/// [`Error::WorkerFailed`](crate::Error::WorkerFailed) is returned with the exit code to propagate (the worker's code, or
 /// 128 + signal). A SIGINT, SIGTERM or SIGHUP to the launcher stops the workers the same way (a
-/// second one SIGKILLs them at once) and returns [`Error::Interrupted`] (code 130 for SIGINT,
+/// second one SIGKILLs them at once) and returns [`Error::Interrupted`](crate::Error::Interrupted) (code 130 for SIGINT,
 /// 129 for SIGHUP). On Linux the workers get SIGKILL when the thread that called this exits, so
 /// call it from a thread that outlives the launch (the main thread, typically). While
 /// this runs, SIGINT, SIGTERM and SIGHUP are handled by the launcher (the handlers stay installed,
@@ -517,8 +517,9 @@ fn print_dry_run(opts: &LaunchOptions, env: &CommonEnv, port: u16, master: &str)
 /// `ACCELERATE_RS_SECRET` with several machines, a busy port on machine rank 0, bad GPU ids, an
 /// empty program), [`Error::Io`] when no free port can be found or a log file cannot be
 /// created, [`Error::Spawn`] when a worker cannot be started (the ones already started are
-/// killed), [`Error::WorkerFailed`] and [`Error::Interrupted`] as above.
-pub fn launch(opts: &LaunchOptions) -> Result<()> {
+/// killed), all as [`crate::Error::Library`]; [`crate::Error::WorkerFailed`] and
+/// [`crate::Error::Interrupted`] as above.
+pub fn launch(opts: &LaunchOptions) -> crate::Result<()> {
     let plan = plan(opts)?;
     if opts.dry_run {
         let (port, _store) = reserve_port(opts, &plan)?;
@@ -569,7 +570,7 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
                 stopped,
             } => {
                 eprintln!("accelerate-rs: received {signal}; stopped {stopped} worker(s)");
-                return Err(Error::Interrupted {
+                return Err(crate::Error::Interrupted {
                     signal,
                     code: 128 + signo,
                     stopped,
@@ -582,7 +583,8 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
                     ),
                     path: opts.program.clone().into(),
                     source,
-                })
+                }
+                .into())
             }
         };
         if attempt >= opts.max_restarts || signals.first().is_some() {
@@ -592,7 +594,7 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
                     opts.max_restarts
                 );
             }
-            return Err(Error::WorkerFailed {
+            return Err(crate::Error::WorkerFailed {
                 rank,
                 pid,
                 code,

@@ -6,8 +6,8 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use accelerate_rs::Error;
 use accelerate_rs_cli::launch::{launch, LaunchOptions};
+use accelerate_rs_cli::Error;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
@@ -560,7 +560,9 @@ fn library_api_reports_the_first_failed_rank() {
         ..LaunchOptions::default()
     };
     match launch(&bad) {
-        Err(Error::InvalidArgument { name, .. }) => assert_eq!(name, "--num-processes"),
+        Err(Error::Library(accelerate_rs::Error::InvalidArgument { name, .. })) => {
+            assert_eq!(name, "--num-processes")
+        }
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
     assert!(launch(&LaunchOptions {
