@@ -370,6 +370,8 @@ impl Accelerator {
     /// - CPU: Candle's CPU RNG cannot be seeded, so `Tensor::randn` on the CPU differs from run to
     ///   run and between ranks; draw from the returned RNG instead (or rely on
     ///   [`prepare`](Self::prepare), which gives every rank rank 0's parameters).
+    /// - [`nn::dropout`](crate::nn::dropout)'s stream on the calling thread
+    ///   ([`nn::set_dropout_seed`](crate::nn::set_dropout_seed)): the same masks on every run.
     ///
     /// It does not change the data order: the loader's shuffle is seeded by
     /// [`DataLoader::seed`](crate::DataLoader::seed), and a different order each epoch comes only
@@ -388,6 +390,7 @@ impl Accelerator {
                 )
             })?;
         }
+        crate::nn::set_dropout_seed(seed);
         Ok(ChaCha8Rng::seed_from_u64(seed))
     }
 }

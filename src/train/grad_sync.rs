@@ -32,7 +32,7 @@
 //! it. With `N = 1` every backward is a sync step and nothing changes. With one process the
 //! semantics are the same, minus the communication.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::backprop::GradStore;
@@ -80,6 +80,9 @@ pub(crate) struct GradSync {
     zero_stage: usize,
     params: Mutex<Option<Arc<ParamSet>>>,
     accum: Mutex<Accumulation>,
+    /// Bytes of gradient buckets handed to the collective so far (see
+    /// [`reduced_bytes`](Self::reduced_bytes)).
+    reduced: AtomicU64,
 }
 
 impl std::fmt::Debug for GradSync {
@@ -120,6 +123,7 @@ impl GradSync {
             zero_stage,
             params: Mutex::new(None),
             accum: Mutex::new(Accumulation::default()),
+            reduced: AtomicU64::new(0),
         }
     }
 
@@ -277,6 +281,10 @@ impl GradSync {
     /// that no rank gave a gradient (after averaging, a gradient is present when any rank had
     /// one, so every rank reaches the same verdict).
     fn average_with(&self, params: &ParamSet, grads: &mut GradStore) -> Result<()> {
+        if !self.alone() {
+            self.reduced
+                .fetch_add(params.reduced_bytes_per_sync(), Ordering::Relaxed);
+        }
         if self.zero_stage >= 2 && !self.alone() {
             let present = params.reduce_scatter_gradients(self.collective.as_ref(), grads)?;
             return self.check_missing(params, || params.names_where_absent(&present));
@@ -285,6 +293,13 @@ impl GradSync {
             params.average_gradients(self.collective.as_ref(), grads)?;
         }
         self.check_missing(params, || params.without_grad(grads))
+    }
+
+    /// Bytes of gradient buckets (gradients and presence flags, in the parameters' dtype) this
+    /// rank has handed to the collective's all-reduce (or reduce-scatter) since it was created:
+    /// nothing when alone.
+    pub(crate) fn reduced_bytes(&self) -> u64 {
+        self.reduced.load(Ordering::Relaxed)
     }
 
     /// The collective the gradients are averaged over.

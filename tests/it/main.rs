@@ -20,6 +20,7 @@ mod examples;
 mod faults;
 mod frozen;
 mod fused_optim;
+mod lora;
 mod mixed_precision;
 #[cfg(feature = "mpi")]
 mod mpi;

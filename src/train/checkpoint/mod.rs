@@ -82,6 +82,7 @@ use crate::train::mixed_precision::MixedPrecisionOptimizer;
 use crate::train::optimizer::AcceleratedOptimizer;
 use crate::train::params::Parameters;
 
+mod adapter;
 mod manifest;
 mod rotation;
 
@@ -1232,6 +1233,11 @@ pub use super::weights::{
     load_weights, load_weights_mapped, WeightFiles, CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
 };
 
+pub use adapter::{
+    load_adapter, read_adapter_config, save_adapter, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE,
+    PEFT_PREFIX,
+};
+
 /// A model file's write error as [`Error::ModelFile`] (the checkpoint writers' errors say
 /// "checkpoint").
 fn model_write_err(e: Error) -> Error {
@@ -1346,7 +1352,13 @@ fn write_sharded(
         fs::write(&path, text).map_err(|e| write_err(&path, "could not write it", Some(e)))?;
         sync_file(&path)?;
     }
-    sync_dir(&tmp);
+    replace_dir(&tmp, dir)
+}
+
+/// Puts the finished folder `tmp` in place of `dir` (a previous `dir` is moved aside to
+/// `<dir>.old` first and removed after).
+fn replace_dir(tmp: &Path, dir: &Path) -> Result<()> {
+    sync_dir(tmp);
     let old = with_suffix(dir, ".old");
     if dir.exists() {
         if old.exists() {
@@ -1354,7 +1366,7 @@ fn write_sharded(
         }
         fs::rename(dir, &old).map_err(|e| io_err("renaming the previous model", dir, e))?;
     }
-    fs::rename(&tmp, dir).map_err(|e| io_err("renaming the new model into", dir, e))?;
+    fs::rename(tmp, dir).map_err(|e| io_err("renaming the new model into", dir, e))?;
     if old.exists() {
         fs::remove_dir_all(&old).map_err(|e| io_err("removing the previous model", &old, e))?;
     }
