@@ -73,16 +73,16 @@ impl Proj {
     /// The output for `x` `[.., in]`: the base layer (one fused op), plus the adapter's update
     /// if there is one (its dropout only if `train`).
     pub(crate) fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let y = if self.fan_in_fan_out {
-            // The fused `Linear` takes `[out, in]`: one transposed copy of the weight per call
-            // (its gradient, when the weight trains, flows back through the copy).
-            Linear::new(self.weight.t()?.contiguous()?, self.bias.clone()).forward(x)?
+        // The fused ops take `[out, in]`: for `Conv1D`, one transposed copy of the weight per
+        // call (its gradient, when the weight trains, flows back through the copy).
+        let w = if self.fan_in_fan_out {
+            self.weight.t()?.contiguous()?
         } else {
-            Linear::new(self.weight.clone(), self.bias.clone()).forward(x)?
+            self.weight.clone()
         };
         match &self.lora {
-            Some(lora) => lora.add_to(&y, x, train),
-            None => Ok(y),
+            Some(lora) => lora.forward_with_base(x, &w, self.bias.as_ref(), train),
+            None => Linear::new(w, self.bias.clone()).forward(x),
         }
     }
 }

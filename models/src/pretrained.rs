@@ -114,8 +114,10 @@ macro_rules! pretrained_methods {
 
             /// Writes a folder `transformers`' `from_pretrained` loads: `config.json` and
             /// `model.safetensors` (sharded above 5 GB), atomically (into `<dir>.tmp-<pid>`,
-            /// renamed into place). Call it on one process (`accelerator.is_main_process()`),
-            /// or on every rank use
+            /// renamed into place). With LoRA adapters it writes the base weights as they are
+            /// (call [`merge_lora`](Self::merge_lora) first for merged weights, or
+            /// [`save_adapter`](Self::save_adapter) for the adapters). Call it on one process
+            /// (`accelerator.is_main_process()`), or on every rank use
             /// `accelerator.save_model_with_config(dir, model.varmap(), &model.config_json(), max)`.
             pub fn save_pretrained(&self, dir: impl AsRef<std::path::Path>) -> crate::Result<()> {
                 self.save_pretrained_sharded(dir, crate::pretrained::DEFAULT_MAX_SHARD_BYTES)

@@ -215,7 +215,10 @@ impl CustomOp1 for Checkpointed {
         // as the first pass's graph would have.
         let seeded = (&y * grad.detach())?.sum_all()?;
         let mut grads = seeded.backward()?;
-        let dx = grads.remove(input.as_tensor());
+        // Detached: a gradient computed with tracked ops keeps the recomputed block (its
+        // activations and their gradients) alive for as long as it is held, which would undo
+        // the checkpointing for every block until the backward pass ends.
+        let dx = grads.remove(input.as_tensor()).map(|g| g.detach());
         let params: HashMap<TensorId, Tensor> = y
             .sorted_nodes()
             .into_iter()
@@ -225,7 +228,7 @@ impl CustomOp1 for Checkpointed {
         PENDING.with(|p| -> Result<()> {
             let mut p = p.borrow_mut();
             for (id, param) in params {
-                let Some(g) = grads.remove(&param) else {
+                let Some(g) = grads.remove(&param).map(|g| g.detach()) else {
                     continue;
                 };
                 match p.get_mut(&id) {

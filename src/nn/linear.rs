@@ -219,6 +219,9 @@ impl LinearOp {
     ) -> Result<Grads> {
         let k = w.dim(1)?;
         let rows = x.elem_count() / k;
+        // Detached operands: the gradients record no ops, so they do not keep the layer's input
+        // (an activation) and weight alive while they are held.
+        let (x, w) = (&x.detach(), &w.detach());
         let dx = match want.x {
             true => Some(g.matmul(w)?.reshape(x.shape())?),
             false => None,

@@ -345,7 +345,15 @@ impl LoraConfig {
             adapter_dtype: None,
         };
         config.check().map_err(|e| match e {
-            Error::InvalidArgument { name, reason } => err(&name, reason),
+            Error::InvalidArgument { name, reason } => {
+                let key = match name.as_str() {
+                    "LoRA r" => "r",
+                    "LoRA alpha" => "lora_alpha",
+                    "LoRA dropout" => "lora_dropout",
+                    _ => "target_modules",
+                };
+                err(key, reason)
+            }
             e => e,
         })?;
         Ok(config)
@@ -448,6 +456,32 @@ impl Lora {
         Linear::new(self.b.clone(), None).forward(&h)
     }
 
+    /// A frozen linear layer's output for `x` plus the update: `x Wᵀ + b + s · dropout(x) Aᵀ
+    /// Bᵀ` for `w` `[out, in]` and `bias` `[out]` (tensors outside the graph: no gradient is
+    /// computed for them). On the CPU, with one dtype and no dropout drawn, one fused op whose
+    /// only tensor of the output's size is the output (composed, the update, its scaled copy
+    /// and the sum are three more, all kept by the graph); otherwise the base layer and
+    /// [`add_to`](Self::add_to).
+    pub fn forward_with_base(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        train: bool,
+    ) -> Result<Tensor> {
+        let dropping = train && self.dropout > 0.0;
+        if !dropping && super::lora_op::fusable(x, w, bias, &self.a, &self.b) {
+            let op = super::lora_op::LoraOp {
+                w: w.clone(),
+                bias: bias.cloned(),
+                scaling: self.scaling,
+            };
+            return x.contiguous()?.apply_op3(&self.a, &self.b, op);
+        }
+        let y = Linear::new(w.clone(), bias.cloned()).forward(x)?;
+        self.add_to(&y, x, train)
+    }
+
     /// `base` (a layer's output for `x`) plus the [`update`](Self::update), in `base`'s dtype
     /// (added in the adapter's dtype when the two differ, as PEFT does).
     pub fn add_to(&self, base: &Tensor, x: &Tensor, train: bool) -> Result<Tensor> {
@@ -545,8 +579,8 @@ impl LoraLinear {
 
     /// `base(x) + s · dropout(x) Aᵀ Bᵀ`; dropout only if `train`.
     pub fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let y = self.base.forward(x)?;
-        self.lora.add_to(&y, x, train)
+        self.lora
+            .forward_with_base(x, self.base.weight(), self.base.bias(), train)
     }
 
     /// The base layer with the update merged into its weight (`W + s · B A`): the same outputs

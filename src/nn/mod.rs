@@ -48,6 +48,7 @@ mod gelu;
 mod head_loss;
 mod linear;
 mod lora;
+mod lora_op;
 mod loss;
 mod norm;
 mod relu;

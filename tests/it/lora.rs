@@ -61,13 +61,14 @@ fn lora_linear_computes_the_low_rank_update_and_freezes_its_base() {
         let config = LoraConfig::new(3, 6.0).rslora(rslora);
         let adapters = VarMap::new();
         let (base, l) = layer(&config, DType::F32, &adapters);
-        let x = det(&[2, 4, 6], 9);
+        let x = candle_core::Var::from_tensor(&det(&[2, 4, 6], 9)).unwrap();
+        let x = x.as_tensor();
         // A fresh adapter (B = 0) leaves the layer as it was.
-        let plain = l.base().forward(&x).unwrap();
-        assert_eq!(max_abs(&(l.forward(&x).unwrap() - &plain).unwrap()), 0.0);
+        let plain = l.base().forward(x).unwrap();
+        assert_eq!(max_abs(&(l.forward(x).unwrap() - &plain).unwrap()), 0.0);
 
         set_all(&adapters, 30);
-        let y = l.forward_t(&x, true).unwrap();
+        let y = l.forward_t(x, true).unwrap();
         let s = if rslora { 6.0 / 3f64.sqrt() } else { 2.0 };
         assert_eq!(l.lora().scaling(), s);
         let (a, b) = (l.lora().a(), l.lora().b());
@@ -84,8 +85,15 @@ fn lora_linear_computes_the_low_rank_update_and_freezes_its_base() {
         // Gradients: the adapter's, as the composed formula gives them; none for the base.
         let grads = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
         let want_grads = want.sqr().unwrap().sum_all().unwrap().backward().unwrap();
-        for v in adapters.all_vars() {
-            let (g, w) = (grads.get(&v).unwrap(), want_grads.get(&v).unwrap());
+        // (The fused op on the CPU: the update and the input's gradient included.)
+        let mut inputs: Vec<Tensor> = adapters
+            .all_vars()
+            .iter()
+            .map(|v| v.as_tensor().clone())
+            .collect();
+        inputs.push(x.clone());
+        for v in &inputs {
+            let (g, w) = (grads.get(v).unwrap(), want_grads.get(v).unwrap());
             assert!(max_abs(&(g - w).unwrap()) <= 1e-4 * max_abs(w));
         }
         for (name, v) in base.named_parameters() {
@@ -94,7 +102,7 @@ fn lora_linear_computes_the_low_rank_update_and_freezes_its_base() {
 
         // Merged: one matrix product, the same outputs.
         let merged: Linear = l.merge().unwrap();
-        assert!(max_abs(&(merged.forward(&x).unwrap() - &y).unwrap()) <= 1e-5);
+        assert!(max_abs(&(merged.forward(x).unwrap() - &y).unwrap()) <= 1e-5);
     }
 }
 
