@@ -9,6 +9,9 @@
 //!     cargo bench --bench overhead -- --ddp-only --model transformer [--ddp-runs N]
 //!                     # section 2 on transformer_lm's model (AdamW, clip 1.0, fused
 //!                     # cross-entropy; read by scripts/pytorch_lm_bench.py)
+//!     cargo bench --features nn-cuda --bench overhead -- --lm-gpu [--lm-steps N]
+//!                     # transformer_lm's training step on GPU 0, nn's composed ops and CUDA
+//!                     # kernels (`RESULT-LM-GPU` lines; read by pytorch_lm_bench.py --gpu)
 //!
 //! Model: MLP 784-1024-1024-10 (ReLU; `accelerate_rs::nn` layers), f32, batch 64 per process,
 //! cross-entropy, on synthetic random data generated from a fixed seed (identical in every variant and process). With
@@ -19,7 +22,9 @@
 //!
 //! 1. **Wrapper overhead at world size 1**: the same training step as a plain Candle loop and
 //!    through accelerate-rs (`Accelerator::builder().build()`, `prepare`, `backward_step`), timed
-//!    in alternating blocks so that drift (thermal, other load) hits every variant alike.
+//!    in alternating blocks so that drift (thermal, other load) hits every variant alike. With
+//!    `--gpu` the plain loops run on accelerate-rs's device for GPU 0 and, as a fourth variant, on
+//!    a `Device::new_cuda(0)` of their own (Candle as most users write it).
 //! 2. **2-process DDP throughput**: the bench re-executes itself as the workers of a 1-process and
 //!    a 2-process run (`RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`/`ACCELERATE_RS_SECRET`, one
 //!    Rayon thread each, a free port picked per run); rank 0 prints `RESULT ...` on stdout.
@@ -35,6 +40,10 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{loss, Optimizer, VarBuilder, VarMap, SGD};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+
+/// `--lm-gpu`.
+#[path = "overhead/lm_gpu.rs"]
+mod lm_gpu;
 
 /// The transformer of `examples/transformer_lm` (section 1 with `--model transformer`).
 #[allow(dead_code)]
@@ -167,6 +176,17 @@ fn main() -> Result<()> {
     }
     if std::env::var(ROLE_ENV).as_deref() == Ok(ROLE_WORKER) {
         return worker(plan, workload);
+    }
+    if args.iter().any(|a| a == "--lm-gpu") {
+        let steps = match args.iter().position(|a| a == "--lm-steps") {
+            None => 50,
+            Some(i) => match args.get(i + 1).map(|v| v.parse::<usize>()) {
+                Some(Ok(n)) if n > 0 => n,
+                _ => bail!("--lm-steps needs a positive number of steps"),
+            },
+        };
+        // `--lm-on-cpu`: the same loop on the CPU, to check the harness without a GPU.
+        return lm_gpu::lm_gpu(steps, args.iter().any(|a| a == "--lm-on-cpu"));
     }
     if ddp_only {
         println!("load average before: {}", load_average());
@@ -417,6 +437,7 @@ trait Variant {
 
 /// Plain Candle: `candle_nn::SGD`, batches pre-sliced from the data (no DataLoader).
 struct RawSliced {
+    name: &'static str,
     model: Box<dyn Trainable>,
     opt: SGD,
     batches: Vec<(Tensor, Tensor)>,
@@ -425,7 +446,7 @@ struct RawSliced {
 
 impl Variant for RawSliced {
     fn name(&self) -> &'static str {
-        "candle, pre-sliced batches"
+        self.name
     }
     fn run(&mut self, n: usize) -> Result<Vec<f64>> {
         let mut times = Vec::with_capacity(n);
@@ -507,9 +528,10 @@ fn wrapper_overhead(plan: Plan, device: &Device, workload: Workload) -> Result<(
     let samples = batch * plan.steps.max(plan.warmup);
     let (x, y) = workload_data(workload, samples, &device)?;
 
-    let raw_sliced = {
-        let (varmap, model) = build_workload(workload, &device)?;
+    let sliced = |name: &'static str, device: &Device| -> Result<RawSliced> {
+        let (varmap, model) = build_workload(workload, device)?;
         let opt = SGD::new(varmap.all_vars(), LR)?;
+        let (x, y) = (x.to_device(device)?, y.to_device(device)?);
         let batches = (0..samples / batch)
             .map(|i| {
                 Ok((
@@ -518,13 +540,15 @@ fn wrapper_overhead(plan: Plan, device: &Device, workload: Workload) -> Result<(
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
-        RawSliced {
+        Ok(RawSliced {
+            name,
             model,
             opt,
             batches,
             next: 0,
-        }
+        })
     };
+    let raw_sliced = sliced("candle, pre-sliced batches", &device)?;
     let raw_loader = {
         let (varmap, model) = build_workload(workload, &device)?;
         let opt = SGD::new(varmap.all_vars(), LR)?;
@@ -557,6 +581,17 @@ fn wrapper_overhead(plan: Plan, device: &Device, workload: Workload) -> Result<(
         Box::new(raw_loader),
         Box::new(accelerated),
     ];
+    // On a GPU, also plain Candle as most users write it: `Device::new_cuda(0)` (the per-thread
+    // default stream, no cross-stream event tracking), pre-sliced batches. The variants above
+    // share accelerate-rs's device (its own stream, event tracking off), so this is the baseline
+    // that shows what that device costs or saves.
+    if device.is_cuda() {
+        let own = Device::new_cuda(0)?;
+        variants.push(Box::new(sliced(
+            "candle, Device::new_cuda(0), pre-sliced",
+            &own,
+        )?));
+    }
 
     for v in variants.iter_mut() {
         v.run(plan.warmup)?;
@@ -616,6 +651,15 @@ fn wrapper_overhead(plan: Plan, device: &Device, workload: Workload) -> Result<(
             .map(|(a, b)| (a / b - 1.0) * 100.0)
             .collect()
     };
+    if variants.len() > 3 {
+        let (nc_mean, nc_median) = (mean(&times[3]), median(&times[3]));
+        println!(
+            "overhead of accelerate-rs vs plain Candle on Device::new_cuda(0), pre-sliced: {:+.2}% (mean), {:+.2}% (median); paired per round {:+.2}%",
+            (acc_mean / nc_mean - 1.0) * 100.0,
+            (acc_median / nc_median - 1.0) * 100.0,
+            median(&paired(3))
+        );
+    }
     let (vs_loader, vs_sliced) = (paired(1), paired(0));
     let spread = |v: &[f64]| {
         let lo = v.iter().copied().fold(f64::INFINITY, f64::min);

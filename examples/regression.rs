@@ -1,11 +1,13 @@
 //! `examples/regression_plain.rs` made data-parallel (the README shows the diff): the same
-//! samples per step at any number of processes, so 2 processes follow the 1-process run.
+//! initial weights (seeded by `var_builder`) and the same samples per step at any number of
+//! processes, so 2 or 4 processes follow the 1-process run.
 //!
+//!     ACCELERATE_RS_NUM_PROCESSES=2 cargo run --release --example regression
 //!     accelerate-rs launch --cpu -n 2 target/release/examples/regression
 use accelerate_rs::Accelerator;
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{loss, Init, Linear, Optimizer, VarBuilder, VarMap, SGD};
+use candle_nn::{linear, loss, Optimizer, VarMap, SGD};
 
 fn main() -> Result<()> {
     let acc = Accelerator::new()?;
@@ -13,12 +15,12 @@ fn main() -> Result<()> {
     let (x, y) = data(&device)?;
     let (x, y) = (acc.shard_rows(&x)?, acc.shard_rows(&y)?);
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &device);
-    let w = vb.get_with_hints((1, 8), "w", Init::Const(0.0))?;
-    let model = Linear::new(w, Some(vb.get_with_hints(1, "b", Init::Const(0.0))?));
+    let vb = acc.var_builder(&varmap, DType::F32);
+    let model = linear(8, 1, vb.pp("fc"))?;
+    println!("initial weights {:?}", model.weight().to_vec2::<f32>()?);
     acc.prepare_model(&varmap)?;
     let mut opt = acc.prepare_optimizer(SGD::new(varmap.all_vars(), 0.05)?);
-    let bs = 64 / acc.world_size();
+    let bs = acc.local_batch_size(64);
     let n = x.dim(0)? / bs;
     for epoch in 0..10 {
         let mut total = 0f32;

@@ -1,18 +1,19 @@
 //! A plain Candle regression loop that slices its own batches: the starting point of the
-//! README's conversion (`examples/regression.rs` is the same program, data-parallel).
+//! README's conversion (`examples/regression.rs` is the same program, data-parallel). Its
+//! initial weights come from Candle's unseeded CPU generator: every run starts elsewhere.
 //!
 //!     cargo run --release --example regression_plain
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{loss, Init, Linear, Optimizer, VarBuilder, VarMap, SGD};
+use candle_nn::{linear, loss, Optimizer, VarBuilder, VarMap, SGD};
 
 fn main() -> Result<()> {
     let device = Device::Cpu;
     let (x, y) = data(&device)?;
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &device);
-    let w = vb.get_with_hints((1, 8), "w", Init::Const(0.0))?;
-    let model = Linear::new(w, Some(vb.get_with_hints(1, "b", Init::Const(0.0))?));
+    let model = linear(8, 1, vb.pp("fc"))?;
+    println!("initial weights {:?}", model.weight().to_vec2::<f32>()?);
     let mut opt = SGD::new(varmap.all_vars(), 0.05)?;
     let bs = 64;
     let n = x.dim(0)? / bs;

@@ -6,7 +6,9 @@
 #   scripts/gpu-bundle.sh      # build (a no-op when up to date), strip, compress into gpu-bundle/
 #
 # What goes in: the launcher (accelerate-rs), the digits and transformer_lm examples (their data
-# is inside them) and the overhead bench, stripped, in one xz-compressed tar:
+# is inside them), the nn_kernels device check and the overhead bench (which also times
+# transformer_lm's step for scripts/pytorch_lm_bench.py --gpu), built with `cuda,nn-cuda`,
+# stripped, in one xz-compressed tar:
 # gpu-bundle/accelerate-rs-gpu.tar.xz. Its size is printed, and the script fails when it is over
 # $ACCEL_BUNDLE_LIMIT_MB (default 60 MiB, what the device tool carries with room to spare).
 #
@@ -46,8 +48,10 @@ else
   cargo fetch --quiet
   # shellcheck disable=SC1090
   source "$toolchain"
-  cargo_args=(build --release --features cuda --bin accelerate-rs --example digits
-              --example transformer_lm --bench overhead)
+  # `nn-cuda`: the nn kernels are compiled in (on unless ACCELERATE_RS_NN_CUDA=0; gpu-smoke.sh
+  # runs the default steps with them off and proves them with the nn_kernels example).
+  cargo_args=(build --release --features cuda,nn-cuda --bin accelerate-rs --example digits
+              --example transformer_lm --example nn_kernels --bench overhead)
   echo "gpu-bundle: cargo ${cargo_args[*]} (CARGO_TARGET_DIR=$CARGO_TARGET_DIR)"
   json="$(mktemp)"
   trap 'rm -f "$json"' EXIT

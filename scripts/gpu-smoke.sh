@@ -18,7 +18,18 @@
 #      2 DP replicas sharing it; step 2 already ran NCCL's reduce_scatter and all_gather_into
 #   5. digits in bf16 on 1 GPU, accuracy >= 0.93
 #   6. transformer_lm: 50 steps with a checkpoint at step 25 and 50, then a resume to step 60
-#   7. step time, raw Candle vs accelerate-rs on GPU 0: the MLP and transformer_lm's model
+#   7. step time, raw Candle vs accelerate-rs on GPU 0: the MLP and transformer_lm's model (the
+#      raw side on accelerate-rs's device and on a `Device::new_cuda(0)` of its own)
+#   8. accelerate_rs::nn's CUDA kernels (feature nn-cuda) against the CPU path: every op, f32,
+#      bf16 and f16, forward and backward, within the dtype's tolerance, kernels really launched;
+#      then their time against the composed ops (examples/nn_kernels.rs)
+#   9. transformer_lm 30 steps with the nn CUDA kernels on
+#  10. PyTorch eager vs accelerate-rs (composed ops, and nn CUDA kernels) on transformer_lm's model
+#      on GPU 0, one table: scripts/pytorch_lm_bench.py --gpu (the device's python3 has torch)
+# Steps 1-7 run with the nn CUDA kernels off (ACCELERATE_RS_NN_CUDA=0: the default, composed path
+# the bundle was proven with); 8-10 switch them on.
+# ACCEL_SMOKE_ONLY="8 9 10" runs only the steps whose number is listed (e.g. to split the run over
+# several device calls of at most 10 minutes each).
 # The summary file gets one line per step plus the figures that matter; bring it back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +67,12 @@ failed=0
 step() {
   local name="$1" limit="$2" pattern="$3"
   shift 3
+  if [ -n "${ACCEL_SMOKE_ONLY:-}" ]; then
+    local number="${name%%.*}" wanted=""
+    number="${number%%[a-z]*}"
+    for n in $ACCEL_SMOKE_ONLY; do [ "$n" = "$number" ] && wanted=1; done
+    [ -n "$wanted" ] || return 0
+  fi
   local log="$work/$(echo "$name" | tr -c 'A-Za-z0-9' '_').log" start end rc
   start=$(date +%s.%N)
   (cd "$work" && timeout --kill-after=10 "$limit" "$@") >"$log" 2>&1
@@ -72,11 +89,14 @@ step() {
     failed=$((failed + 1))
   fi
   # The figures worth keeping.
-  grep -E "final test accuracy|ok: |skipped: |PASSED|FAILED|resumed from|overhead of|paired per round|\| (candle|accelerate-rs)|warning: (ranks|DP replicas)|trained [0-9]+ steps|saved " "$log" \
+  grep -E "final test accuracy|ok: |skipped: |PASSED|FAILED|resumed from|overhead of|paired per round|\| (candle|accelerate-rs|PyTorch|implementation|composed|kernels|op |[a-z_]+ \[)|^(PASS|FAIL) |nn_kernels:|RESULT-LM-GPU|warning: (ranks|DP replicas)|trained [0-9]+ steps|saved " "$log" \
     | sed 's/^/    /' >>"$summary" || true
 }
 
 export RUST_LOG="${RUST_LOG:-warn}"
+# The bundle has the nn CUDA kernels compiled in (feature nn-cuda); steps 1-7 prove the default,
+# composed path, so they run with the kernels off. Steps 8-10 turn them on.
+export ACCELERATE_RS_NN_CUDA=0
 step "1. digits on 1 GPU (>= 0.95)" 240 "final test accuracy" \
   env CUDA_VISIBLE_DEVICES=0 "$B/digits" --min-accuracy 0.95
 step "2. NCCL at world size 1 + fused CUDA optimizers" 240 "NCCL calls on a one-rank communicator" \
@@ -113,6 +133,15 @@ step "7a. step time, raw Candle vs accelerate-rs: MLP" 300 "overhead of accelera
   env CUDA_VISIBLE_DEVICES=0 "$B/overhead" --gpu
 step "7b. step time, raw Candle vs accelerate-rs: transformer_lm model" 300 "overhead of accelerate-rs" \
   env CUDA_VISIBLE_DEVICES=0 "$B/overhead" --gpu --quick --model transformer
+step "8. nn CUDA kernels equal the CPU path (f32/bf16/f16, forward and backward)" 300 \
+  "nn_kernels: [0-9]+ passed, 0 failed" \
+  env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_NN_CUDA=1 "$B/nn_kernels"
+step "9. transformer_lm 30 steps with the nn CUDA kernels" 300 "trained 30 steps" \
+  env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_NN_CUDA=1 "$B/transformer_lm" --max-steps 30 \
+  --log-every 10 --log-dir "$work/lm-kernels"
+step "10. PyTorch eager vs accelerate-rs on transformer_lm's model, 1 GPU" 600 "\| PyTorch eager" \
+  env CUDA_VISIBLE_DEVICES=0 python3 "$repo/scripts/pytorch_lm_bench.py" --gpu --runs 2 --steps 40 \
+  --rust-cmd "$B/overhead --lm-gpu"
 
 say "gpu-smoke: $passed passed, $failed failed (logs in $work)"
 [ "$failed" -eq 0 ]

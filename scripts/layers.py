@@ -27,10 +27,11 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "src")
 
-# The plan (ARCHITECTURE.md): a module may import its own floor or the floors below.
+# The plan (ARCHITECTURE.md): a module may import its own floor or the floors below. `lib` (the
+# front door, re-exporting everything) is the top.
 PLAN = {
-    "error": 0, "inplace": 0, "allocator": 0, "logging": 0,
-    "settings": 1,
+    "error": 0, "inplace": 0, "allocator": 0,
+    "settings": 1, "logging": 1,
     "collective": 2, "data": 2, "optim": 2, "nn": 2, "tracking": 2, "train": 2,
     "accelerator": 3,
     "lib": 4,
@@ -146,7 +147,8 @@ def main() -> int:
         floor[ci] = f
         return f
 
-    measured = {v: floor_of(comp_of[v]) for v in nodes}
+    measured = {v: floor_of(comp_of[v]) for v in nodes if v != "lib"}
+    measured["lib"] = 1 + max(measured.values(), default=0)
 
     print("imports between top-level modules:")
     for (a, b), where in sorted(edges.items()):

@@ -23,6 +23,24 @@ Usage (from anywhere; the Rust command runs in the repository root):
     python scripts/pytorch_lm_bench.py --torch-only
 
 The machinery (workers, DDP, the table) is scripts/pytorch_ddp_bench.py's, with `--model lm`.
+
+--gpu: ONE GPU instead (scripts/gpu-smoke.sh runs it on the device):
+    python3 scripts/pytorch_lm_bench.py --gpu [--runs 3] [--steps 50] [--rust-cmd CMD]
+  The same LM on both sides: examples/transformer_lm's model (pre-norm GPT blocks, packed
+  q/k/v projection, causal attention, ReLU MLP 4x wide, final LayerNorm, untied head with bias)
+  at the bench's size (vocab 8000, d_model 256, 8 heads, 4 layers, 128 tokens, batch 8: 1024
+  tokens and 7.3M parameters per step), f32, AdamW lr 1e-3 (weight decay 0.01), clip 1.0.
+  - PyTorch eager: that model in PyTorch as its users write it (nn.Linear/LayerNorm/Embedding,
+    F.scaled_dot_product_attention(is_causal=True), F.cross_entropy, torch.optim.AdamW with its
+    default foreach implementation), no compile, TF32 off (PyTorch's default for matmuls).
+  - accelerate-rs: `overhead --lm-gpu` (default command
+    `cargo bench --features nn-cuda --bench overhead -- --lm-gpu`; on a GPU node with the bundle,
+    pass --rust-cmd "<bundle>/bin/overhead --lm-gpu"): Accelerator + prepare + backward_step,
+    with nn's composed ops and, when built with nn-cuda, its CUDA kernels.
+  Each step ends with a device synchronization; --steps timed steps after 10 untimed ones; each
+  round runs PyTorch (in its own process) then the accelerate-rs command, so drift hits both.
+  One table: ms/step, tokens/s, and each row's time relative to PyTorch eager. Exit status 0,
+  1 if a run failed, 2 without torch or without a CUDA GPU.
 """
 
 import os
@@ -33,4 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pytorch_ddp_bench  # noqa: E402
 
 if __name__ == "__main__":
+    if "--gpu" in sys.argv[1:]:
+        import pytorch_lm_gpu  # noqa: E402
+
+        sys.exit(pytorch_lm_gpu.main([a for a in sys.argv[1:] if a != "--gpu"], doc=__doc__))
     sys.exit(pytorch_ddp_bench.main(model="lm", doc=__doc__))

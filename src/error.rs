@@ -86,6 +86,19 @@ pub enum Error {
         timeout: Duration,
     },
 
+    /// An NCCL communicator failed or stalled: its creation did not complete in time, NCCL
+    /// reported an asynchronous error (a network or peer failure), an operation did not finish
+    /// within the collective timeout, or a tensor was on another GPU than the communicator's.
+    #[error("rank {rank}: {op} over NCCL: {reason}")]
+    Nccl {
+        /// This process's rank.
+        rank: usize,
+        /// The operation (`nccl init`, `all_reduce`, `nccl finalize`, ...).
+        op: String,
+        /// What happened, and what to look at.
+        reason: String,
+    },
+
     /// Ranks called different collectives, or the same one with different sizes or dtypes.
     #[error("rank {rank}: {op}: ranks disagree: {detail}")]
     Mismatch {
@@ -296,9 +309,79 @@ pub enum Error {
         replicas: usize,
     },
 
-    /// An error from Candle.
+    /// An error from Candle (other than running out of device memory, which converts to
+    /// [`Error::OutOfMemory`]).
     #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    Candle(candle_core::Error),
+
+    /// A device ran out of memory: an allocation of Candle's CUDA backend failed
+    /// (`CUDA_ERROR_OUT_OF_MEMORY`, or cuBLAS's `CUBLAS_STATUS_ALLOC_FAILED`), or the simulated
+    /// limit of tests ([`env::TEST_MEMORY_LIMIT`](crate::env::TEST_MEMORY_LIMIT)) was exceeded.
+    /// [`Accelerator::find_executable_batch_size`](crate::Accelerator::find_executable_batch_size)
+    /// retries with a smaller batch on it. (On the CPU, a failed allocation aborts the process
+    /// before anything can be returned.)
+    #[error("{}out of memory on {device}{}{}: {detail}",
+        rank.map(|r| format!("rank {r}: ")).unwrap_or_default(),
+        requested.map(|b| format!(" (asked for {})", human_bytes(b))).unwrap_or_default(),
+        limit.map(|b| format!(", limit {}", human_bytes(b))).unwrap_or_default())]
+    OutOfMemory {
+        /// The rank that ran out, when known (an error converted from Candle's does not know
+        /// it; `find_executable_batch_size` fills it in).
+        rank: Option<usize>,
+        /// The device: `cuda:0`, `cpu`, or `cuda` when Candle's error does not say which.
+        device: String,
+        /// Bytes the failed allocation asked for, when known.
+        requested: Option<u64>,
+        /// The memory limit in force, when known (the simulated limit of tests).
+        limit: Option<u64>,
+        /// What failed: Candle's message, or what the simulated limit counted.
+        detail: String,
+    },
+
+    /// Another rank ran out of memory while
+    /// [`find_executable_batch_size`](crate::Accelerator::find_executable_batch_size) was
+    /// probing: every rank learned it from the same agreement collective, and the search
+    /// retries with the next smaller size. A training closure sees it from a collective (say
+    /// `backward_step`) and should return it (`?`).
+    #[error("rank {rank}: rank {peer} ran out of memory at batch size {batch_size}; every rank retries with batch size {next_batch_size}")]
+    PeerOutOfMemory {
+        /// This process's rank.
+        rank: usize,
+        /// The rank that ran out of memory (the lowest, if several did).
+        peer: usize,
+        /// The batch size of the abandoned attempt.
+        batch_size: usize,
+        /// The batch size every rank tries next.
+        next_batch_size: usize,
+    },
+
+    /// Another rank failed with an error other than running out of memory while
+    /// [`find_executable_batch_size`](crate::Accelerator::find_executable_batch_size) was
+    /// probing; every rank stops instead of waiting for it. That rank's own error is in its
+    /// output.
+    #[error("rank {rank}: rank {peer} failed at batch size {batch_size} while the batch size was being probed (its own output has the error); every rank stops")]
+    PeerFailed {
+        /// This process's rank.
+        rank: usize,
+        /// The rank that failed (the lowest, if several did).
+        peer: usize,
+        /// The batch size of the attempt.
+        batch_size: usize,
+    },
+
+    /// [`find_executable_batch_size`](crate::Accelerator::find_executable_batch_size) ran out of
+    /// memory at every batch size down to the smallest allowed.
+    #[error("rank {rank}: no executable batch size: out of memory at every batch size tried ({}), the last time on rank {oom_rank}; the smallest allowed is {min_batch_size}", tried.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(", "))]
+    NoExecutableBatchSize {
+        /// This process's rank.
+        rank: usize,
+        /// The batch sizes tried, in order.
+        tried: Vec<usize>,
+        /// The rank that ran out of memory at the last size tried.
+        oom_rank: usize,
+        /// The smallest batch size the search was allowed to try.
+        min_batch_size: usize,
+    },
 
     /// The launcher received SIGINT or SIGTERM and stopped its workers.
     #[error("launch: interrupted by {signal}; stopped {stopped} worker(s)")]
@@ -330,12 +413,162 @@ impl Error {
 }
 
 /// Lets `?` carry our errors through functions that return Candle's `Result` (e.g. a model's
-/// `forward` or a user's closure): the message is kept, wrapped as a Candle error.
+/// `forward` or a user's closure): the message is kept, wrapped as a Candle error. An
+/// [`Error::OutOfMemory`] stays typed: converted back (`?` into our `Result`) it is again an
+/// `Error::OutOfMemory`, so `find_executable_batch_size` sees it through a model's `forward`.
 impl From<Error> for candle_core::Error {
     fn from(e: Error) -> Self {
         match e {
             Error::Candle(c) => c,
+            oom @ Error::OutOfMemory { .. } => candle_core::Error::WrappedContext {
+                context: oom.to_string(),
+                wrapped: Box::new(oom),
+            },
             other => candle_core::Error::wrap(other),
+        }
+    }
+}
+
+/// Candle's errors, with running out of device memory recognized as [`Error::OutOfMemory`]:
+/// CUDA's `CUDA_ERROR_OUT_OF_MEMORY` and cuBLAS's `CUBLAS_STATUS_ALLOC_FAILED` (typed on
+/// `cuda` builds, by their names in the message otherwise), and our own out-of-memory errors
+/// carried through Candle's `Result`.
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        if let Some(oom) = carried_out_of_memory(&e) {
+            return oom;
+        }
+        if let Some(what) = cuda_out_of_memory(&e) {
+            return Error::OutOfMemory {
+                rank: None,
+                device: "cuda".into(),
+                requested: None,
+                limit: None,
+                detail: what,
+            };
+        }
+        Error::Candle(e)
+    }
+}
+
+/// The error inside Candle's wrappers (backtrace, context, path).
+fn innermost(mut e: &candle_core::Error) -> &candle_core::Error {
+    loop {
+        e = match e {
+            candle_core::Error::WithBacktrace { inner, .. }
+            | candle_core::Error::Context { inner, .. }
+            | candle_core::Error::WithPath { inner, .. } => inner,
+            _ => return e,
+        };
+    }
+}
+
+/// Our [`Error::OutOfMemory`] carried through Candle's `Result` (see `From<Error>`), rebuilt.
+fn carried_out_of_memory(e: &candle_core::Error) -> Option<Error> {
+    let candle_core::Error::WrappedContext { wrapped, .. } = innermost(e) else {
+        return None;
+    };
+    match wrapped.downcast_ref::<Error>() {
+        Some(Error::OutOfMemory {
+            rank,
+            device,
+            requested,
+            limit,
+            detail,
+        }) => Some(Error::OutOfMemory {
+            rank: *rank,
+            device: device.clone(),
+            requested: *requested,
+            limit: *limit,
+            detail: detail.clone(),
+        }),
+        _ => None,
+    }
+}
+
+/// The names of CUDA's out-of-memory failures, as cudarc prints them.
+const CUDA_OOM_NAMES: [&str; 2] = ["CUDA_ERROR_OUT_OF_MEMORY", "CUBLAS_STATUS_ALLOC_FAILED"];
+
+/// Candle's message of a CUDA allocation failure, or `None` for any other error.
+fn cuda_out_of_memory(e: &candle_core::Error) -> Option<String> {
+    let inner = innermost(e);
+    let candle_core::Error::Cuda(source) = inner else {
+        return None;
+    };
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::CudaError;
+        use cudarc::driver::{sys::CUresult, DriverError};
+        let driver_oom = |d: &DriverError| d.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY;
+        match source.downcast_ref::<CudaError>() {
+            Some(CudaError::Cuda(d)) | Some(CudaError::Load { cuda: d, .. }) if driver_oom(d) => {
+                return Some(inner.to_string())
+            }
+            _ => {}
+        }
+    }
+    // cuBLAS's and other wrapped failures (and every failure on builds without `cuda`, where
+    // Candle's error can only come from elsewhere): by name.
+    let text = source.to_string();
+    CUDA_OOM_NAMES
+        .iter()
+        .any(|name| text.contains(name))
+        .then_some(text)
+}
+
+/// `1.5 GiB (1610612736 bytes)`.
+pub(crate) fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} bytes")
+    } else {
+        format!("{v:.1} {} ({b} bytes)", UNITS[u])
+    }
+}
+
+/// `cpu`, `cuda:0`, `metal:0`: a device as error messages name it.
+pub(crate) fn device_label(d: &candle_core::Device) -> String {
+    match d.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+impl Error {
+    /// Whether this is [`Error::OutOfMemory`].
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::OutOfMemory { .. })
+    }
+
+    /// An [`Error::OutOfMemory`] without a rank gets `rank`, and one on an unnamed CUDA device
+    /// gets `device`'s name; any other error is returned as it is.
+    pub(crate) fn on_rank(self, rank: usize, device: &candle_core::Device) -> Error {
+        match self {
+            Error::OutOfMemory {
+                rank: r,
+                device: d,
+                requested,
+                limit,
+                detail,
+            } => Error::OutOfMemory {
+                rank: r.or(Some(rank)),
+                device: if d == "cuda" && device.is_cuda() {
+                    device_label(device)
+                } else {
+                    d
+                },
+                requested,
+                limit,
+                detail,
+            },
+            other => other,
         }
     }
 }
@@ -393,4 +626,101 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| payload.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "(a panic payload that is not a string)".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stand-in for a cudarc error inside `candle_core::Error::Cuda`, printing as cudarc does.
+    #[derive(Debug)]
+    struct Printed(&'static str);
+    impl std::fmt::Display for Printed {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+    impl std::error::Error for Printed {}
+
+    fn cuda(text: &'static str) -> candle_core::Error {
+        candle_core::Error::Cuda(Box::new(Printed(text)))
+    }
+
+    #[test]
+    fn cuda_allocation_failures_become_out_of_memory_through_candles_wrappers() {
+        for text in [
+            r#"DriverError(CUDA_ERROR_OUT_OF_MEMORY, "out of memory")"#,
+            "CublasError(CUBLAS_STATUS_ALLOC_FAILED)",
+        ] {
+            for e in [
+                cuda(text),
+                cuda(text).context("in a matmul"),
+                candle_core::Error::WithBacktrace {
+                    inner: Box::new(cuda(text)),
+                    backtrace: Box::new(std::backtrace::Backtrace::disabled()),
+                },
+            ] {
+                match Error::from(e) {
+                    Error::OutOfMemory {
+                        rank: None,
+                        device,
+                        requested: None,
+                        limit: None,
+                        detail,
+                    } => {
+                        assert_eq!(device, "cuda");
+                        assert_eq!(detail, text);
+                    }
+                    other => panic!("{text}: {other}"),
+                }
+            }
+        }
+        // Other CUDA failures stay Candle errors.
+        let e = Error::from(cuda(
+            r#"DriverError(CUDA_ERROR_ILLEGAL_ADDRESS, "an illegal memory access")"#,
+        ));
+        assert!(matches!(e, Error::Candle(_)), "{e}");
+        let e = Error::from(candle_core::Error::Msg("out of memory".into()));
+        assert!(matches!(e, Error::Candle(_)), "{e}");
+    }
+
+    #[test]
+    fn out_of_memory_stays_typed_through_candles_result() {
+        let oom = Error::OutOfMemory {
+            rank: None,
+            device: "cpu".into(),
+            requested: Some(3 << 30),
+            limit: Some(1 << 30),
+            detail: "simulated".into(),
+        };
+        let text = oom.to_string();
+        assert_eq!(
+            text,
+            "out of memory on cpu (asked for 3.0 GiB (3221225472 bytes)), limit 1.0 GiB (1073741824 bytes): simulated"
+        );
+        // Through a model's `forward` (Candle's `Result`) and back, with Candle's context on top.
+        let through = candle_core::Error::from(oom).context("block 3");
+        assert!(through.to_string().contains(&text), "{through}");
+        let back = Error::from(through).on_rank(2, &candle_core::Device::Cpu);
+        assert_eq!(back.to_string(), format!("rank 2: {text}"));
+        assert!(back.is_out_of_memory());
+        // Other errors keep their message only (as before).
+        let other = Error::from(candle_core::Error::from(Error::data("bad row")));
+        assert!(matches!(other, Error::Candle(_)) && other.to_string().contains("bad row"));
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn typed_driver_out_of_memory_is_recognized() {
+        use candle_core::cuda_backend::CudaError;
+        use cudarc::driver::{sys::CUresult, DriverError};
+        let e = candle_core::Error::Cuda(Box::new(CudaError::Cuda(DriverError(
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        ))));
+        assert!(Error::from(e).is_out_of_memory());
+        let e = candle_core::Error::Cuda(Box::new(CudaError::Cuda(DriverError(
+            CUresult::CUDA_ERROR_INVALID_VALUE,
+        ))));
+        assert!(!Error::from(e).is_out_of_memory());
+    }
 }

@@ -8,7 +8,8 @@
 //! [`Accelerator`], build the model on [`Accelerator::device`], and hand model, optimizer and
 //! [`DataLoader`] to [`Accelerator::prepare`]. `opt.backward_step(&loss)` then averages the
 //! gradients across ranks before stepping. Run it as is for one process, or under
-//! `accelerate-rs launch --cpu -n 4 ./train` for four.
+//! `accelerate-rs launch --cpu -n 4 ./train` for four, or as `ACCELERATE_RS_NUM_PROCESSES=4
+//! ./train` (no launcher to build: see [`AcceleratorBuilder::processes`]).
 //!
 //! ```
 //! use accelerate_rs::{Accelerator, DataLoader, TensorDataset};
@@ -67,6 +68,7 @@
 //! | allocator tuning ([`allocator`]) | [`tune_malloc`](AcceleratorBuilder::tune_malloc) | `ACCELERATE_RS_TUNE_MALLOC` | `tune_malloc` | on |
 //! | force CPU | [`cpu`](AcceleratorBuilder::cpu) | `ACCELERATE_RS_USE_CPU` | `use_cpu` | unset: GPUs when built with `cuda` and present, else CPU |
 //! | DP replicas | [`data_parallel`](AcceleratorBuilder::data_parallel) | `ACCELERATE_RS_DATA_PARALLEL` | - | 1 (no DP) |
+//! | processes a program started on its own runs as (the self-launch; ignored under a launcher) | [`processes`](AcceleratorBuilder::processes) | `ACCELERATE_RS_NUM_PROCESSES` | - (the config's `num_processes` is `accelerate-rs launch`'s) | 1 |
 //! | mixed precision (used by [`prepare_mixed`](Accelerator::prepare_mixed)) | [`mixed_precision`](AcceleratorBuilder::mixed_precision) | `ACCELERATE_RS_MIXED_PRECISION` | `mixed_precision` | `no` |
 //! | gradient accumulation | [`gradient_accumulation_steps`](AcceleratorBuilder::gradient_accumulation_steps) | `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS` | `gradient_accumulation_steps` | 1 |
 //! | config file | [`config_file`](AcceleratorBuilder::config_file) | `ACCELERATE_RS_CONFIG_FILE` | - | platform config dir |
@@ -77,6 +79,10 @@
 //! | reduce CPU gradient buckets on a communication thread while the next is flattened | - | `ACCELERATE_RS_OVERLAP`: `1` or `0` | - | on |
 //! | fused optimizer kernels ([`optim`]) | [`AdamW::set_fused`](optim::AdamW::set_fused), [`Sgd::set_fused`](optim::Sgd::set_fused) | `ACCELERATE_RS_FUSED_OPTIM`: `1` or `0` | - | on |
 //! | check shapes across ranks before `gather`, `reduce`, `broadcast` | - | `ACCELERATE_RS_DEBUG`: `1` or `0` | - | off |
+//! | simulated device-memory limit (tests of [`find_executable_batch_size`](Accelerator::find_executable_batch_size) on the CPU) | - | [`ACCELERATE_RS_TEST_MEMORY_LIMIT`](env::TEST_MEMORY_LIMIT): bytes, e.g. `512MiB` | - | none |
+
+//! | GPU memory pool release threshold ([`gpu`]) | - | `ACCELERATE_RS_CUDA_POOL_RELEASE_MB` | - | unset: freed GPU memory stays in the pool |
+//! | `nn`'s CUDA kernels (build feature `nn-cuda`) | [`nn::set_cuda_kernels`] | `ACCELERATE_RS_NN_CUDA`: `1` or `0` | - | on when built with `nn-cuda` |
 //!
 //! The launcher families are not mixed: the first of torchrun, SLURM, Open MPI whose rank
 //! variable is set provides rank, world size and local rank. Inconsistent values (a rank not below
@@ -95,10 +101,14 @@
 //! [`Parameters`], the data types ([`DataLoader`], [`Dataset`], [`TensorDataset`],
 //! [`DistributedSampler`], [`Batch`], [`BatchIter`], [`EvenBatches`]), the settings
 //! ([`ProcessState`], [`DistributedType`], [`MixedPrecision`], [`Transport`], [`ConfigFile`]),
-//! [`ReduceOp`], and the typed [`Error`] (with [`ReplicaFailure`]). The modules:
+//! [`ReduceOp`], [`seeded_var_builder`] (reproducible initial weights, also
+//! [`Accelerator::var_builder`]), [`BatchSizeSearch`] (the options of
+//! [`find_executable_batch_size`](Accelerator::find_executable_batch_size), which retries a
+//! training closure with smaller batches when a rank runs out of memory, every rank agreeing),
+//! and the typed [`Error`] (with [`ReplicaFailure`]). The modules:
 //!
 //! - [`checkpoint`]: the checkpoint format ([`checkpoint::CheckpointParts`],
-//!   [`checkpoint::StatefulOptimizer`], [`checkpoint::latest_checkpoint`], the manifest); saved
+//!   [`optim::StatefulOptimizer`], [`checkpoint::latest_checkpoint`], the manifest); saved
 //!   and loaded with [`Accelerator::save_state`] / [`Accelerator::load_state`]. Also model
 //!   weights alone: [`checkpoint::load_weights`] reads a single or sharded safetensors
 //!   checkpoint (Hugging Face's layout) into any `VarMap`, all or nothing;
@@ -113,11 +123,16 @@
 //! - [`scheduler`]: learning-rate schedules ([`scheduler::LrScheduler`], warmup + cosine or
 //!   linear decay) and the [`scheduler::Schedule`] driver, stepped once per optimizer step.
 //! - [`tracking`]: metric trackers (JSON Lines, TensorBoard) written by the main process only,
-//!   and a main-process [`Progress`](tracking::Progress) bar; [`logging`]: `env_logger` set-up
+//!   the run's hyperparameters ([`HParams`](tracking::HParams)), a per-step time breakdown
+//!   ([`StepTimer`](tracking::StepTimer), from [`Accelerator::step_timer`]), and a main-process
+//!   [`Progress`](tracking::Progress) bar; [`logging`]: `env_logger` set-up
 //!   with a `[rank N]` prefix on each line.
 //! - [`env`](mod@env): the name of every environment variable, and the launcher's environment
 //!   contract ([`env::CommonEnv`]); [`config`]: the settings' defaults; [`gpu`]: GPU discovery.
 //! - [`allocator`]: glibc allocator tuning for training loops (applied by [`Accelerator`]).
+//! - [`memory`]: memory planning, what `accelerate-rs estimate-memory` prints: per rank, the
+//!   parameters, gradients, optimizer state, f32 masters and activations of a model read from
+//!   its `config.json` and safetensors headers, for a precision, ZeRO stage, LoRA rank and batch.
 //! - [`nn`]: differentiable fused layers with `candle_nn`'s signatures (LayerNorm, RMSNorm,
 //!   softmax, cross-entropy, GELU, ReLU, SiLU, Linear, RoPE: `rope`, `rope_i`, `rope_thd`) and
 //!   fusions Candle has no counterpart for: [`nn::swiglu`],
@@ -157,14 +172,18 @@
 //! gradients to f32 (with loss scaling) before handing them to the same engine, and the copy of
 //! the masters back after the step. More in `ARCHITECTURE.md`.
 #![deny(missing_docs)]
+#![deny(rustdoc::broken_intra_doc_links)]
 
 mod accelerator;
 pub mod allocator;
 pub mod collective;
+#[cfg(feature = "cuda")]
+mod cuda_ptx;
 mod data;
 mod error;
 mod inplace;
 pub mod logging;
+pub mod memory;
 pub mod nn;
 pub mod optim;
 mod settings;
@@ -195,6 +214,8 @@ pub use error::{Error, ReplicaCause, ReplicaFailure, Result};
 pub use settings::{
     ConfigFile, DistributedType, MissingGradients, MixedPrecision, ProcessState, Transport,
 };
+pub use train::batch_size::BatchSizeSearch;
+pub use train::init::seeded_var_builder;
 pub use train::mixed_precision::{LossScaler, MixedPrecisionOptimizer};
 pub use train::optimizer::{AcceleratedOptimizer, TrainOptimizer};
 pub use train::params::Parameters;

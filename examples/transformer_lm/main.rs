@@ -13,7 +13,10 @@
 //! `--help` lists the flags (architecture: `--layers 4 --d-model 256 --heads 8 --seq-len 128`).
 //! The defaults (100 steps of 2 x 8 x 128 characters) take about 2 minutes on 2 CPU cores in
 //! release, the training loss falling from about ln(vocab) = 4.7 to about 2.7; metrics go to
-//! `runs/transformer_lm/metrics.jsonl` (`--log-dir`). Add `--grad-accum N` (or the launcher's
+//! `runs/transformer_lm/metrics.jsonl` and TensorBoard's `runs/transformer_lm/tensorboard`
+//! (`--log-dir`): the run's settings and hyperparameters once (TensorBoard's HPARAMS tab), the
+//! loss, and every step's time by phase (data, forward, backward, communication, optimizer) with
+//! tokens/s and achieved FLOP/s. Add `--grad-accum N` (or the launcher's
 //! `--gradient-accumulation-steps N`) to accumulate gradients over N micro-batches.
 mod data;
 mod model;
@@ -23,10 +26,11 @@ use std::time::Instant;
 use accelerate_rs::checkpoint::{latest_checkpoint, CheckpointParts, LoadTargets};
 use accelerate_rs::optim::{AdamW, ParamsAdamW};
 use accelerate_rs::scheduler::{LinearWarmupCosine, Schedule};
+use accelerate_rs::tracking::HParams;
 use accelerate_rs::{tracking, Accelerator, Parameters, ReduceOp, StreamingLoader};
 use anyhow::Result;
 use candle_core::{DType, Tensor, Var};
-use candle_nn::{Optimizer, VarBuilder, VarMap};
+use candle_nn::{Optimizer, VarMap};
 use clap::Parser;
 
 use data::{Args, CharWindows};
@@ -40,7 +44,6 @@ fn main() -> Result<()> {
     }
     let accelerator = builder.build()?;
     accelerator.set_seed(args.seed)?;
-    let device = accelerator.device().clone();
 
     let corpus = data::load(&args)?;
     let cfg = Config {
@@ -53,7 +56,8 @@ fn main() -> Result<()> {
         activation: args.activation,
     };
     let varmap = VarMap::new();
-    let model = TransformerLm::new(cfg, VarBuilder::from_varmap(&varmap, DType::F32, &device))?;
+    // Initial weights drawn from (--seed, parameter name): the same at any number of processes.
+    let model = TransformerLm::new(cfg, accelerator.var_builder(&varmap, DType::F32))?;
     let n_params: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
     accelerator.print(format!(
         "{} processes, vocab {}, {} training / {} held-out characters, {:.2}M parameters, \
@@ -98,8 +102,30 @@ fn main() -> Result<()> {
         args.max_steps,
         args.lr * args.min_lr_ratio,
     )?);
-    let mut trackers =
-        tracking::trackers(&accelerator).jsonl(args.log_dir.join("metrics.jsonl"))?;
+    let mut trackers = tracking::trackers(&accelerator)
+        .jsonl(args.log_dir.join("metrics.jsonl"))?
+        .tensorboard(args.log_dir.join("tensorboard"))?;
+    trackers.log_hparams(
+        &HParams::of_run(&accelerator)
+            .set("lr", args.lr)
+            .set("weight_decay", args.weight_decay)
+            .set("batch_size", args.batch_size)
+            .set("seq_len", args.seq_len)
+            .set("d_model", args.d_model)
+            .set("heads", args.heads)
+            .set("layers", args.layers)
+            .set("parameters", n_params)
+            .set("max_steps", args.max_steps)
+            .set("seed", args.seed),
+    )?;
+    // Each optimizer step's time by phase, and its throughput, for the trackers.
+    let tokens_per_step =
+        args.batch_size * args.seq_len * accelerator.gradient_accumulation_steps();
+    let mut timer = accelerator
+        .step_timer()
+        .tokens_per_step(tokens_per_step as u64)
+        .flops_per_step(flops_per_token(&cfg, n_params) * tokens_per_step as f64);
+    let mut timing = false;
 
     // Tokens per micro-step, all processes together.
     let tokens_per_micro = (args.batch_size * args.seq_len * accelerator.world_size()) as f64;
@@ -147,6 +173,10 @@ fn main() -> Result<()> {
         let mut batches = loader.iter()?;
         while let Some(batch) = batches.next() {
             let batch = batch?;
+            if !timing {
+                timer.start();
+                timing = true;
+            }
             // The output layer and the cross-entropy fused: see `TransformerLm::loss`.
             let loss = model.loss(&batch[0], &batch[1])?;
             opt.backward_step_batch(&loss, &batch)?;
@@ -157,17 +187,30 @@ fn main() -> Result<()> {
             }
             // An optimizer step was taken, with learning rate `lr`.
             step += 1;
-            if step % args.log_every == 0 || step == 1 || step == args.max_steps {
+            let times = timer.stop()?;
+            timing = false;
+            trackers.log(&times.metrics(), step)?;
+            if step.is_multiple_of(args.log_every) || step == 1 || step == args.max_steps {
                 let elapsed = window_start.elapsed().as_secs_f64();
                 let mean_loss = window_loss / window_micro as f64;
                 let tokens_per_s = window_micro as f64 * tokens_per_micro / elapsed;
                 first_loss.get_or_insert(mean_loss);
                 last_loss = mean_loss;
                 let grad_norm = opt.last_grad_norm().unwrap_or(f64::NAN);
+                let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
                 accelerator.print(format!(
                     "step {step:4}/{} epoch {epoch} loss {mean_loss:.4} lr {lr:.2e} \
-                     grad norm {grad_norm:.3} {tokens_per_s:.0} tokens/s",
-                    args.max_steps
+                     grad norm {grad_norm:.3} {tokens_per_s:.0} tokens/s, {:.2} GFLOP/s; \
+                     step {:.0} ms: forward {:.0}, backward {:.0}, communication {:.0}, \
+                     optimizer {:.0}, data {:.0}",
+                    args.max_steps,
+                    times.flops_per_sec.unwrap_or(0.0) / 1e9,
+                    ms(times.step),
+                    ms(times.forward),
+                    ms(times.backward),
+                    ms(times.communication),
+                    ms(times.optimizer),
+                    ms(times.data),
                 ));
                 trackers.log(
                     &[
@@ -181,7 +224,7 @@ fn main() -> Result<()> {
                 (window_loss, window_micro) = (0.0, 0);
                 window_start = Instant::now();
             }
-            if args.checkpoint_every > 0 && step % args.checkpoint_every == 0 {
+            if args.checkpoint_every > 0 && step.is_multiple_of(args.checkpoint_every) {
                 let parts = CheckpointParts::new(&varmap)
                     .optimizer(&opt)
                     .state("schedule", &schedule)
@@ -212,6 +255,15 @@ fn main() -> Result<()> {
     )?;
     trackers.flush()?;
     Ok(())
+}
+
+/// Floating-point operations per trained token, forward and backward: 6 per parameter (a
+/// multiply-add forward, two backward; the embedding lookups are counted too, a small
+/// overestimate) plus attention's score and value products, 12 x layers x seq_len x d_model
+/// (all of them, although the causal mask makes half unnecessary), as in the PaLM paper's
+/// appendix B.
+fn flops_per_token(cfg: &Config, n_params: usize) -> f64 {
+    6.0 * n_params as f64 + 12.0 * (cfg.layers * cfg.seq_len * cfg.d_model) as f64
 }
 
 /// The mean next-token loss over the held-out windows (at most `--eval-batches` batches), each

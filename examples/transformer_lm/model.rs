@@ -135,7 +135,7 @@ pub struct TransformerLm {
 
 impl TransformerLm {
     pub fn new(cfg: Config, vb: VarBuilder) -> Result<Self> {
-        if cfg.d_model % cfg.heads != 0 {
+        if !cfg.d_model.is_multiple_of(cfg.heads) {
             candle_core::bail!(
                 "--d-model ({}) must be a multiple of --heads ({})",
                 cfg.d_model,

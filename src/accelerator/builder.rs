@@ -94,6 +94,26 @@ impl AcceleratorBuilder {
         self.o.mixed_precision = Some(mode);
         self
     }
+    /// Run this program as `n` processes when it is started on its own (instead of
+    /// `ACCELERATE_RS_NUM_PROCESSES`; default 1): [`build`](Self::build) then starts `n` copies
+    /// of the program (same executable, same arguments) with the launcher's variables, prints
+    /// their lines prefixed with `[rank i]`, stops them all when one fails or on Ctrl-C, and
+    /// exits with the failed rank's code; it does not return in this parent process. Each copy
+    /// reaches the same `build` as a worker of the run and trains. Ignored in a process a
+    /// launcher started (`accelerate-rs launch`, torchrun, SLURM, `mpirun`: `RANK` is set), so
+    /// the same program still runs under them. Call it first thing in `main`: whatever runs
+    /// before it runs in the parent too. Workers get no stdin.
+    ///
+    /// ```no_run
+    /// # fn main() -> accelerate_rs::Result<()> {
+    /// let accelerator = accelerate_rs::Accelerator::builder().processes(2).build()?;
+    /// accelerator.print(format!("{} processes", accelerator.world_size()));
+    /// # Ok(()) }
+    /// ```
+    pub fn processes(mut self, n: usize) -> Self {
+        self.o.processes = Some(n);
+        self
+    }
     /// Read this config file instead of the default one.
     pub fn config_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.o.config_file = Some(path.into());
@@ -164,6 +184,7 @@ impl AcceleratorBuilder {
         R: Send,
         F: Fn(Accelerator) -> Result<R> + Send + Sync,
     {
+        self_launch(&self.o, &|k| std::env::var(k).ok())?;
         super::dp::run(self.o, self.collective, &|k| std::env::var(k).ok(), f)
     }
 
@@ -175,6 +196,7 @@ impl AcceleratorBuilder {
 
     /// [`build`](Self::build) reading the environment through `getenv`.
     pub(crate) fn build_with(self, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Accelerator> {
+        self_launch(&self.o, getenv)?;
         let state = ProcessState::resolve(&self.o, getenv)?;
         if state.data_parallel() > 1 {
             return Err(super::dp::needs_run(state.data_parallel()));
@@ -184,5 +206,15 @@ impl AcceleratorBuilder {
             None => super::connect::connect(&state)?,
         };
         Ok(Accelerator::from_parts(state, collective))
+    }
+}
+
+/// Becomes the launcher of this program's workers when [`AcceleratorBuilder::processes`] (or
+/// `ACCELERATE_RS_NUM_PROCESSES`) asks for several and no launcher started this process: runs
+/// them and exits. Returns when this process is to train itself.
+fn self_launch(o: &Overrides, getenv: &dyn Fn(&str) -> Option<String>) -> Result<()> {
+    match crate::settings::self_launch(o, getenv)? {
+        Some(plan) => match super::spawn::run(&plan)? {},
+        None => Ok(()),
     }
 }

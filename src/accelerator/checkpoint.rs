@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use super::Accelerator;
 use crate::error::Result;
-use crate::train::checkpoint::{self, CheckpointParts, LoadTargets, Manifest, StatefulOptimizer};
+use crate::optim::StatefulOptimizer;
+use crate::train::checkpoint::{self, CheckpointParts, LoadTargets, Manifest};
 use crate::train::params::Parameters;
 
 impl Accelerator {

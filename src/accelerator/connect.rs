@@ -66,7 +66,11 @@ pub(super) fn connect(state: &ProcessState) -> Result<Arc<dyn Collective>> {
 /// that), the host collective itself, which reduces GPU tensors through host memory over shared
 /// memory or TCP, after one warning from the main process.
 fn gpu_collective(state: &ProcessState, host: Arc<dyn Collective>) -> Result<Arc<dyn Collective>> {
-    let id = crate::settings::gpu::identity(state.device())?;
+    // NCCL's own rule: one rank per (host, PCI bus id); MIG slices of one GPU share a bus id.
+    let id = crate::collective::placement::gpu_key(
+        &crate::collective::placement::host_identity(),
+        &crate::settings::gpu::pci_bus_id(state.device())?,
+    );
     match crate::collective::placement::shared_gpu(host.as_ref(), &id)? {
         Some((a, b)) => {
             if state.is_main_process() {

@@ -2,7 +2,7 @@
 //!
 //! Rust has no global interpreter lock, so a thread per replica scales like a process per
 //! replica (DDP) without a launcher: each replica gets its own [`Accelerator`] (rank = replica
-//! index, world size = number of replicas, [`DistributedType::Dp`](crate::DistributedType::Dp)),
+//! index, world size = number of replicas, [`DistributedType::Dp`](crate::settings::DistributedType::Dp)),
 //! and the replicas average their gradients through an in-process collective: NCCL
 //! communicators between GPUs `0..replicas`, or a [`ThreadGroup`] for CPU replicas
 //! ([`cpu(true)`](crate::AcceleratorBuilder::cpu)).
@@ -98,7 +98,13 @@ where
             Some(c) => c,
             None => super::connect::connect(&probe)?,
         };
-        return Ok(vec![f(Accelerator::from_parts(probe, collective))?]);
+        // A handle kept here, so that the collective hears how the run ended before it goes
+        // (NCCL closes a finished run together with the other ranks, and aborts a failed one).
+        let keep = collective.clone();
+        let result = f(Accelerator::from_parts(probe, collective));
+        keep.set_run_outcome(result.is_ok());
+        drop(keep);
+        return Ok(vec![result?]);
     }
     if collective.is_some() {
         return Err(Error::invalid(
@@ -140,17 +146,22 @@ fn gpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
         other => other,
     })?;
     let ordinals = replica_ordinals(n, visible)?;
-    if let Some((a, b)) = crate::collective::placement::first_shared(&ordinals) {
+    let devices = ordinals
+        .iter()
+        .map(|&o| crate::settings::gpu::device(o))
+        .collect::<Result<Vec<_>>>()?;
+    // Two ordinals can be one GPU to NCCL (the same PCI bus id), not only a repeated ordinal.
+    let bus_ids = devices
+        .iter()
+        .map(crate::settings::gpu::pci_bus_id)
+        .collect::<Result<Vec<_>>>()?;
+    if let Some((a, b)) = crate::collective::placement::first_shared(&bus_ids) {
         // NCCL cannot put two replicas on one GPU: reduce through host memory in a thread group,
         // every replica on its GPU's one device (and stream).
         eprintln!(
             "{}",
             crate::collective::placement::sharing_warning(a, b, "DP replicas", "a thread group")
         );
-        let devices = ordinals
-            .iter()
-            .map(|&o| crate::settings::gpu::device(o))
-            .collect::<Result<Vec<_>>>()?;
         let collectives = ThreadGroup::new(n, timeout)?
             .into_iter()
             .map(|c| Arc::new(c) as Arc<dyn Collective>)
@@ -176,7 +187,7 @@ fn gpu_replicas(n: usize, timeout: Duration) -> Result<Replicas> {
 fn replica_ordinals(n: usize, visible: usize) -> Result<Vec<usize>> {
     (0..n)
         .map(|i| {
-            crate::settings::state::gpu_ordinal(i, visible).ok_or_else(|| Error::NotAvailable {
+            crate::settings::place::gpu_ordinal(i, visible).ok_or_else(|| Error::NotAvailable {
                 what: "GPU".into(),
                 reason: format!(
                     "DP over {n} GPU replicas, but no GPU is visible{}; `.cpu(true)` (or {}=1) runs them on the CPU",
@@ -248,6 +259,7 @@ where
                     .and_then(f);
                 guard.armed = result.is_err();
                 drop(guard);
+                keep.set_run_outcome(result.is_ok());
                 drop(keep);
                 result
             };
@@ -304,8 +316,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::settings::state::data_parallel as replicas;
-    use crate::AcceleratorBuilder;
+    use crate::accelerator::AcceleratorBuilder;
+    use crate::settings::place::data_parallel as replicas;
     use std::collections::HashMap;
 
     fn env_of(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + Sync {
@@ -380,7 +392,7 @@ mod tests {
         assert_eq!(
             out,
             (0..3)
-                .map(|r| (r, 3, crate::DistributedType::Dp))
+                .map(|r| (r, 3, crate::settings::DistributedType::Dp))
                 .collect::<Vec<_>>()
         );
         // The builder beats the environment.
@@ -389,7 +401,7 @@ mod tests {
             ..overrides(&cfg)
         };
         let out = run(o, None, &getenv, |acc| Ok(acc.distributed_type())).unwrap();
-        assert_eq!(out, vec![crate::DistributedType::No]);
+        assert_eq!(out, vec![crate::settings::DistributedType::No]);
     }
 
     #[test]

@@ -4,11 +4,13 @@
 //! [`backward`](Accelerator::backward). Its builder is in `builder.rs`, DP (one thread per
 //! replica) in `dp.rs`, the collectives for users in `ops.rs`, checkpoints in `checkpoint.rs`.
 
+mod batch_size;
 mod builder;
 mod checkpoint;
 mod connect;
 pub(crate) mod dp;
 mod ops;
+mod spawn;
 
 use std::sync::Arc;
 
@@ -22,6 +24,7 @@ use crate::collective::Collective;
 use crate::data::{Batch, DataLoader};
 use crate::error::Result;
 use crate::settings::{DistributedType, ProcessState};
+use crate::train::batch_size::{Probe, ProbedCollective};
 use crate::train::grad_sync::GradSync;
 use crate::train::mixed_precision::MixedPrecisionOptimizer;
 use crate::train::optimizer::AcceleratedOptimizer;
@@ -44,8 +47,23 @@ pub struct Accelerator {
 #[derive(Debug)]
 struct Inner {
     state: ProcessState,
+    /// The backend's communicator wrapped by the batch-size search's agreement
+    /// ([`find_executable_batch_size`](Accelerator::find_executable_batch_size)): what every
+    /// collective of the accelerator, its gradient engine and its users goes through.
     collective: Arc<dyn Collective>,
+    /// The batch-size search's attempt state (it holds the backend's communicator itself).
+    probe: Arc<Probe>,
     grads: Arc<GradSync>,
+    /// The seed of [`Accelerator::set_seed`] (0 until it is called), for `var_builder`.
+    seed: std::sync::atomic::AtomicU64,
+}
+
+/// The settings of the run, for what takes `impl AsRef<ProcessState>`
+/// ([`tracking::trackers`](crate::tracking::trackers), ...).
+impl AsRef<ProcessState> for Accelerator {
+    fn as_ref(&self) -> &ProcessState {
+        self.state()
+    }
 }
 
 impl Accelerator {
@@ -62,6 +80,8 @@ impl Accelerator {
             state.world_size(),
             collective.backend()
         );
+        let probe = Arc::new(Probe::new(collective));
+        let collective: Arc<dyn Collective> = Arc::new(ProbedCollective::new(probe.clone()));
         let grads = Arc::new(GradSync::new(
             collective.clone(),
             state.gradient_accumulation_steps(),
@@ -69,12 +89,15 @@ impl Accelerator {
             state.overlap(),
             state.missing_gradients(),
             state.zero_stage(),
+            probe.clone(),
         ));
         Accelerator {
             inner: Arc::new(Inner {
                 state,
                 collective,
+                probe,
                 grads,
+                seed: std::sync::atomic::AtomicU64::new(0),
             }),
         }
     }
@@ -124,6 +147,34 @@ impl Accelerator {
     /// The collective used between ranks.
     pub fn collective(&self) -> &Arc<dyn Collective> {
         &self.inner.collective
+    }
+
+    /// A [`VarBuilder`](candle_nn::VarBuilder) for creating the model in `varmap` on this
+    /// process's device, like `VarBuilder::from_varmap(varmap, dtype, accelerator.device())`
+    /// but reproducible: every new variable is drawn from the seed of
+    /// [`set_seed`](Self::set_seed) (0 when it was not called) and the variable's name (see
+    /// [`seeded_var_builder`](crate::seeded_var_builder)). The same seed gives the same initial
+    /// weights in every run, at any world size and whatever the order the layers are created in
+    /// (Candle's CPU initialisers are unseeded).
+    ///
+    /// ```
+    /// # fn main() -> accelerate_rs::Result<()> {
+    /// use candle_core::DType;
+    /// use candle_nn::{linear, VarMap};
+    /// let acc = accelerate_rs::Accelerator::builder().cpu(true).build()?;
+    /// acc.set_seed(42)?;
+    /// let varmap = VarMap::new();
+    /// let model = linear(8, 1, acc.var_builder(&varmap, DType::F32).pp("fc"))?;
+    /// # let _ = model;
+    /// # Ok(()) }
+    /// ```
+    pub fn var_builder(
+        &self,
+        varmap: &candle_nn::VarMap,
+        dtype: candle_core::DType,
+    ) -> candle_nn::VarBuilder<'static> {
+        let seed = self.inner.seed.load(std::sync::atomic::Ordering::Relaxed);
+        crate::train::init::seeded_var_builder(varmap, seed, dtype, self.device())
     }
 
     /// Prepares the three pieces of a training loop: checks that every rank has the same
@@ -194,10 +245,10 @@ impl Accelerator {
     /// [`StreamingLoader`](crate::StreamingLoader) for this rank (every rank reads the stream, each decodes its own
     /// records, all take the same number of steps), applies the `split_batches` setting and moves
     /// its batches to this process's device.
-    pub fn prepare_streaming_loader<D: crate::IterableDataset + 'static>(
+    pub fn prepare_streaming_loader<D: crate::data::IterableDataset + 'static>(
         &self,
-        loader: crate::StreamingLoader<D>,
-    ) -> Result<crate::StreamingLoader<D>> {
+        loader: crate::data::StreamingLoader<D>,
+    ) -> Result<crate::data::StreamingLoader<D>> {
         let loader = if self.inner.state.split_batches() {
             loader.split_batches(true)
         } else {
@@ -290,6 +341,17 @@ impl Accelerator {
     /// Averages gradients computed elsewhere across ranks, in place.
     pub fn reduce_gradients(&self, grads: &mut GradStore) -> Result<()> {
         self.inner.grads.average(grads)
+    }
+
+    /// A [`StepTimer`](crate::tracking::StepTimer) for this accelerator's steps: forward,
+    /// backward, communication, optimizer and data time, tokens/s and FLOP/s, as metrics for
+    /// [`tracking`](crate::tracking)'s trackers.
+    pub fn step_timer(&self) -> crate::tracking::StepTimer {
+        crate::tracking::StepTimer::new(
+            Arc::clone(self.inner.grads.clock()),
+            self.world_size(),
+            self.device(),
+        )
     }
 
     /// Prints a line on the main process only (other ranks print nothing).

@@ -4,7 +4,7 @@
 //! |---|---|
 //! | [`gather`](Accelerator::gather) | all ranks' tensors concatenated on dim 0, in rank order |
 //! | [`gather_for_metrics`](Accelerator::gather_for_metrics) | the same, without the padding duplicates of the last uneven batch |
-//! | [`reduce`](Accelerator::reduce) | the element-wise sum, mean or max |
+//! | [`reduce`](Accelerator::reduce) | the element-wise sum, mean, max or min |
 //! | [`broadcast`](Accelerator::broadcast) | the root's tensor |
 //! | [`pad_across_processes`](Accelerator::pad_across_processes) | its tensor padded to the largest size across ranks |
 //! | [`main_process_first`](Accelerator::main_process_first) | runs a closure after the main process ran it |
@@ -163,7 +163,7 @@ impl Accelerator {
         Ok(all.narrow(0, 0, rows - pad)?)
     }
 
-    /// The element-wise sum, mean or max of every rank's `t`, on every rank (same shape and dtype
+    /// The element-wise sum, mean, max or min of every rank's `t`, on every rank (same shape and dtype
     /// everywhere; `u8`, `f16`, `bf16`, `f32`, `f64`).
     pub fn reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         if self.world_size() == 1 {
@@ -311,6 +311,35 @@ impl Accelerator {
         Ok(v[0])
     }
 
+    /// The per-rank batch size for a global batch of `global` samples, for a loop that slices
+    /// its own batches: `global / world_size` (at least 1), so that one step of all ranks
+    /// together sees `global` samples, as one process with batch `global` does.
+    ///
+    /// When `global` does not divide by the number of processes (50 on 3 processes), a step
+    /// sees fewer samples (48) and every epoch leaves more rows out than one process does: the
+    /// main process warns once, with the sizes and what to do.
+    ///
+    /// ```
+    /// # fn main() -> accelerate_rs::Result<()> {
+    /// let acc = accelerate_rs::Accelerator::builder().cpu(true).build()?;
+    /// let bs = acc.local_batch_size(64); // 64 on 1 process, 32 on 2, 16 on 4
+    /// # assert_eq!(bs, 64);
+    /// # Ok(()) }
+    /// ```
+    pub fn local_batch_size(&self, global: usize) -> usize {
+        let w = self.world_size().max(1);
+        let local = (global / w).max(1);
+        if local * w != global && self.is_main_process() {
+            warn_once(format!(
+                "local_batch_size: the global batch of {global} does not divide by {w} processes: every rank takes {local} per step, so a step sees {} samples instead of {global}, and the rows past each rank's last full batch of {local} are dropped every epoch; pick a global batch that divides by {w} (e.g. {} or {}) or a number of processes that divides {global}",
+                local * w,
+                global / w * w,
+                global.div_ceil(w) * w,
+            ));
+        }
+        local
+    }
+
     /// This rank's share of the indices `range`, for a loop that slices its own batches: every
     /// `world_size`-th index starting at this rank's (rank `r` takes `start + r`,
     /// `start + r + w`, ...), and the same count on every rank (`len / world_size`; the last
@@ -328,11 +357,22 @@ impl Accelerator {
     /// picks them: rows `r, r + w, r + 2w, ...` (a copy), `rows / world_size` of them on every
     /// rank. One line turns a loop that slices `x.narrow(0, i * bs, bs)` itself into a
     /// data-parallel one: `let x = accelerator.shard_rows(&x)?;`. With one process it is `t`.
+    ///
+    /// When the rows do not divide by the number of processes, the main process warns once
+    /// (naming the sizes) that the last `rows % world_size` rows are left out of every epoch.
     pub fn shard_rows(&self, t: &Tensor) -> Result<Tensor> {
         if self.world_size() == 1 {
             return Ok(t.clone());
         }
         let n = t.dim(0)?;
+        let w = self.world_size();
+        if !n.is_multiple_of(w) && self.is_main_process() {
+            warn_once(format!(
+                "shard_rows: {n} rows do not divide by {w} processes: every rank takes {} rows and the last {} row(s) are left out of every epoch (use a row count that divides by {w}, or a DataLoader prepared with `accelerator.prepare`, which pads instead of dropping)",
+                n / w,
+                n % w
+            ));
+        }
         let idx: Vec<u32> = self
             .shard_range(0..n)
             .map(|i| {
@@ -372,11 +412,17 @@ impl Accelerator {
     ///   [`prepare`](Self::prepare), which gives every rank rank 0's parameters).
     /// - [`nn::dropout`](crate::nn::dropout)'s stream on the calling thread
     ///   ([`nn::set_dropout_seed`](crate::nn::set_dropout_seed)): the same masks on every run.
+    /// - Model weights: [`var_builder`](Self::var_builder) draws every new variable from
+    ///   `(seed, its name)`, so the same seed gives the same initial weights on any device and
+    ///   at any world size.
     ///
     /// It does not change the data order: the loader's shuffle is seeded by
     /// [`DataLoader::seed`](crate::DataLoader::seed), and a different order each epoch comes only
     /// from [`DataLoader::set_epoch`](crate::DataLoader::set_epoch).
     pub fn set_seed(&self, seed: u64) -> Result<ChaCha8Rng> {
+        self.inner
+            .seed
+            .store(seed, std::sync::atomic::Ordering::Relaxed);
         let device = self.device();
         if !matches!(device, Device::Cpu) {
             device.set_seed(seed).map_err(|e| {
@@ -392,6 +438,16 @@ impl Accelerator {
         }
         crate::nn::set_dropout_seed(seed);
         Ok(ChaCha8Rng::seed_from_u64(seed))
+    }
+}
+
+/// Prints `msg` as a warning the first time it is seen in this process.
+fn warn_once(msg: String) {
+    static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
+    if !seen.contains(&msg) {
+        crate::logging::warn_always(format_args!("{msg}"));
+        seen.push(msg);
     }
 }
 

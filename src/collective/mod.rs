@@ -46,6 +46,10 @@ pub(crate) mod mpi;
 pub(crate) mod mpi;
 #[allow(dead_code)]
 mod nccl_dtype;
+// The watchdog and close logic of NCCL communicators: used by nccl.rs (cuda builds only);
+// compiled and tested (with fake communicators) in every build.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod nccl_life;
 pub(crate) mod placement;
 pub(crate) mod reduce;
 mod single;
@@ -160,6 +164,14 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
+    /// Tells the collective how the run ended on this rank, before its last handle is dropped:
+    /// `true` when it finished, `false` after an error.
+    /// [`AcceleratorBuilder::run`](crate::AcceleratorBuilder::run) tells it. Backends that must
+    /// be closed in step with the other ranks use it: NCCL closes a finished run together with
+    /// the other ranks (barrier, finalize, destroy) and aborts after an error. The default (every
+    /// other backend) ignores it.
+    fn set_run_outcome(&self, _finished: bool) {}
+
     /// [`all_reduce`](Collective::all_reduce) on a tensor; returns a new tensor of the same shape
     /// on the same device. Backends with device memory (NCCL) override this to avoid host copies.
     fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -169,6 +181,14 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         let mut host = HostVec::from_tensor(t, "all_reduce")?;
         self.all_reduce(host.as_buffer_mut(), op)?;
         host.into_tensor(t.shape().clone(), t.device())
+    }
+
+    /// [`all_reduce_tensor`](Collective::all_reduce_tensor) of several tensors, in order, as one
+    /// batch: backends with device memory (NCCL) queue them all back to back and wait once. Every
+    /// rank must pass the same number of tensors with matching sizes and dtypes. The default
+    /// reduces them one by one.
+    fn all_reduce_tensors(&self, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>> {
+        ts.iter().map(|t| self.all_reduce_tensor(t, op)).collect()
     }
 
     /// [`broadcast`](Collective::broadcast) on a tensor: returns `root`'s tensor on every rank.

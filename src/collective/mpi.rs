@@ -173,10 +173,10 @@ impl Collective for MpiCollective {
             elem_code(elem) * 8 + op.code() as i64,
             n as i64,
         )?;
-        let mpi_op = if op == ReduceOp::Max {
-            SystemOperation::max()
-        } else {
-            SystemOperation::sum()
+        let mpi_op = match op {
+            ReduceOp::Max => SystemOperation::max(),
+            ReduceOp::Min => SystemOperation::min(),
+            ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
         };
         let bytes = buf.bytes_mut();
         match elem {

@@ -13,113 +13,49 @@
 //! rank: the training thread (a DP replica's thread in DP). The data loader's prefetch thread
 //! only copies batches.
 //!
-//! The dtype and layout are checked before anything is queued, so a wrong call is an error that
-//! leaves the communicator usable. NCCL calls are asynchronous and a dead peer can leave them
-//! spinning forever, so every operation is followed by a watchdog: it polls an event recorded
-//! after the operation, checks that the host collective's peers are still alive, and past the
-//! timeout aborts the communicator and returns an error naming the operation, the rank and the
-//! peer. Aborting never panics, even after a sticky CUDA error.
+//! The dtype, layout and GPU are checked before anything is queued, so a wrong call is an error
+//! that leaves the communicator usable. NCCL calls are asynchronous and a dead peer can leave
+//! them spinning forever, so every wait has a watchdog ([`super::nccl_life`]):
+//!
+//! - **Creation.** Communicators are created non-blocking (`ncclCommInitRankConfig` with
+//!   `blocking = 0`) and waited for with the collective timeout: a rank that never arrives, or a
+//!   bootstrap interface the other machines cannot reach, is an error naming this rank and what
+//!   to check (`NCCL_SOCKET_IFNAME`, `NCCL_DEBUG`) instead of a hang. Right after creation every
+//!   rank runs one warm-up all-reduce (grouped over the replicas in DP), so that NCCL connects
+//!   its peers there and then, under the same watchdog, and not lazily inside the first
+//!   training step while other threads copy memory.
+//! - **Operations.** After each operation the watchdog polls an event recorded after it and
+//!   `ncclCommGetAsyncError`: a network error with every process alive fails at once, naming the
+//!   rank, the operation and NCCL's error; a host peer that is gone fails within 50 ms; past the
+//!   timeout the error names the rank and the operation. A failed operation aborts the
+//!   communicator; every later call fails with [`Error::Broken`].
+//! - **Closing.** When the last handle goes, a communicator whose run finished
+//!   ([`Collective::set_run_outcome`], told by `AcceleratorBuilder::run`) is closed together with
+//!   the other ranks: a barrier, `ncclCommFinalize`, `ncclCommDestroy`. One dropped without that
+//!   word is finalized and destroyed without the barrier; one whose run failed (or whose thread
+//!   panics) is aborted. Aborting never panics, even after a sticky CUDA error.
 
-use std::ffi::c_void;
-use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::CudaStorage;
-use candle_core::{CpuStorage, CustomOp1, DType, Device, InplaceOp1, Layout, Shape, Tensor};
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use candle_core::{DType, Device, Tensor};
+use cudarc::driver::CudaStream;
 use cudarc::nccl::{result as nccl, sys};
 
+#[path = "nccl_comm.rs"]
+mod comm;
+#[path = "nccl_ops.rs"]
+mod ops;
+
+use comm::{nccl_err, warm_up, RawComm};
+use ops::{nccl_op, padded_blocks, AllGather, Call, OutOfPlace, ReduceScatter};
+
+use super::nccl_life;
 use super::{
     Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp, TcpCollective, TcpOptions, ThreadGroup,
 };
 use crate::error::{Error, Result};
-
-/// One NCCL communicator, owned: aborted (never panicking) when dropped.
-struct RawComm {
-    comm: sys::ncclComm_t,
-    stream: Arc<CudaStream>,
-    rank: usize,
-}
-
-// SAFETY: an NCCL communicator may be used from any thread as long as no two calls on it run at
-// the same time; every use of a `RawComm` goes through the `Mutex` in `NcclCollective`.
-unsafe impl Send for RawComm {}
-
-impl Drop for RawComm {
-    fn drop(&mut self) {
-        // SAFETY: `self.comm` was initialised by NCCL (`init_rank`/`init_all` only build a
-        // `RawComm` after success) and is aborted exactly once, here.
-        if let Err(e) = unsafe { nccl::comm_abort(self.comm) } {
-            log::warn!(
-                "rank {}: aborting the NCCL communicator failed ({:?}); ignored at teardown",
-                self.rank,
-                e.0
-            );
-        }
-    }
-}
-
-fn nccl_err(rank: usize, op: &str, what: impl std::fmt::Debug) -> Error {
-    Error::Peer {
-        rank,
-        peer: rank,
-        op: op.into(),
-        reason: format!("NCCL error: {what:?}"),
-        source: None,
-    }
-}
-
-impl RawComm {
-    /// `ncclCommInitRank` on `stream`'s GPU, with its context bound to this thread first.
-    fn init_rank(
-        stream: Arc<CudaStream>,
-        rank: usize,
-        world: usize,
-        id: sys::ncclUniqueId,
-    ) -> Result<Self> {
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| nccl_err(rank, "nccl init (binding the GPU)", e))?;
-        let (n, r) = (
-            i32::try_from(world).map_err(|_| Error::invalid("world size", "too large for NCCL"))?,
-            i32::try_from(rank).map_err(|_| Error::invalid("rank", "too large for NCCL"))?,
-        );
-        let mut comm = MaybeUninit::uninit();
-        // SAFETY: `comm` is a valid place for one communicator handle, written by NCCL on
-        // success (and only read then); the unique id came from rank 0's `ncclGetUniqueId`.
-        let comm = unsafe {
-            nccl::comm_init_rank(comm.as_mut_ptr(), n, id, r)
-                .map_err(|e| nccl_err(rank, "nccl init", e.0))?;
-            comm.assume_init()
-        };
-        Ok(RawComm { comm, stream, rank })
-    }
-
-    /// `ncclCommInitAll`: one communicator per stream (each on its own GPU), rank i on stream i.
-    fn init_all(streams: Vec<Arc<CudaStream>>) -> Result<Vec<Self>> {
-        let ordinals: Vec<i32> = streams
-            .iter()
-            .map(|s| i32::try_from(s.context().ordinal()).unwrap_or(i32::MAX))
-            .collect();
-        let n = i32::try_from(streams.len())
-            .map_err(|_| Error::invalid("data_parallel", "too many replicas for NCCL"))?;
-        let mut comms: Vec<sys::ncclComm_t> = vec![std::ptr::null_mut(); streams.len()];
-        // SAFETY: `comms` has room for `n` handles and `ordinals` holds `n` device ordinals, as
-        // ncclCommInitAll requires.
-        unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n, ordinals.as_ptr()) }
-            .map_err(|e| nccl_err(0, "nccl init", e.0))?;
-        Ok(comms
-            .into_iter()
-            .zip(streams)
-            .enumerate()
-            .map(|(rank, (comm, stream))| RawComm { comm, stream, rank })
-            .collect())
-    }
-}
 
 /// The NCCL element type of a Candle dtype, if NCCL has one.
 fn nccl_dtype(dtype: DType) -> Option<sys::ncclDataType_t> {
@@ -156,6 +92,34 @@ pub struct NcclCollective {
     /// Call NCCL even at world size 1 (a diagnostic switch; see [`NcclCollective::force_calls`]).
     force: bool,
     calls: AtomicU64,
+    /// How the run ended, when told ([`Collective::set_run_outcome`]): decides how the
+    /// communicator is closed.
+    outcome: Mutex<Option<bool>>,
+}
+
+impl Drop for NcclCollective {
+    fn drop(&mut self) {
+        let Some(mut comm) = self.comm.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            return;
+        };
+        let outcome = nccl_life::outcome(
+            self.broken_guard().clone(),
+            std::thread::panicking(),
+            *self.outcome.lock().unwrap_or_else(|p| p.into_inner()),
+        );
+        let rank = self.host.rank();
+        let host = self.host.clone();
+        let closed = nccl_life::close(
+            &comm,
+            outcome,
+            rank,
+            self.timeout,
+            &mut || host.barrier(),
+            &mut || host.check_peers(),
+        );
+        comm.closed = true;
+        log::debug!("rank {rank}: NCCL communicator closed: {closed:?}");
+    }
 }
 
 impl std::fmt::Debug for NcclCollective {
@@ -258,7 +222,10 @@ impl NcclCollective {
             rank,
             host.world_size(),
             sys::ncclUniqueId { internal },
+            timeout,
+            &mut || host.check_peers(),
         )?;
+        warm_up(&[&comm], timeout, &mut || host.check_peers())?;
         Ok(Self::assemble(host, comm, device.clone(), timeout))
     }
 
@@ -276,29 +243,40 @@ impl NcclCollective {
             timeout,
             force: false,
             calls: AtomicU64::new(0),
+            outcome: Mutex::new(None),
         }
     }
 
     /// DP: one communicator per GPU ordinal of this process (rank i drives `ordinals[i]`), each
     /// paired with a thread-group rank for host operations. Returns each rank's device and
-    /// collective; move each into its own thread. The ordinals must be distinct (NCCL cannot put
-    /// two ranks on one GPU; DP falls back to a thread group then).
+    /// collective; move each into its own thread. The GPUs must be distinct, by PCI bus id (NCCL
+    /// cannot put two ranks on one GPU, nor on two MIG slices of one; DP falls back to a thread
+    /// group then).
+    ///
+    /// The communicators are created in one NCCL group and connected with one grouped warm-up
+    /// all-reduce before this returns, on this thread: the replicas' threads never connect NCCL
+    /// while other threads copy memory.
     pub fn group(ordinals: &[usize], timeout: Duration) -> Result<Vec<(Device, NcclCollective)>> {
-        if let Some((a, b)) = super::placement::first_shared(ordinals) {
+        let devices: Vec<Device> = ordinals
+            .iter()
+            .map(|&o| crate::settings::gpu::device(o))
+            .collect::<Result<_>>()?;
+        let bus_ids = devices
+            .iter()
+            .map(crate::settings::gpu::pci_bus_id)
+            .collect::<Result<Vec<_>>>()?;
+        if let Some((a, b)) = super::placement::first_shared(&bus_ids) {
             return Err(Error::invalid(
                 "NCCL group",
                 format!(
-                    "ranks {a} and {b} both drive GPU {}: NCCL needs one GPU per rank",
-                    ordinals[a]
+                    "ranks {a} and {b} both drive the GPU at PCI bus id {} (GPUs {} and {}): NCCL needs one GPU per rank",
+                    bus_ids[a], ordinals[a], ordinals[b]
                 ),
             ));
         }
-        let devices: Vec<Device> = ordinals
-            .iter()
-            .map(|&o| crate::gpu::device(o))
-            .collect::<Result<_>>()?;
         let streams = devices.iter().map(stream_of).collect::<Result<Vec<_>>>()?;
-        let comms = RawComm::init_all(streams)?;
+        let comms = RawComm::init_group(streams, timeout)?;
+        warm_up(&comms.iter().collect::<Vec<_>>(), timeout, &mut || Ok(()))?;
         let hosts = ThreadGroup::new(ordinals.len(), timeout)?;
         Ok(devices
             .into_iter()
@@ -341,6 +319,17 @@ impl NcclCollective {
     /// validated the arguments, so a failure here is NCCL's or a peer's: the communicator is
     /// aborted and every later call fails with [`Error::Broken`].
     fn run(&self, op: &str, enqueue: impl FnOnce(&RawComm) -> Result<()>) -> Result<()> {
+        self.run_n(op, 1, enqueue)
+    }
+
+    /// [`run`](Self::run) for `count` operations queued by `enqueue` (counted in
+    /// [`nccl_calls`](Self::nccl_calls)), waited for once.
+    fn run_n(
+        &self,
+        op: &str,
+        count: u64,
+        enqueue: impl FnOnce(&RawComm) -> Result<()>,
+    ) -> Result<()> {
         let rank = self.host.rank();
         if let Some(first) = self.broken_guard().clone() {
             return Err(Error::Broken {
@@ -360,7 +349,7 @@ impl NcclCollective {
         };
         match &res {
             Ok(()) => {
-                self.calls.fetch_add(1, Ordering::Relaxed);
+                self.calls.fetch_add(count, Ordering::Relaxed);
             }
             Err(e) => {
                 // Dropping the communicator aborts it, which unblocks NCCL kernels still waiting
@@ -373,307 +362,19 @@ impl NcclCollective {
     }
 
     fn watch(&self, op: &str, comm: &RawComm) -> Result<()> {
-        let rank = self.host.rank();
-        let event = comm
-            .stream
-            .record_event(None)
-            .map_err(|e| nccl_err(rank, op, e))?;
-        let start = Instant::now();
-        let mut last_check = start;
-        loop {
-            match event.try_is_complete() {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => return Err(nccl_err(rank, op, e)),
-            }
-            let now = Instant::now();
-            if now.duration_since(last_check) > Duration::from_millis(50) {
-                self.host.check_peers().map_err(|e| Error::Peer {
-                    rank,
-                    peer: match &e {
-                        Error::Peer { peer, .. } => *peer,
-                        _ => rank,
-                    },
-                    op: op.into(),
-                    reason: format!("a peer is gone while NCCL waits: {e}"),
-                    source: None,
-                })?;
-                last_check = now;
-            }
-            if now.duration_since(start) >= self.timeout {
-                return Err(Error::Timeout {
-                    rank,
-                    peer: (rank + 1) % self.host.world_size(),
-                    op: op.into(),
-                    timeout: self.timeout,
-                });
-            }
-            if now.duration_since(start) < Duration::from_millis(2) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-        }
-    }
-}
-
-/// What one NCCL call does, queued on the communicator's stream.
-#[derive(Clone, Copy)]
-enum Call {
-    AllReduce(sys::ncclRedOp_t),
-    Broadcast(i32),
-}
-
-/// An in-place NCCL call on a contiguous CUDA tensor.
-struct InPlace<'a> {
-    comm: &'a RawComm,
-    call: Call,
-    ty: sys::ncclDataType_t,
-}
-
-/// Reduce-scatter of a contiguous CUDA tensor of `world * n` elements into a new `[n]` tensor
-/// (this rank's block of the reduction).
-struct ReduceScatter<'a> {
-    comm: &'a RawComm,
-    world: usize,
-    ty: sys::ncclDataType_t,
-    op: sys::ncclRedOp_t,
-}
-
-/// `flat` (1-D, `len` elements) cut into the ranks' chunks ([`super::chunk_range`]), each
-/// padded with zeros to `block` elements and laid end to end: the equal-sized blocks NCCL's
-/// reduce-scatter and all-gather move.
-fn padded_blocks(flat: &Tensor, world: usize, block: usize) -> Result<Tensor> {
-    let len = flat.elem_count();
-    if len == world * block {
-        // Equal chunks already (floor bounds of a multiple of `world`).
-        return Ok(flat.contiguous()?);
-    }
-    let mut parts = Vec::with_capacity(2 * world);
-    for r in 0..world {
-        let own = super::chunk_range(len, world, r);
-        parts.push(flat.narrow(0, own.start, own.len())?);
-        if own.len() < block {
-            parts.push(Tensor::zeros(
-                block - own.len(),
-                flat.dtype(),
-                flat.device(),
-            )?);
-        }
-    }
-    Ok(Tensor::cat(&parts, 0)?.contiguous()?)
-}
-
-/// All-gather of equal-sized contiguous CUDA tensors into a new `[world * n]` tensor.
-struct AllGather<'a> {
-    comm: &'a RawComm,
-    world: usize,
-    ty: sys::ncclDataType_t,
-}
-
-fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
-    match op {
-        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
-        ReduceOp::Mean => sys::ncclRedOp_t::ncclAvg,
-        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
-    }
-}
-
-fn cpu_refused(name: &str) -> candle_core::Error {
-    candle_core::Error::Msg(format!("{name}: NCCL operations need CUDA tensors"))
-}
-
-fn contiguous(l: &Layout, name: &str) -> candle_core::Result<(usize, usize)> {
-    l.contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("{name}: tensor is not contiguous")))
-}
-
-fn wrap(e: nccl::NcclError) -> candle_core::Error {
-    candle_core::Error::Msg(format!("NCCL: {:?}", e.0))
-}
-
-/// Runs `$body` with `$t` the Rust element type of `$dtype` (only the dtypes [`nccl_dtype`]
-/// accepts; `validate` has refused the others before anything is queued).
-macro_rules! per_dtype {
-    ($dtype:expr, $name:expr, |$t:ident| $body:expr) => {
-        match $dtype {
-            DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            DType::F64 => {
-                type $t = f64;
-                $body
-            }
-            DType::F16 => {
-                type $t = half::f16;
-                $body
-            }
-            DType::BF16 => {
-                type $t = half::bf16;
-                $body
-            }
-            DType::U8 => {
-                type $t = u8;
-                $body
-            }
-            DType::U32 => {
-                type $t = u32;
-                $body
-            }
-            DType::I32 => {
-                type $t = i32;
-                $body
-            }
-            DType::I64 => {
-                type $t = i64;
-                $body
-            }
-            other => Err(candle_core::Error::Msg(format!(
-                "{}: unsupported dtype {other:?}",
-                $name
-            ))),
-        }
-    };
-}
-
-impl InplaceOp1 for InPlace<'_> {
-    fn name(&self) -> &'static str {
-        match self.call {
-            Call::AllReduce(_) => "nccl-all-reduce",
-            Call::Broadcast(_) => "nccl-broadcast",
-        }
-    }
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        Err(cpu_refused(self.name()))
-    }
-    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
-        let (a, b) = contiguous(l, self.name())?;
-        let stream = &self.comm.stream;
-        per_dtype!(s.dtype(), self.name(), |T| {
-            let mut view = s.as_cuda_slice_mut::<T>()?.slice_mut(a..b);
-            // Recorded on the stream when `_sync` drops, after the call is queued.
-            let (ptr, _sync) = view.device_ptr_mut(stream);
-            let buf = ptr as *mut c_void;
-            // SAFETY: `buf` points to `b - a` elements of type `ty` on the communicator's GPU,
-            // borrowed mutably (Candle's write lock on the storage) until the call is queued on
-            // the communicator's stream, where later uses of the tensor are ordered after it.
-            // In-place NCCL calls take the same pointer as source and destination.
-            let res = unsafe {
-                match self.call {
-                    Call::AllReduce(op) => nccl::all_reduce(
-                        buf,
-                        buf,
-                        b - a,
-                        self.ty,
-                        op,
-                        self.comm.comm,
-                        stream.cu_stream() as _,
-                    ),
-                    Call::Broadcast(root) => nccl::broadcast(
-                        buf,
-                        buf,
-                        b - a,
-                        self.ty,
-                        root,
-                        self.comm.comm,
-                        stream.cu_stream() as _,
-                    ),
-                }
-            };
-            res.map(|_| ()).map_err(wrap)
+        let host = &self.host;
+        comm.wait_done(self.host.rank(), op, self.timeout, &mut || {
+            host.check_peers()
         })
     }
-}
 
-impl CustomOp1 for ReduceScatter<'_> {
-    fn name(&self) -> &'static str {
-        "nccl-reduce-scatter"
-    }
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(cpu_refused(self.name()))
-    }
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (a, b) = contiguous(l, self.name())?;
-        if (b - a) % self.world.max(1) != 0 {
-            return Err(candle_core::Error::Msg(format!(
-                "{}: {} element(s) do not split into {} equal blocks",
-                self.name(),
-                b - a,
-                self.world
-            )));
-        }
-        let out_len = (b - a) / self.world.max(1);
-        let dev = s.device.clone();
-        let stream = &self.comm.stream;
-        per_dtype!(s.dtype(), self.name(), |T| {
-            let src = s.as_cuda_slice::<T>()?.slice(a..b);
-            let mut dst = dev.alloc_zeros::<T>(out_len)?;
-            {
-                let (sp, _sync_src) = src.device_ptr(stream);
-                let (dp, _sync_dst) = dst.device_ptr_mut(stream);
-                // SAFETY: `sp` points to `world * out_len` elements of type `ty` and `dp` to
-                // `out_len`, both on the communicator's GPU and alive until the call is queued on
-                // its stream (the events recorded when the guards drop order later uses).
-                unsafe {
-                    nccl::reduce_scatter(
-                        sp as *const c_void,
-                        dp as *mut c_void,
-                        out_len,
-                        self.ty,
-                        self.op,
-                        self.comm.comm,
-                        stream.cu_stream() as _,
-                    )
-                }
-                .map_err(wrap)?;
-            }
-            Ok((
-                CudaStorage::wrap_cuda_slice(dst, dev.clone()),
-                Shape::from(out_len),
-            ))
-        })
-    }
-}
-
-impl CustomOp1 for AllGather<'_> {
-    fn name(&self) -> &'static str {
-        "nccl-all-gather"
-    }
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(cpu_refused(self.name()))
-    }
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (a, b) = contiguous(l, self.name())?;
-        let out_len = (b - a) * self.world;
-        let dev = s.device.clone();
-        let stream = &self.comm.stream;
-        per_dtype!(s.dtype(), self.name(), |T| {
-            let src = s.as_cuda_slice::<T>()?.slice(a..b);
-            let mut dst = dev.alloc_zeros::<T>(out_len)?;
-            {
-                let (sp, _sync_src) = src.device_ptr(stream);
-                let (dp, _sync_dst) = dst.device_ptr_mut(stream);
-                // SAFETY: `sp` points to `b - a` elements of type `ty` and `dp` to `world` times
-                // as many, both on the communicator's GPU and alive until the call is queued on
-                // its stream (the events recorded when the guards drop order later uses).
-                unsafe {
-                    nccl::all_gather(
-                        sp as *const c_void,
-                        dp as *mut c_void,
-                        b - a,
-                        self.ty,
-                        self.comm.comm,
-                        stream.cu_stream() as _,
-                    )
-                }
-                .map_err(wrap)?;
-            }
-            Ok((
-                CudaStorage::wrap_cuda_slice(dst, dev.clone()),
-                Shape::from(out_len),
-            ))
-        })
+    /// Refuses a tensor on another GPU than this rank's (checked before anything is queued).
+    fn check_device(&self, op: &str, t: &Tensor) -> Result<()> {
+        let want = match self.device.location() {
+            candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
+            _ => return Ok(()),
+        };
+        nccl_life::check_ordinal(self.host.rank(), op, want, t.device().location())
     }
 }
 
@@ -702,6 +403,9 @@ impl Collective for NcclCollective {
     fn check_peers(&self) -> Result<()> {
         self.host.check_peers()
     }
+    fn set_run_outcome(&self, finished: bool) {
+        *self.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(finished);
+    }
 
     fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         if self.skip() {
@@ -710,14 +414,61 @@ impl Collective for NcclCollective {
         if !t.device().is_cuda() {
             return self.host.all_reduce_tensor(t, op);
         }
-        let ty = checked("all_reduce", t.dtype(), Some(op))?;
-        // A private contiguous copy: the caller's tensor is never modified.
-        let out = t.contiguous()?.copy()?;
-        self.run("all_reduce", |comm| {
-            let call = Call::AllReduce(nccl_op(op));
-            Ok(out.inplace_op1(&InPlace { comm, call, ty })?)
+        Ok(self
+            .all_reduce_tensors(std::slice::from_ref(t), op)?
+            .remove(0))
+    }
+
+    fn all_reduce_tensors(&self, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>> {
+        if self.skip() {
+            return Ok(ts.to_vec());
+        }
+        if ts.iter().any(|t| !t.device().is_cuda()) {
+            return ts
+                .iter()
+                .map(|t| {
+                    if t.device().is_cuda() {
+                        self.all_reduce_tensors(std::slice::from_ref(t), op)
+                            .map(|mut v| v.remove(0))
+                    } else {
+                        self.host.all_reduce_tensor(t, op)
+                    }
+                })
+                .collect();
+        }
+        // Everything checked before anything is queued.
+        let mut inputs = Vec::with_capacity(ts.len());
+        for t in ts {
+            self.check_device("all_reduce", t)?;
+            inputs.push((t.contiguous()?, checked("all_reduce", t.dtype(), Some(op))?));
+        }
+        let mut outs = Vec::with_capacity(ts.len());
+        // One NCCL group, queued back to back on the stream, one wait for all of them.
+        self.run_n("all_reduce", ts.len() as u64, |comm| {
+            nccl::group_start()
+                .map_err(|e| nccl_err(comm.rank, "all_reduce (group start)", e.0))?;
+            let mut queued = Ok(());
+            for (t, ty) in &inputs {
+                let call = Call::AllReduce(nccl_op(op));
+                match t.apply_op1_no_bwd(&OutOfPlace {
+                    comm,
+                    call,
+                    ty: *ty,
+                }) {
+                    Ok(out) => outs.push(out),
+                    Err(e) => {
+                        queued = Err(e.into());
+                        break;
+                    }
+                }
+            }
+            // Always ended, whatever happened inside.
+            let ended = nccl::group_end()
+                .map(|_| ())
+                .map_err(|e| nccl_err(comm.rank, "all_reduce (group end)", e.0));
+            queued.and(ended)
         })?;
-        Ok(out)
+        Ok(outs)
     }
 
     fn broadcast_tensor(&self, t: &Tensor, root: usize) -> Result<Tensor> {
@@ -728,15 +479,18 @@ impl Collective for NcclCollective {
         if !t.device().is_cuda() {
             return self.host.broadcast_tensor(t, root);
         }
+        self.check_device("broadcast", t)?;
         let ty = checked("broadcast", t.dtype(), None)?;
         let root =
             i32::try_from(root).map_err(|_| Error::invalid("broadcast root", "too large"))?;
-        let out = t.contiguous()?.copy()?;
+        let input = t.contiguous()?;
+        let mut out = None;
         self.run("broadcast", |comm| {
             let call = Call::Broadcast(root);
-            Ok(out.inplace_op1(&InPlace { comm, call, ty })?)
+            out = Some(input.apply_op1_no_bwd(&OutOfPlace { comm, call, ty })?);
+            Ok(())
         })?;
-        Ok(out)
+        out.ok_or_else(|| nccl_err(self.rank(), "broadcast", "no output"))
     }
 
     fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -747,6 +501,7 @@ impl Collective for NcclCollective {
         if !t.device().is_cuda() || len == 0 {
             return self.host.reduce_scatter_tensor(t, op);
         }
+        self.check_device("reduce_scatter", t)?;
         let ty = checked("reduce_scatter", t.dtype(), Some(op))?;
         let block = len.div_ceil(world);
         let padded = padded_blocks(&t.flatten_all()?, world, block)?;
@@ -774,6 +529,7 @@ impl Collective for NcclCollective {
         if !t.device().is_cuda() || len == 0 {
             return self.host.all_gather_into_tensor(t);
         }
+        self.check_device("all_gather_into", t)?;
         let ty = checked("all_gather_into", t.dtype(), None)?;
         let block = len.div_ceil(world);
         let own = super::chunk_range(len, world, self.rank());
@@ -810,6 +566,7 @@ impl Collective for NcclCollective {
         if !t.device().is_cuda() || t.rank() == 0 {
             return self.host.all_gather_tensor(t);
         }
+        self.check_device("all_gather", t)?;
         let ty = checked("all_gather", t.dtype(), None)?;
         // NCCL gathers equal sizes: agree on every rank's row count (host side, which also
         // checks dtype and trailing dims), pad to the largest, gather, then drop the padding.

@@ -55,7 +55,7 @@ mod tests {
 
     #[test]
     fn floats_reduce_with_every_op_integers_without_mean_u8_not_at_all() {
-        for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+        for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
             for d in [DType::F32, DType::F64, DType::F16, DType::BF16] {
                 assert!(validate("all_reduce", d, Some(op)).is_ok(), "{d:?} {op:?}");
             }
@@ -65,6 +65,7 @@ mod tests {
         for d in [DType::U32, DType::I32, DType::I64] {
             assert!(validate("all_reduce", d, Some(ReduceOp::Sum)).is_ok());
             assert!(validate("all_reduce", d, Some(ReduceOp::Max)).is_ok());
+            assert!(validate("all_reduce", d, Some(ReduceOp::Min)).is_ok());
             let e = validate("all_reduce", d, Some(ReduceOp::Mean)).unwrap_err();
             assert!(e.to_string().contains("integers have no mean"), "{e}");
         }

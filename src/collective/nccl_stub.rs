@@ -52,7 +52,7 @@ impl NcclCollective {
 
 /// The "built without CUDA" error of `gpu_stub.rs`.
 fn built_without_cuda() -> Error {
-    match crate::gpu::device_count() {
+    match crate::settings::gpu::device_count() {
         Err(e) => e,
         Ok(_) => Error::NotAvailable {
             what: "NCCL".into(),

@@ -5,11 +5,60 @@
 //! reduced through the host instead, over the same shared-memory/TCP transport (or thread group)
 //! the CPU path uses, with one warning. The decisions are plain functions of the ranks' GPU
 //! identities, so they are tested without a GPU.
+//!
+//! **What "the same GPU" means** is NCCL's own rule: the same PCI bus id on the same host (NCCL
+//! refuses a communicator whose ranks repeat a `(host, bus id)` pair). Two MIG slices of one GPU
+//! have different UUIDs but one bus id, so they count as one GPU; two hosts can have a GPU at the
+//! same bus id, so the host is part of the key ([`gpu_key`], [`host_identity`]).
 
 use crate::collective::{Buffer, Collective};
 use crate::error::{Error, Result};
 #[cfg(test)]
-use crate::settings::state::gpu_ordinal;
+use crate::settings::place::gpu_ordinal;
+
+/// The placement key of a GPU: the host (see [`host_identity`]) and the GPU's PCI bus id. Two
+/// ranks drive the same GPU, as NCCL sees it, exactly when their keys are equal.
+pub(crate) fn gpu_key(host: &str, pci_bus_id: &str) -> Vec<u8> {
+    format!("{host}/{}", pci_bus_id.to_ascii_lowercase()).into_bytes()
+}
+
+/// This host as NCCL tells hosts apart: `NCCL_HOSTID` when set, else the host name up to its
+/// first dot and the boot id (`/proc/sys/kernel/random/boot_id`), so that containers with one
+/// host name on different machines stay apart.
+pub(crate) fn host_identity() -> String {
+    let hostid = std::env::var("NCCL_HOSTID").ok();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok();
+    host_identity_from(hostid.as_deref(), &host_name(), boot.as_deref())
+}
+
+/// [`host_identity`] from its parts.
+pub(crate) fn host_identity_from(
+    hostid: Option<&str>,
+    hostname: &str,
+    boot_id: Option<&str>,
+) -> String {
+    if let Some(id) = hostid.map(str::trim).filter(|s| !s.is_empty()) {
+        return id.to_string();
+    }
+    let short = hostname.split('.').next().unwrap_or(hostname);
+    match boot_id.map(str::trim).filter(|s| !s.is_empty()) {
+        Some(boot) => format!("{short}:{boot}"),
+        None => short.to_string(),
+    }
+}
+
+/// The host name (`gethostname`), or `localhost` if it cannot be read.
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is writable for `buf.len()` bytes; gethostname writes at most that many and
+    // the result is read only up to the first NUL (or the whole buffer).
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "localhost".into();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
 
 /// The first two ranks (in rank order) whose GPU identities are equal, if any.
 pub(crate) fn first_shared<T: PartialEq>(ids: &[T]) -> Option<(usize, usize)> {
@@ -109,6 +158,31 @@ mod tests {
         for r in exchange(&[b"GPU-a", b"GPU-b", b"GPU-a"]) {
             assert_eq!(r.unwrap(), Some((0, 2)));
         }
+    }
+
+    #[test]
+    fn two_mig_slices_of_one_gpu_are_one_gpu_and_hosts_stay_apart() {
+        let host_a = host_identity_from(None, "node-a.cluster", Some("boot-1\n"));
+        let host_b = host_identity_from(None, "node-b", Some("boot-2"));
+        assert_eq!(host_a, "node-a:boot-1");
+        // Two MIG slices (different UUIDs) of the GPU at bus 0000:17:00 on one host: NCCL
+        // would refuse them as duplicates, so they share.
+        let a: &'static [u8] = Box::leak(gpu_key(&host_a, "0000:17:00").into_boxed_slice());
+        let b: &'static [u8] = Box::leak(gpu_key(&host_a, "0000:17:00").into_boxed_slice());
+        for r in exchange(&[a, b]) {
+            assert_eq!(r.unwrap(), Some((0, 1)));
+        }
+        // The same bus id on two hosts: two GPUs. Letter case does not matter.
+        let c: &'static [u8] = Box::leak(gpu_key(&host_b, "0000:17:00").into_boxed_slice());
+        let d: &'static [u8] = Box::leak(gpu_key(&host_a, "0000:31:00").into_boxed_slice());
+        for r in exchange(&[a, c, d]) {
+            assert_eq!(r.unwrap(), None);
+        }
+        assert_eq!(gpu_key("h", "0000:AB:00"), gpu_key("h", "0000:ab:00"));
+        // NCCL_HOSTID wins; without a boot id the short host name is the host.
+        assert_eq!(host_identity_from(Some(" rack7 "), "x", Some("b")), "rack7");
+        assert_eq!(host_identity_from(Some(""), "x.y", None), "x");
+        assert!(!host_identity().is_empty());
     }
 
     #[test]

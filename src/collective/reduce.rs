@@ -12,8 +12,10 @@ pub enum ReduceOp {
     Sum,
     /// Element-wise mean (sum divided by the world size).
     Mean,
-    /// Element-wise maximum.
+    /// Element-wise maximum. A NaN on any rank makes the result NaN (as `torch.max`).
     Max,
+    /// Element-wise minimum. A NaN on any rank makes the result NaN (as `torch.min`).
+    Min,
 }
 
 impl ReduceOp {
@@ -23,6 +25,7 @@ impl ReduceOp {
             ReduceOp::Sum => "sum",
             ReduceOp::Mean => "mean",
             ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
         }
     }
     pub(crate) fn code(self) -> u8 {
@@ -30,6 +33,16 @@ impl ReduceOp {
             ReduceOp::Sum => 1,
             ReduceOp::Mean => 2,
             ReduceOp::Max => 3,
+            ReduceOp::Min => 4,
+        }
+    }
+
+    /// The operation that combines partial results: `Mean` accumulates a sum (divided once at
+    /// the end, see [`finish_mean`]); the others accumulate themselves.
+    pub(crate) fn accumulating(self) -> ReduceOp {
+        match self {
+            ReduceOp::Mean => ReduceOp::Sum,
+            other => other,
         }
     }
 }
@@ -79,41 +92,66 @@ fn fmax64(a: f64, b: f64) -> f64 {
     }
 }
 
+fn fmin32(a: f32, b: f32) -> f32 {
+    // NaN wins, like torch.min.
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else if b < a {
+        b
+    } else {
+        a
+    }
+}
+
+fn fmin64(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else if b < a {
+        b
+    } else {
+        a
+    }
+}
+
 /// `dst = dst (op) src` element-wise. `Mean` accumulates a sum; call [`finish_mean`] once at the end.
 pub(crate) fn reduce_into(elem: ElemType, op: ReduceOp, dst: &mut [u8], src: &[u8]) -> Result<()> {
-    let max = op == ReduceOp::Max;
+    fn half<T: Copy>(
+        d: &mut [T],
+        s: &[T],
+        op: ReduceOp,
+        to: impl Fn(T) -> f32,
+        from: impl Fn(f32) -> T,
+    ) {
+        match op {
+            ReduceOp::Max => combine(d, s, |a, b| from(fmax32(to(a), to(b)))),
+            ReduceOp::Min => combine(d, s, |a, b| from(fmin32(to(a), to(b)))),
+            ReduceOp::Sum | ReduceOp::Mean => combine(d, s, |a, b| from(to(a) + to(b))),
+        }
+    }
     match elem {
         ElemType::F32 => {
             let (d, s) = (view_mut::<f32>(dst, "f32")?, view::<f32>(src, "f32")?);
-            if max {
-                combine(d, s, fmax32)
-            } else {
-                combine(d, s, |a, b| a + b)
+            match op {
+                ReduceOp::Max => combine(d, s, fmax32),
+                ReduceOp::Min => combine(d, s, fmin32),
+                ReduceOp::Sum | ReduceOp::Mean => combine(d, s, |a, b| a + b),
             }
         }
         ElemType::F64 => {
             let (d, s) = (view_mut::<f64>(dst, "f64")?, view::<f64>(src, "f64")?);
-            if max {
-                combine(d, s, fmax64)
-            } else {
-                combine(d, s, |a, b| a + b)
+            match op {
+                ReduceOp::Max => combine(d, s, fmax64),
+                ReduceOp::Min => combine(d, s, fmin64),
+                ReduceOp::Sum | ReduceOp::Mean => combine(d, s, |a, b| a + b),
             }
         }
         ElemType::F16 => {
             let (d, s) = (view_mut::<f16>(dst, "f16")?, view::<f16>(src, "f16")?);
-            if max {
-                combine(d, s, |a, b| f16::from_f32(fmax32(a.to_f32(), b.to_f32())))
-            } else {
-                combine(d, s, |a, b| f16::from_f32(a.to_f32() + b.to_f32()))
-            }
+            half(d, s, op, f16::to_f32, f16::from_f32)
         }
         ElemType::BF16 => {
             let (d, s) = (view_mut::<bf16>(dst, "bf16")?, view::<bf16>(src, "bf16")?);
-            if max {
-                combine(d, s, |a, b| bf16::from_f32(fmax32(a.to_f32(), b.to_f32())))
-            } else {
-                combine(d, s, |a, b| bf16::from_f32(a.to_f32() + b.to_f32()))
-            }
+            half(d, s, op, bf16::to_f32, bf16::from_f32)
         }
         ElemType::U8 => {
             return Err(Error::UnsupportedDType {
@@ -177,9 +215,11 @@ pub(crate) fn reduce_last(
             run(dst, src, copy, "f32", |a: f32, b| (a + b) / n)
         }
         (ElemType::F32, ReduceOp::Max) => run(dst, src, copy, "f32", fmax32),
+        (ElemType::F32, ReduceOp::Min) => run(dst, src, copy, "f32", fmin32),
         (ElemType::F64, ReduceOp::Sum) => run(dst, src, copy, "f64", |a: f64, b| a + b),
         (ElemType::F64, ReduceOp::Mean) => run(dst, src, copy, "f64", |a: f64, b| (a + b) / n),
         (ElemType::F64, ReduceOp::Max) => run(dst, src, copy, "f64", fmax64),
+        (ElemType::F64, ReduceOp::Min) => run(dst, src, copy, "f64", fmin64),
         (ElemType::F16, ReduceOp::Sum) => run(dst, src, copy, "f16", |a: f16, b: f16| {
             f16::from_f32(a.to_f32() + b.to_f32())
         }),
@@ -189,6 +229,9 @@ pub(crate) fn reduce_last(
         (ElemType::F16, ReduceOp::Max) => run(dst, src, copy, "f16", |a: f16, b: f16| {
             f16::from_f32(fmax32(a.to_f32(), b.to_f32()))
         }),
+        (ElemType::F16, ReduceOp::Min) => run(dst, src, copy, "f16", |a: f16, b: f16| {
+            f16::from_f32(fmin32(a.to_f32(), b.to_f32()))
+        }),
         (ElemType::BF16, ReduceOp::Sum) => run(dst, src, copy, "bf16", |a: bf16, b: bf16| {
             bf16::from_f32(a.to_f32() + b.to_f32())
         }),
@@ -197,6 +240,9 @@ pub(crate) fn reduce_last(
         }),
         (ElemType::BF16, ReduceOp::Max) => run(dst, src, copy, "bf16", |a: bf16, b: bf16| {
             bf16::from_f32(fmax32(a.to_f32(), b.to_f32()))
+        }),
+        (ElemType::BF16, ReduceOp::Min) => run(dst, src, copy, "bf16", |a: bf16, b: bf16| {
+            bf16::from_f32(fmin32(a.to_f32(), b.to_f32()))
         }),
         (ElemType::U8, _) => Err(Error::UnsupportedDType {
             op: format!("all_reduce({})", op.name()),
@@ -273,7 +319,7 @@ mod tests {
     fn fused_last_step_equals_reduce_then_mean_then_copy() -> Result<()> {
         let elems = [ElemType::F32, ElemType::F64, ElemType::F16, ElemType::BF16];
         for elem in elems {
-            for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+            for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
                 for (n, world) in [(1usize, 2usize), (7, 3), (1001, 5)] {
                     let len = n * elem.size();
                     let (d0, s0) = (aligned(&bytes(elem, n, 1)), aligned(&bytes(elem, n, 2)));
@@ -281,12 +327,7 @@ mod tests {
                     let mut want = d0.clone();
                     let want_b = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut want)[..len];
                     let src = &bytemuck::cast_slice::<u64, u8>(&s0)[..len];
-                    let acc = if op == ReduceOp::Mean {
-                        ReduceOp::Sum
-                    } else {
-                        op
-                    };
-                    reduce_into(elem, acc, want_b, src)?;
+                    reduce_into(elem, op.accumulating(), want_b, src)?;
                     if op == ReduceOp::Mean {
                         finish_mean(elem, want_b, world)?;
                     }

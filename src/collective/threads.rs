@@ -335,11 +335,7 @@ impl ThreadCollective {
             // the gate below, which it does only after every other rank arrived there (or left
             // the group, after which it reads nothing).
             let dst = unsafe { std::slice::from_raw_parts_mut(base.add(own.start), own.len()) };
-            let acc = if rop == ReduceOp::Max {
-                ReduceOp::Max
-            } else {
-                ReduceOp::Sum
-            };
+            let acc = rop.accumulating();
             for r in (0..n).filter(|&r| r != me) {
                 // SAFETY: see above; rank `r`'s buffer has the same length `len`.
                 let src = unsafe {

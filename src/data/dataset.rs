@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A random-access collection of samples, each made of one tensor per field
 /// (e.g. `[features, label]`).

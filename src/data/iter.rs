@@ -9,7 +9,7 @@ use candle_core::{Device, Tensor};
 
 use super::threads::Threads;
 use super::{Batch, Dataset};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// One planned batch: its dataset indices, how many of them are padding, and how many samples of
 /// its global batch (all ranks) are padding.

@@ -7,7 +7,7 @@ use candle_core::Device;
 use super::iter::BatchPlan;
 use super::sampler::{validate_shard, validate_split};
 use super::{BatchIter, Dataset, DistributedSampler, EvenBatches, SamplePosition, Sampler};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Iterates a [`Dataset`] in batches for one rank, following a [`DistributedSampler`] plan.
 ///

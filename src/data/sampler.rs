@@ -10,7 +10,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A custom epoch order for a [`DistributedSampler`] (and so a
 /// [`DataLoader`](super::DataLoader)): which dataset indices an epoch visits, in which order.
@@ -468,7 +468,7 @@ pub(crate) fn validate_split(
     batch_size: usize,
     num_replicas: usize,
 ) -> Result<()> {
-    if split_batches && num_replicas > 0 && batch_size % num_replicas != 0 {
+    if split_batches && num_replicas > 0 && !batch_size.is_multiple_of(num_replicas) {
         return Err(Error::invalid(
             "batch_size",
             format!(

@@ -14,7 +14,7 @@ use rand::distr::Distribution;
 use rand::seq::SliceRandom;
 
 use super::sampler::{epoch_rng, Sampler};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Weighted sampling with replacement (PyTorch's `WeightedRandomSampler`): each epoch draws
 /// `num_samples` dataset indices, index `i` with probability `weights[i] / sum(weights)`.

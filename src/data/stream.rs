@@ -17,7 +17,7 @@ use super::dataset::stack_fields;
 use super::sampler::{epoch_rng, last_batch_len, validate_shard, validate_split};
 use super::threads::Threads;
 use super::{Batch, EvenBatches};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Where an epoch stands, in **global samples**: how many records of the epoch's stream (all
 /// ranks together) were consumed. The same on every rank, and independent of the world size, so

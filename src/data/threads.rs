@@ -7,7 +7,7 @@ use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Threads, the channels they fill (`receivers[k]` is fed by the `k`-th thread started with
 /// one) and the flag that asks them to stop. Dropping it sets the flag, closes the channels

@@ -109,8 +109,8 @@ pub fn scaled_dot_product_attention(
             v.dtype()
         );
     }
-    let op = Attention::new(dims, options, false, "scaled_dot_product_attention")?;
     let cpu = fused_cpu(q) && k.device().is_cpu() && v.device().is_cpu();
+    let op = Attention::new(dims, options, false, cpu, "scaled_dot_product_attention")?;
     if !cpu {
         return op.composed(q, k, v);
     }
@@ -157,9 +157,10 @@ pub fn packed_self_attention(
              [B, T, 3C] with C a multiple of the number of heads (and at least one head)"
         ),
     };
-    let op = Attention::new(dims, options, true, "packed_self_attention")?;
+    let cpu = fused_cpu(qkv);
+    let op = Attention::new(dims, options, true, cpu, "packed_self_attention")?;
     let c = dims.h * dims.d;
-    if !fused_cpu(qkv) {
+    if !cpu {
         let split = qkv
             .reshape((dims.b, dims.tq, 3, dims.h, dims.d))?
             .permute((2, 0, 3, 1, 4))?;
@@ -359,15 +360,25 @@ struct Attention {
     dims: Dims,
     scale: f32,
     causal: bool,
-    /// `[B, T_k]`, 1 where a key is padding.
+    /// `[B, T_k]`, 1 where a key is padding (read to the host for the CPU op only).
     padding: Option<Arc<Vec<u8>>>,
+    /// The key padding mask as given (`[B, T_k]`, checked), for the composed path on its device.
+    padding_mask: Option<Tensor>,
     packed: bool,
     probs: Mutex<Option<Vec<f32>>>,
 }
 
 impl Attention {
-    /// The op for `dims` and `options` (`caller` names the function in errors).
-    fn new(dims: Dims, options: &AttentionOptions, packed: bool, caller: &str) -> Result<Self> {
+    /// The op for `dims` and `options` (`caller` names the function in errors); `host`: the CPU
+    /// op will run, so the padding mask is read into host memory (the composed path keeps it on
+    /// its device, with no read-back).
+    fn new(
+        dims: Dims,
+        options: &AttentionOptions,
+        packed: bool,
+        host: bool,
+        caller: &str,
+    ) -> Result<Self> {
         if dims.d == 0 {
             candle_core::bail!("accelerate_rs::nn::{caller}: queries and keys of width 0");
         }
@@ -381,6 +392,7 @@ impl Attention {
         }
         let padding = match &options.key_padding_mask {
             None => None,
+            Some(m) if m.dims() == [dims.b, dims.tk] && !host => None,
             Some(m) if m.dims() == [dims.b, dims.tk] => {
                 let flags = m.ne(0.0)?.flatten_all()?.to_vec1::<u8>()?;
                 Some(Arc::new(flags))
@@ -399,6 +411,7 @@ impl Attention {
             scale: scale as f32,
             causal: options.causal,
             padding,
+            padding_mask: options.key_padding_mask.clone(),
             packed,
             probs: Mutex::new(None),
         })
@@ -707,30 +720,87 @@ impl Attention {
     }
 
     /// Candle's composed ops (other devices and dtypes): scores, the masks as `-inf`, softmax,
-    /// rows that see no key zeroed, the product with `v`.
+    /// rows that see no key zeroed, the product with `v`. The masks are built on the inputs'
+    /// device: the causal one once per device and size ([`causal_mask`]), the padding one from the
+    /// mask tensor as given; nothing goes through host memory.
     fn composed(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let Dims { b, h, tq, tk, .. } = self.dims;
         let dev = q.device();
-        let scores = (q.contiguous()?.matmul(&k.contiguous()?.t()?)? * self.scale as f64)?;
-        let mut visible = vec![1u8; b * tq * tk];
-        for (bi, rows) in visible.chunks_mut((tq * tk).max(1)).enumerate() {
-            for (i, row) in rows.chunks_mut(tk.max(1)).enumerate() {
-                for (j, s) in row.iter_mut().enumerate() {
-                    let future = self.causal && j > i + tk - tq;
-                    let padded = self.padding.as_ref().is_some_and(|p| p[bi * tk + j] != 0);
-                    *s = u8::from(!(future || padded));
-                }
-            }
+        let raw = q.contiguous()?.matmul(&k.contiguous()?.t()?)?;
+        if self.padding_mask.is_none() {
+            // Scale, mask and softmax in one op: `causal_softmax` / `softmax_last_dim` (the
+            // `nn-cuda` kernels when they are on, else Candle's composed ops, as below).
+            let p = if self.causal {
+                super::softmax::causal_softmax(&raw, self.scale as f64)?
+            } else {
+                super::softmax::softmax_last_dim(&(raw * self.scale as f64)?)?
+            };
+            return p.matmul(&v.contiguous()?);
         }
-        let visible =
-            Tensor::from_vec(visible, (b, 1, tq, tk), dev)?.broadcast_as((b, h, tq, tk))?;
+        let scores = (raw * self.scale as f64)?;
+        let causal = if self.causal {
+            Some(causal_mask(tq, tk, dev)?.reshape((1, 1, tq, tk))?)
+        } else {
+            None
+        };
+        // 1 where a key is not padding, `[B, 1, 1, T_k]`.
+        let keep = match &self.padding_mask {
+            Some(m) => Some(m.to_device(dev)?.eq(0.0)?.reshape((b, 1, 1, tk))?),
+            None => None,
+        };
+        let visible = match (causal, keep) {
+            (None, None) => {
+                return candle_nn::ops::softmax(&scores, D::Minus1)?.matmul(&v.contiguous()?)
+            }
+            (Some(c), None) => c,
+            (None, Some(k)) => k,
+            (Some(c), Some(k)) => c.broadcast_mul(&k)?,
+        };
+        let visible = visible.broadcast_as((b, h, tq, tk))?;
         let neg = Tensor::new(f32::NEG_INFINITY, dev)?
             .to_dtype(scores.dtype())?
             .broadcast_as(scores.shape())?;
         let p = candle_nn::ops::softmax(&visible.where_cond(&scores, &neg)?, D::Minus1)?;
-        let p = visible.where_cond(&p, &p.zeros_like()?)?;
+        // Only padding can leave a row without a visible key (its softmax is NaN): zero it.
+        let p = if self.padding_mask.is_some() {
+            visible.where_cond(&p, &p.zeros_like()?)?
+        } else {
+            p
+        };
         p.matmul(&v.contiguous()?)
     }
+}
+
+/// How many causal masks [`causal_mask`] keeps (devices × sizes; a training run uses one or two).
+const CAUSAL_MASKS_KEPT: usize = 16;
+
+/// Causal masks already built, per device and size.
+static CAUSAL_MASKS: Mutex<Vec<(candle_core::Device, usize, usize, Tensor)>> =
+    Mutex::new(Vec::new());
+
+/// The causal mask `[T_q, T_k]` (u8, 1 where query `i` sees key `j`: `j <= i + T_k - T_q`) on
+/// `dev`, built there once (two `arange`s and a comparison) and then reused from a small cache:
+/// the composed attention of every layer and step shares it.
+pub(super) fn causal_mask(tq: usize, tk: usize, dev: &candle_core::Device) -> Result<Tensor> {
+    let mut cache = CAUSAL_MASKS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((.., m)) = cache
+        .iter()
+        .find(|(d, q, k, _)| (*q, *k) == (tq, tk) && d.same_device(dev))
+    {
+        return Ok(m.clone());
+    }
+    if tq > tk || u32::try_from(tk).is_err() {
+        candle_core::bail!("causal mask: {tq} queries and {tk} keys (T_q <= T_k < 2^32 needed)");
+    }
+    // Row i's last visible key, i + T_k - T_q, as a column; the key indices as a row.
+    let last = Tensor::arange((tk - tq) as u32, tk as u32, dev)?.reshape((tq, 1))?;
+    let keys = Tensor::arange(0u32, tk as u32, dev)?.reshape((1, tk))?;
+    let mask = keys.broadcast_le(&last)?.contiguous()?;
+    if cache.len() >= CAUSAL_MASKS_KEPT {
+        cache.remove(0);
+    }
+    cache.push((dev.clone(), tq, tk, mask.clone()));
+    Ok(mask)
 }
 
 /// Head `(b, h)` of q, k and v as matrices.
@@ -787,5 +857,89 @@ impl CustomOp1 for Attention {
 
     fn bwd(&self, qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         Ok(self.grads(&[qkv], grad)?.into_iter().next())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// The composed path (what runs on a GPU) equals the fused CPU op, causal or not, with and
+    /// without padding, for T_q < T_k too.
+    #[test]
+    fn the_composed_path_equals_the_fused_op() {
+        let dev = Device::Cpu;
+        for (causal, pad, tq, tk) in [
+            (false, false, 5, 5),
+            (true, false, 5, 5),
+            (true, false, 3, 6),
+            (false, true, 4, 4),
+            (true, true, 4, 7),
+        ] {
+            let (b, h, d) = (2, 3, 8);
+            let q = Tensor::randn(0f32, 1.0, (b, h, tq, d), &dev).unwrap();
+            let k = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev).unwrap();
+            let v = Tensor::randn(0f32, 1.0, (b, h, tk, d), &dev).unwrap();
+            let mut opts = AttentionOptions::default().causal(causal);
+            if pad {
+                // Sequence 1 pads its last two keys; sequence 0 pads none.
+                let mut m = vec![0f32; b * tk];
+                m[tk + tk - 2..2 * tk].fill(1.0);
+                opts = opts.key_padding_mask(Tensor::from_vec(m, (b, tk), &dev).unwrap());
+            }
+            let dims = Dims {
+                b,
+                h,
+                tq,
+                tk,
+                d,
+                dv: d,
+            };
+            let fused = scaled_dot_product_attention(&q, &k, &v, &opts).unwrap();
+            let op = Attention::new(dims, &opts, false, false, "test").unwrap();
+            assert!(
+                op.padding.is_none(),
+                "the composed path reads no mask to the host"
+            );
+            let composed = op.composed(&q, &k, &v).unwrap();
+            let diff = max_diff(&fused, &composed);
+            assert!(
+                diff < 1e-5,
+                "causal {causal} padding {pad} {tq}x{tk}: {diff}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_causal_mask_is_built_once_per_device_and_size() {
+        let dev = Device::Cpu;
+        let a = causal_mask(3, 5, &dev).unwrap();
+        assert_eq!(
+            a.to_vec2::<u8>().unwrap(),
+            [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+        );
+        let b = causal_mask(3, 5, &dev).unwrap();
+        // The same storage: the cached tensor, not a new one.
+        let addr = |t: &Tensor| match &*t.storage_and_layout().0 {
+            Storage::Cpu(CpuStorage::U8(v)) => v.as_ptr() as usize,
+            _ => 0,
+        };
+        assert_eq!(addr(&a), addr(&b));
+        assert_ne!(addr(&a), addr(&causal_mask(4, 5, &dev).unwrap()));
+        assert!(causal_mask(6, 5, &dev).is_err());
     }
 }

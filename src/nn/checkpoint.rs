@@ -116,6 +116,7 @@ pub fn backward(loss: &Tensor) -> Result<GradStore> {
         // for the outermost call.
         return loss.backward();
     }
+    check_memory_limit(loss)?;
     PENDING.with(|p| p.borrow_mut().clear());
     DEPTH.with(|d| d.set(1));
     let result = loss.backward();
@@ -133,7 +134,54 @@ pub fn backward(loss: &Tensor) -> Result<GradStore> {
             }
         }
     }
+    detach_all(&mut grads);
     Ok(grads)
+}
+
+/// Replaces every gradient that records the ops it was computed with by a detached tensor on
+/// the same storage. Candle's backward pass computes a parameter's gradient from tracked tensors
+/// (`zeros + dW`, `dW = gᵀ·x`), so the gradient it hands out keeps those operands alive (a
+/// zero-filled and a partial copy of the parameter's size, and the gradient of the layer's
+/// output) for as long as the gradients are held, through the optimizer step: about two more
+/// copies of the gradients. Detached, only the gradients themselves stay.
+fn detach_all(grads: &mut GradStore) {
+    let ids: Vec<TensorId> = grads.get_ids().copied().collect();
+    for id in ids {
+        if let Some(g) = grads.get_id(id).filter(|g| g.track_op()) {
+            let plain = g.detach();
+            grads.insert_id(id, plain);
+        }
+    }
+}
+
+/// The simulated memory limit of tests ([`env::TEST_MEMORY_LIMIT`](crate::env::TEST_MEMORY_LIMIT)):
+/// an [`Error::OutOfMemory`](crate::Error::OutOfMemory) (typed through Candle's `Result`) when
+/// the tensors the loss's graph holds exceed it. Nothing to do when the variable is unset.
+fn check_memory_limit(loss: &Tensor) -> Result<()> {
+    let Some(limit) = crate::settings::memory::injected_memory_limit()? else {
+        return Ok(());
+    };
+    let nodes = loss.sorted_nodes();
+    let held: u64 = nodes
+        .iter()
+        .filter(|t| !t.is_variable())
+        .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+        .sum();
+    if held <= limit {
+        return Ok(());
+    }
+    Err(crate::Error::OutOfMemory {
+        rank: None,
+        device: crate::error::device_label(loss.device()),
+        requested: Some(held),
+        limit: Some(limit),
+        detail: format!(
+            "the backward pass of a graph of {} tensors holding {held} bytes of activations would exceed the simulated limit {}",
+            nodes.len(),
+            crate::settings::env::TEST_MEMORY_LIMIT
+        ),
+    }
+    .into())
 }
 
 /// The checkpoint node: forward hands out the output computed in [`checkpoint_fn`]; backward

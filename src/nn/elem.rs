@@ -168,6 +168,22 @@ macro_rules! multiversion {
     };
 }
 
+/// Whether an op on `x` takes this module's fused ops: on the CPU ([`fused_cpu`]), or on a GPU
+/// with the `nn-cuda` feature's kernels (switched on and loaded).
+pub(super) fn fused(x: &Tensor) -> candle_core::Result<bool> {
+    if fused_cpu(x) {
+        return Ok(true);
+    }
+    #[cfg(feature = "nn-cuda")]
+    {
+        super::cuda::use_kernels(x)
+    }
+    #[cfg(not(feature = "nn-cuda"))]
+    {
+        Ok(false)
+    }
+}
+
 /// Whether the fused CPU kernels take `x`: on the CPU, in a float dtype (f32, f64, bf16, f16).
 pub(super) fn fused_cpu(x: &Tensor) -> bool {
     x.device().is_cpu()

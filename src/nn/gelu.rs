@@ -5,7 +5,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::elem::{binary_float, fused_cpu, slice, tanh_f32, unary_float, Elem};
+use super::elem::{binary_float, fused, slice, tanh_f32, unary_float, Elem};
 
 /// Elements per Rayon task.
 const CHUNK: usize = 4096;
@@ -18,7 +18,7 @@ const C: f32 = 0.044_715;
 /// as Candle's `Tensor::gelu` (and PyTorch's `gelu(approximate="tanh")`). Fused and
 /// differentiable on the CPU (f32, f64, bf16, f16, computed in f32); Candle's op elsewhere.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    if !fused_cpu(x) {
+    if !fused(x)? {
         return x.gelu();
     }
     x.contiguous()?.apply_op1(GeluFwd)
@@ -46,6 +46,15 @@ impl CustomOp1 for GeluFwd {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let out = unary_float!(self.name(), s, l, fwd);
         Ok((out, l.shape().clone()))
+    }
+
+    #[cfg(feature = "nn-cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::elementwise(super::cuda::Elementwise::GeluFwd, (s, l), None)
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -85,5 +94,16 @@ impl CustomOp2 for GeluBwd {
     ) -> Result<(CpuStorage, Shape)> {
         let out = binary_float!(self.name(), s1, l1, s2, l2, bwd);
         Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "nn-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::elementwise(super::cuda::Elementwise::GeluBwd, (s1, l1), Some((s2, l2)))
     }
 }

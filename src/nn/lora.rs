@@ -129,7 +129,7 @@ impl LoraConfig {
 
     /// Checks the settings: a rank of at least 1, a finite `alpha`, a dropout in `[0, 1)`, a
     /// float adapter dtype, a regular expression that compiles.
-    pub fn check(&self) -> crate::Result<()> {
+    pub fn check(&self) -> crate::error::Result<()> {
         if self.r == 0 {
             return Err(Error::invalid("LoRA r", "the rank must be at least 1"));
         }
@@ -162,7 +162,7 @@ impl LoraConfig {
     /// Whether the module at `path` is a target (PEFT's rules; [`TargetModules::AllLinear`]
     /// matches everything: the caller leaves the output layer out). An invalid regular
     /// expression is an error naming it.
-    pub fn matches(&self, path: &str) -> crate::Result<bool> {
+    pub fn matches(&self, path: &str) -> crate::error::Result<bool> {
         Ok(match &self.target_modules {
             TargetModules::Names(names) => names.iter().any(|t| {
                 path == t
@@ -221,7 +221,7 @@ impl LoraConfig {
     /// features this crate does not implement (DoRA, trained biases, per-layer ranks or alphas,
     /// `modules_to_save`, layer selections) are errors when set to anything but their default;
     /// other keys are ignored. `fan_in_fan_out` is decided by the layer type, as PEFT does.
-    pub fn from_peft_json(path: &Path, json: &Value) -> crate::Result<Self> {
+    pub fn from_peft_json(path: &Path, json: &Value) -> crate::error::Result<Self> {
         let err = |key: &str, reason: String| Error::Config {
             path: path.to_path_buf(),
             key: Some(key.to_string()),
@@ -251,7 +251,7 @@ impl LoraConfig {
                 .ok_or_else(|| err("r", format!("{v} is not a positive integer")))?
                 as usize,
         };
-        let number = |key: &str, default: f64| -> crate::Result<f64> {
+        let number = |key: &str, default: f64| -> crate::error::Result<f64> {
             match obj.get(key) {
                 None | Some(Value::Null) => Ok(default),
                 Some(v) => v
@@ -259,7 +259,7 @@ impl LoraConfig {
                     .ok_or_else(|| err(key, format!("{v} is not a number"))),
             }
         };
-        let flag = |key: &str| -> crate::Result<bool> {
+        let flag = |key: &str| -> crate::error::Result<bool> {
             match obj.get(key) {
                 None | Some(Value::Null) => Ok(false),
                 Some(Value::Bool(b)) => Ok(*b),
@@ -280,7 +280,7 @@ impl LoraConfig {
                             err("target_modules", format!("{v} is not a module name"))
                         })
                     })
-                    .collect::<crate::Result<_>>()?,
+                    .collect::<crate::error::Result<_>>()?,
             ),
             Some(v) => {
                 return Err(err(
@@ -361,7 +361,7 @@ impl LoraConfig {
 }
 
 /// `re` compiled to match whole paths (PEFT's `re.fullmatch`).
-fn full_match(re: &str) -> crate::Result<regex::Regex> {
+fn full_match(re: &str) -> crate::error::Result<regex::Regex> {
     regex::Regex::new(&format!("^(?:{re})$")).map_err(|e| {
         Error::invalid(
             "LoRA target_modules",

@@ -55,6 +55,14 @@ pub fn cross_entropy_with(
     options: CrossEntropyOptions,
 ) -> Result<Tensor> {
     let (t, n, c) = checked_targets(logits.dims(), targets, options)?;
+    #[cfg(feature = "nn-cuda")]
+    if super::cuda::use_kernels(logits)? {
+        let counted = t
+            .iter()
+            .filter(|&&v| Some(v) != options.ignore_index)
+            .count();
+        return super::cuda::cross_entropy(logits, targets, options, counted);
+    }
     if !fused_cpu(logits) {
         return composed(&logits.reshape((n, c))?, &targets.flatten_all()?, options);
     }

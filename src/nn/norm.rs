@@ -4,7 +4,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Module, Result, Shape, Tensor};
 use candle_nn::LayerNormConfig;
 use rayon::prelude::*;
 
-use super::elem::{fused_cpu, slice, sum2_by, sum_by, Elem};
+use super::elem::{fused, slice, sum2_by, sum_by, Elem};
 
 /// Rows handled by one Rayon task in the backward pass (its partial weight/bias gradients are
 /// summed at the end).
@@ -86,6 +86,26 @@ impl CustomOp3 for NormFwd {
             ),
         };
         Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "nn-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::norm_fwd(
+            (s1, l1),
+            (s2, l2),
+            (s3, l3),
+            self.eps,
+            self.remove_mean,
+            self.has_bias,
+        )
     }
 
     fn bwd(
@@ -201,11 +221,24 @@ impl CustomOp3 for NormBwd {
         let len = l1.shape().elem_count() + 2 * d;
         Ok((out, Shape::from(len)))
     }
+
+    #[cfg(feature = "nn-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::norm_bwd((s1, l1), (s2, l2), (s3, l3), self.eps, self.remove_mean)
+    }
 }
 
 /// The fused norm of `x` over its last dimension, or Candle's composed ops off the CPU.
 fn norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, remove_mean: bool, eps: f64) -> Result<Tensor> {
-    if !fused_cpu(x) {
+    if !fused(x)? || w.dtype() != x.dtype() || !w.device().same_device(x.device()) {
         return match (remove_mean, b) {
             (true, Some(b)) => candle_nn::ops::layer_norm_slow(x, w, b, eps as f32),
             (true, None) => candle_nn::ops::layer_norm_slow(x, w, &w.zeros_like()?, eps as f32),

@@ -4,7 +4,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::elem::{binary_float, fused_cpu, slice, unary_float, Elem};
+use super::elem::{binary_float, fused, slice, unary_float, Elem};
 
 /// Elements per Rayon task.
 const CHUNK: usize = 8192;
@@ -13,7 +13,7 @@ const CHUNK: usize = 8192;
 /// backward on the CPU (f32, f64, bf16, f16); Candle's op elsewhere. The gradient at 0 is 0, as
 /// in PyTorch.
 pub fn relu(x: &Tensor) -> Result<Tensor> {
-    if !fused_cpu(x) {
+    if !fused(x)? {
         return x.relu();
     }
     x.contiguous()?.apply_op1(ReluFwd)
@@ -44,6 +44,15 @@ impl CustomOp1 for ReluFwd {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let out = unary_float!(self.name(), s, l, fwd);
         Ok((out, l.shape().clone()))
+    }
+
+    #[cfg(feature = "nn-cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::elementwise(super::cuda::Elementwise::ReluFwd, (s, l), None)
     }
 
     fn bwd(&self, _x: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -77,5 +86,16 @@ impl CustomOp2 for ReluBwd {
     ) -> Result<(CpuStorage, Shape)> {
         let out = binary_float!(self.name(), s1, l1, s2, l2, bwd);
         Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "nn-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::elementwise(super::cuda::Elementwise::ReluBwd, (s1, l1), Some((s2, l2)))
     }
 }

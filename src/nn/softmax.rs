@@ -6,8 +6,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 use rayon::prelude::*;
 
 use super::elem::{
-    binary_float, exp_f32, fused_cpu, max_by, multiversion, slice, sum2_by, sum_by, unary_float,
-    Elem,
+    binary_float, exp_f32, fused, max_by, multiversion, slice, sum2_by, sum_by, unary_float, Elem,
 };
 
 /// `softmax(scale * x)` per row of `d`; when `causal` holds `(t_q, t_k)`, row `r` is query
@@ -55,6 +54,15 @@ impl CustomOp1 for SoftmaxFwd {
             l.shape().clone(),
         ))
     }
+    #[cfg(feature = "nn-cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::softmax_fwd(s, l, self.scale, self.causal)
+    }
+
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let bwd = SoftmaxBwd { scale: self.scale };
         Ok(Some(res.apply_op2_no_bwd(&grad.contiguous()?, &bwd)?))
@@ -118,13 +126,24 @@ impl CustomOp2 for SoftmaxBwd {
         let out = binary_float!(self.name(), s1, l1, s2, l2, bwd, d, self.scale);
         Ok((out, l1.shape().clone()))
     }
+
+    #[cfg(feature = "nn-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::softmax_bwd((s1, l1), (s2, l2), self.scale)
+    }
 }
 
 /// Softmax over the last dimension, fused and differentiable on the CPU (Candle's
 /// `candle_nn::ops::softmax_last_dim` has no backward pass); Candle's composed, differentiable
 /// softmax elsewhere.
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if !fused_cpu(x) {
+    if !fused(x)? {
         return candle_nn::ops::softmax(x, D::Minus1);
     }
     x.contiguous()?.apply_op1(SoftmaxFwd {
@@ -157,20 +176,8 @@ pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
              expected, got {dims:?}"
         ),
     };
-    if !fused_cpu(x) {
-        let mask: Vec<f32> = (0..tq)
-            .flat_map(|i| {
-                (0..tk).map(move |j| {
-                    if j <= i + tk - tq {
-                        0.0
-                    } else {
-                        f32::NEG_INFINITY
-                    }
-                })
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (tq, tk), x.device())?.to_dtype(x.dtype())?;
-        return candle_nn::ops::softmax(&(x * scale)?.broadcast_add(&mask)?, D::Minus1);
+    if !fused(x)? {
+        return causal_softmax_composed(x, scale, tq, tk);
     }
     if tq == 0 || tk == 0 {
         return x.contiguous();
@@ -181,9 +188,39 @@ pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
     })
 }
 
+/// [`causal_softmax`] with Candle's composed ops (devices other than the CPU). The mask is
+/// built once per device and size, on the device (shared with the composed attention).
+fn causal_softmax_composed(x: &Tensor, scale: f64, tq: usize, tk: usize) -> Result<Tensor> {
+    let dims = x.dims();
+    let visible = super::attention::causal_mask(tq, tk, x.device())?.broadcast_as(dims)?;
+    let neg = Tensor::new(f32::NEG_INFINITY, x.device())?
+        .to_dtype(x.dtype())?
+        .broadcast_as(dims)?;
+    candle_nn::ops::softmax(&visible.where_cond(&(x * scale)?, &neg)?, D::Minus1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The composed path (what runs on a GPU) equals the fused op.
+    #[test]
+    fn the_composed_causal_softmax_equals_the_fused_op() {
+        let x = Tensor::randn(0f32, 1.0, (2, 3, 4, 6), &candle_core::Device::Cpu).unwrap();
+        let fused = causal_softmax(&x, 0.7).unwrap();
+        let composed = causal_softmax_composed(&x, 0.7, 4, 6).unwrap();
+        let d = (fused - composed)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(d < 1e-6, "{d}");
+    }
 
     #[test]
     fn both_builds_of_the_row_kernels_give_the_same_bits() {

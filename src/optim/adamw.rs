@@ -1,5 +1,6 @@
 //! AdamW with exposed state.
 
+use super::{StateShard, StatefulOptimizer};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
@@ -467,5 +468,17 @@ impl AdamW {
         self.step_t = state.step;
         self.params.lr = state.lr;
         Ok(())
+    }
+}
+
+impl StatefulOptimizer for AdamW {
+    fn optimizer_state(&self) -> Result<OptimizerState> {
+        self.state()
+    }
+    fn optimizer_state_shard(&self) -> Result<Option<StateShard>> {
+        self.state_shard()
+    }
+    fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
+        self.load_state(state)
     }
 }

@@ -16,10 +16,9 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::inplace::{with_cpu_mut, with_cpu_mut_src, Elem, Real};
 
-/// Whether new optimizers use the fused kernels: `ACCELERATE_RS_FUSED_OPTIM` (a flag, default
-/// on); a value that is not a flag is an error naming it.
+/// Whether new optimizers use the fused kernels (the `fused_optim` setting, default on).
 pub(crate) fn default_on() -> Result<bool> {
-    Ok(crate::settings::parse::process_env(crate::settings::env::FUSED_OPTIM)?.unwrap_or(true))
+    crate::settings::runtime::fused_optim_default()
 }
 
 /// Elements per parallel chunk (256 KiB of f32: big enough to amortise scheduling).

@@ -1,20 +1,25 @@
-//! Fused CUDA kernels for AdamW and SGD (f32): one launch per parameter updates the parameter and
-//! its state in place, instead of a chain of about a dozen elementwise ops.
+//! Fused CUDA kernels for AdamW and SGD (f32, bf16 and f16): one launch per parameter updates
+//! the parameter and its state in place, instead of a chain of about a dozen elementwise ops.
 //!
-//! The kernels are compiled with NVRTC on first use (once per process) and loaded into each
+//! The kernels (`fused_optim.cu`) are compiled with NVRTC on first use, once per process and GPU
+//! architecture, for the device's own architecture ([`crate::cuda_ptx`]), and loaded into each
 //! device through Candle's custom-module cache. If compiling or loading fails, one warning is
 //! logged and the optimizers use the tensor-op chain for the rest of the run: a missing fast path
-//! never stops training. The arithmetic mirrors the CPU kernels in `fused.rs` operation by
-//! operation.
+//! never stops training.
+//!
+//! The arithmetic mirrors the CPU kernels in `fused.rs` operation by operation: bf16 and f16 are
+//! widened to f32, computed in f32 and rounded to nearest-even on store (the momentum buffer
+//! before it is used, as on the CPU), and the kernels are compiled without contracting products
+//! and sums into FMAs (`--fmad=false`), with IEEE division and square root: the same IEEE
+//! operations in the same order as the CPU, so the same bits.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use candle_core::backend::BackendDevice;
-use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{DType, Tensor};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
-use once_cell::sync::OnceCell;
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::fused::{AdamScalars, SgdScalars};
 use crate::error::{Error, Result};
@@ -22,39 +27,7 @@ use crate::inplace::{with_mut, with_mut_src, DstMut, Src};
 
 const MODULE: &str = "accelerate_rs_fused_optim";
 
-const SOURCE: &str = r#"
-extern "C" __global__ void adamw_f32(float* p, float* m, float* v, const float* g,
-        unsigned long long n, float b1, float c1, float b2, float c2, float sm, float sv,
-        float eps, float decay, float lr) {
-    unsigned long long stride = (unsigned long long)blockDim.x * gridDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-            i += stride) {
-        float gi = g[i];
-        float mi = m[i] * b1 + gi * c1;
-        float vi = v[i] * b2 + (gi * gi) * c2;
-        float adjusted = (mi * sm) / (sqrtf(vi * sv) + eps);
-        p[i] = p[i] * decay - adjusted * lr;
-        m[i] = mi;
-        v[i] = vi;
-    }
-}
-
-extern "C" __global__ void sgd_f32(float* p, float* buf, const float* g, unsigned long long n,
-        float lr, float wd, int decay, float mu, float c, int use_buf, int first, int nesterov) {
-    unsigned long long stride = (unsigned long long)blockDim.x * gridDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-            i += stride) {
-        float d = decay ? p[i] * wd + g[i] : g[i];
-        float step = d;
-        if (use_buf) {
-            float b = first ? d : buf[i] * mu + d * c;
-            buf[i] = b;
-            step = nesterov ? d + b * mu : b;
-        }
-        p[i] = p[i] - step * lr;
-    }
-}
-"#;
+const SOURCE: &str = include_str!("fused_optim.cu");
 
 /// Set once compiling or loading failed: the tensor-op path is used from then on.
 static DISABLED: AtomicBool = AtomicBool::new(false);
@@ -65,7 +38,6 @@ static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 pub fn launches() -> u64 {
     LAUNCHES.load(Ordering::Relaxed)
 }
-static PTX: OnceCell<std::result::Result<String, String>> = OnceCell::new();
 
 fn disable(why: &str) {
     if !DISABLED.swap(true, Ordering::Relaxed) {
@@ -73,20 +45,16 @@ fn disable(why: &str) {
     }
 }
 
-/// The compiled kernels' PTX, or `None` (after one warning) when they cannot be had.
-fn ptx() -> Option<&'static str> {
+/// The kernels' PTX for `dev`'s architecture, or `None` (after one warning) when they cannot be
+/// had.
+fn ptx(dev: &CudaDevice) -> Option<&'static str> {
     if DISABLED.load(Ordering::Relaxed) {
         return None;
     }
-    let ptx = PTX.get_or_init(|| {
-        cudarc::nvrtc::compile_ptx(SOURCE)
-            .map(|p| p.to_src())
-            .map_err(|e| format!("NVRTC: {e:?}"))
-    });
-    match ptx {
-        Ok(p) => Some(p.as_str()),
+    match crate::cuda_ptx::ptx(MODULE, SOURCE, dev) {
+        Ok(p) => Some(p),
         Err(e) => {
-            disable(e);
+            disable(&e);
             None
         }
     }
@@ -97,7 +65,7 @@ fn ptx() -> Option<&'static str> {
 /// export the type of the loaded function.)
 macro_rules! load_kernel {
     ($dev:expr, $name:expr) => {{
-        let Some(ptx) = ptx() else {
+        let Some(ptx) = ptx(&$dev) else {
             return Ok(false);
         };
         match $dev.get_or_load_custom_func($name, MODULE, ptx) {
@@ -153,10 +121,11 @@ fn cuda_mut_src<'a>(
     })
 }
 
-/// Whether `param`/`grad` can take the fused CUDA path, and the device to run it on.
+/// Whether `param`/`grad` can take the fused CUDA path (f32, bf16 or f16, one dtype, one
+/// shape, one device, a contiguous parameter), and the device to run it on.
 fn device_for(param: &Tensor, grad: &Tensor) -> Option<CudaDevice> {
-    if param.dtype() != DType::F32
-        || grad.dtype() != DType::F32
+    if !matches!(param.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        || grad.dtype() != param.dtype()
         || grad.shape() != param.shape()
         || !param.is_contiguous()
     {
@@ -175,7 +144,7 @@ fn launch_err(name: &str, e: impl std::fmt::Debug) -> Error {
 }
 
 /// One AdamW step of `param` (and its moments `m`, `v`) with `grad`, fused on the GPU. `Ok(false)`
-/// when this path does not apply (not CUDA f32, or the kernels are unavailable).
+/// when this path does not apply (not CUDA f32/bf16/f16, or the kernels are unavailable).
 pub(crate) fn adamw(
     param: &Tensor,
     m: &Tensor,
@@ -183,11 +152,30 @@ pub(crate) fn adamw(
     grad: &Tensor,
     s: AdamScalars,
 ) -> Result<bool> {
-    const NAME: &str = "adamw_f32";
     let Some(dev) = device_for(param, grad) else {
         return Ok(false);
     };
-    let func = load_kernel!(dev, NAME);
+    if m.dtype() != param.dtype() || v.dtype() != param.dtype() {
+        return Ok(false);
+    }
+    match param.dtype() {
+        DType::F32 => adamw_typed::<f32>(&dev, "adamw_f32", param, m, v, grad, s),
+        DType::BF16 => adamw_typed::<half::bf16>(&dev, "adamw_bf16", param, m, v, grad, s),
+        DType::F16 => adamw_typed::<half::f16>(&dev, "adamw_f16", param, m, v, grad, s),
+        _ => Ok(false),
+    }
+}
+
+fn adamw_typed<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    name: &'static str,
+    param: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    grad: &Tensor,
+    s: AdamScalars,
+) -> Result<bool> {
+    let func = load_kernel!(dev, name);
     let grad = grad.contiguous()?;
     const WHAT: &str = "AdamW fused step";
     cuda_mut_src(param, &grad, WHAT, |ps, pr, gs, gr| {
@@ -200,10 +188,10 @@ pub(crate) fn adamw(
                         "parameter, gradient and moments differ in length",
                     ));
                 }
-                let mut p = ps.as_cuda_slice_mut::<f32>()?.slice_mut(pr);
-                let mut m = ms.as_cuda_slice_mut::<f32>()?.slice_mut(mr);
-                let mut v = vs.as_cuda_slice_mut::<f32>()?.slice_mut(vr);
-                let g = gs.as_cuda_slice::<f32>()?.slice(gr);
+                let mut p = T::as_cuda_slice_mut(ps)?.slice_mut(pr);
+                let mut m = T::as_cuda_slice_mut(ms)?.slice_mut(mr);
+                let mut v = T::as_cuda_slice_mut(vs)?.slice_mut(vr);
+                let g = T::as_cuda_slice(gs)?.slice(gr);
                 let n64 = n as u64;
                 let scalars = [
                     s.beta1 as f32,
@@ -221,14 +209,15 @@ pub(crate) fn adamw(
                 for x in &scalars {
                     b.arg(x);
                 }
-                // SAFETY: the arguments match `adamw_f32`'s signature in order and type (three
-                // mutable f32 device views, one read-only f32 view, an unsigned 64-bit count,
-                // nine f32 scalars); the four views hold exactly `n` elements each (checked
-                // above), and the kernel touches indices below `n` only. The views borrow the
-                // storages under Candle's write locks (read lock for the gradient), which stay
-                // held until the launch is queued on the device's stream, where later uses of
-                // these tensors are ordered after it.
-                unsafe { b.launch(launch_config(n)) }.map_err(|e| launch_err(NAME, e))?;
+                // SAFETY: the arguments match `adamw_<T>`'s signature in order and type (three
+                // mutable device views and one read-only view of the kernel's element type — f32,
+                // or bf16/f16 as 16-bit words — an unsigned 64-bit count, nine f32 scalars); the
+                // four views hold exactly `n` elements each (checked above), and the kernel
+                // touches indices below `n` only. The views borrow the storages under Candle's
+                // write locks (read lock for the gradient), which stay held until the launch is
+                // queued on the device's stream, where later uses of these tensors are ordered
+                // after it.
+                unsafe { b.launch(launch_config(n)) }.map_err(|e| launch_err(name, e))?;
                 LAUNCHES.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             })
@@ -245,14 +234,29 @@ pub(crate) fn sgd(
     grad: &Tensor,
     s: SgdScalars,
 ) -> Result<bool> {
-    const NAME: &str = "sgd_f32";
     let Some(dev) = device_for(param, grad) else {
         return Ok(false);
     };
-    if buf.is_some_and(|b| b.dtype() != DType::F32 || b.shape() != param.shape()) {
+    if buf.is_some_and(|b| b.dtype() != param.dtype() || b.shape() != param.shape()) {
         return Ok(false);
     }
-    let func = load_kernel!(dev, NAME);
+    match param.dtype() {
+        DType::F32 => sgd_typed::<f32>(&dev, "sgd_f32", param, buf, grad, s),
+        DType::BF16 => sgd_typed::<half::bf16>(&dev, "sgd_bf16", param, buf, grad, s),
+        DType::F16 => sgd_typed::<half::f16>(&dev, "sgd_f16", param, buf, grad, s),
+        _ => Ok(false),
+    }
+}
+
+fn sgd_typed<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    name: &'static str,
+    param: &Tensor,
+    buf: Option<&Tensor>,
+    grad: &Tensor,
+    s: SgdScalars,
+) -> Result<bool> {
+    let func = load_kernel!(dev, name);
     let grad = grad.contiguous()?;
     let flags = [
         i32::from(s.weight_decay != 0.0),
@@ -274,8 +278,8 @@ pub(crate) fn sgd(
                bs: Option<(&mut CudaStorage, Range<usize>)>|
      -> Result<()> {
         let n = pr.len();
-        let mut p = ps.as_cuda_slice_mut::<f32>()?.slice_mut(pr);
-        let g = gs.as_cuda_slice::<f32>()?.slice(gr.clone());
+        let mut p = T::as_cuda_slice_mut(ps)?.slice_mut(pr);
+        let g = T::as_cuda_slice(gs)?.slice(gr.clone());
         if gr.len() != n {
             return Err(Error::invalid(
                 WHAT,
@@ -285,7 +289,7 @@ pub(crate) fn sgd(
         let n64 = n as u64;
         let mut b = func.builder();
         let mut buf_view;
-        let unused = gs.as_cuda_slice::<f32>()?.slice(gr);
+        let unused = T::as_cuda_slice(gs)?.slice(gr);
         b.arg(&mut p);
         match bs {
             Some((bs, br)) => {
@@ -295,7 +299,7 @@ pub(crate) fn sgd(
                         "parameter and momentum buffer differ in length",
                     ));
                 }
-                buf_view = bs.as_cuda_slice_mut::<f32>()?.slice_mut(br);
+                buf_view = T::as_cuda_slice_mut(bs)?.slice_mut(br);
                 b.arg(&mut buf_view);
             }
             // No buffer: the kernel never reads it (`use_buf == 0`); any valid pointer will do.
@@ -307,13 +311,14 @@ pub(crate) fn sgd(
         b.arg(&scalars[0]).arg(&scalars[1]).arg(&flags[0]);
         b.arg(&scalars[2]).arg(&scalars[3]);
         b.arg(&flags[1]).arg(&flags[2]).arg(&flags[3]);
-        // SAFETY: the arguments match `sgd_f32`'s signature in order and type (parameter and
-        // buffer as f32 device pointers, the gradient, an unsigned 64-bit count, then f32 lr,
-        // f32 wd, int decay, f32 mu, f32 c, int use_buf, int first, int nesterov). Parameter,
-        // gradient and (when used) buffer views hold exactly `n` elements (checked above) and
-        // the kernel touches indices below `n` only; without a buffer it never dereferences the
-        // placeholder. Candle's storage locks are held until the launch is queued.
-        unsafe { b.launch(launch_config(n)) }.map_err(|e| launch_err(NAME, e))?;
+        // SAFETY: the arguments match `sgd_<T>`'s signature in order and type (parameter and
+        // buffer as device pointers of the kernel's element type, the gradient, an unsigned
+        // 64-bit count, then f32 lr, f32 wd, int decay, f32 mu, f32 c, int use_buf, int first,
+        // int nesterov). Parameter, gradient and (when used) buffer views hold exactly `n`
+        // elements (checked above) and the kernel touches indices below `n` only; without a
+        // buffer it never dereferences the placeholder. Candle's storage locks are held until
+        // the launch is queued.
+        unsafe { b.launch(launch_config(n)) }.map_err(|e| launch_err(name, e))?;
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
         Ok(())
     };

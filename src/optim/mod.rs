@@ -16,9 +16,10 @@
 //! restoring (e.g. sorted by name, as [`Parameters`](crate::Parameters) does).
 //!
 //! On the CPU both update every parameter in one fused, in-place pass (parameter, gradient and
-//! state read once and written where they are, no tensor allocated per step). On CUDA (f32) one
-//! kernel launch per parameter does the same; it is compiled with NVRTC at first use, and if that
-//! fails the optimizers warn once and fall back. Elsewhere, or with fusion off
+//! state read once and written where they are, no tensor allocated per step). On CUDA (f32, bf16
+//! and f16) one kernel launch per parameter does the same, with the CPU kernels' arithmetic (bf16
+//! and f16 computed in f32); it is compiled with NVRTC at first use for the GPU's architecture,
+//! and if that fails the optimizers warn once and fall back. Elsewhere, or with fusion off
 //! ([`AdamW::set_fused`], `ACCELERATE_RS_FUSED_OPTIM=0`), they run the same formulas as tensor
 //! ops. Because the state is written in place,
 //! [`state`](AdamW::state) copies it: a state taken is a snapshot that later steps do not change.
@@ -59,6 +60,29 @@ impl OptimizerState {
     /// The tensor stored under `name`, if any.
     pub fn get(&self, name: &str) -> Option<&Tensor> {
         self.tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t)
+    }
+}
+
+/// An optimizer whose state can go into a checkpoint: [`AdamW`], [`Sgd`], and the wrappers
+/// [`AcceleratedOptimizer`](crate::AcceleratedOptimizer) and
+/// [`MixedPrecisionOptimizer`](crate::MixedPrecisionOptimizer) around one of them (each
+/// implements it beside its own code).
+pub trait StatefulOptimizer {
+    /// A snapshot of the state (see [`OptimizerState`]).
+    fn optimizer_state(&self) -> Result<OptimizerState>;
+    /// Puts a state back; errors (changing nothing) when it does not fit the parameters.
+    fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()>;
+    /// Whether [`optimizer_state`](Self::optimizer_state) is a collective that every rank must
+    /// call (a ZeRO-sharded optimizer gathers its slices); the checkpoint writers then take the
+    /// state on every rank. Default false.
+    fn state_needs_every_rank(&self) -> bool {
+        false
+    }
+    /// ZeRO: this rank's slices of the state when the optimizer holds only those (then every
+    /// rank writes its own file; see the module docs). Default `None`: the whole state comes
+    /// from [`optimizer_state`](Self::optimizer_state).
+    fn optimizer_state_shard(&self) -> Result<Option<StateShard>> {
+        Ok(None)
     }
 }
 

@@ -1,5 +1,6 @@
 //! SGD with momentum, Nesterov and weight decay, with exposed state.
 
+use super::{StateShard, StatefulOptimizer};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::Optimizer;
@@ -454,5 +455,17 @@ impl Sgd {
         self.step_t = state.step;
         self.config.lr = state.lr;
         Ok(())
+    }
+}
+
+impl StatefulOptimizer for Sgd {
+    fn optimizer_state(&self) -> Result<OptimizerState> {
+        self.state()
+    }
+    fn optimizer_state_shard(&self) -> Result<Option<StateShard>> {
+        self.state_shard()
+    }
+    fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
+        self.load_state(state)
     }
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::env;
+use super::env;
 use crate::error::{Error, Result};
 
 /// Settings read from the config file. Every key is optional; unknown keys are rejected.

@@ -54,6 +54,13 @@ pub const BUCKET_CAP_MB: &str = "ACCELERATE_RS_BUCKET_CAP_MB";
 /// Whether optimizers use their fused in-place kernels (`0` turns them off for optimizers created
 /// afterwards; default on). See [`crate::optim`].
 pub const FUSED_OPTIM: &str = "ACCELERATE_RS_FUSED_OPTIM";
+/// The release threshold, in MiB, of each GPU's memory pool (freed memory above it goes back to
+/// the system at synchronizations); unset keeps all of it in the pool, as PyTorch's caching
+/// allocator does. See [`crate::gpu`].
+pub const CUDA_POOL_RELEASE_MB: &str = "ACCELERATE_RS_CUDA_POOL_RELEASE_MB";
+/// Whether `accelerate_rs::nn`'s CUDA kernels are used in a build with the `nn-cuda` feature
+/// (`0` turns them off; default on). See [`crate::nn`].
+pub const NN_CUDA: &str = "ACCELERATE_RS_NN_CUDA";
 /// Whether CPU gradient buckets are all-reduced on a communication thread while the next bucket
 /// is flattened (`0` turns it off; default on). Read when an accelerator is built.
 pub const OVERLAP: &str = "ACCELERATE_RS_OVERLAP";
@@ -84,6 +91,11 @@ pub const ZERO_STAGE: &str = "ACCELERATE_RS_ZERO_STAGE";
 /// Whether the data loaders' batch size is the global one, split across the ranks (`1`/`0`;
 /// default off: the batch size is per rank).
 pub const SPLIT_BATCHES: &str = "ACCELERATE_RS_SPLIT_BATCHES";
+/// How many processes a program started on its own runs as: with `N > 1`, building the
+/// accelerator starts `N` workers of the program (same arguments, each with the launcher's
+/// variables) and supervises them instead of training itself. Ignored in a process a launcher
+/// started (`RANK` set). Default 1.
+pub const NUM_PROCESSES: &str = "ACCELERATE_RS_NUM_PROCESSES";
 /// How many times the launcher restarted the worker group (0 on the first run).
 pub const RESTART_COUNT: &str = "ACCELERATE_RS_RESTART_COUNT";
 /// Set by `accelerate-rs launch` for rank 0 only: the number of an inherited file descriptor
@@ -94,6 +106,16 @@ pub const STORE_FD: &str = "ACCELERATE_RS_STORE_FD";
 /// Fault injection for tests: the main process exits (code 3) right after writing the named
 /// checkpoint file, as if killed mid-save. Not for production use.
 pub const TEST_CRASH_AFTER: &str = "ACCELERATE_RS_TEST_CRASH_AFTER";
+
+/// Fault injection for tests: a simulated device-memory limit, in bytes (`1048576`, or with a
+/// binary suffix: `64KiB`, `512MiB`, `2GiB`). When set, [`nn::backward`](crate::nn::backward)
+/// (the backward pass of the accelerator and of the optimizer wrappers) fails with
+/// [`Error::OutOfMemory`](crate::Error::OutOfMemory) when the tensors held by the loss's graph
+/// (the activations kept for the backward pass, views counted in full) exceed it, as an
+/// allocation on a full GPU would: the memory grows with the batch, so
+/// [`find_executable_batch_size`](crate::Accelerator::find_executable_batch_size) can be tested
+/// on the CPU. Read once per process. Not for production use.
+pub const TEST_MEMORY_LIMIT: &str = "ACCELERATE_RS_TEST_MEMORY_LIMIT";
 
 /// GPUs visible to CUDA programs.
 pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";

@@ -7,6 +7,23 @@
 //! that GPU runs in the order it was queued. Candle's `Device::new_cuda` would instead use the
 //! per-thread default stream, with no ordering between a batch copied on the prefetch thread and
 //! its use on the training thread.
+//!
+//! **No cross-stream event tracking.** Creating a second stream switches cudarc into its
+//! multi-stream mode, where every allocation records an event and every kernel argument records
+//! and waits on events (about ten driver calls per Candle op), to order uses across streams. With
+//! one stream per GPU there is nothing to order, so [`device`] turns that tracking off. The
+//! invariant that makes this sound, kept by this crate: every tensor on a GPU is created, used
+//! and freed on that GPU's one stream (Candle's kernels, cuBLAS, NCCL and the fused optimizer
+//! kernels all queue on `device.cuda_stream()`), and host copies go through the same stream. A
+//! tensor made on a `Device::new_cuda` of the user's own is another device: Candle refuses to mix
+//! the two, and NCCL operations refuse it.
+//!
+//! **Memory pool.** The driver's stream-ordered allocator (which cudarc uses) gives freed memory
+//! back to the system at every synchronization with the default release threshold of 0; a
+//! training step frees and reallocates the same sizes every time, so [`device`] raises the
+//! threshold of the GPU's default pool to "keep everything" (as PyTorch's caching allocator does).
+//! `ACCELERATE_RS_CUDA_POOL_RELEASE_MB` sets a finite threshold instead (for GPUs shared with other
+//! processes).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -44,13 +61,62 @@ pub fn device(ordinal: usize) -> Result<Device> {
             what: format!("GPU {ordinal}"),
             reason: format!(
                 "only {n} GPU(s) are visible{}",
-                crate::env::cuda_visible_devices_note()
+                super::env::cuda_visible_devices_note()
             ),
         });
     }
     let d = Device::new_cuda_with_stream(ordinal)?;
+    let cuda = d.as_cuda_device()?;
+    // SAFETY: turning the tracking off is sound when no tensor is used on two streams (see the
+    // module docs): this device has one stream and every GPU operation of the crate queues on it;
+    // it applies to allocations made from now on, and nothing has been allocated on this new
+    // device's stream yet.
+    unsafe { cuda.disable_event_tracking() };
+    keep_pool_memory(&d, ordinal)?;
     devices.insert(ordinal, d.clone());
     Ok(d)
+}
+
+/// The release threshold of the GPU's default memory pool: `ACCELERATE_RS_CUDA_POOL_RELEASE_MB`
+/// in MiB, else `u64::MAX` (keep freed memory in the pool).
+fn pool_release_threshold() -> Result<u64> {
+    let mb =
+        crate::settings::parse::process_env::<usize>(crate::settings::env::CUDA_POOL_RELEASE_MB)?;
+    Ok(release_threshold_bytes(mb.map(|mb| mb as u64)))
+}
+
+/// The pool threshold in bytes for a setting in MiB (none: keep everything).
+pub(crate) fn release_threshold_bytes(mb: Option<u64>) -> u64 {
+    mb.map_or(u64::MAX, |mb| mb.saturating_mul(1 << 20))
+}
+
+/// Raises the release threshold of `device`'s default memory pool (see the module docs). A GPU
+/// without memory pools (where cudarc allocates synchronously) has nothing to tune.
+fn keep_pool_memory(device: &Device, ordinal: usize) -> Result<()> {
+    use cudarc::driver::{result, sys};
+    let mut threshold = pool_release_threshold()?;
+    let stream = device.as_cuda_device()?.cuda_stream();
+    let ctx = stream.context();
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    let refused = |e: result::DriverError| Error::NotAvailable {
+        what: format!("the memory pool of GPU {ordinal}"),
+        reason: format!("the CUDA driver refused to set its release threshold: {e:?}"),
+    };
+    // SAFETY: `cu_device()` is a device handle the driver gave cudarc for this context; the pool
+    // it returns is that device's default pool, and the release threshold attribute takes a
+    // pointer to a u64 (`threshold`, alive for the call).
+    unsafe {
+        let pool = result::device::get_default_mem_pool(ctx.cu_device()).map_err(refused)?;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .map_err(refused)?;
+    }
+    Ok(())
 }
 
 /// A stable identity of the GPU behind `device` (its UUID), equal for two ranks exactly when
@@ -66,4 +132,24 @@ pub fn identity(device: &Device) -> Result<Vec<u8>> {
             reason: format!("the CUDA driver refused it: {e:?}"),
         })?;
     Ok(uuid.bytes.iter().map(|&b| b as u8).collect())
+}
+
+/// The PCI bus id of the GPU behind `device`: `domain:bus:device` in hex, as `nvidia-smi`
+/// prints it (`0000:17:00`). MIG slices of one GPU share it, and NCCL tells GPUs apart by it
+/// (with the host), so GPU sharing is decided on it.
+pub fn pci_bus_id(device: &Device) -> Result<String> {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let cuda = device.as_cuda_device()?;
+    let stream = cuda.cuda_stream();
+    let ctx = stream.context();
+    let get = |attr: A, what: &str| {
+        ctx.attribute(attr).map_err(|e| Error::NotAvailable {
+            what: format!("the PCI {what} of {device:?}"),
+            reason: format!("the CUDA driver refused it: {e:?}"),
+        })
+    };
+    let domain = get(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID, "domain")?;
+    let bus = get(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID, "bus id")?;
+    let dev = get(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID, "device id")?;
+    Ok(format!("{domain:04x}:{bus:02x}:{dev:02x}"))
 }

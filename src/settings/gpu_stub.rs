@@ -29,3 +29,8 @@ pub fn device(_ordinal: usize) -> Result<Device> {
 pub fn identity(_device: &Device) -> Result<Vec<u8>> {
     Err(not_built())
 }
+
+/// The PCI bus id of the GPU behind a device: always an error in this build.
+pub fn pci_bus_id(_device: &Device) -> Result<String> {
+    Err(not_built())
+}

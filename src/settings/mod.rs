@@ -11,14 +11,19 @@ pub mod gpu;
 #[path = "gpu_stub.rs"]
 pub mod gpu;
 pub mod limits;
+pub(crate) mod memory;
 mod missing_gradients;
 pub(crate) mod parse;
+pub(crate) mod place;
+mod processes;
+pub(crate) mod runtime;
 pub(crate) mod state;
 mod transport;
 mod worker_env;
 
 pub use config::{ConfigFile, MixedPrecision};
 pub use missing_gradients::MissingGradients;
+pub(crate) use processes::{self_launch, SelfLaunch};
 pub(crate) use state::Overrides;
 pub use state::{DistributedType, ProcessState};
 pub use transport::Transport;

@@ -103,6 +103,31 @@ impl Setting for MissingGradients {
     }
 }
 
+/// A number of bytes: digits, optionally followed by `B`, `KiB`, `MiB`, `GiB` or `TiB` (also
+/// `K`, `M`, `G`, `T`; powers of 1024).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Bytes(pub(crate) u64);
+
+impl Setting for Bytes {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        const EXPECTED: &str = "expected a number of bytes, optionally with a suffix B, KiB, MiB, GiB or TiB (e.g. 512MiB)";
+        let digits = s.bytes().take_while(u8::is_ascii_digit).count();
+        let (n, unit) = s.split_at(digits);
+        let n: u64 = n.parse().map_err(|_| EXPECTED.to_string())?;
+        let shift = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 0,
+            "k" | "kib" => 10,
+            "m" | "mib" => 20,
+            "g" | "gib" => 30,
+            "t" | "tib" => 40,
+            _ => return Err(EXPECTED.into()),
+        };
+        n.checked_mul(1u64 << shift)
+            .map(Bytes)
+            .ok_or_else(|| format!("{s} is more bytes than fit in 64 bits"))
+    }
+}
+
 impl Setting for String {
     fn parse_setting(s: &str) -> std::result::Result<Self, String> {
         Ok(s.to_string())
@@ -189,6 +214,20 @@ mod tests {
             env_value::<Transport>(&env_of("T", "SHM"), "T").unwrap(),
             Some(Transport::Shm)
         );
+    }
+
+    #[test]
+    fn byte_sizes_parse_with_binary_suffixes_and_refuse_the_rest() {
+        let b = |v: &'static str| env_value::<Bytes>(&env_of("M", v), "M");
+        assert_eq!(b("1048576").unwrap(), Some(Bytes(1 << 20)));
+        assert_eq!(b("64KiB").unwrap(), Some(Bytes(64 << 10)));
+        assert_eq!(b("3 MiB").unwrap(), Some(Bytes(3 << 20)));
+        assert_eq!(b("2g").unwrap(), Some(Bytes(2 << 30)));
+        assert_eq!(b("7B").unwrap(), Some(Bytes(7)));
+        for bad in ["MiB", "-1", "1.5GiB", "12 parsecs", "99999999999TiB"] {
+            let e = b(bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("M={bad:?}")), "{e}");
+        }
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::Tracker;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Writes each [`log`](Tracker::log) call as one line of JSON:
 /// `{"step":3,"time":1718000000.25,"loss":0.5,"lr":0.01}`.
@@ -45,6 +45,18 @@ impl JsonlTracker {
     }
 }
 
+impl JsonlTracker {
+    fn write_line(&mut self, line: &str) -> Result<()> {
+        self.file
+            .write_all(line.as_bytes())
+            .map_err(|source| Error::Io {
+                context: "jsonl tracker: cannot write".into(),
+                path: self.path.clone(),
+                source,
+            })
+    }
+}
+
 fn number(v: f64) -> String {
     // serde_json writes non-finite floats as `null`.
     serde_json::Value::from(v).to_string()
@@ -70,13 +82,17 @@ impl Tracker for JsonlTracker {
             line.push_str(&number(*value));
         }
         line.push_str("}\n");
-        self.file
-            .write_all(line.as_bytes())
-            .map_err(|source| Error::Io {
-                context: "jsonl tracker: cannot write".into(),
-                path: self.path.clone(),
-                source,
-            })
+        self.write_line(&line)
+    }
+
+    /// Appends one line `{"time":...,"hparams":{...}}` (no `step`: it holds for the whole run).
+    fn log_hparams(&mut self, hparams: &super::HParams) -> Result<()> {
+        let line = format!(
+            "{{\"time\":{},\"hparams\":{}}}\n",
+            number(super::unix_time()),
+            hparams.to_json()
+        );
+        self.write_line(&line)
     }
 
     /// Syncs the file to disk (lines are already handed to the OS by [`log`](Tracker::log)).

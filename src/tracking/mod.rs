@@ -28,17 +28,22 @@
 //! }
 //! ```
 
+mod hparams;
 pub mod jsonl;
 pub mod progress;
 pub mod tensorboard;
+pub(crate) mod timing;
 
 use std::path::Path;
 
+pub use hparams::{HParamValue, HParams};
 pub use jsonl::JsonlTracker;
 pub use progress::Progress;
 pub use tensorboard::TensorBoardTracker;
+pub use timing::{StepTimer, StepTimes};
 
-use crate::{Accelerator, Result};
+use crate::error::Result;
+use crate::settings::ProcessState;
 
 /// Something that records scalar metrics against a training step.
 pub trait Tracker: Send {
@@ -47,6 +52,13 @@ pub trait Tracker: Send {
 
     /// Pushes everything recorded so far to durable storage.
     fn flush(&mut self) -> Result<()>;
+
+    /// Records the run's settings and hyperparameters, once per run (see [`HParams`]). The
+    /// default records nothing: a tracker that has no place for them may leave it out.
+    fn log_hparams(&mut self, hparams: &HParams) -> Result<()> {
+        let _ = hparams;
+        Ok(())
+    }
 }
 
 /// A set of trackers; [`log`](Tracker::log) and [`flush`](Tracker::flush) fan out to every member.
@@ -81,7 +93,7 @@ impl Trackers {
     }
 
     /// An empty set that is active only when `is_main` is true; pass
-    /// [`Accelerator::is_main_process`]. See [`trackers`].
+    /// [`Accelerator::is_main_process`](crate::Accelerator::is_main_process). See [`trackers`].
     pub fn for_process(is_main: bool) -> Self {
         Trackers {
             active: is_main,
@@ -142,23 +154,28 @@ impl Trackers {
     /// Logs to every member (nothing on a non-main process); all are tried even if one fails,
     /// and the first error is returned. Same as [`Tracker::log`], without importing the trait.
     pub fn log(&mut self, metrics: &[(&str, f64)], step: u64) -> Result<()> {
-        let mut first = Ok(());
-        for t in &mut self.members {
-            if let Err(e) = t.log(metrics, step) {
-                if first.is_ok() {
-                    first = Err(e);
-                }
-            }
-        }
-        first
+        self.each(|t| t.log(metrics, step))
     }
 
     /// Flushes every member; all are tried even if one fails, and the first error is returned.
     /// Same as [`Tracker::flush`], without importing the trait.
     pub fn flush(&mut self) -> Result<()> {
+        self.each(|t| t.flush())
+    }
+
+    /// Records the run's settings and hyperparameters with every member (nothing on a non-main
+    /// process): once per run, e.g. `trackers.log_hparams(&HParams::of_run(&accelerator).set("lr",
+    /// 3e-4))`. JSON Lines writes one `{"time":..,"hparams":{..}}` line, TensorBoard its hparams
+    /// plugin's session-start record (the HPARAMS tab). Same as [`Tracker::log_hparams`].
+    pub fn log_hparams(&mut self, hparams: &HParams) -> Result<()> {
+        self.each(|t| t.log_hparams(hparams))
+    }
+
+    /// Calls `f` on every member; all are tried, the first error is returned.
+    fn each(&mut self, mut f: impl FnMut(&mut dyn Tracker) -> Result<()>) -> Result<()> {
         let mut first = Ok(());
         for t in &mut self.members {
-            if let Err(e) = t.flush() {
+            if let Err(e) = f(t.as_mut()) {
                 if first.is_ok() {
                     first = Err(e);
                 }
@@ -176,12 +193,17 @@ impl Tracker for Trackers {
     fn flush(&mut self) -> Result<()> {
         Trackers::flush(self)
     }
+
+    fn log_hparams(&mut self, hparams: &HParams) -> Result<()> {
+        Trackers::log_hparams(self, hparams)
+    }
 }
 
 /// An empty [`Trackers`] set for this process: active on the main process (rank 0), inert on every
-/// other rank. Same as `Trackers::for_process(accelerator.is_main_process())`.
-pub fn trackers(accelerator: &Accelerator) -> Trackers {
-    Trackers::for_process(accelerator.is_main_process())
+/// other rank. Same as `Trackers::for_process(accelerator.is_main_process())`; takes
+/// `&accelerator` (or its [`ProcessState`]).
+pub fn trackers(run: impl AsRef<ProcessState>) -> Trackers {
+    Trackers::for_process(run.as_ref().is_main_process())
 }
 
 /// Seconds since the Unix epoch, as a float (0 if the clock is before 1970).
@@ -197,7 +219,7 @@ pub(crate) fn create_dir(dir: &Path) -> Result<()> {
     if dir.as_os_str().is_empty() {
         return Ok(());
     }
-    std::fs::create_dir_all(dir).map_err(|source| crate::Error::Io {
+    std::fs::create_dir_all(dir).map_err(|source| crate::error::Error::Io {
         context: "tracking: cannot create directory".into(),
         path: dir.to_path_buf(),
         source,

@@ -5,7 +5,7 @@ use std::io::IsTerminal;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::Accelerator;
+use crate::settings::ProcessState;
 
 const TEMPLATE: &str =
     "{bar:40.cyan/blue} {pos}/{len} [{elapsed_precise}<{eta_precise}, {per_sec}] {msg}";
@@ -23,7 +23,7 @@ pub struct Progress {
 }
 
 impl Progress {
-    /// A bar of `len` steps, shown only if `is_main` (pass [`Accelerator::is_main_process`]) and
+    /// A bar of `len` steps, shown only if `is_main` (pass [`Accelerator::is_main_process`](crate::Accelerator::is_main_process)) and
     /// stdout is a terminal.
     pub fn new(len: u64, is_main: bool) -> Self {
         let target = if is_main && std::io::stdout().is_terminal() {
@@ -40,8 +40,9 @@ impl Progress {
     }
 
     /// A bar of `len` steps for this process: shown on the main process (rank 0) only.
-    pub fn for_accelerator(accelerator: &Accelerator, len: u64) -> Self {
-        Self::new(len, accelerator.is_main_process())
+    /// Takes `&accelerator` (or its [`ProcessState`]).
+    pub fn for_accelerator(run: impl AsRef<ProcessState>, len: u64) -> Self {
+        Self::new(len, run.as_ref().is_main_process())
     }
 
     /// Draws the bar on the main process even when stdout is not a terminal (e.g. under a

@@ -17,7 +17,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::Tracker;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Writes scalars to `<dir>/events.out.tfevents.<secs>.<hostname>.<pid>`, readable by
 /// `tensorboard --logdir <dir>`.
@@ -103,6 +103,52 @@ impl Tracker for TensorBoardTracker {
         self.write_record(&event)
     }
 
+    /// Appends the hparams plugin's session-start record (what `SummaryWriter.add_hparams`
+    /// writes, read by TensorBoard's HPARAMS tab): one event whose summary value
+    /// `_hparams_/session_start_info` carries `HParamsPluginData { session_start_info: {
+    /// hparams, start_time_secs } }` as the plugin's content. TensorBoard derives the table's
+    /// columns from it and the run's scalars.
+    fn log_hparams(&mut self, hparams: &super::HParams) -> Result<()> {
+        let now = super::unix_time();
+        let mut start_info = Vec::new();
+        for (name, value) in hparams.iter() {
+            let mut v = Vec::new();
+            match value {
+                super::HParamValue::Number(x) => put_double(&mut v, 2, *x),
+                super::HParamValue::Text(t) => put_bytes(&mut v, 3, t.as_bytes()),
+                super::HParamValue::Bool(b) => put_varint_field(&mut v, 4, u64::from(*b)),
+            }
+            let mut entry = Vec::new();
+            put_bytes(&mut entry, 1, name.as_bytes());
+            put_bytes(&mut entry, 2, &v);
+            put_bytes(&mut start_info, 1, &entry);
+        }
+        put_double(&mut start_info, 5, now);
+        let mut plugin_data = Vec::new();
+        put_bytes(&mut plugin_data, 3, &start_info);
+        let mut plugin = Vec::new();
+        put_bytes(&mut plugin, 1, b"hparams");
+        put_bytes(&mut plugin, 2, &plugin_data);
+        let mut metadata = Vec::new();
+        put_bytes(&mut metadata, 1, &plugin);
+        put_varint_field(&mut metadata, 4, DATA_CLASS_TENSOR);
+        // TensorBoard's null tensor for hparams records: a float32 scalar 0.
+        let mut tensor = Vec::new();
+        put_varint_field(&mut tensor, 1, DT_FLOAT);
+        put_bytes(&mut tensor, 2, &[]);
+        put_bytes(&mut tensor, 5, &0f32.to_le_bytes());
+        let mut value = Vec::new();
+        put_bytes(&mut value, 1, b"_hparams_/session_start_info");
+        put_bytes(&mut value, 8, &tensor);
+        put_bytes(&mut value, 9, &metadata);
+        let mut summary = Vec::new();
+        put_bytes(&mut summary, 1, &value);
+        let mut event = Vec::new();
+        put_double(&mut event, 1, now);
+        put_bytes(&mut event, 5, &summary);
+        self.write_record(&event)
+    }
+
     /// Syncs the event file to disk (records are already handed to the OS by
     /// [`log`](Tracker::log)).
     fn flush(&mut self) -> Result<()> {
@@ -117,12 +163,7 @@ impl Tracker for TensorBoardTracker {
 /// The host name for the file name: `/proc/sys/kernel/hostname`, else `$HOSTNAME`, else
 /// `localhost`; characters other than alphanumerics, `-` and `_` become `_`.
 fn hostname() -> String {
-    let raw = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok().filter(|s| !s.is_empty()))
-        .unwrap_or_else(|| "localhost".to_string());
+    let raw = crate::settings::runtime::host_name().unwrap_or_else(|| "localhost".to_string());
     raw.chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' {
@@ -133,6 +174,11 @@ fn hostname() -> String {
         })
         .collect()
 }
+
+/// `SummaryMetadata.data_class` of a tensor summary.
+const DATA_CLASS_TENSOR: u64 = 2;
+/// `TensorProto.dtype` of float32.
+const DT_FLOAT: u64 = 1;
 
 // ---- TFRecord framing ----
 

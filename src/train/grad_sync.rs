@@ -41,6 +41,8 @@ use candle_core::{Tensor, Var};
 use crate::collective::Collective;
 use crate::error::{Error, Result};
 use crate::settings::MissingGradients;
+use crate::tracking::timing::{Phase, PhaseClock};
+use crate::train::batch_size::Probe;
 use crate::train::params::ParamSet;
 
 /// The accumulation state of one engine.
@@ -76,6 +78,8 @@ pub(crate) struct GradSync {
     missing: MissingGradients,
     /// Whether that check has run (it runs once).
     checked: AtomicBool,
+    /// Whether the same-data check of the first sync step has run (it runs once).
+    data_checked: AtomicBool,
     /// ZeRO stage: 0, 1 (optimizer state sharded) or 2 (gradients too).
     zero_stage: usize,
     params: Mutex<Option<Arc<ParamSet>>>,
@@ -83,6 +87,10 @@ pub(crate) struct GradSync {
     /// Bytes of gradient buckets handed to the collective so far (see
     /// [`reduced_bytes`](Self::reduced_bytes)).
     reduced: AtomicU64,
+    /// Time spent in backward, communication and the optimizer (for `StepTimer`).
+    clock: Arc<PhaseClock>,
+    /// The batch-size search's attempt state: told of every sync step.
+    probe: Arc<Probe>,
 }
 
 impl std::fmt::Debug for GradSync {
@@ -112,6 +120,7 @@ impl GradSync {
         overlap: bool,
         missing: MissingGradients,
         zero_stage: usize,
+        probe: Arc<Probe>,
     ) -> Self {
         GradSync {
             collective,
@@ -120,11 +129,34 @@ impl GradSync {
             overlap,
             missing,
             checked: AtomicBool::new(false),
+            data_checked: AtomicBool::new(false),
             zero_stage,
             params: Mutex::new(None),
             accum: Mutex::new(Accumulation::default()),
             reduced: AtomicU64::new(0),
+            clock: Arc::default(),
+            probe,
         }
+    }
+
+    /// The engine's phase clock, read by [`StepTimer`](crate::tracking::StepTimer).
+    pub(crate) fn clock(&self) -> &Arc<PhaseClock> {
+        &self.clock
+    }
+
+    /// The registered parameters, to hand back to [`restart`](Self::restart) later.
+    pub(crate) fn registration(&self) -> Option<Arc<ParamSet>> {
+        self.params()
+    }
+
+    /// Starts over with `params` registered (what [`registration`](Self::registration) gave):
+    /// what was registered since is forgotten (its buffers freed once nobody holds them), as are
+    /// pending micro-steps, and the first sync step checks for missing gradients again. A
+    /// batch-size search calls it before each retry.
+    pub(crate) fn restart(&self, params: Option<Arc<ParamSet>>) {
+        *lock(&self.params) = params;
+        *lock(&self.accum) = Accumulation::default();
+        self.checked.store(false, Ordering::Relaxed);
     }
 
     /// Whether this rank is alone, so that nothing needs to be verified, broadcast or averaged:
@@ -199,11 +231,13 @@ impl GradSync {
     /// holds the gradients averaged across ranks, on sync steps only.
     pub(crate) fn backward(&self, loss: &Tensor, end: bool) -> Result<Option<GradStore>> {
         // `nn::backward`: `loss.backward()` plus the parameters inside checkpointed blocks.
-        let grads = if self.steps == 1 {
-            crate::nn::backward(loss)?
-        } else {
-            crate::nn::backward(&(loss / self.steps as f64)?)?
-        };
+        let grads = self.clock.measure(Phase::Backward, || {
+            if self.steps == 1 {
+                crate::nn::backward(loss)
+            } else {
+                crate::nn::backward(&(loss / self.steps as f64)?)
+            }
+        })?;
         self.accumulate(grads, end)
     }
 
@@ -281,17 +315,30 @@ impl GradSync {
     /// that no rank gave a gradient (after averaging, a gradient is present when any rank had
     /// one, so every rank reaches the same verdict).
     fn average_with(&self, params: &ParamSet, grads: &mut GradStore) -> Result<()> {
+        self.probe.sync_step_starting()?;
+        // Marked done only once the check's collective went through on every rank: a batch-size
+        // search can abort it on some ranks, and then every rank runs it again.
+        if !self.alone() && !self.data_checked.load(Ordering::Relaxed) {
+            self.check_same_data(params, grads)?;
+            self.data_checked.store(true, Ordering::Relaxed);
+        }
+        let c = self.collective.as_ref();
         if !self.alone() {
             self.reduced
                 .fetch_add(params.reduced_bytes_per_sync(), Ordering::Relaxed);
         }
         if self.zero_stage >= 2 && !self.alone() {
-            let present = params.reduce_scatter_gradients(self.collective.as_ref(), grads)?;
+            let present = self.clock.measure(Phase::Communication, || {
+                params.reduce_scatter_gradients(c, grads)
+            })?;
+            self.probe.sync_step_done();
             return self.check_missing(params, || params.names_where_absent(&present));
         }
         if !self.alone() {
-            params.average_gradients(self.collective.as_ref(), grads)?;
+            self.clock
+                .measure(Phase::Communication, || params.average_gradients(c, grads))?;
         }
+        self.probe.sync_step_done();
         self.check_missing(params, || params.without_grad(grads))
     }
 
@@ -300,6 +347,29 @@ impl GradSync {
     /// nothing when alone.
     pub(crate) fn reduced_bytes(&self) -> u64 {
         self.reduced.load(Ordering::Relaxed)
+    }
+
+    /// Whether the gradients handed out at a sync step are only this rank's slices (ZeRO stage 2
+    /// with more than one rank): then a verdict drawn from them (an f16 overflow) must be agreed
+    /// on by every rank, see [`agree_all_finite`](Self::agree_all_finite).
+    pub(crate) fn grads_sharded(&self) -> bool {
+        self.zero_stage >= 2 && !self.alone()
+    }
+
+    /// One verdict for every rank from each rank's own `finite` (whether its gradients held no
+    /// inf or NaN): true only if it is true on every rank. With whole gradients every rank saw the
+    /// same averaged values and reached the same verdict, so nothing is sent; with sharded
+    /// gradients (ZeRO stage 2) each rank saw only its slices, and one Max all-reduce of an
+    /// overflow flag makes them agree, so that all skip or all step (otherwise their next
+    /// collectives would stop matching).
+    pub(crate) fn agree_all_finite(&self, finite: bool) -> Result<bool> {
+        if !self.grads_sharded() {
+            return Ok(finite);
+        }
+        let mut overflow = [if finite { 0f32 } else { 1f32 }];
+        self.collective
+            .all_reduce((&mut overflow[..]).into(), crate::collective::ReduceOp::Max)?;
+        Ok(overflow[0] == 0.0)
     }
 
     /// The collective the gradients are averaged over.
@@ -325,7 +395,9 @@ impl GradSync {
             return Ok(());
         }
         let params = self.require_params("zero_stage")?;
-        params.gather_params(self.collective.as_ref())
+        self.clock.measure(Phase::Communication, || {
+            params.gather_params(self.collective.as_ref())
+        })
     }
 
     /// The frozen-parameter check of the first sync step (see [`MissingGradients`]); `missing`
@@ -356,6 +428,38 @@ impl GradSync {
                 Ok(())
             }
         }
+    }
+
+    /// The forgot-to-shard check of the first sync step (several ranks only, every rank calls
+    /// it, just before the gradients are averaged): ranks start from the same parameters, so
+    /// identical local gradients on every rank mean identical batches. Compares a fingerprint of
+    /// this rank's gradients (a weighted sum of the per-parameter sums) across ranks with one
+    /// small all-reduce, and warns on the main process when they are all equal. Non-sync
+    /// micro-steps still communicate nothing.
+    fn check_same_data(&self, params: &ParamSet, grads: &GradStore) -> Result<()> {
+        let mut fp = 0f64;
+        for (i, v) in params.vars().iter().enumerate() {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                let sum = g
+                    .sum_all()?
+                    .to_dtype(candle_core::DType::F64)?
+                    .to_scalar::<f64>()?;
+                fp += (i + 1) as f64 * sum;
+            }
+        }
+        let finite = fp.is_finite();
+        let fp = if finite { fp } else { 0.0 };
+        // max(fp), max(-fp) = -min(fp), and whether any rank had a non-finite gradient.
+        let mut v = [fp, -fp, if finite { 0.0 } else { 1.0 }];
+        self.collective
+            .all_reduce((&mut v[..]).into(), crate::collective::ReduceOp::Max)?;
+        if v[2] == 0.0 && v[0] == -v[1] && self.rank() == 0 {
+            crate::logging::warn_always(format_args!(
+                "{}",
+                crate::train::missing::same_data_report(self.collective.world_size())
+            ));
+        }
+        Ok(())
     }
 
     /// Clips gradients by their global L2 norm over the registered parameters and returns the

@@ -1,5 +1,6 @@
-//! The frozen-parameter report: which registered parameters received no gradient, grouped by
-//! module, and the op that most likely cut them off from the loss.
+//! The reports of the first sync step: the frozen-parameter report (which registered parameters
+//! received no gradient, grouped by module, and the op that most likely cut them off from the
+//! loss) and the same-data warning (every rank computed the same gradients).
 //!
 //! The cause is a guess from the parameter names. Candle cannot be asked: an op without a backward
 //! pass (`apply_op*_no_bwd`) leaves no trace in the graph — its output records no op at all, so
@@ -311,6 +312,20 @@ pub(crate) fn report(missing: &[String], all: &[String]) -> String {
         missing.len(),
         all.len(),
         groups.join(", ")
+    )
+}
+
+/// The warning of the same-data check (`GradSync::check_same_data`): every rank computed the
+/// same gradients at the first step, so the ranks train on the same batches.
+pub(crate) fn same_data_report(world: usize) -> String {
+    format!(
+        "all {world} ranks (0 to {}) computed the same gradients at the first step: they are \
+         training on the same batches, so {world} processes do the work of one. Give each rank \
+         its own share of the data: pass the DataLoader through `accelerator.prepare` (or \
+         `prepare_data_loader` / `prepare_streaming_loader`), or take this rank's rows with \
+         `accelerator.shard_rows(&x)` (indices: `shard_range`). If the ranks are meant to see \
+         the same data, ignore this warning (it is printed once)",
+        world - 1
     )
 }
 

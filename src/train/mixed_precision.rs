@@ -1,6 +1,8 @@
 //! Mixed precision: the optimizer that keeps f32 masters for bf16/f16 working copies.
 
+use crate::optim::{OptimizerState, StateShard, StatefulOptimizer};
 use candle_core::backprop::GradStore;
+use candle_core::Device;
 use candle_core::{DType, Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
 
@@ -130,7 +132,8 @@ impl LossScaler {
 ///    master;
 /// 3. averages these f32 gradients across ranks (the usual bucketed all-reduce);
 /// 4. (f16 only) if any averaged gradient holds an inf or NaN, the step is **skipped** on every
-///    rank alike (they all see the same averaged gradients), the scale is multiplied by 0.5 and the
+///    rank alike (they all see the same averaged gradients; under ZeRO stage 2, where each rank
+///    holds only its slices, one all-reduce of an overflow flag makes them agree), the scale is multiplied by 0.5 and the
 ///    skip is counted ([`skipped_steps`](MixedPrecisionOptimizer::skipped_steps)); after
 ///    [`growth_interval`](LossScaler::growth_interval) (2000) clean steps in a row the scale is
 ///    doubled. The initial scale is 2^16;
@@ -341,7 +344,10 @@ impl<O: Optimizer + 'static> MixedPrecisionOptimizer<O> {
     /// the masters, copy back into the working copies.
     fn apply(&mut self, grads: GradStore) -> Result<bool> {
         if let Some(scaler) = self.scaler.as_mut() {
-            let clean = all_finite(&self.pairs, &grads)?;
+            // Under ZeRO stage 2 each rank holds only its slices of the averaged gradients: the
+            // engine makes every rank reach the overflow verdict of the whole model.
+            let engine = self.inner.engine();
+            let clean = engine.agree_all_finite(all_finite(&self.pairs, &grads)?)?;
             scaler.update(clean);
             if !clean {
                 self.skipped += 1;
@@ -437,3 +443,81 @@ fn all_finite(pairs: &[(Var, Var)], grads: &GradStore) -> Result<bool> {
     let total = Tensor::stack(&sums, 0)?.sum_all()?.to_scalar::<f32>()?;
     Ok(total.is_finite())
 }
+
+/// The state of the optimizer stepping the f32 masters; load the masters themselves with
+/// [`Accelerator::load_state`](crate::Accelerator::load_state) and then call
+/// [`sync_working_copies`](MixedPrecisionOptimizer::sync_working_copies).
+///
+/// With f16 the loss scaler's scale and clean-step count are saved too (as the scalar tensors
+/// `loss_scaler.scale` and `loss_scaler.clean_steps`), so a resumed run scales as the
+/// uninterrupted one.
+impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for MixedPrecisionOptimizer<O> {
+    fn state_needs_every_rank(&self) -> bool {
+        self.accelerated().state_needs_every_rank()
+    }
+    /// The wrapped optimizer's slices; the loss scaler's scalars go with rank 0's.
+    fn optimizer_state_shard(&self) -> Result<Option<StateShard>> {
+        let Some(mut shard) = self.accelerated().optimizer_state_shard()? else {
+            return Ok(None);
+        };
+        if let Some(s) = self.loss_scaler() {
+            let dev = Device::Cpu;
+            let rank = self.accelerated().engine().collective().rank();
+            for (name, value) in [
+                (SCALER_SCALE, s.scale()),
+                (SCALER_CLEAN, s.clean_steps() as f64),
+            ] {
+                shard.layout.push((name.into(), Vec::new()));
+                if rank == 0 {
+                    shard
+                        .pieces
+                        .push((name.into(), 0, Tensor::new(&[value], &dev)?));
+                }
+            }
+        }
+        Ok(Some(shard))
+    }
+    fn optimizer_state(&self) -> Result<OptimizerState> {
+        let mut state = self.accelerated().optimizer_state()?;
+        if let Some(s) = self.loss_scaler() {
+            let dev = Device::Cpu;
+            state
+                .tensors
+                .push((SCALER_SCALE.into(), Tensor::new(s.scale(), &dev)?));
+            state.tensors.push((
+                SCALER_CLEAN.into(),
+                Tensor::new(s.clean_steps() as f64, &dev)?,
+            ));
+        }
+        Ok(state)
+    }
+    fn load_optimizer_state(&mut self, mut state: OptimizerState) -> Result<()> {
+        let mut take = |name: &str| -> Result<Option<f64>> {
+            match state.tensors.iter().position(|(n, _)| n == name) {
+                Some(i) => {
+                    let (_, t) = state.tensors.remove(i);
+                    Ok(Some(
+                        t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
+                    ))
+                }
+                None => Ok(None),
+            }
+        };
+        let scale = take(SCALER_SCALE)?;
+        let clean = take(SCALER_CLEAN)?;
+        self.accelerated_mut().load_optimizer_state(state)?;
+        if let (Some(scaler), Some(scale)) = (self.loss_scaler_mut(), scale) {
+            if !(scale.is_finite() && scale > 0.0) {
+                return Err(Error::invalid(
+                    "loss scaler state",
+                    format!("the saved scale {scale} is not a positive number"),
+                ));
+            }
+            scaler.restore(scale, clean.unwrap_or(0.0).max(0.0) as u64);
+        }
+        Ok(())
+    }
+}
+
+const SCALER_SCALE: &str = "loss_scaler.scale";
+const SCALER_CLEAN: &str = "loss_scaler.clean_steps";

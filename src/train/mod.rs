@@ -1,8 +1,10 @@
 //! Training machinery, the middle floor: parameters and gradient buckets, gradient accumulation,
 //! the optimizer wrappers, mixed precision, learning-rate schedules and the checkpoint format.
 
+pub(crate) mod batch_size;
 pub mod checkpoint;
 pub(crate) mod grad_sync;
+pub(crate) mod init;
 pub(crate) mod missing;
 pub(crate) mod mixed_precision;
 pub(crate) mod optimizer;

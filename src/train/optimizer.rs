@@ -1,6 +1,7 @@
 //! The optimizer wrapper returned by [`Accelerator::prepare`](crate::Accelerator::prepare), and
 //! [`TrainOptimizer`], the part that every optimizer shares with both wrappers.
 
+use crate::optim::{OptimizerState, StateShard, StatefulOptimizer};
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
@@ -16,7 +17,7 @@ use crate::train::grad_sync::{Clipping, GradSync};
 /// and [`optim::Sgd`](crate::optim::Sgd)) and by both wrappers, [`AcceleratedOptimizer`] and
 /// [`MixedPrecisionOptimizer`](crate::MixedPrecisionOptimizer). The wrappers also share
 /// clipping (`set_clip_grad_norm`, `set_clip_grad_value`, `last_grad_norm`) and checkpoints
-/// ([`StatefulOptimizer`](crate::checkpoint::StatefulOptimizer)).
+/// ([`StatefulOptimizer`](crate::optim::StatefulOptimizer)).
 pub trait TrainOptimizer {
     /// The learning rate.
     fn lr(&self) -> f64;
@@ -132,15 +133,18 @@ impl<O: Optimizer + 'static> AcceleratedOptimizer<O> {
         if !self.grads.sync_gradients() {
             return Ok(());
         }
-        match self.grads.clipped(grads, self.clip)? {
-            None => self.apply(grads),
-            Some((clipped, norm)) => {
-                if norm.is_some() {
-                    self.last_norm = norm;
+        let clock = std::sync::Arc::clone(self.grads.clock());
+        clock.measure(crate::tracking::timing::Phase::Optimizer, || {
+            match self.grads.clipped(grads, self.clip)? {
+                None => self.apply(grads),
+                Some((clipped, norm)) => {
+                    if norm.is_some() {
+                        self.last_norm = norm;
+                    }
+                    self.apply(&clipped)
                 }
-                self.apply(&clipped)
             }
-        }
+        })
     }
 
     /// `backward` (with the gradients averaged across ranks) followed by [`step`](Self::step).
@@ -224,5 +228,37 @@ impl<O: Optimizer> AcceleratedOptimizer<O> {
     /// Unwraps the optimizer.
     pub fn into_inner(self) -> O {
         self.inner
+    }
+}
+
+/// A ZeRO-sharded optimizer's [`optimizer_state`](StatefulOptimizer::optimizer_state) is
+/// gathered from every rank into the unsharded layout (every rank must take it:
+/// [`state_needs_every_rank`](StatefulOptimizer::state_needs_every_rank)); its
+/// [`optimizer_state_shard`](StatefulOptimizer::optimizer_state_shard) is this rank's slices,
+/// which checkpoints write one file per rank.
+impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for AcceleratedOptimizer<O> {
+    fn optimizer_state(&self) -> Result<OptimizerState> {
+        let mut state = self.inner().optimizer_state()?;
+        if self.is_sharded() {
+            // Each element is one rank's; the others hold zeros there.
+            let c = self.engine().collective();
+            for (_, t) in state.tensors.iter_mut() {
+                *t = c.all_reduce_tensor(t, crate::collective::ReduceOp::Sum)?;
+            }
+        }
+        Ok(state)
+    }
+    fn state_needs_every_rank(&self) -> bool {
+        self.is_sharded()
+    }
+    fn optimizer_state_shard(&self) -> Result<Option<StateShard>> {
+        if self.is_sharded() {
+            self.inner().optimizer_state_shard()
+        } else {
+            Ok(None)
+        }
+    }
+    fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
+        self.inner_mut().load_optimizer_state(state)
     }
 }

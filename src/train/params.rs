@@ -316,22 +316,52 @@ impl ParamSet {
         if all_cpu {
             return self.average_cpu(c, grads, &mut slots, self.overlap);
         }
+        drop(slots);
+        self.average_device(c, grads)
+    }
+
+    /// The device path of [`average_gradients`](Self::average_gradients) (GPU gradients, or
+    /// dtypes the CPU buckets do not take): plain tensor ops and the tensor collective.
+    fn average_device(&self, c: &dyn Collective, grads: &mut GradStore) -> Result<()> {
+        // Every bucket flattened (its presence flags at its end), then all reduced as one batch:
+        // NCCL queues them back to back and the host waits once per step, not once per bucket.
+        let mut flats = Vec::with_capacity(self.buckets.len());
         for b in &self.buckets {
             let vars = &self.vars[b.members.clone()];
             let (dtype, device) = (vars[0].dtype(), vars[0].device().clone());
             let (mut parts, present) = self.bucket_grads_device(c, vars, grads)?;
             parts.push(Tensor::new(present.as_slice(), &device)?.to_dtype(dtype)?);
-            let flat = Tensor::cat(&parts, 0)?;
-            let mean = c.all_reduce_tensor(&flat, ReduceOp::Mean)?;
-            let total: usize = vars.iter().map(|v| v.elem_count()).sum();
-            let flags = mean
-                .narrow(0, total, vars.len())?
-                .to_dtype(DType::F64)?
-                .to_vec1::<f64>()?;
+            flats.push(Tensor::cat(&parts, 0)?);
+        }
+        let means = c.all_reduce_tensors(&flats, ReduceOp::Mean)?;
+        // All the buckets' presence flags, read back together (one read per device).
+        let mut flag_parts = Vec::with_capacity(means.len());
+        for (b, mean) in self.buckets.iter().zip(&means) {
+            let total = self.bucket_elems(b);
+            flag_parts.push(
+                mean.narrow(0, total, b.members.len())?
+                    .to_dtype(DType::F32)?,
+            );
+        }
+        let one_device = flag_parts
+            .iter()
+            .all(|f| f.device().same_device(flag_parts[0].device()));
+        let flags: Vec<f32> = if one_device && !flag_parts.is_empty() {
+            Tensor::cat(&flag_parts, 0)?.to_vec1::<f32>()?
+        } else {
+            let mut all = Vec::new();
+            for f in &flag_parts {
+                all.extend(f.to_vec1::<f32>()?);
+            }
+            all
+        };
+        let mut next_flag = flags.into_iter();
+        for (b, mean) in self.buckets.iter().zip(&means) {
+            let vars = &self.vars[b.members.clone()];
             let mut off = 0;
-            for (v, flag) in vars.iter().zip(flags) {
+            for v in vars {
                 let n = v.elem_count();
-                if flag > 0.0 {
+                if next_flag.next().is_some_and(|f| f > 0.0) {
                     grads.insert(v.as_tensor(), mean.narrow(0, off, n)?.reshape(v.shape())?);
                 } else {
                     grads.remove(v.as_tensor());
@@ -773,20 +803,43 @@ impl ParamSet {
     }
 
     /// The sum of squares of the registered parameters' gradients in `grads` (f64; read in
-    /// place for contiguous CPU gradients).
+    /// place for contiguous CPU gradients). Gradients on a GPU are summed there, per parameter
+    /// in f32 and over the parameters in f64, and read back once: one host synchronization per
+    /// call, not one per parameter.
     pub(crate) fn grad_sq_sum(&self, grads: &GradStore) -> Result<f64> {
         let mut sum = 0f64;
+        // Per-parameter sums still on their device, grouped by device.
+        let mut on_device: Vec<Vec<Tensor>> = Vec::new();
         for v in &self.vars {
-            if let Some(g) = grads.get(v.as_tensor()) {
-                sum += match crate::optim::sq_sum(g) {
-                    Some(s) => s,
-                    None => g
-                        .to_dtype(DType::F64)?
-                        .sqr()?
-                        .sum_all()?
-                        .to_scalar::<f64>()?,
-                };
+            let Some(g) = grads.get(v.as_tensor()) else {
+                continue;
+            };
+            if let Some(s) = crate::optim::sq_sum(g) {
+                sum += s;
+                continue;
             }
+            if g.device().is_cpu() {
+                sum += g
+                    .to_dtype(DType::F64)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f64>()?;
+                continue;
+            }
+            let part = g.to_dtype(DType::F32)?.sqr()?.sum_all()?;
+            match on_device
+                .iter_mut()
+                .find(|parts| parts[0].device().same_device(g.device()))
+            {
+                Some(parts) => parts.push(part),
+                None => on_device.push(vec![part]),
+            }
+        }
+        for parts in on_device {
+            sum += Tensor::stack(&parts, 0)?
+                .to_dtype(DType::F64)?
+                .sum_all()?
+                .to_scalar::<f64>()?;
         }
         Ok(sum)
     }
@@ -854,187 +907,5 @@ impl ParamSet {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::Device;
-
-    fn var(n: usize, dtype: DType) -> Var {
-        Var::zeros(n, dtype, &Device::Cpu).unwrap()
-    }
-
-    #[test]
-    fn buckets_follow_name_order_cap_and_dtype() {
-        let named = vec![
-            ("c".to_string(), var(10, DType::F32)),
-            ("a".to_string(), var(10, DType::F32)),
-            ("b".to_string(), var(10, DType::F32)),
-            ("d".to_string(), var(100, DType::F32)),
-            ("e".to_string(), var(4, DType::F64)),
-        ];
-        let p = ParamSet::new(named, 80, true).unwrap();
-        assert_eq!(p.names, vec!["a", "b", "c", "d", "e"]);
-        let b: Vec<_> = p.buckets.iter().map(|b| b.members.clone()).collect();
-        // a+b = 80 bytes fit; c starts a new bucket; d is over the cap alone; e has another dtype.
-        assert_eq!(b, vec![0..2, 2..3, 3..4, 4..5]);
-    }
-
-    #[test]
-    fn cpu_buckets_average_in_place_and_survive_their_own_output() {
-        use crate::collective::ThreadGroup;
-        let group = ThreadGroup::new(2, std::time::Duration::from_secs(20)).unwrap();
-        let handles: Vec<_> = group
-            .into_iter()
-            .map(|c| {
-                std::thread::spawn(move || {
-                    let r = c.rank() as f32;
-                    let vars: Vec<Var> = (0..3).map(|_| var(5, DType::F32)).collect();
-                    let named = vars
-                        .iter()
-                        .enumerate()
-                        .map(|(i, v)| (format!("p{i}"), v.clone()))
-                        .collect();
-                    // Buckets of 2 parameters and 1: both flat tensors are exercised.
-                    let set = ParamSet::new(named, 40, true).unwrap();
-                    let mut grads = GradStore::default();
-                    for (i, v) in vars.iter().enumerate() {
-                        // `p2` has a gradient on rank 1 only.
-                        if i < 2 || r == 1.0 {
-                            let g = Tensor::full(r + i as f32, 5, &Device::Cpu).unwrap();
-                            grads.insert(v.as_tensor(), g);
-                        }
-                    }
-                    set.average_gradients(&c, &mut grads).unwrap();
-                    let got = |g: &GradStore, i: usize| {
-                        g.get(vars[i].as_tensor())
-                            .unwrap()
-                            .to_vec1::<f32>()
-                            .unwrap()
-                    };
-                    let first: Vec<Vec<f32>> = (0..3).map(|i| got(&grads, i)).collect();
-                    // Feed the averaged gradients (views into the flat tensors) back in.
-                    set.average_gradients(&c, &mut grads).unwrap();
-                    let second: Vec<Vec<f32>> = (0..3).map(|i| got(&grads, i)).collect();
-                    (first, second)
-                })
-            })
-            .collect();
-        for h in handles {
-            let (first, second) = h.join().unwrap();
-            // Means of (0, 1), (1, 2) and (absent = 0, 3).
-            assert_eq!(first, vec![vec![0.5; 5], vec![1.5; 5], vec![1.5; 5]]);
-            assert_eq!(second, first);
-        }
-    }
-
-    /// The GPU paths of ZeRO (plain tensor ops plus the tensor collectives) run on CPU tensors
-    /// too: for 1 to 4 ranks, odd sizes and buckets of several parameters, they must give what
-    /// the CPU in-place paths give, bit for bit.
-    #[test]
-    fn zero_device_paths_equal_the_cpu_paths() {
-        use crate::collective::ThreadGroup;
-        for world in 1..=4 {
-            let group = ThreadGroup::new(world, std::time::Duration::from_secs(20)).unwrap();
-            let handles: Vec<_> = group
-                .into_iter()
-                .map(|c| {
-                    std::thread::spawn(move || {
-                        let r = c.rank();
-                        let sizes = [7usize, 3, 11, 1];
-                        let make = || -> (ParamSet, Vec<Var>) {
-                            let vars: Vec<Var> = sizes
-                                .iter()
-                                .enumerate()
-                                .map(|(i, &n)| {
-                                    let v: Vec<f32> =
-                                        (0..n).map(|k| (i * 100 + k) as f32).collect();
-                                    Var::from_vec(v, n, &Device::Cpu).unwrap()
-                                })
-                                .collect();
-                            let named = vars
-                                .iter()
-                                .enumerate()
-                                .map(|(i, v)| (format!("p{i}"), v.clone()))
-                                .collect();
-                            // A cap of 48 bytes: buckets of several parameters and of one.
-                            (ParamSet::new(named, 48, true).unwrap(), vars)
-                        };
-                        let grads_for = |vars: &[Var]| {
-                            let mut g = GradStore::default();
-                            for (i, v) in vars.iter().enumerate() {
-                                // `p3` has a gradient on the last rank only.
-                                if i != 3 || r + 1 == world {
-                                    let x: Vec<f32> = (0..v.elem_count())
-                                        .map(|k| (r * 7 + i * 3 + k) as f32 * 0.25)
-                                        .collect();
-                                    let t = Tensor::from_vec(x, v.elem_count(), &Device::Cpu);
-                                    g.insert(v.as_tensor(), t.unwrap());
-                                }
-                            }
-                            g
-                        };
-                        let slices = |set: &ParamSet, vars: &[Var], g: &GradStore| {
-                            vars.iter()
-                                .map(|v| g.get(v.as_tensor()).map(|t| t.to_vec1::<f32>().unwrap()))
-                                .collect::<Vec<_>>()
-                                .into_iter()
-                                .zip(set.names.iter().cloned())
-                                .collect::<Vec<_>>()
-                        };
-                        let (cpu_set, cpu_vars) = make();
-                        let mut g = grads_for(&cpu_vars);
-                        let cpu_present = cpu_set.reduce_scatter_gradients(&c, &mut g).unwrap();
-                        let cpu_grads = slices(&cpu_set, &cpu_vars, &g);
-                        let (dev_set, dev_vars) = make();
-                        let mut g = grads_for(&dev_vars);
-                        let dev_present =
-                            dev_set.reduce_scatter_gradients_device(&c, &mut g).unwrap();
-                        let dev_grads = slices(&dev_set, &dev_vars, &g);
-                        // Each rank changes only the parameters' elements it owns, then both
-                        // gathers must give every rank every owner's values.
-                        for set in [&cpu_set, &dev_set] {
-                            for s in set.shards(world, r) {
-                                let p = s.var.as_tensor().flatten_all().unwrap();
-                                let new =
-                                    Tensor::full(-(r as f32) - 1.0, s.range.len(), &Device::Cpu)
-                                        .unwrap();
-                                p.slice_set(&new, 0, s.range.start).unwrap();
-                            }
-                        }
-                        cpu_set.gather_params(&c).unwrap();
-                        dev_set.gather_params_device(&c).unwrap();
-                        let values = |vars: &[Var]| {
-                            vars.iter()
-                                .map(|v| v.as_tensor().to_vec1::<f32>().unwrap())
-                                .collect::<Vec<_>>()
-                        };
-                        (
-                            (cpu_present, cpu_grads, values(&cpu_vars)),
-                            (dev_present, dev_grads, values(&dev_vars)),
-                        )
-                    })
-                })
-                .collect();
-            for h in handles {
-                let (cpu, dev) = h.join().unwrap();
-                assert_eq!(cpu.0, vec![true; 4], "world {world}");
-                assert_eq!(dev, cpu, "world {world}");
-                // Every element was overwritten by its owner.
-                assert!(
-                    cpu.2.iter().flatten().all(|&x| x < 0.0),
-                    "world {world}: {:?}",
-                    cpu.2
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn duplicate_names_are_rejected() {
-        let named = vec![
-            ("w".to_string(), var(1, DType::F32)),
-            ("w".to_string(), var(1, DType::F32)),
-        ];
-        let err = ParamSet::new(named, 10, true).unwrap_err().to_string();
-        assert!(err.contains("`w`"), "{err}");
-    }
-}
+#[path = "params_tests.rs"]
+mod tests;

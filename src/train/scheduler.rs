@@ -35,6 +35,7 @@
 use std::f64::consts::PI;
 
 use crate::error::{Error, Result};
+use crate::train::checkpoint::Checkpointable;
 use crate::train::optimizer::TrainOptimizer;
 
 /// A learning rate as a function of the optimizer step count (0 for the first step).
@@ -118,124 +119,84 @@ impl LrScheduler for Constant {
 /// factor (0 by default);
 /// `min_lr + (base_lr − min_lr)·(1 + cos(π·(s − warmup_steps)/(total_steps − warmup_steps)))/2`
 /// for `warmup_steps <= s < total_steps`; `min_lr` for `s >= total_steps`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct LinearWarmupCosine {
-    base_lr: f64,
-    warmup_steps: u64,
-    total_steps: u64,
-    min_lr: f64,
-    start_factor: f64,
-}
-
-impl LinearWarmupCosine {
-    /// Checks the settings: learning rates finite and >= 0, `min_lr <= base_lr`,
-    /// `total_steps >= warmup_steps`. Errors name the field.
-    pub fn new(base_lr: f64, warmup_steps: u64, total_steps: u64, min_lr: f64) -> Result<Self> {
-        check_rate("base_lr", base_lr)?;
-        check_rate("min_lr", min_lr)?;
-        if min_lr > base_lr {
-            return Err(Error::invalid(
-                "min_lr",
-                format!("must be <= base_lr ({base_lr}), got {min_lr}"),
-            ));
-        }
-        check_steps(warmup_steps, total_steps)?;
-        Ok(LinearWarmupCosine {
-            base_lr,
-            warmup_steps,
-            total_steps,
-            min_lr,
-            start_factor: 0.0,
-        })
-    }
-
-    /// Starts the warmup at `start_factor · base_lr` instead of 0, like PyTorch's
-    /// `LinearLR(start_factor=…, end_factor=1.0, total_iters=warmup_steps)`: the rate at step `s`
-    /// of the warmup is `base_lr · (start_factor + (1 − start_factor) · s / warmup_steps)`.
-    /// The default, 0, is a warmup from 0. Fails unless `start_factor` is finite and in `[0, 1]`.
-    pub fn with_start_factor(mut self, start_factor: f64) -> Result<Self> {
-        check_start_factor(start_factor)?;
-        self.start_factor = start_factor;
-        Ok(self)
-    }
-
-    /// The fraction of `base_lr` the warmup starts from (0 unless set by
-    /// [`with_start_factor`](Self::with_start_factor)).
-    pub fn start_factor(&self) -> f64 {
-        self.start_factor
-    }
-
-    /// The peak learning rate, reached at the end of the warmup.
-    pub fn base_lr(&self) -> f64 {
-        self.base_lr
-    }
-
-    /// Steps of linear warmup.
-    pub fn warmup_steps(&self) -> u64 {
-        self.warmup_steps
-    }
-
-    /// The step at which `min_lr` is reached.
-    pub fn total_steps(&self) -> u64 {
-        self.total_steps
-    }
-
-    /// The final learning rate.
-    pub fn min_lr(&self) -> f64 {
-        self.min_lr
-    }
-}
-
-impl LrScheduler for LinearWarmupCosine {
-    fn lr(&self, step: u64) -> f64 {
-        if step >= self.total_steps {
-            self.min_lr
-        } else if step < self.warmup_steps {
-            warmup(self.base_lr, self.start_factor, step, self.warmup_steps)
-        } else {
-            let progress =
-                (step - self.warmup_steps) as f64 / (self.total_steps - self.warmup_steps) as f64;
-            self.min_lr + (self.base_lr - self.min_lr) * 0.5 * (1.0 + (PI * progress).cos())
-        }
-    }
-}
+pub type LinearWarmupCosine = WarmupDecay<Cosine>;
 
 /// Linear warmup from 0 (or from `start_factor · base_lr`, see
-/// [`with_start_factor`](Self::with_start_factor)) to `base_lr` over `warmup_steps`, then linear
-/// decay from `base_lr` to `end_lr` at `total_steps`, and `end_lr` after.
+/// [`with_start_factor`](WarmupDecay::with_start_factor)) to `base_lr` over `warmup_steps`, then
+/// linear decay from `base_lr` to `end_lr` at `total_steps`, and `end_lr` after.
 ///
 /// `lr(s) = base_lr·(f + (1 − f)·s/warmup_steps)` for `s < warmup_steps`, where `f` is the start
 /// factor (0 by default);
 /// `base_lr + (end_lr − base_lr)·(s − warmup_steps)/(total_steps − warmup_steps)` for
 /// `warmup_steps <= s < total_steps`; `end_lr` for `s >= total_steps`.
+pub type LinearDecay = WarmupDecay<Linear>;
+
+/// The shape of a [`WarmupDecay`]'s decay after the warmup: [`Cosine`] or [`Linear`].
+pub trait Decay: Copy + std::fmt::Debug + PartialEq {
+    /// The name of the final rate's argument (`min_lr`, `end_lr`), for errors.
+    const FINAL: &'static str;
+    /// The rate at `progress` (0 to 1) of the decay from `base_lr` to `final_lr`.
+    fn at(base_lr: f64, final_lr: f64, progress: f64) -> f64;
+}
+
+/// Cosine decay ([`LinearWarmupCosine`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct LinearDecay {
+pub struct Cosine;
+
+impl Decay for Cosine {
+    const FINAL: &'static str = "min_lr";
+    fn at(base_lr: f64, final_lr: f64, progress: f64) -> f64 {
+        final_lr + (base_lr - final_lr) * 0.5 * (1.0 + (PI * progress).cos())
+    }
+}
+
+/// Linear decay ([`LinearDecay`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Linear;
+
+impl Decay for Linear {
+    const FINAL: &'static str = "end_lr";
+    fn at(base_lr: f64, final_lr: f64, progress: f64) -> f64 {
+        base_lr + (final_lr - base_lr) * progress
+    }
+}
+
+/// A linear warmup to `base_lr`, then a decay `D` to a final rate at `total_steps`, and the
+/// final rate after: [`LinearWarmupCosine`] and [`LinearDecay`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WarmupDecay<D> {
     base_lr: f64,
     warmup_steps: u64,
     total_steps: u64,
-    end_lr: f64,
+    final_lr: f64,
     start_factor: f64,
+    decay: D,
 }
 
-impl LinearDecay {
-    /// Checks the settings: learning rates finite and >= 0, `end_lr <= base_lr`,
-    /// `total_steps >= warmup_steps`. Errors name the field.
-    pub fn new(base_lr: f64, warmup_steps: u64, total_steps: u64, end_lr: f64) -> Result<Self> {
+impl<D: Decay> WarmupDecay<D> {
+    fn build(
+        decay: D,
+        base_lr: f64,
+        warmup_steps: u64,
+        total_steps: u64,
+        final_lr: f64,
+    ) -> Result<Self> {
         check_rate("base_lr", base_lr)?;
-        check_rate("end_lr", end_lr)?;
-        if end_lr > base_lr {
+        check_rate(D::FINAL, final_lr)?;
+        if final_lr > base_lr {
             return Err(Error::invalid(
-                "end_lr",
-                format!("must be <= base_lr ({base_lr}), got {end_lr}"),
+                D::FINAL,
+                format!("must be <= base_lr ({base_lr}), got {final_lr}"),
             ));
         }
         check_steps(warmup_steps, total_steps)?;
-        Ok(LinearDecay {
+        Ok(WarmupDecay {
             base_lr,
             warmup_steps,
             total_steps,
-            end_lr,
+            final_lr,
             start_factor: 0.0,
+            decay,
         })
     }
 
@@ -265,27 +226,48 @@ impl LinearDecay {
         self.warmup_steps
     }
 
-    /// The step at which `end_lr` is reached.
+    /// The step at which the final rate is reached.
     pub fn total_steps(&self) -> u64 {
         self.total_steps
+    }
+}
+
+impl WarmupDecay<Cosine> {
+    /// Checks the settings: learning rates finite and >= 0, `min_lr <= base_lr`,
+    /// `total_steps >= warmup_steps`. Errors name the field.
+    pub fn new(base_lr: f64, warmup_steps: u64, total_steps: u64, min_lr: f64) -> Result<Self> {
+        Self::build(Cosine, base_lr, warmup_steps, total_steps, min_lr)
+    }
+
+    /// The final learning rate.
+    pub fn min_lr(&self) -> f64 {
+        self.final_lr
+    }
+}
+
+impl WarmupDecay<Linear> {
+    /// Checks the settings: learning rates finite and >= 0, `end_lr <= base_lr`,
+    /// `total_steps >= warmup_steps`. Errors name the field.
+    pub fn new(base_lr: f64, warmup_steps: u64, total_steps: u64, end_lr: f64) -> Result<Self> {
+        Self::build(Linear, base_lr, warmup_steps, total_steps, end_lr)
     }
 
     /// The final learning rate.
     pub fn end_lr(&self) -> f64 {
-        self.end_lr
+        self.final_lr
     }
 }
 
-impl LrScheduler for LinearDecay {
+impl<D: Decay> LrScheduler for WarmupDecay<D> {
     fn lr(&self, step: u64) -> f64 {
         if step >= self.total_steps {
-            self.end_lr
+            self.final_lr
         } else if step < self.warmup_steps {
             warmup(self.base_lr, self.start_factor, step, self.warmup_steps)
         } else {
             let progress =
                 (step - self.warmup_steps) as f64 / (self.total_steps - self.warmup_steps) as f64;
-            self.base_lr + (self.end_lr - self.base_lr) * progress
+            D::at(self.base_lr, self.final_lr, progress)
         }
     }
 }
@@ -335,6 +317,19 @@ impl<S: LrScheduler> Schedule<S> {
     /// The scheduler.
     pub fn scheduler(&self) -> &S {
         &self.scheduler
+    }
+}
+
+impl<S: LrScheduler> Checkpointable for Schedule<S> {
+    fn checkpoint_state(&self) -> Result<serde_json::Value> {
+        Ok(serde_json::json!({ "step": self.current_step() }))
+    }
+    fn restore_state(&mut self, state: &serde_json::Value) -> Result<()> {
+        let step = state["step"].as_u64().ok_or_else(|| {
+            Error::invalid("schedule state", "`step` is not a non-negative integer")
+        })?;
+        self.set_step(step);
+        Ok(())
     }
 }
 

@@ -15,7 +15,7 @@ use candle_core::{Device, Tensor};
 use half::{bf16, f16};
 
 const LENGTHS: &[usize] = &[0, 1, 2, 3, 5, 7, 13, 1000, 4099];
-const OPS: &[ReduceOp] = &[ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max];
+const OPS: &[ReduceOp] = &[ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min];
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 fn byte_buffer(b: &[u8]) -> Buffer<'_> {
@@ -527,4 +527,100 @@ fn unsupported_dtype_and_bad_root_are_rejected_up_front() {
         // Still usable: nothing was sent.
         c.barrier().unwrap();
     });
+}
+
+/// `Min` and `Max` against a plain reference with NaNs sprinkled in: a NaN on any rank makes
+/// that element NaN on every rank (as `torch.min` / `torch.max`); the others are the exact
+/// extremes. Every dtype, odd lengths, `all_reduce` and `reduce_scatter`.
+fn nan_extremes_suite<T, C>(c: &C)
+where
+    T: TestElem,
+    C: Collective + ?Sized,
+    for<'a> BufferMut<'a>: From<&'a mut [T]>,
+    for<'a> Buffer<'a>: From<&'a [T]>,
+{
+    let (rank, world) = (c.rank(), c.world_size());
+    // Rank r holds a NaN where i % 7 == r (so ranks 5 and 6 would hold none; the worlds here
+    // have at most 5 ranks, so some elements are NaN-free).
+    let at = |r: usize, i: usize| {
+        if i % 7 == r {
+            f64::NAN
+        } else {
+            value(r, i)
+        }
+    };
+    for op in [ReduceOp::Min, ReduceOp::Max] {
+        let want = |i: usize| {
+            let vals: Vec<f64> = (0..world).map(|r| at(r, i)).collect();
+            if vals.iter().any(|v| v.is_nan()) {
+                f64::NAN
+            } else if op == ReduceOp::Min {
+                vals.into_iter().fold(f64::MAX, f64::min)
+            } else {
+                vals.into_iter().fold(f64::MIN, f64::max)
+            }
+        };
+        for len in [1usize, 2, 3, 5, 7, 13, 1001] {
+            let fresh = || -> Vec<T> { (0..len).map(|i| T::of(at(rank, i))).collect() };
+            let mut v = fresh();
+            c.all_reduce(BufferMut::from(&mut v[..]), op)
+                .unwrap_or_else(|e| panic!("all_reduce {op:?} {} x {len}: {e}", T::ELEM));
+            let mut s = fresh();
+            c.reduce_scatter(BufferMut::from(&mut s[..]), op)
+                .unwrap_or_else(|e| panic!("reduce_scatter {op:?} {} x {len}: {e}", T::ELEM));
+            let mine = chunk_range(len, world, rank);
+            for i in 0..len {
+                let w = want(i);
+                let mut got = vec![("all_reduce", v[i].f())];
+                if mine.contains(&i) {
+                    got.push(("reduce_scatter", s[i].f()));
+                }
+                for (what, g) in got {
+                    assert!(
+                        (w.is_nan() && g.is_nan()) || g == w,
+                        "rank {rank} world {world} {} {what} {op:?} len {len} [{i}]: got {g}, want {w}",
+                        T::ELEM
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn nan_extremes_all_dtypes<C: Collective + ?Sized>(c: &C) {
+    nan_extremes_suite::<f32, C>(c);
+    nan_extremes_suite::<f64, C>(c);
+    nan_extremes_suite::<f16, C>(c);
+    nan_extremes_suite::<bf16, C>(c);
+}
+
+#[test]
+fn min_and_max_propagate_nan_on_every_backend_for_world_1_to_5() {
+    for world in 1..=5 {
+        for transport in [Transport::Tcp, Transport::Shm] {
+            let port = free_port();
+            let ranks: Vec<TcpCollective> = (0..world)
+                .map(|r| {
+                    std::thread::spawn(move || {
+                        let mut o = tcp_options(r, world, port, TIMEOUT);
+                        o.transport = Some(transport);
+                        TcpCollective::connect(&o)
+                    })
+                })
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|h| h.join().unwrap().unwrap())
+                .collect();
+            on_each(ranks, |c| {
+                nan_extremes_all_dtypes(c);
+                // The plain reference suite (Min included) at every world size, not only 2-4.
+                full_suite(c);
+            });
+        }
+        on_each(
+            ThreadGroup::new(world, TIMEOUT).unwrap(),
+            nan_extremes_all_dtypes,
+        );
+    }
+    nan_extremes_all_dtypes(&SingleProcess);
 }

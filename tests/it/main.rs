@@ -4,6 +4,7 @@
 mod common;
 
 mod accumulate;
+mod batch_size;
 mod batching;
 mod checkpoint;
 mod checkpoint_complete;
@@ -11,7 +12,9 @@ mod checkpoint_floats;
 mod checkpoint_integrity;
 mod checkpointing;
 mod collectives;
+mod cuda_emulation;
 mod data_loader;
+mod data_warnings;
 mod ddp;
 mod dp;
 mod each_node;
@@ -21,6 +24,7 @@ mod faults;
 mod frozen;
 mod fused_optim;
 mod lora;
+mod memory;
 mod mixed_precision;
 #[cfg(feature = "mpi")]
 mod mpi;
@@ -30,7 +34,9 @@ mod ops;
 mod optim;
 mod sampler;
 mod scripts;
+mod self_launch;
 mod shm;
 mod tracking;
 mod weights;
 mod zero;
+mod zero_overflow;

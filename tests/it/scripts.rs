@@ -1,6 +1,7 @@
 //! The GPU scripts' behaviour that can be checked without a GPU: `scripts/gpu-env.sh` on fake
 //! library trees (missing folders, a symlinked CUDA folder, `compat` and driver folders, a
-//! missing library) under `set -euo pipefail`, and the size check of `scripts/gpu-bundle.sh`.
+//! missing library) under `set -euo pipefail`, the size check of `scripts/gpu-bundle.sh`, and
+//! `scripts/gpu-smoke.sh` on a fake bundle (step selection, verdicts, the nn kernels switch).
 
 use std::os::unix::fs::symlink;
 use std::path::Path;
@@ -268,4 +269,118 @@ fn slurm_scripts_parse_and_use_real_launcher_flags() {
         }
     }
     assert_eq!(scripts, 4);
+}
+
+/// A fake bundle whose binaries are shell scripts printing what the real ones print, run through
+/// gpu-smoke.sh with fake CUDA libraries: `ACCEL_SMOKE_ONLY` runs only the listed steps, a step
+/// passes or fails on its output, the nn kernels are off for the default steps and on for 8-9,
+/// and the exit status says whether everything passed.
+#[test]
+fn gpu_smoke_runs_the_listed_steps_and_judges_them_by_their_output() {
+    let t = tempfile::tempdir().unwrap();
+    for lib in LIBS {
+        touch(&t.path().join("lib").join(lib));
+    }
+    touch(&t.path().join("driver/libcuda.so.1"));
+    let roots = format!(
+        "{} {}",
+        t.path().join("lib").display(),
+        t.path().join("driver").display()
+    );
+    let make_bundle = |nn_failed: u32| -> std::path::PathBuf {
+        let stage = t.path().join(format!("stage{nn_failed}"));
+        let bin = stage.join("bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let script = |name: &str, body: &str| {
+            let p = bin.join(name);
+            std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+            let mut perm = std::fs::metadata(&p).unwrap().permissions();
+            std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+            std::fs::set_permissions(&p, perm).unwrap();
+        };
+        script(
+            "accelerate-rs",
+            "if [ \"$1 $2\" = \"env --gpus\" ]; then echo 1; else echo \"PASSED ($*)\"; fi",
+        );
+        script(
+            "nn_kernels",
+            &format!(
+                "echo 'PASS layer_norm F32: output 1e-7'; echo \"nn_kernels: 29 passed, {nn_failed} failed (ACCELERATE_RS_NN_CUDA=$ACCELERATE_RS_NN_CUDA)\""
+            ),
+        );
+        script(
+            "transformer_lm",
+            "echo \"trained 30 steps (ACCELERATE_RS_NN_CUDA=$ACCELERATE_RS_NN_CUDA)\"",
+        );
+        script(
+            "digits",
+            "echo \"final test accuracy 0.99 (ACCELERATE_RS_NN_CUDA=$ACCELERATE_RS_NN_CUDA)\"",
+        );
+        script(
+            "overhead",
+            "echo 'overhead of accelerate-rs vs plain Candle: +0.1%'",
+        );
+        std::fs::write(stage.join("COMMIT"), "fake\n").unwrap();
+        let tarball = t.path().join(format!("bundle{nn_failed}.tar.xz"));
+        let st = Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                "tar -C {} -cf - bin COMMIT | xz -1 > {}",
+                stage.display(),
+                tarball.display()
+            ))
+            .status()
+            .unwrap();
+        assert!(st.success());
+        tarball
+    };
+    let smoke = |bundle: &Path, only: &str| -> (bool, String) {
+        let summary = t
+            .path()
+            .join(format!("summary-{}.txt", only.replace(' ', "-")));
+        let out = Command::new("bash")
+            .arg(format!("{ROOT}/scripts/gpu-smoke.sh"))
+            .arg(&summary)
+            .env("ACCEL_GPU_BUNDLE", bundle)
+            .env("ACCEL_GPU_ENV_ROOTS", &roots)
+            .env("ACCEL_SMOKE_ONLY", only)
+            .env("PATH", "/usr/bin:/bin")
+            .env_remove("ACCELERATE_RS_NN_CUDA")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let text = std::fs::read_to_string(&summary).unwrap_or_default();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        (
+            out.status.success(),
+            format!("{text}\n--- output:\n{stdout}{stderr}"),
+        )
+    };
+
+    let good = make_bundle(0);
+    let (ok, text) = smoke(&good, "8 9");
+    assert!(ok, "{text}");
+    assert!(text.contains("PASS 8. nn CUDA kernels"), "{text}");
+    assert!(text.contains("PASS 9. transformer_lm 30 steps"), "{text}");
+    assert!(!text.contains("1. digits"), "step 1 ran: {text}");
+    assert!(text.contains("2 passed, 0 failed"), "{text}");
+    // The kernels are switched on for steps 8 and 9 ...
+    assert!(
+        text.contains("nn_kernels: 29 passed, 0 failed (ACCELERATE_RS_NN_CUDA=1)"),
+        "{text}"
+    );
+    // ... and off for the default steps.
+    let (ok, text) = smoke(&good, "1");
+    assert!(ok, "{text}");
+    assert!(text.contains("PASS 1. digits"), "{text}");
+    assert!(text.contains("(ACCELERATE_RS_NN_CUDA=0)"), "{text}");
+
+    let bad = make_bundle(1);
+    let (ok, text) = smoke(&bad, "8");
+    assert!(!ok, "a failed kernel check must fail the run: {text}");
+    assert!(text.contains("FAIL 8. nn CUDA kernels"), "{text}");
+    assert!(text.contains("0 passed, 1 failed"), "{text}");
 }

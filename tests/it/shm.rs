@@ -29,7 +29,7 @@ const TRANSPORT: &str = "ACCELERATE_RS_TRANSPORT";
 const SECRET: &str = "shm-test-secret";
 /// Bytes of one shared-memory slot (the chunk size of the transport, `SLOT_CAP` in `shm.rs`).
 const SLOT: usize = 1 << 20;
-const OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max];
+const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min];
 /// How long a whole group of workers may take before the test kills it and fails.
 const GROUP_DEADLINE: Duration = Duration::from_secs(240);
 

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use accelerate_rs::tracking::{
-    self, JsonlTracker, Progress, TensorBoardTracker, Tracker, Trackers,
+    self, HParamValue, HParams, JsonlTracker, Progress, TensorBoardTracker, Tracker, Trackers,
 };
 use accelerate_rs::{logging, Accelerator};
 
@@ -319,4 +319,215 @@ fn logging_init_twice_is_ok() {
     let _first = logging::init(Some(3));
     assert!(!logging::init(None), "a second init must be a no-op");
     log::info!("logging works");
+}
+
+// ---- hyperparameters ----
+
+fn hparams() -> HParams {
+    HParams::new()
+        .set("lr", 0.25)
+        .set("model", "gpt-4l")
+        .set("tied", true)
+        .set("batch_size", 8usize)
+        .set("lr", 0.5)
+}
+
+#[test]
+fn jsonl_records_the_hparams_once_as_their_own_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.jsonl");
+    let mut t = JsonlTracker::create(&path).unwrap();
+    t.log_hparams(&hparams()).unwrap();
+    t.log(&[("loss", 1.0)], 1).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    assert!(first["time"].as_f64().unwrap() > 1.6e9);
+    assert!(first.get("step").is_none(), "{first}");
+    let hp = &first["hparams"];
+    assert_eq!(hp["lr"], 0.5, "a name set again keeps its last value");
+    assert_eq!(hp["model"], "gpt-4l");
+    assert_eq!(hp["tied"], true);
+    assert_eq!(hp["batch_size"], 8.0);
+    assert_eq!(hp.as_object().unwrap().len(), 4);
+}
+
+/// The hparams event, decoded independently: `_hparams_/session_start_info` with the plugin
+/// name, the data class, TensorBoard's null tensor and the `HParamsPluginData` content.
+#[test]
+fn tensorboard_hparams_event_has_the_plugin_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = TensorBoardTracker::create(dir.path()).unwrap();
+    t.log_hparams(&hparams()).unwrap();
+    drop(t);
+    let records = read_records(&event_files(dir.path())[0]);
+    assert_eq!(records.len(), 2);
+    let bytes = |f: &Field<'_>| match f {
+        Field::Bytes(b) => b.to_vec(),
+        _ => panic!("expected bytes"),
+    };
+    let event = fields(&records[1]);
+    let summary = bytes(&event.iter().find(|(n, _)| *n == 5).unwrap().1);
+    let value = bytes(&fields(&summary)[0].1);
+    let value = fields(&value);
+    let tag = bytes(&value.iter().find(|(n, _)| *n == 1).unwrap().1);
+    assert_eq!(tag, b"_hparams_/session_start_info");
+    let metadata = bytes(&value.iter().find(|(n, _)| *n == 9).unwrap().1);
+    let metadata = fields(&metadata);
+    assert!(matches!(
+        metadata.iter().find(|(n, _)| *n == 4).unwrap().1,
+        Field::Varint(2)
+    ));
+    let plugin = bytes(&metadata.iter().find(|(n, _)| *n == 1).unwrap().1);
+    let plugin = fields(&plugin);
+    assert_eq!(bytes(&plugin[0].1), b"hparams");
+    let content = bytes(&plugin[1].1);
+    let start_info = bytes(&fields(&content)[0].1);
+    let mut seen = Vec::new();
+    for (n, f) in fields(&start_info) {
+        if n != 1 {
+            continue;
+        }
+        let entry = bytes(&f);
+        let entry = fields(&entry);
+        let key = String::from_utf8(bytes(&entry[0].1)).unwrap();
+        let value = bytes(&entry[1].1);
+        let value = match &fields(&value)[0] {
+            (2, Field::Fixed64(b)) => format!("{}", f64::from_le_bytes(*b)),
+            (3, Field::Bytes(b)) => String::from_utf8(b.to_vec()).unwrap(),
+            (4, Field::Varint(v)) => format!("{}", *v == 1),
+            (n, _) => panic!("value kind {n}"),
+        };
+        seen.push(format!("{key}={value}"));
+    }
+    assert_eq!(
+        seen,
+        ["lr=0.5", "model=gpt-4l", "tied=true", "batch_size=8"]
+    );
+}
+
+/// TensorBoard itself reads the hparams back (its event reader and the hparams plugin's own
+/// protobuf) when it is installed; skipped otherwise.
+#[test]
+fn tensorboard_reads_our_hparams_if_installed() {
+    let has_tb = std::process::Command::new("python3")
+        .args(["-c", "import tensorboard.plugins.hparams.plugin_data_pb2"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !has_tb {
+        eprintln!("skipping: python3 with the tensorboard module is not available");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = TensorBoardTracker::create(dir.path()).unwrap();
+    t.log_hparams(&hparams()).unwrap();
+    t.log(&[("loss", 0.5)], 1).unwrap();
+    drop(t);
+    let script = "import sys\n\
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n\
+from tensorboard.plugins.hparams import plugin_data_pb2\n\
+ea = EventAccumulator(sys.argv[1]); ea.Reload()\n\
+content = ea.PluginTagToContent('hparams')['_hparams_/session_start_info']\n\
+data = plugin_data_pb2.HParamsPluginData.FromString(content)\n\
+hp = data.session_start_info.hparams\n\
+print(hp['lr'].number_value, hp['model'].string_value, hp['tied'].bool_value, hp['batch_size'].number_value)\n\
+print(data.session_start_info.start_time_secs > 1.6e9, [e.value for e in ea.Scalars('loss')])\n";
+    let out = std::process::Command::new("python3")
+        .args(["-c", script])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "0.5 gpt-4l True 8.0\nTrue [0.5]"
+    );
+}
+
+#[test]
+fn the_run_settings_are_hparams_and_the_set_fans_them_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let accelerator = Accelerator::builder()
+        .cpu(true)
+        .gradient_accumulation_steps(2)
+        .build()
+        .unwrap();
+    let hp = HParams::of_run(&accelerator).set("lr", 1e-3);
+    assert_eq!(hp.get("world_size"), Some(&HParamValue::Number(1.0)));
+    assert_eq!(
+        hp.get("gradient_accumulation_steps"),
+        Some(&HParamValue::Number(2.0))
+    );
+    assert_eq!(
+        hp.get("mixed_precision"),
+        Some(&HParamValue::Text("no".into()))
+    );
+    let mut trackers = tracking::trackers(&accelerator)
+        .jsonl(dir.path().join("m.jsonl"))
+        .unwrap()
+        .tensorboard(dir.path().join("tb"))
+        .unwrap();
+    trackers.log_hparams(&hp).unwrap();
+    let text = std::fs::read_to_string(dir.path().join("m.jsonl")).unwrap();
+    assert!(
+        text.contains("\"zero_stage\":0.0") && text.contains("\"lr\":0.001"),
+        "{text}"
+    );
+    assert_eq!(
+        read_records(&event_files(&dir.path().join("tb"))[0]).len(),
+        2
+    );
+    // Nothing on another rank.
+    let mut idle = Trackers::for_process(false);
+    idle.log_hparams(&hp).unwrap();
+}
+
+/// The step timer on a real (one-process) training loop: the phases add up to the step, and the
+/// metrics reach the trackers.
+#[test]
+fn the_step_timer_splits_a_real_step_and_logs_it() {
+    use candle_core::{DType, Module, Tensor};
+    use candle_nn::{linear, loss, Optimizer, VarMap, SGD};
+    let accelerator = Accelerator::builder().cpu(true).build().unwrap();
+    let varmap = VarMap::new();
+    let model = linear(
+        64,
+        64,
+        accelerator.var_builder(&varmap, DType::F32).pp("fc"),
+    )
+    .unwrap();
+    accelerator.prepare_model(&varmap).unwrap();
+    let mut opt = accelerator.prepare_optimizer(SGD::new(varmap.all_vars(), 0.01).unwrap());
+    let x = Tensor::ones((256, 64), DType::F32, accelerator.device()).unwrap();
+    let mut timer = accelerator
+        .step_timer()
+        .tokens_per_step(256)
+        .flops_per_step(6.0 * 64.0 * 64.0 * 256.0);
+    let dir = tempfile::tempdir().unwrap();
+    let mut trackers = tracking::trackers(&accelerator)
+        .jsonl(dir.path().join("m.jsonl"))
+        .unwrap();
+    for step in 0..3 {
+        timer.start();
+        let l = loss::mse(&model.forward(&x).unwrap(), &x).unwrap();
+        opt.backward_step(&l).unwrap();
+        let t = timer.stop().unwrap();
+        assert!(t.backward > std::time::Duration::ZERO, "{t:?}");
+        assert!(t.optimizer > std::time::Duration::ZERO, "{t:?}");
+        // Alone: nothing to communicate.
+        assert_eq!(t.communication, std::time::Duration::ZERO, "{t:?}");
+        assert!(t.forward + t.backward + t.optimizer <= t.step, "{t:?}");
+        assert!(t.tokens_per_sec.unwrap() > 0.0 && t.flops_per_sec.unwrap() > 0.0);
+        trackers.log(&t.metrics(), step).unwrap();
+    }
+    let text = std::fs::read_to_string(dir.path().join("m.jsonl")).unwrap();
+    assert_eq!(text.lines().count(), 3);
+    assert!(
+        text.contains("\"time/backward_ms\"") && text.contains("\"throughput/flops_per_sec\""),
+        "{text}"
+    );
 }

@@ -3,6 +3,7 @@
 
 mod config;
 mod env;
+mod estimate;
 mod launch;
 mod test;
 
@@ -34,6 +35,9 @@ enum Command {
     Env(env::EnvArgs),
     /// Run a multi-process sanity check (collectives, sampler, DDP steps) and say if it passed.
     Test(test::TestArgs),
+    /// Estimate the memory of training a model on each rank (parameters, gradients, optimizer
+    /// state, masters, activations) from its config.json and safetensors headers.
+    EstimateMemory(Box<estimate::EstimateArgs>),
     /// One worker of `accelerate-rs test` (started by it).
     #[command(hide = true)]
     TestWorker,
@@ -56,6 +60,7 @@ pub fn main() -> ExitCode {
         Command::Config(args) => config::run(*args),
         Command::Env(args) => env::run(args),
         Command::Test(args) => test::run(args),
+        Command::EstimateMemory(args) => estimate::run(*args),
         Command::TestWorker => test::worker(),
     };
     exit_code(result)

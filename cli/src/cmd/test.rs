@@ -225,20 +225,95 @@ fn check_fused_optimizers(acc: &Accelerator) -> Result<Outcome> {
             "Sgd on {device:?}: fused and unfused differ by {d} after 50 steps"
         )));
     }
+    let mut half_report = String::new();
     if device.is_cuda() {
+        // bf16 and f16: the CUDA kernels against the CPU's fused kernels (the same f32
+        // arithmetic and rounding), 20 AdamW and 20 SGD steps from the same start.
+        for (dtype, tol) in [(DType::BF16, 1e-2f32), (DType::F16, 2e-3)] {
+            let d = half_precision_steps(device, dtype, &shapes)?;
+            if d > tol {
+                return Err(fail(format!(
+                    "{dtype:?}: the fused CUDA kernels and the CPU's differ by {d} (tolerance {tol})"
+                )));
+            }
+            half_report.push_str(&format!(", {dtype:?} vs CPU max diff {d}"));
+        }
         // Both sides agreeing proves nothing if the fused side fell back to tensor ops.
         let launched = cuda_kernel_launches() - launched_before;
-        let want = (100 + 50) * shapes.len() as u64;
+        let want = (100 + 50 + 2 * (20 + 20)) * shapes.len() as u64;
         if launched < want {
             return Err(fail(format!(
                 "the fused CUDA kernels did not run: {launched} launches for {want} parameter updates (see the warning above: NVRTC or module loading failed)"
             )));
         }
         return Ok(Outcome::PassedVia(format!(
-            "{launched} fused CUDA kernel launches"
+            "{launched} fused CUDA kernel launches{half_report}"
         )));
     }
     Ok(Outcome::Passed)
+}
+
+/// 20 AdamW and 20 SGD (momentum, Nesterov, weight decay) steps in `dtype` with the fused kernels
+/// on `device` and on the CPU, from the same start with the same gradients; the largest
+/// difference of the parameters.
+fn half_precision_steps(device: &Device, dtype: DType, shapes: &[&[usize]]) -> Result<f32> {
+    use accelerate_rs::optim::AdamW;
+    let start = |dev: &Device| -> Result<Vec<Var>> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let n: usize = s.iter().product();
+                let v: Vec<f32> = (0..n).map(|j| value(i + 3, j) as f32 * 0.1).collect();
+                let t = Tensor::from_vec(v, *s, dev)?.to_dtype(dtype)?;
+                Ok(Var::from_tensor(&t)?)
+            })
+            .collect()
+    };
+    let grads = |vars: &[Var], step: usize| -> Result<candle_core::backprop::GradStore> {
+        let mut g = candle_core::backprop::GradStore::default();
+        for (i, v) in vars.iter().enumerate() {
+            let n = v.elem_count();
+            let x: Vec<f32> = (0..n)
+                .map(|j| value(step + i, j * 5 + step) as f32 * 0.01)
+                .collect();
+            let t = Tensor::from_vec(x, v.shape(), v.device())?.to_dtype(dtype)?;
+            g.insert(v.as_tensor(), t);
+        }
+        Ok(g)
+    };
+    let diff = |a: &[Var], b: &[Var]| -> Result<f32> {
+        let mut d = 0f32;
+        for (x, y) in a.iter().zip(b) {
+            let x = x
+                .as_tensor()
+                .to_dtype(DType::F32)?
+                .to_device(&Device::Cpu)?;
+            let y = y.as_tensor().to_dtype(DType::F32)?;
+            d = d.max((x - y)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?);
+        }
+        Ok(d)
+    };
+    let (gpu, cpu) = (start(device)?, start(&Device::Cpu)?);
+    let mut on_gpu = AdamW::new_lr(gpu.clone(), 1e-2)?;
+    let mut on_cpu = AdamW::new_lr(cpu.clone(), 1e-2)?;
+    for step in 0..20 {
+        on_gpu.step(&grads(&gpu, step)?)?;
+        on_cpu.step(&grads(&cpu, step)?)?;
+    }
+    let adam = diff(&gpu, &cpu)?;
+    let config = SgdConfig::new(0.05)
+        .momentum(0.9)
+        .nesterov(true)
+        .weight_decay(1e-3);
+    let (gpu, cpu) = (start(device)?, start(&Device::Cpu)?);
+    let mut on_gpu = Sgd::new(gpu.clone(), config.clone())?;
+    let mut on_cpu = Sgd::new(cpu.clone(), config)?;
+    for step in 0..20 {
+        on_gpu.step(&grads(&gpu, step)?)?;
+        on_cpu.step(&grads(&cpu, step)?)?;
+    }
+    Ok(adam.max(diff(&gpu, &cpu)?))
 }
 
 fn value(rank: usize, i: usize) -> f64 {
@@ -253,7 +328,7 @@ fn check_all_reduce(acc: &Accelerator) -> Result<Outcome> {
     let c = acc.collective().as_ref();
     let (rank, n) = (acc.rank(), acc.world_size());
     let len = 2 * n + 1;
-    for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+    for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
         let want: Vec<f64> = (0..len)
             .map(|i| {
                 let vals = (0..n).map(|r| value(r, i));
@@ -261,6 +336,7 @@ fn check_all_reduce(acc: &Accelerator) -> Result<Outcome> {
                     ReduceOp::Sum => vals.sum(),
                     ReduceOp::Mean => vals.sum::<f64>() / n as f64,
                     ReduceOp::Max => vals.fold(f64::MIN, f64::max),
+                    ReduceOp::Min => vals.fold(f64::MAX, f64::min),
                 }
             })
             .collect();
@@ -386,6 +462,7 @@ fn check_gpu_tensors(acc: &Accelerator) -> Result<Outcome> {
             (ReduceOp::Sum, sum),
             (ReduceOp::Mean, sum / n as f32),
             (ReduceOp::Max, n as f32),
+            (ReduceOp::Min, 1.0),
         ] {
             let out = c.all_reduce_tensor(&t, op)?;
             let got = out.to_dtype(DType::F32)?.to_vec1::<f32>()?;

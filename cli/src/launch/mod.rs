@@ -199,6 +199,44 @@ fn notice(opts: &LaunchOptions, msg: &str) {
     }
 }
 
+/// How many GPUs the workers can use, for the no-GPU notice: this build's count when it has CUDA,
+/// else the NVIDIA driver's (`/proc/driver/nvidia/gpus`; a launcher built without CUDA may start
+/// workers built with it), none when `CUDA_VISIBLE_DEVICES` hides them all. `None` when this
+/// cannot be told (not Linux).
+fn gpus_for_workers() -> Option<usize> {
+    let hidden = std::env::var(env::CUDA_VISIBLE_DEVICES)
+        .is_ok_and(|v| v.trim().is_empty() || v.trim() == "-1");
+    if hidden {
+        return Some(0);
+    }
+    if accelerate_rs::config::cuda_built() {
+        return Some(accelerate_rs::config::gpus_seen());
+    }
+    if !cfg!(target_os = "linux") {
+        return None;
+    }
+    Some(
+        std::fs::read_dir("/proc/driver/nvidia/gpus")
+            .map(|d| d.count())
+            .unwrap_or(0),
+    )
+}
+
+/// The notice of a launch without `--cpu` on a machine without GPUs: the workers then run on
+/// the CPU, which the user may not expect.
+fn no_gpu_notice(opts: &LaunchOptions) -> Option<String> {
+    if opts.cpu || opts.gpu_ids.is_some() || gpus_for_workers() != Some(0) {
+        return None;
+    }
+    Some(format!(
+        "no GPU found on this machine{}: the {} worker(s) will run on the CPU; pass --cpu to say so (and silence this notice)",
+        std::env::var(env::CUDA_VISIBLE_DEVICES)
+            .map(|v| format!(" ({}={v})", env::CUDA_VISIBLE_DEVICES))
+            .unwrap_or_default(),
+        opts.num_processes
+    ))
+}
+
 /// The validated, fixed parts of a launch.
 struct Plan {
     master_addr: String,
@@ -489,6 +527,9 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
         });
         print_dry_run(opts, &env, port, &plan.master_addr);
         return Ok(());
+    }
+    if let Some(msg) = no_gpu_notice(opts) {
+        notice(opts, &msg);
     }
     if let Some(dir) = &plan.log_dir {
         notice(

@@ -1,6 +1,7 @@
 //! Output forwarding: one reader thread per worker pipe, one writer thread that prints whole
 //! lines prefixed with `[rank i]`, so that lines from different ranks never mix. The writer also
-//! keeps the last lines of every rank (shown again when that rank fails) and, with `--tee`,
+//! keeps the last lines of every rank, with its error line even when a backtrace followed it
+//! ([`LastLines`]; shown again when that rank fails) and, with `--tee`,
 //! copies each rank's lines into `rank_<i>.stdout.log` / `rank_<i>.stderr.log`.
 
 use std::collections::{HashMap, VecDeque};
@@ -12,10 +13,12 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use accelerate_rs::logging::LastLines;
+
 /// How many of each rank's last lines (stdout and stderr together) are kept.
 pub(crate) const TAIL_LINES: usize = 20;
 
-/// The last lines of each rank, oldest first.
+/// The last lines of each rank, oldest first (its error line first when it scrolled out).
 pub(crate) type Tails = HashMap<usize, VecDeque<String>>;
 
 /// Where `--tee` writes: `dir/rank_<rank>.<stream>.log`.
@@ -75,14 +78,14 @@ pub(crate) struct Forwarder {
     tx: Option<SyncSender<Line>>,
     readers: Vec<JoinHandle<()>>,
     writer: JoinHandle<()>,
-    tails: Arc<Mutex<Tails>>,
+    tails: Arc<Mutex<HashMap<usize, LastLines>>>,
 }
 
 impl Forwarder {
     /// Starts the writer thread; `logs` are the `--tee` files (empty without `--tee`).
     pub(crate) fn start(logs: HashMap<(usize, Stream), LineWriter<File>>) -> std::io::Result<Self> {
         let (tx, rx) = sync_channel(QUEUE);
-        let tails = Arc::new(Mutex::new(Tails::new()));
+        let tails = Arc::new(Mutex::new(HashMap::new()));
         let t = Arc::clone(&tails);
         let writer = thread::Builder::new()
             .name("launch-output".into())
@@ -139,11 +142,12 @@ impl Forwarder {
     }
 }
 
-fn take_tails(tails: &Mutex<Tails>) -> Tails {
-    match tails.lock() {
-        Ok(mut t) => std::mem::take(&mut *t),
-        Err(poisoned) => std::mem::take(&mut *poisoned.into_inner()),
-    }
+fn take_tails(tails: &Mutex<HashMap<usize, LastLines>>) -> Tails {
+    let tails = std::mem::take(&mut *tails.lock().unwrap_or_else(|p| p.into_inner()));
+    tails
+        .into_iter()
+        .map(|(rank, t)| (rank, t.lines().into()))
+        .collect()
 }
 
 /// Reads `pipe` line by line (bytes, lossy UTF-8) and sends each line, without its newline.
@@ -180,7 +184,7 @@ fn read_lines(rank: usize, stream: Stream, pipe: impl Read, tx: SyncSender<Line>
 fn write_lines(
     rx: Receiver<Line>,
     mut logs: HashMap<(usize, Stream), LineWriter<File>>,
-    tails: &Mutex<Tails>,
+    tails: &Mutex<HashMap<usize, LastLines>>,
 ) {
     let mut buf = Vec::with_capacity(1024);
     let mut failed_logs = false;
@@ -197,11 +201,10 @@ fn write_lines(
             }
         }
         if let Ok(mut tails) = tails.lock() {
-            let tail = tails.entry(line.rank).or_default();
-            if tail.len() == TAIL_LINES {
-                tail.pop_front();
-            }
-            tail.push_back(line.text.clone());
+            tails
+                .entry(line.rank)
+                .or_insert_with(|| LastLines::new(TAIL_LINES))
+                .push(&line.text);
         }
         buf.clear();
         buf.extend_from_slice(format!("[rank {}] ", line.rank).as_bytes());

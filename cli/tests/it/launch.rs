@@ -35,10 +35,16 @@ fn launcher() -> Command {
 
 /// `accelerate-rs launch <args>`; returns its output and how long it ran.
 fn run_launch(args: &[&str]) -> (Output, Duration) {
+    run_launch_env(args, &[])
+}
+
+/// [`run_launch`] with extra variables in the launcher's environment.
+fn run_launch_env(args: &[&str], vars: &[(&str, &str)]) -> (Output, Duration) {
     let start = Instant::now();
     let out = launcher()
         .arg("launch")
         .args(args)
+        .envs(vars.iter().copied())
         .output()
         .expect("run the launcher");
     (out, start.elapsed())
@@ -225,7 +231,13 @@ fn heavy_output_is_never_interleaved_mid_line() {
         assert_eq!(lines[LINES], "tail");
     }
 
-    let stderr = by_rank(&text(&out.stderr));
+    // The launcher's own notices (no GPU on this machine) are not worker lines.
+    let stderr: String = text(&out.stderr)
+        .lines()
+        .filter(|l| !l.starts_with("accelerate-rs: "))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let stderr = by_rank(&stderr);
     for rank in 0..4 {
         let lines = &stderr[&rank];
         assert_eq!(lines.len(), LINES / 4, "rank {rank}");
@@ -1122,6 +1134,67 @@ fn the_failing_ranks_last_lines_are_shown_again_at_the_end() {
         .chain(["Traceback: boom".to_string()])
         .collect();
     assert_eq!(tail, expected, "{stderr}");
+}
+
+#[test]
+fn the_error_line_is_reprinted_even_when_a_backtrace_follows_it() {
+    // What `main` returning `Err` prints under RUST_BACKTRACE=1: the error, then a long trace.
+    let script = "if [ \"$RANK\" = 1 ]; then \
+          echo 'Error: data: shard 7 is truncated' >&2; echo '' >&2; \
+          echo 'Stack backtrace:' >&2; i=0; while [ $i -lt 40 ]; do \
+          echo \"  $i: std::rt::lang_start\" >&2; i=$((i+1)); done; exit 1; \
+        fi; sleep 30";
+    let (out, _) = run_with_limit(
+        launcher().args(["launch", "-n", "2", "sh", "-c", script]),
+        Duration::from_secs(15),
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let (_, report) = stderr
+        .split_once("of rank 1's output:")
+        .unwrap_or_else(|| panic!("no tail in {stderr}"));
+    let shown: Vec<&str> = report
+        .lines()
+        .filter_map(|l| l.strip_prefix("  [rank 1] "))
+        .collect();
+    assert_eq!(shown[0], "Error: data: shard 7 is truncated", "{stderr}");
+    assert!(shown[1].contains("more line(s)"), "{stderr}");
+    assert_eq!(shown.last().copied(), Some("  39: std::rt::lang_start"));
+}
+
+#[test]
+fn a_launch_without_cpu_on_a_machine_without_gpus_says_it_runs_on_the_cpu() {
+    let gpus = std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count());
+    if gpus > 0 {
+        eprintln!("skipping: this machine has {gpus} GPU(s)");
+        return;
+    }
+    let (out, _) = run_launch(&["-n", "2", "sh", "-c", "true"]);
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("no GPU found") && stderr.contains("2 worker(s) will run on the CPU"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--cpu"), "{stderr}");
+    // Hidden GPUs count as none, whatever the machine has.
+    let (out, _) = run_launch_env(&["sh", "-c", "true"], &[("CUDA_VISIBLE_DEVICES", "")]);
+    assert!(
+        text(&out.stderr).contains("no GPU found"),
+        "{}",
+        text(&out.stderr)
+    );
+    // Said so, or --quiet: no notice.
+    for flags in [&["--cpu"][..], &["--quiet"][..]] {
+        let mut args = flags.to_vec();
+        args.extend(["-n", "2", "sh", "-c", "true"]);
+        let (out, _) = run_launch(&args);
+        assert!(
+            !text(&out.stderr).contains("no GPU"),
+            "{flags:?}: {}",
+            text(&out.stderr)
+        );
+    }
 }
 
 /// Every numeric flag of `launch`, given absurd values: a clear error naming the flag (or a

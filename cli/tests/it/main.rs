@@ -4,6 +4,7 @@
 mod cli_config;
 mod cli_env;
 mod cli_test;
+mod estimate;
 mod launch;
 
 /// A port that was free a moment ago on loopback.

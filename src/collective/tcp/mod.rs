@@ -29,8 +29,8 @@ use store::{StoreClient, StoreServer};
 use wire::{Hello, Role};
 
 use super::{check_reducible, check_root, Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp};
-use crate::env;
 use crate::error::{Error, Result};
+use crate::settings::env;
 use wire::op;
 
 /// Where and how to form a TCP group.
@@ -275,17 +275,7 @@ fn inherited_listener(port: u16) -> Option<TcpListener> {
     use std::os::fd::{FromRawFd, IntoRawFd};
     use std::sync::atomic::{AtomicBool, Ordering};
     static TAKEN: AtomicBool = AtomicBool::new(false);
-    let value = std::env::var(env::STORE_FD).ok()?;
-    let fd: i32 = match value.trim().parse() {
-        Ok(fd) if fd > 2 => fd,
-        _ => {
-            log::warn!(
-                "{}={value:?} is not a file descriptor; binding the store's port instead",
-                env::STORE_FD
-            );
-            return None;
-        }
-    };
+    let fd = crate::settings::runtime::store_fd()?;
     if TAKEN.swap(true, Ordering::SeqCst) {
         return None;
     }

@@ -398,11 +398,7 @@ impl Ring {
             let chunk = |i: usize| bound(i)..bound(i + 1);
             let bytes = buf.bytes_mut();
             let mut scratch = std::mem::take(&mut ring.scratch);
-            let sum_op = if rop == ReduceOp::Max {
-                ReduceOp::Max
-            } else {
-                ReduceOp::Sum
-            };
+            let sum_op = rop.accumulating();
             let mut res = Ok(());
             for s in 0..n - 1 {
                 let (si, ri) = ((r + n - s) % n, (r + 2 * n - s - 1) % n);
@@ -451,11 +447,7 @@ impl Ring {
             };
             let bytes = buf.bytes_mut();
             let mut scratch = std::mem::take(&mut ring.scratch);
-            let sum_op = if rop == ReduceOp::Max {
-                ReduceOp::Max
-            } else {
-                ReduceOp::Sum
-            };
+            let sum_op = rop.accumulating();
             let mut res = Ok(());
             for s in 0..n - 1 {
                 // Step s: send the partial sum of chunk r - s - 1, receive and add chunk r - s - 2;

@@ -467,7 +467,7 @@ impl Shm {
 
     /// The atomic word at byte offset `off`.
     fn word(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off % 8 == 0 && off + 8 <= self.data_off);
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= self.data_off);
         // SAFETY: `off` is 8-aligned and inside the control area of the mapping, which lives as
         // long as `self`; `AtomicU64` has the size and alignment of `u64`, and every process only
         // ever accesses these words through atomics.
@@ -585,7 +585,7 @@ impl Shm {
                 std::hint::spin_loop();
             }
             spins += 1;
-            if spins % 8 == 0 {
+            if spins.is_multiple_of(8) {
                 self.check_abort(name)?;
             }
             if start.elapsed() >= SPIN_FOR {
@@ -909,11 +909,7 @@ impl Shm {
 
 /// The accumulating operation of a reduction (`Mean` sums, then divides once).
 fn acc_op(rop: ReduceOp) -> ReduceOp {
-    if rop == ReduceOp::Max {
-        ReduceOp::Max
-    } else {
-        ReduceOp::Sum
-    }
+    rop.accumulating()
 }
 
 #[cfg(test)]

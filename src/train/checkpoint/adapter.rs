@@ -7,7 +7,9 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::{named_tensors, replace_dir, sync_file, with_suffix, write_err, write_safetensors};
+use super::io::{sync_file, write_safetensors};
+use super::model_files::{model_write_err, replace_dir};
+use super::{io_err, named_tensors, with_suffix, write_err};
 use crate::error::{Error, Result};
 use crate::nn::LoraConfig;
 use crate::train::params::Parameters;
@@ -52,7 +54,7 @@ pub fn save_adapter(
     config: &Value,
     adapters: &dyn Parameters,
 ) -> Result<()> {
-    write_adapter(dir.as_ref(), config, adapters).map_err(super::model_write_err)
+    write_adapter(dir.as_ref(), config, adapters).map_err(model_write_err)
 }
 
 fn write_adapter(dir: &Path, config: &Value, adapters: &dyn Parameters) -> Result<()> {
@@ -68,7 +70,7 @@ fn write_adapter(dir: &Path, config: &Value, adapters: &dyn Parameters) -> Resul
     }
     let tmp = with_suffix(dir, &format!(".tmp-{}", std::process::id()));
     if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(|e| super::io_err("removing stale", &tmp, e))?;
+        fs::remove_dir_all(&tmp).map_err(|e| io_err("removing stale", &tmp, e))?;
     }
     fs::create_dir_all(&tmp).map_err(|e| write_err(&tmp, "could not create it", Some(e)))?;
     write_safetensors(&tmp.join(ADAPTER_WEIGHTS_FILE), &tensors)?;

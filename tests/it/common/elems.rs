@@ -66,5 +66,6 @@ pub fn reference(op: ReduceOp, world: usize, i: usize) -> f64 {
         ReduceOp::Sum => vals.sum(),
         ReduceOp::Mean => vals.sum::<f64>() / world as f64,
         ReduceOp::Max => vals.fold(f64::MIN, f64::max),
+        ReduceOp::Min => vals.fold(f64::MAX, f64::min),
     }
 }

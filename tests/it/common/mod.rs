@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 
 pub mod elems;
+#[allow(dead_code)]
+pub mod llama;
 pub mod tiny;
 
 use std::net::TcpListener;

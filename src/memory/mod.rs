@@ -1,0 +1,614 @@
+//! Memory planning: what training a model takes on each rank, from its `config.json` and the
+//! headers of its safetensors files (never the weights). The numbers behind
+//! `accelerate-rs estimate-memory`.
+//!
+//! Per rank, for a [`Plan`] (precision, ZeRO stage and world size, optimizer, LoRA, batch and
+//! sequence length, activation checkpointing), [`estimate`] counts:
+//!
+//! | part | bytes per parameter, or what |
+//! |---|---|
+//! | parameters | 4 (f32), or 2 for the bf16/fp16 working copies of mixed precision; LoRA: the frozen base in the compute dtype plus the adapters |
+//! | gradients (trainable parameters) | 4; mixed precision: 2 (the half-precision gradients of the backward pass) + 4 (their f32 copy, averaged and stepped); ZeRO stage 2 keeps 1/N of the f32 ones |
+//! | optimizer state (trainable) | AdamW 8 (two f32 moments), SGD with momentum 4, plain SGD 0; ZeRO stage 1 and 2 keep 1/N |
+//! | f32 masters (trainable, mixed precision) | 4 |
+//! | activations | what the backward pass keeps, per block and token, as accelerate-rs's `nn` layers keep it (see [`Architecture`] and below), plus the output layer; with activation checkpointing only each block's input, plus one block recomputed at a time |
+//! | backward working set | at the backward pass's start the logits' gradient, at its end a few tensors of one block's size (and with checkpointing the block being recomputed), whichever is larger beyond the gradients |
+//!
+//! ZeRO is counted as accelerate-rs implements it: stage 1 shards the optimizer state, stage 2
+//! also the averaged gradients; parameters and f32 masters stay whole on every rank. What is not
+//! counted is listed in [`NOT_COUNTED`].
+//!
+//! Activations per block and token, in elements of the compute dtype (`h` hidden size, `q`
+//! the query width heads × head size, `kv` the key/value width, `i` the MLP width), plus the
+//! attention weights (heads × sequence length, kept in f32 by `nn`'s fused attention; Candle's
+//! composed attention on a GPU keeps the scores and their softmax, about as many bytes in bf16):
+//!
+//! | architecture | elements |
+//! |---|---|
+//! | llama, mistral, qwen2 | `6h + 5q + 4kv + 3i`, and `2q` more with grouped-query attention (keys and values repeated to every head) |
+//! | gpt2 | `9h + 2i` (packed attention: no head copies) |
+//! | bert | `11h + 2i` |
+//!
+//! The output layer keeps the logits (vocabulary × tokens in the compute dtype, plus an f32
+//! copy for the loss under mixed precision); BERT's task head is not counted.
+//!
+//! ```
+//! use accelerate_rs::memory::{estimate, ModelSpec, Plan};
+//! use accelerate_rs::MixedPrecision;
+//! # fn main() -> accelerate_rs::Result<()> {
+//! let config = serde_json::json!({
+//!     "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+//!     "num_hidden_layers": 32, "num_attention_heads": 32, "vocab_size": 32000,
+//! });
+//! let model = ModelSpec::from_config(&config, "config.json".as_ref())?;
+//! assert_eq!(model.parameter_count(), 6_738_415_616); // Llama-2-7B
+//! let plan = Plan { precision: MixedPrecision::Bf16, ..Plan::default() };
+//! let e = estimate(&model, &plan)?;
+//! // 2 (bf16 weights) + 6 (gradients) + 8 (AdamW) + 4 (f32 masters) bytes per parameter.
+//! assert_eq!(e.states(), 20 * 6_738_415_616);
+//! # Ok(()) }
+//! ```
+
+mod model;
+
+pub use model::{
+    read_safetensors_header, ArchKind, Architecture, ModelSpec, TensorInfo, TensorSource,
+};
+
+use crate::error::{Error, Result};
+use crate::settings::MixedPrecision;
+
+/// What the estimate does not count, in the words the command line prints.
+pub const NOT_COUNTED: &[&str] = &[
+    "the allocator's overhead and fragmentation (glibc's arenas, CUDA's caching, freed memory not yet returned)",
+    "the CUDA context and libraries (about 0.3-1 GiB per GPU: kernels, cuBLAS and NCCL workspaces and buffers)",
+    "temporary buffers inside ops beyond the backward working set (matrix-product workspaces, casts, reductions)",
+    "the gradient buckets of several processes (on the CPU, one more copy of the gradients; on GPUs a bucket at a time)",
+    "the data loader's batches and prefetching, the tokenizer, checkpoint writing (a copy of what is saved)",
+    "the process itself: the program, its threads' stacks, Candle's kernels",
+];
+
+/// The optimizer whose state is counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptimizerKind {
+    /// AdamW: two f32 moments per trainable parameter.
+    AdamW,
+    /// SGD with momentum: one f32 buffer per trainable parameter.
+    SgdMomentum,
+    /// Plain SGD: no state.
+    Sgd,
+}
+
+impl OptimizerKind {
+    /// Bytes of state per trainable parameter.
+    pub fn state_bytes(self) -> u64 {
+        match self {
+            OptimizerKind::AdamW => 8,
+            OptimizerKind::SgdMomentum => 4,
+            OptimizerKind::Sgd => 0,
+        }
+    }
+
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerKind::AdamW => "adamw",
+            OptimizerKind::SgdMomentum => "sgd-momentum",
+            OptimizerKind::Sgd => "sgd",
+        }
+    }
+}
+
+/// LoRA adapters: rank `r` on the Linear layers named in `targets`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lora {
+    /// The adapters' rank.
+    pub r: usize,
+    /// Module names (the part of a weight's name before `.weight`, matched at its end, as
+    /// `peft`'s `target_modules`), or `all-linear`; empty: the architecture's defaults
+    /// ([`ArchKind::default_lora_targets`]).
+    pub targets: Vec<String>,
+}
+
+/// What to estimate for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// The precision: f32, or bf16/fp16 mixed precision (f32 masters, half working copies).
+    pub precision: MixedPrecision,
+    /// ZeRO stage (0, 1 or 2).
+    pub zero_stage: usize,
+    /// Ranks the ZeRO stage shards over.
+    pub world_size: usize,
+    /// The optimizer.
+    pub optimizer: OptimizerKind,
+    /// LoRA adapters instead of full fine-tuning.
+    pub lora: Option<Lora>,
+    /// Sequences per rank per step.
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Whether every block is checkpointed (`nn::checkpoint`).
+    pub checkpointing: bool,
+}
+
+impl Default for Plan {
+    /// f32, no ZeRO, one rank, AdamW, full fine-tuning, batch 1 of 512 tokens, no checkpointing.
+    fn default() -> Self {
+        Plan {
+            precision: MixedPrecision::No,
+            zero_stage: 0,
+            world_size: 1,
+            optimizer: OptimizerKind::AdamW,
+            lora: None,
+            batch_size: 1,
+            seq_len: 512,
+            checkpointing: false,
+        }
+    }
+}
+
+/// The activations of a training step, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Activations {
+    /// What the forward pass keeps for the backward pass.
+    pub kept: u64,
+    /// What the backward pass holds at its peak besides the kept activations and the
+    /// gradients: the logits' gradient at its start (less the parameter gradients, which do not
+    /// exist yet then), or at its end one block's gradients in flight and, with checkpointing,
+    /// the block being recomputed.
+    pub backward: u64,
+}
+
+/// The memory of one rank, in bytes (see [the module](self)).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Estimate {
+    /// Parameters that train (all of them, or the LoRA adapters).
+    pub trainable_params: u64,
+    /// Parameters that do not (the base under LoRA).
+    pub frozen_params: u64,
+    /// Linear layers with LoRA adapters.
+    pub lora_layers: usize,
+    /// The weights the model computes with.
+    pub parameters: u64,
+    /// The trainable parameters' gradients.
+    pub gradients: u64,
+    /// The optimizer's state.
+    pub optimizer_state: u64,
+    /// The f32 masters of mixed precision.
+    pub masters: u64,
+    /// The activations, when the architecture is known.
+    pub activations: Option<Activations>,
+}
+
+impl Estimate {
+    /// Parameters, gradients, optimizer state and masters: what does not depend on the batch.
+    pub fn states(&self) -> u64 {
+        self.parameters + self.gradients + self.optimizer_state + self.masters
+    }
+
+    /// Everything counted: the states and, when known, the activations.
+    pub fn total(&self) -> u64 {
+        self.states()
+            + self
+                .activations
+                .map_or(0, |a| a.kept.saturating_add(a.backward))
+    }
+}
+
+/// Bytes per element of the compute dtype.
+fn compute_bytes(p: MixedPrecision) -> u64 {
+    match p {
+        MixedPrecision::No => 4,
+        MixedPrecision::Bf16 | MixedPrecision::Fp16 => 2,
+    }
+}
+
+/// The module name of a weight (`model.layers.0.self_attn.q_proj` of
+/// `model.layers.0.self_attn.q_proj.weight`), for a 2-D float weight only.
+fn linear_module(t: &TensorInfo) -> Option<&str> {
+    if t.shape.len() != 2 || !t.is_float() {
+        return None;
+    }
+    t.name.strip_suffix(".weight")
+}
+
+/// Whether `module` is a LoRA target: `all-linear` takes every Linear layer but the embeddings
+/// and the output layer (as `peft`); a name matches the module's last components.
+fn is_target(module: &str, targets: &[String]) -> bool {
+    targets.iter().any(|t| {
+        if t == "all-linear" {
+            let last = module.rsplit('.').next().unwrap_or(module);
+            !(module.contains("embed")
+                || matches!(last, "wte" | "wpe" | "lm_head" | "word_embeddings")
+                || module.ends_with("embeddings"))
+        } else {
+            module == t || module.ends_with(&format!(".{t}"))
+        }
+    })
+}
+
+/// Checks a plan on its own.
+fn check_plan(plan: &Plan) -> Result<()> {
+    let bad = |name: &str, reason: String| Err(Error::invalid(name, reason));
+    if plan.zero_stage > 2 {
+        return bad(
+            "zero_stage",
+            format!("must be 0, 1 or 2, got {}", plan.zero_stage),
+        );
+    }
+    if plan.world_size == 0 || plan.world_size > crate::limits::MAX_WORLD_SIZE {
+        return bad(
+            "world_size",
+            format!(
+                "must be from 1 to {}, got {}",
+                crate::limits::MAX_WORLD_SIZE,
+                plan.world_size
+            ),
+        );
+    }
+    if plan.batch_size == 0 || plan.seq_len == 0 {
+        return bad(
+            "batch",
+            format!(
+                "batch size and sequence length must be at least 1, got {} x {}",
+                plan.batch_size, plan.seq_len
+            ),
+        );
+    }
+    if plan.lora.as_ref().is_some_and(|l| l.r == 0) {
+        return bad("lora rank", "must be at least 1".into());
+    }
+    Ok(())
+}
+
+/// The memory of one rank training `model` as `plan` says (see [the module](self)).
+pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
+    check_plan(plan)?;
+    let e = compute_bytes(plan.precision);
+    let mixed = plan.precision != MixedPrecision::No;
+    let n = plan.world_size as u64;
+    let params = model.parameter_count();
+    if params == 0 {
+        return Err(Error::invalid(
+            "model",
+            "it has no floating-point tensors to train",
+        ));
+    }
+    // (trainable, frozen, adapter layers, adapter elements per token and block).
+    let (trainable, frozen, lora_layers, adapter_tokens) = match &plan.lora {
+        None => (params, 0, 0, 0),
+        Some(lora) => {
+            let targets: Vec<String> = if lora.targets.is_empty() {
+                let arch = model.architecture.as_ref().ok_or_else(|| {
+                    Error::invalid(
+                        "lora targets",
+                        "the architecture is unknown (no config.json read): name the target modules",
+                    )
+                })?;
+                arch.kind
+                    .default_lora_targets()
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect()
+            } else {
+                lora.targets.clone()
+            };
+            let r = lora.r as u64;
+            let (mut adapters, mut layers, mut per_token) = (0u64, 0usize, 0u64);
+            for t in &model.tensors {
+                if let Some(m) = linear_module(t) {
+                    if is_target(m, &targets) {
+                        let (a, b) = (t.shape[0] as u64, t.shape[1] as u64);
+                        adapters += r * (a + b);
+                        layers += 1;
+                        // x·A (r), then B (the output) scaled and added: r + 2·out per token.
+                        // The output width is the larger dimension for GPT-2's fused `c_attn`.
+                        per_token += r + 2 * a.max(b);
+                    }
+                }
+            }
+            if layers == 0 {
+                let some: Vec<&str> = model
+                    .tensors
+                    .iter()
+                    .filter_map(linear_module)
+                    .filter_map(|m| m.rsplit('.').next())
+                    .fold(Vec::new(), |mut v, m| {
+                        if !v.contains(&m) {
+                            v.push(m);
+                        }
+                        v
+                    });
+                return Err(Error::invalid(
+                    "lora targets",
+                    format!(
+                        "{targets:?} match no Linear layer of the model; its Linear layers are named {}",
+                        some.join(", ")
+                    ),
+                ));
+            }
+            let per_block = model
+                .architecture
+                .as_ref()
+                .map_or(0, |a| per_token / a.layers as u64);
+            (adapters, params, layers, per_block)
+        }
+    };
+    // Trainable parameters live in f32 (masters under mixed precision, with half working
+    // copies); a frozen base lives in the compute dtype.
+    let parameters = frozen * e + trainable * if mixed { 2 } else { 4 };
+    let masters = if mixed { trainable * 4 } else { 0 };
+    let f32_grads = trainable * 4;
+    let f32_grads = if plan.zero_stage >= 2 {
+        f32_grads.div_ceil(n)
+    } else {
+        f32_grads
+    };
+    let gradients = f32_grads + if mixed { trainable * 2 } else { 0 };
+    let state = trainable * plan.optimizer.state_bytes();
+    let optimizer_state = if plan.zero_stage >= 1 {
+        state.div_ceil(n)
+    } else {
+        state
+    };
+    let activations = model
+        .architecture
+        .as_ref()
+        .map(|a| activations(a, plan, adapter_tokens, gradients));
+    Ok(Estimate {
+        trainable_params: trainable,
+        frozen_params: frozen,
+        lora_layers,
+        parameters,
+        gradients,
+        optimizer_state,
+        masters,
+        activations,
+    })
+}
+
+/// Elements one block keeps per token, in the compute dtype (see [the module](self)).
+fn block_elements(a: &Architecture) -> u64 {
+    let (h, i) = (a.hidden as u64, a.intermediate as u64);
+    let q = (a.heads * a.head_dim) as u64;
+    let kv = (a.kv_heads * a.head_dim) as u64;
+    match a.kind {
+        ArchKind::Llama | ArchKind::Mistral | ArchKind::Qwen2 => {
+            // norm, o_proj, two residual adds, norm, down_proj: 6h; q_proj, its contiguous
+            // head layout, RoPE, the attention output and its merged copy: 5q; k_proj, v_proj,
+            // the contiguous keys and their RoPE: 4kv; gate, up and SwiGLU: 3i.
+            6 * h + 5 * q + 4 * kv + 3 * i + if a.kv_heads < a.heads { 2 * q } else { 0 }
+        }
+        // ln_1, c_attn (3h), attention, c_proj, add, ln_2, mlp c_proj, add; c_fc and GELU.
+        ArchKind::Gpt2 => 9 * h + 2 * i,
+        // query, key, value, attention, merged heads, dense, add, LayerNorm, output dense, add,
+        // LayerNorm; intermediate and GELU.
+        ArchKind::Bert => 11 * h + 2 * i,
+    }
+}
+
+/// Elements per token outside the blocks (embeddings, final norm), in the compute dtype.
+fn outer_elements(a: &Architecture) -> u64 {
+    let h = a.hidden as u64;
+    match a.kind {
+        // The embedding lookup and the final norm.
+        ArchKind::Llama | ArchKind::Mistral | ArchKind::Qwen2 => 2 * h,
+        // Token and position embeddings, their sum, ln_f.
+        ArchKind::Gpt2 => 4 * h,
+        // Word, position and token-type embeddings, two sums, LayerNorm.
+        ArchKind::Bert => 6 * h,
+    }
+}
+
+/// The activations of `plan`'s step; `gradients`: the gradient bytes of the whole model (the
+/// backward pass's peak is either at its start, with the logits' gradient and no parameter
+/// gradient yet, or at its end, with every parameter gradient).
+fn activations(
+    a: &Architecture,
+    plan: &Plan,
+    adapter_per_block: u64,
+    gradients: u64,
+) -> Activations {
+    let e = compute_bytes(plan.precision);
+    let tokens = (plan.batch_size * plan.seq_len) as u64;
+    let (h, i, v) = (a.hidden as u64, a.intermediate as u64, a.vocab as u64);
+    let layers = a.layers as u64;
+    // Attention weights: heads x keys per query, f32.
+    let attention = (a.heads * plan.seq_len) as u64 * 4;
+    let block = tokens * ((block_elements(a) + adapter_per_block) * e + attention);
+    let outer = tokens * outer_elements(a) * e;
+    // The logits (and an f32 copy for the loss under mixed precision); BERT: no head counted.
+    let head = a.kind != ArchKind::Bert;
+    let logits = if head {
+        tokens * v * (e + if e < 4 { 4 } else { 0 })
+    } else {
+        0
+    };
+    let kept = if plan.checkpointing {
+        // Each checkpointed block keeps its output (the next block's input).
+        outer + logits + layers * tokens * h * e
+    } else {
+        outer + logits + layers * block
+    };
+    // Start of the backward pass: the logits' f32 gradient, with the zero-filled tensor and the
+    // sum Candle's backward makes of it.
+    let start = if head { 3 * tokens * v * 4 } else { 0 };
+    // End: the gradients of the residual stream and of the widest branch, each being read
+    // while the next is written; with checkpointing, the first block recomputed.
+    let end = tokens * 2 * (h + i.max(h)) * e + if plan.checkpointing { block } else { 0 };
+    Activations {
+        kept,
+        backward: start.saturating_sub(gradients).max(end),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn llama(extra: serde_json::Value) -> ModelSpec {
+        let mut cfg = serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 176,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            cfg[k] = v.clone();
+        }
+        ModelSpec::from_config(&cfg, Path::new("config.json")).unwrap()
+    }
+
+    #[test]
+    fn states_follow_precision_zero_and_optimizer() {
+        let m = llama(serde_json::json!({}));
+        let p = m.parameter_count();
+        // embed + 2 x (2 norms + 4 attention + 3 MLP) + norm + head.
+        let want = 100 * 64 + 2 * (2 * 64 + 4 * 64 * 64 + 3 * 64 * 176) + 64 + 100 * 64;
+        assert_eq!(p, want);
+        let e = |plan: Plan| estimate(&m, &plan).unwrap();
+        let f32 = e(Plan::default());
+        assert_eq!(
+            (
+                f32.parameters,
+                f32.gradients,
+                f32.optimizer_state,
+                f32.masters
+            ),
+            (4 * p, 4 * p, 8 * p, 0)
+        );
+        let bf16 = e(Plan {
+            precision: MixedPrecision::Bf16,
+            ..Plan::default()
+        });
+        assert_eq!(
+            (
+                bf16.parameters,
+                bf16.gradients,
+                bf16.optimizer_state,
+                bf16.masters
+            ),
+            (2 * p, 6 * p, 8 * p, 4 * p)
+        );
+        let z1 = e(Plan {
+            zero_stage: 1,
+            world_size: 4,
+            ..Plan::default()
+        });
+        assert_eq!(
+            (z1.gradients, z1.optimizer_state),
+            (4 * p, (8 * p).div_ceil(4))
+        );
+        let z2 = e(Plan {
+            zero_stage: 2,
+            world_size: 4,
+            precision: MixedPrecision::Fp16,
+            ..Plan::default()
+        });
+        assert_eq!(z2.gradients, (4 * p).div_ceil(4) + 2 * p);
+        let sgd = e(Plan {
+            optimizer: OptimizerKind::Sgd,
+            ..Plan::default()
+        });
+        assert_eq!(sgd.optimizer_state, 0);
+    }
+
+    #[test]
+    fn lora_trains_adapters_on_the_targets_only() {
+        let m = llama(serde_json::json!({}));
+        let p = m.parameter_count();
+        let plan = Plan {
+            precision: MixedPrecision::Bf16,
+            lora: Some(Lora {
+                r: 8,
+                targets: vec![],
+            }),
+            ..Plan::default()
+        };
+        let e = estimate(&m, &plan).unwrap();
+        // q_proj and v_proj in 2 layers: 8 x (64 + 64) each.
+        let adapters = 4 * 8 * 128;
+        assert_eq!(
+            (e.trainable_params, e.frozen_params, e.lora_layers),
+            (adapters, p, 4)
+        );
+        assert_eq!(e.parameters, 2 * p + 2 * adapters);
+        assert_eq!(
+            (e.gradients, e.optimizer_state, e.masters),
+            (6 * adapters, 8 * adapters, 4 * adapters)
+        );
+        let all = Plan {
+            lora: Some(Lora {
+                r: 8,
+                targets: vec!["all-linear".into()],
+            }),
+            ..plan.clone()
+        };
+        assert_eq!(estimate(&m, &all).unwrap().lora_layers, 2 * 7);
+        let none = Plan {
+            lora: Some(Lora {
+                r: 8,
+                targets: vec!["c_attn".into()],
+            }),
+            ..plan
+        };
+        let err = estimate(&m, &none).unwrap_err().to_string();
+        assert!(err.contains("c_attn") && err.contains("q_proj"), "{err}");
+    }
+
+    #[test]
+    fn activations_grow_with_the_batch_and_shrink_with_checkpointing() {
+        let m = llama(serde_json::json!({ "num_key_value_heads": 2 }));
+        let a = |batch, ckpt| {
+            estimate(
+                &m,
+                &Plan {
+                    batch_size: batch,
+                    seq_len: 32,
+                    checkpointing: ckpt,
+                    ..Plan::default()
+                },
+            )
+            .unwrap()
+            .activations
+            .unwrap()
+        };
+        let (one, two) = (a(1, false), a(2, false));
+        assert_eq!(two.kept, 2 * one.kept);
+        // Per token and block: 6h + 5q + 4kv + 3i + 2q (grouped-query), f32; 4 heads x 32 keys.
+        let block = (6 * 64 + 5 * 64 + 4 * 32 + 3 * 176 + 2 * 64) * 4 + 4 * 32 * 4;
+        assert_eq!(one.kept, 32 * (2 * block + 2 * 64 * 4 + 100 * 4));
+        let ck = a(1, true);
+        assert!(
+            ck.kept < one.kept / 2 && ck.backward > one.backward,
+            "{ck:?} {one:?}"
+        );
+    }
+
+    #[test]
+    fn bad_plans_are_refused() {
+        let m = llama(serde_json::json!({}));
+        for plan in [
+            Plan {
+                zero_stage: 3,
+                ..Plan::default()
+            },
+            Plan {
+                world_size: 0,
+                ..Plan::default()
+            },
+            Plan {
+                batch_size: 0,
+                ..Plan::default()
+            },
+            Plan {
+                lora: Some(Lora {
+                    r: 0,
+                    targets: vec![],
+                }),
+                ..Plan::default()
+            },
+        ] {
+            assert!(estimate(&m, &plan).is_err(), "{plan:?}");
+        }
+    }
+}

@@ -1,0 +1,46 @@
+//! Settings read where they are used rather than resolved into [`ProcessState`](super::ProcessState):
+//! the fused-optimizer default (read when an optimizer is created), the store socket the launcher
+//! hands down, the host name, and the test-only crash hook. Every read of the environment stays
+//! in this floor.
+
+use super::env;
+use super::parse::process_env;
+use crate::error::Result;
+
+/// Whether new optimizers use the fused kernels: `ACCELERATE_RS_FUSED_OPTIM` (a flag, default
+/// on); a value that is not a flag is an error naming it.
+pub(crate) fn fused_optim_default() -> Result<bool> {
+    Ok(process_env(env::FUSED_OPTIM)?.unwrap_or(true))
+}
+
+/// The descriptor of the store's listening socket that `accelerate-rs launch` handed to this
+/// process ([`env::STORE_FD`]): `None` when unset, and (with a warning) when it is not a
+/// descriptor number above the standard streams.
+pub(crate) fn store_fd() -> Option<i32> {
+    let value = std::env::var(env::STORE_FD).ok()?;
+    match value.trim().parse() {
+        Ok(fd) if fd > 2 => Some(fd),
+        _ => {
+            log::warn!(
+                "{}={value:?} is not a file descriptor; binding the store's port instead",
+                env::STORE_FD
+            );
+            None
+        }
+    }
+}
+
+/// This machine's name: `/proc/sys/kernel/hostname`, else `$HOSTNAME`; `None` when neither says.
+pub(crate) fn host_name() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok().filter(|s| !s.is_empty()))
+}
+
+/// Test-only ([`env::TEST_CRASH_AFTER`]): whether the main process should exit right after
+/// writing checkpoint file `file`, as a kill would.
+pub(crate) fn crash_after(file: &str) -> bool {
+    matches!(process_env::<String>(env::TEST_CRASH_AFTER), Ok(Some(v)) if v == file)
+}

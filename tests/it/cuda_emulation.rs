@@ -1,0 +1,65 @@
+//! The run-time compiled CUDA kernels (`src/nn/kernels.cu`, `src/optim/fused_optim.cu`) run on
+//! the CPU: `tests/cuda_emulation/emu.hpp` gives them one OS thread per CUDA thread, barriers for
+//! `__syncthreads` and the warp shuffles, and software half-precision conversions; the checks
+//! compare every kernel with references written from the formulas (and the optimizer kernels bit
+//! for bit with the CPU kernels' arithmetic). This tests the kernels' logic — reductions,
+//! indexing, masking, rounding — on a machine without a GPU; the device itself is checked by
+//! `examples/nn_kernels.rs` and `accelerate-rs test` in `scripts/gpu-smoke.sh`.
+//!
+//! Needs a C++20 compiler (`$CXX`, default `c++`; g++ 10 or later).
+
+use std::path::Path;
+use std::process::Command;
+
+fn build_and_run(source: &str) -> String {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let dir = tempfile::tempdir().unwrap();
+    let exe = dir.path().join("check");
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let built = Command::new(&cxx)
+        .args(["-std=c++20", "-O1", "-ffp-contract=off", "-pthread"])
+        .arg(Path::new(root).join(source))
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run the C++ compiler `{cxx}` (set CXX): {e}"));
+    assert!(
+        built.status.success(),
+        "compiling {source} with {cxx} failed:\n{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let out = Command::new(&exe).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{source}:\n{text}");
+    text
+}
+
+#[test]
+fn nn_kernels_match_their_references_on_the_cpu() {
+    let text = build_and_run("tests/cuda_emulation/check.cpp");
+    assert!(text.contains("cuda_emulation: 0 failure(s)"), "{text}");
+    // Every kernel family was exercised.
+    for what in [
+        "layer_norm",
+        "rms_norm",
+        "causal_softmax",
+        "cross_entropy",
+        "gelu backward",
+        "relu backward",
+        "bf16/f16 conversions",
+        "layer_norm forward bf16",
+        "layer_norm forward f16",
+    ] {
+        assert!(text.contains(&format!("PASS {what}")), "{what}:\n{text}");
+    }
+}
+
+#[test]
+fn fused_optimizer_kernels_match_the_cpu_arithmetic_bit_for_bit() {
+    let text = build_and_run("tests/cuda_emulation/check_optim.cpp");
+    assert!(
+        text.contains("cuda_emulation (optim): 0 failure(s)"),
+        "{text}"
+    );
+    assert_eq!(text.matches("bit for bit").count(), 27, "{text}");
+}
