@@ -20,6 +20,22 @@ Python.
         `cargo run -p accelerate-rs-models --example roundtrip -- OUT` writes such folders for
         every fixture; `finetune --probe FILE` writes one for its output.
 
+    python scripts/hf_reference.py lora [--out models/tests/fixtures]
+        Needs `pip install peft` too. For a tiny Llama (rsLoRA on q_proj, v_proj and down_proj)
+        and a tiny GPT-2 (LoRA on its Conv1D layers c_attn and c_fc, fan_in_fan_out): the base
+        is the fixture of the same architecture; a PEFT adapter with random (nonzero) weights
+        is saved as a PEFT adapter folder (`lora_<arch>/adapter`), and
+        `lora_<arch>/golden.safetensors` holds the logits and loss with the adapter on the
+        base fixture's inputs, every adapter tensor's gradient (`grad.<module>.lora_A.weight`),
+        the merged weights of the targeted layers (`merged.<name>`, `merge_and_unload`) and
+        the adapter after 3 AdamW steps on the adapter alone (`step3.<module>.lora_A.weight`);
+        for Llama also the logits and adapter gradients with the base in bf16 (`bf16.*`).
+
+    python scripts/hf_reference.py check-adapter ADAPTER --base BASE [--probe FILE]
+        Loads the base model folder BASE in `transformers`, the PEFT adapter folder ADAPTER
+        accelerate-rs saved (`save_adapter`) with `PeftModel.from_pretrained`, runs the inputs
+        of `ADAPTER/probe.safetensors` and compares with the logits accelerate-rs computed.
+
     python scripts/hf_reference.py tokenizer [--corpus data/corpus.txt] [--out DIR] [--arch A]
         Trains a tiny byte-level BPE tokenizer on the corpus and saves, with it, a tiny random
         model (`llama`, `gpt2` or `bert`) as a Hugging Face folder: the fine-tuning example's
@@ -255,6 +271,144 @@ def make_fixture(name, out, seed):
     print(f"{name}: {len(params)} tensors, loss {out_.loss.item():.6f}, {size / 1024:.1f} KiB")
 
 
+# name -> (base fixture, LoraConfig keyword arguments, also the bf16 base's outputs)
+LORA_CASES = {
+    "lora_llama": (
+        "llama",
+        dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+             use_rslora=True),
+        True,
+    ),
+    "lora_gpt2": (
+        "gpt2",
+        dict(r=2, lora_alpha=6, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True),
+        False,
+    ),
+}
+
+
+def adapter_name(name):
+    """PEFT's parameter name -> the module path and tensor, as PEFT saves them
+    (`base_model.model.` and the adapter name `default` dropped)."""
+    return name.removeprefix("base_model.model.").replace(".default.", ".")
+
+
+def make_lora_fixture(name, out, seed):
+    from peft import LoraConfig, get_peft_model
+    import copy
+    import shutil
+
+    base_name, kwargs, bf16 = LORA_CASES[name]
+    base_dir = os.path.join(out, base_name)
+    gen = torch.Generator().manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(
+        base_dir, attn_implementation="eager", dtype=torch.float32
+    )
+    config = LoraConfig(lora_dropout=0.0, task_type="CAUSAL_LM", **kwargs)
+    model = get_peft_model(base, config)
+    params = {}
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+                params[adapter_name(pname)] = p
+    folder = os.path.join(out, name)
+    adapter_dir = os.path.join(folder, "adapter")
+    if os.path.exists(adapter_dir):
+        shutil.rmtree(adapter_dir)
+    model.save_pretrained(adapter_dir)
+    readme = os.path.join(adapter_dir, "README.md")
+    if os.path.exists(readme):
+        os.remove(readme)
+
+    g = load_file(os.path.join(base_dir, "golden.safetensors"))
+    ids, mask, labels = g["input_ids"], g["attention_mask"], g["labels"]
+    model.train()  # lora_dropout and the fixtures' dropout are 0: deterministic
+    out_ = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out_.loss.backward()
+    golden = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": labels,
+        "logits": out_.logits.detach().contiguous(),
+        "loss": out_.loss.detach().reshape(1),
+    }
+    for pname, p in params.items():
+        golden[f"grad.{pname}"] = p.grad.detach().clone().contiguous()
+
+    merged = copy.deepcopy(model).merge_and_unload()
+    state = merged.state_dict()
+    for module in {n.rsplit(".lora_", 1)[0] for n in params}:
+        golden[f"merged.{module}.weight"] = state[f"{module}.weight"].detach().clone().contiguous()
+
+    opt = torch.optim.AdamW(
+        list(params.values()), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
+    )
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    for pname, p in params.items():
+        golden[f"step{STEPS}.{pname}"] = p.detach().clone().contiguous()
+    golden["step_losses"] = torch.tensor(losses)
+    if bf16:
+        # The same adapter (f32, PEFT's autocast) on the base in bf16: bf16's rounding is large
+        # for these tiny random models, so the bf16 test compares with bf16.
+        from peft import PeftModel
+
+        base16 = AutoModelForCausalLM.from_pretrained(
+            base_dir, attn_implementation="eager", dtype=torch.bfloat16
+        )
+        model16 = PeftModel.from_pretrained(base16, adapter_dir, is_trainable=True)
+        model16.train()
+        out16 = model16(input_ids=ids, attention_mask=mask, labels=labels)
+        out16.loss.backward()
+        golden["bf16.logits"] = out16.logits.detach().float().contiguous()
+        for pname, p in model16.named_parameters():
+            if p.requires_grad:
+                golden[f"bf16.grad.{adapter_name(pname)}"] = p.grad.detach().float().contiguous()
+    save_file(golden, os.path.join(folder, "golden.safetensors"))
+    size = sum(
+        os.path.getsize(os.path.join(d, f))
+        for d in (folder, adapter_dir)
+        for f in os.listdir(d)
+        if os.path.isfile(os.path.join(d, f))
+    )
+    print(
+        f"{name}: {len(params)} adapter tensors on {base_name}, loss {out_.loss.item():.6f}, "
+        f"{size / 1024:.1f} KiB"
+    )
+
+
+def check_adapter(adapter_dir, base_dir, probe_path):
+    from peft import PeftModel
+    import peft
+
+    probe_path = probe_path or os.path.join(adapter_dir, "probe.safetensors")
+    probe = load_file(probe_path)
+    base = AutoModelForCausalLM.from_pretrained(
+        base_dir, attn_implementation="eager", dtype=torch.float32
+    )
+    model = PeftModel.from_pretrained(base, adapter_dir)
+    model.eval()
+    with torch.no_grad():
+        logits = model(
+            input_ids=probe["input_ids"], attention_mask=probe.get("attention_mask")
+        ).logits
+    want = probe["logits"].float()
+    diff = (logits - want).abs().max().item()
+    scale = want.abs().max().item()
+    ok = diff <= 1e-4 * max(scale, 1.0)
+    print(
+        f"{adapter_dir}: adapter on {base_dir} loaded by peft {peft.__version__}; max |logits "
+        f"diff| {diff:.3e} (scale {scale:.3f}): {'OK' if ok else 'MISMATCH'}"
+    )
+    return ok
+
+
 AUTO_BY_ARCH = {
     "ForCausalLM": AutoModelForCausalLM,
     "LMHeadModel": AutoModelForCausalLM,
@@ -356,6 +510,12 @@ def main():
     c = sub.add_parser("check")
     c.add_argument("dirs", nargs="+")
     c.add_argument("--probe")
+    lo = sub.add_parser("lora")
+    lo.add_argument("--out", default="models/tests/fixtures")
+    ca = sub.add_parser("check-adapter")
+    ca.add_argument("adapter")
+    ca.add_argument("--base", required=True)
+    ca.add_argument("--probe")
     t = sub.add_parser("tokenizer")
     t.add_argument("--corpus", default="data/corpus.txt")
     t.add_argument("--out", default="models/examples/tiny-llama")
@@ -371,6 +531,11 @@ def main():
     elif args.cmd == "check":
         ok = all([check(d, args.probe) for d in args.dirs])
         sys.exit(0 if ok else 1)
+    elif args.cmd == "lora":
+        for i, name in enumerate(LORA_CASES):
+            make_lora_fixture(name, args.out, seed=2000 + i)
+    elif args.cmd == "check-adapter":
+        sys.exit(0 if check_adapter(args.adapter, args.base, args.probe) else 1)
     else:
         make_tokenizer(args.corpus, args.out, args.vocab_size, args.arch)
 

@@ -112,7 +112,9 @@
 //!   and loaded with [`Accelerator::save_state`] / [`Accelerator::load_state`]. Also model
 //!   weights alone: [`checkpoint::load_weights`] reads a single or sharded safetensors
 //!   checkpoint (Hugging Face's layout) into any `VarMap`, all or nothing;
-//!   [`checkpoint::write_model_folder`] writes one.
+//!   [`checkpoint::write_model_folder`] writes one. LoRA adapters as PEFT adapter folders:
+//!   [`checkpoint::save_adapter`], [`checkpoint::load_adapter`],
+//!   [`checkpoint::read_adapter_config`].
 //! - [`collective`]: the [`Collective`](collective::Collective) trait and its backends (single
 //!   process, TCP ring with a same-host shared-memory data path, in-process threads, NCCL).
 //! - [`optim`]: [`optim::AdamW`] and [`optim::Sgd`] (momentum, Nesterov, weight decay) with
@@ -136,7 +138,10 @@
 //!   fusions Candle has no counterpart for: [`nn::swiglu`],
 //!   [`nn::scaled_dot_product_attention`] / [`nn::packed_self_attention`] (the whole attention
 //!   as one op), [`nn::causal_softmax`] and [`nn::linear_cross_entropy`] (a language model's
-//!   head and loss).
+//!   head and loss). Activation checkpointing ([`nn::checkpoint`]), dropout that checkpointing
+//!   replays ([`nn::dropout`]), and LoRA adapters on `nn::Linear` layers ([`nn::LoraLinear`],
+//!   [`nn::LoraConfig`]: PEFT's settings) whose frozen base stays out of the optimizer and the
+//!   gradient all-reduce ([`Accelerator::gradient_bytes_reduced`] counts what is sent).
 //!
 //! The `accelerate-rs` command line and its launcher are the separate `accelerate-rs-cli` crate
 //! (`cli/` in the repository), so that this library pulls in no clap, nix or signal-hook.

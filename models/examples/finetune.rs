@@ -13,15 +13,28 @@
 //!     cargo run --release -- launch --cpu -n 2 target/release/examples/finetune \
 //!         --model models/examples/tiny-llama --train data/corpus.txt --output runs/ft2
 //!
+//! `--lora-r R` trains LoRA adapters of rank R only (the base frozen; PEFT's default targets
+//! for the architecture unless `--lora-targets` names them); `--output` then holds a PEFT
+//! adapter folder (`PeftModel.from_pretrained(base, OUTPUT)` loads it), and `--merge DIR` also
+//! writes the adapters merged into a plain Hugging Face folder. `--checkpoint-activations`
+//! recomputes each block's activations in the backward pass instead of keeping them.
+//! `--dtype bf16` keeps the model in bf16 (LoRA adapters still train in f32).
+//!
+//!     target/release/examples/finetune --model models/examples/tiny-llama \
+//!         --train data/corpus.txt --lora-r 8 --checkpoint-activations \
+//!         --output runs/tiny-llama-adapter --merge runs/tiny-llama-merged
+//!
 //! `--batch-size` is per process; under `ACCELERATE_RS_SPLIT_BATCHES=1` (or the launcher's
 //! `--split-batches`) it is the global batch, split across the processes, so one process and N
 //! processes follow the same trajectory. `--probe FILE` writes a few held-out windows and the
-//! logits of the trained model, for `python scripts/hf_reference.py check OUTPUT --probe FILE`.
+//! logits of the trained model, for `python scripts/hf_reference.py check OUTPUT --probe FILE`
+//! (with LoRA: `check-adapter OUTPUT --base MODEL --probe FILE`, or `check MERGED --probe FILE`).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use accelerate_rs::nn::LoraConfig;
 use accelerate_rs::optim::{AdamW, ParamsAdamW};
 use accelerate_rs::{Accelerator, DataLoader, ReduceOp, TensorDataset};
 use accelerate_rs_models::{encode_corpus, load_tokenizer, AutoModel, Task, IGNORE_INDEX};
@@ -57,9 +70,36 @@ struct Args {
     /// AdamW's decoupled weight decay.
     #[arg(long, default_value_t = 0.01)]
     weight_decay: f64,
-    /// Where the fine-tuned folder goes (config.json, weights, tokenizer files).
+    /// Where the fine-tuned folder goes (config.json, weights, tokenizer files); with
+    /// `--lora-r`, the PEFT adapter folder (adapter_config.json, adapter_model.safetensors).
     #[arg(long)]
     output: PathBuf,
+    /// Train LoRA adapters of this rank only (the base frozen) instead of every parameter.
+    #[arg(long)]
+    lora_r: Option<usize>,
+    /// LoRA's alpha (the update is scaled by alpha / r); default 2 r.
+    #[arg(long)]
+    lora_alpha: Option<f64>,
+    /// Dropout on the LoRA adapters' input.
+    #[arg(long, default_value_t = 0.0)]
+    lora_dropout: f64,
+    /// The layers that get adapters, comma-separated module names (`q_proj,v_proj`) or
+    /// `all-linear`; default: PEFT's default for the architecture.
+    #[arg(long)]
+    lora_targets: Option<String>,
+    /// rsLoRA scaling (alpha / sqrt(r)).
+    #[arg(long)]
+    rslora: bool,
+    /// With `--lora-r`: also write the adapters merged into the weights, as a plain Hugging
+    /// Face folder (with the tokenizer files), here.
+    #[arg(long)]
+    merge: Option<PathBuf>,
+    /// Activation checkpointing: recompute every block's activations in the backward pass.
+    #[arg(long)]
+    checkpoint_activations: bool,
+    /// The model's dtype: f32, bf16 or f16 (LoRA adapters train in f32 either way).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
     /// The share of the text held out for evaluation (its end).
     #[arg(long, default_value_t = 0.1)]
     eval_fraction: f64,
@@ -195,7 +235,28 @@ fn main() -> Result<()> {
     accelerator.set_seed(args.seed)?;
     let device = accelerator.device().clone();
 
-    let mut model = AutoModel::from_pretrained(&args.model, &device, DType::F32)?;
+    let dtype = match args.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        other => bail!("--dtype {other}: expected f32, bf16 or f16"),
+    };
+    if args.merge.is_some() && args.lora_r.is_none() {
+        bail!("--merge writes merged LoRA adapters: it needs --lora-r");
+    }
+    let mut model = AutoModel::from_pretrained(&args.model, &device, dtype)?;
+    if let Some(r) = args.lora_r {
+        let mut config = LoraConfig::new(r, args.lora_alpha.unwrap_or(2.0 * r as f64))
+            .dropout(args.lora_dropout)
+            .rslora(args.rslora);
+        match args.lora_targets.as_deref() {
+            None => {}
+            Some("all-linear") => config = config.all_linear(),
+            Some(list) => config = config.target_modules(list.split(',').map(str::trim)),
+        }
+        model.add_lora(&config)?;
+    }
+    model.set_gradient_checkpointing(args.checkpoint_activations);
     let task = model.task();
     if task == Task::SequenceClassification {
         bail!(
@@ -230,18 +291,30 @@ fn main() -> Result<()> {
     let split = tokens.len() - (tokens.len() as f64 * args.eval_fraction) as usize;
     let train = windows(&tokens[..split], args.seq_len, 0)?;
     let val = windows(&tokens[split..], args.seq_len, args.eval_windows)?;
-    let n_params: usize = model
-        .varmap()
-        .all_vars()
-        .iter()
-        .map(|v| v.elem_count())
-        .sum();
+    let count =
+        |m: &candle_nn::VarMap| -> usize { m.all_vars().iter().map(|v| v.elem_count()).sum() };
+    let n_params = count(model.varmap());
+    let trained = match model.lora_config() {
+        Some(c) => format!(
+            "LoRA r={} alpha={} on {:?}: {} trainable",
+            c.r,
+            c.alpha,
+            c.target_modules,
+            count(model.trainable_parameters())
+        ),
+        None => "all trainable".to_string(),
+    };
     accelerator.print(format!(
-        "{}: {} ({} parameters), {} processes; {} tokens: {} training windows, {} held out, \
-         {} tokens each",
+        "{}: {} ({} parameters, {trained}{}), {} processes; {} tokens: {} training windows, \
+         {} held out, {} tokens each",
         args.model.display(),
         model.model_type(),
         n_params,
+        if args.checkpoint_activations {
+            ", activation checkpointing"
+        } else {
+            ""
+        },
         accelerator.world_size(),
         tokens.len(),
         train.0.dim(0)?,
@@ -252,8 +325,9 @@ fn main() -> Result<()> {
     let before = evaluate(&accelerator, &model, task, &val, &args, mask_id)?;
     accelerator.print(format!("held-out loss before: {before:.4}"));
 
+    // With LoRA, the adapters only: the frozen base is neither stepped nor all-reduced.
     let opt = AdamW::new(
-        model.varmap().all_vars(),
+        model.trainable_parameters().all_vars(),
         ParamsAdamW {
             lr: args.lr,
             weight_decay: args.weight_decay,
@@ -264,7 +338,7 @@ fn main() -> Result<()> {
         .shuffle(true)
         .seed(args.seed)
         .drop_last(true);
-    let (mut opt, mut loader) = accelerator.prepare(model.varmap(), opt, loader)?;
+    let (mut opt, mut loader) = accelerator.prepare(model.trainable_parameters(), opt, loader)?;
 
     model.train(true);
     let start = Instant::now();
@@ -313,42 +387,84 @@ fn main() -> Result<()> {
         "trained {step} steps in {secs:.1} s; held-out loss {before:.4} -> {after:.4}"
     ));
 
-    // Every rank calls it; the main process writes config.json and the weights.
-    accelerator.save_model_with_config(
-        &args.output,
-        model.varmap(),
-        &model.config_json(),
-        accelerate_rs_models::DEFAULT_MAX_SHARD_BYTES,
-    )?;
-    if accelerator.is_main_process() {
-        for file in [
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "special_tokens_map.json",
-        ] {
-            let src = args.model.join(file);
-            if src.is_file() {
-                std::fs::copy(&src, args.output.join(file))
-                    .with_context(|| format!("copying {}", src.display()))?;
-            }
-        }
-        if let Some(path) = &args.probe {
-            let rows = val.0.dim(0)?.min(2);
-            let ids = val.0.narrow(0, 0, rows)?;
-            let index = val.1.narrow(0, 0, rows)?;
-            let (x, _) =
-                inputs_and_labels(task, &ids, &index, mask_id, args.mlm_probability, args.seed)?;
-            let logits = model.forward(&x.to_device(&device)?, None)?;
-            let probe: HashMap<String, Tensor> = [
-                ("input_ids".to_string(), x.to_dtype(DType::I64)?),
-                ("logits".to_string(), logits.to_device(&Device::Cpu)?),
-            ]
-            .into_iter()
-            .collect();
-            candle_core::safetensors::save(&probe, path)?;
-        }
-        println!("saved {}", args.output.display());
+    if model.lora_config().is_none() {
+        // Every rank calls it; the main process writes config.json and the weights.
+        accelerator.save_model_with_config(
+            &args.output,
+            model.varmap(),
+            &model.config_json(),
+            accelerate_rs_models::DEFAULT_MAX_SHARD_BYTES,
+        )?;
+    }
+    // The main process writes the rest; every rank learns whether it could.
+    let saved = if accelerator.is_main_process() {
+        save_main(&args, &mut model, task, &val, mask_id, &device)
+    } else {
+        Ok(())
+    };
+    let failed = f64::from(u8::from(saved.is_err()));
+    let failed = accelerator.reduce(&Tensor::new(&[failed], &device)?, ReduceOp::Sum)?;
+    saved?;
+    if failed.to_vec1::<f64>()?[0] > 0.0 {
+        bail!("the main process could not save {}", args.output.display());
     }
     accelerator.wait_for_everyone()?;
+    Ok(())
+}
+
+/// What the main process writes after training: the PEFT adapter folder (with LoRA; the
+/// weights are written by every rank's `save_model_with_config` otherwise), the tokenizer files,
+/// the probe, and the merged folder.
+fn save_main(
+    args: &Args,
+    model: &mut AutoModel,
+    task: Task,
+    val: &(Tensor, Tensor),
+    mask_id: Option<u32>,
+    device: &Device,
+) -> Result<()> {
+    if model.lora_config().is_some() {
+        model.save_adapter(&args.output)?;
+    } else {
+        copy_tokenizer(&args.model, &args.output)?;
+    }
+    if let Some(path) = &args.probe {
+        let rows = val.0.dim(0)?.min(2);
+        let ids = val.0.narrow(0, 0, rows)?;
+        let index = val.1.narrow(0, 0, rows)?;
+        let (x, _) =
+            inputs_and_labels(task, &ids, &index, mask_id, args.mlm_probability, args.seed)?;
+        let logits = model.forward(&x.to_device(device)?, None)?;
+        let probe: HashMap<String, Tensor> = [
+            ("input_ids".to_string(), x.to_dtype(DType::I64)?),
+            ("logits".to_string(), logits.to_device(&Device::Cpu)?),
+        ]
+        .into_iter()
+        .collect();
+        candle_core::safetensors::save(&probe, path)?;
+    }
+    println!("saved {}", args.output.display());
+    if let Some(dir) = &args.merge {
+        model.merge_lora()?;
+        model.save_pretrained(dir)?;
+        copy_tokenizer(&args.model, dir)?;
+        println!("saved the merged model {}", dir.display());
+    }
+    Ok(())
+}
+
+/// Copies the tokenizer files of the model folder `model` into `dir`.
+fn copy_tokenizer(model: &std::path::Path, dir: &std::path::Path) -> Result<()> {
+    for file in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ] {
+        let src = model.join(file);
+        if src.is_file() {
+            std::fs::copy(&src, dir.join(file))
+                .with_context(|| format!("copying {}", src.display()))?;
+        }
+    }
     Ok(())
 }

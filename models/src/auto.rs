@@ -184,4 +184,46 @@ impl AutoModel {
     pub fn train(&mut self, on: bool) {
         each!(self, m => m.train(on))
     }
+
+    /// Activation checkpointing of every block on or off (see
+    /// [`LlamaForCausalLm::set_gradient_checkpointing`]).
+    pub fn set_gradient_checkpointing(&mut self, on: bool) {
+        each!(self, m => m.set_gradient_checkpointing(on))
+    }
+
+    /// Whether activation checkpointing is on.
+    pub fn is_gradient_checkpointing(&self) -> bool {
+        each!(self, m => m.is_gradient_checkpointing())
+    }
+
+    /// Adds LoRA adapters (see [`LlamaForCausalLm::add_lora`]).
+    pub fn add_lora(&mut self, config: &accelerate_rs::nn::LoraConfig) -> CrateResult<()> {
+        each!(self, m => m.add_lora(config))
+    }
+
+    /// Loads a PEFT adapter folder (see [`LlamaForCausalLm::load_adapter`]).
+    pub fn load_adapter(&mut self, dir: impl AsRef<Path>) -> CrateResult<()> {
+        each!(self, m => m.load_adapter(dir))
+    }
+
+    /// Writes the adapters as a PEFT adapter folder (see [`LlamaForCausalLm::save_adapter`]).
+    pub fn save_adapter(&self, dir: impl AsRef<Path>) -> CrateResult<()> {
+        each!(self, m => m.save_adapter(dir))
+    }
+
+    /// Merges the adapters into the base weights (see [`LlamaForCausalLm::merge_lora`]).
+    pub fn merge_lora(&mut self) -> CrateResult<()> {
+        each!(self, m => m.merge_lora())
+    }
+
+    /// The adapters' settings, when the model has adapters.
+    pub fn lora_config(&self) -> Option<&accelerate_rs::nn::LoraConfig> {
+        each!(self, m => m.lora_config())
+    }
+
+    /// What trains: the adapters when the model has them, else every parameter (see
+    /// [`LlamaForCausalLm::trainable_parameters`]).
+    pub fn trainable_parameters(&self) -> &VarMap {
+        each!(self, m => m.trainable_parameters())
+    }
 }

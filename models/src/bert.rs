@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use accelerate_rs::nn::{LayerNorm, Linear};
+use accelerate_rs::nn::{checkpoint_fn, LayerNorm, Linear};
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
@@ -16,6 +16,7 @@ use crate::layers::{
     attention, bce_with_logits, check_mask, classification_loss, dropout, embedding, linear,
     lookup, masked_lm_loss, mse, norm_params, padding_idx, AttentionSpec,
 };
+use crate::lora::{rebuild_vb, Adaptable, Proj};
 use crate::pretrained::{check_architecture, pretrained_methods, Weights};
 
 fn default_act() -> Activation {
@@ -195,7 +196,7 @@ struct Encoder {
     token_type: Tensor,
     embed_norm: LayerNorm,
     layers: Vec<EncoderLayer>,
-    pooler: Option<Linear>,
+    pooler: Option<Proj>,
     dropout: f64,
     max_positions: usize,
     /// `pad_token_id`: the word embedding's padding index.
@@ -204,13 +205,13 @@ struct Encoder {
 
 #[derive(Debug, Clone)]
 struct EncoderLayer {
-    query: Linear,
-    key: Linear,
-    value: Linear,
-    attn_out: Linear,
+    query: Proj,
+    key: Proj,
+    value: Proj,
+    attn_out: Proj,
     attn_norm: LayerNorm,
-    intermediate: Linear,
-    output: Linear,
+    intermediate: Proj,
+    output: Proj,
     out_norm: LayerNorm,
     heads: usize,
     act: Activation,
@@ -228,19 +229,19 @@ impl EncoderLayer {
     fn new(c: &BertConfig, std: f64, vb: VarBuilder) -> Result<Self> {
         let h = c.hidden_size;
         Ok(EncoderLayer {
-            query: linear(h, h, true, std, vb.pp("attention.self.query"))?,
-            key: linear(h, h, true, std, vb.pp("attention.self.key"))?,
-            value: linear(h, h, true, std, vb.pp("attention.self.value"))?,
-            attn_out: linear(h, h, true, std, vb.pp("attention.output.dense"))?,
+            query: Proj::linear(h, h, true, std, vb.pp("attention.self.query"))?,
+            key: Proj::linear(h, h, true, std, vb.pp("attention.self.key"))?,
+            value: Proj::linear(h, h, true, std, vb.pp("attention.self.value"))?,
+            attn_out: Proj::linear(h, h, true, std, vb.pp("attention.output.dense"))?,
             attn_norm: layer_norm(h, c.layer_norm_eps, vb.pp("attention.output.LayerNorm"))?,
-            intermediate: linear(
+            intermediate: Proj::linear(
                 h,
                 c.intermediate_size,
                 true,
                 std,
                 vb.pp("intermediate.dense"),
             )?,
-            output: linear(c.intermediate_size, h, true, std, vb.pp("output.dense"))?,
+            output: Proj::linear(c.intermediate_size, h, true, std, vb.pp("output.dense"))?,
             out_norm: layer_norm(h, c.layer_norm_eps, vb.pp("output.LayerNorm"))?,
             heads: c.num_attention_heads,
             act: c.hidden_act,
@@ -253,9 +254,9 @@ impl EncoderLayer {
         let (b, t, c) = x.dims3()?;
         let d = c / self.heads;
         let split = |y: Tensor| y.reshape((b, t, self.heads, d))?.transpose(1, 2);
-        let q = split(self.query.forward(x)?)?;
-        let k = split(self.key.forward(x)?)?;
-        let v = split(self.value.forward(x)?)?;
+        let q = split(self.query.forward(x, train)?)?;
+        let k = split(self.key.forward(x, train)?)?;
+        let v = split(self.value.forward(x, train)?)?;
         let spec = AttentionSpec {
             causal: false,
             mask,
@@ -266,11 +267,22 @@ impl EncoderLayer {
         let y = attention(&q, &k, &v, &spec, train)?
             .transpose(1, 2)?
             .reshape((b, t, c))?;
-        let a = dropout(&self.attn_out.forward(&y)?, self.dropout, train)?;
+        let a = dropout(&self.attn_out.forward(&y, train)?, self.dropout, train)?;
         let h = self.attn_norm.forward(&(a + x)?)?;
-        let i = self.act.apply(&self.intermediate.forward(&h)?)?;
-        let o = dropout(&self.output.forward(&i)?, self.dropout, train)?;
+        let i = self.act.apply(&self.intermediate.forward(&h, train)?)?;
+        let o = dropout(&self.output.forward(&i, train)?, self.dropout, train)?;
         self.out_norm.forward(&(o + h)?)
+    }
+
+    fn projections_mut(&mut self) -> [&mut Proj; 6] {
+        [
+            &mut self.query,
+            &mut self.key,
+            &mut self.value,
+            &mut self.attn_out,
+            &mut self.intermediate,
+            &mut self.output,
+        ]
     }
 }
 
@@ -292,7 +304,7 @@ impl Encoder {
                 .map(|i| EncoderLayer::new(c, std, vb.pp(format!("encoder.layer.{i}"))))
                 .collect::<Result<Vec<_>>>()?,
             pooler: if pooler {
-                Some(linear(h, h, true, std, vb.pp("pooler.dense"))?)
+                Some(Proj::linear(h, h, true, std, vb.pp("pooler.dense"))?)
             } else {
                 None
             },
@@ -308,6 +320,7 @@ impl Encoder {
         token_type_ids: Option<&Tensor>,
         mask: Option<&Tensor>,
         train: bool,
+        checkpointing: bool,
     ) -> Result<Tensor> {
         let (b, t) = input_ids.dims2()?;
         check_mask(mask, b, t)?;
@@ -338,9 +351,27 @@ impl Encoder {
         let e = (words + types)?.broadcast_add(&pos)?;
         let mut h = dropout(&self.embed_norm.forward(&e)?, self.dropout, train)?;
         for layer in &self.layers {
-            h = layer.forward(&h, mask, train)?;
+            h = if checkpointing {
+                let (layer, mask) = (layer.clone(), mask.cloned());
+                checkpoint_fn(move |x| layer.forward(x, mask.as_ref(), train), &h)?
+            } else {
+                layer.forward(&h, mask, train)?
+            };
         }
         Ok(h)
+    }
+
+    /// The encoder's linear layers (the pooler's too, if it has one).
+    fn projections_mut(&mut self) -> Vec<&mut Proj> {
+        let mut out: Vec<&mut Proj> = self
+            .layers
+            .iter_mut()
+            .flat_map(EncoderLayer::projections_mut)
+            .collect();
+        if let Some(p) = self.pooler.as_mut() {
+            out.push(p);
+        }
+        out
     }
 }
 
@@ -369,12 +400,16 @@ fn bert_name(name: &str) -> Option<String> {
 pub struct BertForMaskedLm {
     config: BertConfig,
     encoder: Encoder,
-    transform: Linear,
+    transform: Proj,
     transform_norm: LayerNorm,
     decoder: Linear,
     weights: Weights,
     training: bool,
+    checkpointing: bool,
 }
+
+/// The parts of a masked LM: encoder, head transform and its norm, decoder.
+type MlmParts = (Encoder, Proj, LayerNorm, Linear);
 
 pretrained_methods!(BertForMaskedLm);
 
@@ -419,11 +454,38 @@ impl BertForMaskedLm {
 
     fn build(config: &BertConfig, device: &Device, dtype: DType, std: f64) -> CrateResult<Self> {
         config.check()?;
-        let (parts, weights) = Weights::build(device, dtype, |vb| {
+        let (parts, weights) = Weights::build(device, dtype, |vb| Self::assemble(config, vb, std))?;
+        Ok(Self::from_parts(config, parts, weights, false, false))
+    }
+
+    /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
+    fn from_parts(
+        config: &BertConfig,
+        parts: MlmParts,
+        weights: Weights,
+        training: bool,
+        checkpointing: bool,
+    ) -> Self {
+        let (encoder, transform, transform_norm, decoder) = parts;
+        BertForMaskedLm {
+            config: config.clone(),
+            encoder,
+            transform,
+            transform_norm,
+            decoder,
+            weights,
+            training,
+            checkpointing,
+        }
+    }
+
+    /// The layers, their parameters fetched from `vb`.
+    fn assemble(config: &BertConfig, vb: VarBuilder, std: f64) -> CrateResult<MlmParts> {
+        {
             let encoder = Encoder::new(config, false, std, vb.pp("bert"))?;
             let p = vb.pp("cls.predictions");
             let h = config.hidden_size;
-            let transform = linear(h, h, true, std, p.pp("transform.dense"))?;
+            let transform = Proj::linear(h, h, true, std, p.pp("transform.dense"))?;
             let transform_norm = layer_norm(h, config.layer_norm_eps, p.pp("transform.LayerNorm"))?;
             let bias = p.get_with_hints(config.vocab_size, "bias", candle_nn::Init::Const(0.0))?;
             let weight = if config.tie_word_embeddings {
@@ -441,17 +503,7 @@ impl BertForMaskedLm {
                 transform_norm,
                 Linear::new(weight, Some(bias)),
             ))
-        })?;
-        let (encoder, transform, transform_norm, decoder) = parts;
-        Ok(BertForMaskedLm {
-            config: config.clone(),
-            encoder,
-            transform,
-            transform_norm,
-            decoder,
-            weights,
-            training: false,
-        })
+        }
     }
 
     /// The configuration.
@@ -476,15 +528,20 @@ impl BertForMaskedLm {
         token_type_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        self.encoder
-            .forward(input_ids, token_type_ids, attention_mask, self.training)
+        self.encoder.forward(
+            input_ids,
+            token_type_ids,
+            attention_mask,
+            self.training,
+            self.checkpointing,
+        )
     }
 
     fn transformed(&self, hidden: &Tensor) -> Result<Tensor> {
         let x = self
             .config
             .hidden_act
-            .apply(&self.transform.forward(hidden)?)?;
+            .apply(&self.transform.forward(hidden, self.training)?)?;
         self.transform_norm.forward(&x)
     }
 
@@ -536,6 +593,7 @@ pub struct BertForSequenceClassification {
     classifier: Linear,
     weights: Weights,
     training: bool,
+    checkpointing: bool,
 }
 
 pretrained_methods!(BertForSequenceClassification);
@@ -575,7 +633,32 @@ impl BertForSequenceClassification {
 
     fn build(config: &BertConfig, device: &Device, dtype: DType, std: f64) -> CrateResult<Self> {
         config.check()?;
-        let (parts, weights) = Weights::build(device, dtype, |vb| {
+        let (parts, weights) = Weights::build(device, dtype, |vb| Self::assemble(config, vb, std))?;
+        Ok(Self::from_parts(config, parts, weights, false, false))
+    }
+
+    /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
+    fn from_parts(
+        config: &BertConfig,
+        parts: (Encoder, Linear),
+        weights: Weights,
+        training: bool,
+        checkpointing: bool,
+    ) -> Self {
+        let (encoder, classifier) = parts;
+        BertForSequenceClassification {
+            config: config.clone(),
+            encoder,
+            classifier,
+            weights,
+            training,
+            checkpointing,
+        }
+    }
+
+    /// The layers, their parameters fetched from `vb`.
+    fn assemble(config: &BertConfig, vb: VarBuilder, std: f64) -> CrateResult<(Encoder, Linear)> {
+        {
             let encoder = Encoder::new(config, true, std, vb.pp("bert"))?;
             let classifier = linear(
                 config.hidden_size,
@@ -585,15 +668,7 @@ impl BertForSequenceClassification {
                 vb.pp("classifier"),
             )?;
             Ok((encoder, classifier))
-        })?;
-        let (encoder, classifier) = parts;
-        Ok(BertForSequenceClassification {
-            config: config.clone(),
-            encoder,
-            classifier,
-            weights,
-            training: false,
-        })
+        }
     }
 
     /// The configuration.
@@ -621,16 +696,20 @@ impl BertForSequenceClassification {
         token_type_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let h = self
-            .encoder
-            .forward(input_ids, token_type_ids, attention_mask, self.training)?;
+        let h = self.encoder.forward(
+            input_ids,
+            token_type_ids,
+            attention_mask,
+            self.training,
+            self.checkpointing,
+        )?;
         let first = h.narrow(1, 0, 1)?.squeeze(1)?;
         let pooler = self
             .encoder
             .pooler
             .as_ref()
             .ok_or_else(|| candle_core::Error::Msg("the classifier has no pooler".into()))?;
-        let pooled = pooler.forward(&first)?.tanh()?;
+        let pooled = pooler.forward(&first, self.training)?.tanh()?;
         let p = self
             .config
             .classifier_dropout
@@ -695,5 +774,93 @@ impl BertForSequenceClassification {
                 bce_with_logits(&logits, labels)
             }
         }
+    }
+}
+
+impl Adaptable for BertForMaskedLm {
+    fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    fn weights_mut(&mut self) -> &mut Weights {
+        &mut self.weights
+    }
+
+    fn projections_mut(&mut self) -> Vec<&mut Proj> {
+        let mut out = self.encoder.projections_mut();
+        out.push(&mut self.transform);
+        out
+    }
+
+    fn rebuild(&self, frozen: bool) -> CrateResult<Self> {
+        let parts = Self::assemble(&self.config, rebuild_vb(&self.weights, frozen), 0.0)?;
+        Ok(Self::from_parts(
+            &self.config,
+            parts,
+            self.weights.clone(),
+            self.training,
+            self.checkpointing,
+        ))
+    }
+
+    fn default_targets(&self) -> &'static [&'static str] {
+        &["query", "value"]
+    }
+
+    fn task_type(&self) -> Option<&'static str> {
+        // PEFT's SEQ_CLS would add the classifier as a module to save; the adapters here
+        // cover the encoder's linear layers only.
+        None
+    }
+
+    fn source(&self) -> Option<PathBuf> {
+        self.config
+            .path
+            .parent()
+            .map(Path::to_path_buf)
+            .filter(|p| !p.as_os_str().is_empty())
+    }
+}
+
+impl Adaptable for BertForSequenceClassification {
+    fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    fn weights_mut(&mut self) -> &mut Weights {
+        &mut self.weights
+    }
+
+    fn projections_mut(&mut self) -> Vec<&mut Proj> {
+        self.encoder.projections_mut()
+    }
+
+    fn rebuild(&self, frozen: bool) -> CrateResult<Self> {
+        let parts = Self::assemble(&self.config, rebuild_vb(&self.weights, frozen), 0.0)?;
+        Ok(Self::from_parts(
+            &self.config,
+            parts,
+            self.weights.clone(),
+            self.training,
+            self.checkpointing,
+        ))
+    }
+
+    fn default_targets(&self) -> &'static [&'static str] {
+        &["query", "value"]
+    }
+
+    fn task_type(&self) -> Option<&'static str> {
+        // PEFT's SEQ_CLS would add the classifier as a module to save; the adapters here
+        // cover the encoder's linear layers only.
+        None
+    }
+
+    fn source(&self) -> Option<PathBuf> {
+        self.config
+            .path
+            .parent()
+            .map(Path::to_path_buf)
+            .filter(|p| !p.as_os_str().is_empty())
     }
 }

@@ -4,7 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
-use accelerate_rs::nn::{packed_self_attention, AttentionOptions, LayerNorm, Linear};
+use accelerate_rs::nn::{
+    checkpoint_fn, packed_self_attention, AttentionOptions, LayerNorm, Linear,
+};
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
@@ -13,9 +15,10 @@ use serde_json::Value;
 use crate::config::{ensure, parse, read_json, Activation};
 use crate::error::Result as CrateResult;
 use crate::layers::{
-    attention, causal_lm_loss, check_mask, dropout, embedding, linear, lookup, norm_params, normal,
+    attention, causal_lm_loss, check_mask, dropout, embedding, linear, lookup, norm_params,
     AttentionSpec,
 };
+use crate::lora::{rebuild_vb, Adaptable, Proj};
 use crate::pretrained::{check_architecture, pretrained_methods, Weights};
 
 fn default_act() -> Activation {
@@ -142,36 +145,15 @@ impl Gpt2Config {
     }
 }
 
-/// `transformers`' `Conv1D`: `y = x W + b` with `W` stored `[in, out]`.
-#[derive(Debug, Clone)]
-struct Conv1D {
-    weight: Tensor,
-    bias: Tensor,
-}
-
-impl Conv1D {
-    fn new(in_dim: usize, out_dim: usize, std: f64, vb: VarBuilder) -> Result<Self> {
-        Ok(Conv1D {
-            weight: vb.get_with_hints((in_dim, out_dim), "weight", normal(std))?,
-            bias: vb.get_with_hints(out_dim, "bias", candle_nn::Init::Const(0.0))?,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // The fused `Linear` takes `[out, in]`: one transposed copy of the weight per call
-        // (its gradient flows back through the copy).
-        Linear::new(self.weight.t()?.contiguous()?, Some(self.bias.clone())).forward(x)
-    }
-}
-
 #[derive(Debug, Clone)]
 struct Block {
     ln_1: LayerNorm,
-    c_attn: Conv1D,
-    c_proj: Conv1D,
+    /// `transformers`' `Conv1D` layers: `y = x W + b` with `W` stored `[in, out]`.
+    c_attn: Proj,
+    c_proj: Proj,
     ln_2: LayerNorm,
-    c_fc: Conv1D,
-    mlp_proj: Conv1D,
+    c_fc: Proj,
+    mlp_proj: Proj,
     heads: usize,
     scale: f64,
     act: Activation,
@@ -198,11 +180,11 @@ impl Block {
         }
         Ok(Block {
             ln_1: layer_norm(e, c.layer_norm_epsilon, vb.pp("ln_1"))?,
-            c_attn: Conv1D::new(e, 3 * e, std, vb.pp("attn.c_attn"))?,
-            c_proj: Conv1D::new(e, e, std, vb.pp("attn.c_proj"))?,
+            c_attn: Proj::conv1d(e, 3 * e, std, vb.pp("attn.c_attn"))?,
+            c_proj: Proj::conv1d(e, e, std, vb.pp("attn.c_proj"))?,
             ln_2: layer_norm(e, c.layer_norm_epsilon, vb.pp("ln_2"))?,
-            c_fc: Conv1D::new(e, c.inner(), std, vb.pp("mlp.c_fc"))?,
-            mlp_proj: Conv1D::new(c.inner(), e, std, vb.pp("mlp.c_proj"))?,
+            c_fc: Proj::conv1d(e, c.inner(), std, vb.pp("mlp.c_fc"))?,
+            mlp_proj: Proj::conv1d(c.inner(), e, std, vb.pp("mlp.c_proj"))?,
             heads: c.n_head,
             scale,
             act: c.activation_function,
@@ -212,7 +194,7 @@ impl Block {
     }
 
     fn attention(&self, x: &Tensor, mask: Option<&Tensor>, train: bool) -> Result<Tensor> {
-        let qkv = self.c_attn.forward(x)?;
+        let qkv = self.c_attn.forward(x, train)?;
         if train && self.attn_pdrop > 0.0 {
             let (b, t, c3) = qkv.dims3()?;
             let (h, d) = (self.heads, c3 / 3 / self.heads);
@@ -237,14 +219,24 @@ impl Block {
     fn forward(&self, x: &Tensor, mask: Option<&Tensor>, train: bool) -> Result<Tensor> {
         let a = self
             .c_proj
-            .forward(&self.attention(&self.ln_1.forward(x)?, mask, train)?)?;
+            .forward(&self.attention(&self.ln_1.forward(x)?, mask, train)?, train)?;
         let h = (x + dropout(&a, self.resid_pdrop, train)?)?;
         let m = self.mlp_proj.forward(
             &self
                 .act
-                .apply(&self.c_fc.forward(&self.ln_2.forward(&h)?)?)?,
+                .apply(&self.c_fc.forward(&self.ln_2.forward(&h)?, train)?)?,
+            train,
         )?;
         &h + dropout(&m, self.resid_pdrop, train)?
+    }
+
+    fn projections_mut(&mut self) -> [&mut Proj; 4] {
+        [
+            &mut self.c_attn,
+            &mut self.c_proj,
+            &mut self.c_fc,
+            &mut self.mlp_proj,
+        ]
     }
 }
 
@@ -260,7 +252,11 @@ pub struct Gpt2LmHeadModel {
     lm_head: Linear,
     weights: Weights,
     training: bool,
+    checkpointing: bool,
 }
+
+/// The parts of a model: token and position embeddings, blocks, final norm, output layer.
+type Parts = (Tensor, Tensor, Vec<Block>, LayerNorm, Linear);
 
 pretrained_methods!(Gpt2LmHeadModel);
 
@@ -312,7 +308,35 @@ impl Gpt2LmHeadModel {
 
     fn build(config: &Gpt2Config, device: &Device, dtype: DType, std: f64) -> CrateResult<Self> {
         config.check()?;
-        let (parts, weights) = Weights::build(device, dtype, |vb| {
+        let (parts, weights) = Weights::build(device, dtype, |vb| Self::assemble(config, vb, std))?;
+        Ok(Self::from_parts(config, parts, weights, false, false))
+    }
+
+    /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
+    fn from_parts(
+        config: &Gpt2Config,
+        parts: Parts,
+        weights: Weights,
+        training: bool,
+        checkpointing: bool,
+    ) -> Self {
+        let (wte, wpe, blocks, ln_f, lm_head) = parts;
+        Gpt2LmHeadModel {
+            config: config.clone(),
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            lm_head,
+            weights,
+            training,
+            checkpointing,
+        }
+    }
+
+    /// The layers, their parameters fetched from `vb`.
+    fn assemble(config: &Gpt2Config, vb: VarBuilder, std: f64) -> CrateResult<Parts> {
+        {
             let t = vb.pp("transformer");
             let wte = embedding(config.vocab_size, config.n_embd, std, t.pp("wte"))?;
             let wpe = embedding(config.n_positions, config.n_embd, std, t.pp("wpe"))?;
@@ -332,18 +356,7 @@ impl Gpt2LmHeadModel {
                 )?
             };
             Ok((wte, wpe, blocks, ln_f, lm_head))
-        })?;
-        let (wte, wpe, blocks, ln_f, lm_head) = parts;
-        Ok(Gpt2LmHeadModel {
-            config: config.clone(),
-            wte,
-            wpe,
-            blocks,
-            ln_f,
-            lm_head,
-            weights,
-            training: false,
-        })
+        }
     }
 
     /// The configuration.
@@ -384,7 +397,12 @@ impl Gpt2LmHeadModel {
             self.training,
         )?;
         for block in &self.blocks {
-            h = block.forward(&h, attention_mask, self.training)?;
+            h = if self.checkpointing {
+                let (block, mask, train) = (block.clone(), attention_mask.cloned(), self.training);
+                checkpoint_fn(move |x| block.forward(x, mask.as_ref(), train), &h)?
+            } else {
+                block.forward(&h, attention_mask, self.training)?
+            };
         }
         self.ln_f.forward(&h)
     }
@@ -410,5 +428,49 @@ impl Gpt2LmHeadModel {
     ) -> Result<Tensor> {
         let hidden = self.hidden_states(input_ids, attention_mask)?;
         causal_lm_loss(&hidden, &self.lm_head, labels)
+    }
+}
+
+impl Adaptable for Gpt2LmHeadModel {
+    fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    fn weights_mut(&mut self) -> &mut Weights {
+        &mut self.weights
+    }
+
+    fn projections_mut(&mut self) -> Vec<&mut Proj> {
+        self.blocks
+            .iter_mut()
+            .flat_map(Block::projections_mut)
+            .collect()
+    }
+
+    fn rebuild(&self, frozen: bool) -> CrateResult<Self> {
+        let parts = Self::assemble(&self.config, rebuild_vb(&self.weights, frozen), 0.0)?;
+        Ok(Self::from_parts(
+            &self.config,
+            parts,
+            self.weights.clone(),
+            self.training,
+            self.checkpointing,
+        ))
+    }
+
+    fn default_targets(&self) -> &'static [&'static str] {
+        &["c_attn"]
+    }
+
+    fn task_type(&self) -> Option<&'static str> {
+        Some("CAUSAL_LM")
+    }
+
+    fn source(&self) -> Option<PathBuf> {
+        self.config
+            .path
+            .parent()
+            .map(Path::to_path_buf)
+            .filter(|p| !p.as_os_str().is_empty())
     }
 }

@@ -118,10 +118,11 @@ pub(crate) fn norm_params(
     Ok((w, b))
 }
 
-/// Dropout with probability `p` when `train` (PyTorch's inverted dropout), else the identity.
+/// Dropout with probability `p` when `train` (PyTorch's inverted dropout), else the identity:
+/// `accelerate_rs::nn::dropout`, whose masks a checkpointed block's recomputation replays.
 pub(crate) fn dropout(x: &Tensor, p: f64, train: bool) -> Result<Tensor> {
     if train && p > 0.0 {
-        candle_nn::ops::dropout(x, p as f32)
+        accelerate_rs::nn::dropout(x, p as f32)
     } else {
         Ok(x.clone())
     }

@@ -48,6 +48,38 @@
 //! by `scripts/hf_reference.py`): logits, loss, every gradient, and the parameters after three
 //! AdamW steps.
 //!
+//! ## LoRA and activation checkpointing
+//!
+//! [`LlamaForCausalLm::add_lora`] (on every architecture, and [`AutoModel`]) wraps the linear
+//! layers that `accelerate_rs::nn::LoraConfig` targets with LoRA adapters (PEFT's rules and
+//! defaults), freezes the base, and makes
+//! [`trainable_parameters`](LlamaForCausalLm::trainable_parameters) the adapters: only they
+//! are stepped and all-reduced. Adapters save and load as PEFT adapter folders
+//! ([`save_adapter`](LlamaForCausalLm::save_adapter),
+//! [`load_adapter`](LlamaForCausalLm::load_adapter)): `peft` loads ours and we load its, checked
+//! against golden files of `scripts/hf_reference.py lora`.
+//! [`merge_lora`](LlamaForCausalLm::merge_lora) folds them into the weights for a plain folder.
+//! [`set_gradient_checkpointing`](LlamaForCausalLm::set_gradient_checkpointing) recomputes
+//! every block's activations in the backward pass instead of keeping them.
+//!
+//! ```no_run
+//! use accelerate_rs::nn::LoraConfig;
+//! use accelerate_rs::optim::AdamW;
+//! use accelerate_rs_models::AutoModel;
+//! use candle_core::{DType, Device};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let mut model = AutoModel::from_pretrained("my-llama", &Device::Cpu, DType::BF16)?;
+//! model.add_lora(&LoraConfig::new(8, 16.0).target_modules(["q_proj", "v_proj"]))?;
+//! model.set_gradient_checkpointing(true);
+//! let opt = AdamW::new_lr(model.trainable_parameters().all_vars(), 2e-4)?; // f32 adapters
+//! // ... accelerator.prepare(model.trainable_parameters(), opt, loader), train ...
+//! model.save_adapter("my-adapter")?; // PeftModel.from_pretrained(base, "my-adapter")
+//! model.merge_lora()?;
+//! model.save_pretrained("my-llama-merged")?;
+//! # Ok(()) }
+//! ```
+//!
 //! The `hub` feature adds `hub::download` (the `hf-hub` crate).
 #![deny(missing_docs)]
 
@@ -60,6 +92,7 @@ mod gpt2;
 pub mod hub;
 mod layers;
 mod llama;
+mod lora;
 mod pretrained;
 mod rope;
 mod tokenizer;

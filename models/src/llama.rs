@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use accelerate_rs::nn::{Linear, RmsNorm};
+use accelerate_rs::nn::{checkpoint_fn, Linear, RmsNorm};
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
@@ -17,6 +17,7 @@ use crate::layers::{
     attention, causal_lm_loss, check_mask, embedding, linear, lookup, padding_idx, repeat_kv,
     AttentionSpec,
 };
+use crate::lora::{rebuild_vb, Adaptable, Proj};
 use crate::pretrained::{check_architecture, pretrained_methods, Weights};
 use crate::rope::{self, apply_rope, RopeConfig};
 
@@ -274,12 +275,15 @@ impl LlamaConfig {
     }
 }
 
+/// The parts of a model: embeddings, layers, final norm, output layer.
+type Parts = (Tensor, Vec<DecoderLayer>, RmsNorm, Linear);
+
 #[derive(Debug, Clone)]
 struct SelfAttention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
+    q: Proj,
+    k: Proj,
+    v: Proj,
+    o: Proj,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -292,10 +296,10 @@ impl SelfAttention {
         let (h, kv, d) = (c.num_attention_heads, c.kv_heads(), c.head_dim());
         let bias = c.qkv_bias();
         Ok(SelfAttention {
-            q: linear(c.hidden_size, h * d, bias, std, vb.pp("q_proj"))?,
-            k: linear(c.hidden_size, kv * d, bias, std, vb.pp("k_proj"))?,
-            v: linear(c.hidden_size, kv * d, bias, std, vb.pp("v_proj"))?,
-            o: linear(h * d, c.hidden_size, c.o_bias(), std, vb.pp("o_proj"))?,
+            q: Proj::linear(c.hidden_size, h * d, bias, std, vb.pp("q_proj"))?,
+            k: Proj::linear(c.hidden_size, kv * d, bias, std, vb.pp("k_proj"))?,
+            v: Proj::linear(c.hidden_size, kv * d, bias, std, vb.pp("v_proj"))?,
+            o: Proj::linear(h * d, c.hidden_size, c.o_bias(), std, vb.pp("o_proj"))?,
             heads: h,
             kv_heads: kv,
             head_dim: d,
@@ -315,9 +319,9 @@ impl SelfAttention {
         let (b, t, _) = x.dims3()?;
         let d = self.head_dim;
         let split = |y: Tensor, n: usize| y.reshape((b, t, n, d))?.transpose(1, 2);
-        let q = split(self.q.forward(x)?, self.heads)?;
-        let k = split(self.k.forward(x)?, self.kv_heads)?;
-        let v = split(self.v.forward(x)?, self.kv_heads)?;
+        let q = split(self.q.forward(x, train)?, self.heads)?;
+        let k = split(self.k.forward(x, train)?, self.kv_heads)?;
+        let v = split(self.v.forward(x, train)?, self.kv_heads)?;
         let q = apply_rope(&q, cos, sin)?;
         let k = apply_rope(&k, cos, sin)?;
         let rep = self.heads / self.kv_heads;
@@ -331,15 +335,15 @@ impl SelfAttention {
         };
         let y = attention(&q, &k, &v, &spec, train)?;
         let y = y.transpose(1, 2)?.reshape((b, t, self.heads * d))?;
-        self.o.forward(&y)
+        self.o.forward(&y, train)
     }
 }
 
 #[derive(Debug, Clone)]
 struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    gate: Proj,
+    up: Proj,
+    down: Proj,
     act: Activation,
 }
 
@@ -348,21 +352,21 @@ impl Mlp {
         let bias = c.mlp_bias.unwrap_or(false);
         let (h, i) = (c.hidden_size, c.intermediate_size);
         Ok(Mlp {
-            gate: linear(h, i, bias, std, vb.pp("gate_proj"))?,
-            up: linear(h, i, bias, std, vb.pp("up_proj"))?,
-            down: linear(i, h, bias, std, vb.pp("down_proj"))?,
+            gate: Proj::linear(h, i, bias, std, vb.pp("gate_proj"))?,
+            up: Proj::linear(h, i, bias, std, vb.pp("up_proj"))?,
+            down: Proj::linear(i, h, bias, std, vb.pp("down_proj"))?,
             act: c.hidden_act,
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (gate, up) = (self.gate.forward(x)?, self.up.forward(x)?);
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let (gate, up) = (self.gate.forward(x, train)?, self.up.forward(x, train)?);
         // SwiGLU as one fused op (`silu(gate) * up`, both gradients in one pass).
         let gated = match self.act {
             Activation::Silu | Activation::Swish => accelerate_rs::nn::swiglu(&gate, &up)?,
             act => (act.apply(&gate)? * up)?,
         };
-        self.down.forward(&gated)
+        self.down.forward(&gated, train)
     }
 }
 
@@ -404,7 +408,20 @@ impl DecoderLayer {
         let h = (x + self
             .attn
             .forward(&self.input_norm.forward(x)?, cos, sin, mask, train)?)?;
-        &h + self.mlp.forward(&self.post_norm.forward(&h)?)?
+        &h + self.mlp.forward(&self.post_norm.forward(&h)?, train)?
+    }
+
+    fn projections_mut(&mut self) -> [&mut Proj; 7] {
+        let (a, m) = (&mut self.attn, &mut self.mlp);
+        [
+            &mut a.q,
+            &mut a.k,
+            &mut a.v,
+            &mut a.o,
+            &mut m.gate,
+            &mut m.up,
+            &mut m.down,
+        ]
     }
 }
 
@@ -433,6 +450,7 @@ pub struct LlamaForCausalLm {
     inv_freq: Vec<f32>,
     weights: Weights,
     training: bool,
+    checkpointing: bool,
 }
 
 pretrained_methods!(LlamaForCausalLm);
@@ -481,8 +499,35 @@ impl LlamaForCausalLm {
 
     fn build(config: &LlamaConfig, device: &Device, dtype: DType, std: f64) -> CrateResult<Self> {
         config.check()?;
-        let inv_freq = config.rope()?.inv_freq(config.head_dim());
-        let (parts, weights) = Weights::build(device, dtype, |vb| {
+        let (parts, weights) = Weights::build(device, dtype, |vb| Self::assemble(config, vb, std))?;
+        Self::from_parts(config, parts, weights, false, false)
+    }
+
+    /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
+    fn from_parts(
+        config: &LlamaConfig,
+        parts: Parts,
+        weights: Weights,
+        training: bool,
+        checkpointing: bool,
+    ) -> CrateResult<Self> {
+        let (embed_tokens, layers, norm, lm_head) = parts;
+        Ok(LlamaForCausalLm {
+            config: config.clone(),
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            inv_freq: config.rope()?.inv_freq(config.head_dim()),
+            weights,
+            training,
+            checkpointing,
+        })
+    }
+
+    /// The layers, their parameters fetched from `vb`.
+    fn assemble(config: &LlamaConfig, vb: VarBuilder, std: f64) -> CrateResult<Parts> {
+        {
             let m = vb.pp("model");
             let embed_tokens = embedding(
                 config.vocab_size,
@@ -506,18 +551,7 @@ impl LlamaForCausalLm {
                 )?
             };
             Ok((embed_tokens, layers, norm, lm_head))
-        })?;
-        let (embed_tokens, layers, norm, lm_head) = parts;
-        Ok(LlamaForCausalLm {
-            config: config.clone(),
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-            inv_freq,
-            weights,
-            training: false,
-        })
+        }
     }
 
     /// The configuration.
@@ -548,7 +582,16 @@ impl LlamaForCausalLm {
         let mut h = lookup(&self.embed_tokens, input_ids, pad, "input_ids")?;
         let (cos, sin) = rope::tables(&self.inv_freq, t, h.dtype(), h.device())?;
         for layer in &self.layers {
-            h = layer.forward(&h, &cos, &sin, attention_mask, self.training)?;
+            h = if self.checkpointing {
+                let (layer, cos, sin) = (layer.clone(), cos.clone(), sin.clone());
+                let (mask, train) = (attention_mask.cloned(), self.training);
+                checkpoint_fn(
+                    move |x| layer.forward(x, &cos, &sin, mask.as_ref(), train),
+                    &h,
+                )?
+            } else {
+                layer.forward(&h, &cos, &sin, attention_mask, self.training)?
+            };
         }
         self.norm.forward(&h)
     }
@@ -575,5 +618,49 @@ impl LlamaForCausalLm {
     ) -> Result<Tensor> {
         let hidden = self.hidden_states(input_ids, attention_mask)?;
         causal_lm_loss(&hidden, &self.lm_head, labels)
+    }
+}
+
+impl Adaptable for LlamaForCausalLm {
+    fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    fn weights_mut(&mut self) -> &mut Weights {
+        &mut self.weights
+    }
+
+    fn projections_mut(&mut self) -> Vec<&mut Proj> {
+        self.layers
+            .iter_mut()
+            .flat_map(DecoderLayer::projections_mut)
+            .collect()
+    }
+
+    fn rebuild(&self, frozen: bool) -> CrateResult<Self> {
+        let parts = Self::assemble(&self.config, rebuild_vb(&self.weights, frozen), 0.0)?;
+        Self::from_parts(
+            &self.config,
+            parts,
+            self.weights.clone(),
+            self.training,
+            self.checkpointing,
+        )
+    }
+
+    fn default_targets(&self) -> &'static [&'static str] {
+        &["q_proj", "v_proj"]
+    }
+
+    fn task_type(&self) -> Option<&'static str> {
+        Some("CAUSAL_LM")
+    }
+
+    fn source(&self) -> Option<PathBuf> {
+        self.config
+            .path
+            .parent()
+            .map(Path::to_path_buf)
+            .filter(|p| !p.as_os_str().is_empty())
     }
 }

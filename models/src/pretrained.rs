@@ -9,6 +9,7 @@ use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 
 use crate::error::{Error, Result};
+use crate::lora::Adapters;
 
 /// `save_pretrained`'s shard size: 5 GB, `transformers`' `max_shard_size="5GB"`.
 pub const DEFAULT_MAX_SHARD_BYTES: usize = 5_000_000_000;
@@ -19,6 +20,9 @@ pub const DEFAULT_MAX_SHARD_BYTES: usize = 5_000_000_000;
 pub(crate) struct Weights {
     pub(crate) varmap: VarMap,
     pub(crate) dtype: DType,
+    pub(crate) device: Device,
+    /// The LoRA adapters, when the model has them (then the parameters above are frozen).
+    pub(crate) adapters: Option<Adapters>,
 }
 
 impl std::fmt::Debug for Weights {
@@ -27,9 +31,10 @@ impl std::fmt::Debug for Weights {
         let elems: usize = vars.iter().map(|v| v.elem_count()).sum();
         write!(
             f,
-            "Weights {{ tensors: {}, elements: {elems}, dtype: {:?} }}",
+            "Weights {{ tensors: {}, elements: {elems}, dtype: {:?}, adapters: {:?} }}",
             vars.len(),
-            self.dtype
+            self.dtype,
+            self.adapters
         )
     }
 }
@@ -49,7 +54,13 @@ impl Weights {
         }
         let varmap = VarMap::new();
         let model = build(VarBuilder::from_varmap(&varmap, dtype, device))?;
-        Ok((model, Weights { varmap, dtype }))
+        let weights = Weights {
+            varmap,
+            dtype,
+            device: device.clone(),
+            adapters: None,
+        };
+        Ok((model, weights))
     }
 
     /// Loads the weights of the folder (or file) `dir` into these parameters, all or nothing;
@@ -74,8 +85,9 @@ impl Weights {
 
 /// The methods every architecture has around its parameters (inherent, so no trait import is
 /// needed): `varmap`, `dtype`, `config_json`, `save_pretrained`, `save_pretrained_sharded`,
-/// `train`/`is_training`. The type needs fields `weights: Weights` and `training: bool`, and a
-/// method `config_value(&self) -> serde_json::Value`.
+/// `train`/`is_training`, activation checkpointing and LoRA. The type needs fields
+/// `weights: Weights`, `training: bool` and `checkpointing: bool`, a method
+/// `config_value(&self) -> serde_json::Value`, and to implement `lora::Adaptable`.
 macro_rules! pretrained_methods {
     ($ty:ty) => {
         impl $ty {
@@ -102,8 +114,10 @@ macro_rules! pretrained_methods {
 
             /// Writes a folder `transformers`' `from_pretrained` loads: `config.json` and
             /// `model.safetensors` (sharded above 5 GB), atomically (into `<dir>.tmp-<pid>`,
-            /// renamed into place). Call it on one process (`accelerator.is_main_process()`),
-            /// or on every rank use
+            /// renamed into place). With LoRA adapters it writes the base weights as they are
+            /// (call [`merge_lora`](Self::merge_lora) first for merged weights, or
+            /// [`save_adapter`](Self::save_adapter) for the adapters). Call it on one process
+            /// (`accelerator.is_main_process()`), or on every rank use
             /// `accelerator.save_model_with_config(dir, model.varmap(), &model.config_json(), max)`.
             pub fn save_pretrained(&self, dir: impl AsRef<std::path::Path>) -> crate::Result<()> {
                 self.save_pretrained_sharded(dir, crate::pretrained::DEFAULT_MAX_SHARD_BYTES)
@@ -130,6 +144,71 @@ macro_rules! pretrained_methods {
             /// Whether dropout applies ([`train`](Self::train)).
             pub fn is_training(&self) -> bool {
                 self.training
+            }
+
+            /// Activation checkpointing on or off (`transformers`'
+            /// `gradient_checkpointing_enable()`): every block runs through
+            /// `accelerate_rs::nn::checkpoint_fn`, so its activations are recomputed in the
+            /// backward pass instead of kept (about one more forward pass per step, for the
+            /// memory of all but the blocks' inputs). The gradients are the same as without,
+            /// bit for bit on the CPU (dropout included: the recomputation replays the masks).
+            /// Compute them through the accelerator (`backward_step`, `accelerator.backward`)
+            /// or `accelerate_rs::nn::backward`, not `loss.backward()`.
+            pub fn set_gradient_checkpointing(&mut self, on: bool) {
+                self.checkpointing = on;
+            }
+
+            /// Whether activation checkpointing is on.
+            pub fn is_gradient_checkpointing(&self) -> bool {
+                self.checkpointing
+            }
+
+            /// Adds LoRA adapters (PEFT's `get_peft_model`) to the linear layers `config`
+            /// targets (by module path, PEFT's rules; no targets given: PEFT's default for the
+            /// architecture). The output layer is never targeted. From then on the base
+            /// parameters are frozen (no gradient is computed for them) and
+            /// [`trainable_parameters`](Self::trainable_parameters) is the adapters: give that
+            /// to the optimizer and to `Accelerator::prepare`, so that only the adapters are
+            /// stepped and all-reduced. Adapters are f32 on an f16/bf16 base unless `config`
+            /// says otherwise. An error if the model already has adapters or nothing matches.
+            pub fn add_lora(
+                &mut self,
+                config: &accelerate_rs::nn::LoraConfig,
+            ) -> crate::Result<()> {
+                crate::lora::add_lora(self, config)
+            }
+
+            /// Loads a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`,
+            /// as `peft`'s `save_pretrained` writes it) onto the model:
+            /// [`add_lora`](Self::add_lora) with its settings, then its tensors, all or nothing.
+            pub fn load_adapter(&mut self, dir: impl AsRef<std::path::Path>) -> crate::Result<()> {
+                crate::lora::load(self, dir.as_ref())
+            }
+
+            /// Writes the adapters as a PEFT adapter folder that `peft`'s
+            /// `PeftModel.from_pretrained(base, dir)` loads (one process;
+            /// `accelerator.is_main_process()`).
+            pub fn save_adapter(&self, dir: impl AsRef<std::path::Path>) -> crate::Result<()> {
+                crate::lora::save(self, dir.as_ref())
+            }
+
+            /// Merges the adapters into the base weights (`W + s · B A`, PEFT's
+            /// `merge_and_unload`) and drops them: [`save_pretrained`](Self::save_pretrained)
+            /// then writes a plain Hugging Face folder, and every parameter trains again.
+            pub fn merge_lora(&mut self) -> crate::Result<()> {
+                crate::lora::merge(self)
+            }
+
+            /// The adapters' settings, when the model has adapters.
+            pub fn lora_config(&self) -> Option<&accelerate_rs::nn::LoraConfig> {
+                self.weights.adapters.as_ref().map(|a| &a.config)
+            }
+
+            /// What trains: the adapters (`<module path>.lora_A.weight`, ...) when the model
+            /// has them, else every parameter ([`varmap`](Self::varmap)). Give it to the
+            /// optimizer and to `Accelerator::prepare`.
+            pub fn trainable_parameters(&self) -> &candle_nn::VarMap {
+                crate::lora::trainable(&self.weights)
             }
         }
     };

@@ -197,7 +197,7 @@ fn every_parameter_of_every_architecture_gets_a_gradient() {
         let (ids, mask, labels) = (&g["input_ids"], &g["attention_mask"], &g["labels"]);
         for dropout in [false, true] {
             let dir = if dropout {
-                with_dropout(name)
+                common::with_dropout(name)
             } else {
                 (None, fixture(name))
             };
@@ -239,29 +239,6 @@ fn every_parameter_of_every_architecture_gets_a_gradient() {
                 .unwrap_or_else(|e| panic!("{name} (dropout {dropout}): {e}"));
         }
     }
-}
-
-/// A copy of fixture `name` whose config turns every dropout to 0.1.
-fn with_dropout(name: &str) -> (Option<tempfile::TempDir>, std::path::PathBuf) {
-    let (tmp, dir) = common::copy_fixture(name);
-    let path = dir.join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    let map = config.as_object_mut().unwrap();
-    for key in [
-        "attention_dropout",
-        "resid_pdrop",
-        "embd_pdrop",
-        "attn_pdrop",
-        "hidden_dropout_prob",
-        "attention_probs_dropout_prob",
-    ] {
-        if map.contains_key(key) {
-            map.insert(key.into(), 0.1.into());
-        }
-    }
-    std::fs::write(&path, serde_json::to_string(&config).unwrap()).unwrap();
-    (Some(tmp), dir)
 }
 
 /// The fused attention and the composed one (used for sliding windows and attention dropout)

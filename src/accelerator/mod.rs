@@ -304,6 +304,14 @@ impl Accelerator {
         self.inner.grads.sync_gradients()
     }
 
+    /// Bytes of gradients this rank has sent through the gradient all-reduce (or ZeRO-2's
+    /// reduce-scatter) so far: per sync step, every bucket of the prepared parameters (their
+    /// gradients and one presence flag each, in the parameters' dtype). 0 with one process.
+    /// With LoRA, only the adapters are prepared, and this is what they cost.
+    pub fn gradient_bytes_reduced(&self) -> u64 {
+        self.inner.grads.reduced_bytes()
+    }
+
     /// The number of micro-steps per optimizer step (`N`).
     pub fn gradient_accumulation_steps(&self) -> usize {
         self.inner.state.gradient_accumulation_steps()

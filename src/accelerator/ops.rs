@@ -410,6 +410,8 @@ impl Accelerator {
     /// - CPU: Candle's CPU RNG cannot be seeded, so `Tensor::randn` on the CPU differs from run to
     ///   run and between ranks; draw from the returned RNG instead (or rely on
     ///   [`prepare`](Self::prepare), which gives every rank rank 0's parameters).
+    /// - [`nn::dropout`](crate::nn::dropout)'s stream on the calling thread
+    ///   ([`nn::set_dropout_seed`](crate::nn::set_dropout_seed)): the same masks on every run.
     /// - Model weights: [`var_builder`](Self::var_builder) draws every new variable from
     ///   `(seed, its name)`, so the same seed gives the same initial weights on any device and
     ///   at any world size.
@@ -434,6 +436,7 @@ impl Accelerator {
                 )
             })?;
         }
+        crate::nn::set_dropout_seed(seed);
         Ok(ChaCha8Rng::seed_from_u64(seed))
     }
 }

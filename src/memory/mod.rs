@@ -301,9 +301,14 @@ pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
                         let (a, b) = (t.shape[0] as u64, t.shape[1] as u64);
                         adapters += r * (a + b);
                         layers += 1;
-                        // x·A (r), then B (the output) scaled and added: r + 2·out per token.
-                        // The output width is the larger dimension for GPT-2's fused `c_attn`.
-                        per_token += r + 2 * a.max(b);
+                        // In f32 the base and the update are one fused op (`nn::LoraLinear`,
+                        // `Lora::forward_with_base`): its output is the only tensor kept, as for
+                        // a plain Linear. With a half-precision base the adapters (f32) are
+                        // composed: x·A (r), then B (the output) scaled and added, r + 2·out per
+                        // token. The output width is the larger dimension for GPT-2's `c_attn`.
+                        if plan.precision != MixedPrecision::No {
+                            per_token += r + 2 * a.max(b);
+                        }
                     }
                 }
             }

@@ -19,6 +19,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Module, Result, Shape, Storage};
 use candle_core::{Tensor, TensorId, Var};
+use rand_chacha::ChaCha8Rng;
 
 /// A block's forward function, as [`checkpoint_fn`] takes it.
 type Block = dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync;
@@ -37,8 +38,10 @@ thread_local! {
 /// memory of the blocks' activations.
 ///
 /// The module is cloned into the graph (Candle modules are cheap to clone: their tensors are
-/// shared). Its forward must be deterministic: no dropout drawing new masks (the recomputation
-/// would draw different ones). Compute the gradients with `accelerator.backward(&loss)`, an
+/// shared). Its forward must be deterministic, except for [`dropout`](super::dropout): the
+/// recomputation replays this thread's dropout stream from where the first pass started, so it
+/// draws the same masks (other random draws, such as `candle_nn::ops::dropout`'s, would differ).
+/// Compute the gradients with `accelerator.backward(&loss)`, an
 /// optimizer wrapper's `backward_step`, or [`backward`]: a plain `loss.backward()` does not see
 /// the parameters inside checkpointed blocks.
 ///
@@ -82,6 +85,7 @@ where
             "accelerate_rs::nn::checkpoint: the gradients of {uncollected} parameter(s) inside checkpointed blocks were never collected: compute gradients with `accelerator.backward(&loss)`, an optimizer wrapper's `backward_step`, or `accelerate_rs::nn::backward(&loss)` instead of `loss.backward()`"
         );
     }
+    let rng = super::dropout::stream_state();
     let y = f(&x.detach())?;
     if !y.track_op() {
         // Nothing inside needs a gradient: no need to keep anything.
@@ -98,6 +102,7 @@ where
     let op = Checkpointed {
         f: Arc::new(f),
         output: Mutex::new(Some(y)),
+        rng,
     };
     input.apply_op1_arc(Arc::new(Box::new(op)))
 }
@@ -185,6 +190,8 @@ struct Checkpointed {
     f: Arc<Block>,
     /// The block's output until the forward pass takes it.
     output: Mutex<Option<Tensor>>,
+    /// The dropout stream as the first pass found it, replayed by the recomputation.
+    rng: ChaCha8Rng,
 }
 
 impl Checkpointed {
@@ -240,7 +247,11 @@ impl CustomOp1 for Checkpointed {
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let input = Var::from_tensor(&x.detach())?;
-        let y = (self.f)(input.as_tensor())?;
+        // The first pass's dropout masks again; the thread's stream is left where it was.
+        let current = super::dropout::replace_stream(self.rng.clone());
+        let y = (self.f)(input.as_tensor());
+        super::dropout::replace_stream(current);
+        let y = y?;
         if y.shape() != grad.shape() {
             candle_core::bail!(
                 "accelerate_rs::nn::checkpoint: the recomputed block gives shape {:?}, the first pass gave {:?} (the block must be deterministic)",
@@ -252,7 +263,10 @@ impl CustomOp1 for Checkpointed {
         // as the first pass's graph would have.
         let seeded = (&y * grad.detach())?.sum_all()?;
         let mut grads = seeded.backward()?;
-        let dx = grads.remove(input.as_tensor());
+        // Detached: a gradient computed with tracked ops keeps the recomputed block (its
+        // activations and their gradients) alive for as long as it is held, which would undo
+        // the checkpointing for every block until the backward pass ends.
+        let dx = grads.remove(input.as_tensor()).map(|g| g.detach());
         let params: HashMap<TensorId, Tensor> = y
             .sorted_nodes()
             .into_iter()
@@ -262,7 +276,7 @@ impl CustomOp1 for Checkpointed {
         PENDING.with(|p| -> Result<()> {
             let mut p = p.borrow_mut();
             for (id, param) in params {
-                let Some(g) = grads.remove(&param) else {
+                let Some(g) = grads.remove(&param).map(|g| g.detach()) else {
                     continue;
                 };
                 match p.get_mut(&id) {

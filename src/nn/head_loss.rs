@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
-use super::linear::{fusable, Linear, LinearOp};
+use super::linear::{fusable, Grads, Linear, LinearOp, Wanted};
 use super::loss::{
     checked_targets, cross_entropy_with, grad_in_place, grad_in_place_exp, CrossEntropy,
 };
@@ -82,13 +82,7 @@ impl HeadLoss {
     /// `(dx, dw, db)`: the logits' gradient made in place of the kept logits (recomputed, with
     /// the loss's forward pass, if a second backward pass finds them gone), then the product's
     /// gradients.
-    fn grads(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        b: Option<&Tensor>,
-        grad: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    fn grads(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>, grad: &Tensor) -> Result<Grads> {
         let n = self.linear.n;
         let k = w.dim(1)?;
         let rows = x.elem_count() / k;
@@ -129,7 +123,7 @@ impl HeadLoss {
             }
         }
         self.linear
-            .grads_of(&storage_tensor(z, (rows, n), x)?, x, w)
+            .grads_of(&storage_tensor(z, (rows, n), x)?, x, w, Wanted::of(x, w, b))
     }
 }
 
@@ -169,7 +163,7 @@ impl CustomOp2 for HeadLoss {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = self.grads(x, w, None, grad)?;
-        Ok((Some(dx), Some(dw)))
+        Ok((dx, dw))
     }
 }
 
@@ -199,7 +193,6 @@ impl CustomOp3 for HeadLoss {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = self.grads(x, w, Some(b), grad)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        self.grads(x, w, Some(b), grad)
     }
 }

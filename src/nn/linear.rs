@@ -189,14 +189,15 @@ impl LinearOp {
     }
 
     /// `(dx, dw, db)` from the output `res` and its gradient (masked where the ReLU, if any,
-    /// gave 0).
+    /// gave 0); each only for an input that needs one (see [`Wanted`]).
     fn grads(
         &self,
         x: &Tensor,
         w: &Tensor,
+        b: Option<&Tensor>,
         res: &Tensor,
         grad: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<Grads> {
         let rows = x.elem_count() / w.dim(1)?;
         let grad = grad.contiguous()?;
         let grad = if self.relu {
@@ -204,25 +205,61 @@ impl LinearOp {
         } else {
             grad
         };
-        self.grads_of(&grad.reshape((rows, self.n))?, x, w)
+        self.grads_of(&grad.reshape((rows, self.n))?, x, w, Wanted::of(x, w, b))
     }
 
-    /// `(dx, dw, db)` from the output gradient `g` as `[rows, n]` (contiguous).
+    /// `(dx, dw, db)` from the output gradient `g` as `[rows, n]` (contiguous), those `want`
+    /// asks for.
     pub(super) fn grads_of(
         &self,
         g: &Tensor,
         x: &Tensor,
         w: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+        want: Wanted,
+    ) -> Result<Grads> {
         let k = w.dim(1)?;
         let rows = x.elem_count() / k;
-        // Detached operands: the gradients record no ops, so they do not keep `g` (and through
-        // the backward pass's sums, zero-filled copies of the weight) alive while they are held.
-        let (x, w) = (x.detach(), w.detach());
-        let dx = g.matmul(&w)?.reshape(x.shape())?;
-        let dw = g.t()?.matmul(&x.reshape((rows, k))?)?;
-        let db = g.apply_op1_no_bwd(&ColumnSums { cols: self.n })?;
+        // Detached operands: the gradients record no ops, so they do not keep the layer's input
+        // (an activation) and weight alive while they are held.
+        let (x, w) = (&x.detach(), &w.detach());
+        let dx = match want.x {
+            true => Some(g.matmul(w)?.reshape(x.shape())?),
+            false => None,
+        };
+        let dw = match want.w {
+            true => Some(g.t()?.matmul(&x.reshape((rows, k))?)?),
+            false => None,
+        };
+        let db = match want.b {
+            true => Some(g.apply_op1_no_bwd(&ColumnSums { cols: self.n })?),
+            false => None,
+        };
         Ok((dx, dw, db))
+    }
+}
+
+/// The input, weight and bias gradients of a linear op, each computed only when wanted.
+pub(super) type Grads = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+/// Which gradients a linear op's backward computes: those of the inputs that are part of the
+/// graph. A frozen weight (a detached tensor, such as the base layer under a LoRA adapter, or
+/// any constant) gets no weight gradient: no `[out, in]` product is computed for it, and none
+/// lands in the gradient store.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Wanted {
+    pub(super) x: bool,
+    pub(super) w: bool,
+    pub(super) b: bool,
+}
+
+impl Wanted {
+    /// The gradients `x`, `w` and `b` need (`Tensor::track_op`: a variable or a result of one).
+    pub(super) fn of(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Self {
+        Wanted {
+            x: x.track_op(),
+            w: w.track_op(),
+            b: b.is_some_and(Tensor::track_op),
+        }
     }
 }
 
@@ -350,8 +387,8 @@ impl CustomOp2 for LinearOp {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = self.grads(x, w, res, grad)?;
-        Ok((Some(dx), Some(dw)))
+        let (dx, dw, _) = self.grads(x, w, None, res, grad)?;
+        Ok((dx, dw))
     }
 }
 
@@ -376,12 +413,11 @@ impl CustomOp3 for LinearOp {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _b: &Tensor,
+        b: &Tensor,
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = self.grads(x, w, res, grad)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        self.grads(x, w, Some(b), res, grad)
     }
 }
 

@@ -18,7 +18,12 @@
 //!
 //! [`checkpoint`] / [`checkpoint_fn`] add activation checkpointing to any block (its
 //! activations are recomputed in the backward pass instead of kept); [`backward`] is the
-//! backward pass that collects the checkpointed blocks' parameter gradients.
+//! backward pass that collects the checkpointed blocks' parameter gradients. [`dropout`] draws
+//! its masks from a per-thread stream that checkpointing replays, so checkpointed blocks may
+//! drop activations.
+//!
+//! [`LoraLinear`] wraps a [`Linear`] with a LoRA adapter ([`Lora`], configured by
+//! [`LoraConfig`] as PEFT's `LoraConfig`): the base frozen, the low-rank update trainable.
 //!
 //! **CUDA kernels (opt-in).** Built with the `nn-cuda` feature (`cargo build --features
 //! nn-cuda`, which implies `cuda`), LayerNorm and RMSNorm, the softmaxes (and so the composed
@@ -46,13 +51,15 @@
 
 mod attention;
 mod checkpoint;
-
 #[cfg(feature = "nn-cuda")]
 mod cuda;
+mod dropout;
 mod elem;
 mod gelu;
 mod head_loss;
 mod linear;
+mod lora;
+mod lora_op;
 mod loss;
 mod norm;
 mod relu;
@@ -63,9 +70,11 @@ mod softmax;
 pub use attention::{packed_self_attention, scaled_dot_product_attention, AttentionOptions};
 pub use candle_nn::LayerNormConfig;
 pub use checkpoint::{backward, checkpoint, checkpoint_fn};
+pub use dropout::{dropout, set_dropout_seed};
 pub use gelu::gelu;
 pub use head_loss::linear_cross_entropy;
 pub use linear::{linear, linear_no_bias, linear_relu, Linear};
+pub use lora::{Lora, LoraConfig, LoraLinear, TargetModules};
 pub use loss::{cross_entropy, cross_entropy_with, CrossEntropyOptions};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
 pub use relu::relu;

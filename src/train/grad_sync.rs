@@ -32,7 +32,7 @@
 //! it. With `N = 1` every backward is a sync step and nothing changes. With one process the
 //! semantics are the same, minus the communication.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::backprop::GradStore;
@@ -85,6 +85,9 @@ pub(crate) struct GradSync {
     zero_stage: usize,
     params: Mutex<Option<Arc<ParamSet>>>,
     accum: Mutex<Accumulation>,
+    /// Bytes of gradient buckets handed to the collective so far (see
+    /// [`reduced_bytes`](Self::reduced_bytes)).
+    reduced: AtomicU64,
     /// Time spent in backward, communication and the optimizer (for `StepTimer`).
     clock: Arc<PhaseClock>,
     /// The batch-size search's attempt state: told of every sync step.
@@ -131,6 +134,7 @@ impl GradSync {
             zero_stage,
             params: Mutex::new(None),
             accum: Mutex::new(Accumulation::default()),
+            reduced: AtomicU64::new(0),
             clock: Arc::default(),
             probe,
         }
@@ -320,6 +324,10 @@ impl GradSync {
             self.data_checked.store(true, Ordering::Relaxed);
         }
         let c = self.collective.as_ref();
+        if !self.alone() {
+            self.reduced
+                .fetch_add(params.reduced_bytes_per_sync(), Ordering::Relaxed);
+        }
         if self.zero_stage >= 2 && !self.alone() {
             let present = self.clock.measure(Phase::Communication, || {
                 params.reduce_scatter_gradients(c, grads)
@@ -333,6 +341,13 @@ impl GradSync {
         }
         self.probe.sync_step_done();
         self.check_missing(params, || params.without_grad(grads))
+    }
+
+    /// Bytes of gradient buckets (gradients and presence flags, in the parameters' dtype) this
+    /// rank has handed to the collective's all-reduce (or reduce-scatter) since it was created:
+    /// nothing when alone.
+    pub(crate) fn reduced_bytes(&self) -> u64 {
+        self.reduced.load(Ordering::Relaxed)
     }
 
     /// Whether the gradients handed out at a sync step are only this rank's slices (ZeRO stage 2

@@ -235,6 +235,18 @@ impl ParamSet {
         Ok(())
     }
 
+    /// The bytes one averaging of the gradients hands to the collective: each bucket's
+    /// gradient elements and one presence flag per parameter, in the bucket's dtype.
+    pub(crate) fn reduced_bytes_per_sync(&self) -> u64 {
+        self.buckets
+            .iter()
+            .map(|b| {
+                let size = self.vars[b.members.start].dtype().size_in_bytes();
+                ((self.bucket_elems(b) + b.members.len()) * size) as u64
+            })
+            .sum()
+    }
+
     /// Elements of each bucket's parameters, without the presence flags.
     pub(super) fn bucket_elems(&self, b: &Bucket) -> usize {
         self.vars[b.members.clone()]

@@ -59,3 +59,26 @@ pub fn copy_fixture(name: &str) -> (tempfile::TempDir, PathBuf) {
     }
     (tmp, dst)
 }
+
+/// A copy of fixture `name` whose config turns every dropout to 0.1.
+pub fn with_dropout(name: &str) -> (Option<tempfile::TempDir>, std::path::PathBuf) {
+    let (tmp, dir) = copy_fixture(name);
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let map = config.as_object_mut().unwrap();
+    for key in [
+        "attention_dropout",
+        "resid_pdrop",
+        "embd_pdrop",
+        "attn_pdrop",
+        "hidden_dropout_prob",
+        "attention_probs_dropout_prob",
+    ] {
+        if map.contains_key(key) {
+            map.insert(key.into(), 0.1.into());
+        }
+    }
+    std::fs::write(&path, serde_json::to_string(&config).unwrap()).unwrap();
+    (Some(tmp), dir)
+}

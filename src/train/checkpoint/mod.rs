@@ -77,6 +77,7 @@ use crate::error::{Error, Result};
 use crate::optim::StatefulOptimizer;
 use crate::train::params::Parameters;
 
+mod adapter;
 mod io;
 mod load;
 mod manifest;
@@ -379,6 +380,11 @@ fn named_optimizer_base(name: &str) -> String {
 
 pub use super::weights::{
     load_weights, load_weights_mapped, WeightFiles, CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
+};
+
+pub use adapter::{
+    load_adapter, read_adapter_config, save_adapter, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE,
+    PEFT_PREFIX,
 };
 
 /// See [`Accelerator::load_state`](crate::Accelerator::load_state): reads onto `device`;

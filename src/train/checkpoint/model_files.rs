@@ -132,7 +132,13 @@ pub(super) fn write_sharded(
         fs::write(&path, text).map_err(|e| write_err(&path, "could not write it", Some(e)))?;
         sync_file(&path)?;
     }
-    sync_dir(&tmp);
+    replace_dir(&tmp, dir)
+}
+
+/// Puts the finished folder `tmp` in place of `dir` (a previous `dir` is moved aside to
+/// `<dir>.old` first and removed after).
+pub(super) fn replace_dir(tmp: &Path, dir: &Path) -> Result<()> {
+    sync_dir(tmp);
     let old = with_suffix(dir, ".old");
     if dir.exists() {
         if old.exists() {
@@ -140,7 +146,7 @@ pub(super) fn write_sharded(
         }
         fs::rename(dir, &old).map_err(|e| io_err("renaming the previous model", dir, e))?;
     }
-    fs::rename(&tmp, dir).map_err(|e| io_err("renaming the new model into", dir, e))?;
+    fs::rename(tmp, dir).map_err(|e| io_err("renaming the new model into", dir, e))?;
     if old.exists() {
         fs::remove_dir_all(&old).map_err(|e| io_err("removing the previous model", &old, e))?;
     }

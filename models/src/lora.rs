@@ -1,0 +1,309 @@
+//! LoRA on the Hugging Face architectures: their linear layers ([`Proj`]: a projection with
+//! its module path and, once targeted, an adapter), the frozen rebuild of a model around its
+//! own parameters, and the adapter's life cycle shared by every architecture (add, save and
+//! load in PEFT's format, merge).
+
+use std::path::{Path, PathBuf};
+
+use accelerate_rs::checkpoint::{load_adapter, read_adapter_config, save_adapter};
+use accelerate_rs::nn::{Linear, Lora, LoraConfig, TargetModules};
+use candle_core::{DType, Device, Module, Result, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{Init, VarBuilder, VarMap};
+use serde_json::{json, Value};
+
+use crate::error::{Error, Result as CrateResult};
+use crate::pretrained::Weights;
+
+/// A linear layer of a model: `y = x Wᵀ + b`, its weight stored `[out, in]` (or `[in, out]`
+/// for GPT-2's `Conv1D`, `fan_in_fan_out`), its module path (`model.layers.0.self_attn.q_proj`)
+/// and its LoRA adapter once [`add_lora`] targeted it.
+#[derive(Debug, Clone)]
+pub(crate) struct Proj {
+    path: String,
+    weight: Tensor,
+    bias: Option<Tensor>,
+    /// `weight` is `[in, out]` (`Conv1D`).
+    fan_in_fan_out: bool,
+    lora: Option<Lora>,
+}
+
+impl Proj {
+    /// A `[out, in]` layer named `weight` (and `bias`) under `vb`, initialized as
+    /// `transformers` does: weights from N(0, `std`²), biases zero.
+    pub(crate) fn linear(
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+        std: f64,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let weight = vb.get_with_hints((out_dim, in_dim), "weight", crate::layers::normal(std))?;
+        let bias = if bias {
+            Some(vb.get_with_hints(out_dim, "bias", Init::Const(0.0))?)
+        } else {
+            None
+        };
+        Ok(Proj {
+            path: vb.prefix(),
+            weight,
+            bias,
+            fan_in_fan_out: false,
+            lora: None,
+        })
+    }
+
+    /// GPT-2's `Conv1D`: `y = x W + b`, `W` stored `[in, out]`, with a bias.
+    pub(crate) fn conv1d(in_dim: usize, out_dim: usize, std: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(Proj {
+            path: vb.prefix(),
+            weight: vb.get_with_hints((in_dim, out_dim), "weight", crate::layers::normal(std))?,
+            bias: Some(vb.get_with_hints(out_dim, "bias", Init::Const(0.0))?),
+            fan_in_fan_out: true,
+            lora: None,
+        })
+    }
+
+    /// `(in, out)` features.
+    fn dims(&self) -> Result<(usize, usize)> {
+        let (a, b) = self.weight.dims2()?;
+        Ok(if self.fan_in_fan_out { (a, b) } else { (b, a) })
+    }
+
+    /// The output for `x` `[.., in]`: the base layer (one fused op), plus the adapter's update
+    /// if there is one (its dropout only if `train`).
+    pub(crate) fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        // The fused ops take `[out, in]`: for `Conv1D`, one transposed copy of the weight per
+        // call (its gradient, when the weight trains, flows back through the copy).
+        let w = if self.fan_in_fan_out {
+            self.weight.t()?.contiguous()?
+        } else {
+            self.weight.clone()
+        };
+        match &self.lora {
+            Some(lora) => lora.forward_with_base(x, &w, self.bias.as_ref(), train),
+            None => Linear::new(w, self.bias.clone()).forward(x),
+        }
+    }
+}
+
+/// Anything whose parameters are fetched by name: the model's `VarMap` behind detached tensors,
+/// so that the model built from it computes no gradient for them (frozen), while they share
+/// the parameters' storage (loading, merging and saving still see them).
+struct Frozen(VarMap);
+
+impl SimpleBackend for Frozen {
+    fn get(&self, s: Shape, name: &str, _: Init, _: DType, _: &Device) -> Result<Tensor> {
+        let data = self.0.data().lock().unwrap_or_else(|p| p.into_inner());
+        match data.get(name) {
+            Some(v) if v.shape() == &s => Ok(v.as_tensor().detach()),
+            Some(v) => {
+                candle_core::bail!("`{name}` has shape {:?}, the model expects {s:?}", v.dims())
+            }
+            None => candle_core::bail!("`{name}` is not a parameter of the model"),
+        }
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> Result<Tensor> {
+        candle_core::bail!("`{name}`: a frozen model's parameters are fetched with their shape")
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0
+            .data()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(name)
+    }
+}
+
+/// A builder over `weights`' existing parameters: frozen (detached tensors) or trainable (the
+/// variables themselves).
+pub(crate) fn rebuild_vb(weights: &Weights, frozen: bool) -> VarBuilder<'static> {
+    if frozen {
+        VarBuilder::from_backend(
+            Box::new(Frozen(weights.varmap.clone())),
+            weights.dtype,
+            weights.device.clone(),
+        )
+    } else {
+        VarBuilder::from_varmap(&weights.varmap, weights.dtype, &weights.device)
+    }
+}
+
+/// A model's adapters: the settings and the `VarMap` of the `lora_A` / `lora_B` tensors (named
+/// `<module path>.lora_A.weight`, ...).
+#[derive(Clone)]
+pub(crate) struct Adapters {
+    pub(crate) config: LoraConfig,
+    pub(crate) varmap: VarMap,
+}
+
+impl std::fmt::Debug for Adapters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Adapters")
+            .field("config", &self.config)
+            .field("tensors", &self.varmap.all_vars().len())
+            .finish()
+    }
+}
+
+/// What the shared LoRA code needs from an architecture.
+pub(crate) trait Adaptable: Clone {
+    /// The parameters and adapters.
+    fn weights(&self) -> &Weights;
+    /// The parameters and adapters, to change.
+    fn weights_mut(&mut self) -> &mut Weights;
+    /// Every linear layer LoRA may target (not the output layer).
+    fn projections_mut(&mut self) -> Vec<&mut Proj>;
+    /// The same model built again around its parameters: frozen (no gradient for them) or not.
+    /// Adapters, training mode and checkpointing carry over; the layers have no adapter.
+    fn rebuild(&self, frozen: bool) -> CrateResult<Self>;
+    /// PEFT's default target modules for the architecture.
+    fn default_targets(&self) -> &'static [&'static str];
+    /// PEFT's `task_type` (`CAUSAL_LM`, `SEQ_CLS`), if PEFT has one for the head.
+    fn task_type(&self) -> Option<&'static str>;
+    /// The folder the model was loaded from, if any (`base_model_name_or_path`).
+    fn source(&self) -> Option<PathBuf>;
+}
+
+/// Adds adapters to `model`'s layers that `config` targets: see
+/// `LlamaForCausalLm::add_lora`.
+pub(crate) fn add_lora<M: Adaptable>(model: &mut M, config: &LoraConfig) -> CrateResult<()> {
+    if model.weights().adapters.is_some() {
+        return Err(Error::Accelerate(accelerate_rs::Error::invalid(
+            "LoRA",
+            "the model already has adapters: merge them (`merge_lora`) or load the model again first",
+        )));
+    }
+    let mut config = config.clone();
+    if matches!(&config.target_modules, TargetModules::Names(n) if n.is_empty()) {
+        config.target_modules = TargetModules::Names(
+            model
+                .default_targets()
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+        );
+    }
+    config.check()?;
+    let mut frozen = model.rebuild(true)?;
+    let weights = frozen.weights().clone();
+    let dtype = config.adapter_dtype_for(weights.dtype);
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, dtype, &weights.device);
+    let mut paths = Vec::new();
+    let mut matched = 0usize;
+    for p in frozen.projections_mut() {
+        paths.push(p.path.clone());
+        if config.matches(&p.path)? {
+            let (i, o) = p.dims()?;
+            p.lora = Some(Lora::new(i, o, &config, vb.pp(&p.path))?);
+            matched += 1;
+        }
+    }
+    if matched == 0 {
+        let shown: Vec<&str> = paths.iter().take(12).map(String::as_str).collect();
+        return Err(Error::Accelerate(accelerate_rs::Error::invalid(
+            "LoRA target_modules",
+            format!(
+                "{:?} matches none of the model's {} linear layers (the output layer is never \
+                 targeted); they are: {}{}",
+                config.target_modules,
+                paths.len(),
+                shown.join(", "),
+                if paths.len() > shown.len() {
+                    ", ..."
+                } else {
+                    ""
+                }
+            ),
+        )));
+    }
+    frozen.weights_mut().adapters = Some(Adapters { config, varmap });
+    *model = frozen;
+    Ok(())
+}
+
+/// The model's adapters, or an error naming `what` needs them.
+fn adapters<'a, M: Adaptable>(model: &'a M, what: &str) -> CrateResult<&'a Adapters> {
+    model.weights().adapters.as_ref().ok_or_else(|| {
+        Error::Accelerate(accelerate_rs::Error::invalid(
+            what,
+            "the model has no LoRA adapters: call `add_lora` or `load_adapter` first",
+        ))
+    })
+}
+
+/// Writes `model`'s adapters as a PEFT adapter folder.
+pub(crate) fn save<M: Adaptable>(model: &M, dir: &Path) -> CrateResult<()> {
+    let a = adapters(model, "save_adapter")?;
+    let mut config = a.config.to_peft_json();
+    if let Some(obj) = config.as_object_mut() {
+        let base = model.source().map(|p| p.display().to_string());
+        obj.insert("base_model_name_or_path".into(), json!(base));
+        obj.insert("task_type".into(), json!(model.task_type()));
+        let conv = model
+            .clone()
+            .projections_mut()
+            .iter()
+            .any(|p| p.fan_in_fan_out);
+        obj.insert("fan_in_fan_out".into(), Value::Bool(conv));
+    }
+    save_adapter(dir, &config, &a.varmap)?;
+    Ok(())
+}
+
+/// Loads a PEFT adapter folder onto `model` (which must have none): all or nothing.
+pub(crate) fn load<M: Adaptable>(model: &mut M, dir: &Path) -> CrateResult<()> {
+    let (config, _) = read_adapter_config(dir)?;
+    let mut with = model.clone();
+    add_lora(&mut with, &config)?;
+    let a = adapters(&with, "load_adapter")?;
+    load_adapter(dir, &a.varmap)?;
+    *model = with;
+    Ok(())
+}
+
+/// Merges the adapters into the base weights (`W + s · B A`, in the parameters' storage) and
+/// drops them; the model is trainable again, every parameter.
+pub(crate) fn merge<M: Adaptable>(model: &mut M) -> CrateResult<()> {
+    adapters(model, "merge_lora")?;
+    let weights = model.weights().clone();
+    let mut merged = Vec::new();
+    {
+        let data = weights
+            .varmap
+            .data()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let mut m = model.clone();
+        for p in m.projections_mut() {
+            let Some(lora) = &p.lora else { continue };
+            let name = format!("{}.weight", p.path);
+            let var = data.get(&name).ok_or_else(|| {
+                candle_core::Error::Msg(format!("merge_lora: `{name}` is not a parameter"))
+            })?;
+            merged.push((
+                var.clone(),
+                lora.merged_weight(var.as_tensor(), p.fan_in_fan_out)?,
+            ));
+        }
+    }
+    // Every merged weight is computed before any is written.
+    for (var, w) in merged {
+        var.set(&w)?;
+    }
+    model.weights_mut().adapters = None;
+    *model = model.rebuild(false)?;
+    Ok(())
+}
+
+/// The parameters an optimizer and `Accelerator::prepare` take: the adapters when the model
+/// has them, else every parameter.
+pub(crate) fn trainable(weights: &Weights) -> &VarMap {
+    match &weights.adapters {
+        Some(a) => &a.varmap,
+        None => &weights.varmap,
+    }
+}

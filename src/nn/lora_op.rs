@@ -1,0 +1,160 @@
+//! A LoRA layer over a frozen base as one op on the CPU: `y = x Wᵀ + b + s (x Aᵀ) Bᵀ`, its
+//! inputs `x`, `A` and `B` (the base `W`, `b` held by the op: they take no gradient). Composed,
+//! the update `(x Aᵀ) Bᵀ`, its scaled copy and the sum are three more tensors of the output's
+//! size, each kept by Candle's graph until the backward pass is done; here the output is the
+//! only one, and the backward pass recomputes the rank-`r` product `x Aᵀ` (`r / out` of the
+//! base product's cost).
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor, WithDType};
+use rayon::prelude::*;
+
+use super::elem::{fused_cpu, Elem};
+use super::linear::LinearOp;
+
+/// Elements per Rayon task of the in-place update.
+const CHUNK: usize = 16 * 1024;
+
+/// Whether the fused op takes `x` with the frozen base `w`, `b` and the adapter `a`, `b_up`: all
+/// on the CPU, in one float dtype, the base outside the graph (frozen), of matching shapes.
+pub(super) fn fusable(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    a: &Tensor,
+    b_up: &Tensor,
+) -> bool {
+    let dtype = x.dtype();
+    let (Ok((n, k)), Ok((r, ka)), Ok((nb, rb))) = (w.dims2(), a.dims2(), b_up.dims2()) else {
+        return false;
+    };
+    let same = |t: &Tensor| t.device().is_cpu() && t.dtype() == dtype;
+    let bias_ok =
+        bias.is_none_or(|b| same(b) && b.dims() == [n] && b.is_contiguous() && !b.track_op());
+    fused_cpu(x)
+        && x.dims().last() == Some(&k)
+        && x.elem_count() > 0
+        && same(w)
+        && w.is_contiguous()
+        && !w.track_op()
+        && bias_ok
+        && same(a)
+        && same(b_up)
+        && ka == k
+        && nb == n
+        && rb == r
+        && r > 0
+}
+
+/// `x Wᵀ + b + s (x Aᵀ) Bᵀ` over the op's inputs `(x, A, B)`.
+pub(super) struct LoraOp {
+    pub(super) w: Tensor,
+    pub(super) bias: Option<Tensor>,
+    pub(super) scaling: f64,
+}
+
+/// `y += s u`, element by element (same length), in place.
+fn add_scaled(y: &mut CpuStorage, u: &CpuStorage, s: f64) -> Result<()> {
+    fn typed<T: Elem + WithDType>(y: &mut [T], u: &[T], s: f32) {
+        y.par_chunks_mut(CHUNK)
+            .zip(u.par_chunks(CHUNK))
+            .for_each(|(y, u)| {
+                for (y, u) in y.iter_mut().zip(u) {
+                    *y = T::of(y.f() + s * u.f());
+                }
+            });
+    }
+    match (y, u) {
+        (CpuStorage::F32(y), CpuStorage::F32(u)) => typed(y, u, s as f32),
+        (CpuStorage::BF16(y), CpuStorage::BF16(u)) => typed(y, u, s as f32),
+        (CpuStorage::F16(y), CpuStorage::F16(u)) => typed(y, u, s as f32),
+        (CpuStorage::F64(y), CpuStorage::F64(u)) => y
+            .par_chunks_mut(CHUNK)
+            .zip(u.par_chunks(CHUNK))
+            .for_each(|(y, u)| {
+                for (y, u) in y.iter_mut().zip(u) {
+                    *y += s * u;
+                }
+            }),
+        _ => candle_core::bail!("accelerate-rs-lora: one float dtype is expected"),
+    }
+    Ok(())
+}
+
+impl CustomOp3 for LoraOp {
+    fn name(&self) -> &'static str {
+        "accelerate-rs-lora"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sa: &CpuStorage,
+        la: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, k) = self.w.dims2()?;
+        let r = la.dims().first().copied().unwrap_or(0);
+        let rows = lx.shape().elem_count() / k.max(1);
+        // The base: the fused `Linear`'s forward pass on the frozen weight and bias.
+        let (ws, wl) = self.w.storage_and_layout();
+        let Storage::Cpu(ws) = &*ws else {
+            candle_core::bail!("{}: the base weight is not on the CPU", self.name());
+        };
+        let bias = self.bias.as_ref().map(|b| b.storage_and_layout());
+        let bias = match &bias {
+            Some((s, l)) => match &**s {
+                Storage::Cpu(s) => Some((s, *l)),
+                _ => candle_core::bail!("{}: the base bias is not on the CPU", self.name()),
+            },
+            None => None,
+        };
+        let (mut y, shape) = LinearOp { n, relu: false }.forward(sx, lx, ws, wl, bias)?;
+        // The update: `h = x Aᵀ` (`[rows, r]`), `u = h Bᵀ` (`[rows, n]`), `y += s u`.
+        let lx2 = Layout::contiguous_with_offset((rows, k), lx.start_offset());
+        let h = sx.matmul(sa, (1, rows, r, k), &lx2, &la.transpose(0, 1)?)?;
+        let lh = Layout::contiguous((rows, r));
+        let u = h.matmul(sb, (1, rows, n, r), &lh, &lb.transpose(0, 1)?)?;
+        add_scaled(&mut y, &u, self.scaling)?;
+        Ok((y, shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (n, k) = self.w.dims2()?;
+        let rows = x.elem_count() / k.max(1);
+        let s = self.scaling;
+        // Detached operands: the gradients record no ops and keep nothing else alive.
+        let g = grad.detach().contiguous()?.reshape((rows, n))?;
+        let x2 = x.detach().contiguous()?.reshape((rows, k))?;
+        let (ad, bd) = (a.detach(), b.detach());
+        let gb = g.matmul(&bd)?; // [rows, r]
+        let da = match a.track_op() {
+            true => Some((gb.t()?.matmul(&x2)? * s)?),
+            false => None,
+        };
+        let db = match b.track_op() {
+            true => {
+                let h = x2.matmul(&ad.t()?)?;
+                Some((g.t()?.matmul(&h)? * s)?)
+            }
+            false => None,
+        };
+        let dx = match x.track_op() {
+            true => {
+                let base = g.matmul(&self.w.detach())?;
+                Some((base + (gb.matmul(&ad)? * s)?)?.reshape(x.shape())?)
+            }
+            false => None,
+        };
+        Ok((dx, da, db))
+    }
+}
