@@ -22,7 +22,10 @@ use cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 
 const MODULE: &str = "accelerate_rs_nn";
 /// The source NVRTC compiles: the shared element types and conversions, then the kernels.
-const SOURCE: &str = concat!(include_str!("../cuda_prelude.cu"), include_str!("kernels.cu"));
+const SOURCE: &str = concat!(
+    include_str!("../cuda_prelude.cu"),
+    include_str!("kernels.cu")
+);
 
 /// Set once compiling or loading failed: the composed ops are used from then on.
 static BROKEN: AtomicBool = AtomicBool::new(false);

@@ -28,7 +28,10 @@ use crate::inplace::{with_mut, with_mut_src, DstMut, Src};
 const MODULE: &str = "accelerate_rs_fused_optim";
 
 /// The source NVRTC compiles: the shared element types and conversions, then the kernels.
-const SOURCE: &str = concat!(include_str!("../cuda_prelude.cu"), include_str!("fused_optim.cu"));
+const SOURCE: &str = concat!(
+    include_str!("../cuda_prelude.cu"),
+    include_str!("fused_optim.cu")
+);
 
 /// Set once compiling or loading failed: the tensor-op path is used from then on.
 static DISABLED: AtomicBool = AtomicBool::new(false);
