@@ -463,6 +463,29 @@ impl Variant for RawSliced {
     }
 }
 
+/// The times of up to `n` steps over `loader` (then its next epoch is set): each the loss of
+/// `model` on a batch and `step` on it (the backward pass and the update).
+fn timed_epoch(
+    loader: &mut DataLoader,
+    model: &dyn Trainable,
+    n: usize,
+    mut step: impl FnMut(&Tensor) -> Result<()>,
+) -> Result<Vec<f64>> {
+    let mut times = Vec::with_capacity(n);
+    let mut start = Instant::now();
+    for batch in loader.iter()?.take(n) {
+        let batch = batch?;
+        let loss = step_loss(model, &batch[0], &batch[1])?;
+        step(&loss)?;
+        loss.device().synchronize()?;
+        let now = Instant::now();
+        times.push(ms(now - start));
+        start = now;
+    }
+    loader.set_epoch(loader.epoch() + 1);
+    Ok(times)
+}
+
 /// Plain Candle: `candle_nn::SGD` over an unprepared accelerate-rs DataLoader (as in
 /// `examples/digits_plain`).
 struct RawLoader {
@@ -476,19 +499,10 @@ impl Variant for RawLoader {
         "candle, DataLoader"
     }
     fn run(&mut self, n: usize) -> Result<Vec<f64>> {
-        let mut times = Vec::with_capacity(n);
-        let mut start = Instant::now();
-        for batch in self.loader.iter()?.take(n) {
-            let batch = batch?;
-            let loss = step_loss(self.model.as_ref(), &batch[0], &batch[1])?;
-            self.opt.backward_step(&loss)?;
-            loss.device().synchronize()?;
-            let now = Instant::now();
-            times.push(ms(now - start));
-            start = now;
-        }
-        self.loader.set_epoch(self.loader.epoch() + 1);
-        Ok(times)
+        let opt = &mut self.opt;
+        timed_epoch(&mut self.loader, self.model.as_ref(), n, |loss| {
+            Ok(opt.backward_step(loss)?)
+        })
     }
 }
 
@@ -505,19 +519,10 @@ impl Variant for Accelerated {
         "accelerate-rs (prepare + backward_step)"
     }
     fn run(&mut self, n: usize) -> Result<Vec<f64>> {
-        let mut times = Vec::with_capacity(n);
-        let mut start = Instant::now();
-        for batch in self.loader.iter()?.take(n) {
-            let batch = batch?;
-            let loss = step_loss(self.model.as_ref(), &batch[0], &batch[1])?;
-            self.opt.backward_step(&loss)?;
-            loss.device().synchronize()?;
-            let now = Instant::now();
-            times.push(ms(now - start));
-            start = now;
-        }
-        self.loader.set_epoch(self.loader.epoch() + 1);
-        Ok(times)
+        let opt = &mut self.opt;
+        timed_epoch(&mut self.loader, self.model.as_ref(), n, |loss| {
+            Ok(opt.backward_step(loss)?)
+        })
     }
 }
 

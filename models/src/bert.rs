@@ -2,7 +2,7 @@
 //! sequence-classification head (`BertForSequenceClassification`), with `transformers`'
 //! parameter names (`bert.encoder.layer.0.attention.self.query.weight`, ...).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use accelerate_rs::nn::{checkpoint_fn, LayerNorm, Linear};
 use candle_core::{DType, Device, Module, Result, Tensor};
@@ -10,14 +10,14 @@ use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::config::{ensure, parse, read_json, Activation};
+use crate::config::{config_readers, ensure, ensure_sizes, Activation, Origin};
 use crate::error::Result as CrateResult;
 use crate::layers::{
     attention, bce_with_logits, check_mask, classification_loss, dropout, embedding, linear,
     lookup, masked_lm_loss, mse, norm_params, padding_idx, AttentionSpec,
 };
 use crate::lora::{rebuild_vb, Adaptable, Proj};
-use crate::pretrained::{check_architecture, pretrained_methods, Weights};
+use crate::pretrained::{pretrained_methods, Weights};
 
 fn default_act() -> Activation {
     Activation::Gelu
@@ -92,44 +92,27 @@ pub struct BertConfig {
     /// Every other key of the file (`id2label`, ...), written back as it was.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, Value>,
+    /// The file it was read from and the keys it had.
     #[serde(skip)]
-    path: PathBuf,
-    /// The keys the file had (a `null` is written back only where the file had one).
-    #[serde(skip)]
-    present: std::collections::BTreeSet<String>,
+    origin: Origin,
 }
 
+config_readers!(BertConfig);
+
 impl BertConfig {
-    /// Reads a `config.json` (or the one in a model folder).
-    pub fn from_file(path: impl AsRef<Path>) -> CrateResult<Self> {
-        let (path, json) = read_json(path.as_ref())?;
-        Self::from_json(&path, &json)
-    }
-
-    /// Parses and checks a configuration; `path` is named in errors.
-    pub fn from_json(path: &Path, json: &Value) -> CrateResult<Self> {
-        let mut c: BertConfig = parse(path, json)?;
-        c.path = path.to_path_buf();
-        c.present = json
-            .as_object()
-            .map(|m| m.keys().cloned().collect())
-            .unwrap_or_default();
-        c.check()?;
-        Ok(c)
-    }
-
     fn check(&self) -> CrateResult<()> {
-        let p = &self.path;
-        for (key, v) in [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("num_attention_heads", self.num_attention_heads),
-            ("intermediate_size", self.intermediate_size),
-            ("max_position_embeddings", self.max_position_embeddings),
-            ("type_vocab_size", self.type_vocab_size),
-        ] {
-            ensure(v > 0, p, key, "must be at least 1")?;
-        }
+        let p = &self.origin.path;
+        ensure_sizes(
+            p,
+            &[
+                ("vocab_size", self.vocab_size),
+                ("hidden_size", self.hidden_size),
+                ("num_attention_heads", self.num_attention_heads),
+                ("intermediate_size", self.intermediate_size),
+                ("max_position_embeddings", self.max_position_embeddings),
+                ("type_vocab_size", self.type_vocab_size),
+            ],
+        )?;
         ensure(
             self.hidden_size.is_multiple_of(self.num_attention_heads),
             p,
@@ -411,28 +394,16 @@ pub struct BertForMaskedLm {
 /// The parts of a masked LM: encoder, head transform and its norm, decoder.
 type MlmParts = (Encoder, Proj, LayerNorm, Linear);
 
-pretrained_methods!(BertForMaskedLm);
+pretrained_methods!(
+    BertForMaskedLm,
+    config = BertConfig,
+    architectures = ["BertForMaskedLM", "BertForPreTraining"],
+    ///
+    /// A pre-training checkpoint (`BertForPreTraining`, `bert-base-uncased`) loads too: its pooler
+    /// and next-sentence head are skipped.
+);
 
 impl BertForMaskedLm {
-    /// A model with fresh parameters, drawn as `transformers` initializes them.
-    pub fn from_config(config: &BertConfig, device: &Device, dtype: DType) -> CrateResult<Self> {
-        Self::build(config, device, dtype, config.initializer_range)
-    }
-
-    /// Loads a Hugging Face folder, all or nothing. A pre-training checkpoint (`BertForPreTraining`,
-    /// `bert-base-uncased`) loads too: its pooler and next-sentence head are skipped.
-    pub fn from_pretrained(
-        dir: impl AsRef<Path>,
-        device: &Device,
-        dtype: DType,
-    ) -> CrateResult<Self> {
-        let dir = dir.as_ref();
-        let (path, json) = read_json(dir)?;
-        check_architecture(&path, &json, &["BertForMaskedLM", "BertForPreTraining"])?;
-        let config = BertConfig::from_json(&path, &json)?;
-        Self::load(config, dir, device, dtype)
-    }
-
     pub(crate) fn load(
         config: BertConfig,
         dir: &Path,
@@ -580,7 +551,7 @@ impl BertForMaskedLm {
 }
 
 fn bert_config_value(c: &BertConfig) -> Value {
-    crate::config::config_value(c, &c.present, "bert")
+    crate::config::config_value(c, &c.origin.present, "bert")
 }
 
 /// BERT with a sequence-classification head (`BertForSequenceClassification`): the pooled first
@@ -596,27 +567,13 @@ pub struct BertForSequenceClassification {
     checkpointing: bool,
 }
 
-pretrained_methods!(BertForSequenceClassification);
+pretrained_methods!(
+    BertForSequenceClassification,
+    config = BertConfig,
+    architectures = ["BertForSequenceClassification"],
+);
 
 impl BertForSequenceClassification {
-    /// A model with fresh parameters, drawn as `transformers` initializes them.
-    pub fn from_config(config: &BertConfig, device: &Device, dtype: DType) -> CrateResult<Self> {
-        Self::build(config, device, dtype, config.initializer_range)
-    }
-
-    /// Loads a Hugging Face folder, all or nothing.
-    pub fn from_pretrained(
-        dir: impl AsRef<Path>,
-        device: &Device,
-        dtype: DType,
-    ) -> CrateResult<Self> {
-        let dir = dir.as_ref();
-        let (path, json) = read_json(dir)?;
-        check_architecture(&path, &json, &["BertForSequenceClassification"])?;
-        let config = BertConfig::from_json(&path, &json)?;
-        Self::load(config, dir, device, dtype)
-    }
-
     pub(crate) fn load(
         config: BertConfig,
         dir: &Path,
@@ -777,90 +734,47 @@ impl BertForSequenceClassification {
     }
 }
 
-impl Adaptable for BertForMaskedLm {
-    fn weights(&self) -> &Weights {
-        &self.weights
-    }
+/// `Adaptable` for a BERT head; `$head` lists the head's own layers LoRA may target, after the
+/// encoder's (`|m| ...` over the model).
+macro_rules! bert_adaptable {
+    ($ty:ty, |$m:ident| $head:expr) => {
+        impl Adaptable for $ty {
+            fn weights(&self) -> &Weights {
+                &self.weights
+            }
 
-    fn weights_mut(&mut self) -> &mut Weights {
-        &mut self.weights
-    }
+            fn weights_mut(&mut self) -> &mut Weights {
+                &mut self.weights
+            }
 
-    fn projections_mut(&mut self) -> Vec<&mut Proj> {
-        let mut out = self.encoder.projections_mut();
-        out.push(&mut self.transform);
-        out
-    }
+            fn projections_mut(&mut self) -> Vec<&mut Proj> {
+                let $m = self;
+                let mut out = $m.encoder.projections_mut();
+                out.extend($head);
+                out
+            }
 
-    fn rebuild(&self, frozen: bool) -> CrateResult<Self> {
-        let parts = Self::assemble(&self.config, rebuild_vb(&self.weights, frozen), 0.0)?;
-        Ok(Self::from_parts(
-            &self.config,
-            parts,
-            self.weights.clone(),
-            self.training,
-            self.checkpointing,
-        ))
-    }
+            fn rebuild(&self, frozen: bool) -> CrateResult<Self> {
+                let parts = Self::assemble(&self.config, rebuild_vb(&self.weights, frozen), 0.0)?;
+                Ok(Self::from_parts(
+                    &self.config,
+                    parts,
+                    self.weights.clone(),
+                    self.training,
+                    self.checkpointing,
+                ))
+            }
 
-    fn default_targets(&self) -> &'static [&'static str] {
-        &["query", "value"]
-    }
+            fn default_targets(&self) -> &'static [&'static str] {
+                &["query", "value"]
+            }
 
-    fn task_type(&self) -> Option<&'static str> {
-        // PEFT's SEQ_CLS would add the classifier as a module to save; the adapters here
-        // cover the encoder's linear layers only.
-        None
-    }
-
-    fn source(&self) -> Option<PathBuf> {
-        self.config
-            .path
-            .parent()
-            .map(Path::to_path_buf)
-            .filter(|p| !p.as_os_str().is_empty())
-    }
+            fn config_path(&self) -> &Path {
+                &self.config.origin.path
+            }
+        }
+    };
 }
 
-impl Adaptable for BertForSequenceClassification {
-    fn weights(&self) -> &Weights {
-        &self.weights
-    }
-
-    fn weights_mut(&mut self) -> &mut Weights {
-        &mut self.weights
-    }
-
-    fn projections_mut(&mut self) -> Vec<&mut Proj> {
-        self.encoder.projections_mut()
-    }
-
-    fn rebuild(&self, frozen: bool) -> CrateResult<Self> {
-        let parts = Self::assemble(&self.config, rebuild_vb(&self.weights, frozen), 0.0)?;
-        Ok(Self::from_parts(
-            &self.config,
-            parts,
-            self.weights.clone(),
-            self.training,
-            self.checkpointing,
-        ))
-    }
-
-    fn default_targets(&self) -> &'static [&'static str] {
-        &["query", "value"]
-    }
-
-    fn task_type(&self) -> Option<&'static str> {
-        // PEFT's SEQ_CLS would add the classifier as a module to save; the adapters here
-        // cover the encoder's linear layers only.
-        None
-    }
-
-    fn source(&self) -> Option<PathBuf> {
-        self.config
-            .path
-            .parent()
-            .map(Path::to_path_buf)
-            .filter(|p| !p.as_os_str().is_empty())
-    }
-}
+bert_adaptable!(BertForMaskedLm, |m| [&mut m.transform]);
+bert_adaptable!(BertForSequenceClassification, |m| []);

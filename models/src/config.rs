@@ -91,6 +91,54 @@ impl Config {
     }
 }
 
+/// Where a configuration was read from: the file (named in errors) and the keys it had (a
+/// `null` is written back only where the file had one).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Origin {
+    pub(crate) path: PathBuf,
+    pub(crate) present: std::collections::BTreeSet<String>,
+}
+
+impl Origin {
+    /// The origin of `json`, read from `path`.
+    pub(crate) fn of(path: &Path, json: &serde_json::Value) -> Self {
+        Origin {
+            path: path.to_path_buf(),
+            present: json
+                .as_object()
+                .map(|m| m.keys().cloned().collect())
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// `from_file` and `from_json` for an architecture's configuration type, which has a field
+/// `origin: Origin` and a method `check(&self) -> Result<()>`.
+macro_rules! config_readers {
+    ($ty:ident) => {
+        impl $ty {
+            /// Reads a `config.json` (or the one in a model folder).
+            pub fn from_file(path: impl AsRef<std::path::Path>) -> $crate::error::Result<Self> {
+                let (path, json) = $crate::config::read_json(path.as_ref())?;
+                Self::from_json(&path, &json)
+            }
+
+            /// Parses and checks a configuration; `path` is named in errors.
+            pub fn from_json(
+                path: &std::path::Path,
+                json: &serde_json::Value,
+            ) -> $crate::error::Result<Self> {
+                let mut c: Self = $crate::config::parse(path, json)?;
+                c.origin = $crate::config::Origin::of(path, json);
+                c.check()?;
+                Ok(c)
+            }
+        }
+    };
+}
+
+pub(crate) use config_readers;
+
 /// Reads a JSON file (or `config.json` in a folder): the file's path and its value.
 pub(crate) fn read_json(path: &Path) -> Result<(PathBuf, serde_json::Value)> {
     let path = if path.is_dir() {
@@ -213,6 +261,14 @@ pub(crate) fn config_value<T: Serialize>(
         m.insert("model_type".into(), model_type.into());
     }
     v
+}
+
+/// Checks that each size `(key, value)` of a configuration read from `path` is at least 1.
+pub(crate) fn ensure_sizes(path: &Path, sizes: &[(&str, usize)]) -> Result<()> {
+    for &(key, v) in sizes {
+        ensure(v > 0, path, key, "must be at least 1")?;
+    }
+    Ok(())
 }
 
 /// A check on a parsed configuration: `Ok` when `ok`, else an error naming `key`.

@@ -2,7 +2,7 @@
 //! (`[in, out]`), the output layer tied to the token embeddings; `transformers`' parameter names
 //! (`transformer.h.0.attn.c_attn.weight`, ...).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use accelerate_rs::nn::{
     checkpoint_fn, packed_self_attention, AttentionOptions, LayerNorm, Linear,
@@ -12,14 +12,14 @@ use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::config::{ensure, parse, read_json, Activation};
+use crate::config::{config_readers, ensure, ensure_sizes, Activation, Origin};
 use crate::error::Result as CrateResult;
 use crate::layers::{
-    attention, causal_lm_loss, check_mask, dropout, embedding, linear, lookup, norm_params,
+    attention, causal_lm_methods, check_mask, dropout, embedding, linear, lookup, norm_params,
     AttentionSpec,
 };
 use crate::lora::{rebuild_vb, Adaptable, Proj};
-use crate::pretrained::{check_architecture, pretrained_methods, Weights};
+use crate::pretrained::{pretrained_methods, Weights};
 
 fn default_act() -> Activation {
     Activation::GeluNew
@@ -84,42 +84,25 @@ pub struct Gpt2Config {
     /// Every other key of the file, written back as it was.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, Value>,
+    /// The file it was read from and the keys it had.
     #[serde(skip)]
-    path: PathBuf,
-    /// The keys the file had (a `null` is written back only where the file had one).
-    #[serde(skip)]
-    present: std::collections::BTreeSet<String>,
+    origin: Origin,
 }
 
+config_readers!(Gpt2Config);
+
 impl Gpt2Config {
-    /// Reads a `config.json` (or the one in a model folder).
-    pub fn from_file(path: impl AsRef<Path>) -> CrateResult<Self> {
-        let (path, json) = read_json(path.as_ref())?;
-        Self::from_json(&path, &json)
-    }
-
-    /// Parses and checks a configuration; `path` is named in errors.
-    pub fn from_json(path: &Path, json: &Value) -> CrateResult<Self> {
-        let mut c: Gpt2Config = parse(path, json)?;
-        c.path = path.to_path_buf();
-        c.present = json
-            .as_object()
-            .map(|m| m.keys().cloned().collect())
-            .unwrap_or_default();
-        c.check()?;
-        Ok(c)
-    }
-
     fn check(&self) -> CrateResult<()> {
-        let p = &self.path;
-        for (key, v) in [
-            ("vocab_size", self.vocab_size),
-            ("n_positions", self.n_positions),
-            ("n_embd", self.n_embd),
-            ("n_head", self.n_head),
-        ] {
-            ensure(v > 0, p, key, "must be at least 1")?;
-        }
+        let p = &self.origin.path;
+        ensure_sizes(
+            p,
+            &[
+                ("vocab_size", self.vocab_size),
+                ("n_positions", self.n_positions),
+                ("n_embd", self.n_embd),
+                ("n_head", self.n_head),
+            ],
+        )?;
         ensure(
             self.n_embd.is_multiple_of(self.n_head),
             p,
@@ -258,29 +241,16 @@ pub struct Gpt2LmHeadModel {
 /// The parts of a model: token and position embeddings, blocks, final norm, output layer.
 type Parts = (Tensor, Tensor, Vec<Block>, LayerNorm, Linear);
 
-pretrained_methods!(Gpt2LmHeadModel);
+pretrained_methods!(
+    Gpt2LmHeadModel,
+    config = Gpt2Config,
+    architectures = ["GPT2LMHeadModel", "GPT2Model"],
+    ///
+    /// Checkpoints of the bare `GPT2Model` (names without `transformer.`, such as the original
+    /// `gpt2`) load too.
+);
 
 impl Gpt2LmHeadModel {
-    /// A model with fresh parameters, drawn as `transformers` initializes them.
-    pub fn from_config(config: &Gpt2Config, device: &Device, dtype: DType) -> CrateResult<Self> {
-        Self::build(config, device, dtype, config.initializer_range)
-    }
-
-    /// Loads a Hugging Face folder (`config.json` and the weights, single or sharded), all or
-    /// nothing. Checkpoints of the bare `GPT2Model` (names without `transformer.`, such as the
-    /// original `gpt2`) load too.
-    pub fn from_pretrained(
-        dir: impl AsRef<Path>,
-        device: &Device,
-        dtype: DType,
-    ) -> CrateResult<Self> {
-        let dir = dir.as_ref();
-        let (path, json) = read_json(dir)?;
-        check_architecture(&path, &json, &["GPT2LMHeadModel", "GPT2Model"])?;
-        let config = Gpt2Config::from_json(&path, &json)?;
-        Self::load(config, dir, device, dtype)
-    }
-
     pub(crate) fn load(
         config: Gpt2Config,
         dir: &Path,
@@ -365,7 +335,7 @@ impl Gpt2LmHeadModel {
     }
 
     fn config_value(&self) -> Value {
-        crate::config::config_value(&self.config, &self.config.present, "gpt2")
+        crate::config::config_value(&self.config, &self.config.origin.present, "gpt2")
     }
 
     fn class_name(&self) -> &'static str {
@@ -407,28 +377,7 @@ impl Gpt2LmHeadModel {
         self.ln_f.forward(&h)
     }
 
-    /// The logits `[B, T, vocab]` of every position.
-    pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
-        self.lm_head
-            .forward(&self.hidden_states(input_ids, attention_mask)?)
-    }
-
-    /// The next-token loss (labels shifted here, -100 ignored), the head and the cross-entropy
-    /// fused.
-    pub fn loss(&self, input_ids: &Tensor, labels: &Tensor) -> Result<Tensor> {
-        self.loss_with_mask(input_ids, None, labels)
-    }
-
-    /// [`loss`](Self::loss) with an attention mask.
-    pub fn loss_with_mask(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: Option<&Tensor>,
-        labels: &Tensor,
-    ) -> Result<Tensor> {
-        let hidden = self.hidden_states(input_ids, attention_mask)?;
-        causal_lm_loss(&hidden, &self.lm_head, labels)
-    }
+    causal_lm_methods!();
 }
 
 impl Adaptable for Gpt2LmHeadModel {
@@ -466,11 +415,7 @@ impl Adaptable for Gpt2LmHeadModel {
         Some("CAUSAL_LM")
     }
 
-    fn source(&self) -> Option<PathBuf> {
-        self.config
-            .path
-            .parent()
-            .map(Path::to_path_buf)
-            .filter(|p| !p.as_os_str().is_empty())
+    fn config_path(&self) -> &Path {
+        &self.config.origin.path
     }
 }

@@ -272,6 +272,44 @@ pub(crate) fn causal_lm_loss(hidden: &Tensor, head: &Linear, labels: &Tensor) ->
     )
 }
 
+/// `forward`, `loss` and `loss_with_mask` of a causal language model (inside its `impl`
+/// block): the type needs `hidden_states(&self, &Tensor, Option<&Tensor>) -> Result<Tensor>` and
+/// a field `lm_head: Linear`.
+macro_rules! causal_lm_methods {
+    () => {
+        /// The logits `[B, T, vocab]` of every position.
+        pub fn forward(
+            &self,
+            input_ids: &Tensor,
+            attention_mask: Option<&Tensor>,
+        ) -> Result<Tensor> {
+            self.lm_head
+                .forward(&self.hidden_states(input_ids, attention_mask)?)
+        }
+
+        /// The next-token loss: `labels` `[B, T]` (usually the input ids; -100 where nothing
+        /// is to be predicted) are shifted here, as `transformers` does; the mean over the
+        /// labels that are not -100. The output layer and the cross-entropy are one fused op.
+        pub fn loss(&self, input_ids: &Tensor, labels: &Tensor) -> Result<Tensor> {
+            self.loss_with_mask(input_ids, None, labels)
+        }
+
+        /// [`loss`](Self::loss) with an attention mask (give padding positions the label
+        /// -100).
+        pub fn loss_with_mask(
+            &self,
+            input_ids: &Tensor,
+            attention_mask: Option<&Tensor>,
+            labels: &Tensor,
+        ) -> Result<Tensor> {
+            let hidden = self.hidden_states(input_ids, attention_mask)?;
+            $crate::layers::causal_lm_loss(&hidden, &self.lm_head, labels)
+        }
+    };
+}
+
+pub(crate) use causal_lm_methods;
+
 /// The masked language-model loss (`*ForMaskedLM`): no shift, -100 ignored.
 pub(crate) fn masked_lm_loss(hidden: &Tensor, head: &Linear, labels: &Tensor) -> Result<Tensor> {
     let (b, t, _) = hidden.dims3()?;

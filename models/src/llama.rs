@@ -3,7 +3,7 @@
 //! Qwen2 (biases on the query, key and value projections), with `transformers`' parameter names
 //! (`model.layers.0.self_attn.q_proj.weight`, ...).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use accelerate_rs::nn::{checkpoint_fn, Linear, RmsNorm};
 use candle_core::{DType, Device, Module, Result, Tensor};
@@ -11,14 +11,14 @@ use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::config::{ensure, parse, read_json, Activation};
+use crate::config::{config_readers, ensure, ensure_sizes, Activation, Origin};
 use crate::error::Result as CrateResult;
 use crate::layers::{
-    attention, causal_lm_loss, check_mask, embedding, linear, lookup, padding_idx, repeat_kv,
+    attention, causal_lm_methods, check_mask, embedding, linear, lookup, padding_idx, repeat_kv,
     AttentionSpec,
 };
 use crate::lora::{rebuild_vb, Adaptable, Proj};
-use crate::pretrained::{check_architecture, pretrained_methods, Weights};
+use crate::pretrained::{pretrained_methods, Weights};
 use crate::rope::{self, apply_rope, RopeConfig};
 
 fn default_act() -> Activation {
@@ -105,49 +105,31 @@ pub struct LlamaConfig {
     /// Every other key of the file, written back as it was.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, Value>,
-    /// The file it was read from (for errors).
+    /// The file it was read from and the keys it had.
     #[serde(skip)]
-    path: PathBuf,
-    /// The keys the file had (a `null` is written back only where the file had one).
-    #[serde(skip)]
-    present: std::collections::BTreeSet<String>,
+    origin: Origin,
 }
 
+config_readers!(LlamaConfig);
+
 impl LlamaConfig {
-    /// Reads a `config.json` (or the one in a model folder).
-    pub fn from_file(path: impl AsRef<Path>) -> CrateResult<Self> {
-        let (path, json) = read_json(path.as_ref())?;
-        Self::from_json(&path, &json)
-    }
-
-    /// Parses and checks a configuration; `path` is named in errors.
-    pub fn from_json(path: &Path, json: &Value) -> CrateResult<Self> {
-        let mut c: LlamaConfig = parse(path, json)?;
-        c.path = path.to_path_buf();
-        c.present = json
-            .as_object()
-            .map(|m| m.keys().cloned().collect())
-            .unwrap_or_default();
-        c.check()?;
-        Ok(c)
-    }
-
     fn check(&self) -> CrateResult<()> {
-        let p = &self.path;
+        let p = &self.origin.path;
         ensure(
             matches!(self.model_type.as_str(), "llama" | "mistral" | "qwen2"),
             p,
             "model_type",
             format!("`{}` is not llama, mistral or qwen2", self.model_type),
         )?;
-        for (key, v) in [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_attention_heads", self.num_attention_heads),
-        ] {
-            ensure(v > 0, p, key, "must be at least 1")?;
-        }
+        ensure_sizes(
+            p,
+            &[
+                ("vocab_size", self.vocab_size),
+                ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size),
+                ("num_attention_heads", self.num_attention_heads),
+            ],
+        )?;
         let kv = self.kv_heads();
         ensure(
             kv > 0 && self.num_attention_heads.is_multiple_of(kv),
@@ -228,7 +210,7 @@ impl LlamaConfig {
     /// The RoPE settings (`rope_parameters`, or `rope_theta` and `rope_scaling`).
     pub fn rope(&self) -> CrateResult<RopeConfig> {
         RopeConfig::from_json(
-            &self.path,
+            &self.origin.path,
             self.rope_theta,
             self.rope_scaling.as_ref(),
             self.rope_parameters.as_ref(),
@@ -453,34 +435,13 @@ pub struct LlamaForCausalLm {
     checkpointing: bool,
 }
 
-pretrained_methods!(LlamaForCausalLm);
+pretrained_methods!(
+    LlamaForCausalLm,
+    config = LlamaConfig,
+    architectures = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"],
+);
 
 impl LlamaForCausalLm {
-    /// A model with fresh parameters on `device` in `dtype`, drawn as `transformers` initializes
-    /// them (N(0, `initializer_range`²) weights, zero biases, unit norms).
-    pub fn from_config(config: &LlamaConfig, device: &Device, dtype: DType) -> CrateResult<Self> {
-        Self::build(config, device, dtype, config.initializer_range)
-    }
-
-    /// Loads a Hugging Face folder (`config.json` and `model.safetensors` or a sharded index)
-    /// on `device` in `dtype` (a bf16 checkpoint into f32 parameters, or the reverse). All or
-    /// nothing; errors name the file and the key or tensor.
-    pub fn from_pretrained(
-        dir: impl AsRef<Path>,
-        device: &Device,
-        dtype: DType,
-    ) -> CrateResult<Self> {
-        let dir = dir.as_ref();
-        let (path, json) = read_json(dir)?;
-        check_architecture(
-            &path,
-            &json,
-            &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"],
-        )?;
-        let config = LlamaConfig::from_json(&path, &json)?;
-        Self::load(config, dir, device, dtype)
-    }
-
     /// Builds from `config` (parameters zeroed) and loads the weights at `dir` into it.
     pub(crate) fn load(
         config: LlamaConfig,
@@ -560,7 +521,11 @@ impl LlamaForCausalLm {
     }
 
     fn config_value(&self) -> Value {
-        crate::config::config_value(&self.config, &self.config.present, &self.config.model_type)
+        crate::config::config_value(
+            &self.config,
+            &self.config.origin.present,
+            &self.config.model_type,
+        )
     }
 
     fn class_name(&self) -> &'static str {
@@ -596,29 +561,7 @@ impl LlamaForCausalLm {
         self.norm.forward(&h)
     }
 
-    /// The logits `[B, T, vocab]` of every position.
-    pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
-        self.lm_head
-            .forward(&self.hidden_states(input_ids, attention_mask)?)
-    }
-
-    /// The next-token loss: `labels` `[B, T]` (usually the input ids; -100 where nothing is to
-    /// be predicted) are shifted here, as `transformers` does; the mean over the labels that are
-    /// not -100. The output layer and the cross-entropy are one fused op.
-    pub fn loss(&self, input_ids: &Tensor, labels: &Tensor) -> Result<Tensor> {
-        self.loss_with_mask(input_ids, None, labels)
-    }
-
-    /// [`loss`](Self::loss) with an attention mask (give padding positions the label -100).
-    pub fn loss_with_mask(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: Option<&Tensor>,
-        labels: &Tensor,
-    ) -> Result<Tensor> {
-        let hidden = self.hidden_states(input_ids, attention_mask)?;
-        causal_lm_loss(&hidden, &self.lm_head, labels)
-    }
+    causal_lm_methods!();
 }
 
 impl Adaptable for LlamaForCausalLm {
@@ -656,11 +599,7 @@ impl Adaptable for LlamaForCausalLm {
         Some("CAUSAL_LM")
     }
 
-    fn source(&self) -> Option<PathBuf> {
-        self.config
-            .path
-            .parent()
-            .map(Path::to_path_buf)
-            .filter(|p| !p.as_os_str().is_empty())
+    fn config_path(&self) -> &Path {
+        &self.config.origin.path
     }
 }

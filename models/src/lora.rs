@@ -161,10 +161,21 @@ pub(crate) trait Adaptable: Clone {
     fn rebuild(&self, frozen: bool) -> CrateResult<Self>;
     /// PEFT's default target modules for the architecture.
     fn default_targets(&self) -> &'static [&'static str];
-    /// PEFT's `task_type` (`CAUSAL_LM`, `SEQ_CLS`), if PEFT has one for the head.
-    fn task_type(&self) -> Option<&'static str>;
+    /// PEFT's `task_type` (`CAUSAL_LM`, `SEQ_CLS`), if PEFT has one for the head. None by
+    /// default: for BERT, PEFT's SEQ_CLS would add the classifier as a module to save, and the
+    /// adapters here cover the encoder's linear layers only.
+    fn task_type(&self) -> Option<&'static str> {
+        None
+    }
+    /// The `config.json` the model was read from (empty for a model built in memory).
+    fn config_path(&self) -> &Path;
     /// The folder the model was loaded from, if any (`base_model_name_or_path`).
-    fn source(&self) -> Option<PathBuf>;
+    fn source(&self) -> Option<PathBuf> {
+        self.config_path()
+            .parent()
+            .map(Path::to_path_buf)
+            .filter(|p| !p.as_os_str().is_empty())
+    }
 }
 
 /// Adds adapters to `model`'s layers that `config` targets: see

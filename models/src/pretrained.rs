@@ -85,12 +85,48 @@ impl Weights {
 
 /// The methods every architecture has around its parameters (inherent, so no trait import is
 /// needed): `varmap`, `dtype`, `config_json`, `save_pretrained`, `save_pretrained_sharded`,
-/// `train`/`is_training`, activation checkpointing and LoRA. The type needs fields
+/// `train`/`is_training`, activation checkpointing and LoRA, and the constructors `from_config`
+/// and `from_pretrained` (for the `architectures` given). The type needs fields
 /// `weights: Weights`, `training: bool` and `checkpointing: bool`, a method
-/// `config_value(&self) -> serde_json::Value`, and to implement `lora::Adaptable`.
+/// `config_value(&self) -> serde_json::Value`, the constructors `build(config, device, dtype,
+/// init_std)` and `load(config, dir, device, dtype)`, and to implement `lora::Adaptable`.
 macro_rules! pretrained_methods {
-    ($ty:ty) => {
+    (
+        $ty:ty,
+        config = $config:ty,
+        architectures = [$($arch:literal),+ $(,)?]
+        $(, $(#[$doc:meta])+)? $(,)?
+    ) => {
         impl $ty {
+            /// A model with fresh parameters on `device` in `dtype`, drawn as `transformers`
+            /// initializes them (N(0, `initializer_range`²) weights, zero biases, unit norms).
+            pub fn from_config(
+                config: &$config,
+                device: &candle_core::Device,
+                dtype: candle_core::DType,
+            ) -> $crate::error::Result<Self> {
+                Self::build(config, device, dtype, config.initializer_range)
+            }
+
+            /// Loads a Hugging Face folder (`config.json` and `model.safetensors` or a sharded
+            /// index) on `device` in `dtype` (a bf16 checkpoint into f32 parameters, or the
+            /// reverse). All or nothing; errors name the file and the key or tensor. The
+            /// folder's `architectures` must be one of
+            #[doc = concat!($("`", $arch, "` "),+)]
+            /// (or absent).
+            $($(#[$doc])+)?
+            pub fn from_pretrained(
+                dir: impl AsRef<std::path::Path>,
+                device: &candle_core::Device,
+                dtype: candle_core::DType,
+            ) -> $crate::error::Result<Self> {
+                let dir = dir.as_ref();
+                let (path, json) = $crate::config::read_json(dir)?;
+                $crate::pretrained::check_architecture(&path, &json, &[$($arch),+])?;
+                let config = <$config>::from_json(&path, &json)?;
+                Self::load(config, dir, device, dtype)
+            }
+
             /// The parameters, by their Hugging Face names: what
             /// `accelerate_rs::Accelerator::prepare` (or `prepare_model`) and the optimizer take.
             pub fn varmap(&self) -> &candle_nn::VarMap {

@@ -27,122 +27,97 @@ impl std::fmt::Debug for AcceleratorBuilder {
     }
 }
 
+/// Builder methods that each set one override: `/// docs` and `name: Type;` give
+/// `pub fn name(mut self, value: Type) -> Self`, setting `self.o.name`.
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident: $ty:ty;)*) => {
+        $(
+            $(#[$doc])*
+            pub fn $name(mut self, value: $ty) -> Self {
+                self.o.$name = Some(value);
+                self
+            }
+        )*
+    };
+}
+
 impl AcceleratorBuilder {
-    /// Force the CPU even when GPUs are present.
-    pub fn cpu(mut self, cpu: bool) -> Self {
-        self.o.cpu = Some(cpu);
-        self
-    }
-    /// Timeout of every collective (default 30 minutes).
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.o.timeout = Some(timeout);
-        self
-    }
-    /// Gradient bucket cap in MiB (default 25).
-    pub fn bucket_cap_mb(mut self, mb: f64) -> Self {
-        self.o.bucket_cap_mb = Some(mb);
-        self
-    }
-    /// The data path between processes on the CPU (default [`Transport::Auto`]: shared memory
-    /// when every rank is on one host, else TCP).
-    ///
-    /// [`Transport::Auto`]: crate::Transport::Auto
-    pub fn transport(mut self, transport: Transport) -> Self {
-        self.o.transport = Some(transport);
-        self
-    }
-    /// What the first optimizer step does when registered parameters received no gradient
-    /// (default [`MissingGradients::Warn`]: one warning on the main process naming them).
-    pub fn missing_gradients(mut self, mode: MissingGradients) -> Self {
-        self.o.missing_gradients = Some(mode);
-        self
-    }
-    /// Accelerate's `split_batches` for every loader this accelerator prepares: the loader's
-    /// batch size is the *global* batch, split evenly across the ranks, so the optimization
-    /// follows the same trajectory at any world size (default false: the batch size is per
-    /// rank, and the global batch grows with the number of processes). Also
-    /// `ACCELERATE_RS_SPLIT_BATCHES` and the config key `split_batches`.
-    pub fn split_batches(mut self, on: bool) -> Self {
-        self.o.split_batches = Some(on);
-        self
-    }
-    /// ZeRO-style sharding (default 0, none): at stage 1 each rank keeps the optimizer state of
-    /// only its 1/N slice of the parameters, updates that slice and all-gathers the rest; at
-    /// stage 2 the gradients are reduce-scattered and each rank keeps only its slice of them
-    /// too. Needs [`optim::AdamW`](crate::optim::AdamW) or [`optim::Sgd`](crate::optim::Sgd)
-    /// and CPU parameters.
-    pub fn zero_stage(mut self, stage: usize) -> Self {
-        self.o.zero_stage = Some(stage);
-        self
-    }
-    /// Whether to tune glibc's allocator for training (default true; see
-    /// [`allocator`](crate::allocator)).
-    pub fn tune_malloc(mut self, on: bool) -> Self {
-        self.o.tune_malloc = Some(on);
-        self
-    }
-    /// Gradient accumulation steps (instead of `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS`;
-    /// default 1, 0 is rejected by [`build`](Self::build)); see
-    /// [`Accelerator::backward`].
-    pub fn gradient_accumulation_steps(mut self, steps: usize) -> Self {
-        self.o.gradient_accumulation_steps = Some(steps);
-        self
-    }
-    /// Mixed precision (instead of `ACCELERATE_RS_MIXED_PRECISION`), used by
-    /// [`Accelerator::prepare_mixed`]; see [`MixedPrecisionOptimizer`](crate::MixedPrecisionOptimizer).
-    pub fn mixed_precision(mut self, mode: MixedPrecision) -> Self {
-        self.o.mixed_precision = Some(mode);
-        self
-    }
-    /// Run this program as `n` processes when it is started on its own (instead of
-    /// `ACCELERATE_RS_NUM_PROCESSES`; default 1): [`build`](Self::build) then starts `n` copies
-    /// of the program (same executable, same arguments) with the launcher's variables, prints
-    /// their lines prefixed with `[rank i]`, stops them all when one fails or on Ctrl-C, and
-    /// exits with the failed rank's code; it does not return in this parent process. Each copy
-    /// reaches the same `build` as a worker of the run and trains. Ignored in a process a
-    /// launcher started (`accelerate-rs launch`, torchrun, SLURM, `mpirun`: `RANK` is set), so
-    /// the same program still runs under them. Call it first thing in `main`: whatever runs
-    /// before it runs in the parent too. Workers get no stdin.
-    ///
-    /// ```no_run
-    /// # fn main() -> accelerate_rs::Result<()> {
-    /// let accelerator = accelerate_rs::Accelerator::builder().processes(2).build()?;
-    /// accelerator.print(format!("{} processes", accelerator.world_size()));
-    /// # Ok(()) }
-    /// ```
-    pub fn processes(mut self, n: usize) -> Self {
-        self.o.processes = Some(n);
-        self
+    setters! {
+        /// Force the CPU even when GPUs are present.
+        cpu: bool;
+        /// Timeout of every collective (default 30 minutes).
+        timeout: Duration;
+        /// Gradient bucket cap in MiB (default 25).
+        bucket_cap_mb: f64;
+        /// The data path between processes on the CPU (default [`Transport::Auto`]: shared memory
+        /// when every rank is on one host, else TCP).
+        ///
+        /// [`Transport::Auto`]: crate::Transport::Auto
+        transport: Transport;
+        /// What the first optimizer step does when registered parameters received no gradient
+        /// (default [`MissingGradients::Warn`]: one warning on the main process naming them).
+        missing_gradients: MissingGradients;
+        /// Accelerate's `split_batches` for every loader this accelerator prepares: the loader's
+        /// batch size is the *global* batch, split evenly across the ranks, so the optimization
+        /// follows the same trajectory at any world size (default false: the batch size is per
+        /// rank, and the global batch grows with the number of processes). Also
+        /// `ACCELERATE_RS_SPLIT_BATCHES` and the config key `split_batches`.
+        split_batches: bool;
+        /// ZeRO-style sharding (default 0, none): at stage 1 each rank keeps the optimizer state of
+        /// only its 1/N slice of the parameters, updates that slice and all-gathers the rest; at
+        /// stage 2 the gradients are reduce-scattered and each rank keeps only its slice of them
+        /// too. Needs [`optim::AdamW`](crate::optim::AdamW) or [`optim::Sgd`](crate::optim::Sgd)
+        /// and CPU parameters.
+        zero_stage: usize;
+        /// Whether to tune glibc's allocator for training (default true; see
+        /// [`allocator`](crate::allocator)).
+        tune_malloc: bool;
+        /// Gradient accumulation steps (instead of `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS`;
+        /// default 1, 0 is rejected by [`build`](Self::build)); see
+        /// [`Accelerator::backward`].
+        gradient_accumulation_steps: usize;
+        /// Mixed precision (instead of `ACCELERATE_RS_MIXED_PRECISION`), used by
+        /// [`Accelerator::prepare_mixed`]; see [`MixedPrecisionOptimizer`](crate::MixedPrecisionOptimizer).
+        mixed_precision: MixedPrecision;
+        /// Run this program as `n` processes when it is started on its own (instead of
+        /// `ACCELERATE_RS_NUM_PROCESSES`; default 1): [`build`](Self::build) then starts `n` copies
+        /// of the program (same executable, same arguments) with the launcher's variables, prints
+        /// their lines prefixed with `[rank i]`, stops them all when one fails or on Ctrl-C, and
+        /// exits with the failed rank's code; it does not return in this parent process. Each copy
+        /// reaches the same `build` as a worker of the run and trains. Ignored in a process a
+        /// launcher started (`accelerate-rs launch`, torchrun, SLURM, `mpirun`: `RANK` is set), so
+        /// the same program still runs under them. Call it first thing in `main`: whatever runs
+        /// before it runs in the parent too. Workers get no stdin.
+        ///
+        /// ```no_run
+        /// # fn main() -> accelerate_rs::Result<()> {
+        /// let accelerator = accelerate_rs::Accelerator::builder().processes(2).build()?;
+        /// accelerator.print(format!("{} processes", accelerator.world_size()));
+        /// # Ok(()) }
+        /// ```
+        processes: usize;
     }
     /// Read this config file instead of the default one.
     pub fn config_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.o.config_file = Some(path.into());
         self
     }
-    /// This process's rank (instead of `RANK`).
-    pub fn rank(mut self, rank: usize) -> Self {
-        self.o.rank = Some(rank);
-        self
-    }
-    /// Number of processes (instead of `WORLD_SIZE`).
-    pub fn world_size(mut self, world_size: usize) -> Self {
-        self.o.world_size = Some(world_size);
-        self
-    }
-    /// Rank on this machine (instead of `LOCAL_RANK`).
-    pub fn local_rank(mut self, local_rank: usize) -> Self {
-        self.o.local_rank = Some(local_rank);
-        self
+    setters! {
+        /// This process's rank (instead of `RANK`).
+        rank: usize;
+        /// Number of processes (instead of `WORLD_SIZE`).
+        world_size: usize;
+        /// Rank on this machine (instead of `LOCAL_RANK`).
+        local_rank: usize;
     }
     /// Address of rank 0 (instead of `MASTER_ADDR`).
     pub fn master_addr(mut self, addr: impl Into<String>) -> Self {
         self.o.master_addr = Some(addr.into());
         self
     }
-    /// Rendezvous port (instead of `MASTER_PORT`).
-    pub fn master_port(mut self, port: u16) -> Self {
-        self.o.master_port = Some(port);
-        self
+    setters! {
+        /// Rendezvous port (instead of `MASTER_PORT`).
+        master_port: u16;
     }
     /// The run's secret (instead of `ACCELERATE_RS_SECRET`).
     pub fn secret(mut self, secret: impl Into<String>) -> Self {
@@ -161,17 +136,16 @@ impl AcceleratorBuilder {
         self
     }
 
-    /// DP: this process drives `replicas` model replicas, one thread each: GPUs `0..replicas`, or
-    /// CPU replicas with [`cpu(true)`](Self::cpu) (instead of `ACCELERATE_RS_DATA_PARALLEL`;
-    /// 1 = no DP). Start them with [`run`](Self::run).
-    ///
-    /// DP runs in one process; the closure given to `run` is an ordinary training loop, run once
-    /// per replica with that replica's accelerator (rank = replica index, world size =
-    /// `replicas`). `build()` refuses a DP request, since one accelerator cannot drive several
-    /// replicas.
-    pub fn data_parallel(mut self, replicas: usize) -> Self {
-        self.o.data_parallel = Some(replicas);
-        self
+    setters! {
+        /// DP: this process drives `replicas` model replicas, one thread each: GPUs `0..replicas`, or
+        /// CPU replicas with [`cpu(true)`](Self::cpu) (instead of `ACCELERATE_RS_DATA_PARALLEL`;
+        /// 1 = no DP). Start them with [`run`](Self::run).
+        ///
+        /// DP runs in one process; the closure given to `run` is an ordinary training loop, run once
+        /// per replica with that replica's accelerator (rank = replica index, world size =
+        /// `replicas`). `build()` refuses a DP request, since one accelerator cannot drive several
+        /// replicas.
+        data_parallel: usize;
     }
 
     /// Runs `f` once per replica, each with its own [`Accelerator`] (DP, see

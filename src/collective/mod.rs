@@ -32,6 +32,38 @@
 //! # }
 //! ```
 
+/// `Collective` for a stub backend's type (a build without its feature), which holds a
+/// `never: Infallible` field: no value exists, so no method can run. Unused in a build with every
+/// backend.
+#[allow(unused_macros)]
+macro_rules! uninhabited_collective {
+    ($t:ty) => {
+        impl Collective for $t {
+            fn rank(&self) -> usize {
+                match self.never {}
+            }
+            fn world_size(&self) -> usize {
+                match self.never {}
+            }
+            fn backend(&self) -> &'static str {
+                match self.never {}
+            }
+            fn all_reduce(&self, _: BufferMut<'_>, _: ReduceOp) -> Result<()> {
+                match self.never {}
+            }
+            fn broadcast(&self, _: BufferMut<'_>, _: usize) -> Result<()> {
+                match self.never {}
+            }
+            fn all_gather(&self, _: Buffer<'_>) -> Result<Vec<OwnedBuffer>> {
+                match self.never {}
+            }
+            fn barrier(&self) -> Result<()> {
+                match self.never {}
+            }
+        }
+    };
+}
+
 mod buffer;
 #[cfg(feature = "cuda")]
 mod nccl;

@@ -27,26 +27,4 @@ impl MpiCollective {
     }
 }
 
-impl Collective for MpiCollective {
-    fn rank(&self) -> usize {
-        match self.never {}
-    }
-    fn world_size(&self) -> usize {
-        match self.never {}
-    }
-    fn backend(&self) -> &'static str {
-        match self.never {}
-    }
-    fn all_reduce(&self, _: BufferMut<'_>, _: ReduceOp) -> Result<()> {
-        match self.never {}
-    }
-    fn broadcast(&self, _: BufferMut<'_>, _: usize) -> Result<()> {
-        match self.never {}
-    }
-    fn all_gather(&self, _: Buffer<'_>) -> Result<Vec<OwnedBuffer>> {
-        match self.never {}
-    }
-    fn barrier(&self) -> Result<()> {
-        match self.never {}
-    }
-}
+uninhabited_collective!(MpiCollective);

@@ -236,7 +236,94 @@ macro_rules! binary_float {
     };
 }
 
-pub(super) use {binary_float, multiversion, unary_float};
+/// The `saved` tensor of [`elementwise_pair`]'s backward: the op's `input` or its `output`.
+macro_rules! saved_tensor {
+    (input, $x:expr, $res:expr) => {{
+        let _ = $res;
+        $x
+    }};
+    (output, $x:expr, $res:expr) => {{
+        let _ = $x;
+        $res
+    }};
+}
+
+/// Candle's custom-op traits for a fused elementwise function with a one-pass backward:
+/// `$fwd_ty` (`CustomOp1` named `$fwd_name`, `$fwd(x)` on the CPU) whose backward applies
+/// `$bwd_ty` (`CustomOp2` named `$bwd_name`, `$bwd(saved, dy)`) to the op's `input` or `output`
+/// (`saved = ...`) and the incoming gradient. With `cuda = (F, B)`, the `nn-cuda` feature runs
+/// them with the kernels `Elementwise::F` and `Elementwise::B`.
+macro_rules! elementwise_pair {
+    (
+        $fwd_ty:ident = $fwd_name:literal by $fwd:ident,
+        $bwd_ty:ident = $bwd_name:literal by $bwd:ident,
+        saved = $saved:ident
+        $(, cuda = ($kf:ident, $kb:ident))? $(,)?
+    ) => {
+        impl CustomOp1 for $fwd_ty {
+            fn name(&self) -> &'static str {
+                $fwd_name
+            }
+
+            fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+                let out = unary_float!(self.name(), s, l, $fwd);
+                Ok((out, l.shape().clone()))
+            }
+
+            $(
+                #[cfg(feature = "nn-cuda")]
+                fn cuda_fwd(
+                    &self,
+                    s: &candle_core::CudaStorage,
+                    l: &Layout,
+                ) -> Result<(candle_core::CudaStorage, Shape)> {
+                    super::cuda::elementwise(super::cuda::Elementwise::$kf, (s, l), None)
+                }
+            )?
+
+            fn bwd(&self, x: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+                let saved: &Tensor = saved_tensor!($saved, x, res);
+                Ok(Some(saved.apply_op2_no_bwd(&grad.contiguous()?, &$bwd_ty)?))
+            }
+        }
+
+        impl CustomOp2 for $bwd_ty {
+            fn name(&self) -> &'static str {
+                $bwd_name
+            }
+
+            fn cpu_fwd(
+                &self,
+                s1: &CpuStorage,
+                l1: &Layout,
+                s2: &CpuStorage,
+                l2: &Layout,
+            ) -> Result<(CpuStorage, Shape)> {
+                let out = binary_float!(self.name(), s1, l1, s2, l2, $bwd);
+                Ok((out, l1.shape().clone()))
+            }
+
+            $(
+                #[cfg(feature = "nn-cuda")]
+                fn cuda_fwd(
+                    &self,
+                    s1: &candle_core::CudaStorage,
+                    l1: &Layout,
+                    s2: &candle_core::CudaStorage,
+                    l2: &Layout,
+                ) -> Result<(candle_core::CudaStorage, Shape)> {
+                    super::cuda::elementwise(
+                        super::cuda::Elementwise::$kb,
+                        (s1, l1),
+                        Some((s2, l2)),
+                    )
+                }
+            )?
+        }
+    };
+}
+
+pub(super) use {binary_float, elementwise_pair, multiversion, saved_tensor, unary_float};
 
 #[cfg(test)]
 mod tests {

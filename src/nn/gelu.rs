@@ -5,7 +5,9 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::elem::{binary_float, fused, slice, tanh_f32, unary_float, Elem};
+use super::elem::{
+    binary_float, elementwise_pair, fused, saved_tensor, slice, tanh_f32, unary_float, Elem,
+};
 
 /// Elements per Rayon task.
 const CHUNK: usize = 4096;
@@ -38,30 +40,6 @@ fn fwd<T: Elem>(x: &[T]) -> Vec<T> {
     out
 }
 
-impl CustomOp1 for GeluFwd {
-    fn name(&self) -> &'static str {
-        "accelerate-rs-gelu"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = unary_float!(self.name(), s, l, fwd);
-        Ok((out, l.shape().clone()))
-    }
-
-    #[cfg(feature = "nn-cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::elementwise(super::cuda::Elementwise::GeluFwd, (s, l), None)
-    }
-
-    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &GeluBwd)?))
-    }
-}
-
 /// `(x, dy)` → `dy · gelu'(x)`.
 struct GeluBwd;
 
@@ -80,30 +58,9 @@ fn bwd<T: Elem>(x: &[T], dy: &[T]) -> Vec<T> {
     out
 }
 
-impl CustomOp2 for GeluBwd {
-    fn name(&self) -> &'static str {
-        "accelerate-rs-gelu-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let out = binary_float!(self.name(), s1, l1, s2, l2, bwd);
-        Ok((out, l1.shape().clone()))
-    }
-
-    #[cfg(feature = "nn-cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::elementwise(super::cuda::Elementwise::GeluBwd, (s1, l1), Some((s2, l2)))
-    }
-}
+elementwise_pair!(
+    GeluFwd = "accelerate-rs-gelu" by fwd,
+    GeluBwd = "accelerate-rs-gelu-backward" by bwd,
+    saved = input,
+    cuda = (GeluFwd, GeluBwd),
+);

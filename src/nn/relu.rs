@@ -4,7 +4,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::elem::{binary_float, fused, slice, unary_float, Elem};
+use super::elem::{binary_float, elementwise_pair, fused, saved_tensor, slice, unary_float, Elem};
 
 /// Elements per Rayon task.
 const CHUNK: usize = 8192;
@@ -36,31 +36,6 @@ fn fwd<T: Elem>(x: &[T]) -> Vec<T> {
         .collect()
 }
 
-impl CustomOp1 for ReluFwd {
-    fn name(&self) -> &'static str {
-        "accelerate-rs-relu"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = unary_float!(self.name(), s, l, fwd);
-        Ok((out, l.shape().clone()))
-    }
-
-    #[cfg(feature = "nn-cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::elementwise(super::cuda::Elementwise::ReluFwd, (s, l), None)
-    }
-
-    fn bwd(&self, _x: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        // The output is positive exactly where the input is.
-        Ok(Some(res.apply_op2_no_bwd(&grad.contiguous()?, &ReluBwd)?))
-    }
-}
-
 /// `(y, dy)` → `dy` where `y > 0`, else 0.
 pub(super) struct ReluBwd;
 
@@ -72,30 +47,9 @@ fn bwd<T: Elem>(y: &[T], dy: &[T]) -> Vec<T> {
         .collect()
 }
 
-impl CustomOp2 for ReluBwd {
-    fn name(&self) -> &'static str {
-        "accelerate-rs-relu-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let out = binary_float!(self.name(), s1, l1, s2, l2, bwd);
-        Ok((out, l1.shape().clone()))
-    }
-
-    #[cfg(feature = "nn-cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::elementwise(super::cuda::Elementwise::ReluBwd, (s1, l1), Some((s2, l2)))
-    }
-}
+elementwise_pair!(
+    ReluFwd = "accelerate-rs-relu" by fwd,
+    ReluBwd = "accelerate-rs-relu-backward" by bwd,
+    saved = output,
+    cuda = (ReluFwd, ReluBwd),
+);

@@ -6,7 +6,9 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::elem::{binary_float, exp_f32, fused_cpu, slice, unary_float, Elem};
+use super::elem::{
+    binary_float, elementwise_pair, exp_f32, fused_cpu, saved_tensor, slice, unary_float, Elem,
+};
 
 /// Elements per Rayon task.
 const CHUNK: usize = 4096;
@@ -80,21 +82,6 @@ fn silu_fwd<T: Elem>(x: &[T]) -> Vec<T> {
     out
 }
 
-impl CustomOp1 for SiluFwd {
-    fn name(&self) -> &'static str {
-        "accelerate-rs-silu"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = unary_float!(self.name(), s, l, silu_fwd);
-        Ok((out, l.shape().clone()))
-    }
-
-    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &SiluBwd)?))
-    }
-}
-
 /// `silu'(x) = σ(x) (1 + x (1 − σ(x)))`.
 #[inline(always)]
 fn silu_grad(x: f32) -> f32 {
@@ -117,22 +104,11 @@ fn silu_bwd<T: Elem>(x: &[T], dy: &[T]) -> Vec<T> {
     out
 }
 
-impl CustomOp2 for SiluBwd {
-    fn name(&self) -> &'static str {
-        "accelerate-rs-silu-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let out = binary_float!(self.name(), s1, l1, s2, l2, silu_bwd);
-        Ok((out, l1.shape().clone()))
-    }
-}
+elementwise_pair!(
+    SiluFwd = "accelerate-rs-silu" by silu_fwd,
+    SiluBwd = "accelerate-rs-silu-backward" by silu_bwd,
+    saved = input
+);
 
 /// `(gate, up)` → `silu(gate) · up`.
 struct SwigluFwd;

@@ -209,18 +209,9 @@ impl std::fmt::Debug for CheckpointParts<'_> {
             .field("step", &self.step)
             .field("extra", &self.extra)
             .field("save_on_each_node", &self.save_on_each_node)
-            .field(
-                "models",
-                &self.models.iter().map(|(n, _)| n).collect::<Vec<_>>(),
-            )
-            .field(
-                "optimizers",
-                &self.optimizers.iter().map(|(n, _)| n).collect::<Vec<_>>(),
-            )
-            .field(
-                "states",
-                &self.states.iter().map(|(n, _)| n).collect::<Vec<_>>(),
-            )
+            .field("models", &names(&self.models))
+            .field("optimizers", &names(&self.optimizers))
+            .field("states", &names(&self.states))
             .finish()
     }
 }
@@ -406,22 +397,18 @@ pub struct LoadTargets<'a> {
     pub hooks: Vec<&'a LoadHook<'a>>,
 }
 
+/// The names of named parts (for `Debug`).
+fn names<T>(parts: &[(String, T)]) -> Vec<&str> {
+    parts.iter().map(|(n, _)| n.as_str()).collect()
+}
+
 impl std::fmt::Debug for LoadTargets<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LoadTargets")
             .field("optimizer", &self.optimizer.is_some())
-            .field(
-                "models",
-                &self.models.iter().map(|(n, _)| n).collect::<Vec<_>>(),
-            )
-            .field(
-                "optimizers",
-                &self.optimizers.iter().map(|(n, _)| n).collect::<Vec<_>>(),
-            )
-            .field(
-                "states",
-                &self.states.iter().map(|(n, _)| n).collect::<Vec<_>>(),
-            )
+            .field("models", &names(&self.models))
+            .field("optimizers", &names(&self.optimizers))
+            .field("states", &names(&self.states))
             .finish()
     }
 }
