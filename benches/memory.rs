@@ -169,6 +169,8 @@ fn main() -> Result<()> {
             batch_size: r.batch,
             seq_len: r.seq,
             checkpointing: r.checkpoint,
+            // The bench model composes its head: Linear, then nn::cross_entropy.
+            fused_head: false,
             ..Plan::default()
         };
         let e = estimate(&spec, &plan)?;

@@ -6,7 +6,9 @@
 //!
 //! Each measurement is a child process (this program with `--child CONFIG`) that builds the
 //! model, trains `--warmup` + `--steps` steps on random tokens and reports its peak resident
-//! set (`VmHWM` of `/proc/self/status`) and the median step time. The parent runs `--rounds`
+//! set (`VmHWM` of `/proc/self/status`), what it held before the model existed (`VmRSS`), and
+//! the median step time; the table puts `accelerate-rs estimate-memory`'s prediction
+//! (`accelerate_rs::memory::estimate`) beside the peak above that start. The parent runs `--rounds`
 //! rounds, each over every configuration in a rotated order (so that a loaded machine affects
 //! them alike), and prints a Markdown table: medians with the spread (min–max) over the rounds.
 //!
@@ -16,6 +18,7 @@
 use std::process::Command;
 use std::time::Instant;
 
+use accelerate_rs::memory::{estimate, Lora, ModelSpec, Plan};
 use accelerate_rs::nn::LoraConfig;
 use accelerate_rs::optim::AdamW;
 use accelerate_rs::Accelerator;
@@ -66,17 +69,65 @@ struct Args {
     child: Option<String>,
 }
 
+/// LoRA's target modules here: every linear layer of the blocks.
+const TARGETS: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+
+/// The model's `config.json`.
+fn model_json(args: &Args) -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "llama",
+        "vocab_size": args.vocab,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "max_position_embeddings": args.seq,
+        "tie_word_embeddings": false,
+    })
+}
+
+/// What `accelerate-rs estimate-memory` predicts for `config`, in bytes.
+fn predicted(args: &Args, config: &str) -> Result<u64> {
+    let path = std::path::Path::new("<memory_bench>");
+    let spec = ModelSpec::from_config(&model_json(args), path)?;
+    let plan = Plan {
+        lora: config.starts_with("lora").then(|| Lora {
+            r: args.lora_r,
+            targets: TARGETS.iter().map(|t| t.to_string()).collect(),
+        }),
+        batch_size: args.batch,
+        seq_len: args.seq,
+        checkpointing: config.ends_with("ckpt"),
+        ..Plan::default()
+    };
+    Ok(estimate(&spec, &plan)?.total())
+}
+
 /// `VmHWM` (peak resident set) of this process, in bytes.
 fn peak_rss() -> Result<u64> {
+    status_bytes("VmHWM:")
+}
+
+/// A size line (`VmHWM:`, `VmRSS:`) of `/proc/self/status`, in bytes.
+fn status_bytes(key: &str) -> Result<u64> {
     let status = std::fs::read_to_string("/proc/self/status").context("/proc/self/status")?;
     let line = status
         .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .context("no VmHWM in /proc/self/status")?;
+        .find(|l| l.starts_with(key))
+        .with_context(|| format!("no {key} in /proc/self/status"))?;
     let kb: u64 = line
         .split_whitespace()
         .nth(1)
-        .context("VmHWM without a value")?
+        .with_context(|| format!("{key} without a value"))?
         .parse()?;
     Ok(kb * 1024)
 }
@@ -94,8 +145,11 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-/// One configuration in this process: prints `RESULT peak_bytes step_ms trainable_params`.
+/// One configuration in this process: prints
+/// `RESULT peak_bytes step_ms trainable_params forward_ms start_bytes`.
 fn child(args: &Args, config: &str) -> Result<()> {
+    // What the process holds before the model exists (the program, its libraries).
+    let start = status_bytes("VmRSS:")?;
     let (lora, ckpt) = match config {
         "plain" => (false, false),
         "ckpt" => (false, true),
@@ -105,30 +159,12 @@ fn child(args: &Args, config: &str) -> Result<()> {
     };
     let accelerator = Accelerator::builder().rank(0).world_size(1).build()?;
     let device = accelerator.device().clone();
-    let json = serde_json::json!({
-        "model_type": "llama",
-        "vocab_size": args.vocab,
-        "hidden_size": args.hidden,
-        "intermediate_size": args.intermediate,
-        "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads,
-        "num_key_value_heads": args.kv_heads,
-        "max_position_embeddings": args.seq,
-        "tie_word_embeddings": false,
-    });
+    let json = model_json(args);
     let config = LlamaConfig::from_json(std::path::Path::new("<memory_bench>"), &json)?;
     let mut model = LlamaForCausalLm::from_config(&config, &device, DType::F32)?;
     if lora {
         model.add_lora(
-            &LoraConfig::new(args.lora_r, 2.0 * args.lora_r as f64).target_modules([
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ]),
+            &LoraConfig::new(args.lora_r, 2.0 * args.lora_r as f64).target_modules(TARGETS),
         )?;
     }
     model.set_gradient_checkpointing(ckpt);
@@ -161,7 +197,7 @@ fn child(args: &Args, config: &str) -> Result<()> {
         }
     }
     println!(
-        "RESULT {} {:.1} {n_trainable} {:.1}",
+        "RESULT {} {:.1} {n_trainable} {:.1} {start}",
         peak_rss()?,
         median(&mut times),
         median(&mut forward)
@@ -183,9 +219,9 @@ fn main() -> Result<()> {
         bail!("--configs: unknown configuration `{bad}` (one of {CONFIGS:?})");
     }
     let exe = std::env::current_exe()?;
-    // config -> (peaks in bytes, step times in ms, trainable parameters)
-    let mut results: Vec<(Vec<f64>, Vec<f64>, u64)> =
-        vec![(Vec::new(), Vec::new(), 0); configs.len()];
+    // config -> (peaks in bytes, step times in ms, trainable parameters, peaks above the start)
+    let mut results: Vec<(Vec<f64>, Vec<f64>, u64, Vec<f64>)> =
+        vec![(Vec::new(), Vec::new(), 0, Vec::new()); configs.len()];
     for round in 0..args.rounds {
         for k in 0..configs.len() {
             let i = (round + k) % configs.len();
@@ -206,6 +242,7 @@ fn main() -> Result<()> {
             };
             let f: Vec<&str> = line.split_whitespace().collect();
             let (peak, ms, n): (f64, f64, u64) = (f[0].parse()?, f[1].parse()?, f[2].parse()?);
+            let start: f64 = f.get(4).context("no start size in the result")?.parse()?;
             eprintln!(
                 "round {round} {:>9}: peak {:7.1} MiB, step {:8.1} ms (forward {} ms)",
                 configs[i],
@@ -216,6 +253,7 @@ fn main() -> Result<()> {
             results[i].0.push(peak);
             results[i].1.push(ms);
             results[i].2 = n;
+            results[i].3.push(peak - start);
         }
     }
     println!(
@@ -223,18 +261,23 @@ fn main() -> Result<()> {
         args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab, args.batch, args.seq, args.rounds, args.steps
     );
     println!();
-    println!("| configuration | trainable parameters | peak RSS (MiB), median (min–max) | step time (ms), median (min–max) |");
-    println!("|---|---|---|---|");
+    println!("| configuration | trainable parameters | peak RSS (MiB), median (min–max) | above the start (MiB) | estimate-memory (MiB) | estimate / above the start | step time (ms), median (min–max) |");
+    println!("|---|---|---|---|---|---|---|");
     let spread = |v: &[f64], scale: f64| {
         let mut v: Vec<f64> = v.iter().map(|x| x * scale).collect();
         let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
         let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         format!("{:.0} ({:.0}–{:.0})", median(&mut v), lo, hi)
     };
-    for (c, (peaks, times, n)) in configs.iter().zip(&results) {
+    let mib = 1.0 / (1 << 20) as f64;
+    for (c, (peaks, times, n, above)) in configs.iter().zip(&results) {
+        let predicted = predicted(&args, c)? as f64 * mib;
+        let above_median = median(&mut above.iter().map(|x| x * mib).collect::<Vec<_>>());
         println!(
-            "| {c} | {n} | {} | {} |",
-            spread(peaks, 1.0 / (1 << 20) as f64),
+            "| {c} | {n} | {} | {} | {predicted:.0} | {:.2} | {} |",
+            spread(peaks, mib),
+            spread(above, mib),
+            predicted / above_median,
             spread(times, 1.0)
         );
     }

@@ -12,7 +12,7 @@
 //! | optimizer state (trainable) | AdamW 8 (two f32 moments), SGD with momentum 4, plain SGD 0; ZeRO stage 1 and 2 keep 1/N |
 //! | f32 masters (trainable, mixed precision) | 4 |
 //! | activations | what the backward pass keeps, per block and token, as accelerate-rs's `nn` layers keep it (see [`Architecture`] and below), plus the output layer; with activation checkpointing only each block's input, plus one block recomputed at a time |
-//! | backward working set | at the backward pass's start the logits' gradient, at its end a few tensors of one block's size (and with checkpointing the block being recomputed), whichever is larger beyond the gradients |
+//! | backward working set | at the backward pass's start the head's input gradient (with the fused output layer and loss, `nn::linear_cross_entropy`; three logits-sized f32 tensors with a composed head, `Plan::fused_head` false), at its end a few tensors of one block's size (and with checkpointing the block being recomputed), whichever is larger beyond the gradients |
 //!
 //! ZeRO is counted as accelerate-rs implements it: stage 1 shards the optimizer state, stage 2
 //! also the averaged gradients; parameters and f32 masters stay whole on every rank. What is not
@@ -129,10 +129,17 @@ pub struct Plan {
     pub seq_len: usize,
     /// Whether every block is checkpointed (`nn::checkpoint`).
     pub checkpointing: bool,
+    /// Whether the output layer and the loss are one fused op (`nn::linear_cross_entropy`, as
+    /// the `loss` of `accelerate-rs-models`' causal LMs): the kept logits then become their
+    /// gradient in place. When false (a `Linear`, then `nn::cross_entropy` on its logits) the
+    /// backward pass starts with three logits-sized f32 tensors (the loss's gradient, and the
+    /// zero-filled tensor and sum Candle's backward makes of it).
+    pub fused_head: bool,
 }
 
 impl Default for Plan {
-    /// f32, no ZeRO, one rank, AdamW, full fine-tuning, batch 1 of 512 tokens, no checkpointing.
+    /// f32, no ZeRO, one rank, AdamW, full fine-tuning, batch 1 of 512 tokens, no
+    /// checkpointing, the fused output layer and loss.
     fn default() -> Self {
         Plan {
             precision: MixedPrecision::No,
@@ -143,6 +150,7 @@ impl Default for Plan {
             batch_size: 1,
             seq_len: 512,
             checkpointing: false,
+            fused_head: true,
         }
     }
 }
@@ -435,9 +443,14 @@ fn activations(
     } else {
         outer + logits + layers * block
     };
-    // Start of the backward pass: the logits' f32 gradient, with the zero-filled tensor and the
-    // sum Candle's backward makes of it.
-    let start = if head { 3 * tokens * v * 4 } else { 0 };
+    // Start of the backward pass: fused, the head's input gradient (the logits' gradient takes
+    // their place); composed, the logits' f32 gradient, with the zero-filled tensor and the sum
+    // Candle's backward makes of it.
+    let start = match (head, plan.fused_head) {
+        (false, _) => 0,
+        (true, true) => tokens * h * e,
+        (true, false) => 3 * tokens * v * 4,
+    };
     // End: the gradients of the residual stream and of the widest branch, each being read
     // while the next is written; with checkpointing, the first block recomputed.
     let end = tokens * 2 * (h + i.max(h)) * e + if plan.checkpointing { block } else { 0 };

@@ -73,6 +73,8 @@ fn predicted_peaks_are_within_20_percent_of_measured_ones() {
             batch_size: r.batch,
             seq_len: r.seq,
             checkpointing: r.checkpoint,
+            // The test model composes its head: Linear, then nn::cross_entropy.
+            fused_head: false,
             ..Plan::default()
         };
         let predicted = estimate(&spec, &plan).unwrap().total() as f64;

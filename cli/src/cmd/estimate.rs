@@ -46,6 +46,11 @@ pub(crate) struct EstimateArgs {
     /// default: peft's defaults for the architecture).
     #[arg(long, value_delimiter = ',', value_name = "NAMES", requires = "lora_r")]
     lora_targets: Vec<String>,
+    /// The model's output layer and loss are composed (a Linear, then a cross-entropy on its
+    /// logits) rather than one fused op (`nn::linear_cross_entropy`, as accelerate-rs-models'
+    /// loss): the backward pass then starts with three logits-sized f32 tensors.
+    #[arg(long)]
+    composed_head: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -198,6 +203,7 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
         batch_size: args.batch_size,
         seq_len,
         checkpointing: false,
+        fused_head: !args.composed_head,
     };
     // One row per precision and stage: the plan without and with checkpointing.
     let mut rows: Vec<(Precision, usize, Estimate, Estimate)> = Vec::new();
@@ -305,8 +311,13 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
         }
     }
     let counted = format!(
-        "Counted: parameters (bf16/fp16: the working copies; LoRA: the frozen base in the compute dtype plus the adapters), gradients of the trainable parameters (mixed precision: the half-precision ones and their f32 copies), {} state, f32 masters, and activations: what the backward pass keeps per block as accelerate-rs's nn layers keep it (attention weights of heads x sequence length included: no flash attention), the logits, and the backward pass's working set; \"ckpt\": every block checkpointed (nn::checkpoint). ZeRO as accelerate-rs implements it: stage 1 shards the optimizer state over the ranks, stage 2 also the averaged gradients; parameters and masters stay whole on every rank.",
-        optimizer.name()
+        "Counted: parameters (bf16/fp16: the working copies; LoRA: the frozen base in the compute dtype plus the adapters), gradients of the trainable parameters (mixed precision: the half-precision ones and their f32 copies), {} state, f32 masters, and activations: what the backward pass keeps per block as accelerate-rs's nn layers keep it (attention weights of heads x sequence length included: no flash attention), the logits, and the backward pass's working set ({}); \"ckpt\": every block checkpointed (nn::checkpoint). ZeRO as accelerate-rs implements it: stage 1 shards the optimizer state over the ranks, stage 2 also the averaged gradients; parameters and masters stay whole on every rank.",
+        optimizer.name(),
+        if args.composed_head {
+            "a composed output layer and loss: three logits-sized f32 tensors at its start"
+        } else {
+            "the output layer and loss fused as nn::linear_cross_entropy, as accelerate-rs-models' loss; --composed-head for a Linear then a cross-entropy"
+        }
     );
     let _ = writeln!(w, "\n{}", wrap(&counted, 100, ""));
     let _ = writeln!(w, "Not counted:");
