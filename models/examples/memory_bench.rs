@@ -205,6 +205,19 @@ fn child(args: &Args, config: &str) -> Result<()> {
     Ok(())
 }
 
+/// One configuration's measurements over the rounds.
+#[derive(Clone, Default)]
+struct Measured {
+    /// Peak resident sets, bytes.
+    peaks: Vec<f64>,
+    /// Median step times, ms.
+    times: Vec<f64>,
+    /// Trainable parameters.
+    trainable: u64,
+    /// Peaks above what the process held at its start, bytes.
+    above: Vec<f64>,
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     if let Some(config) = &args.child {
@@ -219,9 +232,7 @@ fn main() -> Result<()> {
         bail!("--configs: unknown configuration `{bad}` (one of {CONFIGS:?})");
     }
     let exe = std::env::current_exe()?;
-    // config -> (peaks in bytes, step times in ms, trainable parameters, peaks above the start)
-    let mut results: Vec<(Vec<f64>, Vec<f64>, u64, Vec<f64>)> =
-        vec![(Vec::new(), Vec::new(), 0, Vec::new()); configs.len()];
+    let mut results = vec![Measured::default(); configs.len()];
     for round in 0..args.rounds {
         for k in 0..configs.len() {
             let i = (round + k) % configs.len();
@@ -250,10 +261,10 @@ fn main() -> Result<()> {
                 ms,
                 f.get(3).unwrap_or(&"?")
             );
-            results[i].0.push(peak);
-            results[i].1.push(ms);
-            results[i].2 = n;
-            results[i].3.push(peak - start);
+            results[i].peaks.push(peak);
+            results[i].times.push(ms);
+            results[i].trainable = n;
+            results[i].above.push(peak - start);
         }
     }
     println!(
@@ -270,7 +281,8 @@ fn main() -> Result<()> {
         format!("{:.0} ({:.0}–{:.0})", median(&mut v), lo, hi)
     };
     let mib = 1.0 / (1 << 20) as f64;
-    for (c, (peaks, times, n, above)) in configs.iter().zip(&results) {
+    for (c, r) in configs.iter().zip(&results) {
+        let (peaks, times, n, above) = (&r.peaks, &r.times, r.trainable, &r.above);
         let predicted = predicted(&args, c)? as f64 * mib;
         let above_median = median(&mut above.iter().map(|x| x * mib).collect::<Vec<_>>());
         println!(
@@ -292,15 +304,15 @@ fn main() -> Result<()> {
             continue;
         };
         let mut peak: Vec<f64> = results[ia]
-            .0
+            .peaks
             .iter()
-            .zip(&results[ib].0)
+            .zip(&results[ib].peaks)
             .map(|(x, y)| x / y)
             .collect();
         let mut time: Vec<f64> = results[ia]
-            .1
+            .times
             .iter()
-            .zip(&results[ib].1)
+            .zip(&results[ib].times)
             .map(|(x, y)| x / y)
             .collect();
         println!(
