@@ -383,6 +383,20 @@ def make_lora_fixture(name, out, seed):
     )
 
 
+def compare_probe(model, probe):
+    """The model's logits on the probe's inputs against the probe's logits: the largest absolute
+    difference, the logits' scale, and whether the difference is within 1e-4 of the scale."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(
+            input_ids=probe["input_ids"], attention_mask=probe.get("attention_mask")
+        ).logits
+    want = probe["logits"].float()
+    diff = (logits - want).abs().max().item()
+    scale = want.abs().max().item()
+    return diff, scale, diff <= 1e-4 * max(scale, 1.0)
+
+
 def check_adapter(adapter_dir, base_dir, probe_path):
     from peft import PeftModel
     import peft
@@ -393,15 +407,7 @@ def check_adapter(adapter_dir, base_dir, probe_path):
         base_dir, attn_implementation="eager", dtype=torch.float32
     )
     model = PeftModel.from_pretrained(base, adapter_dir)
-    model.eval()
-    with torch.no_grad():
-        logits = model(
-            input_ids=probe["input_ids"], attention_mask=probe.get("attention_mask")
-        ).logits
-    want = probe["logits"].float()
-    diff = (logits - want).abs().max().item()
-    scale = want.abs().max().item()
-    ok = diff <= 1e-4 * max(scale, 1.0)
+    diff, scale, ok = compare_probe(model, probe)
     print(
         f"{adapter_dir}: adapter on {base_dir} loaded by peft {peft.__version__}; max |logits "
         f"diff| {diff:.3e} (scale {scale:.3f}): {'OK' if ok else 'MISMATCH'}"
@@ -424,15 +430,7 @@ def check(folder, probe_path):
         arch = json.load(f)["architectures"][0]
     auto = next(a for suffix, a in AUTO_BY_ARCH.items() if arch.endswith(suffix))
     model = auto.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        logits = model(
-            input_ids=probe["input_ids"], attention_mask=probe.get("attention_mask")
-        ).logits
-    want = probe["logits"].float()
-    diff = (logits - want).abs().max().item()
-    scale = want.abs().max().item()
-    ok = diff <= 1e-4 * max(scale, 1.0)
+    diff, scale, ok = compare_probe(model, probe)
     print(
         f"{folder}: {arch} loaded by transformers {transformers.__version__}; max |logits diff| "
         f"{diff:.3e} (scale {scale:.3f}): {'OK' if ok else 'MISMATCH'}"
