@@ -161,19 +161,14 @@ impl Reducer {
             }
             all
         };
-        let mut next_flag = flags.into_iter();
+        // The buckets' flags are back to back, one per member.
+        let flags: Vec<f64> = flags.into_iter().map(f64::from).collect();
+        let mut rest = flags.as_slice();
         for (b, mean) in p.buckets().iter().zip(&means) {
             let vars = &p.vars()[b.members.clone()];
-            let mut off = 0;
-            for v in vars {
-                let n = v.elem_count();
-                if next_flag.next().is_some_and(|f| f > 0.0) {
-                    grads.insert(v.as_tensor(), mean.narrow(0, off, n)?.reshape(v.shape())?);
-                } else {
-                    grads.remove(v.as_tensor());
-                }
-                off += n;
-            }
+            let (mine, tail) = rest.split_at(vars.len().min(rest.len()));
+            Self::install_bucket(vars, mean, mine, grads)?;
+            rest = tail;
         }
         Ok(())
     }
