@@ -863,20 +863,8 @@ impl CustomOp1 for Attention {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::elem::max_diff;
     use candle_core::Device;
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
 
     /// The composed path (what runs on a GPU) equals the fused CPU op, causal or not, with and
     /// without padding, for T_q < T_k too.

@@ -325,6 +325,17 @@ macro_rules! elementwise_pair {
 
 pub(super) use {binary_float, elementwise_pair, multiversion, saved_tensor, unary_float};
 
+/// The largest absolute difference between two f32 tensors of one shape (for tests).
+#[cfg(test)]
+pub(super) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .and_then(|d| d.abs())
+        .and_then(|d| d.flatten_all())
+        .and_then(|d| d.max(0))
+        .and_then(|d| d.to_scalar::<f32>())
+        .unwrap_or(f32::INFINITY)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -507,6 +507,7 @@ impl CustomOp2 for TablesBwd {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::elem::max_diff;
     use candle_core::{Device, Var};
 
     fn det(shape: &[usize], salt: usize) -> Tensor {
@@ -515,19 +516,6 @@ mod tests {
             .map(|i| (((i * 7919 + salt * 104729) % 1013) as f32 / 1013.0 - 0.5) * 3.0)
             .collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
     }
 
     /// The composed path (what other devices run) equals the fused one, values and the
