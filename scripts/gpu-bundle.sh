@@ -7,8 +7,10 @@
 #
 # What goes in: the launcher (accelerate-rs), the digits and transformer_lm examples (their data
 # is inside them), the nn_kernels device check and the overhead bench (which also times
-# transformer_lm's step for scripts/pytorch_lm_bench.py --gpu), built with `cuda,nn-cuda`,
-# stripped, in one xz-compressed tar:
+# transformer_lm's step for scripts/pytorch_lm_bench.py --gpu), built with `cuda,nn-cuda`; from
+# the models crate, the finetune and memory_bench examples and the parity test binary (the
+# Hugging Face parity checks against the committed golden files, run on the GPU); stripped, in
+# one xz-compressed tar:
 # gpu-bundle/accelerate-rs-gpu.tar.xz. Its size is printed, and the script fails when it is over
 # $ACCEL_BUNDLE_LIMIT_MB (default 60 MiB, what the device tool carries with room to spare).
 #
@@ -56,6 +58,12 @@ else
   json="$(mktemp)"
   trap 'rm -f "$json"' EXIT
   cargo "${cargo_args[@]}" --message-format=json-render-diagnostics >"$json"
+  # The models crate's GPU steps (same accelerate-rs features, so its build is reused).
+  models_args=(-p accelerate-rs-models --release --features cuda,accelerate-rs/nn-cuda)
+  echo "gpu-bundle: cargo build ${models_args[*]} --example finetune --example memory_bench; cargo test --no-run ... --test parity"
+  cargo build "${models_args[@]}" --example finetune --example memory_bench \
+    --message-format=json-render-diagnostics >>"$json"
+  cargo test "${models_args[@]}" --test parity --no-run --message-format=json-render-diagnostics >>"$json"
   while IFS= read -r exe; do bins+=("$exe"); done < <(python3 -c '
 import json, sys
 for line in open(sys.argv[1]):
@@ -81,8 +89,8 @@ for b in "${bins[@]}"; do
     exit 1
   fi
   name="$(basename "$b")"
-  # Cargo names bench binaries overhead-<hash>; the bundle drops the hash.
-  case "$name" in overhead-*) name=overhead ;; esac
+  # Cargo names bench and test binaries overhead-<hash>, parity-<hash>; the bundle drops the hash.
+  case "$name" in overhead-*) name=overhead ;; parity-*) name=parity ;; esac
   cp "$b" "$stage/bin/$name"
   strip "$stage/bin/$name" 2>/dev/null || echo "gpu-bundle: warning: could not strip $name; packed as is" >&2
 done

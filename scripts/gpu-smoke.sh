@@ -26,10 +26,20 @@
 #   9. transformer_lm 30 steps with the nn CUDA kernels on
 #  10. PyTorch eager vs accelerate-rs (composed ops, and nn CUDA kernels) on transformer_lm's model
 #      on GPU 0, one table: scripts/pytorch_lm_bench.py --gpu (the device's python3 has torch)
-# Steps 1-7 run with the nn CUDA kernels off (ACCELERATE_RS_NN_CUDA=0: the default, composed path
-# the bundle was proven with); 8-10 switch them on.
+#  11. the Hugging Face parity tests on GPU 0: the 7 architectures' logits, loss, every gradient
+#      and 3 AdamW steps against the committed golden files of `transformers` (issue 24)
+#  12. the fine-tuning example on GPU 0: tiny-llama 100 steps, then `transformers` loads the
+#      folder with the same logits; LoRA r=8 with activation checkpointing, then `peft` loads the
+#      adapters and `transformers` the merged folder (the device's python3 has both); on 2+ GPUs
+#      also DDP over NCCL
+#  13. peak GPU memory and step time: full fine-tuning, activation checkpointing, LoRA, both
+#      (models' memory_bench, the GPU pool's high-water mark) beside estimate-memory's prediction
+#  14. find_executable_batch_size from a batch far too big: CUDA's out-of-memory errors become
+#      retries at half the size until a step runs (issue 27)
+# Steps 1-7 and 11-14 run with the nn CUDA kernels off (ACCELERATE_RS_NN_CUDA=0: the default,
+# composed path the bundle was proven with); 8-10 switch them on.
 # ACCEL_SMOKE_ONLY="8 9 10" runs only the steps whose number is listed (e.g. to split the run over
-# several device calls of at most 10 minutes each).
+# several device calls of at most 10 minutes each: "1 2 3 4 5 6 7", then "8 9 10 11 12 13 14").
 # The summary file gets one line per step plus the figures that matter; bring it back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -89,7 +99,7 @@ step() {
     failed=$((failed + 1))
   fi
   # The figures worth keeping.
-  grep -E "final test accuracy|ok: |skipped: |PASSED|FAILED|resumed from|overhead of|paired per round|\| (candle|accelerate-rs|PyTorch|implementation|composed|kernels|op |[a-z_]+ \[)|^(PASS|FAIL) |nn_kernels:|RESULT-LM-GPU|warning: (ranks|DP replicas)|trained [0-9]+ steps|saved " "$log" \
+  grep -E "final test accuracy|ok: |skipped: |PASSED|FAILED|resumed from|overhead of|paired per round|\| (candle|accelerate-rs|PyTorch|implementation|composed|kernels|op |[a-z_]+ \[|configuration|plain|ckpt|lora|lora-ckpt) |^(PASS|FAIL) |nn_kernels:|RESULT-LM-GPU|warning: (ranks|DP replicas)|trained [0-9]+ steps|saved |test result|panicked|logits diff|find_executable_batch_size on|peak x|Llama-style" "$log" \
     | sed 's/^/    /' >>"$summary" || true
 }
 
@@ -142,6 +152,41 @@ step "9. transformer_lm 30 steps with the nn CUDA kernels" 300 "trained 30 steps
 step "10. PyTorch eager vs accelerate-rs on transformer_lm's model, 1 GPU" 600 "\| PyTorch eager" \
   env CUDA_VISIBLE_DEVICES=0 python3 "$repo/scripts/pytorch_lm_bench.py" --gpu --runs 2 --steps 40 \
   --rust-cmd "$B/overhead --lm-gpu"
+
+# The models crate (issues 24 and 27), with the default composed path.
+export ACCELERATE_RS_NN_CUDA=0
+export ACCELERATE_RS_MODELS_FIXTURES="$repo/models/tests/fixtures"
+tiny="$repo/models/examples/tiny-llama"
+corpus="$repo/data/corpus.txt"
+ft=(--model "$tiny" --train "$corpus" --max-steps 100 --seq-len 64 --batch-size 8 --lr 1e-3)
+step "11. Hugging Face parity on GPU 0 (7 architectures against transformers' golden files)" 300 \
+  "test result: ok. 7 passed" \
+  env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_TEST_DEVICE=cuda "$B/parity" matches_transformers \
+  --test-threads 1
+step "12a. finetune tiny-llama on GPU 0" 300 "held-out loss" \
+  env CUDA_VISIBLE_DEVICES=0 "$B/finetune" "${ft[@]}" --output "$work/ft" --probe "$work/ft.probe"
+step "12b. transformers loads the fine-tuned folder with the same logits" 300 "logits diff.*: OK" \
+  python3 "$repo/scripts/hf_reference.py" check "$work/ft" --probe "$work/ft.probe"
+step "12c. finetune with LoRA r=8 and activation checkpointing on GPU 0, merged" 300 \
+  "saved the merged model" \
+  env CUDA_VISIBLE_DEVICES=0 "$B/finetune" "${ft[@]}" --lr 1e-2 --lora-r 8 \
+  --checkpoint-activations --output "$work/ft-lora" --merge "$work/ft-merged" \
+  --probe "$work/ft-lora.probe"
+step "12d. peft loads the adapters, transformers the merged folder, same logits" 300 \
+  "merged.*logits diff.*: OK" \
+  bash -c 'python3 "$1" check-adapter "$2/ft-lora" --base "$3" --probe "$2/ft-lora.probe" &&
+    python3 "$1" check "$2/ft-merged" --probe "$2/ft-lora.probe"' \
+  _ "$repo/scripts/hf_reference.py" "$work" "$tiny"
+if [ "$N" -ge 2 ]; then
+  step "12e. finetune, DDP over NCCL on $N GPUs" 300 "held-out loss" \
+    "$B/accelerate-rs" launch -n "$N" "$B/finetune" "${ft[@]}" --output "$work/ft-ddp"
+fi
+step "13. peak GPU memory and step time: plain, checkpointing, LoRA (memory_bench)" 600 \
+  "\| ckpt \|" \
+  env CUDA_VISIBLE_DEVICES=0 "$B/memory_bench" --rounds 1 --steps 3 --warmup 1
+step "14. find_executable_batch_size: CUDA out-of-memory errors become retries" 300 \
+  "out-of-memory retries: [1-9]" \
+  env CUDA_VISIBLE_DEVICES=0 "$B/memory_bench" --find-batch-size 65536 --seq 512
 
 say "gpu-smoke: $passed passed, $failed failed (logs in $work)"
 [ "$failed" -eq 0 ]

@@ -12,8 +12,18 @@
 //! rounds, each over every configuration in a rotated order (so that a loaded machine affects
 //! them alike), and prints a Markdown table: medians with the spread (min–max) over the rounds.
 //!
+//! On a GPU (a `cuda` build on a machine with one) the peak is the GPU memory pool's high-water
+//! mark (`accelerate_rs::gpu::pool_memory`, PyTorch's `max_memory_allocated`), from 0 at the
+//! start, and the step time waits for the device.
+//!
+//! `--find-batch-size START` instead runs `Accelerator::find_executable_batch_size` from batch
+//! size START, one training step per attempt, and prints the sizes tried and the out-of-memory
+//! retries: on a GPU a START too big for it proves that CUDA's allocation failures become
+//! retries; on the CPU, `ACCELERATE_RS_TEST_MEMORY_LIMIT` simulates the limit.
+//!
 //!     cargo build --release -p accelerate-rs-models --example memory_bench
 //!     target/release/examples/memory_bench --rounds 3
+//!     ACCELERATE_RS_TEST_MEMORY_LIMIT=1GiB target/release/examples/memory_bench --find-batch-size 64
 
 use std::process::Command;
 use std::time::Instant;
@@ -21,10 +31,10 @@ use std::time::Instant;
 use accelerate_rs::memory::{estimate, Lora, ModelSpec, Plan};
 use accelerate_rs::nn::LoraConfig;
 use accelerate_rs::optim::AdamW;
-use accelerate_rs::Accelerator;
+use accelerate_rs::{Accelerator, BatchSizeSearch};
 use accelerate_rs_models::{LlamaConfig, LlamaForCausalLm};
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -64,6 +74,9 @@ struct Args {
     /// LoRA's rank (alpha = 2 r), on q, k, v, o, gate, up and down projections.
     #[arg(long, default_value_t = 8)]
     lora_r: usize,
+    /// Run `find_executable_batch_size` from this batch size instead of the table.
+    #[arg(long)]
+    find_batch_size: Option<usize>,
     /// Internal: measure one configuration in this process.
     #[arg(long)]
     child: Option<String>,
@@ -145,19 +158,57 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-/// One configuration in this process: prints
-/// `RESULT peak_bytes step_ms trainable_params forward_ms start_bytes`.
-fn child(args: &Args, config: &str) -> Result<()> {
-    // What the process holds before the model exists (the program, its libraries).
-    let start = status_bytes("VmRSS:")?;
+/// What is measured: the process's resident set, or the GPU's memory pool.
+fn memory_kind(device: &Device) -> &'static str {
+    if device.is_cuda() {
+        "gpu"
+    } else {
+        "rss"
+    }
+}
+
+/// Bytes held now (`VmRSS`, or the GPU pool's bytes in use).
+fn held(device: &Device) -> Result<u64> {
+    if device.is_cuda() {
+        Ok(accelerate_rs::gpu::pool_memory(device)?.in_use)
+    } else {
+        status_bytes("VmRSS:")
+    }
+}
+
+/// The peak since the start (`VmHWM`, or the GPU pool's high-water mark once the queued work
+/// is done).
+fn peak(device: &Device) -> Result<u64> {
+    if device.is_cuda() {
+        device.synchronize()?;
+        Ok(accelerate_rs::gpu::pool_memory(device)?.peak)
+    } else {
+        peak_rss()
+    }
+}
+
+/// `steps` training steps of a fresh model (LoRA and checkpointing as `config` says) at batch
+/// size `batch`: the median step and forward times in ms and the trainable parameter count.
+fn train(
+    args: &Args,
+    accelerator: &Accelerator,
+    config: &str,
+    batch: usize,
+    warmup: usize,
+    steps: usize,
+) -> accelerate_rs::Result<(f64, f64, usize)> {
     let (lora, ckpt) = match config {
         "plain" => (false, false),
         "ckpt" => (false, true),
         "lora" => (true, false),
         "lora-ckpt" => (true, true),
-        other => bail!("unknown configuration `{other}` (one of {CONFIGS:?})"),
+        other => {
+            return Err(accelerate_rs::Error::invalid(
+                "configuration",
+                format!("unknown configuration `{other}` (one of {CONFIGS:?})"),
+            ))
+        }
     };
-    let accelerator = Accelerator::builder().rank(0).world_size(1).build()?;
     let device = accelerator.device().clone();
     let json = model_json(args);
     let config = LlamaConfig::from_json(std::path::Path::new("<memory_bench>"), &json)?;
@@ -176,32 +227,81 @@ fn child(args: &Args, config: &str) -> Result<()> {
     let mut opt = accelerator.prepare_optimizer(opt);
 
     let mut rng = ChaCha8Rng::seed_from_u64(7);
-    let mut batch = || -> Result<Tensor> {
-        let ids: Vec<u32> = (0..args.batch * args.seq)
+    let mut next_batch = || -> accelerate_rs::Result<Tensor> {
+        let ids: Vec<u32> = (0..batch * args.seq)
             .map(|_| rng.random_range(0..args.vocab as u32))
             .collect();
-        Ok(Tensor::from_vec(ids, (args.batch, args.seq), &device)?)
+        Ok(Tensor::from_vec(ids, (batch, args.seq), &device)?)
     };
     let (mut times, mut forward) = (Vec::new(), Vec::new());
-    for step in 0..args.warmup + args.steps {
-        let ids = batch()?;
+    for step in 0..warmup + steps {
+        let ids = next_batch()?;
         let labels = ids.to_dtype(DType::I64)?;
+        device.synchronize()?;
         let start = Instant::now();
         let loss = model.loss(&ids, &labels)?;
+        device.synchronize()?;
         let fwd = start.elapsed().as_secs_f64() * 1e3;
         opt.backward_step(&loss)?;
+        device.synchronize()?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
-        if step >= args.warmup {
+        if step >= warmup {
             times.push(ms);
             forward.push(fwd);
         }
     }
+    Ok((median(&mut times), median(&mut forward), n_trainable))
+}
+
+/// One configuration in this process: prints
+/// `RESULT peak_bytes step_ms trainable_params forward_ms start_bytes rss|gpu`.
+fn child(args: &Args, config: &str) -> Result<()> {
+    let accelerator = Accelerator::builder().rank(0).world_size(1).build()?;
+    let device = accelerator.device().clone();
+    if device.is_cuda() {
+        accelerate_rs::gpu::reset_peak_memory(&device)?;
+    }
+    // What the process holds before the model exists (the program, its libraries).
+    let start = held(&device)?;
+    let (ms, fwd, n_trainable) = train(
+        args,
+        &accelerator,
+        config,
+        args.batch,
+        args.warmup,
+        args.steps,
+    )?;
     println!(
-        "RESULT {} {:.1} {n_trainable} {:.1} {start}",
-        peak_rss()?,
-        median(&mut times),
-        median(&mut forward)
+        "RESULT {} {ms:.1} {n_trainable} {fwd:.1} {start} {}",
+        peak(&device)?,
+        memory_kind(&device)
     );
+    Ok(())
+}
+
+/// `--find-batch-size`: the search from `start`, one full-model training step per attempt.
+fn find_batch_size(args: &Args, start: usize) -> Result<()> {
+    let accelerator = Accelerator::new()?;
+    let mut tried = Vec::new();
+    let search = BatchSizeSearch::new(start).probe_steps(1);
+    let (used, ms) = accelerator.find_executable_batch_size_with(search, |b| {
+        tried.push(b);
+        let (ms, _, _) = train(args, &accelerator, "plain", b, 0, 1)?;
+        Ok((b, ms))
+    })?;
+    let device = accelerator.device();
+    let peak = match device.is_cuda() {
+        true => format!(
+            ", GPU pool peak {:.1} GiB",
+            accelerate_rs::gpu::pool_memory(device)?.peak as f64 / (1u64 << 30) as f64
+        ),
+        false => String::new(),
+    };
+    accelerator.print(format!(
+        "find_executable_batch_size on {device:?}: started at {start}, tried {tried:?}; out-of-memory retries: {}; ran at batch size {used} (seq {}, one step in {ms:.0} ms{peak})",
+        tried.len() - 1,
+        args.seq
+    ));
     Ok(())
 }
 
@@ -223,6 +323,9 @@ fn main() -> Result<()> {
     if let Some(config) = &args.child {
         return child(&args, config);
     }
+    if let Some(start) = args.find_batch_size {
+        return find_batch_size(&args, start);
+    }
     let configs: Vec<String> = args
         .configs
         .split(',')
@@ -233,6 +336,7 @@ fn main() -> Result<()> {
     }
     let exe = std::env::current_exe()?;
     let mut results = vec![Measured::default(); configs.len()];
+    let mut kind = String::new();
     for round in 0..args.rounds {
         for k in 0..configs.len() {
             let i = (round + k) % configs.len();
@@ -254,6 +358,10 @@ fn main() -> Result<()> {
             let f: Vec<&str> = line.split_whitespace().collect();
             let (peak, ms, n): (f64, f64, u64) = (f[0].parse()?, f[1].parse()?, f[2].parse()?);
             let start: f64 = f.get(4).context("no start size in the result")?.parse()?;
+            kind = f
+                .get(5)
+                .context("no memory kind in the result")?
+                .to_string();
             eprintln!(
                 "round {round} {:>9}: peak {:7.1} MiB, step {:8.1} ms (forward {} ms)",
                 configs[i],
@@ -272,7 +380,11 @@ fn main() -> Result<()> {
         args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab, args.batch, args.seq, args.rounds, args.steps
     );
     println!();
-    println!("| configuration | trainable parameters | peak RSS (MiB), median (min–max) | above the start (MiB) | estimate-memory (MiB) | estimate / above the start | step time (ms), median (min–max) |");
+    let peak_name = match kind.as_str() {
+        "gpu" => "peak GPU memory (pool)",
+        _ => "peak RSS",
+    };
+    println!("| configuration | trainable parameters | {peak_name} (MiB), median (min–max) | above the start (MiB) | estimate-memory (MiB) | estimate / above the start | step time (ms), median (min–max) |");
     println!("|---|---|---|---|---|---|---|");
     let spread = |v: &[f64], scale: f64| {
         let mut v: Vec<f64> = v.iter().map(|x| x * scale).collect();

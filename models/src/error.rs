@@ -77,3 +77,17 @@ impl From<Error> for candle_core::Error {
         }
     }
 }
+
+/// Lets `?` carry this crate's errors through functions returning accelerate-rs's result (the
+/// closure of `Accelerator::find_executable_batch_size`, which builds the model): an
+/// accelerate-rs error comes back as it was, Candle's as accelerate-rs converts it (running out
+/// of GPU memory becomes `Error::OutOfMemory`, which the search retries), the others wrapped with
+/// their message.
+impl From<Error> for accelerate_rs::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Accelerate(a) => a,
+            other => accelerate_rs::Error::from(candle_core::Error::from(other)),
+        }
+    }
+}

@@ -249,3 +249,37 @@ fn bad_inputs_are_errors_not_panics() {
     let msg = gpt2.forward(&long, None).unwrap_err().to_string();
     assert!(msg.contains("n_positions"), "{msg}");
 }
+
+/// `?` carries this crate's errors into accelerate-rs's result (a `find_executable_batch_size`
+/// closure that builds the model): a config error keeps its message, accelerate-rs's errors
+/// come back as they were, and a CUDA allocation failure in Candle becomes the out-of-memory
+/// error that the search retries.
+#[test]
+fn errors_convert_into_accelerate_rs_errors_keeping_out_of_memory() {
+    let (_tmp, dir) = copy_fixture("llama");
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("\"model_type\": \"llama\"", "\"model_type\": \"falcon\"");
+    std::fs::write(&path, text).unwrap();
+    let config = load(&dir).unwrap_err();
+    let want = config.to_string();
+    let got = accelerate_rs::Error::from(config);
+    assert!(!got.is_out_of_memory());
+    assert!(got.to_string().contains(&want), "{got} lost {want}");
+
+    let inner = accelerate_rs::Error::invalid("batch", "too small");
+    let want = inner.to_string();
+    let back = accelerate_rs::Error::from(Error::Accelerate(inner));
+    assert!(
+        matches!(back, accelerate_rs::Error::InvalidArgument { .. }),
+        "{back:?}"
+    );
+    assert_eq!(back.to_string(), want);
+
+    let cuda = candle_core::Error::Cuda(Box::new(std::io::Error::other(
+        "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")",
+    )));
+    let oom = accelerate_rs::Error::from(Error::Candle(cuda));
+    assert!(oom.is_out_of_memory(), "{oom:?}");
+}

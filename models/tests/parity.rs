@@ -2,6 +2,8 @@
 //! `scripts/hf_reference.py fixtures` (committed under `tests/fixtures`): for every
 //! architecture, the logits and the loss within 1e-5 (relative to their scale, f32), every
 //! parameter's gradient within 1e-4, and the parameters after three AdamW steps within 1e-5.
+//! On the CPU, or on a GPU with `ACCELERATE_RS_TEST_DEVICE=cuda` (the `*_matches_transformers`
+//! tests; `scripts/gpu-smoke.sh`).
 
 mod common;
 
@@ -10,7 +12,7 @@ use accelerate_rs::{Accelerator, MissingGradients, Parameters};
 use accelerate_rs_models::AutoModel;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Optimizer;
-use common::{fixture, golden, rel_diff, ARCHS};
+use common::{fixture, golden, golden_on, rel_diff, test_device, ARCHS};
 
 /// The reference script's AdamW (`torch.optim.AdamW`).
 fn adamw_params() -> ParamsAdamW {
@@ -23,15 +25,16 @@ fn adamw_params() -> ParamsAdamW {
     }
 }
 
-fn load(name: &str) -> AutoModel {
-    let mut model = AutoModel::from_pretrained(fixture(name), &Device::Cpu, DType::F32).unwrap();
+fn load(name: &str, device: &Device) -> AutoModel {
+    let mut model = AutoModel::from_pretrained(fixture(name), device, DType::F32).unwrap();
     model.train(true); // as the reference (dropout 0: deterministic)
     model
 }
 
 fn parity(name: &str) {
-    let g = golden(name);
-    let model = load(name);
+    let device = test_device();
+    let g = golden_on(name, &device);
+    let model = load(name, &device);
     let (ids, mask, labels) = (&g["input_ids"], &g["attention_mask"], &g["labels"]);
 
     let logits = model.forward(ids, Some(mask)).unwrap();
@@ -110,8 +113,8 @@ fn parity(name: &str) {
         let strict = 1e-5 * max_abs(want);
         let tol = noise
             .where_cond(
-                &Tensor::full(2.0 * 3.0 * 1e-3f32, want.shape(), &Device::Cpu).unwrap(),
-                &Tensor::full(strict, want.shape(), &Device::Cpu).unwrap(),
+                &Tensor::full(2.0 * 3.0 * 1e-3f32, want.shape(), &device).unwrap(),
+                &Tensor::full(strict, want.shape(), &device).unwrap(),
             )
             .unwrap();
         let bad = diff
@@ -245,7 +248,7 @@ fn every_parameter_of_every_architecture_gets_a_gradient() {
 /// agree: Mistral's window of 4 covers the whole sequence when it is 4 tokens long.
 #[test]
 fn short_sequences_inside_the_sliding_window_match_full_attention() {
-    let mistral = load("mistral");
+    let mistral = load("mistral", &Device::Cpu);
     let g = golden("mistral");
     let ids = g["input_ids"].narrow(1, 0, 4).unwrap();
     let a = mistral.forward(&ids, None).unwrap();

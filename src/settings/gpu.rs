@@ -95,28 +95,29 @@ pub(crate) fn release_threshold_bytes(mb: Option<u64>) -> u64 {
 fn keep_pool_memory(device: &Device, ordinal: usize) -> Result<()> {
     use cudarc::driver::{result, sys};
     let mut threshold = pool_release_threshold()?;
-    let stream = device.as_cuda_device()?.cuda_stream();
-    let ctx = stream.context();
-    if !ctx.has_async_alloc() {
+    if !device
+        .as_cuda_device()?
+        .cuda_stream()
+        .context()
+        .has_async_alloc()
+    {
         return Ok(());
     }
-    let refused = |e: result::DriverError| Error::NotAvailable {
-        what: format!("the memory pool of GPU {ordinal}"),
-        reason: format!("the CUDA driver refused to set its release threshold: {e:?}"),
-    };
-    // SAFETY: `cu_device()` is a device handle the driver gave cudarc for this context; the pool
-    // it returns is that device's default pool, and the release threshold attribute takes a
+    let what = format!("the memory pool of GPU {ordinal}");
+    let pool = default_pool(device, &what)?;
+    // SAFETY: `pool` is this device's default pool, and the release threshold attribute takes a
     // pointer to a u64 (`threshold`, alive for the call).
     unsafe {
-        let pool = result::device::get_default_mem_pool(ctx.cu_device()).map_err(refused)?;
         result::mem_pool::set_attribute(
             pool,
             sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
             (&mut threshold as *mut u64).cast(),
         )
-        .map_err(refused)?;
     }
-    Ok(())
+    .map_err(|e| Error::NotAvailable {
+        what,
+        reason: format!("the CUDA driver refused to set its release threshold: {e:?}"),
+    })
 }
 
 /// A stable identity of the GPU behind `device` (its UUID), equal for two ranks exactly when
@@ -152,4 +153,113 @@ pub fn pci_bus_id(device: &Device) -> Result<String> {
     let bus = get(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID, "bus id")?;
     let dev = get(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID, "device id")?;
     Ok(format!("{domain:04x}:{bus:02x}:{dev:02x}"))
+}
+
+/// What a GPU's memory pool holds for this process (the driver's stream-ordered allocator, which
+/// Candle's CUDA backend allocates every tensor from): PyTorch's `memory_allocated`,
+/// `max_memory_allocated` and `memory_reserved`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolMemory {
+    /// Bytes allocated to live tensors now.
+    pub in_use: u64,
+    /// The most bytes allocated at once since the pool was created or
+    /// [`reset_peak_memory`] was last called.
+    pub peak: u64,
+    /// Bytes the pool holds from the GPU now: in use, plus freed memory kept for reuse.
+    pub reserved: u64,
+}
+
+/// The default memory pool of the GPU behind `device`, or a [`Error::NotAvailable`] naming why
+/// there is none (a CPU device, a GPU without stream-ordered allocation).
+fn default_pool(device: &Device, what: &str) -> Result<cudarc::driver::sys::CUmemoryPool> {
+    let cuda = device.as_cuda_device().map_err(|_| Error::NotAvailable {
+        what: what.into(),
+        reason: format!("{device:?} is not a GPU"),
+    })?;
+    let stream = cuda.cuda_stream();
+    let ctx = stream.context();
+    if !ctx.has_async_alloc() {
+        return Err(Error::NotAvailable {
+            what: what.into(),
+            reason: format!(
+                "{device:?} has no stream-ordered memory pool (Candle allocates with cuMemAlloc)"
+            ),
+        });
+    }
+    // SAFETY: `cu_device()` is a device handle the driver gave cudarc for this context.
+    unsafe { cudarc::driver::result::device::get_default_mem_pool(ctx.cu_device()) }.map_err(|e| {
+        Error::NotAvailable {
+            what: what.into(),
+            reason: format!("the CUDA driver refused the default memory pool: {e:?}"),
+        }
+    })
+}
+
+/// How much of its GPU's memory `device` (a device of [`device`]) holds now and held at most:
+/// read from the driver's pool counters, without waiting for queued work (call
+/// `device.synchronize()` first for a figure that includes it).
+pub fn pool_memory(device: &Device) -> Result<PoolMemory> {
+    use cudarc::driver::sys::CUmemPool_attribute as A;
+    let what = "GPU memory statistics";
+    let pool = default_pool(device, what)?;
+    let get = |attr: A| -> Result<u64> {
+        let mut v = 0u64;
+        // SAFETY: `pool` is a valid pool of this device; the usage attributes are u64 counters,
+        // written through a pointer to `v`, alive for the call.
+        unsafe {
+            cudarc::driver::result::mem_pool::get_attribute(pool, attr, (&mut v as *mut u64).cast())
+        }
+        .map_err(|e| Error::NotAvailable {
+            what: what.into(),
+            reason: format!("the CUDA driver refused the pool attribute {attr:?}: {e:?}"),
+        })?;
+        Ok(v)
+    };
+    Ok(PoolMemory {
+        in_use: get(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+        peak: get(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+        reserved: get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+    })
+}
+
+/// Starts [`PoolMemory::peak`] again from what is in use now (PyTorch's
+/// `reset_peak_memory_stats`).
+pub fn reset_peak_memory(device: &Device) -> Result<()> {
+    use cudarc::driver::sys::CUmemPool_attribute as A;
+    let what = "resetting the GPU memory peak";
+    let pool = default_pool(device, what)?;
+    let mut zero = 0u64;
+    // SAFETY: `pool` is a valid pool of this device; the high-water attributes can only be set
+    // to 0, passed as a u64 through a pointer alive for the call.
+    unsafe {
+        cudarc::driver::result::mem_pool::set_attribute(
+            pool,
+            A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            (&mut zero as *mut u64).cast(),
+        )
+    }
+    .map_err(|e| Error::NotAvailable {
+        what: what.into(),
+        reason: format!("the CUDA driver refused it: {e:?}"),
+    })
+}
+
+/// Gives the memory that `device`'s pool keeps for reuse back to the GPU once the work queued so
+/// far is done (PyTorch's `empty_cache`): after running out of memory, so that the next, smaller
+/// attempt is not refused for memory the pool holds but cannot fit it into. A CPU device, or a
+/// GPU without a pool, has nothing to give back.
+pub fn release_cached_memory(device: &Device) -> Result<()> {
+    if !device.is_cuda() {
+        return Ok(());
+    }
+    let pool = match default_pool(device, "releasing cached GPU memory") {
+        Ok(pool) => pool,
+        Err(_) => return Ok(()),
+    };
+    device.synchronize()?;
+    // SAFETY: `pool` is a valid pool of this device; trimming only returns unused memory.
+    unsafe { cudarc::driver::result::mem_pool::trim_to(pool, 0) }.map_err(|e| Error::NotAvailable {
+        what: "releasing cached GPU memory".into(),
+        reason: format!("the CUDA driver refused to trim the memory pool: {e:?}"),
+    })
 }

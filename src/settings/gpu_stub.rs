@@ -34,3 +34,30 @@ pub fn identity(_device: &Device) -> Result<Vec<u8>> {
 pub fn pci_bus_id(_device: &Device) -> Result<String> {
     Err(not_built())
 }
+
+/// What a GPU's memory pool holds for this process (see the `cuda` build's documentation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolMemory {
+    /// Bytes allocated to live tensors now.
+    pub in_use: u64,
+    /// The most bytes allocated at once since the pool was created or
+    /// [`reset_peak_memory`] was last called.
+    pub peak: u64,
+    /// Bytes the pool holds from the GPU now: in use, plus freed memory kept for reuse.
+    pub reserved: u64,
+}
+
+/// A GPU's memory statistics: always an error in this build.
+pub fn pool_memory(_device: &Device) -> Result<PoolMemory> {
+    Err(not_built())
+}
+
+/// Resets a GPU's memory peak: always an error in this build.
+pub fn reset_peak_memory(_device: &Device) -> Result<()> {
+    Err(not_built())
+}
+
+/// Gives a GPU's cached memory back: nothing to do in this build (every device is a CPU).
+pub fn release_cached_memory(_device: &Device) -> Result<()> {
+    Ok(())
+}

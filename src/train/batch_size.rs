@@ -494,7 +494,7 @@ impl Drop for Attempt<'_> {
 pub(crate) struct Searcher<'a> {
     /// The attempt state shared with the probed communicator and the gradient engine.
     pub(crate) probe: &'a Probe,
-    /// The accelerator's device, for messages.
+    /// The accelerator's device, for messages and to release cached memory after running out.
     pub(crate) device: &'a candle_core::Device,
     /// Called before each retry: forget what the failed attempt prepared.
     pub(crate) restart: &'a dyn Fn(),
@@ -582,6 +582,11 @@ impl Searcher<'_> {
                         ));
                     }
                     (self.restart)();
+                    // The failed attempt's tensors are gone; what the GPU's pool kept of them
+                    // goes back, so that the smaller attempt can have it in any shape.
+                    if let Err(e) = crate::settings::gpu::release_cached_memory(self.device) {
+                        log::warn!("rank {me}: find_executable_batch_size: {e}");
+                    }
                     b = next;
                 }
             }

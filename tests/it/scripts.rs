@@ -274,7 +274,8 @@ fn slurm_scripts_parse_and_use_real_launcher_flags() {
 /// A fake bundle whose binaries are shell scripts printing what the real ones print, run through
 /// gpu-smoke.sh with fake CUDA libraries: `ACCEL_SMOKE_ONLY` runs only the listed steps, a step
 /// passes or fails on its output, the nn kernels are off for the default steps and on for 8-9,
-/// and the exit status says whether everything passed.
+/// the models crate's steps find the fixtures and run on the GPU, and the exit status says
+/// whether everything passed.
 #[test]
 fn gpu_smoke_runs_the_listed_steps_and_judges_them_by_their_output() {
     let t = tempfile::tempdir().unwrap();
@@ -319,6 +320,14 @@ fn gpu_smoke_runs_the_listed_steps_and_judges_them_by_their_output() {
         script(
             "overhead",
             "echo 'overhead of accelerate-rs vs plain Candle: +0.1%'",
+        );
+        script(
+            "parity",
+            "echo \"test result: ok. 7 passed; 0 failed (filter $1, device $ACCELERATE_RS_TEST_DEVICE, fixtures $ACCELERATE_RS_MODELS_FIXTURES, ACCELERATE_RS_NN_CUDA=$ACCELERATE_RS_NN_CUDA)\"",
+        );
+        script(
+            "memory_bench",
+            "if [ \"$1\" = --find-batch-size ]; then echo \"find_executable_batch_size on Cuda: started at $2, tried [$2, 8]; out-of-memory retries: 1; ran at batch size 8\"; else echo '| ckpt | 1 |'; fi",
         );
         std::fs::write(stage.join("COMMIT"), "fake\n").unwrap();
         let tarball = t.path().join(format!("bundle{nn_failed}.tar.xz"));
@@ -377,6 +386,24 @@ fn gpu_smoke_runs_the_listed_steps_and_judges_them_by_their_output() {
     assert!(ok, "{text}");
     assert!(text.contains("PASS 1. digits"), "{text}");
     assert!(text.contains("(ACCELERATE_RS_NN_CUDA=0)"), "{text}");
+
+    // The models crate's steps: the parity tests on the GPU against the repository's fixtures,
+    // the search's retries; composed ops.
+    let (ok, text) = smoke(&good, "11 14");
+    assert!(ok, "{text}");
+    assert!(text.contains("PASS 11. Hugging Face parity"), "{text}");
+    assert!(
+        text.contains(&format!(
+            "filter matches_transformers, device cuda, fixtures {ROOT}/models/tests/fixtures, ACCELERATE_RS_NN_CUDA=0"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("PASS 14. find_executable_batch_size"),
+        "{text}"
+    );
+    assert!(text.contains("out-of-memory retries: 1"), "{text}");
+    assert!(!text.contains("12a."), "step 12 ran: {text}");
 
     let bad = make_bundle(1);
     let (ok, text) = smoke(&bad, "8");

@@ -19,16 +19,44 @@ pub const ARCHS: &[&str] = &[
     "bert_cls",
 ];
 
-/// The folder of fixture `name`.
+/// The folder of fixture `name`: under `ACCELERATE_RS_MODELS_FIXTURES` when set (a test binary
+/// run away from its source tree, as `scripts/gpu-smoke.sh` does), else under this crate's
+/// `tests/fixtures`.
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    let root = std::env::var_os("ACCELERATE_RS_MODELS_FIXTURES").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"),
+        PathBuf::from,
+    );
+    root.join(name)
 }
 
 /// The golden tensors of fixture `name`.
 pub fn golden(name: &str) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(fixture(name).join("golden.safetensors"), &Device::Cpu).unwrap()
+    golden_on(name, &Device::Cpu)
+}
+
+/// The golden tensors of fixture `name`, on `device`.
+pub fn golden_on(name: &str, device: &Device) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(fixture(name).join("golden.safetensors"), device).unwrap()
+}
+
+/// The device of the parity tests: the CPU, or with `ACCELERATE_RS_TEST_DEVICE=cuda` (or
+/// `cuda:N`) a GPU of a `cuda` build (`scripts/gpu-smoke.sh` runs them so).
+pub fn test_device() -> Device {
+    match std::env::var("ACCELERATE_RS_TEST_DEVICE").as_deref() {
+        Err(_) | Ok("") | Ok("cpu") => Device::Cpu,
+        Ok(gpu) => {
+            let ordinal = match gpu.strip_prefix("cuda") {
+                Some("") => 0,
+                Some(n) => n
+                    .strip_prefix(':')
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or_else(|| panic!("ACCELERATE_RS_TEST_DEVICE={gpu}: not cuda:N")),
+                None => panic!("ACCELERATE_RS_TEST_DEVICE={gpu}: use cpu, cuda or cuda:N"),
+            };
+            accelerate_rs::gpu::device(ordinal).unwrap()
+        }
+    }
 }
 
 /// `max |a - b| / max |b|`: the largest difference relative to the reference's scale.

@@ -194,6 +194,44 @@ impl Ring {
         })
     }
 
+    /// The reduce half of a ring schedule over `bytes` cut into `chunk(i)` byte ranges: the
+    /// world size minus one steps, step `s` sending chunk `steps(s).0` and adding what arrives
+    /// into chunk `steps(s).1` (sums for `Mean`; the caller divides). The scratch buffer is kept
+    /// for the next call, also when a step fails.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_steps(
+        &mut self,
+        name: &str,
+        deadline: Instant,
+        bytes: &mut [u8],
+        elem: ElemType,
+        rop: ReduceOp,
+        chunk: &dyn Fn(usize) -> Range<usize>,
+        steps: impl Fn(usize) -> (usize, usize),
+    ) -> Result<()> {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let sum_op = rop.accumulating();
+        let mut res = Ok(());
+        for s in 0..self.world - 1 {
+            let (si, ri) = steps(s);
+            let (send, dest) = split_pair(bytes, chunk(si), chunk(ri));
+            scratch.resize(dest.len());
+            res = self.exchange(
+                name,
+                deadline,
+                send,
+                scratch.as_mut(),
+                elem.size(),
+                |d, off| reduce_into(elem, sum_op, &mut dest[off..off + d.len()], d),
+            );
+            if res.is_err() {
+                break;
+            }
+        }
+        self.scratch = scratch;
+        res
+    }
+
     /// Sends `send` to the next rank while receiving exactly `recv.len()` bytes from the previous
     /// one. `on_data(bytes, offset)` sees the received bytes in element-aligned segments as they
     /// complete, so reduction overlaps the transfer.
@@ -397,27 +435,8 @@ impl Ring {
             let bound = |i: usize| ((i as u128 * count as u128 / n as u128) as usize) * esize;
             let chunk = |i: usize| bound(i)..bound(i + 1);
             let bytes = buf.bytes_mut();
-            let mut scratch = std::mem::take(&mut ring.scratch);
-            let sum_op = rop.accumulating();
-            let mut res = Ok(());
-            for s in 0..n - 1 {
-                let (si, ri) = ((r + n - s) % n, (r + 2 * n - s - 1) % n);
-                let (send, dest) = split_pair(bytes, chunk(si), chunk(ri));
-                scratch.resize(dest.len());
-                res = ring.exchange(
-                    "all_reduce",
-                    deadline,
-                    send,
-                    scratch.as_mut(),
-                    esize,
-                    |d, off| reduce_into(elem, sum_op, &mut dest[off..off + d.len()], d),
-                );
-                if res.is_err() {
-                    break;
-                }
-            }
-            ring.scratch = scratch;
-            res?;
+            let steps = |s: usize| ((r + n - s) % n, (r + 2 * n - s - 1) % n);
+            ring.reduce_steps("all_reduce", deadline, bytes, elem, rop, &chunk, steps)?;
             if rop == ReduceOp::Mean {
                 finish_mean(elem, &mut bytes[chunk((r + 1) % n)], n)?;
             }
@@ -446,29 +465,10 @@ impl Ring {
                 c.start * esize..c.end * esize
             };
             let bytes = buf.bytes_mut();
-            let mut scratch = std::mem::take(&mut ring.scratch);
-            let sum_op = rop.accumulating();
-            let mut res = Ok(());
-            for s in 0..n - 1 {
-                // Step s: send the partial sum of chunk r - s - 1, receive and add chunk r - s - 2;
-                // the last chunk received and completed is chunk r.
-                let (si, ri) = ((r + 2 * n - s - 1) % n, (r + 2 * n - s - 2) % n);
-                let (send, dest) = split_pair(bytes, chunk(si), chunk(ri));
-                scratch.resize(dest.len());
-                res = ring.exchange(
-                    "reduce_scatter",
-                    deadline,
-                    send,
-                    scratch.as_mut(),
-                    esize,
-                    |d, off| reduce_into(elem, sum_op, &mut dest[off..off + d.len()], d),
-                );
-                if res.is_err() {
-                    break;
-                }
-            }
-            ring.scratch = scratch;
-            res?;
+            // Step s: send the partial sum of chunk r - s - 1, receive and add chunk r - s - 2;
+            // the last chunk received and completed is chunk r.
+            let steps = |s: usize| ((r + 2 * n - s - 1) % n, (r + 2 * n - s - 2) % n);
+            ring.reduce_steps("reduce_scatter", deadline, bytes, elem, rop, &chunk, steps)?;
             if rop == ReduceOp::Mean {
                 finish_mean(elem, &mut bytes[chunk(r)], n)?;
             }
