@@ -139,6 +139,28 @@ macro_rules! config_readers {
 
 pub(crate) use config_readers;
 
+/// What to do about a model path that does not exist: a Hub id (`owner/name`) is downloaded
+/// first; otherwise nothing to add.
+fn missing_hint(path: &Path) -> String {
+    let text = path.to_string_lossy();
+    let id = match text.split_once('/') {
+        Some((owner, name))
+            if !owner.is_empty()
+                && !name.is_empty()
+                && !name.contains('/')
+                && !name.ends_with(".json")
+                && !owner.starts_with('.')
+                && !Path::new(owner).exists() =>
+        {
+            text.as_ref()
+        }
+        _ => return String::new(),
+    };
+    format!(
+        " (models load from local folders: for the Hugging Face Hub model `{id}`, download it first, e.g. `huggingface-cli download {id} --local-dir DIR`, or call `accelerate_rs_models::hub::download` with the crate's `hub` feature)"
+    )
+}
+
 /// Reads a JSON file (or `config.json` in a folder): the file's path and its value.
 pub(crate) fn read_json(path: &Path) -> Result<(PathBuf, serde_json::Value)> {
     let path = if path.is_dir() {
@@ -146,8 +168,14 @@ pub(crate) fn read_json(path: &Path) -> Result<(PathBuf, serde_json::Value)> {
     } else {
         path.to_path_buf()
     };
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::config(&path, None, format!("could not read it: {e}")))?;
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        let hint = if e.kind() == std::io::ErrorKind::NotFound && !path.exists() {
+            missing_hint(&path)
+        } else {
+            String::new()
+        };
+        Error::config(&path, None, format!("could not read it: {e}{hint}"))
+    })?;
     let json: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| Error::config(&path, None, format!("not valid JSON: {e}")))?;
     if !json.is_object() {

@@ -283,3 +283,26 @@ fn errors_convert_into_accelerate_rs_errors_keeping_out_of_memory() {
     let oom = accelerate_rs::Error::from(Error::Candle(cuda));
     assert!(oom.is_out_of_memory(), "{oom:?}");
 }
+
+/// A Hugging Face Hub id where a folder is expected: the error says how to download it; a
+/// missing local path gets no such advice.
+#[test]
+fn a_hub_id_is_answered_with_how_to_download_it() {
+    let e = AutoModel::from_pretrained("HuggingFaceTB/SmolLM2-135M", &Device::Cpu, DType::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("huggingface-cli download HuggingFaceTB/SmolLM2-135M --local-dir")
+            && e.contains("hub::download"),
+        "{e}"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no-model");
+    let e = AutoModel::from_pretrained(&missing, &Device::Cpu, DType::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no-model") && !e.contains("huggingface-cli"),
+        "{e}"
+    );
+}

@@ -409,7 +409,18 @@ impl ModelSpec {
     /// file), a `config.json`, a safetensors file, or a sharded index
     /// (`*.safetensors.index.json`).
     pub fn read(path: &Path) -> Result<Self> {
-        let meta = std::fs::metadata(path).map_err(|e| io_error("could not read", path, e))?;
+        let meta = std::fs::metadata(path).map_err(|e| match hub_id(path, &e) {
+            Some(id) => Error::ModelFile {
+                path: path.to_path_buf(),
+                tensor: None,
+                reason: format!(
+                    "no such file or folder here; it looks like a Hugging Face Hub id, and models are read from local files only (headers, never weights). Fetch its config first, e.g. `huggingface-cli download {id} config.json model.safetensors.index.json --local-dir {}` (or `accelerate_rs_models::hub::download`), then pass that folder",
+                    id.rsplit('/').next().unwrap_or(id)
+                ),
+                source: Some(e),
+            },
+            None => io_error("could not read", path, e),
+        })?;
         if meta.is_dir() {
             return read_folder(path);
         }
@@ -441,6 +452,22 @@ impl ModelSpec {
         }
         ModelSpec::from_config(&json, path)
     }
+}
+
+/// `path` as a Hugging Face Hub id (`owner/name`) when it is one that names nothing here.
+fn hub_id<'a>(path: &'a Path, e: &std::io::Error) -> Option<&'a str> {
+    let text = path.to_str()?;
+    let (owner, name) = text.split_once('/')?;
+    let plain = |s: &str| {
+        !s.is_empty()
+            && !s.starts_with('.')
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    };
+    let a_file = [".json", ".safetensors"].iter().any(|x| name.ends_with(x));
+    let unlike_a_path = !a_file && !Path::new(owner).exists();
+    (e.kind() == std::io::ErrorKind::NotFound && plain(owner) && plain(name) && unlike_a_path)
+        .then_some(text)
 }
 
 fn io_error(what: &str, path: &Path, source: std::io::Error) -> Error {

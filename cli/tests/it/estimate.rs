@@ -200,3 +200,29 @@ fn the_readme_shows_what_the_tool_prints() {
         );
     }
 }
+
+/// A Hugging Face Hub id is not read from the network: the error says so and how to fetch the
+/// config; a missing local path stays an I/O error naming it.
+#[test]
+fn a_hub_id_gets_a_way_to_fetch_its_config() {
+    let e = err(&["meta-llama/Llama-2-7b-hf"]);
+    assert!(
+        e.contains("meta-llama/Llama-2-7b-hf")
+            && e.contains("Hugging Face Hub id")
+            && e.contains(
+                "huggingface-cli download meta-llama/Llama-2-7b-hf config.json model.safetensors.index.json --local-dir Llama-2-7b-hf"
+            ),
+        "{e}"
+    );
+    for path in [
+        "no-such-folder/config.json",
+        "./no-such-folder/x",
+        "/no/such/folder",
+    ] {
+        let e = err(&[path]);
+        assert!(
+            e.contains(path) && !e.contains("Hub") && e.contains("No such file"),
+            "{path}: {e}"
+        );
+    }
+}
