@@ -20,6 +20,16 @@
 //! recomputes each block's activations in the backward pass instead of keeping them.
 //! `--dtype bf16` keeps the model in bf16 (LoRA adapters still train in f32).
 //!
+//! Mixed precision (`accelerate-rs launch --mixed-precision bf16|fp16`, or
+//! `ACCELERATE_RS_MIXED_PRECISION`): full fine-tuning keeps f32 masters (stepped, evaluated and
+//! saved) and runs forward and backward on working copies in the compute dtype (fp16 with
+//! dynamic loss scaling), through `Accelerator::prepare_mixed` and `AutoModel::with_parameters`;
+//! with `--lora-r` the base is loaded in the compute dtype and the adapters train in f32.
+//!
+//!     cargo run --release -- launch --cpu -n 2 --mixed-precision bf16 \
+//!         target/release/examples/finetune --model models/examples/tiny-llama \
+//!         --train data/corpus.txt --output runs/ft-bf16
+//!
 //!     target/release/examples/finetune --model models/examples/tiny-llama \
 //!         --train data/corpus.txt --lora-r 8 --checkpoint-activations \
 //!         --output runs/tiny-llama-adapter --merge runs/tiny-llama-merged
@@ -36,7 +46,10 @@ use std::time::Instant;
 
 use accelerate_rs::nn::LoraConfig;
 use accelerate_rs::optim::{AdamW, ParamsAdamW};
-use accelerate_rs::{Accelerator, DataLoader, ReduceOp, TensorDataset};
+use accelerate_rs::{
+    AcceleratedOptimizer, Accelerator, DataLoader, MixedPrecision, MixedPrecisionOptimizer,
+    ReduceOp, TensorDataset,
+};
 use accelerate_rs_models::{encode_corpus, load_tokenizer, AutoModel, Task, IGNORE_INDEX};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -235,7 +248,7 @@ fn main() -> Result<()> {
     accelerator.set_seed(args.seed)?;
     let device = accelerator.device().clone();
 
-    let dtype = match args.dtype.as_str() {
+    let mut dtype = match args.dtype.as_str() {
         "f32" => DType::F32,
         "bf16" => DType::BF16,
         "f16" => DType::F16,
@@ -243,6 +256,26 @@ fn main() -> Result<()> {
     };
     if args.merge.is_some() && args.lora_r.is_none() {
         bail!("--merge writes merged LoRA adapters: it needs --lora-r");
+    }
+    let mixed = accelerator.state().mixed_precision();
+    if mixed != MixedPrecision::No {
+        if dtype != DType::F32 {
+            bail!(
+                "--dtype {} and mixed precision {mixed} both set the compute dtype: keep one",
+                args.dtype
+            );
+        }
+        if args.lora_r.is_some() {
+            // The frozen base in the compute dtype, the adapters in f32.
+            dtype = mixed.compute_dtype();
+        }
+    } else if dtype == DType::F16 && args.lora_r.is_none() {
+        bail!(
+            "--dtype f16 would train the weights themselves in f16, where AdamW's updates \
+             underflow and the loss diverges: use mixed precision fp16 (`launch \
+             --mixed-precision fp16`: f32 masters, f16 compute, loss scaling), bf16, or \
+             --lora-r with an f16 base"
+        );
     }
     let mut model = AutoModel::from_pretrained(&args.model, &device, dtype)?;
     if let Some(r) = args.lora_r {
@@ -338,9 +371,31 @@ fn main() -> Result<()> {
         .shuffle(true)
         .seed(args.seed)
         .drop_last(true);
-    let (mut opt, mut loader) = accelerator.prepare(model.trainable_parameters(), opt, loader)?;
-
     model.train(true);
+    // Full fine-tuning in mixed precision: `model` keeps the f32 masters, `working` (its
+    // parameters the working copies in the compute dtype) runs forward and backward.
+    let full_mixed = mixed != MixedPrecision::No && model.lora_config().is_none();
+    let (mut opt, mut loader, working) = if full_mixed {
+        let (opt, loader, work) = accelerator.prepare_mixed(model.varmap(), opt, loader)?;
+        (Opt::Mixed(opt), loader, Some(model.with_parameters(&work)?))
+    } else {
+        // The separate calls: LoRA under mixed precision is meant (f32 adapters over a base in
+        // the compute dtype), and `prepare` would warn that it does not apply the mode.
+        accelerator.prepare_model(model.trainable_parameters())?;
+        let opt = Opt::Plain(accelerator.prepare_optimizer(opt));
+        (opt, accelerator.prepare_data_loader(loader)?, None)
+    };
+    if mixed != MixedPrecision::No {
+        accelerator.print(format!(
+            "mixed precision {mixed}: {}",
+            if full_mixed {
+                "f32 masters, working copies in the compute dtype"
+            } else {
+                "the base in the compute dtype, the adapters in f32"
+            }
+        ));
+    }
+    let trained = working.as_ref().unwrap_or(&model);
     let start = Instant::now();
     let (mut step, mut epoch) = (0u64, 0u64);
     let (mut window_loss, mut window_n) = (0f64, 0usize);
@@ -358,7 +413,7 @@ fn main() -> Result<()> {
                 args.mlm_probability,
                 args.seed.wrapping_add(epoch),
             )?;
-            let loss = model.loss(&x.to_device(&device)?, &y.to_device(&device)?)?;
+            let loss = trained.loss(&x.to_device(&device)?, &y.to_device(&device)?)?;
             opt.backward_step(&loss)?;
             window_loss += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             window_n += 1;
@@ -380,6 +435,16 @@ fn main() -> Result<()> {
         }
         epoch += 1;
     }
+    if let Opt::Mixed(o) = &opt {
+        if o.skipped_steps() > 0 {
+            accelerator.print(format!(
+                "fp16: {} steps skipped for overflowing gradients (loss scale now {})",
+                o.skipped_steps(),
+                o.loss_scale()
+            ));
+        }
+    }
+    drop(working);
     model.train(false);
     let secs = start.elapsed().as_secs_f64();
     let after = evaluate(&accelerator, &model, task, &val, &args, mask_id)?;
@@ -410,6 +475,21 @@ fn main() -> Result<()> {
     }
     accelerator.wait_for_everyone()?;
     Ok(())
+}
+
+/// The prepared optimizer: plain, or stepping f32 masters from half-precision gradients.
+enum Opt {
+    Plain(AcceleratedOptimizer<AdamW>),
+    Mixed(MixedPrecisionOptimizer<AdamW>),
+}
+
+impl Opt {
+    fn backward_step(&mut self, loss: &Tensor) -> accelerate_rs::Result<()> {
+        match self {
+            Opt::Plain(o) => o.backward_step(loss),
+            Opt::Mixed(o) => o.backward_step(loss).map(drop),
+        }
+    }
 }
 
 /// What the main process writes after training: the PEFT adapter folder (with LoRA; the

@@ -169,6 +169,19 @@ impl AutoModel {
         each!(self, m => m.varmap())
     }
 
+    /// The same model over the working copies of mixed precision (see
+    /// [`LlamaForCausalLm::with_parameters`]).
+    pub fn with_parameters(&self, varmap: &VarMap) -> CrateResult<Self> {
+        Ok(match self {
+            AutoModel::Llama(m) => AutoModel::Llama(m.with_parameters(varmap)?),
+            AutoModel::Gpt2(m) => AutoModel::Gpt2(m.with_parameters(varmap)?),
+            AutoModel::BertMaskedLm(m) => AutoModel::BertMaskedLm(m.with_parameters(varmap)?),
+            AutoModel::BertSequenceClassification(m) => {
+                AutoModel::BertSequenceClassification(m.with_parameters(varmap)?)
+            }
+        })
+    }
+
     /// The configuration as `config.json`.
     pub fn config_json(&self) -> serde_json::Value {
         each!(self, m => m.config_json())
@@ -183,6 +196,11 @@ impl AutoModel {
     /// Training mode (dropout) on or off.
     pub fn train(&mut self, on: bool) {
         each!(self, m => m.train(on))
+    }
+
+    /// Whether training mode (dropout) is on.
+    pub fn is_training(&self) -> bool {
+        each!(self, m => m.is_training())
     }
 
     /// Activation checkpointing of every block on or off (see

@@ -410,7 +410,7 @@ impl BertForMaskedLm {
         device: &Device,
         dtype: DType,
     ) -> CrateResult<Self> {
-        let model = Self::build(&config, device, dtype, 0.0)?;
+        let model = Self::build(&config, candle_nn::VarMap::new(), device, dtype, 0.0)?;
         let tied = config.tie_word_embeddings;
         model.weights.load(dir, |name| {
             let name = bert_name(name)?;
@@ -423,9 +423,16 @@ impl BertForMaskedLm {
         Ok(model)
     }
 
-    fn build(config: &BertConfig, device: &Device, dtype: DType, std: f64) -> CrateResult<Self> {
+    fn build(
+        config: &BertConfig,
+        varmap: candle_nn::VarMap,
+        device: &Device,
+        dtype: DType,
+        std: f64,
+    ) -> CrateResult<Self> {
         config.check()?;
-        let (parts, weights) = Weights::build(device, dtype, |vb| Self::assemble(config, vb, std))?;
+        let (parts, weights) =
+            Weights::build(varmap, device, dtype, |vb| Self::assemble(config, vb, std))?;
         Ok(Self::from_parts(config, parts, weights, false, false))
     }
 
@@ -580,7 +587,7 @@ impl BertForSequenceClassification {
         device: &Device,
         dtype: DType,
     ) -> CrateResult<Self> {
-        let model = Self::build(&config, device, dtype, 0.0)?;
+        let model = Self::build(&config, candle_nn::VarMap::new(), device, dtype, 0.0)?;
         model.weights.load(dir, |name| {
             let name = bert_name(name)?;
             (!name.starts_with("cls.")).then_some(name)
@@ -588,9 +595,16 @@ impl BertForSequenceClassification {
         Ok(model)
     }
 
-    fn build(config: &BertConfig, device: &Device, dtype: DType, std: f64) -> CrateResult<Self> {
+    fn build(
+        config: &BertConfig,
+        varmap: candle_nn::VarMap,
+        device: &Device,
+        dtype: DType,
+        std: f64,
+    ) -> CrateResult<Self> {
         config.check()?;
-        let (parts, weights) = Weights::build(device, dtype, |vb| Self::assemble(config, vb, std))?;
+        let (parts, weights) =
+            Weights::build(varmap, device, dtype, |vb| Self::assemble(config, vb, std))?;
         Ok(Self::from_parts(config, parts, weights, false, false))
     }
 

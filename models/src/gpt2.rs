@@ -257,7 +257,7 @@ impl Gpt2LmHeadModel {
         device: &Device,
         dtype: DType,
     ) -> CrateResult<Self> {
-        let model = Self::build(&config, device, dtype, 0.0)?;
+        let model = Self::build(&config, candle_nn::VarMap::new(), device, dtype, 0.0)?;
         let tied = config.tie_word_embeddings;
         model.weights.load(dir, |name| {
             // The causal-mask buffers of older checkpoints.
@@ -276,9 +276,16 @@ impl Gpt2LmHeadModel {
         Ok(model)
     }
 
-    fn build(config: &Gpt2Config, device: &Device, dtype: DType, std: f64) -> CrateResult<Self> {
+    fn build(
+        config: &Gpt2Config,
+        varmap: candle_nn::VarMap,
+        device: &Device,
+        dtype: DType,
+        std: f64,
+    ) -> CrateResult<Self> {
         config.check()?;
-        let (parts, weights) = Weights::build(device, dtype, |vb| Self::assemble(config, vb, std))?;
+        let (parts, weights) =
+            Weights::build(varmap, device, dtype, |vb| Self::assemble(config, vb, std))?;
         Ok(Self::from_parts(config, parts, weights, false, false))
     }
 

@@ -449,7 +449,7 @@ impl LlamaForCausalLm {
         device: &Device,
         dtype: DType,
     ) -> CrateResult<Self> {
-        let model = Self::build(&config, device, dtype, 0.0)?;
+        let model = Self::build(&config, candle_nn::VarMap::new(), device, dtype, 0.0)?;
         let tied = config.tie_word_embeddings;
         model.weights.load(dir, |name| {
             let skip = name.ends_with(".rotary_emb.inv_freq") || (tied && name == "lm_head.weight");
@@ -458,9 +458,16 @@ impl LlamaForCausalLm {
         Ok(model)
     }
 
-    fn build(config: &LlamaConfig, device: &Device, dtype: DType, std: f64) -> CrateResult<Self> {
+    fn build(
+        config: &LlamaConfig,
+        varmap: candle_nn::VarMap,
+        device: &Device,
+        dtype: DType,
+        std: f64,
+    ) -> CrateResult<Self> {
         config.check()?;
-        let (parts, weights) = Weights::build(device, dtype, |vb| Self::assemble(config, vb, std))?;
+        let (parts, weights) =
+            Weights::build(varmap, device, dtype, |vb| Self::assemble(config, vb, std))?;
         Self::from_parts(config, parts, weights, false, false)
     }
 

@@ -40,8 +40,11 @@ impl std::fmt::Debug for Weights {
 }
 
 impl Weights {
-    /// Builds a model with `build` on a fresh `VarMap` (the parameters created by it).
+    /// Builds a model with `build` on `varmap`: a fresh one (the parameters created by it), or
+    /// one that already holds every parameter the model asks for, under its name and in
+    /// `dtype` (the model then uses them; a parameter it lacks is an error naming it).
     pub(crate) fn build<M>(
+        varmap: VarMap,
         device: &Device,
         dtype: DType,
         build: impl FnOnce(VarBuilder) -> Result<M>,
@@ -52,8 +55,34 @@ impl Weights {
                 format!("model parameters must be a float dtype, got {dtype:?}"),
             )));
         }
-        let varmap = VarMap::new();
+        let names = |m: &VarMap| -> Vec<String> {
+            let data = m.data().lock().unwrap_or_else(|p| p.into_inner());
+            data.keys().cloned().collect()
+        };
+        let given = names(&varmap);
         let model = build(VarBuilder::from_varmap(&varmap, dtype, device))?;
+        if !given.is_empty() {
+            let mut missing: Vec<String> = names(&varmap)
+                .into_iter()
+                .filter(|n| !given.contains(n))
+                .collect();
+            if !missing.is_empty() {
+                missing.sort();
+                // Leave the caller's map as it was given.
+                let mut data = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
+                for n in &missing {
+                    data.remove(n);
+                }
+                return Err(Error::Accelerate(accelerate_rs::Error::invalid(
+                    "parameters",
+                    format!(
+                        "the parameters given lack {} of the model's: {}",
+                        missing.len(),
+                        missing.join(", ")
+                    ),
+                )));
+            }
+        }
         let weights = Weights {
             varmap,
             dtype,
@@ -83,13 +112,45 @@ impl Weights {
     }
 }
 
+/// The one float dtype of the parameters in `varmap`, for `with_parameters`.
+pub(crate) fn parameters_dtype(varmap: &VarMap, has_adapters: bool) -> Result<DType> {
+    let invalid = |reason: String| {
+        Error::Accelerate(accelerate_rs::Error::invalid("with_parameters", reason))
+    };
+    if has_adapters {
+        return Err(invalid(
+            "the model has LoRA adapters: train the adapters (in f32) over a base loaded in the \
+             compute dtype instead of mixed-precision working copies"
+                .into(),
+        ));
+    }
+    let data = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
+    let mut dtypes: Vec<(DType, &String)> = data.iter().map(|(n, v)| (v.dtype(), n)).collect();
+    dtypes.sort_by_key(|(_, n)| n.as_str());
+    let Some(&(first, first_name)) = dtypes.first() else {
+        return Err(invalid("the parameters given are empty".into()));
+    };
+    if let Some((other, name)) = dtypes.iter().find(|(d, _)| *d != first) {
+        return Err(invalid(format!(
+            "the parameters given mix dtypes: `{first_name}` is {first:?}, `{name}` {other:?}"
+        )));
+    }
+    if !first.is_float() {
+        return Err(invalid(format!(
+            "the parameters given are {first:?}, not a float dtype"
+        )));
+    }
+    Ok(first)
+}
+
 /// The methods every architecture has around its parameters (inherent, so no trait import is
 /// needed): `varmap`, `dtype`, `config_json`, `save_pretrained`, `save_pretrained_sharded`,
-/// `train`/`is_training`, activation checkpointing and LoRA, and the constructors `from_config`
-/// and `from_pretrained` (for the `architectures` given). The type needs fields
-/// `weights: Weights`, `training: bool` and `checkpointing: bool`, a method
-/// `config_value(&self) -> serde_json::Value`, the constructors `build(config, device, dtype,
-/// init_std)` and `load(config, dir, device, dtype)`, and to implement `lora::Adaptable`.
+/// `train`/`is_training`, activation checkpointing and LoRA, `with_parameters`, and the
+/// constructors `from_config` and `from_pretrained` (for the `architectures` given). The type
+/// needs fields `config`, `weights: Weights`, `training: bool` and `checkpointing: bool`, a
+/// method `config_value(&self) -> serde_json::Value`, the constructors `build(config, varmap,
+/// device, dtype, init_std)` and `load(config, dir, device, dtype)`, and to implement
+/// `lora::Adaptable`.
 macro_rules! pretrained_methods {
     (
         $ty:ty,
@@ -105,7 +166,13 @@ macro_rules! pretrained_methods {
                 device: &candle_core::Device,
                 dtype: candle_core::DType,
             ) -> $crate::error::Result<Self> {
-                Self::build(config, device, dtype, config.initializer_range)
+                Self::build(
+                    config,
+                    candle_nn::VarMap::new(),
+                    device,
+                    dtype,
+                    config.initializer_range,
+                )
             }
 
             /// Loads a Hugging Face folder (`config.json` and `model.safetensors` or a sharded
@@ -131,6 +198,34 @@ macro_rules! pretrained_methods {
             /// `accelerate_rs::Accelerator::prepare` (or `prepare_model`) and the optimizer take.
             pub fn varmap(&self) -> &candle_nn::VarMap {
                 &self.weights.varmap
+            }
+
+            /// The same model over `varmap`, which holds every parameter of this one under its
+            /// name, all in one float dtype: the working copies that
+            /// `accelerate_rs::Accelerator::prepare_mixed` returns. For mixed precision this
+            /// model keeps the f32 masters (prepared, stepped, saved) and the returned one, in
+            /// the compute dtype, runs forward and backward; training mode and activation
+            /// checkpointing are carried over. A parameter `varmap` lacks is an error naming it.
+            /// Not for a model with LoRA adapters (train the adapters in f32 over a bf16 base
+            /// instead).
+            pub fn with_parameters(
+                &self,
+                varmap: &candle_nn::VarMap,
+            ) -> $crate::error::Result<Self> {
+                let dtype = $crate::pretrained::parameters_dtype(
+                    varmap,
+                    self.weights.adapters.is_some(),
+                )?;
+                let mut model = Self::build(
+                    &self.config,
+                    varmap.clone(),
+                    &self.weights.device,
+                    dtype,
+                    0.0,
+                )?;
+                model.training = self.training;
+                model.checkpointing = self.checkpointing;
+                Ok(model)
             }
 
             /// The dtype of the parameters.

@@ -139,3 +139,96 @@ fn from_config_builds_the_checkpoint_names_with_fresh_weights() {
         assert_eq!(fresh_names, want, "{name}");
     }
 }
+
+/// Mixed precision: the f32 model keeps the masters, `with_parameters` builds the same
+/// architecture over `prepare_mixed`'s bf16 working copies (logits within bf16's precision of
+/// the f32 model's, training mode carried over), a backward step through it moves the masters,
+/// and bad parameter maps are errors that name the problem and leave the map as it was.
+#[test]
+fn with_parameters_runs_every_architecture_on_mixed_precision_working_copies() {
+    use accelerate_rs::optim::AdamW;
+    use accelerate_rs::{Accelerator, DataLoader, MixedPrecision, TensorDataset};
+    for name in ARCHS {
+        let accelerator = Accelerator::builder()
+            .rank(0)
+            .world_size(1)
+            .cpu(true)
+            .mixed_precision(MixedPrecision::Bf16)
+            .build()
+            .unwrap();
+        let g = golden(name);
+        let (ids, mask, labels) = (&g["input_ids"], &g["attention_mask"], &g["labels"]);
+        let mut model =
+            AutoModel::from_pretrained(fixture(name), &Device::Cpu, DType::F32).unwrap();
+        model.train(true);
+        let loader = DataLoader::new(TensorDataset::new(vec![ids.clone()]).unwrap(), 1);
+        let opt = AdamW::new_lr(model.varmap().all_vars(), 1e-3).unwrap();
+        let (mut opt, _, work) = accelerator
+            .prepare_mixed(model.varmap(), opt, loader)
+            .unwrap();
+        let half = model.with_parameters(&work).unwrap();
+        assert!(half.is_training(), "{name}");
+        assert!(half
+            .varmap()
+            .all_vars()
+            .iter()
+            .all(|v| v.dtype() == DType::BF16));
+        let want = model.forward(ids, Some(mask)).unwrap();
+        let got = half.forward(ids, Some(mask)).unwrap();
+        let d = rel_diff(&got, &want);
+        // bf16 keeps 8 bits of mantissa; wrong or fresh weights would differ by ~100%.
+        assert!(d < 0.1, "{name}: bf16 logits differ by {d} (relative)");
+
+        let first = model.varmap().named_parameters()[0].clone();
+        let before = first.1.as_tensor().copy().unwrap();
+        let loss = half.loss_with_mask(ids, Some(mask), labels).unwrap();
+        assert!(
+            opt.backward_step(&loss).unwrap(),
+            "{name}: the step was skipped"
+        );
+        let moved = rel_diff(first.1.as_tensor(), &before);
+        assert!(moved > 0.0, "{name}: master `{}` did not move", first.0);
+        // The working copies follow the masters.
+        let copy = work.data().lock().unwrap()[&first.0].as_tensor().clone();
+        let cast = first.1.as_tensor().to_dtype(DType::BF16).unwrap();
+        assert_eq!(rel_diff(&copy, &cast), 0.0, "{name}");
+    }
+
+    // A map without one of the parameters.
+    let model = AutoModel::from_pretrained(fixture("llama"), &Device::Cpu, DType::F32).unwrap();
+    let partial = candle_nn::VarMap::new();
+    let mut names = Vec::new();
+    for (n, v) in model.varmap().named_parameters() {
+        names.push(n.clone());
+        if n != "model.norm.weight" {
+            partial.data().lock().unwrap().insert(n, v);
+        }
+    }
+    let e = model.with_parameters(&partial).unwrap_err().to_string();
+    assert!(
+        e.contains("lack 1") && e.contains("model.norm.weight"),
+        "{e}"
+    );
+    assert_eq!(
+        partial.all_vars().len(),
+        names.len() - 1,
+        "the map was changed"
+    );
+    // Mixed dtypes, and an empty map.
+    let mixed = candle_nn::VarMap::new();
+    for (i, (n, v)) in model.varmap().named_parameters().into_iter().enumerate() {
+        let v = if i == 0 {
+            candle_core::Var::from_tensor(&v.as_tensor().to_dtype(DType::BF16).unwrap()).unwrap()
+        } else {
+            v
+        };
+        mixed.data().lock().unwrap().insert(n, v);
+    }
+    let e = model.with_parameters(&mixed).unwrap_err().to_string();
+    assert!(e.contains("mix dtypes"), "{e}");
+    let e = model
+        .with_parameters(&candle_nn::VarMap::new())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("empty"), "{e}");
+}

@@ -180,7 +180,23 @@ impl Accelerator {
     /// Prepares the three pieces of a training loop: checks that every rank has the same
     /// parameters and gives them rank 0's values, wraps the optimizer, and shards the loader so
     /// each rank sees its own part of every global batch.
+    ///
+    /// The parameters train in the dtype they were made in. When a mixed-precision mode is set
+    /// it warns once: [`prepare_mixed`](Self::prepare_mixed) is what applies the mode (the
+    /// separate `prepare_model`, `prepare_optimizer` and `prepare_data_loader` do not warn,
+    /// e.g. for LoRA adapters in f32 over a base loaded in the compute dtype).
     pub fn prepare<P: Parameters + ?Sized, O: Optimizer>(
+        &self,
+        model: &P,
+        optimizer: O,
+        loader: DataLoader,
+    ) -> Result<(AcceleratedOptimizer<O>, DataLoader)> {
+        self.warn_unmixed("prepare");
+        self.prepare_parts(model, optimizer, loader)
+    }
+
+    /// [`prepare`](Self::prepare)'s work, without its mixed-precision notice.
+    fn prepare_parts<P: Parameters + ?Sized, O: Optimizer>(
         &self,
         model: &P,
         optimizer: O,
@@ -188,9 +204,26 @@ impl Accelerator {
     ) -> Result<(AcceleratedOptimizer<O>, DataLoader)> {
         self.prepare_model(model)?;
         Ok((
-            self.prepare_optimizer(optimizer),
+            AcceleratedOptimizer::new(optimizer, self.inner.grads.clone()),
             self.prepare_data_loader(loader)?,
         ))
+    }
+
+    /// Mixed precision is set but `call` prepares without it: says so once per process, on the
+    /// main process (the parameters then train in the dtype they were made in).
+    fn warn_unmixed(&self, call: &str) {
+        static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        let mode = self.inner.state.mixed_precision();
+        if mode == crate::settings::MixedPrecision::No
+            || !self.is_main_process()
+            || WARNED.swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
+        crate::logging::warn_always(format_args!(
+            "mixed precision {mode} is set (ACCELERATE_RS_MIXED_PRECISION, `launch --mixed-precision`, the config file or the builder), but `{call}` trains the parameters in the dtype they were made in; `prepare_mixed` keeps f32 masters and gives {:?} working copies to build the model from",
+            mode.compute_dtype()
+        ));
     }
 
     /// [`prepare`](Self::prepare) for mixed precision (the mode of
@@ -204,7 +237,7 @@ impl Accelerator {
         optimizer: O,
         loader: DataLoader,
     ) -> Result<(MixedPrecisionOptimizer<O>, DataLoader, candle_nn::VarMap)> {
-        let (opt, loader) = self.prepare(model, optimizer, loader)?;
+        let (opt, loader) = self.prepare_parts(model, optimizer, loader)?;
         let mode = self.inner.state.mixed_precision();
         let opt = MixedPrecisionOptimizer::new(opt, mode, model)?;
         let work = opt.working_vars().clone();

@@ -94,6 +94,15 @@ impl MixedPrecision {
             MixedPrecision::Fp16 => "fp16",
         }
     }
+
+    /// The dtype the forward and backward passes run in: f32, bf16 or f16.
+    pub fn compute_dtype(self) -> candle_core::DType {
+        match self {
+            MixedPrecision::No => candle_core::DType::F32,
+            MixedPrecision::Bf16 => candle_core::DType::BF16,
+            MixedPrecision::Fp16 => candle_core::DType::F16,
+        }
+    }
 }
 
 impl std::fmt::Display for MixedPrecision {

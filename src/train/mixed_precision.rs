@@ -178,15 +178,6 @@ impl<O: std::fmt::Debug> std::fmt::Debug for MixedPrecisionOptimizer<O> {
     }
 }
 
-/// The compute dtype of a mode.
-pub fn compute_dtype(mode: MixedPrecision) -> DType {
-    match mode {
-        MixedPrecision::No => DType::F32,
-        MixedPrecision::Bf16 => DType::BF16,
-        MixedPrecision::Fp16 => DType::F16,
-    }
-}
-
 impl<O: Optimizer> MixedPrecisionOptimizer<O> {
     /// Builds the working copies of `masters` (already prepared) for `mode`.
     pub(crate) fn new<P: Parameters + ?Sized>(
@@ -204,7 +195,7 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
                 data.insert(name, v);
             }
         } else {
-            let dtype = compute_dtype(mode);
+            let dtype = mode.compute_dtype();
             let mut data = work.data().lock().unwrap_or_else(|p| p.into_inner());
             for (name, master) in named {
                 if master.dtype() != DType::F32 {
@@ -240,7 +231,7 @@ impl<O: Optimizer> MixedPrecisionOptimizer<O> {
     /// The dtype of the working copies (f32 for [`MixedPrecision::No`]); build the model and cast
     /// its inputs to it.
     pub fn compute_dtype(&self) -> DType {
-        compute_dtype(self.mode)
+        self.mode.compute_dtype()
     }
 
     /// The working copies, by name (the masters themselves for [`MixedPrecision::No`]).

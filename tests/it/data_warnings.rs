@@ -5,7 +5,7 @@
 
 use std::process::Output;
 
-use accelerate_rs::Accelerator;
+use accelerate_rs::{Accelerator, DataLoader, TensorDataset};
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{linear, loss, Optimizer, VarMap, SGD};
 
@@ -20,6 +20,9 @@ fn worker_entry() {
     };
     let acc = Accelerator::builder().cpu(true).build().unwrap();
     let dev = acc.device().clone();
+    if mode.starts_with("mixed") {
+        return mixed_worker(&acc, &mode);
+    }
     let rows = if mode == "uneven" { 100 } else { 96 };
     let x: Vec<f32> = (0..rows * 4)
         .map(|i| ((i * 7 % 13) as f32) / 6.0 - 1.0)
@@ -49,9 +52,45 @@ fn worker_entry() {
     println!("done rank {}", acc.rank());
 }
 
+/// Under `ACCELERATE_RS_MIXED_PRECISION=bf16`: `prepare` twice ("mixed", which trains in f32
+/// and is told so once), or `prepare_mixed` ("mixed-applied", which applies the mode).
+fn mixed_worker(acc: &Accelerator, mode: &str) {
+    let dev = acc.device().clone();
+    // Each rank its own data (the same data everywhere has a warning of its own).
+    let x = (Tensor::ones((8, 4), DType::F32, &dev).unwrap() * (acc.rank() + 1) as f64).unwrap();
+    for i in 0..2 {
+        // Two models, prepared one after the other.
+        let name = format!("fc{i}");
+        let varmap = VarMap::new();
+        let model = linear(4, 1, acc.var_builder(&varmap, DType::F32).pp(&name)).unwrap();
+        let loader = DataLoader::new(TensorDataset::new(vec![x.clone()]).unwrap(), 4);
+        let opt = SGD::new(varmap.all_vars(), 0.05).unwrap();
+        if mode == "mixed" {
+            let (mut opt, _) = acc.prepare(&varmap, opt, loader).unwrap();
+            opt.backward_step(&model.forward(&x).unwrap().sum_all().unwrap())
+                .unwrap();
+        } else {
+            let (mut opt, _, work) = acc.prepare_mixed(&varmap, opt, loader).unwrap();
+            let half = linear(4, 1, acc.var_builder(&work, DType::BF16).pp(&name)).unwrap();
+            let out = half.forward(&x.to_dtype(DType::BF16).unwrap()).unwrap();
+            opt.backward_step(&out.to_dtype(DType::F32).unwrap().sum_all().unwrap())
+                .unwrap();
+        }
+    }
+    println!("done rank {}", acc.rank());
+}
+
 fn run(mode: &str, n: usize) -> (Output, String) {
     let out = test_parent("data_warnings::worker_entry", n)
         .env(MODE, mode)
+        .env(
+            "ACCELERATE_RS_MIXED_PRECISION",
+            if mode.starts_with("mixed") {
+                "bf16"
+            } else {
+                "no"
+            },
+        )
         .output()
         .unwrap();
     let text = format!(
@@ -114,4 +153,21 @@ fn a_global_batch_that_does_not_divide_and_rows_left_out_are_warned_with_the_siz
     // Once each, although shard_rows was called for x and y.
     assert_eq!(text.matches("shard_rows:").count(), 1, "{text}");
     assert_eq!(text.matches("local_batch_size:").count(), 1, "{text}");
+}
+
+/// Mixed precision set but `prepare` used: the parameters train in f32, and the main process
+/// says so once, naming `prepare_mixed`; `prepare_mixed` itself is silent.
+#[test]
+fn mixed_precision_that_prepare_does_not_apply_is_told_once() {
+    let (_, text) = run("mixed", 2);
+    let warnings: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("mixed precision bf16 is set"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{text}");
+    assert!(warnings[0].starts_with("[rank 0]"), "{text}");
+    assert!(warnings[0].contains("prepare_mixed"), "{text}");
+    let (_, text) = run("mixed-applied", 2);
+    assert!(!text.contains("accelerate-rs: warning"), "{text}");
+    assert_eq!(text.matches("done rank").count(), 2, "{text}");
 }
