@@ -30,8 +30,8 @@
 #      and 3 AdamW steps against the committed golden files of `transformers` (issue 24)
 #  12. the fine-tuning example on GPU 0: tiny-llama 100 steps, then `transformers` loads the
 #      folder with the same logits; LoRA r=8 with activation checkpointing, then `peft` loads the
-#      adapters and `transformers` the merged folder (the device's python3 has both); on 2+ GPUs
-#      also DDP over NCCL
+#      adapters and `transformers` the merged folder (the device's python3 has both); bf16
+#      mixed precision (f32 masters) checked the same way; on 2+ GPUs also DDP over NCCL
 #  13. peak GPU memory and step time: full fine-tuning, activation checkpointing, LoRA, both
 #      (models' memory_bench, the GPU pool's high-water mark) beside estimate-memory's prediction
 #  14. find_executable_batch_size from a batch far too big: CUDA's out-of-memory errors become
@@ -160,13 +160,14 @@ export ACCELERATE_RS_NN_CUDA=0
 export ACCELERATE_RS_MODELS_FIXTURES="$repo/models/tests/fixtures"
 tiny="$repo/models/examples/tiny-llama"
 corpus="$repo/data/corpus.txt"
-ft=(--model "$tiny" --train "$corpus" --max-steps 100 --seq-len 64 --batch-size 8 --lr 1e-3)
+ft=(--model "$tiny" --train "$corpus" --max-steps 100 --seq-len 64 --batch-size 8)
 step "11. Hugging Face parity on GPU 0 (7 architectures against transformers' golden files)" 300 \
   "test result: ok. 7 passed" \
   env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_TEST_DEVICE=cuda "$B/parity" matches_transformers \
   --test-threads 1
 step "12a. finetune tiny-llama on GPU 0" 300 "held-out loss" \
-  env CUDA_VISIBLE_DEVICES=0 "$B/finetune" "${ft[@]}" --output "$work/ft" --probe "$work/ft.probe"
+  env CUDA_VISIBLE_DEVICES=0 "$B/finetune" "${ft[@]}" --lr 1e-3 --output "$work/ft" \
+  --probe "$work/ft.probe"
 step "12b. transformers loads the fine-tuned folder with the same logits" 300 "logits diff.*: OK" \
   python3 "$repo/scripts/hf_reference.py" check "$work/ft" --probe "$work/ft.probe"
 step "12c. finetune with LoRA r=8 and activation checkpointing on GPU 0, merged" 300 \
@@ -179,9 +180,14 @@ step "12d. peft loads the adapters, transformers the merged folder, same logits"
   bash -c 'python3 "$1" check-adapter "$2/ft-lora" --base "$3" --probe "$2/ft-lora.probe" &&
     python3 "$1" check "$2/ft-merged" --probe "$2/ft-lora.probe"' \
   _ "$repo/scripts/hf_reference.py" "$work" "$tiny"
+step "12e. finetune in bf16 mixed precision on GPU 0 (f32 masters), transformers loads it" 300 \
+  "logits diff.*: OK" \
+  bash -c 'CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_MIXED_PRECISION=bf16 "$1" "${@:4}" --lr 1e-3 \
+    --output "$2/ft-bf16" --probe "$2/ft-bf16.probe" && python3 "$3" check "$2/ft-bf16" --probe "$2/ft-bf16.probe"' \
+  _ "$B/finetune" "$work" "$repo/scripts/hf_reference.py" "${ft[@]}"
 if [ "$N" -ge 2 ]; then
-  step "12e. finetune, DDP over NCCL on $N GPUs" 300 "held-out loss" \
-    "$B/accelerate-rs" launch -n "$N" "$B/finetune" "${ft[@]}" --output "$work/ft-ddp"
+  step "12f. finetune, DDP over NCCL on $N GPUs" 300 "held-out loss" \
+    "$B/accelerate-rs" launch -n "$N" "$B/finetune" "${ft[@]}" --lr 1e-3 --output "$work/ft-ddp"
 fi
 step "13. peak GPU memory and step time: plain, checkpointing, LoRA (memory_bench)" 600 \
   "\| ckpt \|" \
