@@ -157,14 +157,20 @@ fn truncated_shard_of_a_sharded_checkpoint() {
     assert!(msg.contains("model.safetensors.index.json"), "{msg}");
 }
 
-#[test]
-fn unknown_model_type_names_the_file_and_the_value() {
-    let (_tmp, dir) = copy_fixture("llama");
+/// A copy of the llama fixture whose `model_type` is `falcon` (not supported).
+fn falcon_fixture() -> (tempfile::TempDir, std::path::PathBuf) {
+    let (tmp, dir) = copy_fixture("llama");
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path)
         .unwrap()
         .replace("\"model_type\": \"llama\"", "\"model_type\": \"falcon\"");
     std::fs::write(&path, text).unwrap();
+    (tmp, dir)
+}
+
+#[test]
+fn unknown_model_type_names_the_file_and_the_value() {
+    let (_tmp, dir) = falcon_fixture();
     let msg = config_err(load(&dir).unwrap_err(), "model_type");
     assert!(msg.contains("falcon") && msg.contains("llama"), "{msg}");
     let msg = config_err(Config::from_file(&dir).unwrap_err(), "model_type");
@@ -256,12 +262,7 @@ fn bad_inputs_are_errors_not_panics() {
 /// error that the search retries.
 #[test]
 fn errors_convert_into_accelerate_rs_errors_keeping_out_of_memory() {
-    let (_tmp, dir) = copy_fixture("llama");
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .unwrap()
-        .replace("\"model_type\": \"llama\"", "\"model_type\": \"falcon\"");
-    std::fs::write(&path, text).unwrap();
+    let (_tmp, dir) = falcon_fixture();
     let config = load(&dir).unwrap_err();
     let want = config.to_string();
     let got = accelerate_rs::Error::from(config);
