@@ -81,7 +81,7 @@ if [ "${#bins[@]}" -eq 0 ]; then
 fi
 
 stage="$(mktemp -d)"
-trap 'rm -rf "$stage"; rm -f "${json:-}"' EXIT
+trap 'rm -rf "$stage" "$stage.tar"; rm -f "${json:-}"' EXIT
 mkdir -p "$stage/bin"
 for b in "${bins[@]}"; do
   if [ ! -f "$b" ]; then
@@ -97,7 +97,16 @@ done
 git rev-parse HEAD >"$stage/COMMIT" 2>/dev/null || echo unknown >"$stage/COMMIT"
 mkdir -p "$out"
 tarball="$out/accelerate-rs-gpu.tar.xz"
-tar -C "$stage" -cf - bin COMMIT | xz -T0 -6 >"$tarball.tmp"
+# The binaries share most of their bytes (Candle's CUDA kernels, the library): a dictionary as
+# large as the tar (up to 192 MiB) lets xz store them once, about a quarter of the size of the
+# default 8 MiB window (12.6 instead of 53.2 MiB for the eight binaries; ~2 GiB of memory to
+# compress, the dictionary's size to unpack).
+tar -C "$stage" -cf "$stage.tar" bin COMMIT
+tar_bytes="$(stat -c %s "$stage.tar")"
+dict_mib=$(( (tar_bytes >> 20) + 1 ))
+[ "$dict_mib" -gt 192 ] && dict_mib=192
+xz -9 --lzma2=dict="${dict_mib}MiB" -c "$stage.tar" >"$tarball.tmp"
+rm -f "$stage.tar"
 mv "$tarball.tmp" "$tarball"
 bytes="$(stat -c %s "$tarball")"
 mib="$(awk -v b="$bytes" 'BEGIN { printf "%.1f", b / 1048576 }')"
