@@ -93,6 +93,13 @@ fn main() -> Result<()> {
         accelerator.prepare_streaming_loader(StreamingLoader::new(windows, args.batch_size))?;
     accelerator.prepare_model(&varmap)?;
     let mut opt = accelerator.prepare_optimizer(opt);
+    let mixed = accelerator.state().mixed_precision();
+    if mixed != accelerate_rs::MixedPrecision::No {
+        accelerator.print(format!(
+            "note: this example trains in f32; mixed precision {mixed} is not applied (see \
+             `Accelerator::prepare_mixed`, and the fine-tuning example of accelerate-rs-models)"
+        ));
+    }
     if args.clip_grad_norm > 0.0 {
         opt.set_clip_grad_norm(Some(args.clip_grad_norm));
     }
