@@ -141,7 +141,7 @@ pub(crate) use config_readers;
 
 /// What to do about a model path that does not exist: a Hub id (`owner/name`) is downloaded
 /// first; otherwise nothing to add.
-fn missing_hint(path: &Path) -> String {
+pub(crate) fn missing_hint(path: &Path) -> String {
     let text = path.to_string_lossy();
     let id = match text.split_once('/') {
         Some((owner, name))

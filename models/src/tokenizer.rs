@@ -12,11 +12,19 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 /// Reads `tokenizer.json`: the file, or the one in a model folder. The error names the file.
 pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
-    let path = tokenizer_path(path.as_ref());
+    let given = path.as_ref();
+    let path = tokenizer_path(given);
     if !path.is_file() {
+        let hint = if given.exists() {
+            String::new()
+        } else {
+            crate::config::missing_hint(given)
+        };
         return Err(Error::Tokenizer {
             path,
-            reason: "no such file (a Hugging Face tokenizer folder holds tokenizer.json)".into(),
+            reason: format!(
+                "no such file (a Hugging Face tokenizer folder holds tokenizer.json){hint}"
+            ),
         });
     }
     Tokenizer::from_file(&path).map_err(|e| Error::Tokenizer {

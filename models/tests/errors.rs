@@ -297,6 +297,13 @@ fn a_hub_id_is_answered_with_how_to_download_it() {
             && e.contains("hub::download"),
         "{e}"
     );
+    let e = accelerate_rs_models::load_tokenizer("HuggingFaceTB/SmolLM2-135M")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("huggingface-cli download HuggingFaceTB/SmolLM2-135M"),
+        "{e}"
+    );
     let tmp = tempfile::tempdir().unwrap();
     let missing = tmp.path().join("no-model");
     let e = AutoModel::from_pretrained(&missing, &Device::Cpu, DType::F32)
