@@ -16,7 +16,7 @@ use crate::layers::{
     attention, bce_with_logits, check_mask, classification_loss, dropout, embedding, linear,
     lookup, masked_lm_loss, mse, norm_params, padding_idx, AttentionSpec,
 };
-use crate::lora::{rebuild_vb, Adaptable, Proj};
+use crate::lora::{Adaptable, Proj};
 use crate::pretrained::{pretrained_methods, Weights};
 
 fn default_act() -> Activation {
@@ -423,19 +423,6 @@ impl BertForMaskedLm {
         Ok(model)
     }
 
-    fn build(
-        config: &BertConfig,
-        varmap: candle_nn::VarMap,
-        device: &Device,
-        dtype: DType,
-        std: f64,
-    ) -> CrateResult<Self> {
-        config.check()?;
-        let (parts, weights) =
-            Weights::build(varmap, device, dtype, |vb| Self::assemble(config, vb, std))?;
-        Ok(Self::from_parts(config, parts, weights, false, false))
-    }
-
     /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
     fn from_parts(
         config: &BertConfig,
@@ -443,9 +430,9 @@ impl BertForMaskedLm {
         weights: Weights,
         training: bool,
         checkpointing: bool,
-    ) -> Self {
+    ) -> CrateResult<Self> {
         let (encoder, transform, transform_norm, decoder) = parts;
-        BertForMaskedLm {
+        Ok(BertForMaskedLm {
             config: config.clone(),
             encoder,
             transform,
@@ -454,7 +441,7 @@ impl BertForMaskedLm {
             weights,
             training,
             checkpointing,
-        }
+        })
     }
 
     /// The layers, their parameters fetched from `vb`.
@@ -595,19 +582,6 @@ impl BertForSequenceClassification {
         Ok(model)
     }
 
-    fn build(
-        config: &BertConfig,
-        varmap: candle_nn::VarMap,
-        device: &Device,
-        dtype: DType,
-        std: f64,
-    ) -> CrateResult<Self> {
-        config.check()?;
-        let (parts, weights) =
-            Weights::build(varmap, device, dtype, |vb| Self::assemble(config, vb, std))?;
-        Ok(Self::from_parts(config, parts, weights, false, false))
-    }
-
     /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
     fn from_parts(
         config: &BertConfig,
@@ -615,16 +589,16 @@ impl BertForSequenceClassification {
         weights: Weights,
         training: bool,
         checkpointing: bool,
-    ) -> Self {
+    ) -> CrateResult<Self> {
         let (encoder, classifier) = parts;
-        BertForSequenceClassification {
+        Ok(BertForSequenceClassification {
             config: config.clone(),
             encoder,
             classifier,
             weights,
             training,
             checkpointing,
-        }
+        })
     }
 
     /// The layers, their parameters fetched from `vb`.
@@ -769,14 +743,7 @@ macro_rules! bert_adaptable {
             }
 
             fn rebuild(&self, frozen: bool) -> CrateResult<Self> {
-                let parts = Self::assemble(&self.config, rebuild_vb(&self.weights, frozen), 0.0)?;
-                Ok(Self::from_parts(
-                    &self.config,
-                    parts,
-                    self.weights.clone(),
-                    self.training,
-                    self.checkpointing,
-                ))
+                self.rebuilt(frozen)
             }
 
             fn default_targets(&self) -> &'static [&'static str] {

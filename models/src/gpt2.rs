@@ -18,7 +18,7 @@ use crate::layers::{
     attention, causal_lm_methods, check_mask, dropout, embedding, linear, lookup, norm_params,
     AttentionSpec,
 };
-use crate::lora::{rebuild_vb, Adaptable, Proj};
+use crate::lora::{Adaptable, Proj};
 use crate::pretrained::{pretrained_methods, Weights};
 
 fn default_act() -> Activation {
@@ -276,19 +276,6 @@ impl Gpt2LmHeadModel {
         Ok(model)
     }
 
-    fn build(
-        config: &Gpt2Config,
-        varmap: candle_nn::VarMap,
-        device: &Device,
-        dtype: DType,
-        std: f64,
-    ) -> CrateResult<Self> {
-        config.check()?;
-        let (parts, weights) =
-            Weights::build(varmap, device, dtype, |vb| Self::assemble(config, vb, std))?;
-        Ok(Self::from_parts(config, parts, weights, false, false))
-    }
-
     /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
     fn from_parts(
         config: &Gpt2Config,
@@ -296,9 +283,9 @@ impl Gpt2LmHeadModel {
         weights: Weights,
         training: bool,
         checkpointing: bool,
-    ) -> Self {
+    ) -> CrateResult<Self> {
         let (wte, wpe, blocks, ln_f, lm_head) = parts;
-        Gpt2LmHeadModel {
+        Ok(Gpt2LmHeadModel {
             config: config.clone(),
             wte,
             wpe,
@@ -308,7 +295,7 @@ impl Gpt2LmHeadModel {
             weights,
             training,
             checkpointing,
-        }
+        })
     }
 
     /// The layers, their parameters fetched from `vb`.
@@ -404,14 +391,7 @@ impl Adaptable for Gpt2LmHeadModel {
     }
 
     fn rebuild(&self, frozen: bool) -> CrateResult<Self> {
-        let parts = Self::assemble(&self.config, rebuild_vb(&self.weights, frozen), 0.0)?;
-        Ok(Self::from_parts(
-            &self.config,
-            parts,
-            self.weights.clone(),
-            self.training,
-            self.checkpointing,
-        ))
+        self.rebuilt(frozen)
     }
 
     fn default_targets(&self) -> &'static [&'static str] {

@@ -17,7 +17,7 @@ use crate::layers::{
     attention, causal_lm_methods, check_mask, embedding, linear, lookup, padding_idx, repeat_kv,
     AttentionSpec,
 };
-use crate::lora::{rebuild_vb, Adaptable, Proj};
+use crate::lora::{Adaptable, Proj};
 use crate::pretrained::{pretrained_methods, Weights};
 use crate::rope::{self, apply_rope, RopeConfig};
 
@@ -458,19 +458,6 @@ impl LlamaForCausalLm {
         Ok(model)
     }
 
-    fn build(
-        config: &LlamaConfig,
-        varmap: candle_nn::VarMap,
-        device: &Device,
-        dtype: DType,
-        std: f64,
-    ) -> CrateResult<Self> {
-        config.check()?;
-        let (parts, weights) =
-            Weights::build(varmap, device, dtype, |vb| Self::assemble(config, vb, std))?;
-        Self::from_parts(config, parts, weights, false, false)
-    }
-
     /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
     fn from_parts(
         config: &LlamaConfig,
@@ -588,14 +575,7 @@ impl Adaptable for LlamaForCausalLm {
     }
 
     fn rebuild(&self, frozen: bool) -> CrateResult<Self> {
-        let parts = Self::assemble(&self.config, rebuild_vb(&self.weights, frozen), 0.0)?;
-        Self::from_parts(
-            &self.config,
-            parts,
-            self.weights.clone(),
-            self.training,
-            self.checkpointing,
-        )
+        self.rebuilt(frozen)
     }
 
     fn default_targets(&self) -> &'static [&'static str] {

@@ -148,9 +148,11 @@ pub(crate) fn parameters_dtype(varmap: &VarMap, has_adapters: bool) -> Result<DT
 /// `train`/`is_training`, activation checkpointing and LoRA, `with_parameters`, and the
 /// constructors `from_config` and `from_pretrained` (for the `architectures` given). The type
 /// needs fields `config`, `weights: Weights`, `training: bool` and `checkpointing: bool`, a
-/// method `config_value(&self) -> serde_json::Value`, the constructors `build(config, varmap,
-/// device, dtype, init_std)` and `load(config, dir, device, dtype)`, and to implement
-/// `lora::Adaptable`.
+/// method `config_value(&self) -> serde_json::Value`, `config.check()`, the constructors
+/// `assemble(config, vb, init_std)` (the layers), `from_parts(config, parts, weights, training,
+/// checkpointing)` and `load(config, dir, device, dtype)`, and to implement `lora::Adaptable`
+/// (whose `rebuild` is the generated `rebuilt`). It generates `build(config, varmap, device,
+/// dtype, init_std)` from them.
 macro_rules! pretrained_methods {
     (
         $ty:ty,
@@ -159,6 +161,38 @@ macro_rules! pretrained_methods {
         $(, $(#[$doc:meta])+)? $(,)?
     ) => {
         impl $ty {
+            /// The model over `varmap` (fresh, or holding every parameter, see
+            /// `Weights::build`), with `std` the initializer's standard deviation.
+            fn build(
+                config: &$config,
+                varmap: candle_nn::VarMap,
+                device: &candle_core::Device,
+                dtype: candle_core::DType,
+                std: f64,
+            ) -> $crate::error::Result<Self> {
+                config.check()?;
+                let (parts, weights) = $crate::pretrained::Weights::build(
+                    varmap,
+                    device,
+                    dtype,
+                    |vb| Self::assemble(config, vb, std),
+                )?;
+                Self::from_parts(config, parts, weights, false, false)
+            }
+
+            /// The layers again over the same parameters (frozen or not), for LoRA.
+            fn rebuilt(&self, frozen: bool) -> $crate::error::Result<Self> {
+                let vb = $crate::lora::rebuild_vb(&self.weights, frozen);
+                let parts = Self::assemble(&self.config, vb, 0.0)?;
+                Self::from_parts(
+                    &self.config,
+                    parts,
+                    self.weights.clone(),
+                    self.training,
+                    self.checkpointing,
+                )
+            }
+
             /// A model with fresh parameters on `device` in `dtype`, drawn as `transformers`
             /// initializes them (N(0, `initializer_range`²) weights, zero biases, unit norms).
             pub fn from_config(
