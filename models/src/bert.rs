@@ -16,7 +16,7 @@ use crate::layers::{
     attention, bce_with_logits, check_mask, classification_loss, dropout, embedding, linear,
     lookup, masked_lm_loss, mse, norm_params, padding_idx, AttentionSpec,
 };
-use crate::lora::{Adaptable, Proj};
+use crate::lora::{adaptable, Proj};
 use crate::pretrained::{pretrained_methods, Weights};
 
 fn default_act() -> Activation {
@@ -722,40 +722,19 @@ impl BertForSequenceClassification {
     }
 }
 
-/// `Adaptable` for a BERT head; `$head` lists the head's own layers LoRA may target, after the
-/// encoder's (`|m| ...` over the model).
-macro_rules! bert_adaptable {
-    ($ty:ty, |$m:ident| $head:expr) => {
-        impl Adaptable for $ty {
-            fn weights(&self) -> &Weights {
-                &self.weights
-            }
-
-            fn weights_mut(&mut self) -> &mut Weights {
-                &mut self.weights
-            }
-
-            fn projections_mut(&mut self) -> Vec<&mut Proj> {
-                let $m = self;
-                let mut out = $m.encoder.projections_mut();
-                out.extend($head);
-                out
-            }
-
-            fn rebuild(&self, frozen: bool) -> CrateResult<Self> {
-                self.rebuilt(frozen)
-            }
-
-            fn default_targets(&self) -> &'static [&'static str] {
-                &["query", "value"]
-            }
-
-            fn config_path(&self) -> &Path {
-                &self.config.origin.path
-            }
-        }
-    };
-}
-
-bert_adaptable!(BertForMaskedLm, |m| [&mut m.transform]);
-bert_adaptable!(BertForSequenceClassification, |m| []);
+adaptable!(
+    BertForMaskedLm,
+    targets = ["query", "value"],
+    task_type = None,
+    |m| {
+        let mut out = m.encoder.projections_mut();
+        out.push(&mut m.transform);
+        out
+    },
+);
+adaptable!(
+    BertForSequenceClassification,
+    targets = ["query", "value"],
+    task_type = None,
+    |m| m.encoder.projections_mut(),
+);

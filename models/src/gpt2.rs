@@ -18,7 +18,7 @@ use crate::layers::{
     attention, causal_lm_methods, check_mask, dropout, embedding, linear, lookup, norm_params,
     AttentionSpec,
 };
-use crate::lora::{Adaptable, Proj};
+use crate::lora::{adaptable, Proj};
 use crate::pretrained::{pretrained_methods, Weights};
 
 fn default_act() -> Activation {
@@ -374,35 +374,13 @@ impl Gpt2LmHeadModel {
     causal_lm_methods!();
 }
 
-impl Adaptable for Gpt2LmHeadModel {
-    fn weights(&self) -> &Weights {
-        &self.weights
-    }
-
-    fn weights_mut(&mut self) -> &mut Weights {
-        &mut self.weights
-    }
-
-    fn projections_mut(&mut self) -> Vec<&mut Proj> {
-        self.blocks
-            .iter_mut()
-            .flat_map(Block::projections_mut)
-            .collect()
-    }
-
-    fn rebuild(&self, frozen: bool) -> CrateResult<Self> {
-        self.rebuilt(frozen)
-    }
-
-    fn default_targets(&self) -> &'static [&'static str] {
-        &["c_attn"]
-    }
-
-    fn task_type(&self) -> Option<&'static str> {
-        Some("CAUSAL_LM")
-    }
-
-    fn config_path(&self) -> &Path {
-        &self.config.origin.path
-    }
-}
+adaptable!(
+    Gpt2LmHeadModel,
+    targets = ["c_attn"],
+    task_type = Some("CAUSAL_LM"),
+    |m| m
+        .blocks
+        .iter_mut()
+        .flat_map(Block::projections_mut)
+        .collect(),
+);

@@ -17,7 +17,7 @@ use crate::layers::{
     attention, causal_lm_methods, check_mask, embedding, linear, lookup, padding_idx, repeat_kv,
     AttentionSpec,
 };
-use crate::lora::{Adaptable, Proj};
+use crate::lora::{adaptable, Proj};
 use crate::pretrained::{pretrained_methods, Weights};
 use crate::rope::{self, apply_rope, RopeConfig};
 
@@ -558,35 +558,13 @@ impl LlamaForCausalLm {
     causal_lm_methods!();
 }
 
-impl Adaptable for LlamaForCausalLm {
-    fn weights(&self) -> &Weights {
-        &self.weights
-    }
-
-    fn weights_mut(&mut self) -> &mut Weights {
-        &mut self.weights
-    }
-
-    fn projections_mut(&mut self) -> Vec<&mut Proj> {
-        self.layers
-            .iter_mut()
-            .flat_map(DecoderLayer::projections_mut)
-            .collect()
-    }
-
-    fn rebuild(&self, frozen: bool) -> CrateResult<Self> {
-        self.rebuilt(frozen)
-    }
-
-    fn default_targets(&self) -> &'static [&'static str] {
-        &["q_proj", "v_proj"]
-    }
-
-    fn task_type(&self) -> Option<&'static str> {
-        Some("CAUSAL_LM")
-    }
-
-    fn config_path(&self) -> &Path {
-        &self.config.origin.path
-    }
-}
+adaptable!(
+    LlamaForCausalLm,
+    targets = ["q_proj", "v_proj"],
+    task_type = Some("CAUSAL_LM"),
+    |m| m
+        .layers
+        .iter_mut()
+        .flat_map(DecoderLayer::projections_mut)
+        .collect(),
+);

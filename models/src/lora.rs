@@ -178,6 +178,52 @@ pub(crate) trait Adaptable: Clone {
     }
 }
 
+/// `impl Adaptable` for a model type with the fields `weights` and `config` (whose
+/// `origin.path` is its `config.json`) and the `rebuilt` of `pretrained_methods!`: PEFT's
+/// default `targets`, its `task_type`, and the projections LoRA may target, `|m| expr` with `m`
+/// the model (`&mut`) and `expr` a `Vec<&mut Proj>`.
+macro_rules! adaptable {
+    (
+        $ty:ty,
+        targets = [$($target:literal),+ $(,)?],
+        task_type = $task:expr,
+        |$m:ident| $projections:expr $(,)?
+    ) => {
+        impl $crate::lora::Adaptable for $ty {
+            fn weights(&self) -> &$crate::pretrained::Weights {
+                &self.weights
+            }
+
+            fn weights_mut(&mut self) -> &mut $crate::pretrained::Weights {
+                &mut self.weights
+            }
+
+            fn projections_mut(&mut self) -> Vec<&mut $crate::lora::Proj> {
+                let $m = self;
+                $projections
+            }
+
+            fn rebuild(&self, frozen: bool) -> $crate::error::Result<Self> {
+                self.rebuilt(frozen)
+            }
+
+            fn default_targets(&self) -> &'static [&'static str] {
+                &[$($target),+]
+            }
+
+            fn task_type(&self) -> Option<&'static str> {
+                $task
+            }
+
+            fn config_path(&self) -> &std::path::Path {
+                &self.config.origin.path
+            }
+        }
+    };
+}
+
+pub(crate) use adaptable;
+
 /// Adds adapters to `model`'s layers that `config` targets: see
 /// `LlamaForCausalLm::add_lora`.
 pub(crate) fn add_lora<M: Adaptable>(model: &mut M, config: &LoraConfig) -> CrateResult<()> {
