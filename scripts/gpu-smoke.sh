@@ -41,7 +41,10 @@
 # Steps 1-7 and 11-14 run with the nn CUDA kernels off (ACCELERATE_RS_NN_CUDA=0: the default,
 # composed path the bundle was proven with); 8-10 switch them on.
 # ACCEL_SMOKE_ONLY="8 9 10" runs only the steps whose number is listed (e.g. to split the run over
-# several device calls of at most 10 minutes each: "1 2 3 4 5 6 7", then "8 9 10 11 12 13 14").
+# several device calls of at most 10 minutes each). With one short loan, run the proofs first and
+# the timings after: ACCEL_SMOKE_ONLY="1 2 3 4 6 8 11 12 14" (correctness, including the kernels,
+# the models and the CUDA out-of-memory retry), then "5 7 9 10 13" (bf16 digits, step times, the
+# PyTorch table, peak memory).
 # The summary file gets one line per step plus the figures that matter; bring it back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
