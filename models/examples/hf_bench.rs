@@ -16,6 +16,10 @@ use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_nn::Optimizer;
 use clap::Parser;
+
+#[path = "common/llama_shape.rs"]
+mod llama_shape;
+use llama_shape::LlamaShape;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -25,18 +29,8 @@ struct Args {
     steps: usize,
     #[arg(long, default_value_t = 2)]
     warmup: usize,
-    #[arg(long, default_value_t = 8000)]
-    vocab: usize,
-    #[arg(long, default_value_t = 512)]
-    hidden: usize,
-    #[arg(long, default_value_t = 1408)]
-    intermediate: usize,
-    #[arg(long, default_value_t = 4)]
-    layers: usize,
-    #[arg(long, default_value_t = 8)]
-    heads: usize,
-    #[arg(long, default_value_t = 2)]
-    kv_heads: usize,
+    #[command(flatten)]
+    model: LlamaShape,
     #[arg(long, default_value_t = 256)]
     seq: usize,
     #[arg(long, default_value_t = 4)]
@@ -47,17 +41,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let accelerator = Accelerator::new()?;
     let device = accelerator.device().clone();
-    let json = serde_json::json!({
-        "model_type": "llama",
-        "vocab_size": args.vocab,
-        "hidden_size": args.hidden,
-        "intermediate_size": args.intermediate,
-        "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads,
-        "num_key_value_heads": args.kv_heads,
-        "max_position_embeddings": args.seq,
-        "tie_word_embeddings": false,
-    });
+    let json = args.model.config_json(args.seq);
     let config = LlamaConfig::from_json(std::path::Path::new("<hf_bench>"), &json)?;
     let model = LlamaForCausalLm::from_config(&config, &device, DType::F32)?;
     let opt = AdamW::new(
@@ -77,7 +61,7 @@ fn main() -> Result<()> {
             accelerator.wait_for_everyone()?;
         }
         let ids: Vec<u32> = (0..args.batch * args.seq)
-            .map(|_| rng.random_range(0..args.vocab as u32))
+            .map(|_| rng.random_range(0..args.model.vocab as u32))
             .collect();
         let ids = Tensor::from_vec(ids, (args.batch, args.seq), &device)?;
         let labels = ids.to_dtype(DType::I64)?;

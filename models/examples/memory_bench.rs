@@ -36,6 +36,10 @@ use accelerate_rs_models::{LlamaConfig, LlamaForCausalLm};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
+
+#[path = "common/llama_shape.rs"]
+mod llama_shape;
+use llama_shape::LlamaShape;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -55,18 +59,8 @@ struct Args {
     /// The configurations to measure, comma-separated (plain, ckpt, lora, lora-ckpt).
     #[arg(long, default_value = "plain,ckpt,lora,lora-ckpt")]
     configs: String,
-    #[arg(long, default_value_t = 8000)]
-    vocab: usize,
-    #[arg(long, default_value_t = 512)]
-    hidden: usize,
-    #[arg(long, default_value_t = 1408)]
-    intermediate: usize,
-    #[arg(long, default_value_t = 4)]
-    layers: usize,
-    #[arg(long, default_value_t = 8)]
-    heads: usize,
-    #[arg(long, default_value_t = 2)]
-    kv_heads: usize,
+    #[command(flatten)]
+    model: LlamaShape,
     #[arg(long, default_value_t = 512)]
     seq: usize,
     #[arg(long, default_value_t = 8)]
@@ -93,25 +87,10 @@ const TARGETS: [&str; 7] = [
     "down_proj",
 ];
 
-/// The model's `config.json`.
-fn model_json(args: &Args) -> serde_json::Value {
-    serde_json::json!({
-        "model_type": "llama",
-        "vocab_size": args.vocab,
-        "hidden_size": args.hidden,
-        "intermediate_size": args.intermediate,
-        "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads,
-        "num_key_value_heads": args.kv_heads,
-        "max_position_embeddings": args.seq,
-        "tie_word_embeddings": false,
-    })
-}
-
 /// What `accelerate-rs estimate-memory` predicts for `config`, in bytes.
 fn predicted(args: &Args, config: &str) -> Result<u64> {
     let path = std::path::Path::new("<memory_bench>");
-    let spec = ModelSpec::from_config(&model_json(args), path)?;
+    let spec = ModelSpec::from_config(&args.model.config_json(args.seq), path)?;
     let plan = Plan {
         lora: config.starts_with("lora").then(|| Lora {
             r: args.lora_r,
@@ -210,7 +189,7 @@ fn train(
         }
     };
     let device = accelerator.device().clone();
-    let json = model_json(args);
+    let json = args.model.config_json(args.seq);
     let config = LlamaConfig::from_json(std::path::Path::new("<memory_bench>"), &json)?;
     let mut model = LlamaForCausalLm::from_config(&config, &device, DType::F32)?;
     if lora {
@@ -229,7 +208,7 @@ fn train(
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let mut next_batch = || -> accelerate_rs::Result<Tensor> {
         let ids: Vec<u32> = (0..batch * args.seq)
-            .map(|_| rng.random_range(0..args.vocab as u32))
+            .map(|_| rng.random_range(0..args.model.vocab as u32))
             .collect();
         Ok(Tensor::from_vec(ids, (batch, args.seq), &device)?)
     };
@@ -290,12 +269,14 @@ fn find_batch_size(args: &Args, start: usize) -> Result<()> {
         Ok((b, ms))
     })?;
     let device = accelerator.device();
-    let peak = match device.is_cuda() {
-        true => format!(
+    let peak = if device.is_cuda() {
+        let bytes = accelerate_rs::gpu::pool_memory(device)?.peak;
+        format!(
             ", GPU pool peak {:.1} GiB",
-            accelerate_rs::gpu::pool_memory(device)?.peak as f64 / (1u64 << 30) as f64
-        ),
-        false => String::new(),
+            bytes as f64 / (1u64 << 30) as f64
+        )
+    } else {
+        String::new()
     };
     accelerator.print(format!(
         "find_executable_batch_size on {device:?}: started at {start}, tried {tried:?}; out-of-memory retries: {}; ran at batch size {used} (seq {}, one step in {ms:.0} ms{peak})",
@@ -377,7 +358,7 @@ fn main() -> Result<()> {
     }
     println!(
         "Llama-style: hidden {}, {} layers, {} heads ({} KV), SwiGLU {}, vocab {}; batch {} x seq {}; f32, AdamW; {} rounds of {} timed steps",
-        args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab, args.batch, args.seq, args.rounds, args.steps
+        args.model.hidden, args.model.layers, args.model.heads, args.model.kv_heads, args.model.intermediate, args.model.vocab, args.batch, args.seq, args.rounds, args.steps
     );
     println!();
     let peak_name = match kind.as_str() {
@@ -415,30 +396,16 @@ fn main() -> Result<()> {
         ) else {
             continue;
         };
-        let mut peak: Vec<f64> = results[ia]
-            .peaks
-            .iter()
-            .zip(&results[ib].peaks)
-            .map(|(x, y)| x / y)
-            .collect();
-        let mut time: Vec<f64> = results[ia]
-            .times
-            .iter()
-            .zip(&results[ib].times)
-            .map(|(x, y)| x / y)
-            .collect();
+        // Per round, `a`'s figure over `b`'s: their median and the list.
+        let ratios = |x: &[f64], y: &[f64]| {
+            let mut r: Vec<f64> = x.iter().zip(y).map(|(x, y)| x / y).collect();
+            let list: Vec<String> = r.iter().map(|r| format!("{r:.2}")).collect();
+            (median(&mut r), list.join(", "))
+        };
+        let (peak, peaks) = ratios(&results[ia].peaks, &results[ib].peaks);
+        let (time, times) = ratios(&results[ia].times, &results[ib].times);
         println!(
-            "{a} / {b}: peak x{:.2} (rounds: {}), step time x{:.2} (rounds: {})",
-            median(&mut peak.clone()),
-            peak.iter_mut()
-                .map(|r| format!("{r:.2}"))
-                .collect::<Vec<_>>()
-                .join(", "),
-            median(&mut time.clone()),
-            time.iter_mut()
-                .map(|r| format!("{r:.2}"))
-                .collect::<Vec<_>>()
-                .join(", "),
+            "{a} / {b}: peak x{peak:.2} (rounds: {peaks}), step time x{time:.2} (rounds: {times})"
         );
     }
     Ok(())
