@@ -33,13 +33,26 @@ pub(crate) fn linear(
     std: f64,
     vb: VarBuilder,
 ) -> Result<Linear> {
+    let (w, b) = linear_params(in_dim, out_dim, bias, std, &vb)?;
+    Ok(Linear::new(w, b))
+}
+
+/// The parameters of [`linear`]: `weight` `[out, in]` from N(0, `std`²) and, if asked, a zero
+/// `bias`, under `vb`.
+pub(crate) fn linear_params(
+    in_dim: usize,
+    out_dim: usize,
+    bias: bool,
+    std: f64,
+    vb: &VarBuilder,
+) -> Result<(Tensor, Option<Tensor>)> {
     let w = vb.get_with_hints((out_dim, in_dim), "weight", normal(std))?;
     let b = if bias {
         Some(vb.get_with_hints(out_dim, "bias", Init::Const(0.0))?)
     } else {
         None
     };
-    Ok(Linear::new(w, b))
+    Ok((w, b))
 }
 
 /// An embedding table `[n, dim]` named `weight` under `vb`, from N(0, `std`²).

@@ -38,12 +38,7 @@ impl Proj {
         std: f64,
         vb: VarBuilder,
     ) -> Result<Self> {
-        let weight = vb.get_with_hints((out_dim, in_dim), "weight", crate::layers::normal(std))?;
-        let bias = if bias {
-            Some(vb.get_with_hints(out_dim, "bias", Init::Const(0.0))?)
-        } else {
-            None
-        };
+        let (weight, bias) = crate::layers::linear_params(in_dim, out_dim, bias, std, &vb)?;
         Ok(Proj {
             path: vb.prefix(),
             weight,
