@@ -13,25 +13,15 @@ use std::time::Duration;
 
 use accelerate_rs::collective::ThreadGroup;
 use accelerate_rs::nn::{self, LoraConfig};
-use accelerate_rs::optim::{AdamW, ParamsAdamW};
+use accelerate_rs::optim::AdamW;
 use accelerate_rs::{Accelerator, MissingGradients, Parameters};
 use accelerate_rs_models::AutoModel;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Optimizer;
-use common::{fixture, golden, rel_diff};
+use common::{adamw_params, fixture, golden, max_abs, rel_diff};
 
 /// The golden cases: (fixture, base fixture).
 const CASES: &[(&str, &str)] = &[("lora_llama", "llama"), ("lora_gpt2", "gpt2")];
-
-fn adamw_params() -> ParamsAdamW {
-    ParamsAdamW {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.01,
-    }
-}
 
 fn adapter_dir(name: &str) -> PathBuf {
     fixture(name).join("adapter")
@@ -43,15 +33,6 @@ fn with_peft_adapter(name: &str, base: &str) -> AutoModel {
     model.load_adapter(adapter_dir(name)).unwrap();
     model.train(true);
     model
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 fn tensors(path: &Path) -> HashMap<String, Tensor> {

@@ -7,23 +7,12 @@
 
 mod common;
 
-use accelerate_rs::optim::{AdamW, ParamsAdamW};
+use accelerate_rs::optim::AdamW;
 use accelerate_rs::{Accelerator, MissingGradients, Parameters};
 use accelerate_rs_models::AutoModel;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Optimizer;
-use common::{fixture, golden, golden_on, rel_diff, test_device, ARCHS};
-
-/// The reference script's AdamW (`torch.optim.AdamW`).
-fn adamw_params() -> ParamsAdamW {
-    ParamsAdamW {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.01,
-    }
-}
+use common::{adamw_params, fixture, golden, golden_on, max_abs, rel_diff, test_device, ARCHS};
 
 fn load(name: &str, device: &Device) -> AutoModel {
     let mut model = AutoModel::from_pretrained(fixture(name), device, DType::F32).unwrap();
@@ -144,15 +133,6 @@ fn parity(name: &str) {
         loose <= 0.01 * total as f32,
         "{name}: {loose} of {total} elements have noise-level gradients"
     );
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 #[test]

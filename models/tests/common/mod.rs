@@ -59,21 +59,33 @@ pub fn test_device() -> Device {
     }
 }
 
+/// `max |t|` (f32).
+pub fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
 /// `max |a - b| / max |b|`: the largest difference relative to the reference's scale.
 pub fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
     let a = a.to_dtype(DType::F32).unwrap();
     let b = b.to_dtype(DType::F32).unwrap();
-    let max = |t: Tensor| {
-        t.abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    };
-    let diff = max((&a - &b).unwrap());
-    diff / max(b).max(1e-12)
+    max_abs(&(&a - &b).unwrap()) / max_abs(&b).max(1e-12)
+}
+
+/// The reference script's AdamW (`torch.optim.AdamW` with its defaults and weight decay 0.01).
+pub fn adamw_params() -> accelerate_rs::optim::ParamsAdamW {
+    accelerate_rs::optim::ParamsAdamW {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+    }
 }
 
 /// A copy of fixture `name` in a fresh temporary folder (to damage).
