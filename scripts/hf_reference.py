@@ -219,6 +219,25 @@ def state_names(model):
     return seen
 
 
+def forward_backward(name, model, params, ids, mask, labels):
+    """One forward and backward pass: the golden inputs, logits, loss and the gradient of every
+    parameter in `params` (name -> tensor) as `grad.<name>`."""
+    out_ = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out_.loss.backward()
+    golden = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": labels,
+        "logits": out_.logits.detach().contiguous(),
+        "loss": out_.loss.detach().reshape(1),
+    }
+    for pname, p in params.items():
+        if p.grad is None:
+            sys.exit(f"{name}: {pname} got no gradient in transformers")
+        golden[f"grad.{pname}"] = p.grad.detach().clone().contiguous()
+    return golden
+
+
 def make_fixture(name, out, seed):
     config, auto, task = configs()[name]
     gen = torch.Generator().manual_seed(seed)
@@ -239,19 +258,7 @@ def make_fixture(name, out, seed):
 
     ids, mask, labels = inputs(task, gen)
     model.train()  # dropout is 0 in every fixture: train mode is deterministic
-    out_ = model(input_ids=ids, attention_mask=mask, labels=labels)
-    out_.loss.backward()
-    golden = {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "labels": labels,
-        "logits": out_.logits.detach().contiguous(),
-        "loss": out_.loss.detach().reshape(1),
-    }
-    for pname, p in params.items():
-        if p.grad is None:
-            sys.exit(f"{name}: {pname} got no gradient in transformers")
-        golden[f"grad.{pname}"] = p.grad.detach().clone().contiguous()
+    golden = forward_backward(name, model, params, ids, mask, labels)
 
     opt = torch.optim.AdamW(
         model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
@@ -268,7 +275,7 @@ def make_fixture(name, out, seed):
     golden["step_losses"] = torch.tensor(losses)
     save_file(golden, os.path.join(folder, "golden.safetensors"))
     size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
-    print(f"{name}: {len(params)} tensors, loss {out_.loss.item():.6f}, {size / 1024:.1f} KiB")
+    print(f"{name}: {len(params)} tensors, loss {golden['loss'].item():.6f}, {size / 1024:.1f} KiB")
 
 
 # name -> (base fixture, LoraConfig keyword arguments, also the bf16 base's outputs)
@@ -324,17 +331,7 @@ def make_lora_fixture(name, out, seed):
     g = load_file(os.path.join(base_dir, "golden.safetensors"))
     ids, mask, labels = g["input_ids"], g["attention_mask"], g["labels"]
     model.train()  # lora_dropout and the fixtures' dropout are 0: deterministic
-    out_ = model(input_ids=ids, attention_mask=mask, labels=labels)
-    out_.loss.backward()
-    golden = {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "labels": labels,
-        "logits": out_.logits.detach().contiguous(),
-        "loss": out_.loss.detach().reshape(1),
-    }
-    for pname, p in params.items():
-        golden[f"grad.{pname}"] = p.grad.detach().clone().contiguous()
+    golden = forward_backward(name, model, params, ids, mask, labels)
 
     merged = copy.deepcopy(model).merge_and_unload()
     state = merged.state_dict()
@@ -378,7 +375,7 @@ def make_lora_fixture(name, out, seed):
         if os.path.isfile(os.path.join(d, f))
     )
     print(
-        f"{name}: {len(params)} adapter tensors on {base_name}, loss {out_.loss.item():.6f}, "
+        f"{name}: {len(params)} adapter tensors on {base_name}, loss {golden['loss'].item():.6f}, "
         f"{size / 1024:.1f} KiB"
     )
 
