@@ -387,8 +387,6 @@ pub struct BertForMaskedLm {
     transform_norm: LayerNorm,
     decoder: Linear,
     weights: Weights,
-    training: bool,
-    checkpointing: bool,
 }
 
 /// The parts of a masked LM: encoder, head transform and its norm, decoder.
@@ -424,13 +422,7 @@ impl BertForMaskedLm {
     }
 
     /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
-    fn from_parts(
-        config: &BertConfig,
-        parts: MlmParts,
-        weights: Weights,
-        training: bool,
-        checkpointing: bool,
-    ) -> CrateResult<Self> {
+    fn from_parts(config: &BertConfig, parts: MlmParts, weights: Weights) -> CrateResult<Self> {
         let (encoder, transform, transform_norm, decoder) = parts;
         Ok(BertForMaskedLm {
             config: config.clone(),
@@ -439,8 +431,6 @@ impl BertForMaskedLm {
             transform_norm,
             decoder,
             weights,
-            training,
-            checkpointing,
         })
     }
 
@@ -497,8 +487,8 @@ impl BertForMaskedLm {
             input_ids,
             token_type_ids,
             attention_mask,
-            self.training,
-            self.checkpointing,
+            self.weights.training,
+            self.weights.checkpointing,
         )
     }
 
@@ -506,7 +496,7 @@ impl BertForMaskedLm {
         let x = self
             .config
             .hidden_act
-            .apply(&self.transform.forward(hidden, self.training)?)?;
+            .apply(&self.transform.forward(hidden, self.weights.training)?)?;
         self.transform_norm.forward(&x)
     }
 
@@ -557,8 +547,6 @@ pub struct BertForSequenceClassification {
     encoder: Encoder,
     classifier: Linear,
     weights: Weights,
-    training: bool,
-    checkpointing: bool,
 }
 
 pretrained_methods!(
@@ -587,8 +575,6 @@ impl BertForSequenceClassification {
         config: &BertConfig,
         parts: (Encoder, Linear),
         weights: Weights,
-        training: bool,
-        checkpointing: bool,
     ) -> CrateResult<Self> {
         let (encoder, classifier) = parts;
         Ok(BertForSequenceClassification {
@@ -596,8 +582,6 @@ impl BertForSequenceClassification {
             encoder,
             classifier,
             weights,
-            training,
-            checkpointing,
         })
     }
 
@@ -645,8 +629,8 @@ impl BertForSequenceClassification {
             input_ids,
             token_type_ids,
             attention_mask,
-            self.training,
-            self.checkpointing,
+            self.weights.training,
+            self.weights.checkpointing,
         )?;
         let first = h.narrow(1, 0, 1)?.squeeze(1)?;
         let pooler = self
@@ -654,13 +638,13 @@ impl BertForSequenceClassification {
             .pooler
             .as_ref()
             .ok_or_else(|| candle_core::Error::Msg("the classifier has no pooler".into()))?;
-        let pooled = pooler.forward(&first, self.training)?.tanh()?;
+        let pooled = pooler.forward(&first, self.weights.training)?.tanh()?;
         let p = self
             .config
             .classifier_dropout
             .unwrap_or(self.config.hidden_dropout_prob);
         self.classifier
-            .forward(&dropout(&pooled, p, self.training)?)
+            .forward(&dropout(&pooled, p, self.weights.training)?)
     }
 
     /// The loss of `transformers`' `BertForSequenceClassification`: with `problem_type` unset,

@@ -234,8 +234,6 @@ pub struct Gpt2LmHeadModel {
     ln_f: LayerNorm,
     lm_head: Linear,
     weights: Weights,
-    training: bool,
-    checkpointing: bool,
 }
 
 /// The parts of a model: token and position embeddings, blocks, final norm, output layer.
@@ -277,13 +275,7 @@ impl Gpt2LmHeadModel {
     }
 
     /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
-    fn from_parts(
-        config: &Gpt2Config,
-        parts: Parts,
-        weights: Weights,
-        training: bool,
-        checkpointing: bool,
-    ) -> CrateResult<Self> {
+    fn from_parts(config: &Gpt2Config, parts: Parts, weights: Weights) -> CrateResult<Self> {
         let (wte, wpe, blocks, ln_f, lm_head) = parts;
         Ok(Gpt2LmHeadModel {
             config: config.clone(),
@@ -293,8 +285,6 @@ impl Gpt2LmHeadModel {
             ln_f,
             lm_head,
             weights,
-            training,
-            checkpointing,
         })
     }
 
@@ -358,14 +348,18 @@ impl Gpt2LmHeadModel {
         let mut h = dropout(
             &tok.broadcast_add(&pos)?,
             self.config.embd_pdrop,
-            self.training,
+            self.weights.training,
         )?;
         for block in &self.blocks {
-            h = if self.checkpointing {
-                let (block, mask, train) = (block.clone(), attention_mask.cloned(), self.training);
+            h = if self.weights.checkpointing {
+                let (block, mask, train) = (
+                    block.clone(),
+                    attention_mask.cloned(),
+                    self.weights.training,
+                );
                 checkpoint_fn(move |x| block.forward(x, mask.as_ref(), train), &h)?
             } else {
-                block.forward(&h, attention_mask, self.training)?
+                block.forward(&h, attention_mask, self.weights.training)?
             };
         }
         self.ln_f.forward(&h)

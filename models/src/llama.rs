@@ -431,8 +431,6 @@ pub struct LlamaForCausalLm {
     lm_head: Linear,
     inv_freq: Vec<f32>,
     weights: Weights,
-    training: bool,
-    checkpointing: bool,
 }
 
 pretrained_methods!(
@@ -459,13 +457,7 @@ impl LlamaForCausalLm {
     }
 
     /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
-    fn from_parts(
-        config: &LlamaConfig,
-        parts: Parts,
-        weights: Weights,
-        training: bool,
-        checkpointing: bool,
-    ) -> CrateResult<Self> {
+    fn from_parts(config: &LlamaConfig, parts: Parts, weights: Weights) -> CrateResult<Self> {
         let (embed_tokens, layers, norm, lm_head) = parts;
         Ok(LlamaForCausalLm {
             config: config.clone(),
@@ -475,8 +467,6 @@ impl LlamaForCausalLm {
             lm_head,
             inv_freq: config.rope()?.inv_freq(config.head_dim()),
             weights,
-            training,
-            checkpointing,
         })
     }
 
@@ -541,15 +531,15 @@ impl LlamaForCausalLm {
         let mut h = lookup(&self.embed_tokens, input_ids, pad, "input_ids")?;
         let (cos, sin) = rope::tables(&self.inv_freq, t, h.dtype(), h.device())?;
         for layer in &self.layers {
-            h = if self.checkpointing {
+            h = if self.weights.checkpointing {
                 let (layer, cos, sin) = (layer.clone(), cos.clone(), sin.clone());
-                let (mask, train) = (attention_mask.cloned(), self.training);
+                let (mask, train) = (attention_mask.cloned(), self.weights.training);
                 checkpoint_fn(
                     move |x| layer.forward(x, &cos, &sin, mask.as_ref(), train),
                     &h,
                 )?
             } else {
-                layer.forward(&h, &cos, &sin, attention_mask, self.training)?
+                layer.forward(&h, &cos, &sin, attention_mask, self.weights.training)?
             };
         }
         self.norm.forward(&h)

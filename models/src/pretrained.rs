@@ -15,7 +15,8 @@ use crate::lora::Adapters;
 pub const DEFAULT_MAX_SHARD_BYTES: usize = 5_000_000_000;
 
 /// A model's parameters: the map `accelerate_rs::Accelerator::prepare` takes, with the dtype
-/// they were made in.
+/// they were made in, and how the model uses them (training mode, activation checkpointing),
+/// which a model built again over the same parameters keeps.
 #[derive(Clone)]
 pub(crate) struct Weights {
     pub(crate) varmap: VarMap,
@@ -23,6 +24,10 @@ pub(crate) struct Weights {
     pub(crate) device: Device,
     /// The LoRA adapters, when the model has them (then the parameters above are frozen).
     pub(crate) adapters: Option<Adapters>,
+    /// Training mode: dropout applies.
+    pub(crate) training: bool,
+    /// Every block runs through `accelerate_rs::nn::checkpoint_fn`.
+    pub(crate) checkpointing: bool,
 }
 
 impl std::fmt::Debug for Weights {
@@ -88,6 +93,8 @@ impl Weights {
             dtype,
             device: device.clone(),
             adapters: None,
+            training: false,
+            checkpointing: false,
         };
         Ok((model, weights))
     }
@@ -147,10 +154,9 @@ pub(crate) fn parameters_dtype(varmap: &VarMap, has_adapters: bool) -> Result<DT
 /// needed): `varmap`, `dtype`, `config_json`, `save_pretrained`, `save_pretrained_sharded`,
 /// `train`/`is_training`, activation checkpointing and LoRA, `with_parameters`, and the
 /// constructors `from_config` and `from_pretrained` (for the `architectures` given). The type
-/// needs fields `config`, `weights: Weights`, `training: bool` and `checkpointing: bool`, a
-/// method `config_value(&self) -> serde_json::Value`, `config.check()`, the constructors
-/// `assemble(config, vb, init_std)` (the layers), `from_parts(config, parts, weights, training,
-/// checkpointing)` and `load(config, dir, device, dtype)`, and to implement `lora::Adaptable`
+/// needs fields `config` and `weights: Weights`, a method `config_value(&self) ->
+/// serde_json::Value`, `config.check()`, the constructors `assemble(config, vb, init_std)` (the
+/// layers), `from_parts(config, parts, weights)` and `load(config, dir, device, dtype)`, and to implement `lora::Adaptable`
 /// (whose `rebuild` is the generated `rebuilt`). It generates `build(config, varmap, device,
 /// dtype, init_std)` from them.
 macro_rules! pretrained_methods {
@@ -177,20 +183,14 @@ macro_rules! pretrained_methods {
                     dtype,
                     |vb| Self::assemble(config, vb, std),
                 )?;
-                Self::from_parts(config, parts, weights, false, false)
+                Self::from_parts(config, parts, weights)
             }
 
             /// The layers again over the same parameters (frozen or not), for LoRA.
             fn rebuilt(&self, frozen: bool) -> $crate::error::Result<Self> {
                 let vb = $crate::lora::rebuild_vb(&self.weights, frozen);
                 let parts = Self::assemble(&self.config, vb, 0.0)?;
-                Self::from_parts(
-                    &self.config,
-                    parts,
-                    self.weights.clone(),
-                    self.training,
-                    self.checkpointing,
-                )
+                Self::from_parts(&self.config, parts, self.weights.clone())
             }
 
             /// A model with fresh parameters on `device` in `dtype`, drawn as `transformers`
@@ -257,8 +257,8 @@ macro_rules! pretrained_methods {
                     dtype,
                     0.0,
                 )?;
-                model.training = self.training;
-                model.checkpointing = self.checkpointing;
+                model.weights.training = self.weights.training;
+                model.weights.checkpointing = self.weights.checkpointing;
                 Ok(model)
             }
 
@@ -303,12 +303,12 @@ macro_rules! pretrained_methods {
             /// Training mode on or off (PyTorch's `model.train()` / `model.eval()`): dropout
             /// applies in training mode only. Off after loading, as in `transformers`.
             pub fn train(&mut self, on: bool) {
-                self.training = on;
+                self.weights.training = on;
             }
 
             /// Whether dropout applies ([`train`](Self::train)).
             pub fn is_training(&self) -> bool {
-                self.training
+                self.weights.training
             }
 
             /// Activation checkpointing on or off (`transformers`'
@@ -320,12 +320,12 @@ macro_rules! pretrained_methods {
             /// Compute them through the accelerator (`backward_step`, `accelerator.backward`)
             /// or `accelerate_rs::nn::backward`, not `loss.backward()`.
             pub fn set_gradient_checkpointing(&mut self, on: bool) {
-                self.checkpointing = on;
+                self.weights.checkpointing = on;
             }
 
             /// Whether activation checkpointing is on.
             pub fn is_gradient_checkpointing(&self) -> bool {
-                self.checkpointing
+                self.weights.checkpointing
             }
 
             /// Adds LoRA adapters (PEFT's `get_peft_model`) to the linear layers `config`
