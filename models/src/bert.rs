@@ -10,7 +10,9 @@ use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::config::{config_readers, ensure, ensure_sizes, Activation, Origin};
+use crate::config::{
+    config_readers, ensure, ensure_multiple, ensure_probabilities, ensure_sizes, Activation, Origin,
+};
 use crate::error::Result as CrateResult;
 use crate::layers::{
     attention, bce_with_logits, check_mask, classification_loss, dropout, embedding, linear,
@@ -113,14 +115,11 @@ impl BertConfig {
                 ("type_vocab_size", self.type_vocab_size),
             ],
         )?;
-        ensure(
-            self.hidden_size.is_multiple_of(self.num_attention_heads),
+        ensure_multiple(
             p,
-            "hidden_size",
-            format!(
-                "{} is not a multiple of num_attention_heads = {}",
-                self.hidden_size, self.num_attention_heads
-            ),
+            ("hidden_size", self.hidden_size),
+            ("num_attention_heads", self.num_attention_heads),
+            "",
         )?;
         ensure(
             self.position_embedding_type
@@ -133,16 +132,17 @@ impl BertConfig {
                 self.position_embedding_type.as_deref().unwrap_or("")
             ),
         )?;
-        for (key, v) in [
-            ("hidden_dropout_prob", self.hidden_dropout_prob),
-            (
-                "attention_probs_dropout_prob",
-                self.attention_probs_dropout_prob,
-            ),
-            ("classifier_dropout", self.classifier_dropout.unwrap_or(0.0)),
-        ] {
-            ensure((0.0..1.0).contains(&v), p, key, "must be in [0, 1)")?;
-        }
+        ensure_probabilities(
+            p,
+            &[
+                ("hidden_dropout_prob", self.hidden_dropout_prob),
+                (
+                    "attention_probs_dropout_prob",
+                    self.attention_probs_dropout_prob,
+                ),
+                ("classifier_dropout", self.classifier_dropout.unwrap_or(0.0)),
+            ],
+        )?;
         if let Some(t) = &self.problem_type {
             ensure(
                 matches!(

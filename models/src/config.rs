@@ -299,6 +299,30 @@ pub(crate) fn ensure_sizes(path: &Path, sizes: &[(&str, usize)]) -> Result<()> {
     Ok(())
 }
 
+/// `key`'s value `v` is a multiple of `of`'s value `n` (a width split into heads); the error
+/// names `key` and ends with `note` (empty for none).
+pub(crate) fn ensure_multiple(
+    path: &Path,
+    (key, v): (&str, usize),
+    (of, n): (&str, usize),
+    note: &str,
+) -> Result<()> {
+    ensure(
+        n > 0 && v.is_multiple_of(n),
+        path,
+        key,
+        format!("{v} is not a multiple of {of} = {n}{note}"),
+    )
+}
+
+/// Each dropout probability is in [0, 1).
+pub(crate) fn ensure_probabilities(path: &Path, probabilities: &[(&str, f64)]) -> Result<()> {
+    for &(key, p) in probabilities {
+        ensure((0.0..1.0).contains(&p), path, key, "must be in [0, 1)")?;
+    }
+    Ok(())
+}
+
 /// A check on a parsed configuration: `Ok` when `ok`, else an error naming `key`.
 pub(crate) fn ensure(ok: bool, path: &Path, key: &str, reason: impl Into<String>) -> Result<()> {
     if ok {

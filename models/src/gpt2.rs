@@ -12,7 +12,9 @@ use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::config::{config_readers, ensure, ensure_sizes, Activation, Origin};
+use crate::config::{
+    config_readers, ensure_multiple, ensure_probabilities, ensure_sizes, Activation, Origin,
+};
 use crate::error::Result as CrateResult;
 use crate::layers::{
     attention, causal_lm_methods, check_mask, dropout, embedding, linear, lookup, norm_params,
@@ -103,22 +105,15 @@ impl Gpt2Config {
                 ("n_head", self.n_head),
             ],
         )?;
-        ensure(
-            self.n_embd.is_multiple_of(self.n_head),
+        ensure_multiple(p, ("n_embd", self.n_embd), ("n_head", self.n_head), "")?;
+        ensure_probabilities(
             p,
-            "n_embd",
-            format!(
-                "{} is not a multiple of n_head = {}",
-                self.n_embd, self.n_head
-            ),
+            &[
+                ("resid_pdrop", self.resid_pdrop),
+                ("embd_pdrop", self.embd_pdrop),
+                ("attn_pdrop", self.attn_pdrop),
+            ],
         )?;
-        for (key, v) in [
-            ("resid_pdrop", self.resid_pdrop),
-            ("embd_pdrop", self.embd_pdrop),
-            ("attn_pdrop", self.attn_pdrop),
-        ] {
-            ensure((0.0..1.0).contains(&v), p, key, "must be in [0, 1)")?;
-        }
         Ok(())
     }
 

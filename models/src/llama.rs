@@ -11,7 +11,9 @@ use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::config::{config_readers, ensure, ensure_sizes, Activation, Origin};
+use crate::config::{
+    config_readers, ensure, ensure_multiple, ensure_probabilities, ensure_sizes, Activation, Origin,
+};
 use crate::error::Result as CrateResult;
 use crate::layers::{
     attention, causal_lm_methods, check_mask, embedding, linear, lookup, padding_idx, repeat_kv,
@@ -141,14 +143,11 @@ impl LlamaConfig {
             ),
         )?;
         if self.head_dim.is_none() {
-            ensure(
-                self.hidden_size.is_multiple_of(self.num_attention_heads),
+            ensure_multiple(
                 p,
-                "hidden_size",
-                format!(
-                    "{} is not a multiple of num_attention_heads = {} (and no head_dim is given)",
-                    self.hidden_size, self.num_attention_heads
-                ),
+                ("hidden_size", self.hidden_size),
+                ("num_attention_heads", self.num_attention_heads),
+                " (and no head_dim is given)",
             )?;
         }
         let d = self.head_dim();
@@ -186,12 +185,7 @@ impl LlamaConfig {
             "sliding_window",
             "must be at least 1",
         )?;
-        ensure(
-            (0.0..1.0).contains(&self.attention_dropout),
-            p,
-            "attention_dropout",
-            "must be in [0, 1)",
-        )?;
+        ensure_probabilities(p, &[("attention_dropout", self.attention_dropout)])?;
         self.rope()?;
         Ok(())
     }
