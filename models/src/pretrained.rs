@@ -156,9 +156,9 @@ pub(crate) fn parameters_dtype(varmap: &VarMap, has_adapters: bool) -> Result<DT
 /// constructors `from_config` and `from_pretrained` (for the `architectures` given). The type
 /// needs fields `config` and `weights: Weights`, a method `config_value(&self) ->
 /// serde_json::Value`, `config.check()`, the constructors `assemble(config, vb, init_std)` (the
-/// layers), `from_parts(config, parts, weights)` and `load(config, dir, device, dtype)`, and to implement `lora::Adaptable`
-/// (whose `rebuild` is the generated `rebuilt`). It generates `build(config, varmap, device,
-/// dtype, init_std)` from them.
+/// layers), `from_parts(config, parts, weights)` and `load(config, dir, device, dtype)`, and to
+/// implement `lora::Adaptable` (whose `rebuild` is the generated `rebuilt`). It generates
+/// `build(config, varmap, device, dtype, init_std)` from them.
 macro_rules! pretrained_methods {
     (
         $ty:ty,
