@@ -1,7 +1,8 @@
 //! Activation checkpointing in the models (`set_gradient_checkpointing`): for every
 //! architecture, with dropout off and on (0.1 everywhere: the recomputation replays the masks),
 //! and with LoRA adapters, the loss and every gradient are bit for bit those of the plain run
-//! (CPU, f32).
+//! (CPU, f32); and the training mode and checkpointing switches carry over LoRA, merging and
+//! mixed precision's working copies.
 
 mod common;
 
@@ -102,5 +103,25 @@ fn checkpointed_lora_gradients_are_bit_identical() {
             base,
             &format!("{base}, all-linear LoRA with dropout"),
         );
+    }
+}
+
+#[test]
+fn training_mode_and_checkpointing_survive_lora_merging_and_working_copies() {
+    for name in ARCHS {
+        for (train, ckpt) in [(true, true), (false, true), (true, false)] {
+            let what = format!("{name}, train {train}, checkpointing {ckpt}");
+            let mut model =
+                AutoModel::from_pretrained(fixture(name), &Device::Cpu, DType::F32).unwrap();
+            model.train(train);
+            model.set_gradient_checkpointing(ckpt);
+            let modes = |m: &AutoModel| (m.is_training(), m.is_gradient_checkpointing());
+            let copy = model.with_parameters(model.varmap()).unwrap();
+            assert_eq!(modes(&copy), (train, ckpt), "{what}: with_parameters");
+            model.add_lora(&LoraConfig::new(2, 4.0)).unwrap();
+            assert_eq!(modes(&model), (train, ckpt), "{what}: add_lora");
+            model.merge_lora().unwrap();
+            assert_eq!(modes(&model), (train, ckpt), "{what}: merge_lora");
+        }
     }
 }
