@@ -174,7 +174,7 @@ pub fn windows(
     limit: Option<usize>,
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
-    let mut n = (tokens.len() - 1) / seq_len;
+    let mut n = tokens.len().saturating_sub(1) / seq_len.max(1);
     if let Some(limit) = limit {
         n = n.min(limit);
     }

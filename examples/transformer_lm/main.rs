@@ -250,16 +250,21 @@ fn main() -> Result<()> {
     }
     let train_secs = start.elapsed().as_secs_f64();
 
-    let eval_loss = evaluate(&accelerator, &model, &corpus.val, &args)?;
-    accelerator.print(format!(
-        "trained {step} steps in {train_secs:.1} s; train loss {:.4} -> {last_loss:.4}; \
-         held-out loss {eval_loss:.4}",
+    let summary = format!(
+        "trained {step} steps in {train_secs:.1} s; train loss {:.4} -> {last_loss:.4}",
         first_loss.unwrap_or(f64::NAN)
-    ));
-    trackers.log(
-        &[("eval_loss", eval_loss), ("train_secs", train_secs)],
-        step,
-    )?;
+    );
+    if corpus.val.is_empty() {
+        accelerator.print(format!("{summary}; no held-out text (--val-fraction 0)"));
+        trackers.log(&[("train_secs", train_secs)], step)?;
+    } else {
+        let eval_loss = evaluate(&accelerator, &model, &corpus.val, &args)?;
+        accelerator.print(format!("{summary}; held-out loss {eval_loss:.4}"));
+        trackers.log(
+            &[("eval_loss", eval_loss), ("train_secs", train_secs)],
+            step,
+        )?;
+    }
     trackers.flush()?;
     Ok(())
 }

@@ -72,10 +72,10 @@ struct Args {
     #[arg(long, default_value_t = 100)]
     max_steps: u64,
     /// Tokens per window.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = at_least_one)]
     seq_len: usize,
     /// Windows per batch, per process (the global batch with split batches).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = at_least_one)]
     batch_size: usize,
     /// AdamW's learning rate.
     #[arg(long, default_value_t = 1e-3)]
@@ -123,7 +123,7 @@ struct Args {
     #[arg(long, default_value_t = 0.15)]
     mlm_probability: f64,
     /// Print the training loss every N steps.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     log_every: u64,
     /// Seed of the data order, the masks and the dropout.
     #[arg(long, default_value_t = 0)]
@@ -170,6 +170,15 @@ fn inputs_and_labels(
         Tensor::from_vec(input, shape, ids.device())?,
         Tensor::from_vec(labels, shape, ids.device())?,
     ))
+}
+
+/// A count that must be at least 1 (clap's parser for `--seq-len` and `--batch-size`).
+fn at_least_one(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_string()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// Non-overlapping windows of `t` tokens: `[N, t]` and their indices `[N]`.

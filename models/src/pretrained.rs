@@ -278,8 +278,8 @@ macro_rules! pretrained_methods {
             }
 
             /// Writes a folder `transformers`' `from_pretrained` loads: `config.json` and
-            /// `model.safetensors` (sharded above 5 GB), atomically (into `<dir>.tmp-<pid>`,
-            /// renamed into place). With LoRA adapters it writes the base weights as they are
+            /// `model.safetensors` (sharded above 5 GB), written into `<dir>.tmp-<pid>` and
+            /// then moved into `dir`, whose other files (a tokenizer, a README) stay. With LoRA adapters it writes the base weights as they are
             /// (call [`merge_lora`](Self::merge_lora) first for merged weights, or
             /// [`save_adapter`](Self::save_adapter) for the adapters). Call it on one process
             /// (`accelerator.is_main_process()`), or on every rank use

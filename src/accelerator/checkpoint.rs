@@ -11,8 +11,9 @@ use crate::train::params::Parameters;
 
 impl Accelerator {
     /// Saves a checkpoint of `parts` into `dir` (replacing a previous one there, atomically; see
-    /// the [module docs](crate::checkpoint)). Every rank must call it; the main process writes,
-    /// the others wait and return its error, if any.
+    /// the [module docs](crate::checkpoint)). An existing `dir` must be empty or a checkpoint: a
+    /// folder of other things is refused, never deleted. Every rank must call it; the main
+    /// process writes, the others wait and return its error, if any.
     pub fn save_state(&self, dir: impl AsRef<Path>, parts: &CheckpointParts<'_>) -> Result<()> {
         checkpoint::save_state(
             self.collective().as_ref(),
@@ -56,7 +57,8 @@ impl Accelerator {
     /// `model-00001-of-0000N.safetensors`, ... and `model.safetensors.index.json` (its
     /// `weight_map` names each parameter's file). Load the files back with
     /// [`load_model`](Self::load_model). Every rank must call it; the main process writes (into
-    /// `<dir>.tmp-<pid>`, renamed into place; the folders above `dir` are created).
+    /// `<dir>.tmp-<pid>`, then moved into `dir`, whose other files stay, as with
+    /// `save_pretrained`; the folders above `dir` are created).
     pub fn save_model_sharded(
         &self,
         dir: impl AsRef<Path>,

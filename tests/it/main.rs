@@ -33,6 +33,7 @@ mod nn;
 mod ops;
 mod optim;
 mod sampler;
+mod save_targets;
 mod scripts;
 mod self_launch;
 mod shm;

@@ -7,9 +7,11 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::io::{sync_file, write_safetensors};
-use super::model_files::{model_write_err, replace_dir};
-use super::{io_err, named_tensors, with_suffix, write_err};
+use super::io::write_safetensors;
+use super::model_files::{
+    check_folder_target, fresh_tmp, model_write_err, place_files, write_json,
+};
+use super::named_tensors;
 use crate::error::{Error, Result};
 use crate::nn::LoraConfig;
 use crate::train::params::Parameters;
@@ -26,8 +28,8 @@ pub const PEFT_PREFIX: &str = "base_model.model.";
 /// [`LoraConfig::to_peft_json`] with the model's `base_model_name_or_path` and `task_type`) and
 /// the `adapters`' tensors (named `<module path>.lora_A.weight`, ...) as
 /// `adapter_model.safetensors` under PEFT's names (`base_model.model.` before each). Written
-/// into `<dir>.tmp-<pid>` and renamed into place (replacing a previous `dir`); call it on one
-/// process.
+/// into `<dir>.tmp-<pid>`, then moved into `dir` (an earlier adapter's two files there are
+/// replaced, every other file stays; `dir` being a file is an error); call it on one process.
 ///
 /// ```
 /// # fn main() -> accelerate_rs::Result<()> {
@@ -68,18 +70,15 @@ fn write_adapter(dir: &Path, config: &Value, adapters: &dyn Parameters) -> Resul
             format!("{}: there are no adapter tensors to save", dir.display()),
         ));
     }
-    let tmp = with_suffix(dir, &format!(".tmp-{}", std::process::id()));
-    if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(|e| io_err("removing stale", &tmp, e))?;
+    check_folder_target(dir)?;
+    let tmp = fresh_tmp(dir)?;
+    let written = write_safetensors(&tmp.join(ADAPTER_WEIGHTS_FILE), &tensors)
+        .and_then(|()| write_json(&tmp.join(ADAPTER_CONFIG_FILE), config));
+    if let Err(e) = written {
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
     }
-    fs::create_dir_all(&tmp).map_err(|e| write_err(&tmp, "could not create it", Some(e)))?;
-    write_safetensors(&tmp.join(ADAPTER_WEIGHTS_FILE), &tensors)?;
-    let path = tmp.join(ADAPTER_CONFIG_FILE);
-    let text = serde_json::to_string_pretty(config)
-        .map_err(|e| write_err(&path, format!("could not serialize the config: {e}"), None))?;
-    fs::write(&path, text).map_err(|e| write_err(&path, "could not write it", Some(e)))?;
-    sync_file(&path)?;
-    replace_dir(&tmp, dir)
+    place_files(&tmp, dir, |_| false)
 }
 
 /// Reads `adapter_config.json` of the PEFT adapter folder `dir` (or the file itself): the

@@ -54,7 +54,10 @@
 //! `<dir>` is first renamed to `<dir>.old`, and removed once the new one is in place. A crash
 //! leaves either the old checkpoint (as `<dir>` or `<dir>.old`, which `load_state` falls back
 //! to) or the new one, never a mix; `manifest.json` is written last, so a directory without it
-//! is never taken for a checkpoint.
+//! is never taken for a checkpoint. Because the folder is replaced whole, an existing `<dir>`
+//! (and `<dir>.old`) must be empty or a checkpoint: a folder of anything else is refused with
+//! an error naming it, never deleted. Model folders (`save_model_sharded`, `save_adapter`) are
+//! written into their folder instead, keeping its other files.
 //!
 //! **Sharded optimizers.** Under ZeRO (`zero_stage` 1 or 2) each rank holds only its slices of
 //! the optimizer state, and each writes them to its own file

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::Tensor;
 
@@ -38,16 +38,29 @@ pub(crate) fn save_model(c: &dyn Collective, path: &Path, model: &dyn Parameters
     let result = if c.rank() == 0 {
         let tmp = with_suffix(path, &format!(".tmp-{}", std::process::id()));
         let folder = path.parent().filter(|p| !p.as_os_str().is_empty());
-        folder
-            .map_or(Ok(()), |f| {
-                fs::create_dir_all(f)
-                    .map_err(|e| write_err(f, "could not create the folder", Some(e)))
-            })
-            .and_then(|()| named_tensors(model))
-            .and_then(|t| write_safetensors(&tmp, &t))
-            .and_then(|()| {
-                fs::rename(&tmp, path).map_err(|e| io_err("renaming the model into", path, e))
-            })
+        let written = if path.is_dir() {
+            Err(write_err(
+                path,
+                "it is a folder, and save_model writes one safetensors file \
+                 (save_model_sharded writes a Hugging Face folder)",
+                None,
+            ))
+        } else {
+            folder
+                .map_or(Ok(()), |f| {
+                    fs::create_dir_all(f)
+                        .map_err(|e| write_err(f, "could not create the folder", Some(e)))
+                })
+                .and_then(|()| named_tensors(model))
+                .and_then(|t| write_safetensors(&tmp, &t))
+                .and_then(|()| {
+                    fs::rename(&tmp, path).map_err(|e| io_err("renaming the model into", path, e))
+                })
+        };
+        if written.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        written
     } else {
         Ok(())
     };
@@ -82,7 +95,8 @@ pub(super) fn plan_shards(
 /// Writes the model into `dir` as Hugging Face does: `model.safetensors` when it fits in one
 /// shard of `max_shard_bytes`, else `model-0000i-of-0000n.safetensors` files and
 /// `model.safetensors.index.json` (`metadata.total_size`, `weight_map`). Main process only;
-/// written into `<dir>.tmp-<pid>` and renamed into place.
+/// written into `<dir>.tmp-<pid>`, then put in place by [`place_files`] (the other files of an
+/// existing `dir` stay).
 pub(super) fn write_sharded(
     dir: &Path,
     model: &dyn Parameters,
@@ -92,16 +106,27 @@ pub(super) fn write_sharded(
     if max_shard_bytes == 0 {
         return Err(Error::invalid("max_shard_size", "must be at least 1 byte"));
     }
+    check_folder_target(dir)?;
     let tensors = named_tensors(model)?;
     let shards = plan_shards(&tensors, max_shard_bytes);
-    let tmp = with_suffix(dir, &format!(".tmp-{}", std::process::id()));
-    if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(|e| io_err("removing stale", &tmp, e))?;
+    let tmp = fresh_tmp(dir)?;
+    if let Err(e) = write_shards(&tmp, &tensors, &shards, config) {
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
     }
-    fs::create_dir_all(&tmp).map_err(|e| write_err(&tmp, "could not create it", Some(e)))?;
+    place_files(&tmp, dir, is_model_weights_file)
+}
+
+/// The files of [`write_sharded`] into the folder `tmp`.
+fn write_shards(
+    tmp: &Path,
+    tensors: &[(String, Tensor)],
+    shards: &[Vec<(String, Tensor)>],
+    config: Option<&serde_json::Value>,
+) -> Result<()> {
     let n = shards.len();
     if n <= 1 {
-        write_safetensors(&tmp.join(MODEL_FILE), &tensors)?;
+        write_safetensors(&tmp.join(MODEL_FILE), tensors)?;
     } else {
         let mut weight_map = BTreeMap::new();
         for (i, shard) in shards.iter().enumerate() {
@@ -119,38 +144,102 @@ pub(super) fn write_sharded(
             "metadata": { "total_size": total },
             "weight_map": weight_map,
         });
-        let path = tmp.join(SHARD_INDEX_FILE);
-        let text = serde_json::to_string_pretty(&index)
-            .map_err(|e| write_err(&path, format!("could not serialize the index: {e}"), None))?;
-        fs::write(&path, text).map_err(|e| write_err(&path, "could not write it", Some(e)))?;
-        sync_file(&path)?;
+        write_json(&tmp.join(SHARD_INDEX_FILE), &index)?;
     }
     if let Some(config) = config {
-        let path = tmp.join(CONFIG_FILE);
-        let text = serde_json::to_string_pretty(config)
-            .map_err(|e| write_err(&path, format!("could not serialize the config: {e}"), None))?;
-        fs::write(&path, text).map_err(|e| write_err(&path, "could not write it", Some(e)))?;
-        sync_file(&path)?;
-    }
-    replace_dir(&tmp, dir)
-}
-
-/// Puts the finished folder `tmp` in place of `dir` (a previous `dir` is moved aside to
-/// `<dir>.old` first and removed after).
-pub(super) fn replace_dir(tmp: &Path, dir: &Path) -> Result<()> {
-    sync_dir(tmp);
-    let old = with_suffix(dir, ".old");
-    if dir.exists() {
-        if old.exists() {
-            fs::remove_dir_all(&old).map_err(|e| io_err("removing stale", &old, e))?;
-        }
-        fs::rename(dir, &old).map_err(|e| io_err("renaming the previous model", dir, e))?;
-    }
-    fs::rename(tmp, dir).map_err(|e| io_err("renaming the new model into", dir, e))?;
-    if old.exists() {
-        fs::remove_dir_all(&old).map_err(|e| io_err("removing the previous model", &old, e))?;
+        write_json(&tmp.join(CONFIG_FILE), config)?;
     }
     Ok(())
+}
+
+/// `value` as pretty JSON in the file `path`, synced.
+pub(super) fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(value)
+        .map_err(|e| write_err(path, format!("could not serialize it: {e}"), None))?;
+    fs::write(path, text).map_err(|e| write_err(path, "could not write it", Some(e)))?;
+    sync_file(path)
+}
+
+/// An error unless `dir` is absent or a folder: a model is saved as a folder, written into an
+/// existing one, never in place of a file.
+pub(super) fn check_folder_target(dir: &Path) -> Result<()> {
+    match fs::metadata(dir) {
+        Ok(m) if !m.is_dir() => Err(write_err(
+            dir,
+            "it exists and is not a folder (a model is saved as a folder): \
+             move it or choose another path",
+            None,
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A new, empty `<dir>.tmp-<pid>` (a stale one of this process id removed first).
+pub(super) fn fresh_tmp(dir: &Path) -> Result<PathBuf> {
+    let tmp = with_suffix(dir, &format!(".tmp-{}", std::process::id()));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| io_err("removing stale", &tmp, e))?;
+    }
+    fs::create_dir_all(&tmp).map_err(|e| write_err(&tmp, "could not create it", Some(e)))?;
+    Ok(tmp)
+}
+
+/// The weight files of a Hugging Face model folder: `model.safetensors`, the shard index and
+/// `model-NNNNN-of-NNNNN.safetensors` shards.
+fn is_model_weights_file(name: &str) -> bool {
+    let shard = || {
+        let middle = name.strip_prefix("model-")?.strip_suffix(".safetensors")?;
+        let (i, n) = middle.split_once("-of-")?;
+        let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+        Some(digits(i) && digits(n))
+    };
+    name == MODEL_FILE || name == SHARD_INDEX_FILE || shard() == Some(true)
+}
+
+/// Puts the files of the finished folder `tmp` into `dir` and removes `tmp`, keeping whatever
+/// else `dir` holds (a tokenizer, a README, the user's own files), as `transformers`'
+/// `save_pretrained` does. `dir` absent: `tmp` is renamed to it, in one step. Else each file is
+/// renamed into `dir` (replacing the file of that name), the weights first and the JSON files
+/// that point at them last (`config.json` the very last), and then the files of an earlier save
+/// that `stale` names and this save did not write (the shards of a differently sharded save)
+/// are removed.
+pub(super) fn place_files(tmp: &Path, dir: &Path, stale: fn(&str) -> bool) -> Result<()> {
+    sync_dir(tmp);
+    if fs::symlink_metadata(dir).is_err() {
+        fs::rename(tmp, dir).map_err(|e| io_err("renaming the new folder into", dir, e))?;
+        if let Some(parent) = dir.parent() {
+            sync_dir(parent);
+        }
+        return Ok(());
+    }
+    check_folder_target(dir)?;
+    let mut names = file_names(tmp)?;
+    names.sort_by_key(|n| (n.ends_with(".json"), n == CONFIG_FILE, n.clone()));
+    for name in &names {
+        let to = dir.join(name);
+        fs::rename(tmp.join(name), &to).map_err(|e| io_err("moving the new file into", &to, e))?;
+    }
+    for name in file_names(dir)? {
+        if stale(&name) && !names.contains(&name) {
+            let path = dir.join(&name);
+            fs::remove_file(&path).map_err(|e| io_err("removing the earlier save's", &path, e))?;
+        }
+    }
+    sync_dir(dir);
+    fs::remove_dir(tmp).map_err(|e| io_err("removing the emptied", tmp, e))
+}
+
+/// The names of the files (not folders) in `dir`.
+fn file_names(dir: &Path) -> Result<Vec<String>> {
+    let mut names = Vec::new();
+    for entry in fs::read_dir(dir).map_err(|e| io_err("listing", dir, e))? {
+        let entry = entry.map_err(|e| io_err("listing", dir, e))?;
+        let is_file = entry.file_type().map(|t| t.is_file()).unwrap_or(false);
+        if let (true, Some(name)) = (is_file, entry.file_name().to_str()) {
+            names.push(name.to_string());
+        }
+    }
+    Ok(names)
 }
 
 /// See [`Accelerator::save_model_sharded`](crate::Accelerator::save_model_sharded).
@@ -173,8 +262,9 @@ pub(crate) fn save_model_sharded(
 /// [`save_model_sharded`](crate::Accelerator::save_model_sharded), with no communication (call
 /// it on one process only): writes `model`'s parameters into the folder `dir` as Hugging Face
 /// does (`model.safetensors`, or shards of at most `max_shard_bytes` and their index), and
-/// `config` as `config.json` if given, into `<dir>.tmp-<pid>` renamed into place (replacing a
-/// previous `dir`). The folders above `dir` are created.
+/// `config` as `config.json` if given, into `<dir>.tmp-<pid>`, then moved into `dir`: the
+/// weight files of an earlier save there are replaced, every other file stays. The folders
+/// above `dir` are created; `dir` being a file is an error.
 pub fn write_model_folder(
     dir: impl AsRef<Path>,
     model: &dyn Parameters,

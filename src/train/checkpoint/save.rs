@@ -108,6 +108,57 @@ pub(super) fn write_checkpoint(
     Ok(())
 }
 
+/// An error unless the checkpoint may take the place of `dir` whole (the previous one is moved
+/// to `<dir>.old`, then removed): `dir` is absent, an empty folder, or a checkpoint (it holds
+/// `manifest.json`). Anything else, a file or a folder of other things, is refused and left as
+/// it is, never deleted.
+pub(super) fn check_replaceable(dir: &Path) -> Result<()> {
+    let Ok(meta) = fs::symlink_metadata(dir) else {
+        return Ok(());
+    };
+    let refuse = |what: String| {
+        Err(write_err(
+            dir,
+            format!(
+                "{what}, and a checkpoint replaces its folder whole: \
+                 save into a new or empty folder (or move that one away)"
+            ),
+            None,
+        ))
+    };
+    if meta.file_type().is_symlink() {
+        return refuse(
+            "it is a symbolic link (which would be replaced, not written through)".into(),
+        );
+    }
+    if !meta.is_dir() {
+        return refuse("it exists and is not a folder".into());
+    }
+    let mut others = Vec::new();
+    for entry in fs::read_dir(dir).map_err(|e| io_err("listing", dir, e))? {
+        let entry = entry.map_err(|e| io_err("listing", dir, e))?;
+        if entry.file_name() == MANIFEST_FILE {
+            return Ok(());
+        }
+        others.push(entry.file_name().to_string_lossy().into_owned());
+    }
+    if others.is_empty() {
+        return Ok(());
+    }
+    others.sort();
+    let shown: Vec<_> = others.iter().take(3).map(|n| format!("`{n}`")).collect();
+    let more = others.len().saturating_sub(3);
+    refuse(format!(
+        "it is not a checkpoint (no {MANIFEST_FILE}) and holds {}{}",
+        shown.join(", "),
+        if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        }
+    ))
+}
+
 /// Names of named parts: non-empty, `[A-Za-z0-9_-]`, unique per kind.
 pub(super) fn check_part_names(parts: &CheckpointParts<'_>) -> Result<()> {
     for (kind, names) in [
@@ -250,6 +301,9 @@ pub(super) fn save_atomic(
     taken: &Taken,
     stage: Option<&Path>,
 ) -> Result<()> {
+    let old = with_suffix(dir, ".old");
+    check_replaceable(dir)?;
+    check_replaceable(&old)?;
     let tmp = with_suffix(dir, &format!(".tmp-{}", std::process::id()));
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(|e| io_err("removing stale", &tmp, e))?;
@@ -258,7 +312,6 @@ pub(super) fn save_atomic(
         let _ = fs::remove_dir_all(&tmp);
         return Err(e);
     }
-    let old = with_suffix(dir, ".old");
     if dir.exists() {
         if old.exists() {
             fs::remove_dir_all(&old).map_err(|e| io_err("removing stale", &old, e))?;
