@@ -519,3 +519,41 @@ fn a_sharded_f16_checkpoint_keeps_the_loss_scale() {
     assert_eq!(got, scale);
     assert!(max_abs_diff(&p, &q) == 0.0);
 }
+
+#[test]
+fn a_users_folder_named_like_the_shard_stage_is_refused_not_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let save = dir.path().join("ck");
+    let stage = dir.path().join("ck.shards");
+    std::fs::create_dir(&stage).unwrap();
+    std::fs::write(stage.join("notes.txt"), b"mine").unwrap();
+    let target = save.clone();
+    let out = crate::common::in_process_with(
+        2,
+        |c: Arc<dyn Collective>| Accelerator::builder().collective(c).zero_stage(1),
+        move |acc| {
+            let p = params(0.0, HIDDEN);
+            let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
+            let loader = DataLoader::new(dataset(2 * BATCH), BATCH);
+            let (mut opt, loader) = acc
+                .prepare(&p, AdamW::new_lr(vars, 0.01).unwrap(), loader)
+                .unwrap();
+            for b in loader.iter().unwrap() {
+                let b = b.unwrap();
+                let l = loss::cross_entropy(&forward(&p, &b[0]).unwrap(), &b[1]).unwrap();
+                opt.backward_step(&l).unwrap();
+            }
+            assert!(opt.is_sharded());
+            acc.save_state(&target, &CheckpointParts::new(&p).optimizer(&opt))
+                .unwrap_err()
+                .to_string()
+        },
+    );
+    // Rank 0 says why; every rank names the folder.
+    assert!(out[0].contains("notes.txt"), "{}", out[0]);
+    for msg in out {
+        assert!(msg.contains("ck.shards"), "{msg}");
+    }
+    assert_eq!(std::fs::read(stage.join("notes.txt")).unwrap(), b"mine");
+    assert!(!save.exists());
+}

@@ -220,6 +220,7 @@ pub(super) fn stage_shards(
     let made = if c.rank() == 0 {
         lock_folder(folder).and_then(|()| {
             if stage.exists() {
+                check_stale_stage(&stage)?;
                 fs::remove_dir_all(&stage).map_err(|e| io_err("removing stale", &stage, e))?;
             }
             fs::create_dir_all(&stage).map_err(|e| io_err("creating", &stage, e))
@@ -268,6 +269,36 @@ pub(super) fn stage_shards(
 }
 
 /// Removes the staging folder of optimizer shards (what is left after a failed save).
+/// An error unless `stage`, found in the way, is what a crashed save leaves there: a folder of
+/// optimizer shard files (`*.rank-*.safetensors`) only. Anything else is not removed.
+fn check_stale_stage(stage: &Path) -> Result<()> {
+    let refuse = |what: &str| {
+        Err(Error::CheckpointWrite {
+            path: stage.to_path_buf(),
+            reason: format!(
+                "{what}; a sharded save stages its optimizer shards under this name: \
+                 move it away, or save the checkpoint under another name"
+            ),
+            source: None,
+        })
+    };
+    let Ok(meta) = fs::symlink_metadata(stage) else {
+        return Ok(());
+    };
+    if !meta.is_dir() {
+        return refuse("it exists and is not a folder");
+    }
+    for entry in fs::read_dir(stage).map_err(|e| io_err("listing", stage, e))? {
+        let entry = entry.map_err(|e| io_err("listing", stage, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let file = entry.file_type().map(|t| t.is_file()).unwrap_or(false);
+        if !(file && name.contains(".rank-") && name.ends_with(".safetensors")) {
+            return refuse(&format!("it holds `{name}`, which no save of shards wrote"));
+        }
+    }
+    Ok(())
+}
+
 pub(super) fn remove_stage(stage: Option<&Path>) {
     if let Some(s) = stage {
         if s.exists() {
