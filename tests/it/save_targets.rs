@@ -3,6 +3,7 @@
 //! the weight files of an earlier, differently sharded save there are replaced. A checkpoint
 //! replaces its folder whole, so it refuses a folder that is not a checkpoint. A file where a
 //! folder belongs, or a folder where a file belongs, is an error naming it and stays as it was.
+//! Weight files get the permissions any new file gets.
 
 use std::fs;
 use std::path::Path;
@@ -215,4 +216,28 @@ fn a_checkpoint_refuses_a_folder_that_is_not_a_checkpoint() {
     users_files_intact(&old);
     assert_eq!(read_manifest(&ck).unwrap().step, 2);
     no_leftovers(tmp.path());
+}
+
+#[test]
+fn weight_files_get_the_permissions_of_any_new_file() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let probe = tmp.path().join("probe");
+    fs::write(&probe, b"").unwrap();
+    let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let want = mode(&probe);
+    let p = params(0.3, HIDDEN);
+    let out = tmp.path().join("m");
+    single().save_model_sharded(&out, &p, 1 << 30).unwrap();
+    let file = tmp.path().join("one.safetensors");
+    single().save_model(&file, &p).unwrap();
+    for f in [out.join("model.safetensors"), file] {
+        assert_eq!(
+            mode(&f),
+            want,
+            "{}: {:o} vs {want:o}",
+            f.display(),
+            mode(&f)
+        );
+    }
 }

@@ -15,12 +15,19 @@ use super::{checkpoint_err, io_err, write_err};
 pub(super) fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     let map: HashMap<String, Tensor> = tensors.iter().cloned().collect();
     // Create it first, so that a refusal (missing folder, no space, no permission) comes with
-    // its OS error.
-    fs::File::create(path).map_err(|e| write_err(path, "could not create the file", Some(e)))?;
+    // its OS error, and so that it gets the permissions a new file gets here (the umask's):
+    // the safetensors writer puts a file of its own in place, readable by its owner only.
+    let created = fs::File::create(path)
+        .map_err(|e| write_err(path, "could not create the file", Some(e)))?;
+    let permissions = created.metadata().map(|m| m.permissions()).ok();
+    drop(created);
     candle_core::safetensors::save(&map, path).map_err(|e| match e {
         candle_core::Error::Io(io) => write_err(path, "the file system refused it", Some(io)),
         e => write_err(path, e.to_string(), None),
     })?;
+    if let Some(p) = permissions {
+        fs::set_permissions(path, p).map_err(|e| io_err("setting the permissions of", path, e))?;
+    }
     sync_file(path)
 }
 
