@@ -19,6 +19,7 @@ use candle_core::{Device, Tensor, Var};
 use candle_nn::loss;
 
 use crate::common::exit_worker;
+use crate::common::single;
 use crate::common::tiny::{dataset, forward, params, snapshot, HIDDEN};
 
 const B: usize = 4; // per-rank batch
@@ -221,15 +222,6 @@ fn killed_run_restarted_by_the_launcher_resumes_bit_identically() {
 }
 
 // ---- single process ----
-
-fn single() -> Accelerator {
-    Accelerator::builder()
-        .rank(0)
-        .world_size(1)
-        .cpu(true)
-        .build()
-        .unwrap()
-}
 
 /// Named parameters with every value `v`.
 fn filled(v: f32) -> Vec<(String, Var)> {

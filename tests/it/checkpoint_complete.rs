@@ -13,19 +13,11 @@ use candle_core::{Tensor, Var};
 use candle_nn::{loss, Optimizer};
 use rand::Rng;
 
+use crate::common::single;
 use crate::common::tiny::{dataset, forward, params, snapshot, HIDDEN};
 
 const STEPS: usize = 13; // over 3 epochs of 5 batches
 const STOP: usize = 7; // mid-epoch
-
-fn single() -> Accelerator {
-    Accelerator::builder()
-        .rank(0)
-        .world_size(1)
-        .cpu(true)
-        .build()
-        .unwrap()
-}
 
 struct Run {
     acc: Accelerator,

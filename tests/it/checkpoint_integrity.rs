@@ -19,16 +19,8 @@ use accelerate_rs::optim::AdamW;
 use accelerate_rs::{Accelerator, Error};
 use candle_core::Var;
 
+use crate::common::single;
 use crate::common::tiny::{params, HIDDEN};
-
-fn single() -> Accelerator {
-    Accelerator::builder()
-        .rank(0)
-        .world_size(1)
-        .cpu(true)
-        .build()
-        .unwrap()
-}
 
 fn filled(v: f32) -> Vec<(String, Var)> {
     params(0.0, HIDDEN)

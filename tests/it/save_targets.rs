@@ -11,19 +11,11 @@ use std::path::Path;
 use accelerate_rs::checkpoint::{
     load_weights, read_manifest, save_adapter, write_model_folder, CheckpointParts,
 };
-use accelerate_rs::{Accelerator, Error};
+use accelerate_rs::Error;
 use candle_core::Var;
 
+use crate::common::single;
 use crate::common::tiny::{max_abs_diff, params, snapshot, HIDDEN};
-
-fn single() -> Accelerator {
-    Accelerator::builder()
-        .rank(0)
-        .world_size(1)
-        .cpu(true)
-        .build()
-        .unwrap()
-}
 
 /// The names in `dir`, sorted (folders end with `/`).
 fn names(dir: &Path) -> Vec<String> {

@@ -6,19 +6,11 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use accelerate_rs::checkpoint::{load_weights, load_weights_mapped, write_model_folder};
-use accelerate_rs::{Accelerator, Error};
+use accelerate_rs::Error;
 use candle_core::{DType, Device, Tensor, Var};
 
+use crate::common::single;
 use crate::common::tiny::{params, snapshot, HIDDEN};
-
-fn single() -> Accelerator {
-    Accelerator::builder()
-        .rank(0)
-        .world_size(1)
-        .cpu(true)
-        .build()
-        .unwrap()
-}
 
 /// The tiny model's parameters, all set to `v`, in `dtype`.
 fn filled(v: f32, dtype: DType) -> Vec<(String, Var)> {

@@ -125,6 +125,16 @@ pub fn in_process_with<R: Send + 'static>(
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
+/// One CPU process on its own (rank 0 of 1), for the tests of saving and loading.
+pub fn single() -> Accelerator {
+    Accelerator::builder()
+        .rank(0)
+        .world_size(1)
+        .cpu(true)
+        .build()
+        .unwrap()
+}
+
 /// [`in_process_with`] with a plain builder.
 pub fn in_process<R: Send + 'static>(
     n: usize,
