@@ -71,6 +71,7 @@
 //! are instead gathered and every writer saves the whole state in `optimizer.safetensors`.
 
 use std::collections::BTreeMap;
+use std::fs;
 use std::path::{Path, PathBuf};
 
 use candle_core::Tensor;
@@ -328,6 +329,43 @@ fn io_err(context: impl Into<String>, path: &Path, source: std::io::Error) -> Er
         path: path.to_path_buf(),
         source,
     }
+}
+
+/// Before a save replaces or removes `path`, which must then be its own: `Ok` when `path` is
+/// absent, or a folder whose entry names `ours` accepts. Anything else (a file, a symbolic link,
+/// a folder `ours` refuses) is [`Error::CheckpointWrite`] naming it, saying `not_ours` and up to
+/// three of the names it holds, then `advice`; nothing is touched.
+fn check_ours(
+    path: &Path,
+    ours: impl Fn(&[String]) -> bool,
+    not_ours: &str,
+    advice: &str,
+) -> Result<()> {
+    let Ok(meta) = fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    let what = if meta.file_type().is_symlink() {
+        "it is a symbolic link (which would be replaced, not written through)".to_string()
+    } else if !meta.is_dir() {
+        "it exists and is not a folder".to_string()
+    } else {
+        let mut names = Vec::new();
+        for entry in fs::read_dir(path).map_err(|e| io_err("listing", path, e))? {
+            let entry = entry.map_err(|e| io_err("listing", path, e))?;
+            names.push(entry.file_name().to_string_lossy().into_owned());
+        }
+        if ours(&names) {
+            return Ok(());
+        }
+        names.sort();
+        let shown: Vec<_> = names.iter().take(3).map(|n| format!("`{n}`")).collect();
+        let more = match names.len().saturating_sub(3) {
+            0 => String::new(),
+            n => format!(" and {n} more"),
+        };
+        format!("{not_ours} and holds {}{more}", shown.join(", "))
+    };
+    Err(write_err(path, format!("{what}; {advice}"), None))
 }
 
 fn checkpoint_err(path: &Path, reason: impl Into<String>) -> Error {

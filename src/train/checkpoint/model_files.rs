@@ -202,7 +202,7 @@ fn is_model_weights_file(name: &str) -> bool {
 /// renamed into `dir` (replacing the file of that name), the weights first and the JSON files
 /// that point at them last (`config.json` the very last), and then the files of an earlier save
 /// that `stale` names and this save did not write (the shards of a differently sharded save)
-/// are removed.
+/// are removed. The callers have checked [`check_folder_target`] before writing `tmp`.
 pub(super) fn place_files(tmp: &Path, dir: &Path, stale: fn(&str) -> bool) -> Result<()> {
     sync_dir(tmp);
     if fs::symlink_metadata(dir).is_err() {
@@ -212,7 +212,6 @@ pub(super) fn place_files(tmp: &Path, dir: &Path, stale: fn(&str) -> bool) -> Re
         }
         return Ok(());
     }
-    check_folder_target(dir)?;
     let mut names = file_names(tmp)?;
     names.sort_by_key(|n| (n.ends_with(".json"), n == CONFIG_FILE, n.clone()));
     for name in &names {

@@ -16,8 +16,8 @@ use super::io::{crash_hook, lock_folder, read_safetensors, write_safetensors};
 use super::load::agree;
 use super::manifest::OptimizerManifest;
 use super::{
-    checkpoint_err, corrupt, io_err, named_optimizer_base, with_suffix, write_err, CheckpointParts,
-    MANIFEST_FILE, OPTIMIZER_BASE,
+    check_ours, checkpoint_err, corrupt, io_err, named_optimizer_base, with_suffix, write_err,
+    CheckpointParts, MANIFEST_FILE, OPTIMIZER_BASE,
 };
 
 /// Puts an optimizer's state into `tmp`: `<base>.safetensors`, or for a sharded one
@@ -272,31 +272,17 @@ pub(super) fn stage_shards(
 /// An error unless `stage`, found in the way, is what a crashed save leaves there: a folder of
 /// optimizer shard files (`*.rank-*.safetensors`) only. Anything else is not removed.
 fn check_stale_stage(stage: &Path) -> Result<()> {
-    let refuse = |what: &str| {
-        Err(Error::CheckpointWrite {
-            path: stage.to_path_buf(),
-            reason: format!(
-                "{what}; a sharded save stages its optimizer shards under this name: \
-                 move it away, or save the checkpoint under another name"
-            ),
-            source: None,
-        })
-    };
-    let Ok(meta) = fs::symlink_metadata(stage) else {
-        return Ok(());
-    };
-    if !meta.is_dir() {
-        return refuse("it exists and is not a folder");
-    }
-    for entry in fs::read_dir(stage).map_err(|e| io_err("listing", stage, e))? {
-        let entry = entry.map_err(|e| io_err("listing", stage, e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let file = entry.file_type().map(|t| t.is_file()).unwrap_or(false);
-        if !(file && name.contains(".rank-") && name.ends_with(".safetensors")) {
-            return refuse(&format!("it holds `{name}`, which no save of shards wrote"));
-        }
-    }
-    Ok(())
+    check_ours(
+        stage,
+        |names| {
+            names
+                .iter()
+                .all(|n| n.contains(".rank-") && n.ends_with(".safetensors"))
+        },
+        "it is not a stage of optimizer shards",
+        "a sharded save stages its optimizer shards under this name: \
+         move it away, or save the checkpoint under another name",
+    )
 }
 
 pub(super) fn remove_stage(stage: Option<&Path>) {

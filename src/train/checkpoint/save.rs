@@ -14,8 +14,9 @@ use super::manifest::{checksum_file, Manifest};
 use super::optimizer::{remove_stage, stage_shards, take_on_every_rank, write_optimizer, Taken};
 use super::rotation::{auto_entries, latest_number, rotate};
 use super::{
-    io_err, named_model_file, named_optimizer_base, named_tensors, with_suffix, write_err,
-    CheckpointParts, AUTO_PREFIX, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_BASE, STATES_FILE,
+    check_ours, io_err, named_model_file, named_optimizer_base, named_tensors, with_suffix,
+    write_err, CheckpointParts, AUTO_PREFIX, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_BASE,
+    STATES_FILE,
 };
 
 /// Writes a checkpoint into `tmp` (which must not exist).
@@ -113,50 +114,13 @@ pub(super) fn write_checkpoint(
 /// `manifest.json`). Anything else, a file or a folder of other things, is refused and left as
 /// it is, never deleted.
 pub(super) fn check_replaceable(dir: &Path) -> Result<()> {
-    let Ok(meta) = fs::symlink_metadata(dir) else {
-        return Ok(());
-    };
-    let refuse = |what: String| {
-        Err(write_err(
-            dir,
-            format!(
-                "{what}, and a checkpoint replaces its folder whole: \
-                 save into a new or empty folder (or move that one away)"
-            ),
-            None,
-        ))
-    };
-    if meta.file_type().is_symlink() {
-        return refuse(
-            "it is a symbolic link (which would be replaced, not written through)".into(),
-        );
-    }
-    if !meta.is_dir() {
-        return refuse("it exists and is not a folder".into());
-    }
-    let mut others = Vec::new();
-    for entry in fs::read_dir(dir).map_err(|e| io_err("listing", dir, e))? {
-        let entry = entry.map_err(|e| io_err("listing", dir, e))?;
-        if entry.file_name() == MANIFEST_FILE {
-            return Ok(());
-        }
-        others.push(entry.file_name().to_string_lossy().into_owned());
-    }
-    if others.is_empty() {
-        return Ok(());
-    }
-    others.sort();
-    let shown: Vec<_> = others.iter().take(3).map(|n| format!("`{n}`")).collect();
-    let more = others.len().saturating_sub(3);
-    refuse(format!(
-        "it is not a checkpoint (no {MANIFEST_FILE}) and holds {}{}",
-        shown.join(", "),
-        if more > 0 {
-            format!(" and {more} more")
-        } else {
-            String::new()
-        }
-    ))
+    check_ours(
+        dir,
+        |names| names.is_empty() || names.iter().any(|n| n == MANIFEST_FILE),
+        &format!("it is not a checkpoint (no {MANIFEST_FILE})"),
+        "a checkpoint replaces its folder whole: save into a new or empty folder \
+         (or move that one away)",
+    )
 }
 
 /// Names of named parts: non-empty, `[A-Za-z0-9_-]`, unique per kind.
