@@ -9,7 +9,7 @@
 //!     cargo bench --bench overhead -- --ddp-only --model transformer [--ddp-runs N]
 //!                     # section 2 on transformer_lm's model (AdamW, clip 1.0, fused
 //!                     # cross-entropy; read by scripts/pytorch_lm_bench.py)
-//!     cargo bench --features nn-cuda --bench overhead -- --lm-gpu [--lm-steps N]
+//!     cargo bench --features cuda --bench overhead -- --lm-gpu [--lm-steps N]
 //!                     # transformer_lm's training step on GPU 0, nn's composed ops and CUDA
 //!                     # kernels (`RESULT-LM-GPU` lines; read by pytorch_lm_bench.py --gpu)
 //!

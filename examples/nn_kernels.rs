@@ -1,8 +1,8 @@
-//! The device check of `accelerate_rs::nn`'s CUDA kernels (the `nn-cuda` feature), run by
+//! The device check of `accelerate_rs::nn`'s CUDA kernels (the `cuda` feature), run by
 //! `scripts/gpu-smoke.sh`:
 //!
-//!     cargo run --release --features nn-cuda --example nn_kernels        # on a GPU machine
-//!     cargo run --release --features nn-cuda --example nn_kernels -- --no-timing
+//!     cargo run --release --features cuda --example nn_kernels           # on a GPU machine
+//!     cargo run --release --features cuda --example nn_kernels -- --no-timing
 //!
 //! For every op (LayerNorm with and without bias, RMSNorm, softmax, causal softmax, causal
 //! attention, cross-entropy with label smoothing and an ignored index, linear_cross_entropy,
@@ -344,9 +344,7 @@ fn main() -> Result<()> {
         return Ok(());
     }
     if !nn::CUDA_KERNELS_BUILT {
-        eprintln!(
-            "nn_kernels: this build has no `nn-cuda` feature (cargo build --features nn-cuda)"
-        );
+        eprintln!("nn_kernels: this build has no `cuda` feature (cargo build --features cuda)");
         std::process::exit(2);
     }
     let gpu = match accelerate_rs::gpu::device(0) {

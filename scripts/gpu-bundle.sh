@@ -7,7 +7,7 @@
 #
 # What goes in: the launcher (accelerate-rs), the digits and transformer_lm examples (their data
 # is inside them), the nn_kernels device check and the overhead bench (which also times
-# transformer_lm's step for scripts/pytorch_lm_bench.py --gpu), built with `cuda,nn-cuda`; from
+# transformer_lm's step for scripts/pytorch_lm_bench.py --gpu), built with `cuda`; from
 # the models crate, the finetune and memory_bench examples and the parity test binary (the
 # Hugging Face parity checks against the committed golden files, run on the GPU); stripped, in
 # one xz-compressed tar:
@@ -50,16 +50,16 @@ else
   cargo fetch --quiet
   # shellcheck disable=SC1090
   source "$toolchain"
-  # `nn-cuda`: the nn kernels are compiled in (on unless ACCELERATE_RS_NN_CUDA=0; gpu-smoke.sh
-  # runs the default steps with them off and proves them with the nn_kernels example).
-  cargo_args=(build --release --features cuda,nn-cuda --bin accelerate-rs --example digits
+  # A cuda build has the nn kernels (on unless ACCELERATE_RS_NN_CUDA=0; gpu-smoke.sh proves them
+  # with the nn_kernels example).
+  cargo_args=(build --release --features cuda --bin accelerate-rs --example digits
               --example transformer_lm --example nn_kernels --bench overhead)
   echo "gpu-bundle: cargo ${cargo_args[*]} (CARGO_TARGET_DIR=$CARGO_TARGET_DIR)"
   json="$(mktemp)"
   trap 'rm -f "$json"' EXIT
   cargo "${cargo_args[@]}" --message-format=json-render-diagnostics >"$json"
   # The models crate's GPU steps (same accelerate-rs features, so its build is reused).
-  models_args=(-p accelerate-rs-models --release --features cuda,accelerate-rs/nn-cuda)
+  models_args=(-p accelerate-rs-models --release --features cuda)
   echo "gpu-bundle: cargo build ${models_args[*]} --example finetune --example memory_bench; cargo test --no-run ... --test parity"
   cargo build "${models_args[@]}" --example finetune --example memory_bench \
     --message-format=json-render-diagnostics >>"$json"

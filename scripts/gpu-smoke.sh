@@ -20,7 +20,7 @@
 #   6. transformer_lm: 50 steps with a checkpoint at step 25 and 50, then a resume to step 60
 #   7. step time, raw Candle vs accelerate-rs on GPU 0: the MLP and transformer_lm's model (the
 #      raw side on accelerate-rs's device and on a `Device::new_cuda(0)` of its own)
-#   8. accelerate_rs::nn's CUDA kernels (feature nn-cuda) against the CPU path: every op, f32,
+#   8. accelerate_rs::nn's CUDA kernels (in every cuda build) against the CPU path: every op, f32,
 #      bf16 and f16, forward and backward, within the dtype's tolerance, kernels really launched;
 #      then their time against the composed ops (examples/nn_kernels.rs)
 #   9. transformer_lm 30 steps with the nn CUDA kernels on
@@ -38,8 +38,9 @@
 #      retries at half the size until a step runs (issue 27). Batch 3000 x 256 tokens needs about
 #      200 GiB, while its largest tensor (the attention scores) stays under 2^31 elements, so the
 #      first failure is running out of memory, not an index overflow in a kernel.
-# Steps 1-7 and 11-14 run with the nn CUDA kernels off (ACCELERATE_RS_NN_CUDA=0: the default,
-# composed path the bundle was proven with); 8-10 switch them on.
+# Steps 1-7 and 11-14 run as a user's program does: with the nn CUDA kernels on (the default of a
+# cuda build); `ACCELERATE_RS_NN_CUDA=0 scripts/gpu-smoke.sh` proves them on Candle's composed
+# ops instead. Steps 8 and 9 always switch the kernels on; step 10 times both paths.
 # ACCEL_SMOKE_ONLY="8 9 10" runs only the steps whose number is listed (e.g. to split the run over
 # several device calls of at most 10 minutes each). With one short loan, run the proofs first and
 # the timings after: ACCEL_SMOKE_ONLY="1 2 3 4 6 8 11 12 14" (correctness, including the kernels,
@@ -109,9 +110,8 @@ step() {
 }
 
 export RUST_LOG="${RUST_LOG:-warn}"
-# The bundle has the nn CUDA kernels compiled in (feature nn-cuda); steps 1-7 prove the default,
-# composed path, so they run with the kernels off. Steps 8-10 turn them on.
-export ACCELERATE_RS_NN_CUDA=0
+# The nn CUDA kernels: on (a cuda build's default) unless the caller says otherwise.
+say "gpu-smoke: nn CUDA kernels: ${ACCELERATE_RS_NN_CUDA:+ACCELERATE_RS_NN_CUDA=}${ACCELERATE_RS_NN_CUDA:-on (the default)}"
 step "1. digits on 1 GPU (>= 0.95)" 240 "final test accuracy" \
   env CUDA_VISIBLE_DEVICES=0 "$B/digits" --min-accuracy 0.95
 step "2. NCCL at world size 1 + fused CUDA optimizers" 240 "NCCL calls on a one-rank communicator" \
@@ -158,8 +158,7 @@ step "10. PyTorch eager vs accelerate-rs on transformer_lm's model, 1 GPU" 600 "
   env CUDA_VISIBLE_DEVICES=0 python3 "$repo/scripts/pytorch_lm_bench.py" --gpu --runs 2 --steps 40 \
   --rust-cmd "$B/overhead --lm-gpu"
 
-# The models crate (issues 24 and 27), with the default composed path.
-export ACCELERATE_RS_NN_CUDA=0
+# The models crate (issues 24 and 27).
 export ACCELERATE_RS_MODELS_FIXTURES="$repo/models/tests/fixtures"
 tiny="$repo/models/examples/tiny-llama"
 corpus="$repo/data/corpus.txt"

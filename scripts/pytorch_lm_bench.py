@@ -34,9 +34,9 @@ The machinery (workers, DDP, the table) is scripts/pytorch_ddp_bench.py's, with 
     F.scaled_dot_product_attention(is_causal=True), F.cross_entropy, torch.optim.AdamW with its
     default foreach implementation), no compile, TF32 off (PyTorch's default for matmuls).
   - accelerate-rs: `overhead --lm-gpu` (default command
-    `cargo bench --features nn-cuda --bench overhead -- --lm-gpu`; on a GPU node with the bundle,
+    `cargo bench --features cuda --bench overhead -- --lm-gpu`; on a GPU node with the bundle,
     pass --rust-cmd "<bundle>/bin/overhead --lm-gpu"): Accelerator + prepare + backward_step,
-    with nn's composed ops and, when built with nn-cuda, its CUDA kernels.
+    with nn's composed ops and, in a cuda build, its CUDA kernels.
   Each step ends with a device synchronization; --steps timed steps after 10 untimed ones; each
   round runs PyTorch (in its own process) then the accelerate-rs command, so drift hits both.
   One table: ms/step, tokens/s, and each row's time relative to PyTorch eager. Exit status 0,

@@ -28,7 +28,7 @@ WARMUP = 10
 SEED = 0x5EED
 ROLE_ENV = "PYTORCH_LM_GPU_ROLE"
 TORCH_RESULT = "RESULT-TORCH-GPU"
-DEFAULT_RUST_CMD = "cargo bench --features nn-cuda --bench overhead -- --lm-gpu"
+DEFAULT_RUST_CMD = "cargo bench --features cuda --bench overhead -- --lm-gpu"
 RUST_RESULT_RE = re.compile(
     r"^RESULT-LM-GPU variant=(\w+) ms_mean=([0-9.eE+-]+) ms_median=([0-9.eE+-]+)"
     r" tokens_per_s=([0-9.eE+-]+) loss=([0-9.eE+-]+|nan|inf)\s*$"
@@ -197,7 +197,7 @@ def main(argv=None, doc=__doc__):
     rows = [(f"PyTorch eager (torch {torch.__version__}, {params / 1e6:.1f}M parameters)",
              statistics.fmean(r[0] for r in torch_runs), statistics.median(r[1] for r in torch_runs))]
     labels = {"composed": "accelerate-rs (nn: composed Candle ops)",
-              "kernels": "accelerate-rs (nn: nn-cuda kernels)"}
+              "kernels": "accelerate-rs (nn: CUDA kernels)"}
     for k in ("composed", "kernels"):
         if k in rust_runs:
             rows.append((labels[k], statistics.fmean(r[0] for r in rust_runs[k]),

@@ -1,5 +1,5 @@
 //! CUDA sources compiled at run time with NVRTC (the fused optimizer kernels of `optim`, and
-//! `nn`'s kernels with the `nn-cuda` feature): each source is compiled once per process and GPU
+//! `nn`'s kernels): each source is compiled once per process and GPU
 //! architecture, for the device's own architecture (`compute_XY` of its compute capability), so
 //! the driver only finishes the code for that GPU instead of JIT-compiling generic PTX.
 //!

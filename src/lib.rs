@@ -82,7 +82,7 @@
 //! | simulated device-memory limit (tests of [`find_executable_batch_size`](Accelerator::find_executable_batch_size) on the CPU) | - | [`ACCELERATE_RS_TEST_MEMORY_LIMIT`](env::TEST_MEMORY_LIMIT): bytes, e.g. `512MiB` | - | none |
 
 //! | GPU memory pool release threshold ([`gpu`]) | - | `ACCELERATE_RS_CUDA_POOL_RELEASE_MB` | - | unset: freed GPU memory stays in the pool |
-//! | `nn`'s CUDA kernels (build feature `nn-cuda`) | [`nn::set_cuda_kernels`] | `ACCELERATE_RS_NN_CUDA`: `1` or `0` | - | on when built with `nn-cuda` |
+//! | `nn`'s CUDA kernels (build feature `cuda`) | [`nn::set_cuda_kernels`] | `ACCELERATE_RS_NN_CUDA`: `1` or `0` | - | on when built with `cuda` |
 //!
 //! The launcher families are not mixed: the first of torchrun, SLURM, Open MPI whose rank
 //! variable is set provides rank, world size and local rank. Inconsistent values (a rank not below

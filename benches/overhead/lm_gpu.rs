@@ -20,7 +20,7 @@ const LM_GPU_WARMUP: usize = 10;
 /// accelerate-rs writes it: `Accelerator`, `prepare`, the fused AdamW (lr 1e-3), clipping at norm
 /// 1.0, `linear_cross_entropy`, batches of 8 x 128 random tokens from a DataLoader on the device;
 /// `steps` timed steps (each ends with a device synchronization) after 10 untimed ones. Once
-/// with `accelerate_rs::nn`'s composed ops and, in a build with `nn-cuda`, once with its CUDA
+/// with `accelerate_rs::nn`'s composed ops and, in a `cuda` build, once with its CUDA
 /// kernels, each on a fresh accelerator and model. Prints a table and, per variant,
 /// `RESULT-LM-GPU variant=<composed|kernels> ms_mean=.. ms_median=.. tokens_per_s=.. loss=..`.
 pub(super) fn lm_gpu(steps: usize, on_cpu: bool) -> Result<()> {
@@ -37,7 +37,7 @@ pub(super) fn lm_gpu(steps: usize, on_cpu: bool) -> Result<()> {
         nn::set_cuda_kernels(kernels);
         let accelerator = Accelerator::builder().cpu(on_cpu).build()?;
         if !on_cpu && !accelerator.device().is_cuda() {
-            bail!("--lm-gpu needs a GPU: build with --features cuda (and nn-cuda for the kernels) and run where one is visible");
+            bail!("--lm-gpu needs a GPU: build with --features cuda and run where one is visible");
         }
         let device = accelerator.device().clone();
         let samples = LM_BATCH * (LM_GPU_WARMUP + steps);

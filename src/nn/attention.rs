@@ -729,7 +729,7 @@ impl Attention {
         let raw = q.contiguous()?.matmul(&k.contiguous()?.t()?)?;
         if self.padding_mask.is_none() {
             // Scale, mask and softmax in one op: `causal_softmax` / `softmax_last_dim` (the
-            // `nn-cuda` kernels when they are on, else Candle's composed ops, as below).
+            // CUDA kernels when they are on, else Candle's composed ops, as below).
             let p = if self.causal {
                 super::softmax::causal_softmax(&raw, self.scale as f64)?
             } else {

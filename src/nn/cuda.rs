@@ -1,11 +1,11 @@
-//! CUDA kernels for `accelerate_rs::nn` (the opt-in `nn-cuda` feature): LayerNorm and RMSNorm,
+//! CUDA kernels for `accelerate_rs::nn` (the `cuda` feature): LayerNorm and RMSNorm,
 //! softmax and causal softmax, cross-entropy (also `linear_cross_entropy`'s row pass after the
 //! product), GELU and ReLU, forward and backward, in f32, bf16 and f16 (computed in f32).
 //!
 //! The kernels (`kernels.cu`) are compiled with NVRTC at first use for the GPU's architecture
 //! ([`crate::cuda_ptx`]). Whether an op takes them is decided before it is built
 //! ([`use_kernels`]): a CUDA tensor of one of those dtypes, the kernels switched on (the
-//! `nn-cuda` feature, then `ACCELERATE_RS_NN_CUDA`, default on, or [`set_enabled`]), and the
+//! `cuda` feature, then `ACCELERATE_RS_NN_CUDA`, default on, or [`set_enabled`]), and the
 //! kernels compiled and loaded on that GPU. If compiling or loading fails, one warning is logged
 //! and the composed ops are used from then on: a missing fast path never stops training.
 //!

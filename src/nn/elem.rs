@@ -169,16 +169,16 @@ macro_rules! multiversion {
 }
 
 /// Whether an op on `x` takes this module's fused ops: on the CPU ([`fused_cpu`]), or on a GPU
-/// with the `nn-cuda` feature's kernels (switched on and loaded).
+/// with the CUDA kernels of a `cuda` build (switched on and loaded).
 pub(super) fn fused(x: &Tensor) -> candle_core::Result<bool> {
     if fused_cpu(x) {
         return Ok(true);
     }
-    #[cfg(feature = "nn-cuda")]
+    #[cfg(feature = "cuda")]
     {
         super::cuda::use_kernels(x)
     }
-    #[cfg(not(feature = "nn-cuda"))]
+    #[cfg(not(feature = "cuda"))]
     {
         Ok(false)
     }
@@ -251,7 +251,7 @@ macro_rules! saved_tensor {
 /// Candle's custom-op traits for a fused elementwise function with a one-pass backward:
 /// `$fwd_ty` (`CustomOp1` named `$fwd_name`, `$fwd(x)` on the CPU) whose backward applies
 /// `$bwd_ty` (`CustomOp2` named `$bwd_name`, `$bwd(saved, dy)`) to the op's `input` or `output`
-/// (`saved = ...`) and the incoming gradient. With `cuda = (F, B)`, the `nn-cuda` feature runs
+/// (`saved = ...`) and the incoming gradient. With `cuda = (F, B)`, a `cuda` build runs
 /// them with the kernels `Elementwise::F` and `Elementwise::B`.
 macro_rules! elementwise_pair {
     (
@@ -271,7 +271,7 @@ macro_rules! elementwise_pair {
             }
 
             $(
-                #[cfg(feature = "nn-cuda")]
+                #[cfg(feature = "cuda")]
                 fn cuda_fwd(
                     &self,
                     s: &candle_core::CudaStorage,
@@ -304,7 +304,7 @@ macro_rules! elementwise_pair {
             }
 
             $(
-                #[cfg(feature = "nn-cuda")]
+                #[cfg(feature = "cuda")]
                 fn cuda_fwd(
                     &self,
                     s1: &candle_core::CudaStorage,

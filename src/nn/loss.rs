@@ -55,7 +55,7 @@ pub fn cross_entropy_with(
     options: CrossEntropyOptions,
 ) -> Result<Tensor> {
     let (t, n, c) = checked_targets(logits.dims(), targets, options)?;
-    #[cfg(feature = "nn-cuda")]
+    #[cfg(feature = "cuda")]
     if super::cuda::use_kernels(logits)? {
         let counted = t
             .iter()

@@ -25,14 +25,14 @@
 //! [`LoraLinear`] wraps a [`Linear`] with a LoRA adapter ([`Lora`], configured by
 //! [`LoraConfig`] as PEFT's `LoraConfig`): the base frozen, the low-rank update trainable.
 //!
-//! **CUDA kernels (opt-in).** Built with the `nn-cuda` feature (`cargo build --features
-//! nn-cuda`, which implies `cuda`), LayerNorm and RMSNorm, the softmaxes (and so the composed
+//! **CUDA kernels.** In a build with the `cuda` feature, LayerNorm and RMSNorm, the softmaxes (and
+//! so the composed
 //! attention's), cross-entropy (and `linear_cross_entropy`'s row pass after the product), GELU and
 //! ReLU run as one CUDA kernel each way on GPU tensors in f32, bf16 and f16, compiled with NVRTC
 //! at first use. They are on in such a build unless `ACCELERATE_RS_NN_CUDA=0` (or
 //! [`set_cuda_kernels`]); if they cannot be compiled or loaded, one warning and the composed ops.
-//! Until a GPU run has proven them against the CPU path (`examples/nn_kernels.rs`, run by
-//! `scripts/gpu-smoke.sh`), the composed ops stay the default: the feature is off by default.
+//! They are proven against the CPU path on a GPU by `examples/nn_kernels.rs` (step 8 of
+//! `scripts/gpu-smoke.sh`: every op, f32/bf16/f16, forward and backward; passed on an H200).
 //!
 //! ```
 //! use accelerate_rs::nn::{layer_norm, LayerNormConfig};
@@ -51,7 +51,7 @@
 
 mod attention;
 mod checkpoint;
-#[cfg(feature = "nn-cuda")]
+#[cfg(feature = "cuda")]
 mod cuda;
 mod dropout;
 mod elem;
@@ -82,28 +82,28 @@ pub use rope::{rope, rope_i, rope_thd};
 pub use silu::{silu, swiglu};
 pub use softmax::{causal_softmax, softmax_last_dim};
 
-/// Whether this build has the `nn-cuda` feature's CUDA kernels.
-pub const CUDA_KERNELS_BUILT: bool = cfg!(feature = "nn-cuda");
+/// Whether this build has the CUDA kernels (the `cuda` feature).
+pub const CUDA_KERNELS_BUILT: bool = cfg!(feature = "cuda");
 
-/// Number of this module's CUDA kernels launched by this process (0 without the `nn-cuda`
+/// Number of this module's CUDA kernels launched by this process (0 without the `cuda`
 /// feature): a check can tell that the kernels really ran rather than the composed ops.
 pub fn cuda_kernel_launches() -> u64 {
-    #[cfg(feature = "nn-cuda")]
+    #[cfg(feature = "cuda")]
     {
         cuda::launches()
     }
-    #[cfg(not(feature = "nn-cuda"))]
+    #[cfg(not(feature = "cuda"))]
     {
         0
     }
 }
 
-/// Switches the `nn-cuda` kernels on or off for the ops called from now on (overriding
+/// Switches the CUDA kernels on or off for the ops called from now on (overriding
 /// `ACCELERATE_RS_NN_CUDA`); ops already in a graph keep the path they took. Does nothing
 /// without the feature.
 pub fn set_cuda_kernels(on: bool) {
-    #[cfg(feature = "nn-cuda")]
+    #[cfg(feature = "cuda")]
     cuda::set_enabled(on);
-    #[cfg(not(feature = "nn-cuda"))]
+    #[cfg(not(feature = "cuda"))]
     let _ = on;
 }

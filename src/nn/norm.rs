@@ -88,7 +88,7 @@ impl CustomOp3 for NormFwd {
         Ok((out, l1.shape().clone()))
     }
 
-    #[cfg(feature = "nn-cuda")]
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
         s1: &candle_core::CudaStorage,
@@ -222,7 +222,7 @@ impl CustomOp3 for NormBwd {
         Ok((out, Shape::from(len)))
     }
 
-    #[cfg(feature = "nn-cuda")]
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
         s1: &candle_core::CudaStorage,

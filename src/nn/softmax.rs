@@ -54,7 +54,7 @@ impl CustomOp1 for SoftmaxFwd {
             l.shape().clone(),
         ))
     }
-    #[cfg(feature = "nn-cuda")]
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
         s: &candle_core::CudaStorage,
@@ -127,7 +127,7 @@ impl CustomOp2 for SoftmaxBwd {
         Ok((out, l1.shape().clone()))
     }
 
-    #[cfg(feature = "nn-cuda")]
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
         s1: &candle_core::CudaStorage,

@@ -58,7 +58,7 @@ pub const FUSED_OPTIM: &str = "ACCELERATE_RS_FUSED_OPTIM";
 /// the system at synchronizations); unset keeps all of it in the pool, as PyTorch's caching
 /// allocator does. See [`crate::gpu`].
 pub const CUDA_POOL_RELEASE_MB: &str = "ACCELERATE_RS_CUDA_POOL_RELEASE_MB";
-/// Whether `accelerate_rs::nn`'s CUDA kernels are used in a build with the `nn-cuda` feature
+/// Whether `accelerate_rs::nn`'s CUDA kernels are used in a build with the `cuda` feature
 /// (`0` turns them off; default on). See [`crate::nn`].
 pub const NN_CUDA: &str = "ACCELERATE_RS_NN_CUDA";
 /// Whether CPU gradient buckets are all-reduced on a communication thread while the next bucket

@@ -273,7 +273,8 @@ fn slurm_scripts_parse_and_use_real_launcher_flags() {
 
 /// A fake bundle whose binaries are shell scripts printing what the real ones print, run through
 /// gpu-smoke.sh with fake CUDA libraries: `ACCEL_SMOKE_ONLY` runs only the listed steps, a step
-/// passes or fails on its output, the nn kernels are off for the default steps and on for 8-9,
+/// passes or fails on its output, the nn kernels keep the caller's setting (default on) except in
+/// 8-9, which switch them on,
 /// the models crate's steps find the fixtures and run on the GPU, and the exit status says
 /// whether everything passed.
 #[test]
@@ -343,21 +344,26 @@ fn gpu_smoke_runs_the_listed_steps_and_judges_them_by_their_output() {
         assert!(st.success());
         tarball
     };
-    let smoke = |bundle: &Path, only: &str| -> (bool, String) {
-        let summary = t
-            .path()
-            .join(format!("summary-{}.txt", only.replace(' ', "-")));
-        let out = Command::new("bash")
-            .arg(format!("{ROOT}/scripts/gpu-smoke.sh"))
+    // `nn`: the caller's ACCELERATE_RS_NN_CUDA (None: unset, the kernels' default).
+    let smoke_with = |bundle: &Path, only: &str, nn: Option<&str>| -> (bool, String) {
+        let summary = t.path().join(format!(
+            "summary-{}-{}.txt",
+            only.replace(' ', "-"),
+            nn.unwrap_or("default")
+        ));
+        let mut cmd = Command::new("bash");
+        cmd.arg(format!("{ROOT}/scripts/gpu-smoke.sh"))
             .arg(&summary)
             .env("ACCEL_GPU_BUNDLE", bundle)
             .env("ACCEL_GPU_ENV_ROOTS", &roots)
             .env("ACCEL_SMOKE_ONLY", only)
             .env("PATH", "/usr/bin:/bin")
             .env_remove("ACCELERATE_RS_NN_CUDA")
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
+            .stdin(Stdio::null());
+        if let Some(v) = nn {
+            cmd.env("ACCELERATE_RS_NN_CUDA", v);
+        }
+        let out = cmd.output().unwrap();
         let text = std::fs::read_to_string(&summary).unwrap_or_default();
         let (stdout, stderr) = (
             String::from_utf8_lossy(&out.stdout),
@@ -369,6 +375,7 @@ fn gpu_smoke_runs_the_listed_steps_and_judges_them_by_their_output() {
         )
     };
 
+    let smoke = |bundle: &Path, only: &str| smoke_with(bundle, only, None);
     let good = make_bundle(0);
     let (ok, text) = smoke(&good, "8 9");
     assert!(ok, "{text}");
@@ -381,20 +388,36 @@ fn gpu_smoke_runs_the_listed_steps_and_judges_them_by_their_output() {
         text.contains("nn_kernels: 29 passed, 0 failed (ACCELERATE_RS_NN_CUDA=1)"),
         "{text}"
     );
-    // ... and off for the default steps.
+    // ... left at the build's default (on) for the other steps ...
     let (ok, text) = smoke(&good, "1");
     assert!(ok, "{text}");
     assert!(text.contains("PASS 1. digits"), "{text}");
-    assert!(text.contains("(ACCELERATE_RS_NN_CUDA=0)"), "{text}");
+    assert!(text.contains("nn CUDA kernels: on (the default)"), "{text}");
+    assert!(text.contains("(ACCELERATE_RS_NN_CUDA=)"), "{text}");
+    // ... and the caller can prove the composed ops instead, except in 8 and 9.
+    let (ok, text) = smoke_with(&good, "1 8", Some("0"));
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("nn CUDA kernels: ACCELERATE_RS_NN_CUDA=0"),
+        "{text}"
+    );
+    assert!(
+        text.contains("final test accuracy 0.99 (ACCELERATE_RS_NN_CUDA=0)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("nn_kernels: 29 passed, 0 failed (ACCELERATE_RS_NN_CUDA=1)"),
+        "{text}"
+    );
 
     // The models crate's steps: the parity tests on the GPU against the repository's fixtures,
-    // the search's retries; composed ops.
+    // the search's retries.
     let (ok, text) = smoke(&good, "11 14");
     assert!(ok, "{text}");
     assert!(text.contains("PASS 11. Hugging Face parity"), "{text}");
     assert!(
         text.contains(&format!(
-            "filter matches_transformers, device cuda, fixtures {ROOT}/models/tests/fixtures, ACCELERATE_RS_NN_CUDA=0"
+            "filter matches_transformers, device cuda, fixtures {ROOT}/models/tests/fixtures, ACCELERATE_RS_NN_CUDA="
         )),
         "{text}"
     );
