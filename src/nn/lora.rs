@@ -458,10 +458,10 @@ impl Lora {
 
     /// A frozen linear layer's output for `x` plus the update: `x Wᵀ + b + s · dropout(x) Aᵀ
     /// Bᵀ` for `w` `[out, in]` and `bias` `[out]` (tensors outside the graph: no gradient is
-    /// computed for them). On the CPU, with one dtype and no dropout drawn, one fused op whose
-    /// only tensor of the output's size is the output (composed, the update, its scaled copy
-    /// and the sum are three more, all kept by the graph); otherwise the base layer and
-    /// [`add_to`](Self::add_to).
+    /// computed for them). On the CPU or a GPU, with one dtype and no dropout drawn, one fused
+    /// op whose only tensor of the output's size is the output (composed, the update, its
+    /// scaled copy and the sum are three more, all kept by the graph); otherwise the base layer
+    /// and [`add_to`](Self::add_to).
     pub fn forward_with_base(
         &self,
         x: &Tensor,

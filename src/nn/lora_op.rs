@@ -1,9 +1,10 @@
-//! A LoRA layer over a frozen base as one op on the CPU: `y = x Wᵀ + b + s (x Aᵀ) Bᵀ`, its
-//! inputs `x`, `A` and `B` (the base `W`, `b` held by the op: they take no gradient). Composed,
-//! the update `(x Aᵀ) Bᵀ`, its scaled copy and the sum are three more tensors of the output's
-//! size, each kept by Candle's graph until the backward pass is done; here the output is the
-//! only one, and the backward pass recomputes the rank-`r` product `x Aᵀ` (`r / out` of the
-//! base product's cost).
+//! A LoRA layer over a frozen base as one op on the CPU and, in a `cuda` build, on a GPU:
+//! `y = x Wᵀ + b + s (x Aᵀ) Bᵀ`, its inputs `x`, `A` and `B` (the base `W`, `b` held by the op:
+//! they take no gradient). Composed, the update `(x Aᵀ) Bᵀ`, its scaled copy and the sum are
+//! three more tensors of the output's size, each kept by Candle's graph until the backward pass
+//! is done; here the output is the only one, and the backward pass recomputes the rank-`r`
+//! product `x Aᵀ` (`r / out` of the base product's cost). On a GPU the forward pass is the same
+//! cuBLAS products and element-wise kernels as the composed ops; only what stays alive differs.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor, WithDType};
@@ -28,10 +29,10 @@ pub(super) fn fusable(
     let (Ok((n, k)), Ok((r, ka)), Ok((nb, rb))) = (w.dims2(), a.dims2(), b_up.dims2()) else {
         return false;
     };
-    let same = |t: &Tensor| t.device().is_cpu() && t.dtype() == dtype;
+    let same = |t: &Tensor| t.device().same_device(x.device()) && t.dtype() == dtype;
     let bias_ok =
         bias.is_none_or(|b| same(b) && b.dims() == [n] && b.is_contiguous() && !b.track_op());
-    fused_cpu(x)
+    (fused_cpu(x) || on_gpu(x))
         && x.dims().last() == Some(&k)
         && x.elem_count() > 0
         && same(w)
@@ -44,6 +45,19 @@ pub(super) fn fusable(
         && nb == n
         && rb == r
         && r > 0
+}
+
+/// Whether `x` is a float tensor on a GPU of a `cuda` build.
+fn on_gpu(x: &Tensor) -> bool {
+    cfg!(feature = "cuda")
+        && x.device().is_cuda()
+        && matches!(
+            x.dtype(),
+            candle_core::DType::F32
+                | candle_core::DType::F64
+                | candle_core::DType::BF16
+                | candle_core::DType::F16
+        )
 }
 
 /// `x Wᵀ + b + s (x Aᵀ) Bᵀ` over the op's inputs `(x, A, B)`.
@@ -119,6 +133,48 @@ impl CustomOp3 for LoraOp {
         let u = h.matmul(sb, (1, rows, n, r), &lh, &lb.transpose(0, 1)?)?;
         add_scaled(&mut y, &u, self.scaling)?;
         Ok((y, shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::cuda_backend::CudaStorage,
+        lx: &Layout,
+        sa: &candle_core::cuda_backend::CudaStorage,
+        la: &Layout,
+        sb: &candle_core::cuda_backend::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
+        use candle_core::op::Add;
+        let (n, k) = self.w.dims2()?;
+        let r = la.dims().first().copied().unwrap_or(0);
+        let rows = lx.shape().elem_count() / k.max(1);
+        let (ws, wl) = self.w.storage_and_layout();
+        let Storage::Cuda(ws) = &*ws else {
+            candle_core::bail!("{}: the base weight is not on the GPU", self.name());
+        };
+        // `x` is contiguous (the caller makes it so): `[rows, k]` from its offset.
+        let lx2 = Layout::contiguous_with_offset((rows, k), lx.start_offset());
+        let ly = Layout::contiguous((rows, n));
+        let mut y = sx.matmul(ws, (1, rows, n, k), &lx2, &wl.transpose(0, 1)?)?;
+        if let Some(bias) = &self.bias {
+            let (bs, bl) = bias.storage_and_layout();
+            let Storage::Cuda(bs) = &*bs else {
+                candle_core::bail!("{}: the base bias is not on the GPU", self.name());
+            };
+            y = y.binary_impl::<Add>(bs, &ly, &bl.broadcast_as((rows, n))?)?;
+        }
+        // The update: `h = x Aᵀ`, `u = s (h Bᵀ)`, `y + u`; `h` and `u` are freed on return.
+        let h = sx.matmul(sa, (1, rows, r, k), &lx2, &la.transpose(0, 1)?)?;
+        let lh = Layout::contiguous((rows, r));
+        let u = h.matmul(sb, (1, rows, n, r), &lh, &lb.transpose(0, 1)?)?;
+        let u = u.affine(&ly, self.scaling, 0.0)?;
+        let y = y.binary_impl::<Add>(&u, &ly, &ly)?;
+        let mut dims = lx.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = n;
+        }
+        Ok((y, Shape::from(dims)))
     }
 
     fn bwd(
