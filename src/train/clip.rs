@@ -6,8 +6,6 @@ use candle_core::{DType, Tensor, Var};
 
 use crate::error::Result;
 
-// TODO unresolved GradStore
-
 /// The sum of squares of the registered parameters' gradients in `grads` (f64; read in
 /// place for contiguous CPU gradients). Gradients on a GPU are summed there, per parameter
 /// in f32 and over the parameters in f64, and read back once: one host synchronization per

@@ -16,19 +16,7 @@ use crate::inplace::{copy_cpu, fill_cpu, read_f64, storage_addr, with_cpu_mut};
 
 use super::params::{fusable_dtype, Bucket, ParamSet};
 
-// TODO unresolved BufferMut
-// TODO unresolved GradStore
-// TODO unresolved Mutex
-// TODO unresolved Range
-// TODO unresolved ReduceOp
-// TODO unresolved Storage
-// TODO unresolved chunk_range
-// TODO unresolved copy_cpu
-// TODO unresolved fill_cpu
 // TODO unresolved read_f64
-// TODO unresolved storage_addr
-// TODO unresolved with_cpu_mut
-
 /// The reusable buffers of a [`ParamSet`]'s collectives, one slot per bucket.
 #[derive(Debug)]
 pub(crate) struct Reducer {
