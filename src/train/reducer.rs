@@ -16,7 +16,6 @@ use crate::inplace::{copy_cpu, fill_cpu, read_f64, storage_addr, with_cpu_mut};
 
 use super::params::{fusable_dtype, Bucket, ParamSet};
 
-// TODO unresolved read_f64
 /// The reusable buffers of a [`ParamSet`]'s collectives, one slot per bucket.
 #[derive(Debug)]
 pub(crate) struct Reducer {
