@@ -19,7 +19,8 @@
 #   5. digits in bf16 on 1 GPU, accuracy >= 0.93
 #   6. transformer_lm: 50 steps with a checkpoint at step 25 and 50, then a resume to step 60
 #   7. step time, raw Candle vs accelerate-rs on GPU 0: the MLP and transformer_lm's model (the
-#      raw side on accelerate-rs's device and on a `Device::new_cuda(0)` of its own)
+#      raw side on accelerate-rs's device and on a `Device::new_cuda(0)` of its own), 16 blocks
+#      of 20 steps each (the transformer's 2 blocks of `--quick` read -2% to +4% from call to call)
 #   8. accelerate_rs::nn's CUDA kernels (in every cuda build) against the CPU path: every op, f32,
 #      bf16 and f16, forward and backward, within the dtype's tolerance, kernels really launched;
 #      then their time against the composed ops (examples/nn_kernels.rs)
@@ -147,7 +148,7 @@ step "6b. transformer_lm resumed at step 50 to 60" 300 "resumed from .* at step 
 step "7a. step time, raw Candle vs accelerate-rs: MLP" 300 "overhead of accelerate-rs" \
   env CUDA_VISIBLE_DEVICES=0 "$B/overhead" --gpu
 step "7b. step time, raw Candle vs accelerate-rs: transformer_lm model" 300 "overhead of accelerate-rs" \
-  env CUDA_VISIBLE_DEVICES=0 "$B/overhead" --gpu --quick --model transformer
+  env CUDA_VISIBLE_DEVICES=0 "$B/overhead" --gpu --model transformer
 step "8. nn CUDA kernels equal the CPU path (f32/bf16/f16, forward and backward)" 300 \
   "nn_kernels: [0-9]+ passed, 0 failed" \
   env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_NN_CUDA=1 "$B/nn_kernels"
