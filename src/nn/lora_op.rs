@@ -95,6 +95,16 @@ fn add_scaled(y: &mut CpuStorage, u: &CpuStorage, s: f64) -> Result<()> {
     Ok(())
 }
 
+impl LoraOp {
+    /// `(n, k, r, rows)`: the base's output and input widths, the adapter's rank, and the rows
+    /// of `x` (its layout `lx`) as `[rows, k]`.
+    fn sizes(&self, lx: &Layout, la: &Layout) -> Result<(usize, usize, usize, usize)> {
+        let (n, k) = self.w.dims2()?;
+        let r = la.dims().first().copied().unwrap_or(0);
+        Ok((n, k, r, lx.shape().elem_count() / k.max(1)))
+    }
+}
+
 impl CustomOp3 for LoraOp {
     fn name(&self) -> &'static str {
         "accelerate-rs-lora"
@@ -109,9 +119,7 @@ impl CustomOp3 for LoraOp {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (n, k) = self.w.dims2()?;
-        let r = la.dims().first().copied().unwrap_or(0);
-        let rows = lx.shape().elem_count() / k.max(1);
+        let (n, k, r, rows) = self.sizes(lx, la)?;
         // The base: the fused `Linear`'s forward pass on the frozen weight and bias.
         let (ws, wl) = self.w.storage_and_layout();
         let Storage::Cpu(ws) = &*ws else {
@@ -146,9 +154,7 @@ impl CustomOp3 for LoraOp {
         lb: &Layout,
     ) -> Result<(candle_core::cuda_backend::CudaStorage, Shape)> {
         use candle_core::op::Add;
-        let (n, k) = self.w.dims2()?;
-        let r = la.dims().first().copied().unwrap_or(0);
-        let rows = lx.shape().elem_count() / k.max(1);
+        let (n, k, r, rows) = self.sizes(lx, la)?;
         let (ws, wl) = self.w.storage_and_layout();
         let Storage::Cuda(ws) = &*ws else {
             candle_core::bail!("{}: the base weight is not on the GPU", self.name());

@@ -268,7 +268,6 @@ pub(super) fn stage_shards(
     Ok((t, Some(stage)))
 }
 
-/// Removes the staging folder of optimizer shards (what is left after a failed save).
 /// An error unless `stage`, found in the way, is what a crashed save leaves there: a folder of
 /// optimizer shard files (`*.rank-*.safetensors`) only. Anything else is not removed.
 fn check_stale_stage(stage: &Path) -> Result<()> {
@@ -285,6 +284,7 @@ fn check_stale_stage(stage: &Path) -> Result<()> {
     )
 }
 
+/// Removes the staging folder of optimizer shards (what is left after a failed save).
 pub(super) fn remove_stage(stage: Option<&Path>) {
     if let Some(s) = stage {
         if s.exists() {
