@@ -545,9 +545,10 @@ fn save_main(
 /// Copies the tokenizer files of the model folder `model` into `dir` (nothing to do when `dir`
 /// is that folder: a file copied onto itself would be emptied).
 fn copy_tokenizer(model: &std::path::Path, dir: &std::path::Path) -> Result<()> {
-    let same = |a: &std::path::Path, b: &std::path::Path| matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y);
-    if same(model, dir) {
-        return Ok(());
+    if let (Ok(from), Ok(to)) = (model.canonicalize(), dir.canonicalize()) {
+        if from == to {
+            return Ok(());
+        }
     }
     for file in [
         "tokenizer.json",
