@@ -32,18 +32,10 @@ pub const TOP_PAD: usize = 64 << 20;
 
 static TUNE: Once = Once::new();
 
-/// The user's own glibc malloc variables, which take precedence.
-const GLIBC_VARS: [&str; 4] = [
-    "MALLOC_MMAP_THRESHOLD_",
-    "MALLOC_TRIM_THRESHOLD_",
-    "MALLOC_TOP_PAD_",
-    "GLIBC_TUNABLES",
-];
-
 /// Applies the settings described in the [module docs](self), once per process. Returns whether
 /// they are in force (false when the user set glibc's own variables, or off glibc).
 pub fn tune() -> bool {
-    if GLIBC_VARS.iter().any(|v| std::env::var_os(v).is_some()) {
+    if crate::settings::runtime::user_malloc_settings() {
         return false;
     }
     TUNE.call_once(apply);
@@ -86,9 +78,7 @@ mod tests {
         let first = super::tune();
         assert_eq!(super::tune(), first);
         if cfg!(all(target_os = "linux", target_env = "gnu"))
-            && super::GLIBC_VARS
-                .iter()
-                .all(|v| std::env::var_os(v).is_none())
+            && !crate::settings::runtime::user_malloc_settings()
         {
             assert!(first, "mallopt refused the settings");
         }

@@ -82,6 +82,7 @@
 //!
 //! The `hub` feature adds `hub::download` (the `hf-hub` crate).
 #![deny(missing_docs)]
+#![deny(rustdoc::broken_intra_doc_links)]
 
 mod auto;
 mod bert;

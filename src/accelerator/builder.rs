@@ -8,6 +8,7 @@ use std::time::Duration;
 use super::Accelerator;
 use crate::collective::Collective;
 use crate::error::Result;
+use crate::settings::runtime::process_var;
 use crate::settings::{MissingGradients, MixedPrecision, Overrides, ProcessState, Transport};
 
 /// Sets up an [`Accelerator`]. Every setting follows one precedence: a builder call beats the
@@ -158,14 +159,14 @@ impl AcceleratorBuilder {
         R: Send,
         F: Fn(Accelerator) -> Result<R> + Send + Sync,
     {
-        self_launch(&self.o, &|k| std::env::var(k).ok())?;
-        super::dp::run(self.o, self.collective, &|k| std::env::var(k).ok(), f)
+        self_launch(&self.o, &process_var)?;
+        super::dp::run(self.o, self.collective, &process_var, f)
     }
 
     /// Resolves the settings and joins the run (for several processes: waits until every rank
     /// has connected, up to the timeout).
     pub fn build(self) -> Result<Accelerator> {
-        self.build_with(&|k| std::env::var(k).ok())
+        self.build_with(&process_var)
     }
 
     /// [`build`](Self::build) reading the environment through `getenv`.

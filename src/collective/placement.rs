@@ -26,7 +26,7 @@ pub(crate) fn gpu_key(host: &str, pci_bus_id: &str) -> Vec<u8> {
 /// first dot and the boot id (`/proc/sys/kernel/random/boot_id`), so that containers with one
 /// host name on different machines stay apart.
 pub(crate) fn host_identity() -> String {
-    let hostid = std::env::var("NCCL_HOSTID").ok();
+    let hostid = crate::settings::runtime::nccl_host_id();
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok();
     host_identity_from(hostid.as_deref(), &host_name(), boot.as_deref())
 }

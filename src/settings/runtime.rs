@@ -1,7 +1,8 @@
 //! Settings read where they are used rather than resolved into [`ProcessState`](super::ProcessState):
 //! the fused-optimizer default (read when an optimizer is created), the store socket the launcher
-//! hands down, the host name, and the test-only crash hook. Every read of the environment stays
-//! in this floor.
+//! hands down, the host name, NCCL's host id, glibc's own allocator variables, the test-only crash
+//! hook, and the process environment that the facade hands to the resolver. Every read of the
+//! environment stays in this floor.
 
 use super::env;
 use super::parse::process_env;
@@ -43,4 +44,37 @@ pub(crate) fn host_name() -> Option<String> {
 /// writing checkpoint file `file`, as a kill would.
 pub(crate) fn crash_after(file: &str) -> bool {
     matches!(process_env::<String>(env::TEST_CRASH_AFTER), Ok(Some(v)) if v == file)
+}
+
+/// One variable of this process's environment (`None` when unset or not Unicode): the source the
+/// facade hands to the settings resolver, so that tests can hand it another.
+pub(crate) fn process_var(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+/// Whether `name` is set in this process's environment (to anything, even non-Unicode).
+pub(crate) fn process_var_is_set(name: &str) -> bool {
+    std::env::var_os(name).is_some()
+}
+
+/// NCCL's `NCCL_HOSTID` (how NCCL tells hosts apart when set), trimmed; `None` when unset or
+/// empty.
+pub(crate) fn nccl_host_id() -> Option<String> {
+    std::env::var("NCCL_HOSTID")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
+/// glibc's own allocator variables, whose settings take precedence over accelerate-rs's tuning.
+pub(crate) const GLIBC_MALLOC_VARS: [&str; 4] = [
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "GLIBC_TUNABLES",
+];
+
+/// Whether the user set any of [`GLIBC_MALLOC_VARS`] (then the allocator is left as they set it).
+pub(crate) fn user_malloc_settings() -> bool {
+    GLIBC_MALLOC_VARS.iter().any(|v| process_var_is_set(v))
 }

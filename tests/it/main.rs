@@ -37,6 +37,7 @@ mod save_targets;
 mod scripts;
 mod self_launch;
 mod shm;
+mod streaming_loader;
 mod tracking;
 mod weights;
 mod zero;

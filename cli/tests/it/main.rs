@@ -6,6 +6,7 @@ mod cli_env;
 mod cli_test;
 mod estimate;
 mod launch;
+mod launch_options;
 
 /// A port that was free a moment ago on loopback.
 pub fn free_port() -> u16 {

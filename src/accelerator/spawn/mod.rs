@@ -138,7 +138,7 @@ pub(crate) fn run(plan: &SelfLaunch) -> Result<std::convert::Infallible> {
             timeout_secs: None,
             bucket_cap_mb: None,
         },
-        |var| std::env::var_os(var).is_some(),
+        crate::settings::runtime::process_var_is_set,
     );
     eprintln!(
         "accelerate-rs: starting {n} processes of {program} ({}={n} or `processes({n})`); each line is prefixed with its rank",
