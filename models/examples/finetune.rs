@@ -125,7 +125,7 @@ struct Args {
     /// Print the training loss every N steps.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     log_every: u64,
-    /// Seed of the data order, the masks and the dropout.
+    /// Seed of the data order, the masks, the dropout and the LoRA adapters' initial values.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Also write held-out inputs and the trained model's logits to this file.
@@ -290,7 +290,8 @@ fn main() -> Result<()> {
     if let Some(r) = args.lora_r {
         let mut config = LoraConfig::new(r, args.lora_alpha.unwrap_or(2.0 * r as f64))
             .dropout(args.lora_dropout)
-            .rslora(args.rslora);
+            .rslora(args.rslora)
+            .seed(args.seed);
         match args.lora_targets.as_deref() {
             None => {}
             Some("all-linear") => config = config.all_linear(),
@@ -460,6 +461,13 @@ fn main() -> Result<()> {
     accelerator.print(format!(
         "trained {step} steps in {secs:.1} s; held-out loss {before:.4} -> {after:.4}"
     ));
+    if accelerator.world_size() > 1 && step > 0 {
+        // With LoRA only the adapters' gradients travel (the frozen base has none).
+        accelerator.print(format!(
+            "gradient all-reduce: {} bytes per step from this rank",
+            accelerator.gradient_bytes_reduced() / step
+        ));
+    }
 
     if model.lora_config().is_none() {
         // Every rank calls it; the main process writes config.json and the weights.

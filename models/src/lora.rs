@@ -243,7 +243,10 @@ pub(crate) fn add_lora<M: Adaptable>(model: &mut M, config: &LoraConfig) -> Crat
     let weights = frozen.weights().clone();
     let dtype = config.adapter_dtype_for(weights.dtype);
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, dtype, &weights.device);
+    let vb = match config.init_seed {
+        Some(seed) => accelerate_rs::seeded_var_builder(&varmap, seed, dtype, &weights.device),
+        None => VarBuilder::from_varmap(&varmap, dtype, &weights.device),
+    };
     let mut paths = Vec::new();
     let mut matched = 0usize;
     for p in frozen.projections_mut() {

@@ -552,3 +552,35 @@ fn a_bf16_base_trains_f32_adapters() {
         assert!(grads.get(&var).is_none(), "frozen `{name}`");
     }
 }
+
+/// `LoraConfig::seed`: the same seed gives the same `lora_A` in every run (whatever was created
+/// before), another seed other values; without a seed Candle's generator decides; `lora_B`
+/// starts at zero either way.
+#[test]
+fn seeded_adapters_start_the_same_in_every_run() {
+    let adapters = |config: &LoraConfig| -> BTreeMap<String, Vec<f32>> {
+        let mut m = AutoModel::from_pretrained(fixture("llama"), &Device::Cpu, DType::F32).unwrap();
+        m.add_lora(config).unwrap();
+        m.trainable_parameters()
+            .named_parameters()
+            .into_iter()
+            .map(|(n, v)| (n, v.as_tensor().flatten_all().unwrap().to_vec1().unwrap()))
+            .collect()
+    };
+    let seeded = LoraConfig::new(4, 8.0).seed(11);
+    let first = adapters(&seeded);
+    // Something else drawn from Candle's generator in between changes nothing.
+    let _ = Tensor::randn(0f32, 1.0, 64, &Device::Cpu).unwrap();
+    assert_eq!(adapters(&seeded), first);
+    let other = adapters(&LoraConfig::new(4, 8.0).seed(12));
+    let unseeded = adapters(&LoraConfig::new(4, 8.0));
+    for (name, values) in &first {
+        if name.contains("lora_B") {
+            assert!(values.iter().all(|&v| v == 0.0), "{name} starts at zero");
+            continue;
+        }
+        assert!(values.iter().any(|&v| v != 0.0), "{name} is drawn");
+        assert_ne!(&other[name], values, "{name}: another seed, other values");
+        assert_ne!(&unseeded[name], values, "{name}: unseeded");
+    }
+}

@@ -58,6 +58,14 @@ pub struct LoraConfig {
     /// The adapters' dtype; `None`: f32 when the base is f16 or bf16 (PEFT's
     /// `autocast_adapter_dtype`), else the base's dtype. Not saved in `adapter_config.json`.
     pub adapter_dtype: Option<DType>,
+    /// Where new adapters' `lora_A` values come from: `Some(seed)` draws them from `(seed, the
+    /// adapter's name)` ([`seeded_var_builder`](crate::seeded_var_builder)), so the same seed
+    /// gives the same adapters in every run and at any world size; `None` (default): Candle's
+    /// unseeded generator, different in every run (`lora_B` starts at zero either way). Used by
+    /// the model crate's `add_lora`; a [`LoraLinear`] of your own takes the `VarBuilder` you give
+    /// it (e.g. [`Accelerator::var_builder`](crate::Accelerator::var_builder)). Not saved in
+    /// `adapter_config.json`.
+    pub init_seed: Option<u64>,
 }
 
 impl LoraConfig {
@@ -70,7 +78,14 @@ impl LoraConfig {
             target_modules: TargetModules::Names(Vec::new()),
             use_rslora: false,
             adapter_dtype: None,
+            init_seed: None,
         }
+    }
+
+    /// Initialises new adapters from `seed` (see [`init_seed`](Self::init_seed)).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.init_seed = Some(seed);
+        self
     }
 
     /// Sets the dropout on the adapters' input.
@@ -343,6 +358,7 @@ impl LoraConfig {
             target_modules,
             use_rslora,
             adapter_dtype: None,
+            init_seed: None,
         };
         config.check().map_err(|e| match e {
             Error::InvalidArgument { name, reason } => {
