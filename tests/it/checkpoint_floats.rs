@@ -10,10 +10,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use accelerate_rs::checkpoint::{latest_checkpoint, verify_checkpoint, CheckpointParts};
+use accelerate_rs::checkpoint::{
+    latest_checkpoint, verify_checkpoint, CheckpointParts, Checkpointable, LoadTargets,
+};
 use accelerate_rs::optim::AdamW;
 use accelerate_rs::{Accelerator, Error};
 use candle_core::Var;
+use candle_nn::Optimizer;
+use proptest::prelude::*;
 
 use crate::common::exit_worker;
 use crate::common::tiny::{dataset, forward, params, HIDDEN};
@@ -139,4 +143,71 @@ fn two_processes_resume_from_the_newest_checkpoint_with_exact_learning_rates() {
         !out.contains("skipping") && !out.contains("refused"),
         "{out}"
     );
+}
+
+/// User state of f64s (what a training script registers with `CheckpointParts::state`).
+#[derive(Default)]
+struct Floats(Vec<f64>);
+
+impl Checkpointable for Floats {
+    fn checkpoint_state(&self) -> accelerate_rs::Result<serde_json::Value> {
+        Ok(serde_json::json!({ "values": self.0 }))
+    }
+    fn restore_state(&mut self, state: &serde_json::Value) -> accelerate_rs::Result<()> {
+        self.0 = serde_json::from_value(state["values"].clone())
+            .map_err(|e| Error::invalid("floats", e.to_string()))?;
+        Ok(())
+    }
+}
+
+/// Finite f64s of every kind JSON can hold: subnormals, extremes, negative zero, rates as a
+/// cosine schedule makes them (a few ULPs around), any bit pattern.
+fn finite_f64() -> impl Strategy<Value = f64> {
+    prop_oneof![
+        any::<u64>()
+            .prop_map(f64::from_bits)
+            .prop_filter("finite", |x| x.is_finite()),
+        (1u64..(1 << 52)).prop_map(f64::from_bits),
+        (1u64..(1 << 52)).prop_map(|b| -f64::from_bits(b)),
+        Just(f64::MAX),
+        Just(f64::MIN),
+        Just(f64::MIN_POSITIVE),
+        Just(-0.0),
+        (1u32..100_000, 1u32..100_000, -3i64..4).prop_map(|(a, b, ulps)| {
+            let x = 1e-3 * 0.5 * (1.0 + (std::f64::consts::PI * a as f64 / (a + b) as f64).cos());
+            f64::from_bits((x.to_bits() as i64 + ulps) as u64)
+        }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Through the real save and load of a checkpoint: the optimizer's learning rate (manifest)
+    /// and a user state's floats (`states.json`) come back bit for bit, and the checkpoint
+    /// verifies.
+    #[test]
+    fn saved_floats_load_back_bit_for_bit(
+        lr in finite_f64().prop_filter("a learning rate", |x| *x >= 0.0),
+        values in proptest::collection::vec(finite_f64(), 1..24),
+    ) {
+        let acc = crate::common::single();
+        let dir = tempfile::tempdir().unwrap();
+        let p = params(0.5, HIDDEN);
+        let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
+        let mut opt = AdamW::new_lr(vars.clone(), 0.01).unwrap();
+        opt.set_learning_rate(lr);
+        let state = Floats(values.clone());
+        let parts = CheckpointParts::new(&p).optimizer(&opt).state("floats", &state).step(3);
+        acc.save_state(dir.path(), &parts).unwrap();
+        let m = verify_checkpoint(dir.path()).unwrap();
+        prop_assert_eq!(m.optimizer.as_ref().map(|o| o.lr.to_bits()), Some(lr.to_bits()));
+
+        let mut back = Floats::default();
+        let mut opt2 = AdamW::new_lr(vars, 0.5).unwrap();
+        let targets = LoadTargets::new(&p).optimizer(&mut opt2).state("floats", &mut back);
+        acc.load_state_into(dir.path(), targets).unwrap();
+        prop_assert_eq!(opt2.learning_rate().to_bits(), lr.to_bits());
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(&back.0), bits(&values));
+    }
 }

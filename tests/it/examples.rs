@@ -65,6 +65,101 @@ fn digits_trains_on_its_built_in_data_away_from_the_repository() {
     assert!(err.contains("no-such.csv.gz"), "{err}");
 }
 
+/// `transformer_lm --resume` where checkpoints exist but none is sound: an error listing each
+/// one (never a silent start from step 0); with `--start-fresh`, step 0 on purpose, saying so.
+#[test]
+fn transformer_lm_refuses_to_start_over_unless_told_to() {
+    let dir = tempfile::tempdir().unwrap();
+    let log_dir = dir.path().join("run");
+    let log = log_dir.to_str().unwrap();
+    let tiny = [
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--eval-batches",
+        "1",
+        "--log-every",
+        "1",
+        "--warmup-steps",
+        "1",
+        "--checkpoint-every",
+        "2",
+        "--keep-checkpoints",
+        "2",
+        "--log-dir",
+        log,
+    ];
+    let with = |extra: &[&str]| -> Output {
+        let args: Vec<&str> = tiny.iter().chain(extra).copied().collect();
+        run("transformer_lm", &args)
+    };
+    let text = |out: &Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    let out = with(&["--max-steps", "4"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let checkpoints = log_dir.join("checkpoints");
+    let mut saved: Vec<_> = std::fs::read_dir(&checkpoints)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("manifest.json").is_file())
+        .collect();
+    saved.sort();
+    assert_eq!(saved.len(), 2, "{saved:?}");
+    // Sound: a resume at step 4 trains on to 6.
+    let out = with(&["--max-steps", "6", "--resume"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("at step 4"), "{}", text(&out));
+    // Damage every kept checkpoint's manifest (one byte of its step), as a disk or an editor
+    // might.
+    let mut saved: Vec<_> = std::fs::read_dir(&checkpoints)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("manifest.json").is_file())
+        .collect();
+    saved.sort();
+    for dir in &saved {
+        let path = dir.join("manifest.json");
+        let manifest = std::fs::read_to_string(&path).unwrap();
+        let damaged = manifest.replacen("\"step\": ", "\"step\": 9", 1);
+        assert_ne!(damaged, manifest, "{manifest}");
+        std::fs::write(&path, damaged).unwrap();
+    }
+    let out = with(&["--max-steps", "8", "--resume"]);
+    let msg = text(&out);
+    assert!(
+        !out.status.success(),
+        "resumed from a damaged checkpoint: {msg}"
+    );
+    assert!(msg.contains("no sound checkpoint"), "{msg}");
+    for dir in &saved {
+        let name = dir.file_name().unwrap().to_str().unwrap();
+        assert!(msg.contains(name), "{name} not listed: {msg}");
+    }
+    assert!(
+        !msg.lines().any(|l| l.starts_with("step ")),
+        "trained after refusing: {msg}"
+    );
+    let out = with(&["--max-steps", "2", "--resume", "--start-fresh"]);
+    let msg = text(&out);
+    assert!(out.status.success(), "{msg}");
+    assert!(
+        msg.contains("--start-fresh: none of the 2 checkpoint(s)") && msg.contains("step 0"),
+        "{msg}"
+    );
+}
+
 /// Code lines (doc comments left out) of `examples/<name>.rs`.
 fn code_lines(name: &str) -> Vec<String> {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("examples/{name}.rs"));
