@@ -63,7 +63,7 @@ def finetune(n: int, out: str, extra: list[str]) -> dict:
     rank0 = [line.split("] ", 1)[1] for line in text.splitlines()
              if line.startswith("[rank 0] ")]
     losses = [m.group(1) for line in rank0
-              if (m := re.search(r"training loss (\S+)$", line))]
+              if (m := re.search(r"training loss ([-+.0-9eEinfNa]+)", line))]
     held = [(m.group(1), m.group(2)) for line in rank0
             if (m := re.search(r"held-out loss (\S+) -> (\S+)$", line))]
     reduced = [int(m.group(1)) for line in rank0

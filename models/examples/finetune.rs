@@ -46,6 +46,7 @@ use std::time::Instant;
 
 use accelerate_rs::nn::LoraConfig;
 use accelerate_rs::optim::{AdamW, ParamsAdamW};
+use accelerate_rs::tracking::{self, HParams};
 use accelerate_rs::{
     AcceleratedOptimizer, Accelerator, DataLoader, MixedPrecision, MixedPrecisionOptimizer,
     ReduceOp, TensorDataset,
@@ -131,6 +132,11 @@ struct Args {
     /// Also write held-out inputs and the trained model's logits to this file.
     #[arg(long)]
     probe: Option<PathBuf>,
+    /// Where the main process writes `metrics.jsonl` and TensorBoard event files: the run's
+    /// settings and hyperparameters once, then every step's loss, time by phase, tokens/s and
+    /// FLOP/s. None: printed only.
+    #[arg(long)]
+    log_dir: Option<PathBuf>,
 }
 
 /// The model's inputs and labels for windows `ids` `[B, T]` whose dataset indices are `index`:
@@ -406,6 +412,35 @@ fn main() -> Result<()> {
         ));
     }
     let trained = working.as_ref().unwrap_or(&model);
+    // Each step's time by phase and its throughput (model FLOPs: see `flops_per_token`).
+    let tokens_per_step = (loader.local_batch_size() * args.seq_len) as u64;
+    let mut timer = accelerator
+        .step_timer()
+        .tokens_per_step(tokens_per_step)
+        .flops_per_step(model.flops_per_token(args.seq_len) * tokens_per_step as f64);
+    let mut trackers = match &args.log_dir {
+        Some(dir) => {
+            let mut t = tracking::trackers(&accelerator)
+                .jsonl(dir.join("metrics.jsonl"))?
+                .tensorboard(dir.join("tensorboard"))?;
+            t.log_hparams(
+                &HParams::of_run(&accelerator)
+                    .set("model", args.model.display().to_string())
+                    .set("model_type", model.model_type().to_string())
+                    .set("lr", args.lr)
+                    .set("weight_decay", args.weight_decay)
+                    .set("batch_size", args.batch_size)
+                    .set("seq_len", args.seq_len)
+                    .set("max_steps", args.max_steps)
+                    .set("lora_r", args.lora_r.unwrap_or(0))
+                    .set("checkpoint_activations", args.checkpoint_activations)
+                    .set("dtype", args.dtype.clone())
+                    .set("seed", args.seed),
+            )?;
+            Some(t)
+        }
+        None => None,
+    };
     let start = Instant::now();
     let (mut step, mut epoch) = (0u64, 0u64);
     let (mut window_loss, mut window_n) = (0f64, 0usize);
@@ -423,16 +458,34 @@ fn main() -> Result<()> {
                 args.mlm_probability,
                 args.seed.wrapping_add(epoch),
             )?;
+            timer.start();
             let loss = trained.loss(&x.to_device(&device)?, &y.to_device(&device)?)?;
             opt.backward_step(&loss)?;
-            window_loss += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let times = timer.stop()?;
+            window_loss += value;
             window_n += 1;
             step += 1;
+            if let Some(t) = trackers.as_mut() {
+                t.log(&times.metrics(), step)?;
+                t.log(&[("loss", value)], step)?;
+            }
             if step % args.log_every == 0 || step == args.max_steps {
                 let mean = accelerator.average(window_loss / window_n as f64)?;
+                let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
                 accelerator.print(format!(
-                    "step {step:4}/{} epoch {epoch} training loss {mean:.4}",
-                    args.max_steps
+                    "step {step:4}/{} epoch {epoch} training loss {mean:.4}; {:.0} tokens/s, \
+                     {:.2} GFLOP/s; step {:.1} ms: forward {:.1}, backward {:.1}, \
+                     communication {:.1}, optimizer {:.1}, data {:.1}",
+                    args.max_steps,
+                    times.tokens_per_sec.unwrap_or(0.0),
+                    times.flops_per_sec.unwrap_or(0.0) / 1e9,
+                    ms(times.step),
+                    ms(times.forward),
+                    ms(times.backward),
+                    ms(times.communication),
+                    ms(times.optimizer),
+                    ms(times.data),
                 ));
                 (window_loss, window_n) = (0.0, 0);
             }

@@ -244,4 +244,33 @@ impl AutoModel {
     pub fn trainable_parameters(&self) -> &VarMap {
         each!(self, m => m.trainable_parameters())
     }
+
+    /// Floating-point operations per trained token of a forward and backward pass over windows of
+    /// `seq_len` tokens (model FLOPs, the PaLM paper's convention, for `StepTimer::flops_per_step`
+    /// and a FLOP/s or MFU figure): 2 per parameter forward, 2 per parameter for the gradient of
+    /// the activations, 2 per *trained* parameter for the weight gradients (6 per parameter
+    /// when every parameter trains; about 4 with LoRA, whose frozen base gets no weight
+    /// gradient), plus attention's score and value products, `12 x layers x seq_len x hidden`
+    /// (all of them, although a causal mask makes half unnecessary). Embedding lookups count as
+    /// products (a small overestimate); activation checkpointing's recomputation is not counted.
+    pub fn flops_per_token(&self, seq_len: usize) -> f64 {
+        let count =
+            |m: &VarMap| -> f64 { m.all_vars().iter().map(|v| v.elem_count() as f64).sum() };
+        let trained = count(self.trainable_parameters());
+        let all = if self.lora_config().is_some() {
+            count(self.varmap()) + trained
+        } else {
+            trained
+        };
+        let config = self.config_json();
+        let key = |names: [&str; 2]| -> f64 {
+            names
+                .iter()
+                .find_map(|k| config.get(*k).and_then(serde_json::Value::as_u64))
+                .unwrap_or(0) as f64
+        };
+        let layers = key(["num_hidden_layers", "n_layer"]);
+        let hidden = key(["hidden_size", "n_embd"]);
+        4.0 * all + 2.0 * trained + 12.0 * layers * seq_len as f64 * hidden
+    }
 }

@@ -584,3 +584,36 @@ fn seeded_adapters_start_the_same_in_every_run() {
         assert_ne!(&unseeded[name], values, "{name}: unseeded");
     }
 }
+
+/// `AutoModel::flops_per_token`: 6 per parameter plus attention when every parameter trains;
+/// with LoRA, 4 per parameter of the frozen base and 6 per adapter parameter; the layer and
+/// width keys of every architecture are read (GPT-2's `n_layer` / `n_embd` too).
+#[test]
+fn flops_per_token_counts_what_trains() {
+    for (name, layers_key, hidden_key) in [
+        ("llama", "num_hidden_layers", "hidden_size"),
+        ("gpt2", "n_layer", "n_embd"),
+    ] {
+        let mut m = AutoModel::from_pretrained(fixture(name), &Device::Cpu, DType::F32).unwrap();
+        let config = m.config_json();
+        let (layers, hidden) = (
+            config[layers_key].as_u64().unwrap() as f64,
+            config[hidden_key].as_u64().unwrap() as f64,
+        );
+        let count = |v: &candle_nn::VarMap| -> f64 {
+            v.all_vars().iter().map(|v| v.elem_count() as f64).sum()
+        };
+        let n = count(m.varmap());
+        let attention = 12.0 * layers * 16.0 * hidden;
+        assert!(attention > 0.0, "{name}");
+        assert_eq!(m.flops_per_token(16), 6.0 * n + attention, "{name}");
+        m.add_lora(&LoraConfig::new(4, 8.0).seed(3)).unwrap();
+        let a = count(m.trainable_parameters());
+        assert!(a > 0.0 && a < n, "{name}");
+        assert_eq!(
+            m.flops_per_token(16),
+            4.0 * n + 6.0 * a + attention,
+            "{name}"
+        );
+    }
+}
