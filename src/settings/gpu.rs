@@ -120,6 +120,60 @@ fn keep_pool_memory(device: &Device, ordinal: usize) -> Result<()> {
     })
 }
 
+/// How accelerate-rs set up a device of [`device`]: read back from cudarc and the driver, so
+/// that a device check (`accelerate-rs test`) can tell that the settings took.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceSetup {
+    /// Whether cudarc's cross-stream event tracking is on: off on every device of [`device`]
+    /// (one stream per GPU, see the module docs).
+    pub event_tracking: bool,
+    /// The release threshold of the GPU's default memory pool, in bytes: `u64::MAX` (keep freed
+    /// memory) unless `ACCELERATE_RS_CUDA_POOL_RELEASE_MB` says otherwise; `None` when the GPU
+    /// has no stream-ordered memory pool.
+    pub pool_release_threshold: Option<u64>,
+}
+
+/// Reads back how `device` (a device of [`device`]) is set up: event tracking and the memory
+/// pool's release threshold.
+pub fn device_setup(device: &Device) -> Result<DeviceSetup> {
+    use cudarc::driver::{result, sys};
+    let cuda = device.as_cuda_device().map_err(|_| Error::NotAvailable {
+        what: "the GPU's setup".into(),
+        reason: format!("{device:?} is not a GPU"),
+    })?;
+    let ctx = cuda.cuda_stream().context().clone();
+    let pool_release_threshold = if ctx.has_async_alloc() {
+        let pool = default_pool(device, "the GPU's memory pool")?;
+        let mut threshold = 0u64;
+        // SAFETY: `pool` is this device's default pool, and the release threshold attribute is
+        // a u64 written through the pointer (`threshold`, alive for the call).
+        unsafe {
+            result::mem_pool::get_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            )
+        }
+        .map_err(|e| Error::NotAvailable {
+            what: "the GPU's memory pool".into(),
+            reason: format!("the CUDA driver refused to read its release threshold: {e:?}"),
+        })?;
+        Some(threshold)
+    } else {
+        None
+    };
+    Ok(DeviceSetup {
+        event_tracking: ctx.is_event_tracking(),
+        pool_release_threshold,
+    })
+}
+
+/// The release threshold `device` should have: what [`device`] sets
+/// (`ACCELERATE_RS_CUDA_POOL_RELEASE_MB`, else `u64::MAX`).
+pub fn expected_pool_release_threshold() -> Result<u64> {
+    pool_release_threshold()
+}
+
 /// A stable identity of the GPU behind `device` (its UUID), equal for two ranks exactly when
 /// they drive the same physical GPU, whatever their `CUDA_VISIBLE_DEVICES`.
 pub fn identity(device: &Device) -> Result<Vec<u8>> {

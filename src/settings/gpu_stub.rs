@@ -61,3 +61,22 @@ pub fn reset_peak_memory(_device: &Device) -> Result<()> {
 pub fn release_cached_memory(_device: &Device) -> Result<()> {
     Ok(())
 }
+
+/// How accelerate-rs set up a GPU device (see the `cuda` build's documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceSetup {
+    /// Whether cudarc's cross-stream event tracking is on.
+    pub event_tracking: bool,
+    /// The release threshold of the GPU's default memory pool, in bytes.
+    pub pool_release_threshold: Option<u64>,
+}
+
+/// How a GPU device is set up: always an error in this build.
+pub fn device_setup(_device: &Device) -> Result<DeviceSetup> {
+    Err(not_built())
+}
+
+/// The release threshold a GPU's memory pool should have: always an error in this build.
+pub fn expected_pool_release_threshold() -> Result<u64> {
+    Err(not_built())
+}

@@ -106,7 +106,7 @@ type Check = fn(&Accelerator) -> Result<Outcome>;
 /// then agrees with the others on the verdict.
 fn run_checks(acc: &Accelerator) -> Result<()> {
     let c = acc.collective().as_ref();
-    let checks: [(&str, Check); 7] = [
+    let checks: [(&str, Check); 8] = [
         (
             "all_reduce (sum, mean, max; f32, f64, f16, bf16)",
             check_all_reduce,
@@ -122,6 +122,10 @@ fn run_checks(acc: &Accelerator) -> Result<()> {
         (
             "fused AdamW and SGD kernels equal the tensor-op chain on this device",
             check_fused_optimizers,
+        ),
+        (
+            "GPU setup: event tracking off (one stream), the memory pool keeps freed memory",
+            check_gpu_setup,
         ),
     ];
     let mut failed = Vec::new();
@@ -430,6 +434,40 @@ fn check_sampler(acc: &Accelerator) -> Result<Outcome> {
         )));
     }
     Ok(Outcome::Passed)
+}
+
+/// The speed settings of this rank's GPU took: cudarc's cross-stream event tracking is off and
+/// the default memory pool's release threshold is what `gpu::device` set.
+fn check_gpu_setup(acc: &Accelerator) -> Result<Outcome> {
+    let device = acc.device();
+    if !device.is_cuda() {
+        return Ok(Outcome::Skipped("this rank runs on the CPU"));
+    }
+    let setup = accelerate_rs::gpu::device_setup(device)?;
+    if setup.event_tracking {
+        return Err(fail(
+            "cudarc's event tracking is on: every op pays for cross-stream events".into(),
+        ));
+    }
+    let Some(threshold) = setup.pool_release_threshold else {
+        return Ok(Outcome::PassedVia(
+            "event tracking off; this GPU has no memory pool".into(),
+        ));
+    };
+    let want = accelerate_rs::gpu::expected_pool_release_threshold()?;
+    if threshold != want {
+        return Err(fail(format!(
+            "the memory pool's release threshold is {threshold} bytes, want {want}"
+        )));
+    }
+    Ok(Outcome::PassedVia(format!(
+        "event tracking off; pool release threshold {}",
+        if threshold == u64::MAX {
+            "unlimited".to_string()
+        } else {
+            format!("{threshold} bytes")
+        }
+    )))
 }
 
 /// all_reduce / broadcast / all_gather of GPU tensors in f32, bf16 and f16 through this run's
