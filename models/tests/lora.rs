@@ -496,6 +496,78 @@ fn two_ranks_train_the_adapters_as_one_and_all_reduce_only_them() {
     assert!(lora_bytes * 5 < *full_bytes);
 }
 
+/// Where the processes of [`two_processes_train_the_adapters_as_one`] write what they trained.
+const PROCESSES_OUT: &str = "ACCEL_LORA_PROCESSES_OUT";
+
+/// A worker process of [`two_processes_train_the_adapters_as_one`]; does nothing in a normal
+/// test run.
+#[test]
+fn lora_process_entry() {
+    let Some(out) = std::env::var_os(PROCESSES_OUT) else {
+        return;
+    };
+    let acc = Accelerator::builder()
+        .cpu(true)
+        .timeout(Duration::from_secs(60))
+        .missing_gradients(MissingGradients::Error)
+        .build()
+        .unwrap();
+    let rank = acc.rank();
+    let (adapters, bytes, _) = train_adapters(acc, true);
+    let out = PathBuf::from(out);
+    candle_core::safetensors::save(&adapters, out.join(format!("rank-{rank}.safetensors")))
+        .unwrap();
+    std::fs::write(out.join(format!("bytes-{rank}")), bytes.to_string()).unwrap();
+}
+
+/// The same as [`two_ranks_train_the_adapters_as_one_and_all_reduce_only_them`] with real
+/// processes over the TCP transport (this test binary started as 2 processes by the library's
+/// self-launch): both end with one process's adapters, having all-reduced only them.
+#[test]
+fn two_processes_train_the_adapters_as_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "lora_process_entry",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("ACCELERATE_RS_NUM_PROCESSES", "2")
+        .env(PROCESSES_OUT, dir.path())
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("ACCELERATE_RS_SECRET")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let one = on_ranks(1, true);
+    let (single, _, n_adapter) = &one[0];
+    for rank in 0..2 {
+        let adapters = tensors(&dir.path().join(format!("rank-{rank}.safetensors")));
+        assert_eq!(adapters.len(), single.len());
+        for (name, t) in single {
+            let d = rel_diff(&adapters[name], t);
+            assert!(d <= 1e-5, "process {rank}: `{name}` differs by {d:e}");
+        }
+        let bytes: u64 = std::fs::read_to_string(dir.path().join(format!("bytes-{rank}")))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(
+            bytes,
+            3 * 4 * (*n_adapter + single.len()) as u64,
+            "process {rank}"
+        );
+    }
+}
+
 #[test]
 fn a_bf16_base_trains_f32_adapters() {
     let g = golden("lora_llama");
