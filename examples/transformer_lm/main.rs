@@ -204,20 +204,10 @@ fn main() -> Result<()> {
                 first_loss.get_or_insert(mean_loss);
                 last_loss = mean_loss;
                 let grad_norm = opt.last_grad_norm().unwrap_or(f64::NAN);
-                let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
                 accelerator.print(format!(
                     "step {step:4}/{} epoch {epoch} loss {mean_loss:.4} lr {lr:.2e} \
-                     grad norm {grad_norm:.3} {tokens_per_s:.0} tokens/s, {:.2} GFLOP/s; \
-                     step {:.0} ms: forward {:.0}, backward {:.0}, communication {:.0}, \
-                     optimizer {:.0}, data {:.0}",
+                     grad norm {grad_norm:.3} {tokens_per_s:.0} tokens/s; last step {times}",
                     args.max_steps,
-                    times.flops_per_sec.unwrap_or(0.0) / 1e9,
-                    ms(times.step),
-                    ms(times.forward),
-                    ms(times.backward),
-                    ms(times.communication),
-                    ms(times.optimizer),
-                    ms(times.data),
                 ));
                 trackers.log(
                     &[

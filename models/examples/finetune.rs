@@ -472,20 +472,9 @@ fn main() -> Result<()> {
             }
             if step % args.log_every == 0 || step == args.max_steps {
                 let mean = accelerator.average(window_loss / window_n as f64)?;
-                let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
                 accelerator.print(format!(
-                    "step {step:4}/{} epoch {epoch} training loss {mean:.4}; {:.0} tokens/s, \
-                     {:.2} GFLOP/s; step {:.1} ms: forward {:.1}, backward {:.1}, \
-                     communication {:.1}, optimizer {:.1}, data {:.1}",
-                    args.max_steps,
-                    times.tokens_per_sec.unwrap_or(0.0),
-                    times.flops_per_sec.unwrap_or(0.0) / 1e9,
-                    ms(times.step),
-                    ms(times.forward),
-                    ms(times.backward),
-                    ms(times.communication),
-                    ms(times.optimizer),
-                    ms(times.data),
+                    "step {step:4}/{} epoch {epoch} training loss {mean:.4}; step {times}",
+                    args.max_steps
                 ));
                 (window_loss, window_n) = (0.0, 0);
             }

@@ -119,6 +119,32 @@ impl StepTimes {
     }
 }
 
+/// One line for a log: `4.6 ms (forward 1.9, backward 2.5, communication 0.2, optimizer 0.0,
+/// data 0.0), 218398 tokens/s, 59.25 GFLOP/s` (the throughputs when known).
+impl std::fmt::Display for StepTimes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        write!(
+            f,
+            "{:.1} ms (forward {:.1}, backward {:.1}, communication {:.1}, optimizer {:.1}, \
+             data {:.1})",
+            ms(self.step),
+            ms(self.forward),
+            ms(self.backward),
+            ms(self.communication),
+            ms(self.optimizer),
+            ms(self.data)
+        )?;
+        if let Some(t) = self.tokens_per_sec {
+            write!(f, ", {t:.0} tokens/s")?;
+        }
+        if let Some(flops) = self.flops_per_sec {
+            write!(f, ", {:.2} GFLOP/s", flops / 1e9)?;
+        }
+        Ok(())
+    }
+}
+
 /// Times training steps by phase, for the trackers: made by
 /// [`Accelerator::step_timer`](crate::Accelerator::step_timer), driven with [`start`](Self::start)
 /// once the step's batch is at hand and [`stop`](Self::stop) after the optimizer step.
@@ -257,6 +283,30 @@ impl Drop for StepTimer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_step_prints_as_one_log_line() {
+        let ms = Duration::from_millis;
+        let mut t = StepTimes {
+            data: ms(1),
+            forward: ms(2),
+            backward: ms(3),
+            communication: ms(4),
+            optimizer: ms(5),
+            step: ms(15),
+            tokens_per_sec: None,
+            flops_per_sec: None,
+        };
+        let plain =
+            "15.0 ms (forward 2.0, backward 3.0, communication 4.0, optimizer 5.0, data 1.0)";
+        assert_eq!(t.to_string(), plain);
+        t.tokens_per_sec = Some(1234.4);
+        t.flops_per_sec = Some(5.678e9);
+        assert_eq!(
+            t.to_string(),
+            format!("{plain}, 1234 tokens/s, 5.68 GFLOP/s")
+        );
+    }
 
     #[test]
     fn nested_phases_are_counted_once() {
