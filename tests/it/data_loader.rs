@@ -365,20 +365,23 @@ impl Dataset for Jittery {
 
 pub(crate) type Seen = (Vec<usize>, usize, usize, usize, bool);
 
+/// What a test compares of a batch: its sample ids, index, padding, global padding and
+/// last-batch flag.
+pub(crate) fn seen_batch(b: &Batch) -> Seen {
+    (
+        ids(b),
+        b.index(),
+        b.padding(),
+        b.global_padding(),
+        b.is_last(),
+    )
+}
+
 pub(crate) fn seen(loader: &DataLoader) -> Vec<Seen> {
     loader
         .iter()
         .unwrap()
-        .map(|b| {
-            let b = b.unwrap();
-            (
-                ids(&b),
-                b.index(),
-                b.padding(),
-                b.global_padding(),
-                b.is_last(),
-            )
-        })
+        .map(|b| seen_batch(&b.unwrap()))
         .collect()
 }
 

@@ -8,7 +8,7 @@ use accelerate_rs::{Batch, DataLoader, EvenBatches, SamplePosition, StreamingLoa
 use accelerate_rs::{Error, Result};
 use candle_core::{Device, Tensor};
 
-use crate::data_loader::{dataset_of, ids, seen, Seen, F};
+use crate::data_loader::{dataset_of, ids, seen, seen_batch, Seen, F};
 
 /// Lines per shard file: uneven, one empty file; 22 samples in all.
 const SHARDS: [usize; 6] = [5, 0, 1, 11, 3, 2];
@@ -53,16 +53,7 @@ fn stream_seen(loader: &StreamingLoader<Lines>) -> Vec<Seen> {
     loader
         .iter()
         .unwrap()
-        .map(|b| {
-            let b = b.unwrap();
-            (
-                ids(&b),
-                b.index(),
-                b.padding(),
-                b.global_padding(),
-                b.is_last(),
-            )
-        })
+        .map(|b| seen_batch(&b.unwrap()))
         .collect()
 }
 
