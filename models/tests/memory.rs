@@ -1,6 +1,6 @@
 //! `estimate-memory`'s prediction (`accelerate_rs::memory::estimate`) against the measured peak
 //! of training `LlamaForCausalLm` on the CPU with LoRA adapters (r = 8 on every linear layer of
-//! the blocks, the base frozen), with and without activation checkpointing, and of full
+//! the blocks, `all-linear`; the base frozen), with and without activation checkpointing, and of full
 //! fine-tuning: within 20%. Each run is a process of its own (this test binary again, restricted
 //! to [`worker_entry`]); what is measured is its peak resident set (`VmHWM`) above what it held
 //! before the model existed, with glibc giving large blocks back at once
@@ -18,15 +18,6 @@ use accelerate_rs_models::{LlamaConfig, LlamaForCausalLm};
 use candle_core::{DType, Device, Tensor};
 
 const RUN_VAR: &str = "ACCEL_MODELS_MEMORY_RUN";
-const TARGETS: [&str; 7] = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-];
 const R: usize = 8;
 const BATCH: usize = 2;
 const SEQ: usize = 256;
@@ -75,11 +66,7 @@ fn train(lora: bool, ckpt: bool) -> accelerate_rs::Result<()> {
     let config = LlamaConfig::from_json(Path::new("<memory test>"), &config_json())?;
     let mut model = LlamaForCausalLm::from_config(&config, &Device::Cpu, DType::F32)?;
     if lora {
-        model.add_lora(
-            &LoraConfig::new(R, 2.0 * R as f64)
-                .target_modules(TARGETS)
-                .seed(1),
-        )?;
+        model.add_lora(&LoraConfig::new(R, 2.0 * R as f64).all_linear().seed(1))?;
     }
     model.set_gradient_checkpointing(ckpt);
     model.train(true);
@@ -133,7 +120,7 @@ fn lora_and_checkpointing_peaks_are_within_20_percent_of_the_estimate() {
         let plan = Plan {
             lora: lora.then(|| Lora {
                 r: R,
-                targets: TARGETS.iter().map(|t| t.to_string()).collect(),
+                targets: vec!["all-linear".into()],
             }),
             batch_size: BATCH,
             seq_len: SEQ,

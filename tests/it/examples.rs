@@ -110,12 +110,16 @@ fn transformer_lm_refuses_to_start_over_unless_told_to() {
     let out = with(&["--max-steps", "4"]);
     assert!(out.status.success(), "{}", text(&out));
     let checkpoints = log_dir.join("checkpoints");
-    let mut saved: Vec<_> = std::fs::read_dir(&checkpoints)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("manifest.json").is_file())
-        .collect();
-    saved.sort();
+    let kept = || -> Vec<std::path::PathBuf> {
+        let mut dirs: Vec<_> = std::fs::read_dir(&checkpoints)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.join("manifest.json").is_file())
+            .collect();
+        dirs.sort();
+        dirs
+    };
+    let saved = kept();
     assert_eq!(saved.len(), 2, "{saved:?}");
     // Sound: a resume at step 4 trains on to 6.
     let out = with(&["--max-steps", "6", "--resume"]);
@@ -123,12 +127,7 @@ fn transformer_lm_refuses_to_start_over_unless_told_to() {
     assert!(text(&out).contains("at step 4"), "{}", text(&out));
     // Damage every kept checkpoint's manifest (one byte of its step), as a disk or an editor
     // might.
-    let mut saved: Vec<_> = std::fs::read_dir(&checkpoints)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("manifest.json").is_file())
-        .collect();
-    saved.sort();
+    let saved = kept();
     for dir in &saved {
         let path = dir.join("manifest.json");
         let manifest = std::fs::read_to_string(&path).unwrap();
