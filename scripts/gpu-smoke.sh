@@ -41,7 +41,9 @@
 #      first failure is running out of memory, not an index overflow in a kernel.
 # Steps 1-7 and 11-14 run as a user's program does: with the nn CUDA kernels on (the default of a
 # cuda build); `ACCELERATE_RS_NN_CUDA=0 scripts/gpu-smoke.sh` proves them on Candle's composed
-# ops instead. Steps 8 and 9 always switch the kernels on; step 10 times both paths.
+# ops instead. Steps 8 and 9 always switch the kernels on; step 10 times both paths. Step 8 also
+# switches on the kernels no device run has proven yet (SiLU, SwiGLU:
+# ACCELERATE_RS_NN_CUDA_UNPROVEN=1), to prove them.
 # ACCEL_SMOKE_ONLY="8 9 10" runs only the steps whose number is listed (e.g. to split the run over
 # several device calls of at most 10 minutes each). With one short loan, run the proofs first and
 # the timings after: ACCEL_SMOKE_ONLY="1 2 3 4 6 8 11 12 14" (correctness, including the kernels,
@@ -151,7 +153,7 @@ step "7b. step time, raw Candle vs accelerate-rs: transformer_lm model" 300 "ove
   env CUDA_VISIBLE_DEVICES=0 "$B/overhead" --gpu --model transformer
 step "8. nn CUDA kernels equal the CPU path (f32/bf16/f16, forward and backward)" 300 \
   "nn_kernels: [0-9]+ passed, 0 failed" \
-  env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_NN_CUDA=1 "$B/nn_kernels"
+  env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_NN_CUDA=1 ACCELERATE_RS_NN_CUDA_UNPROVEN=1 "$B/nn_kernels"
 step "9. transformer_lm 30 steps with the nn CUDA kernels" 300 "trained 30 steps" \
   env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_NN_CUDA=1 "$B/transformer_lm" --max-steps 30 \
   --log-every 10 --log-dir "$work/lm-kernels"

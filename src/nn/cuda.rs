@@ -1,6 +1,9 @@
 //! CUDA kernels for `accelerate_rs::nn` (the `cuda` feature): LayerNorm and RMSNorm,
 //! softmax and causal softmax, cross-entropy (also `linear_cross_entropy`'s row pass after the
-//! product), GELU and ReLU, forward and backward, in f32, bf16 and f16 (computed in f32).
+//! product), GELU and ReLU, forward and backward, in f32, bf16 and f16 (computed in f32). SiLU
+//! and the SwiGLU gate have kernels too, checked on the CPU's emulation of CUDA but not yet on a
+//! GPU: they run only with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` ([`use_unproven_kernels`]) until
+//! a device run (`scripts/gpu-smoke.sh`, step 8) has proven them.
 //!
 //! The kernels (`kernels.cu`) are compiled with NVRTC at first use for the GPU's architecture
 //! ([`crate::cuda_ptx`]). Whether an op takes them is decided before it is built
@@ -102,6 +105,18 @@ pub(super) fn use_kernels(x: &Tensor) -> Result<bool> {
             Ok(false)
         }
     }
+}
+
+/// [`use_kernels`] for the kernels no device run has proven yet (SiLU, SwiGLU): also needs
+/// `ACCELERATE_RS_NN_CUDA_UNPROVEN` (a flag, default off; read once).
+pub(super) fn use_unproven_kernels(x: &Tensor) -> Result<bool> {
+    static UNPROVEN: once_cell::sync::OnceCell<bool> = once_cell::sync::OnceCell::new();
+    let on = *UNPROVEN.get_or_try_init(|| {
+        crate::settings::parse::process_env::<bool>(crate::settings::env::NN_CUDA_UNPROVEN)
+            .map(|v| v.unwrap_or(false))
+            .map_err(candle_core::Error::wrap)
+    })?;
+    Ok(on && use_kernels(x)?)
 }
 
 /// Loads kernel `$name` on `$dev` (compiled and loaded by [`use_kernels`] already). A macro:
@@ -411,6 +426,8 @@ pub(super) enum Elementwise {
     GeluBwd,
     ReluFwd,
     ReluBwd,
+    SiluFwd,
+    SiluBwd,
 }
 
 impl Elementwise {
@@ -420,11 +437,13 @@ impl Elementwise {
             Elementwise::GeluBwd => "gelu_bwd",
             Elementwise::ReluFwd => "relu_fwd",
             Elementwise::ReluBwd => "relu_bwd",
+            Elementwise::SiluFwd => "silu_fwd",
+            Elementwise::SiluBwd => "silu_bwd",
         }
     }
 }
 
-/// GELU / ReLU forward (`second` is `None`) or backward (`second` is `dy`).
+/// GELU / ReLU / SiLU forward (`second` is `None`) or backward (`second` is `dy`).
 pub(super) fn elementwise(
     which: Elementwise,
     (xs, xl): (&CudaStorage, &Layout),
@@ -460,6 +479,50 @@ pub(super) fn elementwise(
             counted();
         }
         Ok((T::wrap_cuda_slice(y, dev.clone()), xl.shape().clone()))
+    })
+}
+
+/// The SwiGLU gate's forward pass (`inputs` = gate, up: `silu(gate) * up`) or backward pass
+/// (`inputs` = gate, up, dy: `[d gate, d up]` flat, `2 n` elements), on contiguous inputs of
+/// one dtype and `n` elements each.
+pub(super) fn swiglu(inputs: &[(&CudaStorage, &Layout)]) -> Result<(CudaStorage, Shape)> {
+    let backward = inputs.len() == 3;
+    let op = if backward { "swiglu_bwd" } else { "swiglu_fwd" };
+    let Some(&(first, first_l)) = inputs.first() else {
+        candle_core::bail!("{op}: no input");
+    };
+    let n = first_l.shape().elem_count();
+    let dev = first.device().clone();
+    by_dtype!(first.dtype(), op, |T, s| {
+        let views = inputs
+            .iter()
+            .map(|&(st, l)| view::<T>(st, l, op))
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(v) = views.iter().find(|v| v.len() != n) {
+            candle_core::bail!("{op}: inputs of {} and {n} elements", v.len());
+        }
+        let out_len = if backward { 2 * n } else { n };
+        let mut y = output::<T>(&dev, out_len)?;
+        if n > 0 {
+            let f = func!(dev, format!("{op}_{s}"));
+            let n64 = n as i64;
+            let mut a = f.builder();
+            for v in &views {
+                a.arg(v);
+            }
+            a.arg(&mut y).arg(&n64);
+            // SAFETY: matches `<op>_<T>`: (gate, up, y, long long n) forward, (gate, up, dy,
+            // out, long long n) backward; every input view holds `n` elements, the output `n`
+            // (forward) or `2 n` (backward), and the grid-stride loop stays below `n`.
+            unsafe { a.launch(elems_config(n)) }.w()?;
+            counted();
+        }
+        let shape = if backward {
+            Shape::from(out_len)
+        } else {
+            first_l.shape().clone()
+        };
+        Ok((T::wrap_cuda_slice(y, dev.clone()), shape))
     })
 }
 

@@ -184,6 +184,22 @@ pub(super) fn fused(x: &Tensor) -> candle_core::Result<bool> {
     }
 }
 
+/// [`fused`] for the ops whose CUDA kernels no device run has proven yet (SiLU, SwiGLU): on the
+/// CPU, or on a GPU only with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` as well.
+pub(super) fn fused_unproven(x: &Tensor) -> candle_core::Result<bool> {
+    if fused_cpu(x) {
+        return Ok(true);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        super::cuda::use_unproven_kernels(x)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Ok(false)
+    }
+}
+
 /// Whether the fused CPU kernels take `x`: on the CPU, in a float dtype (f32, f64, bf16, f16).
 pub(super) fn fused_cpu(x: &Tensor) -> bool {
     x.device().is_cpu()

@@ -329,6 +329,53 @@ __device__ void relu_bwd(const T* y, const T* dy, T* dx, long long n) {
     }
 }
 
+// ---- SiLU and the SwiGLU gate (not yet run on a GPU: behind ACCELERATE_RS_NN_CUDA_UNPROVEN) ----
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// x * sigmoid(x)
+template <typename T>
+__device__ void silu_fwd(const T* x, T* y, long long n) {
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float v = to_f(x[i]);
+        y[i] = from_f<T>(v * sigmoid_f(v));
+    }
+}
+
+// dy * sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+template <typename T>
+__device__ void silu_bwd(const T* x, const T* dy, T* dx, long long n) {
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float v = to_f(x[i]);
+        float s = sigmoid_f(v);
+        dx[i] = from_f<T>(to_f(dy[i]) * (s * (1.0f + v * (1.0f - s))));
+    }
+}
+
+// silu(gate) * up
+template <typename T>
+__device__ void swiglu_fwd(const T* gate, const T* up, T* y, long long n) {
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float g = to_f(gate[i]);
+        y[i] = from_f<T>(g * sigmoid_f(g) * to_f(up[i]));
+    }
+}
+
+// out[0, n): d gate = dy * up * silu'(gate); out[n, 2n): d up = dy * silu(gate).
+template <typename T>
+__device__ void swiglu_bwd(const T* gate, const T* up, const T* dy, T* out, long long n) {
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float g = to_f(gate[i]), d = to_f(dy[i]);
+        float s = sigmoid_f(g);
+        out[n + i] = from_f<T>(d * g * s);
+        out[i] = from_f<T>(d * to_f(up[i]) * s * (1.0f + g * (1.0f - s)));
+    }
+}
+
 // ---- entry points, one per op and element type --------------------------------------------
 
 #define ENTRIES(T, S)                                                                            \
@@ -373,6 +420,17 @@ extern "C" __global__ void gelu_bwd_##S(const T* x, const T* dy, T* dx, long lon
 extern "C" __global__ void relu_fwd_##S(const T* x, T* y, long long n) { relu_fwd<T>(x, y, n); } \
 extern "C" __global__ void relu_bwd_##S(const T* y, const T* dy, T* dx, long long n) {           \
     relu_bwd<T>(y, dy, dx, n);                                                                   \
+}                                                                                                \
+extern "C" __global__ void silu_fwd_##S(const T* x, T* y, long long n) { silu_fwd<T>(x, y, n); } \
+extern "C" __global__ void silu_bwd_##S(const T* x, const T* dy, T* dx, long long n) {           \
+    silu_bwd<T>(x, dy, dx, n);                                                                   \
+}                                                                                                \
+extern "C" __global__ void swiglu_fwd_##S(const T* g, const T* u, T* y, long long n) {           \
+    swiglu_fwd<T>(g, u, y, n);                                                                   \
+}                                                                                                \
+extern "C" __global__ void swiglu_bwd_##S(const T* g, const T* u, const T* dy, T* out,           \
+        long long n) {                                                                           \
+    swiglu_bwd<T>(g, u, dy, out, n);                                                             \
 }
 
 ENTRIES(float, f32)

@@ -7,7 +7,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, S
 use rayon::prelude::*;
 
 use super::elem::{
-    binary_float, elementwise_pair, exp_f32, fused_cpu, saved_tensor, slice, unary_float, Elem,
+    binary_float, elementwise_pair, exp_f32, fused_unproven, saved_tensor, slice, unary_float, Elem,
 };
 
 /// Elements per Rayon task.
@@ -21,9 +21,10 @@ fn sigmoid(x: f32) -> f32 {
 
 /// SiLU (swish): `x σ(x) = x / (1 + e^{-x})`, the same function as `candle_nn::ops::silu` /
 /// `Tensor::silu` (and PyTorch's `silu`). Fused and differentiable with a one-pass backward on the
-/// CPU (f32, f64, bf16, f16, computed in f32); Candle's op elsewhere.
+/// CPU (f32, f64, bf16, f16, computed in f32); Candle's op elsewhere (on a GPU, CUDA kernels with
+/// `ACCELERATE_RS_NN_CUDA_UNPROVEN=1`, until a device run has proven them).
 pub fn silu(x: &Tensor) -> Result<Tensor> {
-    if !fused_cpu(x) {
+    if !fused_unproven(x)? {
         return x.silu();
     }
     x.contiguous()?.apply_op1(SiluFwd)
@@ -33,7 +34,9 @@ pub fn silu(x: &Tensor) -> Result<Tensor> {
 /// and `up` of one shape and dtype (the `gate_proj` and `up_proj` outputs; the MLP is then
 /// `down_proj(swiglu(gate_proj(x), up_proj(x)))`). The same values as
 /// `(candle_nn::ops::silu(gate)? * up)?`, as one op with a one-pass backward giving both inputs'
-/// gradients on the CPU (f32, f64, bf16, f16, computed in f32); Candle's composed ops elsewhere.
+/// gradients on the CPU (f32, f64, bf16, f16, computed in f32); Candle's composed ops elsewhere
+/// (on a GPU, CUDA kernels with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1`, until a device run has
+/// proven them).
 ///
 /// ```
 /// # fn main() -> candle_core::Result<()> {
@@ -63,7 +66,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             up.dtype()
         );
     }
-    if !fused_cpu(gate) || !up.device().is_cpu() {
+    if !fused_unproven(gate)? || !up.device().same_device(gate.device()) {
         return gate.silu()? * up;
     }
     gate.contiguous()?.apply_op2(&up.contiguous()?, SwigluFwd)
@@ -107,7 +110,8 @@ fn silu_bwd<T: Elem>(x: &[T], dy: &[T]) -> Vec<T> {
 elementwise_pair!(
     SiluFwd = "accelerate-rs-silu" by silu_fwd,
     SiluBwd = "accelerate-rs-silu-backward" by silu_bwd,
-    saved = input
+    saved = input,
+    cuda = (SiluFwd, SiluBwd),
 );
 
 /// `(gate, up)` → `silu(gate) · up`.
@@ -140,6 +144,17 @@ impl CustomOp2 for SwigluFwd {
     ) -> Result<(CpuStorage, Shape)> {
         let out = binary_float!(self.name(), s1, l1, s2, l2, swiglu_fwd);
         Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::swiglu(&[(s1, l1), (s2, l2)])
     }
 
     fn bwd(
@@ -210,5 +225,18 @@ impl CustomOp3 for SwigluBwd {
             _ => candle_core::bail!("{}: one float dtype expected", self.name()),
         };
         Ok((out, Shape::from(2 * l1.shape().elem_count())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::swiglu(&[(s1, l1), (s2, l2), (s3, l3)])
     }
 }

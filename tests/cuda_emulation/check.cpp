@@ -237,6 +237,37 @@ static void check_elementwise(long long n) {
     report("relu keeps NaN", std::isnan(nan_out[0]) && nan_out[1] == 0.0f ? 0.0 : 1.0, 0.0);
 }
 
+// ---- SiLU / SwiGLU ---------------------------------------------------------------------------
+
+static void check_silu_swiglu(long long n) {
+    auto x = data((size_t)n, 13, 8.0f), u = data((size_t)n, 14), dy = data((size_t)n, 15);
+    x[0] = 0.0f;
+    std::vector<float> y((size_t)n), dx((size_t)n), out((size_t)(2 * n));
+    std::vector<double> ry((size_t)n), rdx((size_t)n), rout((size_t)(2 * n));
+    for (long long i = 0; i < n; ++i) {
+        double v = x[i], s = 1.0 / (1.0 + std::exp(-v));
+        ry[i] = v * s;
+        rdx[i] = dy[i] * s * (1.0 + v * (1.0 - s));
+    }
+    std::string tag = " " + std::to_string(n);
+    emu_launch(elems_grid(n), dim3{256, 1, 1}, [&] { silu_fwd_f32(x.data(), y.data(), n); });
+    report("silu forward" + tag, rel(y, ry), 1e-5);
+    emu_launch(elems_grid(n), dim3{256, 1, 1}, [&] { silu_bwd_f32(x.data(), dy.data(), dx.data(), n); });
+    report("silu backward" + tag, rel(dx, rdx), 1e-5);
+    for (long long i = 0; i < n; ++i) {
+        double g = x[i], s = 1.0 / (1.0 + std::exp(-g));
+        ry[i] = g * s * u[i];
+        rout[(size_t)i] = dy[i] * u[i] * s * (1.0 + g * (1.0 - s));
+        rout[(size_t)(n + i)] = dy[i] * g * s;
+    }
+    emu_launch(elems_grid(n), dim3{256, 1, 1}, [&] { swiglu_fwd_f32(x.data(), u.data(), y.data(), n); });
+    report("swiglu forward" + tag, rel(y, ry), 1e-5);
+    emu_launch(elems_grid(n), dim3{256, 1, 1}, [&] {
+        swiglu_bwd_f32(x.data(), u.data(), dy.data(), out.data(), n);
+    });
+    report("swiglu backward (d gate, then d up)" + tag, rel(out, rout), 1e-5);
+}
+
 // ---- bf16 / f16 ------------------------------------------------------------------------------
 
 static void check_half_types() {
@@ -330,6 +361,8 @@ int main() {
     check_cross_entropy(1, 2, 0.0f, false);
     check_elementwise(1000);
     check_elementwise(3);
+    check_silu_swiglu(1000);
+    check_silu_swiglu(3);
     check_half_types();
     std::printf("cuda_emulation: %d failure(s)\n", failures);
     return failures ? 1 : 0;
