@@ -6,7 +6,8 @@
 //!
 //! For every op (LayerNorm with and without bias, RMSNorm, softmax, causal softmax, causal
 //! attention, cross-entropy with label smoothing and an ignored index, linear_cross_entropy,
-//! GELU, ReLU; SiLU and SwiGLU with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1`) and dtype (f32, bf16, f16): the same inputs through the CPU path and through the
+//! GELU, ReLU; SiLU, SwiGLU and RoPE (`rope`, `rope_i`, `rope_thd`, the tables' gradients too)
+//! with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1`) and dtype (f32, bf16, f16): the same inputs through the CPU path and through the
 //! kernels on GPU 0, forward output and every input's gradient (of `sum(out * r)` for a fixed
 //! random `r`) compared within a tolerance per dtype, relative to the CPU values' largest
 //! magnitude; the kernel launch count must grow (the kernels ran, not the composed ops). One
@@ -158,6 +159,30 @@ fn cases() -> Vec<Case> {
             unproven: true,
             targets: None,
             op: |x, _| nn::swiglu(&x[0], &x[1]),
+        },
+        Case {
+            name: "rope (halves, shared tables of 7 positions)",
+            shapes: vec![vec![2, 3, 5, 8], vec![7, 4], vec![7, 4]],
+            kernels: true,
+            unproven: true,
+            targets: None,
+            op: |x, _| nn::rope(&x[0], &x[1], &x[2]),
+        },
+        Case {
+            name: "rope_i (interleaved)",
+            shapes: vec![vec![2, 3, 5, 8], vec![5, 4], vec![5, 4]],
+            kernels: true,
+            unproven: true,
+            targets: None,
+            op: |x, _| nn::rope_i(&x[0], &x[1], &x[2]),
+        },
+        Case {
+            name: "rope_thd (one table per sequence)",
+            shapes: vec![vec![2, 5, 3, 64], vec![2, 5, 32], vec![2, 5, 32]],
+            kernels: true,
+            unproven: true,
+            targets: None,
+            op: |x, _| nn::rope_thd(&x[0], &x[1], &x[2]),
         },
         Case {
             name: "relu",
@@ -338,6 +363,9 @@ fn timing(gpu: &Device, unproven_on: bool) -> Result<()> {
         let logits = var(&[1024, 8000], &mut rng)?;
         let hidden = var(&[1024, 1024], &mut rng)?;
         let up = var(&[1024, 1024], &mut rng)?;
+        let heads = var(&[8, 8, 128, 64], &mut rng)?;
+        let cos = var(&[128, 32], &mut rng)?;
+        let sin = var(&[128, 32], &mut rng)?;
         let t: Vec<u32> = (0..1024).map(|_| rng.random_range(0..8000)).collect();
         let targets = Tensor::from_vec(t, 1024, gpu)?;
         type Op<'a> = Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>;
@@ -360,6 +388,10 @@ fn timing(gpu: &Device, unproven_on: bool) -> Result<()> {
             ("relu [1024, 1024]", Box::new(|| nn::relu(&hidden))),
         ];
         if unproven_on {
+            ops.push((
+                "rope [8, 8, 128, 64]",
+                Box::new(|| nn::rope(&heads, &cos, &sin)),
+            ));
             ops.push(("silu [1024, 1024]", Box::new(|| nn::silu(&hidden))));
             ops.push(("swiglu [1024, 1024]", Box::new(|| nn::swiglu(&hidden, &up))));
         }

@@ -42,7 +42,7 @@
 # Steps 1-7 and 11-14 run as a user's program does: with the nn CUDA kernels on (the default of a
 # cuda build); `ACCELERATE_RS_NN_CUDA=0 scripts/gpu-smoke.sh` proves them on Candle's composed
 # ops instead. Steps 8 and 9 always switch the kernels on; step 10 times both paths. Step 8 also
-# switches on the kernels no device run has proven yet (SiLU, SwiGLU:
+# switches on the kernels no device run has proven yet (SiLU, SwiGLU, RoPE:
 # ACCELERATE_RS_NN_CUDA_UNPROVEN=1), to prove them.
 # ACCEL_SMOKE_ONLY="8 9 10" runs only the steps whose number is listed (e.g. to split the run over
 # several device calls of at most 10 minutes each). With one short loan, run the proofs first and

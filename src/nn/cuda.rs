@@ -1,9 +1,10 @@
 //! CUDA kernels for `accelerate_rs::nn` (the `cuda` feature): LayerNorm and RMSNorm,
 //! softmax and causal softmax, cross-entropy (also `linear_cross_entropy`'s row pass after the
-//! product), GELU and ReLU, forward and backward, in f32, bf16 and f16 (computed in f32). SiLU
-//! and the SwiGLU gate have kernels too, checked on the CPU's emulation of CUDA but not yet on a
-//! GPU: they run only with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` ([`use_unproven_kernels`]) until
-//! a device run (`scripts/gpu-smoke.sh`, step 8) has proven them.
+//! product), GELU and ReLU, forward and backward, in f32, bf16 and f16 (computed in f32). SiLU,
+//! the SwiGLU gate and RoPE (with its tables' gradients) have kernels too, checked on the CPU's
+//! emulation of CUDA but not yet on a GPU: they run only with
+//! `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` ([`use_unproven_kernels`]) until a device run
+//! (`scripts/gpu-smoke.sh`, step 8) has proven them.
 //!
 //! The kernels (`kernels.cu`) are compiled with NVRTC at first use for the GPU's architecture
 //! ([`crate::cuda_ptx`]). Whether an op takes them is decided before it is built
@@ -107,7 +108,7 @@ pub(super) fn use_kernels(x: &Tensor) -> Result<bool> {
     }
 }
 
-/// [`use_kernels`] for the kernels no device run has proven yet (SiLU, SwiGLU): also needs
+/// [`use_kernels`] for the kernels no device run has proven yet (SiLU, SwiGLU, RoPE): also needs
 /// `ACCELERATE_RS_NN_CUDA_UNPROVEN` (a flag, default off; read once).
 pub(super) fn use_unproven_kernels(x: &Tensor) -> Result<bool> {
     static UNPROVEN: once_cell::sync::OnceCell<bool> = once_cell::sync::OnceCell::new();
@@ -523,6 +524,124 @@ pub(super) fn swiglu(inputs: &[(&CudaStorage, &Layout)]) -> Result<(CudaStorage,
             first_l.shape().clone()
         };
         Ok((T::wrap_cuda_slice(y, dev.clone()), shape))
+    })
+}
+
+/// Rotary embeddings' geometry for the kernels: `variant` 0 (`[B, H, T, D]`, halves), 1
+/// (`[B, H, T, D]`, interleaved) or 2 (`[B, T, H, D]`, halves); `(b, h, t, d)`; one table per
+/// sequence (`batched`) or one shared.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RopeGeometry {
+    pub(super) variant: i32,
+    pub(super) b: usize,
+    pub(super) h: usize,
+    pub(super) t: usize,
+    pub(super) d: usize,
+    pub(super) batched: bool,
+}
+
+/// Rotary embeddings: `xs` turned pair by pair by the tables (`sign` -1: the other way, the
+/// backward of `xs`).
+pub(super) fn rope(
+    (xs, xl): (&CudaStorage, &Layout),
+    (cs, cl): (&CudaStorage, &Layout),
+    (ss, sl): (&CudaStorage, &Layout),
+    g: RopeGeometry,
+    sign: f32,
+) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "rope_fwd";
+    let n = xl.shape().elem_count();
+    let dev = xs.device().clone();
+    by_dtype!(xs.dtype(), OP, |T, s| {
+        let (x, c, sn) = (
+            view::<T>(xs, xl, OP)?,
+            view::<T>(cs, cl, OP)?,
+            view::<T>(ss, sl, OP)?,
+        );
+        let table = (if g.batched { g.b * g.t } else { g.t }) * (g.d / 2);
+        if n != g.b * g.h * g.t * g.d
+            || c.len() != table
+            || sn.len() != table
+            || !g.d.is_multiple_of(2)
+        {
+            candle_core::bail!(
+                "{OP}: xs of {n} elements and tables of {} and {} for {g:?}",
+                c.len(),
+                sn.len()
+            );
+        }
+        let mut y = output::<T>(&dev, n)?;
+        if n > 0 {
+            let f = func!(dev, format!("{OP}_{s}"));
+            let pairs = (n / 2) as i64;
+            let (d, h, t) = (
+                as_i32(g.d, "head_dim")?,
+                as_i32(g.h, "heads")?,
+                as_i32(g.t, "sequence")?,
+            );
+            let batched = i32::from(g.batched);
+            let mut a = f.builder();
+            a.arg(&x).arg(&c).arg(&sn).arg(&mut y).arg(&pairs).arg(&d);
+            a.arg(&g.variant).arg(&h).arg(&t).arg(&batched).arg(&sign);
+            // SAFETY: matches `rope_fwd_<T>` (x, cos, sin read-only, y written, long long pairs,
+            // int d, int variant, int h, int t, int batched, float sign); x and y hold
+            // `b h t d = 2 pairs` elements and the tables `table` (checked above), which every
+            // table row index the kernel computes stays below.
+            unsafe { a.launch(elems_config(n / 2)) }.w()?;
+            counted();
+        }
+        Ok((T::wrap_cuda_slice(y, dev.clone()), xl.shape().clone()))
+    })
+}
+
+/// The rotary tables' gradients: `[d cos, d sin]` flat (`2 n` for tables of `n` elements), each
+/// entry summed over the rows of `xs` that use it, `d sin` times `sign`.
+pub(super) fn rope_tables(
+    (xs, xl): (&CudaStorage, &Layout),
+    (gs, gl): (&CudaStorage, &Layout),
+    g: RopeGeometry,
+    sign: f32,
+) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "rope_tables";
+    let dev = xs.device().clone();
+    let n = (if g.batched { g.b * g.t } else { g.t }) * (g.d / 2);
+    by_dtype!(xs.dtype(), OP, |T, s| {
+        let (x, dy) = (view::<T>(xs, xl, OP)?, view::<T>(gs, gl, OP)?);
+        if x.len() != g.b * g.h * g.t * g.d || dy.len() != x.len() {
+            candle_core::bail!(
+                "{OP}: xs of {} and a gradient of {} elements for {g:?}",
+                x.len(),
+                dy.len()
+            );
+        }
+        let mut out = output::<T>(&dev, 2 * n)?;
+        if n > 0 {
+            let f = func!(dev, format!("{OP}_{s}"));
+            let n64 = n as i64;
+            let (b, h, t, d) = (
+                as_i32(g.b, "batch")?,
+                as_i32(g.h, "heads")?,
+                as_i32(g.t, "sequence")?,
+                as_i32(g.d, "head_dim")?,
+            );
+            let batched = i32::from(g.batched);
+            let mut a = f.builder();
+            a.arg(&x)
+                .arg(&dy)
+                .arg(&mut out)
+                .arg(&n64)
+                .arg(&b)
+                .arg(&h)
+                .arg(&t)
+                .arg(&d);
+            a.arg(&g.variant).arg(&batched).arg(&sign);
+            // SAFETY: matches `rope_tables_<T>` (x, g read-only, out written, long long n, int
+            // b, h, t, d, variant, batched, float sign); x and g hold `b h t d` elements
+            // (checked above), out `2 n`, and every row the kernel sums over is below `b h t`.
+            unsafe { a.launch(elems_config(n)) }.w()?;
+            counted();
+        }
+        Ok((T::wrap_cuda_slice(out, dev.clone()), Shape::from(2 * n)))
     })
 }
 

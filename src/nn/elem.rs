@@ -184,7 +184,7 @@ pub(super) fn fused(x: &Tensor) -> candle_core::Result<bool> {
     }
 }
 
-/// [`fused`] for the ops whose CUDA kernels no device run has proven yet (SiLU, SwiGLU): on the
+/// [`fused`] for the ops whose CUDA kernels no device run has proven yet (SiLU, SwiGLU, RoPE): on the
 /// CPU, or on a GPU only with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` as well.
 pub(super) fn fused_unproven(x: &Tensor) -> candle_core::Result<bool> {
     if fused_cpu(x) {

@@ -376,6 +376,84 @@ __device__ void swiglu_bwd(const T* gate, const T* up, const T* dy, T* out, long
     }
 }
 
+// ---- rotary embeddings (not yet run on a GPU: behind ACCELERATE_RS_NN_CUDA_UNPROVEN) --------
+// variant 0: xs [B, H, T, D], pairs of halves (i, i + D/2); 1: [B, H, T, D], interleaved pairs
+// (2i, 2i + 1); 2: [B, T, H, D], pairs of halves. Tables [T, D/2], or [B, T, D/2] when batched.
+
+// The table row that row r of xs uses.
+__device__ __forceinline__ long long rope_table_row(long long r, int variant, long long h,
+                                                    long long t, int batched) {
+    long long bi, ti;
+    if (variant == 2) {
+        bi = r / (t * h);
+        ti = (r / h) % t;
+    } else {
+        bi = r / (h * t);
+        ti = r % t;
+    }
+    return batched ? bi * t + ti : ti;
+}
+
+// The element offsets (within a row of d) of pair i.
+__device__ __forceinline__ void rope_pair(int variant, int d, int i, int* ia, int* ib) {
+    if (variant == 1) {
+        *ia = 2 * i;
+        *ib = 2 * i + 1;
+    } else {
+        *ia = i;
+        *ib = i + d / 2;
+    }
+}
+
+// One thread per pair: (a, b) at angle (c, sign * s) -> (a c - b s, a s + b c).
+template <typename T>
+__device__ void rope_fwd(const T* x, const T* cos, const T* sin, T* y, long long pairs, int d,
+                         int variant, int h, int t, int batched, float sign) {
+    long long stride = (long long)blockDim.x * gridDim.x;
+    int half = d / 2;
+    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < pairs; k += stride) {
+        long long r = k / half;
+        int i = (int)(k % half);
+        long long p = rope_table_row(r, variant, h, t, batched) * half + i;
+        float c = to_f(cos[p]), sn = sign * to_f(sin[p]);
+        int ia, ib;
+        rope_pair(variant, d, i, &ia, &ib);
+        float a = to_f(x[r * d + ia]), b = to_f(x[r * d + ib]);
+        y[r * d + ia] = from_f<T>(a * c - b * sn);
+        y[r * d + ib] = from_f<T>(a * sn + b * c);
+    }
+}
+
+// The tables' gradients, one thread per table entry (row p, pair i), summing over the rows of xs
+// that use table row p: out[0, n) d cos = sum(g_a a + g_b b), out[n, 2n) d sin =
+// sign * sum(g_b a - g_a b).
+template <typename T>
+__device__ void rope_tables(const T* x, const T* g, T* out, long long n, int bsz, int h, int t,
+                            int d, int variant, int batched, float sign) {
+    long long stride = (long long)blockDim.x * gridDim.x;
+    int half = d / 2;
+    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
+        long long p = k / half;
+        int i = (int)(k % half);
+        long long ti = batched ? p % t : p;
+        long long b0 = batched ? p / t : 0, b1 = batched ? p / t + 1 : bsz;
+        int ia, ib;
+        rope_pair(variant, d, i, &ia, &ib);
+        float acc_c = 0.0f, acc_s = 0.0f;
+        for (long long bi = b0; bi < b1; ++bi) {
+            for (long long hi = 0; hi < h; ++hi) {
+                long long r = variant == 2 ? (bi * t + ti) * h + hi : (bi * h + hi) * t + ti;
+                float a = to_f(x[r * d + ia]), b = to_f(x[r * d + ib]);
+                float ga = to_f(g[r * d + ia]), gb = to_f(g[r * d + ib]);
+                acc_c += ga * a + gb * b;
+                acc_s += gb * a - ga * b;
+            }
+        }
+        out[k] = from_f<T>(acc_c);
+        out[n + k] = from_f<T>(sign * acc_s);
+    }
+}
+
 // ---- entry points, one per op and element type --------------------------------------------
 
 #define ENTRIES(T, S)                                                                            \
@@ -431,6 +509,14 @@ extern "C" __global__ void swiglu_fwd_##S(const T* g, const T* u, T* y, long lon
 extern "C" __global__ void swiglu_bwd_##S(const T* g, const T* u, const T* dy, T* out,           \
         long long n) {                                                                           \
     swiglu_bwd<T>(g, u, dy, out, n);                                                             \
+}                                                                                                \
+extern "C" __global__ void rope_fwd_##S(const T* x, const T* c, const T* s, T* y,                \
+        long long pairs, int d, int variant, int h, int t, int batched, float sign) {            \
+    rope_fwd<T>(x, c, s, y, pairs, d, variant, h, t, batched, sign);                             \
+}                                                                                                \
+extern "C" __global__ void rope_tables_##S(const T* x, const T* g, T* out, long long n, int b,   \
+        int h, int t, int d, int variant, int batched, float sign) {                             \
+    rope_tables<T>(x, g, out, n, b, h, t, d, variant, batched, sign);                            \
 }
 
 ENTRIES(float, f32)

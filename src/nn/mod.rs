@@ -33,9 +33,9 @@
 //! [`set_cuda_kernels`]); if they cannot be compiled or loaded, one warning and the composed ops.
 //! They are proven against the CPU path on a GPU by `examples/nn_kernels.rs` (step 8 of
 //! `scripts/gpu-smoke.sh`: every op, f32/bf16/f16, forward and backward; passed on an H200).
-//! SiLU and SwiGLU have kernels too that no GPU has run yet: they are used only with
-//! `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` (step 8 sets it to prove them); otherwise they, and RoPE,
-//! run as Candle's composed ops on a GPU.
+//! SiLU, SwiGLU and RoPE (`rope`, `rope_i`, `rope_thd`) have kernels too that no GPU has run
+//! yet: they are used only with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` (step 8 sets it to prove
+//! them); otherwise they run as Candle's composed ops on a GPU.
 //!
 //! ```
 //! use accelerate_rs::nn::{layer_norm, LayerNormConfig};

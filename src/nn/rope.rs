@@ -11,7 +11,7 @@
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::elem::{binary_float, fused_cpu, multiversion, slice, Elem};
+use super::elem::{binary_float, fused_unproven, multiversion, slice, Elem};
 
 /// Elements per Rayon task (rows are grouped up to this size).
 const CHUNK: usize = 8192;
@@ -58,7 +58,8 @@ impl Variant {
 /// computed in f32, f64 in f32 too as the other fused ops), but differentiable: `xs`, `cos` and
 /// `sin` get gradients (the tables' summed over batch and heads). Inputs of any strides are
 /// accepted (Candle's needs them contiguous). Fused on the CPU (f32, f64, bf16, f16); Candle's
-/// composed, differentiable ops elsewhere.
+/// composed, differentiable ops elsewhere (on a GPU, CUDA kernels with
+/// `ACCELERATE_RS_NN_CUDA_UNPROVEN=1`, until a device run has proven them).
 ///
 /// ```
 /// # fn main() -> candle_core::Result<()> {
@@ -149,7 +150,8 @@ fn apply(variant: Variant, xs: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Te
     let pos = cos.rank() - 2;
     let cos = cos.narrow(pos, 0, t)?;
     let sin = sin.narrow(pos, 0, t)?;
-    if !fused_cpu(xs) {
+    let same = |t: &Tensor| t.device().same_device(xs.device());
+    if !fused_unproven(xs)? || !same(&cos) || !same(&sin) {
         return composed(variant, xs, &cos, &sin);
     }
     if xs.elem_count() == 0 {
@@ -247,6 +249,23 @@ impl Geometry {
                 _ => (bi * self.h + hi) * self.t + ti,
             })
         })
+    }
+
+    /// The same geometry for the CUDA kernels.
+    #[cfg(feature = "cuda")]
+    fn for_kernels(&self) -> super::cuda::RopeGeometry {
+        super::cuda::RopeGeometry {
+            variant: match self.variant {
+                Variant::Halves => 0,
+                Variant::Interleaved => 1,
+                Variant::Thd => 2,
+            },
+            b: self.b,
+            h: self.h,
+            t: self.t,
+            d: self.d,
+            batched: self.batched,
+        }
     }
 
     /// Rows of the tables.
@@ -358,6 +377,20 @@ impl CustomOp3 for RopeFwd {
             ),
         };
         Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let g = Geometry::new(self.variant, l1, l2)?;
+        super::cuda::rope((s1, l1), (s2, l2), (s3, l3), g.for_kernels(), self.sign)
     }
 
     fn bwd(
@@ -485,22 +518,41 @@ impl CustomOp2 for TablesBwd {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (b, a, c, d) = l1.shape().dims4()?;
+        let g = self.geometry(l1)?;
+        let out = binary_float!(self.name(), s1, l1, s2, l2, tables_bwd, g, self.sign);
+        Ok((out, Shape::from(2 * g.table_rows() * (g.d / 2))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let g = self.geometry(l1)?;
+        super::cuda::rope_tables((s1, l1), (s2, l2), g.for_kernels(), self.sign)
+    }
+}
+
+impl TablesBwd {
+    /// The geometry of `xs` (layout `l`).
+    fn geometry(&self, l: &Layout) -> Result<Geometry> {
+        let (b, a, c, d) = l.shape().dims4()?;
         let (h, t) = if self.variant == Variant::Thd {
             (c, a)
         } else {
             (a, c)
         };
-        let g = Geometry {
+        Ok(Geometry {
             variant: self.variant,
             b,
             h,
             t,
             d,
             batched: self.batched,
-        };
-        let out = binary_float!(self.name(), s1, l1, s2, l2, tables_bwd, g, self.sign);
-        Ok((out, Shape::from(2 * g.table_rows() * (d / 2))))
+        })
     }
 }
 

@@ -61,8 +61,8 @@ pub const CUDA_POOL_RELEASE_MB: &str = "ACCELERATE_RS_CUDA_POOL_RELEASE_MB";
 /// Whether `accelerate_rs::nn`'s CUDA kernels are used in a build with the `cuda` feature
 /// (`0` turns them off; default on). See [`crate::nn`].
 pub const NN_CUDA: &str = "ACCELERATE_RS_NN_CUDA";
-/// Whether `accelerate_rs::nn`'s CUDA kernels that no device run has proven yet (SiLU and the
-/// SwiGLU gate) are used (`1` turns them on; default off, the composed ops run instead). Only
+/// Whether `accelerate_rs::nn`'s CUDA kernels that no device run has proven yet (SiLU, the
+/// SwiGLU gate and RoPE) are used (`1` turns them on; default off, the composed ops run instead). Only
 /// with [`NN_CUDA`] on. See [`crate::nn`].
 pub const NN_CUDA_UNPROVEN: &str = "ACCELERATE_RS_NN_CUDA_UNPROVEN";
 /// Whether CPU gradient buckets are all-reduced on a communication thread while the next bucket

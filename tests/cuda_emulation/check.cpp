@@ -268,6 +268,69 @@ static void check_silu_swiglu(long long n) {
     report("swiglu backward (d gate, then d up)" + tag, rel(out, rout), 1e-5);
 }
 
+// ---- rotary embeddings ------------------------------------------------------------------------
+
+// variant 0: [B, H, T, D] halves; 1: [B, H, T, D] interleaved; 2: [B, T, H, D] halves. Tables
+// [T, D/2], or [B, T, D/2] when batched. The reference walks the 4-d index directly.
+static void check_rope(int variant, int B, int H, int T, int D, bool batched) {
+    int half = D / 2;
+    size_t n = (size_t)B * H * T * D;
+    size_t tn = (size_t)(batched ? B * T : T) * half;
+    auto x = data(n, 16), g = data(n, 17), c = data(tn, 18, 1.0f), sn = data(tn, 19, 1.0f);
+    std::string name = "rope variant " + std::to_string(variant) + (batched ? " batched" : "") +
+                       " [" + std::to_string(B) + "," + std::to_string(H) + "," +
+                       std::to_string(T) + "," + std::to_string(D) + "]";
+    auto off = [&](int bi, int hi, int ti, int e) -> size_t {
+        return variant == 2 ? (((size_t)bi * T + ti) * H + hi) * D + e
+                            : (((size_t)bi * H + hi) * T + ti) * D + e;
+    };
+    auto tab = [&](int bi, int ti, int i) -> size_t {
+        return ((size_t)(batched ? bi * T + ti : ti)) * half + i;
+    };
+    auto pair = [&](int i, int* ia, int* ib) {
+        if (variant == 1) { *ia = 2 * i; *ib = 2 * i + 1; } else { *ia = i; *ib = i + half; }
+    };
+    for (float sign : {1.0f, -1.0f}) {
+        std::vector<double> ry(n);
+        for (int bi = 0; bi < B; ++bi)
+            for (int hi = 0; hi < H; ++hi)
+                for (int ti = 0; ti < T; ++ti)
+                    for (int i = 0; i < half; ++i) {
+                        int ia, ib;
+                        pair(i, &ia, &ib);
+                        double a = x[off(bi, hi, ti, ia)], b = x[off(bi, hi, ti, ib)];
+                        double cc = c[tab(bi, ti, i)], ss = sign * sn[tab(bi, ti, i)];
+                        ry[off(bi, hi, ti, ia)] = a * cc - b * ss;
+                        ry[off(bi, hi, ti, ib)] = a * ss + b * cc;
+                    }
+        std::vector<float> y(n);
+        long long pairs = (long long)n / 2;
+        emu_launch(elems_grid(pairs), dim3{256, 1, 1}, [&] {
+            rope_fwd_f32(x.data(), c.data(), sn.data(), y.data(), pairs, D, variant, H, T,
+                         batched ? 1 : 0, sign);
+        });
+        report(name + (sign > 0 ? " forward" : " backward of xs"), rel(y, ry), 1e-5);
+    }
+    std::vector<double> rt(2 * tn, 0.0);
+    for (int bi = 0; bi < B; ++bi)
+        for (int hi = 0; hi < H; ++hi)
+            for (int ti = 0; ti < T; ++ti)
+                for (int i = 0; i < half; ++i) {
+                    int ia, ib;
+                    pair(i, &ia, &ib);
+                    double a = x[off(bi, hi, ti, ia)], b = x[off(bi, hi, ti, ib)];
+                    double ga = g[off(bi, hi, ti, ia)], gb = g[off(bi, hi, ti, ib)];
+                    rt[tab(bi, ti, i)] += ga * a + gb * b;
+                    rt[tn + tab(bi, ti, i)] += gb * a - ga * b;
+                }
+    std::vector<float> out(2 * tn);
+    emu_launch(elems_grid((long long)tn), dim3{256, 1, 1}, [&] {
+        rope_tables_f32(x.data(), g.data(), out.data(), (long long)tn, B, H, T, D, variant,
+                        batched ? 1 : 0, 1.0f);
+    });
+    report(name + " tables' gradients (d cos, then d sin)", rel(out, rt), 1e-5);
+}
+
 // ---- bf16 / f16 ------------------------------------------------------------------------------
 
 static void check_half_types() {
@@ -363,6 +426,12 @@ int main() {
     check_elementwise(3);
     check_silu_swiglu(1000);
     check_silu_swiglu(3);
+    for (int variant : {0, 1, 2}) {
+        check_rope(variant, 2, 3, 5, 8, false);
+        check_rope(variant, 2, 3, 5, 8, true);
+    }
+    check_rope(0, 1, 1, 1, 2, false);
+    check_rope(2, 3, 4, 7, 64, true);
     check_half_types();
     std::printf("cuda_emulation: %d failure(s)\n", failures);
     return failures ? 1 : 0;
