@@ -467,8 +467,9 @@ fn main() -> Result<()> {
             window_n += 1;
             step += 1;
             if let Some(t) = trackers.as_mut() {
-                t.log(&times.metrics(), step)?;
-                t.log(&[("loss", value)], step)?;
+                let mut metrics = times.metrics();
+                metrics.push(("loss", value));
+                t.log(&metrics, step)?;
             }
             if step % args.log_every == 0 || step == args.max_steps {
                 let mean = accelerator.average(window_loss / window_n as f64)?;

@@ -527,26 +527,13 @@ pub(super) fn swiglu(inputs: &[(&CudaStorage, &Layout)]) -> Result<(CudaStorage,
     })
 }
 
-/// Rotary embeddings' geometry for the kernels: `variant` 0 (`[B, H, T, D]`, halves), 1
-/// (`[B, H, T, D]`, interleaved) or 2 (`[B, T, H, D]`, halves); `(b, h, t, d)`; one table per
-/// sequence (`batched`) or one shared.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct RopeGeometry {
-    pub(super) variant: i32,
-    pub(super) b: usize,
-    pub(super) h: usize,
-    pub(super) t: usize,
-    pub(super) d: usize,
-    pub(super) batched: bool,
-}
-
 /// Rotary embeddings: `xs` turned pair by pair by the tables (`sign` -1: the other way, the
 /// backward of `xs`).
 pub(super) fn rope(
     (xs, xl): (&CudaStorage, &Layout),
     (cs, cl): (&CudaStorage, &Layout),
     (ss, sl): (&CudaStorage, &Layout),
-    g: RopeGeometry,
+    g: super::rope::Geometry,
     sign: f32,
 ) -> Result<(CudaStorage, Shape)> {
     const OP: &str = "rope_fwd";
@@ -558,7 +545,7 @@ pub(super) fn rope(
             view::<T>(cs, cl, OP)?,
             view::<T>(ss, sl, OP)?,
         );
-        let table = (if g.batched { g.b * g.t } else { g.t }) * (g.d / 2);
+        let table = g.table_rows() * (g.d / 2);
         if n != g.b * g.h * g.t * g.d
             || c.len() != table
             || sn.len() != table
@@ -582,7 +569,8 @@ pub(super) fn rope(
             let batched = i32::from(g.batched);
             let mut a = f.builder();
             a.arg(&x).arg(&c).arg(&sn).arg(&mut y).arg(&pairs).arg(&d);
-            a.arg(&g.variant).arg(&h).arg(&t).arg(&batched).arg(&sign);
+            let variant = g.kernel_variant();
+            a.arg(&variant).arg(&h).arg(&t).arg(&batched).arg(&sign);
             // SAFETY: matches `rope_fwd_<T>` (x, cos, sin read-only, y written, long long pairs,
             // int d, int variant, int h, int t, int batched, float sign); x and y hold
             // `b h t d = 2 pairs` elements and the tables `table` (checked above), which every
@@ -599,12 +587,12 @@ pub(super) fn rope(
 pub(super) fn rope_tables(
     (xs, xl): (&CudaStorage, &Layout),
     (gs, gl): (&CudaStorage, &Layout),
-    g: RopeGeometry,
+    g: super::rope::Geometry,
     sign: f32,
 ) -> Result<(CudaStorage, Shape)> {
     const OP: &str = "rope_tables";
     let dev = xs.device().clone();
-    let n = (if g.batched { g.b * g.t } else { g.t }) * (g.d / 2);
+    let n = g.table_rows() * (g.d / 2);
     by_dtype!(xs.dtype(), OP, |T, s| {
         let (x, dy) = (view::<T>(xs, xl, OP)?, view::<T>(gs, gl, OP)?);
         if x.len() != g.b * g.h * g.t * g.d || dy.len() != x.len() {
@@ -634,7 +622,8 @@ pub(super) fn rope_tables(
                 .arg(&h)
                 .arg(&t)
                 .arg(&d);
-            a.arg(&g.variant).arg(&batched).arg(&sign);
+            let variant = g.kernel_variant();
+            a.arg(&variant).arg(&batched).arg(&sign);
             // SAFETY: matches `rope_tables_<T>` (x, g read-only, out written, long long n, int
             // b, h, t, d, variant, batched, float sign); x and g hold `b h t d` elements
             // (checked above), out `2 n`, and every row the kernel sums over is below `b h t`.

@@ -202,11 +202,12 @@ fn fused_with(x: &Tensor, unproven: bool) -> candle_core::Result<bool> {
 
 /// Whether the fused CPU kernels take `x`: on the CPU, in a float dtype (f32, f64, bf16, f16).
 pub(super) fn fused_cpu(x: &Tensor) -> bool {
-    x.device().is_cpu()
-        && matches!(
-            x.dtype(),
-            DType::F32 | DType::F64 | DType::BF16 | DType::F16
-        )
+    x.device().is_cpu() && float_dtype(x.dtype())
+}
+
+/// Whether the fused ops compute in `dtype`: f32, f64, bf16 or f16.
+pub(super) fn float_dtype(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
 }
 
 /// A contiguous CPU slice of `layout`.

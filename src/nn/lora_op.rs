@@ -10,7 +10,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::elem::{fused_cpu, Elem};
+use super::elem::{float_dtype, fused_cpu, Elem};
 use super::linear::LinearOp;
 
 /// Elements per Rayon task of the in-place update.
@@ -49,15 +49,7 @@ pub(super) fn fusable(
 
 /// Whether `x` is a float tensor on a GPU of a `cuda` build.
 fn on_gpu(x: &Tensor) -> bool {
-    cfg!(feature = "cuda")
-        && x.device().is_cuda()
-        && matches!(
-            x.dtype(),
-            candle_core::DType::F32
-                | candle_core::DType::F64
-                | candle_core::DType::BF16
-                | candle_core::DType::F16
-        )
+    cfg!(feature = "cuda") && x.device().is_cuda() && float_dtype(x.dtype())
 }
 
 /// `x Wᵀ + b + s (x Aᵀ) Bᵀ` over the op's inputs `(x, A, B)`.

@@ -191,17 +191,18 @@ fn composed(variant: Variant, xs: &Tensor, cos: &Tensor, sin: &Tensor) -> Result
     }
 }
 
-/// The geometry of one application: rows of `d` features, and the table row each uses.
+/// The geometry of one application: rows of `d` features, and the table row each uses (the CUDA
+/// kernels take it too).
 #[derive(Clone, Copy, Debug)]
-struct Geometry {
+pub(super) struct Geometry {
     variant: Variant,
     /// `[B, H, T, D]` (or `[B, T, H, D]` for [`Variant::Thd`]), as `(b, h, t, d)`.
-    b: usize,
-    h: usize,
-    t: usize,
-    d: usize,
+    pub(super) b: usize,
+    pub(super) h: usize,
+    pub(super) t: usize,
+    pub(super) d: usize,
     /// One table per sequence (`[B, T, D/2]`) rather than one shared (`[T, D/2]`).
-    batched: bool,
+    pub(super) batched: bool,
 }
 
 impl Geometry {
@@ -251,25 +252,18 @@ impl Geometry {
         })
     }
 
-    /// The same geometry for the CUDA kernels.
+    /// The layout as the CUDA kernels number it: 0 halves, 1 interleaved, 2 `[B, T, H, D]`.
     #[cfg(feature = "cuda")]
-    fn for_kernels(&self) -> super::cuda::RopeGeometry {
-        super::cuda::RopeGeometry {
-            variant: match self.variant {
-                Variant::Halves => 0,
-                Variant::Interleaved => 1,
-                Variant::Thd => 2,
-            },
-            b: self.b,
-            h: self.h,
-            t: self.t,
-            d: self.d,
-            batched: self.batched,
+    pub(super) fn kernel_variant(&self) -> i32 {
+        match self.variant {
+            Variant::Halves => 0,
+            Variant::Interleaved => 1,
+            Variant::Thd => 2,
         }
     }
 
     /// Rows of the tables.
-    fn table_rows(&self) -> usize {
+    pub(super) fn table_rows(&self) -> usize {
         if self.batched {
             self.b * self.t
         } else {
@@ -390,7 +384,7 @@ impl CustomOp3 for RopeFwd {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let g = Geometry::new(self.variant, l1, l2)?;
-        super::cuda::rope((s1, l1), (s2, l2), (s3, l3), g.for_kernels(), self.sign)
+        super::cuda::rope((s1, l1), (s2, l2), (s3, l3), g, self.sign)
     }
 
     fn bwd(
@@ -532,7 +526,7 @@ impl CustomOp2 for TablesBwd {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let g = self.geometry(l1)?;
-        super::cuda::rope_tables((s1, l1), (s2, l2), g.for_kernels(), self.sign)
+        super::cuda::rope_tables((s1, l1), (s2, l2), g, self.sign)
     }
 }
 

@@ -77,9 +77,9 @@ pub fn device(ordinal: usize) -> Result<Device> {
     Ok(d)
 }
 
-/// The release threshold of the GPU's default memory pool: `ACCELERATE_RS_CUDA_POOL_RELEASE_MB`
-/// in MiB, else `u64::MAX` (keep freed memory in the pool).
-fn pool_release_threshold() -> Result<u64> {
+/// The release threshold [`device`] gives the GPU's default memory pool:
+/// `ACCELERATE_RS_CUDA_POOL_RELEASE_MB` in MiB, else `u64::MAX` (keep freed memory in the pool).
+pub fn expected_pool_release_threshold() -> Result<u64> {
     let mb =
         crate::settings::parse::process_env::<usize>(crate::settings::env::CUDA_POOL_RELEASE_MB)?;
     Ok(release_threshold_bytes(mb.map(|mb| mb as u64)))
@@ -94,7 +94,7 @@ pub(crate) fn release_threshold_bytes(mb: Option<u64>) -> u64 {
 /// without memory pools (where cudarc allocates synchronously) has nothing to tune.
 fn keep_pool_memory(device: &Device, ordinal: usize) -> Result<()> {
     use cudarc::driver::{result, sys};
-    let mut threshold = pool_release_threshold()?;
+    let mut threshold = expected_pool_release_threshold()?;
     if !device
         .as_cuda_device()?
         .cuda_stream()
@@ -166,12 +166,6 @@ pub fn device_setup(device: &Device) -> Result<DeviceSetup> {
         event_tracking: ctx.is_event_tracking(),
         pool_release_threshold,
     })
-}
-
-/// The release threshold `device` should have: what [`device`] sets
-/// (`ACCELERATE_RS_CUDA_POOL_RELEASE_MB`, else `u64::MAX`).
-pub fn expected_pool_release_threshold() -> Result<u64> {
-    pool_release_threshold()
 }
 
 /// A stable identity of the GPU behind `device` (its UUID), equal for two ranks exactly when

@@ -57,13 +57,9 @@ pub(crate) fn process_var_is_set(name: &str) -> bool {
     std::env::var_os(name).is_some()
 }
 
-/// NCCL's `NCCL_HOSTID` (how NCCL tells hosts apart when set), trimmed; `None` when unset or
-/// empty.
+/// NCCL's `NCCL_HOSTID` (how NCCL tells hosts apart when set), as set; `None` when unset.
 pub(crate) fn nccl_host_id() -> Option<String> {
-    std::env::var("NCCL_HOSTID")
-        .ok()
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
+    process_var("NCCL_HOSTID")
 }
 
 /// glibc's own allocator variables, whose settings take precedence over accelerate-rs's tuning.
