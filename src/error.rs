@@ -239,6 +239,21 @@ pub enum Error {
         source: Option<std::io::Error>,
     },
 
+    /// A file handed to the run (a training text, a tokenizer, a JSON file of a model folder)
+    /// cannot be read as one: it is not a regular file (a folder, a FIFO, a device, a link that
+    /// leads nowhere), it is over the size its reader accepts, or it is not the text or JSON
+    /// expected (see [`files`](crate::files)).
+    #[error("file {}: {reason}", path.display())]
+    InputFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+        /// The underlying I/O error, if any.
+        #[source]
+        source: Option<std::io::Error>,
+    },
+
     /// Another run holds the checkpoint directory (two runs saving into one folder would
     /// overwrite and rotate away each other's checkpoints).
     #[error("checkpoint directory {} is in use by another run ({holder}); give this run its own directory", path.display())]

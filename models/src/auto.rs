@@ -81,7 +81,7 @@ impl AutoModel {
         device: &Device,
         dtype: DType,
     ) -> CrateResult<Self> {
-        let dir = dir.as_ref();
+        let dir = crate::config::model_folder(dir.as_ref())?;
         let (path, json) = read_json(dir)?;
         let config = Config::from_json(&path, &json)?;
         let arch = config.architecture().map(str::to_string);

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::config::{
-    config_readers, ensure, ensure_multiple, ensure_probabilities, ensure_sizes, Activation, Origin,
+    config_readers, ensure, ensure_multiple, ensure_probabilities, ensure_sizes, ensure_init_range, ensure_layers, ensure_positive, Activation, Origin,
 };
 use crate::error::Result as CrateResult;
 use crate::layers::{
@@ -115,6 +115,9 @@ impl BertConfig {
                 ("type_vocab_size", self.type_vocab_size),
             ],
         )?;
+        ensure_layers(p, ("num_hidden_layers", self.num_hidden_layers))?;
+        ensure_positive(p, &[("layer_norm_eps", self.layer_norm_eps)])?;
+        ensure_init_range(p, self.initializer_range)?;
         ensure_multiple(
             p,
             ("hidden_size", self.hidden_size),
@@ -408,16 +411,24 @@ impl BertForMaskedLm {
         device: &Device,
         dtype: DType,
     ) -> CrateResult<Self> {
-        let model = Self::build(&config, candle_nn::VarMap::new(), device, dtype, 0.0)?;
         let tied = config.tie_word_embeddings;
-        model.weights.load(dir, |name| {
+        let map = |name: &str| {
             let name = bert_name(name)?;
             let skip = name.starts_with("bert.pooler.")
                 || name.starts_with("cls.seq_relationship.")
                 || name == "cls.predictions.decoder.bias"
                 || (tied && name == "cls.predictions.decoder.weight");
             (!skip).then_some(name)
-        })?;
+        };
+        let model = Self::build(
+            &config,
+            candle_nn::VarMap::new(),
+            device,
+            dtype,
+            0.0,
+            Some((dir, &map)),
+        )?;
+        model.weights.load(dir, map)?;
         Ok(model)
     }
 
@@ -562,11 +573,19 @@ impl BertForSequenceClassification {
         device: &Device,
         dtype: DType,
     ) -> CrateResult<Self> {
-        let model = Self::build(&config, candle_nn::VarMap::new(), device, dtype, 0.0)?;
-        model.weights.load(dir, |name| {
+        let map = |name: &str| {
             let name = bert_name(name)?;
             (!name.starts_with("cls.")).then_some(name)
-        })?;
+        };
+        let model = Self::build(
+            &config,
+            candle_nn::VarMap::new(),
+            device,
+            dtype,
+            0.0,
+            Some((dir, &map)),
+        )?;
+        model.weights.load(dir, map)?;
         Ok(model)
     }
 

@@ -161,27 +161,52 @@ pub(crate) fn missing_hint(path: &Path) -> String {
     )
 }
 
-/// Reads a JSON file (or `config.json` in a folder): the file's path and its value.
+/// Reads a JSON file (or `config.json` in a folder): the file's path and its value. Only a
+/// regular file (links followed) of at most `accelerate_rs::files::MAX_JSON_BYTES` is read.
 pub(crate) fn read_json(path: &Path) -> Result<(PathBuf, serde_json::Value)> {
     let path = if path.is_dir() {
         path.join(accelerate_rs::checkpoint::CONFIG_FILE)
     } else {
         path.to_path_buf()
     };
-    let text = std::fs::read_to_string(&path).map_err(|e| {
-        let hint = if e.kind() == std::io::ErrorKind::NotFound && !path.exists() {
-            missing_hint(&path)
-        } else {
-            String::new()
-        };
-        Error::config(&path, None, format!("could not read it: {e}{hint}"))
-    })?;
-    let json: serde_json::Value = serde_json::from_str(&text)
+    if !path.exists() && std::fs::symlink_metadata(&path).is_err() {
+        return Err(Error::config(
+            &path,
+            None,
+            format!("could not read it: no such file{}", missing_hint(&path)),
+        ));
+    }
+    let bytes = accelerate_rs::files::read_bounded(&path, accelerate_rs::files::MAX_JSON_BYTES)?;
+    let json: serde_json::Value = serde_json::from_slice(&bytes)
         .map_err(|e| Error::config(&path, None, format!("not valid JSON: {e}")))?;
     if !json.is_object() {
         return Err(Error::config(&path, None, "expected a JSON object"));
     }
     Ok((path, json))
+}
+
+/// The model folder `dir` a loader was given, checked to be one: a file (`config.json` itself,
+/// a weights file) is an error saying to pass its folder.
+pub(crate) fn model_folder(dir: &Path) -> Result<&Path> {
+    if dir.is_dir() {
+        return Ok(dir);
+    }
+    if dir.exists() {
+        let folder = dir
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        return Err(Error::config(
+            dir,
+            None,
+            format!(
+                "a model is loaded from its folder, and this is a file: pass the folder ({})",
+                folder.display()
+            ),
+        ));
+    }
+    // Absent: read_json's error names it (with the Hub hint).
+    read_json(dir).map(|_| dir)
 }
 
 /// Deserializes `json` into `T`, naming the key of a missing or mistyped value.
@@ -291,12 +316,62 @@ pub(crate) fn config_value<T: Serialize>(
     v
 }
 
-/// Checks that each size `(key, value)` of a configuration read from `path` is at least 1.
+/// The largest size (a width, a vocabulary, a count of positions or heads) a configuration may
+/// give: 2^26 = 67,108,864, far above any real model's (vocabularies reach 2^18, widths 2^16,
+/// context lengths 2^24); a larger value is a damaged or hostile file.
+pub const MAX_CONFIG_SIZE: usize = 1 << 26;
+
+/// The most layers a configuration may give: 4,096 (the deepest real models have a few hundred).
+pub const MAX_CONFIG_LAYERS: usize = 4096;
+
+/// Checks that each size `(key, value)` of a configuration read from `path` is from 1 to
+/// [`MAX_CONFIG_SIZE`].
 pub(crate) fn ensure_sizes(path: &Path, sizes: &[(&str, usize)]) -> Result<()> {
     for &(key, v) in sizes {
         ensure(v > 0, path, key, "must be at least 1")?;
+        ensure(
+            v <= MAX_CONFIG_SIZE,
+            path,
+            key,
+            format!("{v} is over the largest size accepted, {MAX_CONFIG_SIZE}"),
+        )?;
     }
     Ok(())
+}
+
+/// Checks a layer count `(key, value)`: at most [`MAX_CONFIG_LAYERS`].
+pub(crate) fn ensure_layers(path: &Path, (key, v): (&str, usize)) -> Result<()> {
+    ensure(
+        v <= MAX_CONFIG_LAYERS,
+        path,
+        key,
+        format!("{v} layers is over the most accepted, {MAX_CONFIG_LAYERS}"),
+    )
+}
+
+/// Checks that each value `(key, value)` that must be positive (an epsilon) is a finite number
+/// above 0: a zero or negative epsilon divides by zero or takes the root of a negative number,
+/// and the model trains to NaN.
+pub(crate) fn ensure_positive(path: &Path, values: &[(&str, f64)]) -> Result<()> {
+    for &(key, v) in values {
+        ensure(
+            v.is_finite() && v > 0.0,
+            path,
+            key,
+            format!("{v}: must be a finite number above 0"),
+        )?;
+    }
+    Ok(())
+}
+
+/// Checks `initializer_range` (the standard deviation of fresh weights): finite, not negative.
+pub(crate) fn ensure_init_range(path: &Path, v: f64) -> Result<()> {
+    ensure(
+        v.is_finite() && v >= 0.0,
+        path,
+        "initializer_range",
+        format!("{v}: must be a finite number, 0 or above"),
+    )
 }
 
 /// `key`'s value `v` is a multiple of `of`'s value `n` (a width split into heads); the error

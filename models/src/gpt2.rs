@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::config::{
-    config_readers, ensure_multiple, ensure_probabilities, ensure_sizes, Activation, Origin,
+    config_readers, ensure_multiple, ensure_probabilities, ensure_sizes, ensure_init_range, ensure_layers, ensure_positive, Activation, Origin,
 };
 use crate::error::Result as CrateResult;
 use crate::layers::{
@@ -105,6 +105,12 @@ impl Gpt2Config {
                 ("n_head", self.n_head),
             ],
         )?;
+        if let Some(inner) = self.n_inner {
+            ensure_sizes(p, &[("n_inner", inner)])?;
+        }
+        ensure_layers(p, ("n_layer", self.n_layer))?;
+        ensure_positive(p, &[("layer_norm_epsilon", self.layer_norm_epsilon)])?;
+        ensure_init_range(p, self.initializer_range)?;
         ensure_multiple(p, ("n_embd", self.n_embd), ("n_head", self.n_head), "")?;
         ensure_probabilities(
             p,
@@ -250,9 +256,8 @@ impl Gpt2LmHeadModel {
         device: &Device,
         dtype: DType,
     ) -> CrateResult<Self> {
-        let model = Self::build(&config, candle_nn::VarMap::new(), device, dtype, 0.0)?;
         let tied = config.tie_word_embeddings;
-        model.weights.load(dir, |name| {
+        let map = |name: &str| {
             // The causal-mask buffers of older checkpoints.
             if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") {
                 return None;
@@ -265,7 +270,16 @@ impl Gpt2LmHeadModel {
             } else {
                 Some(format!("transformer.{name}"))
             }
-        })?;
+        };
+        let model = Self::build(
+            &config,
+            candle_nn::VarMap::new(),
+            device,
+            dtype,
+            0.0,
+            Some((dir, &map)),
+        )?;
+        model.weights.load(dir, map)?;
         Ok(model)
     }
 

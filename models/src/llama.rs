@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::config::{
-    config_readers, ensure, ensure_multiple, ensure_probabilities, ensure_sizes, Activation, Origin,
+    config_readers, ensure, ensure_multiple, ensure_probabilities, ensure_sizes, ensure_init_range, ensure_layers, ensure_positive, Activation, Origin,
 };
 use crate::error::Result as CrateResult;
 use crate::layers::{
@@ -132,6 +132,15 @@ impl LlamaConfig {
                 ("num_attention_heads", self.num_attention_heads),
             ],
         )?;
+        if let Some(kv) = self.num_key_value_heads {
+            ensure_sizes(p, &[("num_key_value_heads", kv)])?;
+        }
+        if let Some(d) = self.head_dim {
+            ensure_sizes(p, &[("head_dim", d)])?;
+        }
+        ensure_layers(p, ("num_hidden_layers", self.num_hidden_layers))?;
+        ensure_positive(p, &[("rms_norm_eps", self.rms_norm_eps)])?;
+        ensure_init_range(p, self.initializer_range)?;
         let kv = self.kv_heads();
         ensure(
             kv > 0 && self.num_attention_heads.is_multiple_of(kv),
@@ -441,12 +450,20 @@ impl LlamaForCausalLm {
         device: &Device,
         dtype: DType,
     ) -> CrateResult<Self> {
-        let model = Self::build(&config, candle_nn::VarMap::new(), device, dtype, 0.0)?;
         let tied = config.tie_word_embeddings;
-        model.weights.load(dir, |name| {
+        let map = |name: &str| {
             let skip = name.ends_with(".rotary_emb.inv_freq") || (tied && name == "lm_head.weight");
             (!skip).then(|| name.to_string())
-        })?;
+        };
+        let model = Self::build(
+            &config,
+            candle_nn::VarMap::new(),
+            device,
+            dtype,
+            0.0,
+            Some((dir, &map)),
+        )?;
+        model.weights.load(dir, map)?;
         Ok(model)
     }
 

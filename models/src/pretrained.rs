@@ -11,6 +11,11 @@ use candle_nn::{VarBuilder, VarMap};
 use crate::error::{Error, Result};
 use crate::lora::Adapters;
 
+/// The weight files a fresh model is checked against before it is allocated: the folder (or
+/// file) and the map from the files' tensor names to parameter names (see
+/// `accelerate_rs::checkpoint::load_weights_mapped`).
+pub(crate) type Source<'a> = (&'a Path, &'a dyn Fn(&str) -> Option<String>);
+
 /// `save_pretrained`'s shard size: 5 GB, `transformers`' `max_shard_size="5GB"`.
 pub const DEFAULT_MAX_SHARD_BYTES: usize = 5_000_000_000;
 
@@ -48,11 +53,19 @@ impl Weights {
     /// Builds a model with `build` on `varmap`: a fresh one (the parameters created by it), or
     /// one that already holds every parameter the model asks for, under its name and in
     /// `dtype` (the model then uses them; a parameter it lacks is an error naming it).
+    ///
+    /// A fresh model is first built without allocating anything
+    /// (`accelerate_rs::shape_only_var_builder`), its parameters compared with the weight files
+    /// of `source` when given (headers only: a `config.json` claiming sizes the files do not
+    /// hold is an error naming the tensor) and checked to be allocatable on `device` (an error
+    /// naming the tensor and the bytes, rather than a failed allocation aborting the process);
+    /// only then is it allocated.
     pub(crate) fn build<M>(
         varmap: VarMap,
         device: &Device,
         dtype: DType,
-        build: impl FnOnce(VarBuilder) -> Result<M>,
+        source: Option<Source<'_>>,
+        build: impl Fn(VarBuilder) -> Result<M>,
     ) -> Result<(M, Weights)> {
         if !dtype.is_float() {
             return Err(Error::Accelerate(accelerate_rs::Error::invalid(
@@ -65,6 +78,15 @@ impl Weights {
             data.keys().cloned().collect()
         };
         let given = names(&varmap);
+        if given.is_empty() {
+            let (vb, shapes) = accelerate_rs::shape_only_var_builder(dtype, device);
+            build(vb)?;
+            let specs = shapes.specs();
+            if let Some((dir, map)) = source {
+                accelerate_rs::checkpoint::check_weights_mapped(dir, &specs, map)?;
+            }
+            accelerate_rs::check_allocatable(&specs, device)?;
+        }
         let model = build(VarBuilder::from_varmap(&varmap, dtype, device))?;
         if !given.is_empty() {
             let mut missing: Vec<String> = names(&varmap)
@@ -175,12 +197,14 @@ macro_rules! pretrained_methods {
                 device: &candle_core::Device,
                 dtype: candle_core::DType,
                 std: f64,
+                source: Option<$crate::pretrained::Source<'_>>,
             ) -> $crate::error::Result<Self> {
                 config.check()?;
                 let (parts, weights) = $crate::pretrained::Weights::build(
                     varmap,
                     device,
                     dtype,
+                    source,
                     |vb| Self::assemble(config, vb, std),
                 )?;
                 Self::from_parts(config, parts, weights)
@@ -206,6 +230,7 @@ macro_rules! pretrained_methods {
                     device,
                     dtype,
                     config.initializer_range,
+                    None,
                 )
             }
 
@@ -221,7 +246,7 @@ macro_rules! pretrained_methods {
                 device: &candle_core::Device,
                 dtype: candle_core::DType,
             ) -> $crate::error::Result<Self> {
-                let dir = dir.as_ref();
+                let dir = $crate::config::model_folder(dir.as_ref())?;
                 let (path, json) = $crate::config::read_json(dir)?;
                 $crate::pretrained::check_architecture(&path, &json, &[$($arch),+])?;
                 let config = <$config>::from_json(&path, &json)?;
@@ -256,6 +281,7 @@ macro_rules! pretrained_methods {
                     &self.weights.device,
                     dtype,
                     0.0,
+                    None,
                 )?;
                 model.weights.training = self.weights.training;
                 model.weights.checkpointing = self.weights.checkpointing;

@@ -14,7 +14,7 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
     let given = path.as_ref();
     let path = tokenizer_path(given);
-    if !path.is_file() {
+    if !path.exists() {
         let hint = if given.exists() {
             String::new()
         } else {
@@ -27,7 +27,8 @@ pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
             ),
         });
     }
-    Tokenizer::from_file(&path).map_err(|e| Error::Tokenizer {
+    let bytes = accelerate_rs::files::read_bounded(&path, accelerate_rs::files::MAX_TOKENIZER_BYTES)?;
+    Tokenizer::from_bytes(&bytes).map_err(|e| Error::Tokenizer {
         reason: format!("could not read it: {e}"),
         path,
     })

@@ -3,15 +3,11 @@
 //! 8-byte length and the JSON header of each safetensors file, never the weights, so a
 //! header-only file (its data section absent) is accepted.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-
-/// The largest safetensors header read (the format's own limit is 100 MB).
-const MAX_HEADER: u64 = 100_000_000;
 
 /// One tensor of a checkpoint: its name, shape and dtype (as safetensors names it: `F32`,
 /// `BF16`, `I64`, ...).
@@ -41,16 +37,6 @@ impl TensorInfo {
     }
 }
 
-/// Bytes per element of a safetensors dtype, or `None` for a name the format does not have.
-fn dtype_size(dtype: &str) -> Option<u64> {
-    Some(match dtype {
-        "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" => 1,
-        "I16" | "U16" | "F16" | "BF16" => 2,
-        "I32" | "U32" | "F32" => 4,
-        "I64" | "U64" | "F64" => 8,
-        _ => return None,
-    })
-}
 
 /// The architectures whose activations the estimate knows (Hugging Face's `model_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -479,8 +465,7 @@ fn io_error(what: &str, path: &Path, source: std::io::Error) -> Error {
 }
 
 fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| io_error("could not read", path, e))?;
-    serde_json::from_str(&text).map_err(|e| model_error(path, None, format!("not valid JSON: {e}")))
+    crate::files::read_json(path)
 }
 
 fn read_folder(dir: &Path) -> Result<ModelSpec> {
@@ -606,133 +591,23 @@ fn read_index(path: &Path, json: &Value) -> Result<(Vec<TensorInfo>, usize, bool
 }
 
 /// The tensors of one safetensors file from its header (the 8-byte little-endian length and the
-/// JSON header), checked: known dtypes, offsets that match the shapes and tile the data
-/// section. Returns them (in offset order) and whether the file's data section is shorter than
-/// the header says (a header-only file).
+/// JSON header), checked by [`SafetensorsHeader::read`](crate::files::SafetensorsHeader::read):
+/// a regular file (links followed), known dtypes, offsets that match the shapes and tile the
+/// data section, no tensor named twice. Returns them (in offset order) and whether the file's
+/// data section is shorter than the header says (a header-only file).
 pub fn read_safetensors_header(path: &Path) -> Result<(Vec<TensorInfo>, bool)> {
-    let bad = |reason: String| model_error(path, None, reason);
-    let mut f = std::fs::File::open(path).map_err(|e| io_error("could not open", path, e))?;
-    let file_len = f
-        .metadata()
-        .map_err(|e| io_error("could not read", path, e))?
-        .len();
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len).map_err(|_| {
-        bad(format!(
-            "{file_len} bytes: too short for a safetensors header"
-        ))
-    })?;
-    let n = u64::from_le_bytes(len);
-    if n > MAX_HEADER {
-        return Err(bad(format!(
-            "the header claims {n} bytes (at most {MAX_HEADER}): not a safetensors file"
-        )));
-    }
-    if 8 + n > file_len {
-        return Err(bad(format!(
-            "the header claims {n} bytes but the file has {file_len}: truncated"
-        )));
-    }
-    let mut header = vec![0u8; n as usize];
-    f.read_exact(&mut header)
-        .map_err(|e| io_error("could not read", path, e))?;
-    let text =
-        std::str::from_utf8(&header).map_err(|e| bad(format!("the header is not UTF-8: {e}")))?;
-    let json: Value = serde_json::from_str(text)
-        .map_err(|e| bad(format!("the header is not valid JSON: {e}")))?;
-    let Some(obj) = json.as_object() else {
-        return Err(bad("the header is not a JSON object".into()));
-    };
-    let mut tensors = Vec::new();
-    for (name, entry) in obj {
-        if name == "__metadata__" {
-            continue;
-        }
-        let field = |key: &str| {
-            entry.get(key).ok_or_else(|| {
-                model_error(
-                    path,
-                    Some(name),
-                    format!("no `{key}` in the tensor's entry"),
-                )
-            })
-        };
-        let dtype = field("dtype")?
-            .as_str()
-            .ok_or_else(|| model_error(path, Some(name), "`dtype` is not a string"))?
-            .to_string();
-        let size = dtype_size(&dtype)
-            .ok_or_else(|| model_error(path, Some(name), format!("unknown dtype `{dtype}`")))?;
-        let shape = field("shape")?
-            .as_array()
-            .and_then(|dims| {
-                dims.iter()
-                    .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
-                    .collect::<Option<Vec<usize>>>()
-            })
-            .ok_or_else(|| {
-                model_error(
-                    path,
-                    Some(name),
-                    "`shape` is not a list of non-negative integers",
-                )
-            })?;
-        let offsets = field("data_offsets")?
-            .as_array()
-            .filter(|o| o.len() == 2)
-            .and_then(|o| Some((o[0].as_u64()?, o[1].as_u64()?)))
-            .ok_or_else(|| {
-                model_error(path, Some(name), "`data_offsets` is not a pair of integers")
-            })?;
-        let elems = shape
-            .iter()
-            .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
-            .ok_or_else(|| model_error(path, Some(name), format!("shape {shape:?} overflows")))?;
-        let want = elems.checked_mul(size);
-        if offsets.1 < offsets.0 || Some(offsets.1 - offsets.0) != want {
-            return Err(model_error(
-                path,
-                Some(name),
-                format!(
-                    "data_offsets {offsets:?} hold {} bytes, but {dtype} {shape:?} needs {}",
-                    offsets.1.saturating_sub(offsets.0),
-                    want.map_or("more than 2^64".to_string(), |w| w.to_string())
-                ),
-            ));
-        }
-        tensors.push((
-            offsets,
-            TensorInfo {
-                name: name.clone(),
-                shape,
-                dtype,
-            },
-        ));
-    }
-    tensors.sort_by_key(|(o, _)| *o);
-    // The tensors tile the data section, in order, without gaps or overlaps.
-    let mut end = 0u64;
-    for ((start, stop), t) in &tensors {
-        if *start != end {
-            return Err(model_error(
-                path,
-                Some(&t.name),
-                format!("starts at byte {start} of the data section, expected {end} (a gap or an overlap)"),
-            ));
-        }
-        end = *stop;
-    }
-    let data_end = 8 + n + end;
-    if file_len > data_end {
-        return Err(bad(format!(
-            "{} bytes follow the data section the header describes ({data_end} bytes in all): not a safetensors file, or a damaged one",
-            file_len - data_end
-        )));
-    }
-    Ok((
-        tensors.into_iter().map(|(_, t)| t).collect(),
-        file_len < data_end,
-    ))
+    let header = crate::files::SafetensorsHeader::read(path)?;
+    let complete = header.is_complete();
+    let tensors = header
+        .tensors
+        .into_iter()
+        .map(|t| TensorInfo {
+            name: t.name,
+            shape: t.shape,
+            dtype: t.dtype,
+        })
+        .collect();
+    Ok((tensors, !complete))
 }
 
 #[cfg(test)]

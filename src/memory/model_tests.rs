@@ -1,6 +1,7 @@
 //! Tests of `model.rs`: safetensors headers, folders and indexes, configs, architectures.
 
 use super::*;
+use crate::files::dtype_size;
 
 /// A safetensors file of `entries` (name, dtype, shape), with `data` bytes after the
 /// header (`None`: all of them).
@@ -66,7 +67,7 @@ fn bad_headers_are_errors_naming_the_file_and_tensor() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let cases: Vec<(PathBuf, &str)> = vec![
-        (raw(d, "short.safetensors", "", 0), "not valid JSON"),
+        (raw(d, "short.safetensors", "", 0), "not a valid JSON"),
         (
             raw(
                 d,

@@ -114,22 +114,32 @@ pub(super) fn sum2_by<A: Elem, B: Elem>(a: &[A], b: &[B], f: impl Fn(f32, f32) -
     rest + acc.iter().sum::<f32>()
 }
 
-/// The largest `f(x)` over `xs` (NaNs skipped, `-inf` for none), in 8 lanes like [`sum_by`].
+/// The largest `f(x)` over `xs` (`-inf` for none), in 8 lanes like [`sum_by`]. A NaN anywhere
+/// makes the result NaN: a row of a softmax or a loss that holds a NaN must give NaN, never be
+/// taken for a fully masked row (all `-inf`).
 #[inline(always)]
 pub(super) fn max_by<T: Elem>(xs: &[T], f: impl Fn(f32) -> f32) -> f32 {
+    // `m` stays NaN once it is: `v > NaN` is false and `v != v` only for a NaN `v`.
+    #[allow(clippy::eq_op)]
+    fn pick(m: f32, v: f32) -> f32 {
+        if v > m || v != v {
+            v
+        } else {
+            m
+        }
+    }
     let mut acc = [f32::NEG_INFINITY; 8];
     let chunks = xs.chunks_exact(8);
     let rest = chunks.remainder();
     for c in chunks {
         for (a, v) in acc.iter_mut().zip(c) {
-            let v = f(v.f());
-            *a = if v > *a { v } else { *a };
+            *a = pick(*a, f(v.f()));
         }
     }
     rest.iter()
         .map(|v| f(v.f()))
         .chain(acc)
-        .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
+        .fold(f32::NEG_INFINITY, pick)
 }
 
 /// Defines `fn $name<T: Elem>(args) -> ret` whose body is compiled twice: for the crate's target
@@ -388,7 +398,11 @@ mod tests {
             let max = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             assert_eq!(max_by(&xs, |v| v), max, "n {n}");
         }
-        assert_eq!(max_by(&[1.0f32, f32::NAN, 3.0], |v| v), 3.0);
+        assert!(max_by(&[1.0f32, f32::NAN, 3.0], |v| v).is_nan());
+        assert!(max_by(&[f32::NAN; 11], |v| v).is_nan());
+        let mut lanes = [0.5f32; 17];
+        lanes[9] = f32::NAN;
+        assert!(max_by(&lanes, |v| v).is_nan());
         assert!(tanh_f32(f32::NAN).is_nan() && exp_f32(f32::NAN).is_nan());
     }
 }

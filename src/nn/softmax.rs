@@ -236,5 +236,29 @@ mod tests {
         let mut z = [f32::NEG_INFINITY; 3];
         softmax_in_place(&mut z, false);
         assert!(z.iter().all(|v| v.is_nan()));
+        // A row of NaN (a model with NaN weights) is not a masked row: NaN comes out, as from
+        // PyTorch, even where fully masked rows give zeros.
+        for n in [3usize, 8, 19] {
+            let mut nan = vec![f32::NAN; n];
+            softmax_in_place(&mut nan, true);
+            assert!(nan.iter().all(|v| v.is_nan()), "n {n}");
+            let mut one = vec![0.25f32; n];
+            one[n / 2] = f32::NAN;
+            softmax_in_place(&mut one, true);
+            assert!(one.iter().all(|v| v.is_nan()), "n {n}");
+        }
+    }
+
+    /// The fused causal softmax and attention propagate NaN scores instead of writing zeros.
+    #[test]
+    fn nan_scores_give_nan() {
+        let x = Tensor::full(f32::NAN, (1, 1, 4, 4), &candle_core::Device::Cpu).unwrap();
+        let y = causal_softmax(&x, 1.0).unwrap();
+        let v = y.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        // Every key a query sees is NaN; the causally masked ones stay 0.
+        for (i, v) in v.iter().enumerate() {
+            let (q, k) = (i / 4, i % 4);
+            assert_eq!(v.is_nan(), k <= q, "query {q} key {k}: {v}");
+        }
     }
 }

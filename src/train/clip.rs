@@ -85,3 +85,29 @@ pub(crate) fn clamp_grads(vars: &[Var], grads: &mut GradStore, clip: f64) -> Res
 pub(crate) fn grad_norm(vars: &[Var], grads: &GradStore) -> Result<f64> {
     Ok(grad_sq_sum(vars, grads)?.sqrt())
 }
+
+/// `None` when every value of the float tensor `t` is finite; else what it holds (`"3 NaN and
+/// 1 infinite values of 4096"`). One elementwise pass and one reduction on `t`'s device, and one
+/// scalar read back; the counts are computed only for a tensor that fails. Integer tensors are
+/// finite.
+pub(crate) fn non_finite(t: &Tensor) -> Result<Option<String>> {
+    if !t.dtype().is_float() {
+        return Ok(None);
+    }
+    // x * 0 is 0 for a finite x and NaN for a NaN or an infinity.
+    let zeros = t.affine(0.0, 0.0)?;
+    let probe = zeros.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    if probe == 0.0 {
+        return Ok(None);
+    }
+    let count = |m: Tensor| -> Result<u64> {
+        Ok(m.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? as u64)
+    };
+    let total = t.elem_count() as u64;
+    let nan = count(t.ne(t)?)?;
+    let finite = count(zeros.eq(&zeros.zeros_like()?)?)?;
+    let infinite = total.saturating_sub(nan).saturating_sub(finite);
+    Ok(Some(format!(
+        "{nan} NaN and {infinite} infinite values of {total}"
+    )))
+}

@@ -83,6 +83,14 @@ impl SimpleBackend for SeededVarMap {
             }
             return Ok(var.as_tensor().clone());
         }
+        // Drawn in f64 on the host first: check that it can be, rather than abort.
+        let spec = crate::train::weights::ParamSpec {
+            name: name.to_string(),
+            shape: shape.dims().to_vec(),
+            dtype: DType::F64,
+        };
+        crate::train::shapes::check_allocatable(&[spec], &Device::Cpu)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let values = draw(init, &shape, rng_for(self.seed, name))?;
         let tensor = Tensor::from_vec(values, shape, &Device::Cpu)?
             .to_dtype(dtype)?

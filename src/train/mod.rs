@@ -12,4 +12,5 @@ pub(crate) mod optimizer;
 pub(crate) mod params;
 pub(crate) mod reducer;
 pub mod scheduler;
+pub(crate) mod shapes;
 pub(crate) mod weights;

@@ -8,12 +8,13 @@
 //! any parameter changes. An error names the file and the tensor.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs;
 use std::path::{Path, PathBuf};
 
 use candle_core::safetensors::Load;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use safetensors::SafeTensors;
+
+use crate::files::SafetensorsHeader;
 
 use crate::error::{Error, Result};
 use crate::train::params::Parameters;
@@ -91,10 +92,18 @@ impl WeightFiles {
     }
 
     fn from_index(index: &Path) -> Result<Self> {
-        let text = fs::read_to_string(index)
-            .map_err(|e| io_file_err(index, "could not read the index", e))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| file_err(index, None, format!("not valid JSON: {e}")))?;
+        let json = crate::files::read_json(index)?;
+        if json.get("weight_map").is_none() && json.get("model_type").is_some() {
+            return Err(file_err(
+                index,
+                None,
+                format!(
+                    "this is a model's {CONFIG_FILE}, not a weights index: pass the model's \
+                     folder ({})",
+                    index.parent().unwrap_or(Path::new(".")).display()
+                ),
+            ));
+        }
         let map = json
             .get("weight_map")
             .and_then(|m| m.as_object())
@@ -168,51 +177,7 @@ impl WeightFiles {
     }
 }
 
-/// One safetensors file's tensor from its header: dtype, shape and byte range in the data.
-struct HeaderEntry {
-    dtype: String,
-    shape: Vec<usize>,
-    offsets: (usize, usize),
-}
-
-/// Reads the header of a safetensors file by hand, to say which tensor a truncated file cuts
-/// off (the `safetensors` crate only says that the file is incomplete).
-fn truncated_tensor(bytes: &[u8]) -> Option<(String, HeaderEntry, usize)> {
-    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
-    let header = bytes.get(8..8usize.checked_add(n)?)?;
-    let json: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
-    let data_len = bytes.len() - 8 - n;
-    let mut entries: Vec<(String, HeaderEntry)> = json
-        .into_iter()
-        .filter(|(k, _)| k != "__metadata__")
-        .filter_map(|(k, v)| {
-            let offsets = v.get("data_offsets")?.as_array()?;
-            let (a, b) = (offsets.first()?.as_u64()?, offsets.get(1)?.as_u64()?);
-            let shape = v
-                .get("shape")?
-                .as_array()?
-                .iter()
-                .map(|d| d.as_u64().map(|d| d as usize))
-                .collect::<Option<Vec<_>>>()?;
-            let dtype = v.get("dtype")?.as_str()?.to_string();
-            Some((
-                k,
-                HeaderEntry {
-                    dtype,
-                    shape,
-                    offsets: (a as usize, b as usize),
-                },
-            ))
-        })
-        .collect();
-    entries.sort_by_key(|(_, e)| e.offsets.0);
-    entries
-        .into_iter()
-        .find(|(_, e)| e.offsets.1 > data_len)
-        .map(|(k, e)| (k, e, data_len))
-}
-
-/// A mapped safetensors file and its parsed header.
+/// A mapped safetensors file, its header checked.
 struct Mapped {
     path: PathBuf,
     mmap: memmap2::Mmap,
@@ -220,7 +185,7 @@ struct Mapped {
 
 impl Mapped {
     fn open(path: &Path) -> Result<Self> {
-        let file = fs::File::open(path).map_err(|e| io_file_err(path, "could not open it", e))?;
+        let (file, _) = crate::files::open_regular(path)?;
         // SAFETY: the map is read-only and lives as long as this value. Another process
         // truncating the file while it is mapped would fault the reader; that is the contract of
         // every memory-mapped checkpoint loader (Candle's `MmapedSafetensors` included), and
@@ -235,22 +200,6 @@ impl Mapped {
 
     fn tensors(&self) -> Result<SafeTensors<'_>> {
         SafeTensors::deserialize(&self.mmap).map_err(|e| {
-            if let Some((name, entry, data_len)) = truncated_tensor(&self.mmap) {
-                return file_err(
-                    &self.path,
-                    Some(&name),
-                    format!(
-                        "the file is truncated: this {} tensor {:?} needs bytes {}..{} of the \
-                         data, which has only {data_len} ({} bytes in all; an interrupted \
-                         download or copy?)",
-                        entry.dtype,
-                        entry.shape,
-                        entry.offsets.0,
-                        entry.offsets.1,
-                        self.mmap.len()
-                    ),
-                );
-            }
             file_err(
                 &self.path,
                 None,
@@ -260,9 +209,26 @@ impl Mapped {
     }
 }
 
-fn st_dtype_is_float(d: safetensors::Dtype) -> bool {
-    use safetensors::Dtype as S;
-    matches!(d, S::F16 | S::BF16 | S::F32 | S::F64)
+/// The checked header of a weight file that must hold every byte it describes: a truncated file
+/// is an error naming the first tensor it cuts off.
+fn complete_header(path: &Path) -> Result<SafetensorsHeader> {
+    let header = SafetensorsHeader::read(path)?;
+    if let Some((t, data_len)) = header.first_cut() {
+        return Err(file_err(
+            path,
+            Some(&t.name),
+            format!(
+                "the file is truncated: this {} tensor {:?} needs bytes {}..{} of the data, \
+                 which has only {data_len} ({} bytes in all; an interrupted download or copy?)",
+                t.dtype, t.shape, t.offsets.0, t.offsets.1, header.file_len
+            ),
+        ));
+    }
+    Ok(header)
+}
+
+fn st_dtype_is_float(d: &str) -> bool {
+    matches!(d, "F16" | "BF16" | "F32" | "F64")
 }
 
 /// Loads the weights at `path` (a folder, a `.safetensors` file or a sharded index; see
@@ -294,28 +260,196 @@ pub fn load_weights(path: impl AsRef<Path>, model: &dyn Parameters) -> Result<()
     load_weights_mapped(path, model, |name| Some(name.to_string()))
 }
 
+/// A parameter as a model will hold it: its name, shape and dtype. What
+/// [`check_weights_mapped`] compares weight files with before a model is allocated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamSpec {
+    /// The parameter's name.
+    pub name: String,
+    /// Its dimensions.
+    pub shape: Vec<usize>,
+    /// Its dtype.
+    pub dtype: DType,
+}
+
 /// [`load_weights`] with the files' tensor names mapped to parameter names: `map(name)` gives
 /// the parameter a tensor loads into, or `None` to skip the tensor (a buffer the model does not
-/// keep, a head it does not have). Two tensors mapped to one parameter are an error.
+/// keep, a head it does not have). Two tensors mapped to one parameter are an error. A tensor
+/// holding a NaN or an infinity is an error naming it (one reduction per tensor, on its device).
 pub fn load_weights_mapped(
     path: impl AsRef<Path>,
     model: &dyn Parameters,
     map: impl Fn(&str) -> Option<String>,
 ) -> Result<()> {
-    let found = WeightFiles::find(path.as_ref())?;
+    let params: BTreeMap<String, Var> = model.named_parameters().into_iter().collect();
+    let specs: Vec<ParamSpec> = params
+        .iter()
+        .map(|(name, v)| ParamSpec {
+            name: name.clone(),
+            shape: v.dims().to_vec(),
+            dtype: v.dtype(),
+        })
+        .collect();
+    let (found, plan) = plan_load(path.as_ref(), &specs, &map)?;
     let mapped: Vec<Mapped> = found
         .files
         .iter()
         .map(|p| Mapped::open(p))
         .collect::<Result<_>>()?;
-    let headers: Vec<SafeTensors<'_>> =
-        mapped.iter().map(|m| m.tensors()).collect::<Result<_>>()?;
+    let views: Vec<SafeTensors<'_>> = mapped.iter().map(|m| m.tensors()).collect::<Result<_>>()?;
 
-    // Which file each tensor comes from, checked against the index.
-    let mut sources: BTreeMap<String, (usize, String)> = BTreeMap::new(); // param -> (file, tensor)
-    for (i, st) in headers.iter().enumerate() {
+    // Read, convert and check everything, then set.
+    let mut values: Vec<(Var, Tensor)> = Vec::with_capacity(plan.len());
+    for (param, i, tensor) in plan {
+        let Some(var) = params.get(&param) else {
+            continue; // every planned parameter is one of `params`
+        };
         let file = &found.files[i];
-        let mut names = st.names();
+        let read = || -> candle_core::Result<Tensor> {
+            let view = views[i]
+                .tensor(&tensor)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            view.load(var.device())?.to_dtype(var.dtype())
+        };
+        let t = read().map_err(|e| file_err(file, Some(&tensor), format!("could not read: {e}")))?;
+        if let Some(what) = crate::train::clip::non_finite(&t)? {
+            return Err(file_err(
+                file,
+                Some(&tensor),
+                format!(
+                    "it holds {what}: a model is never loaded with non-finite weights (a damaged \
+                     file, or a model saved after its training diverged)"
+                ),
+            ));
+        }
+        values.push((var.clone(), t));
+    }
+    for (var, t) in values {
+        var.set(&t)?;
+    }
+    Ok(())
+}
+
+/// Checks the weight files at `path` against the parameters a model will have, reading headers
+/// only (nothing is allocated for the weights): every parameter in the files under its name
+/// after `map` (see [`load_weights_mapped`]), no unexpected tensor, every shape equal, float
+/// tensors for float parameters, no file truncated, no tensor named twice. What a model loader
+/// calls before it allocates the model, so that a `config.json` claiming sizes its files do not
+/// hold is an error naming the tensor rather than an allocation of whatever size it claims.
+pub fn check_weights_mapped(
+    path: impl AsRef<Path>,
+    params: &[ParamSpec],
+    map: impl Fn(&str) -> Option<String>,
+) -> Result<()> {
+    plan_load(path.as_ref(), params, &map).map(drop)
+}
+
+/// The files at `path` and, for each parameter of `params`, the file (an index into
+/// `WeightFiles::files`) and tensor it loads from, every check of [`check_weights_mapped`] done
+/// on the headers.
+fn plan_load(
+    path: &Path,
+    params: &[ParamSpec],
+    map: &dyn Fn(&str) -> Option<String>,
+) -> Result<(WeightFiles, Vec<(String, usize, String)>)> {
+    let found = WeightFiles::find(path)?;
+    let headers: Vec<SafetensorsHeader> = found
+        .files
+        .iter()
+        .map(|p| complete_header(p))
+        .collect::<Result<_>>()?;
+    let sources = tensor_sources(&found, &headers, map)?;
+    let params: BTreeMap<&str, &ParamSpec> = params.iter().map(|p| (p.name.as_str(), p)).collect();
+    let file_list = || {
+        found
+            .files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let missing: Vec<&&str> = params
+        .keys()
+        .filter(|n| !sources.contains_key(**n))
+        .collect();
+    if let Some(first) = missing.first() {
+        let at = found.index_file().unwrap_or(&found.files[0]);
+        return Err(file_err(
+            at,
+            Some(first),
+            format!(
+                "missing: the model has this parameter, no file holds it ({} missing in all; \
+                 files: {})",
+                missing.len(),
+                file_list()
+            ),
+        ));
+    }
+    let unexpected: Vec<(&String, &(usize, String))> = sources
+        .iter()
+        .filter(|(p, _)| !params.contains_key(p.as_str()))
+        .collect();
+    if let Some((param, (i, tensor))) = unexpected.first() {
+        let renamed = if *param != tensor {
+            format!(" (as parameter `{param}`)")
+        } else {
+            String::new()
+        };
+        return Err(file_err(
+            &found.files[*i],
+            Some(tensor),
+            format!(
+                "unexpected: the file holds this tensor{renamed}, the model has no such \
+                 parameter ({} unexpected in all)",
+                unexpected.len()
+            ),
+        ));
+    }
+    let mut plan = Vec::with_capacity(params.len());
+    for (name, spec) in &params {
+        let Some((i, tensor)) = sources.get(*name) else {
+            continue; // reported above
+        };
+        let file = &found.files[*i];
+        let Some(entry) = headers[*i].get(tensor) else {
+            return Err(file_err(file, Some(tensor), "not in the file's header"));
+        };
+        if entry.shape != spec.shape {
+            return Err(file_err(
+                file,
+                Some(tensor),
+                format!(
+                    "shape {:?} in the file, but the model's parameter `{name}` is {:?}",
+                    entry.shape, spec.shape
+                ),
+            ));
+        }
+        if st_dtype_is_float(&entry.dtype) != spec.dtype.is_float() {
+            return Err(file_err(
+                file,
+                Some(tensor),
+                format!(
+                    "dtype {} in the file, but the model's parameter `{name}` is {:?}",
+                    entry.dtype, spec.dtype
+                ),
+            ));
+        }
+        plan.push((name.to_string(), *i, tensor.clone()));
+    }
+    Ok((found, plan))
+}
+
+/// Which file and tensor each parameter comes from (parameter → (file, tensor)), checked
+/// against the index of a sharded checkpoint.
+fn tensor_sources(
+    found: &WeightFiles,
+    headers: &[SafetensorsHeader],
+    map: &dyn Fn(&str) -> Option<String>,
+) -> Result<BTreeMap<String, (usize, String)>> {
+    let mut sources: BTreeMap<String, (usize, String)> = BTreeMap::new();
+    for (i, header) in headers.iter().enumerate() {
+        let file = &found.files[i];
+        let mut names: Vec<&str> = header.tensors.iter().map(|t| t.name.as_str()).collect();
         names.sort_unstable();
         for tensor in names {
             if let Some((index, tensors)) = &found.index {
@@ -360,7 +494,7 @@ pub fn load_weights_mapped(
     }
     if let Some((index, tensors)) = &found.index {
         for (tensor, &i) in tensors {
-            if headers[i].tensor(tensor).is_err() {
+            if headers[i].get(tensor).is_none() {
                 return Err(file_err(
                     &found.files[i],
                     Some(tensor),
@@ -372,102 +506,5 @@ pub fn load_weights_mapped(
             }
         }
     }
-
-    // Check every parameter against its tensor, and every tensor against the model.
-    let params: BTreeMap<String, Var> = model.named_parameters().into_iter().collect();
-    let file_list = || {
-        found
-            .files
-            .iter()
-            .map(|f| f.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let missing: Vec<&String> = params
-        .keys()
-        .filter(|n| !sources.contains_key(*n))
-        .collect();
-    if let Some(first) = missing.first() {
-        let at = found.index_file().unwrap_or(&found.files[0]);
-        return Err(file_err(
-            at,
-            Some(first),
-            format!(
-                "missing: the model has this parameter, no file holds it ({} missing in all; \
-                 files: {})",
-                missing.len(),
-                file_list()
-            ),
-        ));
-    }
-    let unexpected: Vec<(&String, &(usize, String))> = sources
-        .iter()
-        .filter(|(p, _)| !params.contains_key(*p))
-        .collect();
-    if let Some((param, (i, tensor))) = unexpected.first() {
-        let renamed = if *param != tensor {
-            format!(" (as parameter `{param}`)")
-        } else {
-            String::new()
-        };
-        return Err(file_err(
-            &found.files[*i],
-            Some(tensor),
-            format!(
-                "unexpected: the file holds this tensor{renamed}, the model has no such \
-                 parameter ({} unexpected in all)",
-                unexpected.len()
-            ),
-        ));
-    }
-    let mut plan: Vec<(Var, usize, &str)> = Vec::with_capacity(params.len());
-    for (name, var) in &params {
-        let Some((i, tensor)) = sources.get(name) else {
-            continue; // reported above
-        };
-        let view = headers[*i]
-            .tensor(tensor)
-            .map_err(|e| file_err(&found.files[*i], Some(tensor), e.to_string()))?;
-        if view.shape() != var.dims() {
-            return Err(file_err(
-                &found.files[*i],
-                Some(tensor),
-                format!(
-                    "shape {:?} in the file, but the model's parameter `{name}` is {:?}",
-                    view.shape(),
-                    var.dims()
-                ),
-            ));
-        }
-        if st_dtype_is_float(view.dtype()) != var.dtype().is_float() {
-            return Err(file_err(
-                &found.files[*i],
-                Some(tensor),
-                format!(
-                    "dtype {:?} in the file, but the model's parameter `{name}` is {:?}",
-                    view.dtype(),
-                    var.dtype()
-                ),
-            ));
-        }
-        plan.push((var.clone(), *i, tensor.as_str()));
-    }
-
-    // Read and convert everything, then set.
-    let mut values: Vec<(Var, Tensor)> = Vec::with_capacity(plan.len());
-    for (var, i, tensor) in plan {
-        let file = &found.files[i];
-        let read = || -> candle_core::Result<Tensor> {
-            let view = headers[i]
-                .tensor(tensor)
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-            view.load(var.device())?.to_dtype(var.dtype())
-        };
-        let t = read().map_err(|e| file_err(file, Some(tensor), format!("could not read: {e}")))?;
-        values.push((var, t));
-    }
-    for (var, t) in values {
-        var.set(&t)?;
-    }
-    Ok(())
+    Ok(sources)
 }

@@ -411,7 +411,8 @@ fn named_optimizer_base(name: &str) -> String {
 }
 
 pub use super::weights::{
-    load_weights, load_weights_mapped, WeightFiles, CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
+    check_weights_mapped, load_weights, load_weights_mapped, ParamSpec, WeightFiles, CONFIG_FILE,
+    INDEX_FILE, SINGLE_FILE,
 };
 
 pub use adapter::{
