@@ -254,6 +254,16 @@ pub enum Error {
         source: Option<std::io::Error>,
     },
 
+    /// An output folder cannot receive what a run would save there (checked before the run
+    /// trains, see [`check_output_dir`](crate::checkpoint::check_output_dir)).
+    #[error("output folder {}: {reason}", path.display())]
+    OutputFolder {
+        /// The folder.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// Another run holds the checkpoint directory (two runs saving into one folder would
     /// overwrite and rotate away each other's checkpoints).
     #[error("checkpoint directory {} is in use by another run ({holder}); give this run its own directory", path.display())]

@@ -233,3 +233,129 @@ fn weight_files_get_the_permissions_of_any_new_file() {
         );
     }
 }
+
+/// Bytes of every file under `dir` (links read through), by relative path.
+fn contents(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let rel = p.strip_prefix(dir).unwrap().display().to_string();
+                out.insert(rel, fs::read(&p).unwrap());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn a_save_replaces_the_folder_whole_and_never_with_non_finite_weights() {
+    use std::os::unix::fs::MetadataExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("model");
+    users_folder(&out);
+    let p = params(0.3, HIDDEN);
+    write_model_folder(&out, &p, 1 << 30, Some(&serde_json::json!({"a": 1}))).unwrap();
+    // A reader that opened the old weights keeps reading them whole while a new save lands.
+    let held = fs::File::open(out.join("model.safetensors")).unwrap();
+    let old_weights = fs::read(out.join("model.safetensors")).unwrap();
+    let before_ino = fs::metadata(&out).unwrap().ino();
+    write_model_folder(&out, &params(0.7, HIDDEN), 1 << 30, None).unwrap();
+    // The folder was swapped in one step: a new folder under the same name, the user's files
+    // (and subfolders) in it, the earlier config kept.
+    assert_ne!(fs::metadata(&out).unwrap().ino(), before_ino);
+    users_files_intact(&out);
+    assert!(out.join("config.json").is_file());
+    let mut old = Vec::new();
+    std::io::Read::read_to_end(&mut &held, &mut old).unwrap();
+    assert_eq!(old, old_weights);
+    no_leftovers(tmp.path());
+
+    // NaN or infinite weights: an error naming the tensor, the folder untouched.
+    let snapshot_before = contents(&out);
+    let bad = params(0.3, HIDDEN);
+    let w = bad[0].1.as_tensor();
+    let mut v = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    v[3] = f32::NAN;
+    v[5] = f32::INFINITY;
+    bad[0]
+        .1
+        .set(&candle_core::Tensor::from_vec(v, w.shape(), w.device()).unwrap())
+        .unwrap();
+    for e in [
+        write_model_folder(&out, &bad, 1 << 30, None).unwrap_err(),
+        single().save_model_sharded(&out, &bad, 600).unwrap_err(),
+        save_adapter(&out, &serde_json::json!({"r": 2}), &bad).unwrap_err(),
+    ] {
+        let msg = e.to_string();
+        assert!(msg.contains(&format!("{}`", bad[0].0)), "{msg}");
+        assert!(msg.contains("1 NaN and 1 infinite"), "{msg}");
+    }
+    assert_eq!(contents(&out), snapshot_before);
+    no_leftovers(tmp.path());
+}
+
+#[test]
+fn links_to_folders_are_saved_through_and_dangling_links_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let real = tmp.path().join("real");
+    users_folder(&real);
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let p = params(0.3, HIDDEN);
+    write_model_folder(&link, &p, 1 << 30, None).unwrap();
+    assert!(fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+    users_files_intact(&real);
+    loads_back(&real, &p);
+    no_leftovers(tmp.path());
+
+    let dangling = tmp.path().join("dangling");
+    std::os::unix::fs::symlink(tmp.path().join("nowhere"), &dangling).unwrap();
+    let msg = write_model_folder(&dangling, &p, 1 << 30, None)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("leads nowhere"), "{msg}");
+    assert!(!tmp.path().join("nowhere").exists());
+}
+
+#[test]
+fn output_folders_are_checked_before_a_run() {
+    use accelerate_rs::checkpoint::check_output_dir;
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("base");
+    users_folder(&input);
+    let refused = |dir: &Path, overwrite: bool, says: &str| {
+        let e = check_output_dir(dir, &[&input], overwrite).unwrap_err();
+        assert!(
+            matches!(&e, Error::OutputFolder { path, .. } if path == dir),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains(says), "{e}");
+    };
+    // Absent (its parents are created), or empty: fine.
+    let new = tmp.path().join("runs/a/out");
+    check_output_dir(&new, &[&input], false).unwrap();
+    assert!(new.parent().unwrap().is_dir() && !new.exists());
+    // The input folder, under any spelling.
+    refused(&input, true, "input folder");
+    refused(&tmp.path().join("runs/../base"), true, "input folder");
+    // A folder with files: refused unless overwrite is asked for.
+    let used = tmp.path().join("used");
+    users_folder(&used);
+    refused(&used, false, "already holds 3 entries (notes.txt, runs, tokenizer.json)");
+    check_output_dir(&used, &[&input], true).unwrap();
+    users_files_intact(&used);
+    // A file; a path under a file; a dangling link.
+    let file = tmp.path().join("file");
+    fs::write(&file, b"mine").unwrap();
+    refused(&file, true, "not a folder");
+    refused(&file.join("out"), true, "cannot be created");
+    let dangling = tmp.path().join("dangling");
+    std::os::unix::fs::symlink(tmp.path().join("nowhere"), &dangling).unwrap();
+    refused(&dangling, true, "leads nowhere");
+    assert_eq!(fs::read(&file).unwrap(), b"mine");
+}

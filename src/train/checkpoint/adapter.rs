@@ -8,9 +8,8 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::io::write_safetensors;
-use super::model_files::{
-    check_folder_target, fresh_tmp, model_write_err, place_files, write_json,
-};
+use super::model_files::{model_write_err, write_json};
+use super::place::{check_folder_target, fresh_tmp, place_files};
 use super::named_tensors;
 use crate::error::{Error, Result};
 use crate::nn::LoraConfig;
@@ -71,6 +70,7 @@ fn write_adapter(dir: &Path, config: &Value, adapters: &dyn Parameters) -> Resul
         ));
     }
     check_folder_target(dir)?;
+    super::model_files::check_finite(dir, &tensors)?;
     let tmp = fresh_tmp(dir)?;
     let written = write_safetensors(&tmp.join(ADAPTER_WEIGHTS_FILE), &tensors)
         .and_then(|()| write_json(&tmp.join(ADAPTER_CONFIG_FILE), config));

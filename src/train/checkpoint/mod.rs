@@ -87,6 +87,7 @@ mod load;
 mod manifest;
 mod model_files;
 mod optimizer;
+mod place;
 mod rotation;
 mod save;
 
@@ -97,6 +98,7 @@ pub use manifest::{
 };
 pub(crate) use model_files::{save_model, save_model_sharded};
 pub use model_files::{write_model_folder, SHARD_INDEX_FILE};
+pub use place::check_output_dir;
 pub use rotation::latest_checkpoint;
 pub(crate) use save::{save_state, save_state_auto};
 

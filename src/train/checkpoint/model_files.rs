@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::Tensor;
 
@@ -11,7 +11,8 @@ use crate::collective::Collective;
 use crate::error::{Error, Result};
 use crate::train::params::Parameters;
 
-use super::io::{sync_dir, sync_file, write_safetensors};
+use super::io::{sync_file, write_safetensors};
+use super::place::{check_folder_target, fresh_tmp, place_files};
 use super::load::agree;
 use super::{io_err, named_tensors, with_suffix, write_err, CONFIG_FILE, MODEL_FILE};
 
@@ -52,6 +53,7 @@ pub(crate) fn save_model(c: &dyn Collective, path: &Path, model: &dyn Parameters
                         .map_err(|e| write_err(f, "could not create the folder", Some(e)))
                 })
                 .and_then(|()| named_tensors(model))
+                .and_then(|t| check_finite(path, &t).map(|()| t))
                 .and_then(|t| write_safetensors(&tmp, &t))
                 .and_then(|()| {
                     fs::rename(&tmp, path).map_err(|e| io_err("renaming the model into", path, e))
@@ -65,6 +67,26 @@ pub(crate) fn save_model(c: &dyn Collective, path: &Path, model: &dyn Parameters
         Ok(())
     };
     agree(c, "save_model", path, result).map_err(model_write_err)
+}
+
+/// An error naming the first tensor of `tensors` that holds a NaN or an infinity: a model folder
+/// is never written with non-finite weights (they would replace a sound save with a model that
+/// only computes NaN). One reduction per tensor.
+pub(super) fn check_finite(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    for (name, t) in tensors {
+        if let Some(what) = crate::train::clip::non_finite(t)? {
+            return Err(Error::ModelFile {
+                path: path.to_path_buf(),
+                tensor: Some(name.clone()),
+                reason: format!(
+                    "not saved: the parameter holds {what} (training diverged; nothing was \
+                     written, an earlier save there is untouched)"
+                ),
+                source: None,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The index Hugging Face tooling reads next to sharded safetensors files.
@@ -108,6 +130,7 @@ pub(super) fn write_sharded(
     }
     check_folder_target(dir)?;
     let tensors = named_tensors(model)?;
+    check_finite(dir, &tensors)?;
     let shards = plan_shards(&tensors, max_shard_bytes);
     let tmp = fresh_tmp(dir)?;
     if let Err(e) = write_shards(&tmp, &tensors, &shards, config) {
@@ -160,30 +183,6 @@ pub(super) fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     sync_file(path)
 }
 
-/// An error unless `dir` is absent or a folder: a model is saved as a folder, written into an
-/// existing one, never in place of a file.
-pub(super) fn check_folder_target(dir: &Path) -> Result<()> {
-    match fs::metadata(dir) {
-        Ok(m) if !m.is_dir() => Err(write_err(
-            dir,
-            "it exists and is not a folder (a model is saved as a folder): \
-             move it or choose another path",
-            None,
-        )),
-        _ => Ok(()),
-    }
-}
-
-/// A new, empty `<dir>.tmp-<pid>` (a stale one of this process id removed first).
-pub(super) fn fresh_tmp(dir: &Path) -> Result<PathBuf> {
-    let tmp = with_suffix(dir, &format!(".tmp-{}", std::process::id()));
-    if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(|e| io_err("removing stale", &tmp, e))?;
-    }
-    fs::create_dir_all(&tmp).map_err(|e| write_err(&tmp, "could not create it", Some(e)))?;
-    Ok(tmp)
-}
-
 /// The weight files of a Hugging Face model folder: `model.safetensors`, the shard index and
 /// `model-NNNNN-of-NNNNN.safetensors` shards.
 fn is_model_weights_file(name: &str) -> bool {
@@ -194,51 +193,6 @@ fn is_model_weights_file(name: &str) -> bool {
         Some(digits(i) && digits(n))
     };
     name == MODEL_FILE || name == SHARD_INDEX_FILE || shard() == Some(true)
-}
-
-/// Puts the files of the finished folder `tmp` into `dir` and removes `tmp`, keeping whatever
-/// else `dir` holds (a tokenizer, a README, the user's own files), as `transformers`'
-/// `save_pretrained` does. `dir` absent: `tmp` is renamed to it, in one step. Else each file is
-/// renamed into `dir` (replacing the file of that name), the weights first and the JSON files
-/// that point at them last (`config.json` the very last), and then the files of an earlier save
-/// that `stale` names and this save did not write (the shards of a differently sharded save)
-/// are removed. The callers have checked [`check_folder_target`] before writing `tmp`.
-pub(super) fn place_files(tmp: &Path, dir: &Path, stale: fn(&str) -> bool) -> Result<()> {
-    sync_dir(tmp);
-    if fs::symlink_metadata(dir).is_err() {
-        fs::rename(tmp, dir).map_err(|e| io_err("renaming the new folder into", dir, e))?;
-        if let Some(parent) = dir.parent() {
-            sync_dir(parent);
-        }
-        return Ok(());
-    }
-    let mut names = file_names(tmp)?;
-    names.sort_by_key(|n| (n.ends_with(".json"), n == CONFIG_FILE, n.clone()));
-    for name in &names {
-        let to = dir.join(name);
-        fs::rename(tmp.join(name), &to).map_err(|e| io_err("moving the new file into", &to, e))?;
-    }
-    for name in file_names(dir)? {
-        if stale(&name) && !names.contains(&name) {
-            let path = dir.join(&name);
-            fs::remove_file(&path).map_err(|e| io_err("removing the earlier save's", &path, e))?;
-        }
-    }
-    sync_dir(dir);
-    fs::remove_dir(tmp).map_err(|e| io_err("removing the emptied", tmp, e))
-}
-
-/// The names of the files (not folders) in `dir`.
-fn file_names(dir: &Path) -> Result<Vec<String>> {
-    let mut names = Vec::new();
-    for entry in fs::read_dir(dir).map_err(|e| io_err("listing", dir, e))? {
-        let entry = entry.map_err(|e| io_err("listing", dir, e))?;
-        let is_file = entry.file_type().map(|t| t.is_file()).unwrap_or(false);
-        if let (true, Some(name)) = (is_file, entry.file_name().to_str()) {
-            names.push(name.to_string());
-        }
-    }
-    Ok(names)
 }
 
 /// See [`Accelerator::save_model_sharded`](crate::Accelerator::save_model_sharded).
