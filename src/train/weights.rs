@@ -80,6 +80,9 @@ impl WeightFiles {
             ));
         }
         if !path.is_file() {
+            if path.exists() {
+                crate::files::check_regular(path)?;
+            }
             return Err(file_err(path, None, "no such file or folder"));
         }
         if path.extension().is_some_and(|e| e == "json") {

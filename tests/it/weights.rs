@@ -271,3 +271,65 @@ fn an_index_may_not_point_outside_its_folder() {
         .to_string();
     assert!(msg.contains("not a plain file name"), "{msg}");
 }
+
+/// A safetensors file of raw `header` JSON followed by `data` zero bytes.
+fn raw_file(path: &Path, header: &str, data: usize) {
+    let mut b = (header.len() as u64).to_le_bytes().to_vec();
+    b.extend_from_slice(header.as_bytes());
+    b.extend(std::iter::repeat_n(0u8, data));
+    std::fs::write(path, b).unwrap();
+}
+
+#[test]
+fn hostile_headers_and_values_are_errors_naming_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = vec![(
+        "w".to_string(),
+        Var::from_tensor(&Tensor::zeros(2, DType::F32, &Device::Cpu).unwrap()).unwrap(),
+    )];
+    let file = dir.path().join("m.safetensors");
+    let name = file.display().to_string();
+    // Two tensors of one name: the JSON object keeps only the last; refused.
+    raw_file(
+        &file,
+        r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"w":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}"#,
+        16,
+    );
+    let msg = model_file_err(load_weights(&file, &model).unwrap_err(), &name, Some("w"));
+    assert!(msg.contains("named twice"), "{msg}");
+    // A shape that its bytes do not match: named.
+    raw_file(
+        &file,
+        r#"{"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+        8,
+    );
+    let msg = model_file_err(load_weights(&file, &model).unwrap_err(), &name, Some("w"));
+    assert!(msg.contains("needs 12"), "{msg}");
+    // NaN and infinite weights: refused, the model unchanged.
+    let bad: HashMap<String, Tensor> = [(
+        "w".to_string(),
+        Tensor::new(&[f32::NAN, f32::NEG_INFINITY], &Device::Cpu).unwrap(),
+    )]
+    .into_iter()
+    .collect();
+    candle_core::safetensors::save(&bad, &file).unwrap();
+    let msg = model_file_err(load_weights(&file, &model).unwrap_err(), &name, Some("w"));
+    assert!(msg.contains("1 NaN and 1 infinite values of 2"), "{msg}");
+    assert_eq!(model[0].1.as_tensor().to_vec1::<f32>().unwrap(), [0.0, 0.0]);
+    // Not a regular file: a FIFO is refused without blocking, a device without reading it.
+    let fifo = dir.path().join("fifo.safetensors");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let msg = load_weights(&fifo, &model).unwrap_err().to_string();
+    assert!(msg.contains("FIFO"), "{msg}");
+    let msg = load_weights(Path::new("/dev/zero"), &model)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("character device"), "{msg}");
+    // A model's config.json given as the weights: said so.
+    let config = dir.path().join("config.json");
+    std::fs::write(&config, r#"{"model_type": "llama"}"#).unwrap();
+    let msg = load_weights(&config, &model).unwrap_err().to_string();
+    assert!(msg.contains("pass the model's folder"), "{msg}");
+}
