@@ -254,6 +254,20 @@ pub enum Error {
         source: Option<std::io::Error>,
     },
 
+    /// The averaged gradients of an optimizer step hold a NaN or an infinity, with the
+    /// `nonfinite` setting at `error` (the default, see [`NonFinite`](crate::NonFinite)).
+    #[error("rank {rank}: optimizer step {step}: the gradient of `{param}` holds {detail}; the loss or the gradients turned non-finite (a learning rate too high, a bad batch, an epsilon of 0 or below in the model's configuration?). Nothing was stepped; set `nonfinite` to `skip-step` (ACCELERATE_RS_NONFINITE=skip-step) to skip such steps instead")]
+    NonFinite {
+        /// This process's rank.
+        rank: usize,
+        /// The optimizer step (1 for the first) whose gradients were checked.
+        step: u64,
+        /// The first parameter (in name order) whose gradient is not finite.
+        param: String,
+        /// What its gradient holds (`3 NaN and 0 infinite values of 4096`).
+        detail: String,
+    },
+
     /// An output folder cannot receive what a run would save there (checked before the run
     /// trains, see [`check_output_dir`](crate::checkpoint::check_output_dir)).
     #[error("output folder {}: {reason}", path.display())]

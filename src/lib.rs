@@ -214,7 +214,8 @@ pub use data::{
 };
 pub use error::{Error, ReplicaCause, ReplicaFailure, Result};
 pub use settings::{
-    ConfigFile, DistributedType, MissingGradients, MixedPrecision, ProcessState, Transport,
+    ConfigFile, DistributedType, MissingGradients, MixedPrecision, NonFinite, ProcessState,
+    Transport,
 };
 pub use train::batch_size::BatchSizeSearch;
 pub use train::init::seeded_var_builder;

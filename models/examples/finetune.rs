@@ -91,6 +91,14 @@ struct Args {
     /// Train LoRA adapters of this rank only (the base frozen) instead of every parameter.
     #[arg(long)]
     lora_r: Option<usize>,
+    /// Continue training the PEFT adapter folder DIR (its `adapter_config.json` sets the rank,
+    /// alpha and targets; every field and tensor is checked) instead of new adapters.
+    #[arg(long, conflicts_with_all = ["lora_r", "lora_alpha", "lora_targets", "rslora"])]
+    adapter: Option<PathBuf>,
+    /// Write into `--output` (and `--merge`, `--probe`) even when they already hold files:
+    /// without it, a run refuses a non-empty output folder rather than replace a user's files.
+    #[arg(long)]
+    overwrite: bool,
     /// LoRA's alpha (the update is scaled by alpha / r); default 2 r.
     #[arg(long)]
     lora_alpha: Option<f64>,
@@ -269,9 +277,11 @@ fn main() -> Result<()> {
         "f16" => DType::F16,
         other => bail!("--dtype {other}: expected f32, bf16 or f16"),
     };
-    if args.merge.is_some() && args.lora_r.is_none() {
-        bail!("--merge writes merged LoRA adapters: it needs --lora-r");
+    let lora = args.lora_r.is_some() || args.adapter.is_some();
+    if args.merge.is_some() && !lora {
+        bail!("--merge writes merged LoRA adapters: it needs --lora-r or --adapter");
     }
+    check_outputs(&args)?;
     let mixed = accelerator.state().mixed_precision();
     if mixed != MixedPrecision::No {
         if dtype != DType::F32 {
@@ -280,11 +290,11 @@ fn main() -> Result<()> {
                 args.dtype
             );
         }
-        if args.lora_r.is_some() {
+        if lora {
             // The frozen base in the compute dtype, the adapters in f32.
             dtype = mixed.compute_dtype();
         }
-    } else if dtype == DType::F16 && args.lora_r.is_none() {
+    } else if dtype == DType::F16 && !lora {
         bail!(
             "--dtype f16 would train the weights themselves in f16, where AdamW's updates \
              underflow and the loss diverges: use mixed precision fp16 (`launch \
@@ -305,6 +315,9 @@ fn main() -> Result<()> {
         }
         model.add_lora(&config)?;
     }
+    if let Some(dir) = &args.adapter {
+        model.load_adapter(dir)?;
+    }
     model.set_gradient_checkpointing(args.checkpoint_activations);
     let task = model.task();
     if task == Task::SequenceClassification {
@@ -324,8 +337,10 @@ fn main() -> Result<()> {
             args.model.display()
         );
     }
-    let text = std::fs::read_to_string(&args.train)
-        .with_context(|| format!("reading {}", args.train.display()))?;
+    let text = accelerate_rs::files::read_to_string_bounded(
+        &args.train,
+        accelerate_rs::files::MAX_TEXT_BYTES,
+    )?;
     let tokens = encode_corpus(&tokenizer, &text)?;
     let vocab = model.config_json()["vocab_size"].as_u64().unwrap_or(0) as usize;
     if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
@@ -610,6 +625,65 @@ fn copy_tokenizer(model: &std::path::Path, dir: &std::path::Path) -> Result<()> 
         if src.is_file() {
             std::fs::copy(&src, dir.join(file))
                 .with_context(|| format!("copying {}", src.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// What the run will write, checked before anything is loaded or trained: `--output` and
+/// `--merge` are folders that can be written, neither the model's folder, the adapter's nor each
+/// other, and empty or new unless `--overwrite`; `--probe` is a file outside every folder the
+/// run reads or writes, and not an existing file unless `--overwrite`. Every rank checks (the
+/// checks only read, and create missing parent folders), so all stop together.
+fn check_outputs(args: &Args) -> Result<()> {
+    use accelerate_rs::checkpoint::check_output_dir;
+    let mut inputs: Vec<&std::path::Path> = vec![&args.model];
+    if let Some(a) = &args.adapter {
+        inputs.push(a);
+    }
+    check_output_dir(&args.output, &inputs, args.overwrite)?;
+    let same = |a: &std::path::Path, b: &std::path::Path| {
+        let abs = |p: &std::path::Path| std::path::absolute(p).unwrap_or(p.to_path_buf());
+        abs(a) == abs(b)
+    };
+    if let Some(merge) = &args.merge {
+        if same(merge, &args.output) {
+            bail!(
+                "--merge {} is the --output folder: the adapter and the merged model need two \
+                 folders",
+                merge.display()
+            );
+        }
+        check_output_dir(merge, &inputs, args.overwrite)?;
+    }
+    if let Some(probe) = &args.probe {
+        let abs = std::path::absolute(probe).unwrap_or(probe.clone());
+        let mut folders: Vec<&std::path::Path> = inputs.clone();
+        folders.push(&args.output);
+        if let Some(m) = &args.merge {
+            folders.push(m);
+        }
+        for folder in folders {
+            let f = std::path::absolute(folder).unwrap_or(folder.to_path_buf());
+            if abs.starts_with(&f) {
+                bail!(
+                    "--probe {} is inside {}, a folder this run reads or writes: put the probe \
+                     elsewhere",
+                    probe.display(),
+                    folder.display()
+                );
+            }
+        }
+        if same(probe, &args.train) {
+            bail!("--probe {} is the training text", probe.display());
+        }
+        match std::fs::symlink_metadata(probe) {
+            Ok(m) if m.is_dir() => bail!("--probe {} is a folder: it names a file", probe.display()),
+            Ok(_) if !args.overwrite => bail!(
+                "--probe {} exists: pass --overwrite to replace it, or name a new file",
+                probe.display()
+            ),
+            _ => {}
         }
     }
     Ok(())

@@ -247,6 +247,23 @@ pub(crate) fn add_lora<M: Adaptable>(model: &mut M, config: &LoraConfig) -> Crat
         Some(seed) => accelerate_rs::seeded_var_builder(&varmap, seed, dtype, &weights.device),
         None => VarBuilder::from_varmap(&varmap, dtype, &weights.device),
     };
+    // The rank is bounded by every targeted layer's dimensions, checked before anything is
+    // allocated (an adapter of rank r holds r x (in + out) values).
+    for p in frozen.projections_mut() {
+        if config.matches(&p.path)? {
+            let (i, o) = p.dims()?;
+            if config.r > i.min(o) {
+                return Err(Error::Accelerate(accelerate_rs::Error::invalid(
+                    "LoRA r",
+                    format!(
+                        "r = {} is over the smaller dimension of `{}` ({i} in, {o} out): an \
+                         adapter's rank is at most min(in, out)",
+                        config.r, p.path
+                    ),
+                )));
+            }
+        }
+    }
     let mut paths = Vec::new();
     let mut matched = 0usize;
     for p in frozen.projections_mut() {

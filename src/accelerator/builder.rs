@@ -9,7 +9,9 @@ use super::Accelerator;
 use crate::collective::Collective;
 use crate::error::Result;
 use crate::settings::runtime::process_var;
-use crate::settings::{MissingGradients, MixedPrecision, Overrides, ProcessState, Transport};
+use crate::settings::{
+    MissingGradients, MixedPrecision, NonFinite, Overrides, ProcessState, Transport,
+};
 
 /// Sets up an [`Accelerator`]. Every setting follows one precedence: a builder call beats the
 /// environment variable, which beats the config file, which beats the default (see the table in
@@ -58,6 +60,10 @@ impl AcceleratorBuilder {
         /// What the first optimizer step does when registered parameters received no gradient
         /// (default [`MissingGradients::Warn`]: one warning on the main process naming them).
         missing_gradients: MissingGradients;
+        /// What an optimizer step does when the averaged gradients hold a NaN or an infinity
+        /// (default [`NonFinite::Error`]: every rank stops with an error naming the step, the
+        /// rank and the parameter).
+        nonfinite: NonFinite;
         /// Accelerate's `split_batches` for every loader this accelerator prepares: the loader's
         /// batch size is the *global* batch, split evenly across the ranks, so the optimization
         /// follows the same trajectory at any world size (default false: the batch size is per

@@ -88,6 +88,7 @@ impl Accelerator {
             state.bucket_cap_bytes(),
             state.overlap(),
             state.missing_gradients(),
+            state.nonfinite(),
             state.zero_stage(),
             probe.clone(),
         ));

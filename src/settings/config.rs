@@ -53,6 +53,10 @@ pub struct ConfigFile {
     /// `warn` (default), `error` or `off`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub missing_gradients: Option<crate::settings::MissingGradients>,
+    /// What an optimizer step does when the gradients turn non-finite: `error` (default),
+    /// `warn`, `skip-step` or `off`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nonfinite: Option<crate::settings::NonFinite>,
     /// ZeRO-style sharding: 0 (none), 1 (optimizer state) or 2 (optimizer state and gradients).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zero_stage: Option<usize>,

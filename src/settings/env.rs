@@ -89,6 +89,9 @@ pub const TRANSPORT: &str = "ACCELERATE_RS_TRANSPORT";
 /// What the first optimizer step does when registered parameters received no gradient: `warn`
 /// (default), `error` or `off` (see [`MissingGradients`](crate::MissingGradients)).
 pub const MISSING_GRADIENTS: &str = "ACCELERATE_RS_MISSING_GRADIENTS";
+/// What an optimizer step does when the gradients turn non-finite: `error` (default), `warn`,
+/// `skip-step` or `off` (see [`NonFinite`](crate::NonFinite)).
+pub const NONFINITE: &str = "ACCELERATE_RS_NONFINITE";
 /// ZeRO-style sharding stage: `0` (default, every rank holds everything), `1` (optimizer state
 /// sharded) or `2` (gradients too).
 pub const ZERO_STAGE: &str = "ACCELERATE_RS_ZERO_STAGE";

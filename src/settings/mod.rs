@@ -13,6 +13,7 @@ pub mod gpu;
 pub mod limits;
 pub(crate) mod memory;
 mod missing_gradients;
+mod nonfinite;
 pub(crate) mod parse;
 pub(crate) mod place;
 mod processes;
@@ -23,6 +24,7 @@ mod worker_env;
 
 pub use config::{ConfigFile, MixedPrecision};
 pub use missing_gradients::MissingGradients;
+pub use nonfinite::NonFinite;
 pub(crate) use processes::{self_launch, SelfLaunch};
 pub(crate) use state::Overrides;
 pub use state::{DistributedType, ProcessState};

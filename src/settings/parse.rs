@@ -6,7 +6,7 @@
 //! such as `ACCELERATE_RS_OVERLAP=yes-please` is an error, never a silent "on".
 
 use crate::error::{Error, Result};
-use crate::settings::{MissingGradients, MixedPrecision, Transport};
+use crate::settings::{MissingGradients, MixedPrecision, NonFinite, Transport};
 
 /// A value that a setting can hold, parsed from its text form.
 pub(crate) trait Setting: Sized {
@@ -92,6 +92,12 @@ impl Setting for MixedPrecision {
 }
 
 impl Setting for Transport {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl Setting for NonFinite {
     fn parse_setting(s: &str) -> std::result::Result<Self, String> {
         s.parse()
     }

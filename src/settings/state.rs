@@ -8,7 +8,9 @@ use candle_core::Device;
 
 use crate::error::{Error, Result};
 use crate::settings::parse::{env_value, pick, Positive, Secs};
-use crate::settings::{env, limits, ConfigFile, MissingGradients, MixedPrecision, Transport};
+use crate::settings::{
+    env, limits, ConfigFile, MissingGradients, MixedPrecision, NonFinite, Transport,
+};
 
 use super::place::{check_single_process, data_parallel, place, select_device, Place};
 
@@ -55,6 +57,7 @@ pub(crate) struct Overrides {
     pub tune_malloc: Option<bool>,
     pub transport: Option<Transport>,
     pub missing_gradients: Option<MissingGradients>,
+    pub nonfinite: Option<NonFinite>,
     pub zero_stage: Option<usize>,
     pub split_batches: Option<bool>,
     pub config_file: Option<PathBuf>,
@@ -98,6 +101,7 @@ pub struct ProcessState {
     tune_malloc: bool,
     transport: Transport,
     missing_gradients: MissingGradients,
+    nonfinite: NonFinite,
     zero_stage: usize,
     split_batches: bool,
     overlap: bool,
@@ -127,6 +131,7 @@ impl std::fmt::Debug for ProcessState {
             .field("tune_malloc", &self.tune_malloc)
             .field("transport", &self.transport)
             .field("missing_gradients", &self.missing_gradients)
+            .field("nonfinite", &self.nonfinite)
             .field("zero_stage", &self.zero_stage)
             .field("split_batches", &self.split_batches)
             .field("overlap", &self.overlap)
@@ -255,6 +260,12 @@ impl ProcessState {
             cfg.missing_gradients,
             MissingGradients::Warn,
         );
+        let nonfinite = pick(
+            o.nonfinite,
+            env_value(getenv, env::NONFINITE)?,
+            cfg.nonfinite,
+            NonFinite::Error,
+        );
         let zero_stage = pick(
             o.zero_stage,
             env_value(getenv, env::ZERO_STAGE)?,
@@ -327,6 +338,7 @@ impl ProcessState {
             tune_malloc,
             transport,
             missing_gradients,
+            nonfinite,
             zero_stage,
             split_batches,
             overlap,
@@ -408,6 +420,10 @@ impl ProcessState {
     pub fn missing_gradients(&self) -> MissingGradients {
         self.missing_gradients
     }
+    /// What an optimizer step does when the gradients turn non-finite.
+    pub fn nonfinite(&self) -> NonFinite {
+        self.nonfinite
+    }
 
     /// Whether CPU gradient buckets are all-reduced on a communication thread while the next is
     /// flattened (`ACCELERATE_RS_OVERLAP`, default on).
@@ -476,6 +492,26 @@ mod tests {
             ..o
         };
         ProcessState::resolve(&o, &|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn nonfinite_comes_from_builder_env_and_default() {
+        let s = resolve(&[], Overrides::default()).unwrap();
+        assert_eq!(s.nonfinite(), NonFinite::Error);
+        let s = resolve(&[(env::NONFINITE, "skip-step")], Overrides::default()).unwrap();
+        assert_eq!(s.nonfinite(), NonFinite::SkipStep);
+        let o = Overrides {
+            nonfinite: Some(NonFinite::Warn),
+            ..Overrides::default()
+        };
+        assert_eq!(
+            resolve(&[(env::NONFINITE, "off")], o).unwrap().nonfinite(),
+            NonFinite::Warn
+        );
+        let e = resolve(&[(env::NONFINITE, "sometimes")], Overrides::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("ACCELERATE_RS_NONFINITE") && e.contains("`skip-step`"), "{e}");
     }
 
     #[test]
@@ -706,7 +742,7 @@ mod property {
     use crate::settings::env as e;
 
     /// Every variable the settings read.
-    const VARS: [&str; 31] = [
+    const VARS: [&str; 32] = [
         e::RANK,
         e::WORLD_SIZE,
         e::LOCAL_RANK,
@@ -736,12 +772,13 @@ mod property {
         e::DEBUG,
         e::TRANSPORT,
         e::MISSING_GRADIENTS,
+        e::NONFINITE,
         e::ZERO_STAGE,
         e::NUM_PROCESSES,
     ];
 
     /// Config keys and the kind of value they take (any value is tried anyway).
-    const KEYS: [&str; 16] = [
+    const KEYS: [&str; 17] = [
         "use_cpu",
         "num_machines",
         "machine_rank",
@@ -757,6 +794,7 @@ mod property {
         "max_restarts",
         "monitor_interval_secs",
         "missing_gradients",
+        "nonfinite",
         "zero_stage",
     ];
 

@@ -86,6 +86,34 @@ pub(crate) fn grad_norm(vars: &[Var], grads: &GradStore) -> Result<f64> {
     Ok(grad_sq_sum(vars, grads)?.sqrt())
 }
 
+/// Whether every registered parameter's gradient in `grads` is finite: per gradient `x * 0`
+/// summed on its device (0, or NaN for any NaN or infinity, never an overflow), those sums added
+/// and read back once.
+pub(crate) fn grads_finite(vars: &[Var], grads: &GradStore) -> Result<bool> {
+    let mut sums = Vec::new();
+    for v in vars {
+        if let Some(g) = grads.get(v.as_tensor()) {
+            if g.dtype().is_float() {
+                sums.push(g.affine(0.0, 0.0)?.sum_all()?.to_dtype(DType::F32)?);
+            }
+        }
+    }
+    if sums.is_empty() {
+        return Ok(true);
+    }
+    let devices_agree = sums.iter().all(|s| s.device().same_device(sums[0].device()));
+    let total = if devices_agree {
+        Tensor::stack(&sums, 0)?.sum_all()?.to_scalar::<f32>()?
+    } else {
+        let mut t = 0f32;
+        for s in &sums {
+            t += s.to_scalar::<f32>()?;
+        }
+        t
+    };
+    Ok(total == 0.0)
+}
+
 /// `None` when every value of the float tensor `t` is finite; else what it holds (`"3 NaN and
 /// 1 infinite values of 4096"`). One elementwise pass and one reduction on `t`'s device, and one
 /// scalar read back; the counts are computed only for a tensor that fails. Integer tensors are

@@ -40,7 +40,7 @@ use candle_core::{Tensor, Var};
 
 use crate::collective::Collective;
 use crate::error::{Error, Result};
-use crate::settings::MissingGradients;
+use crate::settings::{MissingGradients, NonFinite};
 use crate::tracking::timing::{Phase, PhaseClock};
 use crate::train::batch_size::Probe;
 use crate::train::clip;
@@ -79,6 +79,10 @@ pub(crate) struct GradSync {
     missing: MissingGradients,
     /// Whether that check has run (it runs once).
     checked: AtomicBool,
+    /// What a step with non-finite gradients does.
+    nonfinite: NonFinite,
+    /// Optimizer steps checked so far (for the non-finite check's messages).
+    checked_steps: AtomicU64,
     /// Whether the same-data check of the first sync step has run (it runs once).
     data_checked: AtomicBool,
     /// ZeRO stage: 0, 1 (optimizer state sharded) or 2 (gradients too).
@@ -120,6 +124,7 @@ impl GradSync {
         bucket_cap_bytes: usize,
         overlap: bool,
         missing: MissingGradients,
+        nonfinite: NonFinite,
         zero_stage: usize,
         probe: Arc<Probe>,
     ) -> Self {
@@ -130,6 +135,8 @@ impl GradSync {
             overlap,
             missing,
             checked: AtomicBool::new(false),
+            nonfinite,
+            checked_steps: AtomicU64::new(0),
             data_checked: AtomicBool::new(false),
             zero_stage,
             params: Mutex::new(None),
@@ -371,6 +378,71 @@ impl GradSync {
         self.collective
             .all_reduce((&mut overflow[..]).into(), crate::collective::ReduceOp::Max)?;
         Ok(overflow[0] == 0.0)
+    }
+
+    /// The non-finite check of an optimizer step (the `nonfinite` setting): whether to step on
+    /// `grads`, the averaged gradients (this rank's slices under ZeRO stage 2). `norm` is their
+    /// global norm when clipping already computed it (then nothing more is computed); else one
+    /// pass over the gradients and one scalar read. Every rank reaches the same verdict (whole
+    /// gradients are the same on every rank; sliced ones are agreed on by one all-reduce). With
+    /// a non-finite gradient: an error naming the step, the rank and the first parameter
+    /// (`error`), a warning on the main process and a step (`warn`) or no step (`skip-step`).
+    pub(crate) fn check_finite(&self, grads: &GradStore, norm: Option<f64>) -> Result<bool> {
+        let step = self.checked_steps.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.nonfinite == NonFinite::Off {
+            return Ok(true);
+        }
+        let Some(params) = self.params() else {
+            return Ok(true);
+        };
+        let finite = match norm {
+            Some(n) => n.is_finite(),
+            None => clip::grads_finite(params.vars(), grads)?,
+        };
+        if self.agree_all_finite(finite)? {
+            return Ok(true);
+        }
+        let mut first = None;
+        for (name, v) in params.named() {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                if let Some(detail) = clip::non_finite(g)? {
+                    first = Some((name, detail));
+                    break;
+                }
+            }
+        }
+        let (param, detail) = first.unwrap_or_else(|| {
+            (
+                "(another rank's slice)".to_string(),
+                "non-finite values".to_string(),
+            )
+        });
+        let rank = self.rank();
+        let say = |what: &str| {
+            if rank == 0 {
+                crate::logging::warn_always(format_args!(
+                    "optimizer step {step}: the gradient of `{param}` holds {detail}; {what} \
+                     (nonfinite = {})",
+                    self.nonfinite.as_str()
+                ));
+            }
+        };
+        match self.nonfinite {
+            NonFinite::Warn => {
+                say("stepping anyway");
+                Ok(true)
+            }
+            NonFinite::SkipStep => {
+                say("step skipped");
+                Ok(false)
+            }
+            _ => Err(Error::NonFinite {
+                rank,
+                step,
+                param,
+                detail,
+            }),
+        }
     }
 
     /// The collective the gradients are averaged over.

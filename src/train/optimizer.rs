@@ -136,12 +136,20 @@ impl<O: Optimizer + 'static> AcceleratedOptimizer<O> {
         let clock = std::sync::Arc::clone(self.grads.clock());
         clock.measure(crate::tracking::timing::Phase::Optimizer, || {
             match self.grads.clipped(grads, self.clip)? {
-                None => self.apply(grads),
+                None => {
+                    if self.grads.check_finite(grads, None)? {
+                        self.apply(grads)?;
+                    }
+                    Ok(())
+                }
                 Some((clipped, norm)) => {
                     if norm.is_some() {
                         self.last_norm = norm;
                     }
-                    self.apply(&clipped)
+                    if self.grads.check_finite(&clipped, norm)? {
+                        self.apply(&clipped)?;
+                    }
+                    Ok(())
                 }
             }
         })

@@ -29,6 +29,7 @@ mod mixed_precision;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod multinode;
+mod nonfinite;
 mod nn;
 mod ops;
 mod optim;

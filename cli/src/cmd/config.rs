@@ -176,6 +176,7 @@ impl AnswerFlags {
             tune_malloc: None,
             transport: None,
             missing_gradients: None,
+            nonfinite: None,
             zero_stage: None,
             split_batches: None,
         };

@@ -279,6 +279,7 @@ fn flags_round_trip_without_questions() {
         tune_malloc: None,
         transport: None,
         missing_gradients: None,
+        nonfinite: None,
         zero_stage: None,
         split_batches: None,
         max_restarts: Some(2),

@@ -91,12 +91,15 @@ pub fn read_adapter_config(dir: impl AsRef<Path>) -> Result<(LoraConfig, Value)>
     } else {
         dir.to_path_buf()
     };
-    let text = fs::read_to_string(&path).map_err(|e| Error::Config {
-        path: path.clone(),
-        key: None,
-        reason: format!("cannot read it ({e}): a PEFT adapter folder holds {ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE}"),
-    })?;
-    let json: Value = serde_json::from_str(&text).map_err(|e| Error::Config {
+    if !path.exists() {
+        return Err(Error::Config {
+            path: path.clone(),
+            key: None,
+            reason: format!("no such file: a PEFT adapter folder holds {ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE}"),
+        });
+    }
+    let text = crate::files::read_bounded(&path, crate::files::MAX_JSON_BYTES)?;
+    let json: Value = serde_json::from_slice(&text).map_err(|e| Error::Config {
         path: path.clone(),
         key: None,
         reason: format!("is not valid JSON: {e}"),
@@ -111,7 +114,7 @@ pub fn read_adapter_config(dir: impl AsRef<Path>) -> Result<(LoraConfig, Value)>
 /// file and the tensor, and nothing changes.
 pub fn load_adapter(dir: impl AsRef<Path>, adapters: &dyn Parameters) -> Result<()> {
     let file = dir.as_ref().join(ADAPTER_WEIGHTS_FILE);
-    if !file.is_file() {
+    if !file.exists() {
         return Err(Error::ModelFile {
             path: file,
             tensor: None,
