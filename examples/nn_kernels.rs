@@ -417,11 +417,22 @@ fn timing(gpu: &Device, unproven_on: bool) -> Result<()> {
     Ok(())
 }
 
+#[derive(clap::Parser)]
+#[command(about = "Check the CUDA kernels of accelerate_rs::nn against the CPU and time them")]
+struct Args {
+    /// Check only, no timing table.
+    #[arg(long)]
+    no_timing: bool,
+    /// The harness itself, CPU against CPU (no GPU needed; checks nothing about the kernels).
+    #[arg(long)]
+    self_test: bool,
+}
+
 fn main() -> Result<()> {
-    let no_timing = std::env::args().skip(1).any(|a| a == "--no-timing");
-    // `--self-test`: the harness itself, CPU against CPU (no GPU needed; checks nothing about
-    // the kernels).
-    let self_test = std::env::args().skip(1).any(|a| a == "--self-test");
+    let Args {
+        no_timing,
+        self_test,
+    } = <Args as clap::Parser>::parse();
     if self_test {
         let mut failed = 0;
         for (k, case) in cases().iter().enumerate() {

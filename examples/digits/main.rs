@@ -5,10 +5,10 @@
 //!     accelerate-rs launch --cpu -n 2 target/release/examples/digits   # two processes
 mod data;
 
-use accelerate_rs::{Accelerator, DataLoader, TensorDataset};
+use accelerate_rs::{seeded_var_builder, Accelerator, DataLoader, TensorDataset};
 use anyhow::Result;
 use candle_core::{DType, Module};
-use candle_nn::{loss, AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{loss, AdamW, Optimizer, ParamsAdamW, VarMap};
 use clap::Parser;
 
 fn main() -> Result<()> {
@@ -18,7 +18,7 @@ fn main() -> Result<()> {
     let (train, test) = data::load(args.data.as_deref(), args.seed, &device, args.dtype)?;
 
     let varmap = VarMap::new();
-    let model = data::Mlp::new(VarBuilder::from_varmap(&varmap, args.dtype, &device))?;
+    let model = data::Mlp::new(seeded_var_builder(&varmap, args.seed, args.dtype, &device))?;
     let opt = AdamW::new(
         varmap.all_vars(),
         ParamsAdamW {

@@ -5,10 +5,10 @@
 #[path = "../digits/data.rs"]
 mod data;
 
-use accelerate_rs::{DataLoader, TensorDataset};
+use accelerate_rs::{seeded_var_builder, DataLoader, TensorDataset};
 use anyhow::Result;
 use candle_core::{DType, Device, Module};
-use candle_nn::{loss, AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{loss, AdamW, Optimizer, ParamsAdamW, VarMap};
 use clap::Parser;
 
 fn main() -> Result<()> {
@@ -17,7 +17,7 @@ fn main() -> Result<()> {
     let (train, test) = data::load(args.data.as_deref(), args.seed, &device, args.dtype)?;
 
     let varmap = VarMap::new();
-    let model = data::Mlp::new(VarBuilder::from_varmap(&varmap, args.dtype, &device))?;
+    let model = data::Mlp::new(seeded_var_builder(&varmap, args.seed, args.dtype, &device))?;
     let mut opt = AdamW::new(
         varmap.all_vars(),
         ParamsAdamW {

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 
 use accelerate_rs::optim::{AdamW, ParamsAdamW};
 use accelerate_rs_models::AutoModel;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Optimizer;
 
@@ -28,10 +28,16 @@ const ARCHS: &[&str] = &[
     "bert_cls",
 ];
 
+#[derive(clap::Parser)]
+#[command(about = "Save every fixture architecture after 3 AdamW steps, with a probe for transformers")]
+struct Args {
+    /// The folder to write the model folders into (created; must be new or empty).
+    out: PathBuf,
+}
+
 fn main() -> Result<()> {
-    let Some(out) = std::env::args().nth(1).map(PathBuf::from) else {
-        bail!("usage: roundtrip OUT_DIR");
-    };
+    let out = <Args as clap::Parser>::parse().out;
+    accelerate_rs::checkpoint::check_output_dir(&out, &[], false)?;
     let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     for name in ARCHS {
         let dir = fixtures.join(name);

@@ -316,36 +316,30 @@ pub(crate) fn config_value<T: Serialize>(
     v
 }
 
-/// The largest size (a width, a vocabulary, a count of positions or heads) a configuration may
-/// give: 2^26 = 67,108,864, far above any real model's (vocabularies reach 2^18, widths 2^16,
-/// context lengths 2^24); a larger value is a damaged or hostile file.
-pub const MAX_CONFIG_SIZE: usize = 1 << 26;
-
-/// The most layers a configuration may give: 4,096 (the deepest real models have a few hundred).
-pub const MAX_CONFIG_LAYERS: usize = 4096;
+use accelerate_rs::limits::{MAX_MODEL_LAYERS, MAX_MODEL_SIZE};
 
 /// Checks that each size `(key, value)` of a configuration read from `path` is from 1 to
-/// [`MAX_CONFIG_SIZE`].
+/// `accelerate_rs::limits::MAX_MODEL_SIZE`.
 pub(crate) fn ensure_sizes(path: &Path, sizes: &[(&str, usize)]) -> Result<()> {
     for &(key, v) in sizes {
         ensure(v > 0, path, key, "must be at least 1")?;
         ensure(
-            v <= MAX_CONFIG_SIZE,
+            v <= MAX_MODEL_SIZE,
             path,
             key,
-            format!("{v} is over the largest size accepted, {MAX_CONFIG_SIZE}"),
+            format!("{v} is over the largest size accepted, {MAX_MODEL_SIZE}"),
         )?;
     }
     Ok(())
 }
 
-/// Checks a layer count `(key, value)`: at most [`MAX_CONFIG_LAYERS`].
+/// Checks a layer count `(key, value)`: at most `accelerate_rs::limits::MAX_MODEL_LAYERS`.
 pub(crate) fn ensure_layers(path: &Path, (key, v): (&str, usize)) -> Result<()> {
     ensure(
-        v <= MAX_CONFIG_LAYERS,
+        v <= MAX_MODEL_LAYERS,
         path,
         key,
-        format!("{v} layers is over the most accepted, {MAX_CONFIG_LAYERS}"),
+        format!("{v} layers is over the most accepted, {MAX_MODEL_LAYERS}"),
     )
 }
 

@@ -100,7 +100,7 @@ mod tokenizer;
 
 pub use auto::{AutoModel, Task, ARCHITECTURES};
 pub use bert::{BertConfig, BertForMaskedLm, BertForSequenceClassification};
-pub use config::{Activation, Config, MAX_CONFIG_LAYERS, MAX_CONFIG_SIZE, MODEL_TYPES};
+pub use config::{Activation, Config, MODEL_TYPES};
 pub use error::{Error, Result};
 pub use gpt2::{Gpt2Config, Gpt2LmHeadModel};
 pub use layers::IGNORE_INDEX;

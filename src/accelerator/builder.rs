@@ -178,6 +178,7 @@ impl AcceleratorBuilder {
     /// [`build`](Self::build) reading the environment through `getenv`.
     pub(crate) fn build_with(self, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Accelerator> {
         self_launch(&self.o, getenv)?;
+        crate::settings::runtime::pin_cpu_threads();
         let state = ProcessState::resolve(&self.o, getenv)?;
         if state.data_parallel() > 1 {
             return Err(super::dp::needs_run(state.data_parallel()));

@@ -204,7 +204,7 @@ impl Estimate {
 }
 
 /// Bytes per element of the compute dtype.
-fn compute_bytes(p: MixedPrecision) -> u64 {
+fn compute_bytes(p: MixedPrecision) -> u128 {
     match p {
         MixedPrecision::No => 4,
         MixedPrecision::Bf16 | MixedPrecision::Fp16 => 2,
@@ -263,8 +263,23 @@ fn check_plan(plan: &Plan) -> Result<()> {
             ),
         );
     }
-    if plan.lora.as_ref().is_some_and(|l| l.r == 0) {
-        return bad("lora rank", "must be at least 1".into());
+    let max = crate::settings::limits::MAX_MODEL_SIZE;
+    if plan.batch_size > max || plan.seq_len > max {
+        return bad(
+            "batch",
+            format!(
+                "batch size and sequence length must be at most {max}, got {} x {}",
+                plan.batch_size, plan.seq_len
+            ),
+        );
+    }
+    if let Some(l) = &plan.lora {
+        if l.r == 0 || l.r > max {
+            return bad(
+                "lora rank",
+                format!("must be from 1 to {max}, got {}", l.r),
+            );
+        }
     }
     Ok(())
 }
@@ -274,8 +289,13 @@ pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
     check_plan(plan)?;
     let e = compute_bytes(plan.precision);
     let mixed = plan.precision != MixedPrecision::No;
-    let n = plan.world_size as u64;
-    let params = model.parameter_count();
+    let n = plan.world_size as u128;
+    let params: u128 = model
+        .tensors
+        .iter()
+        .filter(|t| t.is_float())
+        .map(|t| t.elem_count() as u128)
+        .sum();
     if params == 0 {
         return Err(Error::invalid(
             "model",
@@ -301,12 +321,12 @@ pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
             } else {
                 lora.targets.clone()
             };
-            let r = lora.r as u64;
-            let (mut adapters, mut layers, mut per_token) = (0u64, 0usize, 0u64);
+            let r = lora.r as u128;
+            let (mut adapters, mut layers, mut per_token) = (0u128, 0usize, 0u128);
             for t in &model.tensors {
                 if let Some(m) = linear_module(t) {
                     if is_target(m, &targets) {
-                        let (a, b) = (t.shape[0] as u64, t.shape[1] as u64);
+                        let (a, b) = (t.shape[0] as u128, t.shape[1] as u128);
                         adapters += r * (a + b);
                         layers += 1;
                         // In f32 the base and the update are one fused op (`nn::LoraLinear`,
@@ -343,7 +363,7 @@ pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
             let per_block = model
                 .architecture
                 .as_ref()
-                .map_or(0, |a| per_token / a.layers as u64);
+                .map_or(0, |a| per_token / a.layers as u128);
             (adapters, params, layers, per_block)
         }
     };
@@ -358,7 +378,7 @@ pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
         f32_grads
     };
     let gradients = f32_grads + if mixed { trainable * 2 } else { 0 };
-    let state = trainable * plan.optimizer.state_bytes();
+    let state = trainable * plan.optimizer.state_bytes() as u128;
     let optimizer_state = if plan.zero_stage >= 1 {
         state.div_ceil(n)
     } else {
@@ -367,24 +387,40 @@ pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
     let activations = model
         .architecture
         .as_ref()
-        .map(|a| activations(a, plan, adapter_tokens, gradients));
-    Ok(Estimate {
-        trainable_params: trainable,
-        frozen_params: frozen,
+        .map(|a| activations(a, plan, adapter_tokens, gradients))
+        .transpose()?;
+    let estimate = Estimate {
+        trainable_params: fit(trainable, "the trainable parameters")?,
+        frozen_params: fit(frozen, "the frozen parameters")?,
         lora_layers,
-        parameters,
-        gradients,
-        optimizer_state,
-        masters,
+        parameters: fit(parameters, "the parameters")?,
+        gradients: fit(gradients, "the gradients")?,
+        optimizer_state: fit(optimizer_state, "the optimizer state")?,
+        masters: fit(masters, "the f32 masters")?,
         activations,
-    })
+    };
+    // The totals must fit too.
+    let states = [
+        estimate.parameters,
+        estimate.gradients,
+        estimate.optimizer_state,
+        estimate.masters,
+    ]
+    .iter()
+    .map(|&b| b as u128)
+    .sum::<u128>();
+    let acts = estimate
+        .activations
+        .map_or(0, |a| a.kept as u128 + a.backward as u128);
+    fit(states + acts, "the whole step")?;
+    Ok(estimate)
 }
 
 /// Elements one block keeps per token, in the compute dtype (see [the module](self)).
-fn block_elements(a: &Architecture) -> u64 {
-    let (h, i) = (a.hidden as u64, a.intermediate as u64);
-    let q = (a.heads * a.head_dim) as u64;
-    let kv = (a.kv_heads * a.head_dim) as u64;
+fn block_elements(a: &Architecture) -> u128 {
+    let (h, i) = (a.hidden as u128, a.intermediate as u128);
+    let q = (a.heads * a.head_dim) as u128;
+    let kv = (a.kv_heads * a.head_dim) as u128;
     match a.kind {
         ArchKind::Llama | ArchKind::Mistral | ArchKind::Qwen2 => {
             // norm, o_proj, two residual adds, norm, down_proj: 6h; q_proj, its contiguous
@@ -401,8 +437,8 @@ fn block_elements(a: &Architecture) -> u64 {
 }
 
 /// Elements per token outside the blocks (embeddings, final norm), in the compute dtype.
-fn outer_elements(a: &Architecture) -> u64 {
-    let h = a.hidden as u64;
+fn outer_elements(a: &Architecture) -> u128 {
+    let h = a.hidden as u128;
     match a.kind {
         // The embedding lookup and the final norm.
         ArchKind::Llama | ArchKind::Mistral | ArchKind::Qwen2 => 2 * h,
@@ -419,15 +455,15 @@ fn outer_elements(a: &Architecture) -> u64 {
 fn activations(
     a: &Architecture,
     plan: &Plan,
-    adapter_per_block: u64,
-    gradients: u64,
-) -> Activations {
+    adapter_per_block: u128,
+    gradients: u128,
+) -> Result<Activations> {
     let e = compute_bytes(plan.precision);
-    let tokens = (plan.batch_size * plan.seq_len) as u64;
-    let (h, i, v) = (a.hidden as u64, a.intermediate as u64, a.vocab as u64);
-    let layers = a.layers as u64;
+    let tokens = (plan.batch_size * plan.seq_len) as u128;
+    let (h, i, v) = (a.hidden as u128, a.intermediate as u128, a.vocab as u128);
+    let layers = a.layers as u128;
     // Attention weights: heads x keys per query, f32.
-    let attention = (a.heads * plan.seq_len) as u64 * 4;
+    let attention = (a.heads * plan.seq_len) as u128 * 4;
     let block = tokens * ((block_elements(a) + adapter_per_block) * e + attention);
     let outer = tokens * outer_elements(a) * e;
     // The logits (and an f32 copy for the loss under mixed precision); BERT: no head counted.
@@ -454,10 +490,26 @@ fn activations(
     // End: the gradients of the residual stream and of the widest branch, each being read
     // while the next is written; with checkpointing, the first block recomputed.
     let end = tokens * 2 * (h + i.max(h)) * e + if plan.checkpointing { block } else { 0 };
-    Activations {
-        kept,
-        backward: start.saturating_sub(gradients).max(end),
-    }
+    Ok(Activations {
+        kept: fit(kept, "the kept activations")?,
+        backward: fit(start.saturating_sub(gradients).max(end), "the backward pass")?,
+    })
+}
+
+/// `bytes` as a `u64`, or an error saying the estimate of `what` is over 2^64 bytes (the sizes
+/// given are not a real model's or plan's). Every quantity is computed in 128 bits from inputs
+/// of at most 2^26 (sizes, batch, sequence, rank) and 4,096 layers, so nothing wraps on the way.
+fn fit(bytes: u128, what: &str) -> Result<u64> {
+    u64::try_from(bytes).map_err(|_| {
+        Error::invalid(
+            "memory estimate",
+            format!(
+                "{what} would take about 2^{} bytes: the sizes given (config.json, batch, \
+                 sequence length, LoRA rank) are not a real model's",
+                128 - bytes.leading_zeros()
+            ),
+        )
+    })
 }
 
 #[cfg(test)]

@@ -24,7 +24,10 @@ pub struct TensorInfo {
 impl TensorInfo {
     /// Number of elements.
     pub fn elem_count(&self) -> u64 {
-        self.shape.iter().map(|&d| d as u64).product()
+        self.shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+            .unwrap_or(u64::MAX)
     }
 
     /// Whether it holds floating-point numbers (a trainable parameter rather than an integer
@@ -110,15 +113,20 @@ fn size_key(cfg: &Value, path: &Path, keys: &[&str], default: Option<usize>) -> 
         match cfg.get(key) {
             None | Some(Value::Null) => continue,
             Some(v) => {
+                let max = if matches!(*key, "num_hidden_layers" | "n_layer") {
+                    crate::settings::limits::MAX_MODEL_LAYERS
+                } else {
+                    crate::settings::limits::MAX_MODEL_SIZE
+                };
                 return v
                     .as_u64()
-                    .filter(|&n| n > 0 && n <= u32::MAX as u64)
+                    .filter(|&n| n > 0 && n <= max as u64)
                     .map(|n| n as usize)
                     .ok_or_else(|| {
                         model_error(
                             path,
                             Some(key),
-                            format!("expected a positive integer, got {v}"),
+                            format!("expected a positive integer of at most {max}, got {v}"),
                         )
                     });
             }
@@ -387,7 +395,7 @@ impl ModelSpec {
             .iter()
             .filter(|t| t.is_float())
             .map(TensorInfo::elem_count)
-            .sum()
+            .fold(0u64, u64::saturating_add)
     }
 
     /// Reads a model (headers only): a Hugging Face folder (its `config.json` and its

@@ -31,6 +31,17 @@ pub const MAX_PROCESSES: usize = 1024;
 pub const MAX_MACHINES: usize = 1 << 16;
 /// The largest world size.
 pub const MAX_WORLD_SIZE: usize = 1 << 24;
+
+/// The largest size a model's configuration may give (a width, a vocabulary, a number of heads
+/// or positions), and the largest batch size, sequence length or LoRA rank a memory estimate
+/// takes: 2^26 = 67,108,864, far above any real model's (vocabularies reach 2^18, widths 2^16,
+/// context lengths 2^24). A larger value is a damaged or hostile file, refused before anything
+/// is computed or allocated from it.
+pub const MAX_MODEL_SIZE: usize = 1 << 26;
+
+/// The most layers a model's configuration may give: 4,096 (the deepest real models have a few
+/// hundred).
+pub const MAX_MODEL_LAYERS: usize = 4096;
 /// The most restarts of a worker group.
 pub const MAX_RESTARTS: usize = 10_000;
 

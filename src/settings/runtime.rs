@@ -74,3 +74,21 @@ pub(crate) const GLIBC_MALLOC_VARS: [&str; 4] = [
 pub(crate) fn user_malloc_settings() -> bool {
     GLIBC_MALLOC_VARS.iter().any(|v| process_var_is_set(v))
 }
+
+/// Candle's CPU backend asks for its thread count at every matrix product and, when
+/// `RAYON_NUM_THREADS` is unset, counts the physical cores by reading `/proc/cpuinfo` each time
+/// (thousands of reads in a short run). Sets `RAYON_NUM_THREADS` to that same count, computed
+/// once, when the user (or the launcher, which sets it for its workers) has not: the same
+/// threads, one read. Called once per process, when the first accelerator is built (usually the
+/// first thing `main` does, before other threads exist).
+pub(crate) fn pin_cpu_threads() {
+    static DONE: std::sync::Once = std::sync::Once::new();
+    DONE.call_once(|| {
+        if std::env::var_os(env::RAYON_NUM_THREADS).is_none() {
+            let n = num_cpus::get_physical().max(1);
+            // Setting the environment races with other threads reading it (glibc's getenv);
+            // this runs once, at the start of the program, as the docs above say.
+            std::env::set_var(env::RAYON_NUM_THREADS, n.to_string());
+        }
+    });
+}

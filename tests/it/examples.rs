@@ -321,3 +321,66 @@ fn a_manual_batching_loop_converts_in_at_most_eleven_lines_and_the_same_seed_giv
         }
     }
 }
+
+/// Every example parses its flags (`--help` is help, never a path) and gives the same output
+/// twice under the same `--seed` (the losses and accuracies printed; timings dropped).
+#[test]
+fn every_example_is_reproducible_under_its_seed_and_parses_its_flags() {
+    let strip = |out: &Output| -> Vec<String> {
+        assert!(
+            out.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // Every number after `loss`, `accuracy` or `norm` (not the timings).
+        let text = String::from_utf8_lossy(&out.stdout);
+        let words: Vec<&str> = text.split_whitespace().collect();
+        words
+            .windows(2)
+            .filter(|w| matches!(w[0], "loss" | "accuracy" | "norm"))
+            .map(|w| format!("{} {}", w[0], w[1]))
+            .collect()
+    };
+    let runs: [(&str, &[&str]); 4] = [
+        ("digits", &["--epochs", "2", "--seed", "7"]),
+        ("digits_plain", &["--epochs", "2", "--seed", "7"]),
+        ("regression", &[]),
+        (
+            "transformer_lm",
+            &[
+                "--layers",
+                "1",
+                "--d-model",
+                "16",
+                "--heads",
+                "2",
+                "--seq-len",
+                "16",
+                "--batch-size",
+                "4",
+                "--eval-batches",
+                "1",
+                "--log-every",
+                "1",
+                "--max-steps",
+                "4",
+                "--seed",
+                "7",
+            ],
+        ),
+    ];
+    for (name, args) in runs {
+        let a = strip(&run(name, args));
+        let b = strip(&run(name, args));
+        assert!(!a.is_empty(), "{name}: no loss printed");
+        assert_eq!(a, b, "{name} twice with the same seed");
+    }
+    for name in ["nn_kernels"] {
+        let out = run(name, &["--help"]);
+        assert!(out.status.success(), "{name} --help");
+        assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"));
+        let out = run(name, &["--no-such-flag"]);
+        assert!(!out.status.success(), "{name} took an unknown flag");
+    }
+}
