@@ -121,6 +121,9 @@ mod tokenizer;
 
 pub use auto::{AutoModel, Task, ARCHITECTURES};
 pub use bert::{BertConfig, BertForMaskedLm, BertForSequenceClassification};
+pub use chat::{
+    ChatDataset, ChatEncoder, ChatExample, ChatTemplate, Conversation, ConversationReader,
+};
 pub use config::{Activation, Config, MODEL_TYPES};
 pub use error::{ChatErrorKind, Error, Result};
 pub use gpt2::{Gpt2Config, Gpt2LmHeadModel};

@@ -600,6 +600,22 @@ fn templates_that_raise_or_mark_nothing_are_errors() {
         .encode(&chat)
         .unwrap_err();
     assert_eq!(kind(err), ChatErrorKind::NoTarget);
+    // tojson's options are checked.
+    for bad in [
+        "{{ messages|tojson(indent=100000) }}",
+        "{{ messages|tojson(separators=',') }}",
+        "{{ messages|tojson(colour=1) }}",
+    ] {
+        let template = ChatTemplate::new(bad, Vec::<(String, String)>::new()).unwrap();
+        let err = ChatEncoder::new(template, tokenizer())
+            .render(&chat)
+            .unwrap_err();
+        assert_eq!(kind_ref(&err), ChatErrorKind::Render, "{bad}");
+        assert!(
+            err.to_string().contains("tojson") || err.to_string().contains("colour"),
+            "{err}"
+        );
+    }
     // An undefined variable's attribute is an error, as in Jinja2.
     let broken = ChatTemplate::new("{{ nothing.here }}", Vec::<(String, String)>::new()).unwrap();
     let err = ChatEncoder::new(broken, tokenizer())

@@ -261,6 +261,9 @@ fn strftime_now(format: String) -> String {
     DateTime::from_unix(secs).strftime(&format)
 }
 
+/// The largest `tojson(indent=N)` accepted.
+const MAX_INDENT: i64 = 1024;
+
 /// `transformers`' `tojson(x, ensure_ascii=False, indent=None, separators=None,
 /// sort_keys=False)`: Python's `json.dumps` (the options by keyword, as templates give them).
 fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<String, JinjaError> {
@@ -271,12 +274,12 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<String, JinjaErr
         None => None,
         Some(v) if v.is_none() => None,
         Some(v) => Some(match (v.as_i64(), v.as_str()) {
-            (Some(n), _) => " ".repeat(usize::try_from(n).unwrap_or(0)),
+            (Some(n), _) if (0..=MAX_INDENT).contains(&n) => " ".repeat(n as usize),
             (None, Some(s)) => s.to_string(),
             _ => {
                 return Err(JinjaError::new(
                     ErrorKind::InvalidOperation,
-                    "tojson: indent must be an integer or a string",
+                    format!("tojson: indent must be an integer from 0 to {MAX_INDENT} or a string"),
                 ))
             }
         }),
