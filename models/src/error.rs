@@ -33,6 +33,33 @@ pub enum Error {
         reason: String,
     },
 
+    /// A conversation (a row of a JSONL file, or one built in code) cannot be read, rendered
+    /// with the chat template or tokenized: names the file, the line (from 1) and the field
+    /// (`messages[2].role`) when they are known; [`ChatErrorKind`] says what went wrong.
+    #[error("{}: {}{reason}", chat_location(path, *line), field.as_deref().map(|f| format!("field `{f}`: ")).unwrap_or_default())]
+    Chat {
+        /// What went wrong.
+        kind: ChatErrorKind,
+        /// The JSONL file (`<memory>` for a conversation built in code).
+        path: PathBuf,
+        /// The line of the file, from 1.
+        line: Option<usize>,
+        /// The offending field of the row (`messages[1].content`, `completion`).
+        field: Option<String>,
+        /// What is wrong and what was expected.
+        reason: String,
+    },
+
+    /// A model folder has no chat template, or its template (or `tokenizer_config.json`)
+    /// cannot be read or compiled.
+    #[error("chat template {}: {reason}", path.display())]
+    ChatTemplate {
+        /// The file (`chat_template.jinja`, `tokenizer_config.json`) or folder.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+
     /// Downloading from the Hugging Face Hub failed (`hub` feature).
     #[error("Hugging Face Hub, repository `{repo}`: {reason}")]
     Hub {
@@ -50,6 +77,46 @@ pub enum Error {
     /// From Candle (building the parameters, a computation).
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+}
+
+/// What is wrong with a conversation ([`Error::Chat`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ChatErrorKind {
+    /// A file cannot be opened or read.
+    Io,
+    /// A line is longer than the reader's bound (`max_line_bytes`).
+    LineTooLong,
+    /// A line is not JSON (or not UTF-8).
+    InvalidJson,
+    /// A required field is missing (or `null`).
+    MissingField,
+    /// A field has the wrong JSON type (or `messages` and `prompt` are both given).
+    WrongType,
+    /// A message's role is not `system`, `user`, `assistant` or `tool`.
+    UnknownRole,
+    /// A conversation has no assistant message: nothing to learn from it.
+    NoAssistantTurn,
+    /// A file holds no conversation.
+    EmptyFile,
+    /// The chat template failed to render the conversation (e.g. its `raise_exception`).
+    Render,
+    /// The tokenizer failed on the rendered text.
+    Tokenize,
+    /// The template renders the conversation's prefixes inconsistently, so the assistant's
+    /// tokens cannot be found by prefixes (see the `chat` module docs).
+    InconsistentPrefixes,
+    /// A conversation gives no token to learn (the assistant's tokens are empty, or all of them
+    /// were cut by truncation).
+    NoTarget,
+}
+
+/// `file:line`, or the file alone.
+fn chat_location(path: &std::path::Path, line: Option<usize>) -> String {
+    match line {
+        Some(line) => format!("{}:{line}", path.display()),
+        None => path.display().to_string(),
+    }
 }
 
 impl Error {

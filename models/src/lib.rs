@@ -80,12 +80,33 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## Chat data
+//!
+//! [`chat`] reads conversations (JSONL rows of `messages`, or `prompt`/`completion`), renders
+//! them with the model folder's own chat template (Jinja, through minijinja, as `transformers`'
+//! `apply_chat_template` renders it) and tokenizes them into examples whose labels are the
+//! assistant's tokens:
+//!
+//! ```no_run
+//! use accelerate_rs_models::chat::{ChatDataset, ChatEncoder};
+//!
+//! # fn main() -> accelerate_rs_models::Result<()> {
+//! let encoder = ChatEncoder::from_folder("my-instruct-model")?; // chat template + tokenizer
+//! let data = ChatDataset::new(vec!["train.jsonl".into()], encoder, 1024)?;
+//! for example in data.examples()? {
+//!     let example = example?; // input_ids, labels (-100 outside the assistant's turns)
+//!     # let _ = example;
+//! }
+//! # Ok(()) }
+//! ```
+//!
 //! The `hub` feature adds `hub::download` (the `hf-hub` crate).
 #![deny(missing_docs)]
 #![deny(rustdoc::broken_intra_doc_links)]
 
 mod auto;
 mod bert;
+pub mod chat;
 mod config;
 mod error;
 mod gpt2;
@@ -100,8 +121,11 @@ mod tokenizer;
 
 pub use auto::{AutoModel, Task, ARCHITECTURES};
 pub use bert::{BertConfig, BertForMaskedLm, BertForSequenceClassification};
+pub use chat::{
+    ChatDataset, ChatEncoder, ChatExample, ChatTemplate, Conversation, ConversationReader,
+};
 pub use config::{Activation, Config, MODEL_TYPES};
-pub use error::{Error, Result};
+pub use error::{ChatErrorKind, Error, Result};
 pub use gpt2::{Gpt2Config, Gpt2LmHeadModel};
 pub use layers::IGNORE_INDEX;
 pub use llama::{LlamaConfig, LlamaForCausalLm};

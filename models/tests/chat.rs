@@ -1,0 +1,642 @@
+//! Chat datasets against `transformers`: the rendered text, token ids and assistant masks of
+//! `scripts/chat_reference.py`'s golden files (Llama 3.1, Qwen2.5, Mistral v0.3 templates, a
+//! template with `{% generation %}` marks, and one using Jinja2/Python features), the loaders,
+//! the length policy, and every bad input named (file, line, field), never a panic.
+
+mod common;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use accelerate_rs::StreamingLoader;
+use accelerate_rs_models::chat::{
+    AssistantSpans, ChatDataset, ChatEncoder, ChatTemplate, Conversation, ConversationReader,
+    Overlong, Role,
+};
+use accelerate_rs_models::{load_tokenizer, ChatErrorKind, Error, IGNORE_INDEX};
+use serde_json::Value;
+
+const FAMILIES: &[&str] = &["llama3", "qwen2", "mistral", "marked", "features"];
+
+fn folder(family: &str) -> PathBuf {
+    common::fixture(&format!("chat_{family}"))
+}
+
+fn golden(family: &str) -> Value {
+    let text = std::fs::read_to_string(folder(family).join("golden.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn mask(v: &Value) -> Option<Vec<u8>> {
+    v.as_array()
+        .map(|a| a.iter().map(|x| x.as_u64().unwrap() as u8).collect())
+}
+
+fn rows(family: &str) -> Vec<Conversation> {
+    ConversationReader::new(vec![folder(family).join("conversations.jsonl")])
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+#[test]
+fn token_ids_and_masks_equal_transformers() {
+    for family in FAMILIES {
+        let encoder = ChatEncoder::from_folder(folder(family)).unwrap();
+        let all = ChatEncoder::from_folder(folder(family))
+            .unwrap()
+            .train_on_all(true);
+        let prefixes = ChatEncoder::from_folder(folder(family))
+            .unwrap()
+            .assistant_spans(AssistantSpans::Prefixes);
+        let golden = golden(family);
+        let cases = golden["cases"].as_array().unwrap();
+        let conversations = rows(family);
+        assert_eq!(conversations.len(), cases.len(), "{family}");
+        for (i, (chat, case)) in conversations.iter().zip(cases).enumerate() {
+            let at = format!("{family} row {}", i + 1);
+            assert_eq!(chat.source().unwrap().line, i + 1, "{at}");
+            assert_eq!(
+                encoder.render(chat).unwrap(),
+                case["text"].as_str().unwrap(),
+                "{at}: text"
+            );
+            let want_ids = ids(&case["input_ids"]);
+            // Every token learnt.
+            let every = all.encode(chat).unwrap();
+            assert_eq!(every.input_ids, want_ids, "{at}: ids");
+            assert!(every
+                .labels
+                .iter()
+                .zip(&want_ids)
+                .all(|(&l, &id)| l == i64::from(id)));
+            // The assistant's tokens.
+            match mask(&case["assistant_mask"]) {
+                Some(want) => {
+                    let example = encoder.encode(chat).unwrap();
+                    assert_eq!(example.input_ids, want_ids, "{at}: ids");
+                    assert_eq!(example.target_mask(), want, "{at}: assistant mask");
+                    for (&l, (&id, &m)) in example.labels.iter().zip(want_ids.iter().zip(&want)) {
+                        assert_eq!(l, if m == 1 { i64::from(id) } else { IGNORE_INDEX });
+                    }
+                }
+                None => match encoder.encode(chat).unwrap_err() {
+                    Error::Chat {
+                        kind: ChatErrorKind::InconsistentPrefixes,
+                        path,
+                        line,
+                        field,
+                        reason,
+                    } => {
+                        assert!(path.ends_with("conversations.jsonl"), "{at}");
+                        assert_eq!(line, Some(i + 1), "{at}");
+                        assert!(field.unwrap().starts_with("messages["), "{at}");
+                        assert!(reason.contains("generation"), "{at}: {reason}");
+                    }
+                    other => panic!("{at}: {other}"),
+                },
+            }
+            // The prefix method, forced (for marked templates it differs from the marks).
+            match (mask(&case["prefix_mask"]), prefixes.encode(chat)) {
+                (Some(want), Ok(example)) => {
+                    assert_eq!(example.target_mask(), want, "{at}: prefix mask")
+                }
+                (None, Err(Error::Chat { kind, .. })) => {
+                    assert_eq!(kind, ChatErrorKind::InconsistentPrefixes, "{at}")
+                }
+                (want, got) => panic!("{at}: prefix mask {want:?}, got {got:?}"),
+            }
+            // The prompt of the last assistant turn, with the generation prompt.
+            let last = chat
+                .roles()
+                .iter()
+                .rposition(|r| *r == Role::Assistant)
+                .unwrap();
+            let prompt = encoder.encode_prompt(&chat.prefix(last)).unwrap();
+            assert_eq!(prompt, ids(&case["prompt_ids"]), "{at}: prompt ids");
+        }
+    }
+}
+
+#[test]
+fn templates_and_special_tokens_are_found_as_transformers_finds_them() {
+    for family in FAMILIES {
+        let template = ChatTemplate::from_folder(folder(family)).unwrap();
+        let golden = golden(family);
+        let want = golden["special_tokens"].as_object().unwrap();
+        assert_eq!(template.special_tokens().len(), want.len(), "{family}");
+        for (name, token) in want {
+            assert_eq!(
+                template.special_token(name),
+                token.as_str(),
+                "{family} {name}"
+            );
+        }
+        let file = template.path().file_name().unwrap().to_str().unwrap();
+        let expected = match *family {
+            "qwen2" | "mistral" => "tokenizer_config.json",
+            _ => "chat_template.jinja",
+        };
+        assert_eq!(file, expected, "{family}");
+        assert_eq!(
+            template.has_generation_marks(),
+            matches!(*family, "marked" | "features"),
+            "{family}"
+        );
+    }
+}
+
+#[test]
+fn conversations_built_in_code_render_like_rows() {
+    let encoder = ChatEncoder::from_folder(folder("qwen2")).unwrap();
+    let row = rows("qwen2").remove(2); // {"prompt": "Add 2 and 3.", "completion": "2 + 3 = 5."}
+    let built = Conversation::new([
+        (Role::User, "Add 2 and 3."),
+        (Role::Assistant, "2 + 3 = 5."),
+    ])
+    .unwrap();
+    assert_eq!(
+        encoder.encode(&built).unwrap().input_ids,
+        encoder.encode(&row).unwrap().input_ids
+    );
+    let parsed = Conversation::from_json_row(
+        r#"{"prompt": "Add 2 and 3.", "completion": "2 + 3 = 5.", "extra": 1}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        encoder.render(&parsed).unwrap(),
+        encoder.render(&row).unwrap()
+    );
+    assert_eq!(parsed.content(1).as_deref(), Some("2 + 3 = 5."));
+    // A prompt only: renders, but is no training example.
+    let prompt = Conversation::new([(Role::User, "Hi")]).unwrap();
+    assert!(encoder.encode_prompt(&prompt).is_ok());
+    assert_eq!(
+        kind(encoder.encode(&prompt).unwrap_err()),
+        ChatErrorKind::NoAssistantTurn
+    );
+    assert!(Conversation::new(Vec::<(Role, String)>::new()).is_err());
+}
+
+#[test]
+fn dataset_feeds_the_streaming_loader() {
+    let family = "qwen2";
+    let encoder = ChatEncoder::from_folder(folder(family)).unwrap();
+    let max_len = 300;
+    let data = ChatDataset::new(
+        vec![folder(family).join("conversations.jsonl")],
+        encoder,
+        max_len,
+    )
+    .unwrap();
+    let golden = golden(family);
+    let cases = golden["cases"].as_array().unwrap();
+    let loader = StreamingLoader::new(data, 2)
+        .prefetch(0)
+        .shard(0, 1)
+        .unwrap();
+    let mut seen = 0;
+    for batch in loader.iter().unwrap() {
+        let batch = batch.unwrap();
+        let [input_ids, labels, attention] = batch.tensors() else {
+            panic!("three fields")
+        };
+        assert_eq!(input_ids.dims()[1], max_len);
+        let input_ids = input_ids.to_vec2::<u32>().unwrap();
+        let labels = labels.to_vec2::<i64>().unwrap();
+        let attention = attention.to_vec2::<u32>().unwrap();
+        for row in 0..input_ids.len() - batch.padding() {
+            let case = &cases[seen];
+            let want = ids(&case["input_ids"]);
+            let want_mask = mask(&case["assistant_mask"]).unwrap();
+            let n = want.len();
+            assert_eq!(&input_ids[row][..n], &want[..]);
+            let pad = loader
+                .dataset()
+                .encoder()
+                .special_token_id("pad_token")
+                .unwrap();
+            assert!(input_ids[row][n..].iter().all(|&t| t == pad));
+            assert!(attention[row][..n].iter().all(|&m| m == 1));
+            assert!(attention[row][n..].iter().all(|&m| m == 0));
+            for t in 0..max_len {
+                let expect = if t < n && want_mask[t] == 1 {
+                    i64::from(want[t])
+                } else {
+                    IGNORE_INDEX
+                };
+                assert_eq!(labels[row][t], expect);
+            }
+            seen += 1;
+        }
+    }
+    assert_eq!(seen, cases.len());
+    let stats = loader.dataset().stats();
+    assert_eq!((stats.rows, stats.examples), (5, 5));
+    assert_eq!((stats.truncated, stats.skipped), (0, 0));
+}
+
+#[test]
+fn over_long_examples_are_truncated_or_skipped_and_counted() {
+    let family = "llama3";
+    let file = folder(family).join("conversations.jsonl");
+    let golden = golden(family);
+    let lens: Vec<usize> = golden["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["input_ids"].as_array().unwrap().len())
+        .collect();
+    let max_len = 120;
+    let longer = lens.iter().filter(|&&n| n > max_len).count();
+    assert!(longer > 0 && longer < lens.len());
+
+    let skip = ChatDataset::new(
+        vec![file.clone()],
+        ChatEncoder::from_folder(folder(family)).unwrap(),
+        max_len,
+    )
+    .unwrap()
+    .overlong(Overlong::Skip);
+    let examples: Vec<_> = skip.examples().unwrap().map(Result::unwrap).collect();
+    assert_eq!(examples.len(), lens.len() - longer);
+    assert!(examples.iter().all(|e| e.len() <= max_len));
+    let stats = skip.stats();
+    assert_eq!(stats.skipped as usize, longer);
+    assert_eq!(stats.rows as usize, lens.len());
+    assert_eq!(stats.longest, *lens.iter().max().unwrap());
+
+    let truncate = ChatDataset::new(
+        vec![file.clone()],
+        ChatEncoder::from_folder(folder(family)).unwrap(),
+        max_len,
+    )
+    .unwrap();
+    let mut pass = truncate.examples().unwrap();
+    let examples: Vec<_> = pass.by_ref().map(Result::unwrap).collect();
+    let stats = pass.stats();
+    // The longer ones are cut to max_len, or left out when no assistant token is left.
+    assert_eq!((stats.truncated + stats.skipped) as usize, longer);
+    assert_eq!(examples.len() as u64, stats.examples);
+    assert!(examples
+        .iter()
+        .all(|e| e.len() <= max_len && e.num_targets() > 0));
+    assert!(examples.iter().any(|e| e.len() == max_len));
+
+    // Every row too long: an error, not an empty pass.
+    let none_fit = ChatDataset::new(
+        vec![file],
+        ChatEncoder::from_folder(folder(family)).unwrap(),
+        10,
+    )
+    .unwrap()
+    .overlong(Overlong::Skip);
+    let items: Vec<_> = none_fit.examples().unwrap().collect();
+    assert_eq!(items.len(), 1);
+    let err = items.into_iter().next().unwrap().unwrap_err();
+    assert_eq!(kind_ref(&err), ChatErrorKind::NoTarget);
+    assert!(err.to_string().contains("max_len"), "{err}");
+}
+
+// ---- bad input ----
+
+fn kind(e: Error) -> ChatErrorKind {
+    kind_ref(&e)
+}
+
+fn kind_ref(e: &Error) -> ChatErrorKind {
+    match e {
+        Error::Chat { kind, .. } => *kind,
+        other => panic!("not a chat error: {other}"),
+    }
+}
+
+/// The first error reading `text` as a JSONL file: (kind, line, field, message).
+fn read_error(text: &[u8]) -> (ChatErrorKind, Option<usize>, Option<String>, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("data.jsonl");
+    std::fs::File::create(&path)
+        .unwrap()
+        .write_all(text)
+        .unwrap();
+    let reader = ConversationReader::new(vec![path.clone()])
+        .unwrap()
+        .max_line_bytes(400);
+    let mut items: Vec<_> = reader.collect();
+    let err = items.pop().unwrap().unwrap_err();
+    assert!(
+        items.iter().all(|i| i.is_ok()),
+        "the first error ends the stream"
+    );
+    let message = err.to_string();
+    match err {
+        Error::Chat {
+            kind,
+            path: p,
+            line,
+            field,
+            ..
+        } => {
+            assert_eq!(p, path);
+            assert!(message.contains("data.jsonl"), "{message}");
+            if let Some(l) = line {
+                assert!(message.contains(&format!("data.jsonl:{l}")), "{message}");
+            }
+            if let Some(f) = &field {
+                assert!(message.contains(f.as_str()), "{message}");
+            }
+            (kind, line, field, message)
+        }
+        other => panic!("{other}"),
+    }
+}
+
+const GOOD: &str =
+    r#"{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}"#;
+
+#[test]
+fn bad_rows_are_named_by_file_line_and_field() {
+    use ChatErrorKind::*;
+    let cases: Vec<(String, ChatErrorKind, usize, Option<&str>)> = vec![
+        (
+            r#"{"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}"#.into(),
+            UnknownRole, 2, Some("messages[1].role"),
+        ),
+        (
+            r#"{"messages": [{"role": "user"}, {"role": "assistant", "content": "b"}]}"#.into(),
+            MissingField, 2, Some("messages[0].content"),
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": null}, {"role": "assistant", "content": "b"}]}"#.into(),
+            MissingField, 2, Some("messages[0].content"),
+        ),
+        (
+            r#"{"messages": [{"content": "a"}, {"role": "assistant", "content": "b"}]}"#.into(),
+            MissingField, 2, Some("messages[0].role"),
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "b"}]}"#.into(),
+            WrongType, 2, Some("messages[0].content"),
+        ),
+        (
+            r#"{"messages": [{"role": 1, "content": "a"}]}"#.into(),
+            WrongType, 2, Some("messages[0].role"),
+        ),
+        (r#"{"messages": "hello"}"#.into(), WrongType, 2, Some("messages")),
+        (r#"{"messages": ["hello"]}"#.into(), WrongType, 2, Some("messages[0]")),
+        (
+            r#"{"messages": [{"role": "assistant", "tool_calls": {"a": 1}}]}"#.into(),
+            WrongType, 2, Some("messages[0].tool_calls"),
+        ),
+        (
+            r#"{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]}"#.into(),
+            NoAssistantTurn, 2, Some("messages"),
+        ),
+        (r#"{"messages": []}"#.into(), NoAssistantTurn, 2, Some("messages")),
+        (r#"{"prompt": "a"}"#.into(), MissingField, 2, Some("completion")),
+        (r#"{"completion": "a"}"#.into(), MissingField, 2, Some("prompt")),
+        (
+            r#"{"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}"#.into(),
+            WrongType, 2, Some("completion"),
+        ),
+        (r#"{"prompt": 3, "completion": "b"}"#.into(), WrongType, 2, Some("prompt")),
+        (
+            r#"{"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "user", "content": "b"}]}"#.into(),
+            NoAssistantTurn, 2, Some("completion"),
+        ),
+        (
+            r#"{"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "critic", "content": "b"}]}"#.into(),
+            UnknownRole, 2, Some("completion[0].role"),
+        ),
+        (r#"{"messages": [], "prompt": "a"}"#.into(), WrongType, 2, Some("messages")),
+        (r#"{"text": "plain"}"#.into(), MissingField, 2, Some("messages")),
+        (r#"["not", "an", "object"]"#.into(), WrongType, 2, None),
+        (r#"{"messages": [{"role": "user", "content": "a"}"#.into(), InvalidJson, 2, None),
+        ("not json at all".into(), InvalidJson, 2, None),
+        (format!("{{\"prompt\": \"{}\", \"completion\": \"b\"}}", "x".repeat(500)), LineTooLong, 2, None),
+    ];
+    for (bad, want, line, field) in cases {
+        // A good row first, blank lines around: the line numbers count every line.
+        let text = format!("{GOOD}\n{bad}\n\n{GOOD}\n");
+        let (kind, got_line, got_field, message) = read_error(text.as_bytes());
+        assert_eq!(kind, want, "{bad}: {message}");
+        assert_eq!(got_line, Some(line), "{bad}: {message}");
+        assert_eq!(got_field.as_deref(), field, "{bad}: {message}");
+    }
+    // Not UTF-8; CRLF line endings are fine before it.
+    let mut bytes = format!("{GOOD}\r\n\r\n").into_bytes();
+    bytes.extend_from_slice(b"{\"prompt\": \"\xff\", \"completion\": \"b\"}\n");
+    let (kind, line, _, _) = read_error(&bytes);
+    assert_eq!((kind, line), (InvalidJson, Some(3)));
+}
+
+#[test]
+fn empty_and_missing_files_are_named() {
+    for text in ["", "\n  \n\t\n"] {
+        let (kind, line, _, message) = read_error(text.as_bytes());
+        assert_eq!((kind, line), (ChatErrorKind::EmptyFile, None), "{message}");
+        assert!(message.contains("no conversation"), "{message}");
+    }
+    let missing = Path::new("/nonexistent/dir/train.jsonl").to_path_buf();
+    let err = ConversationReader::new(vec![missing])
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(kind_ref(&err), ChatErrorKind::Io);
+    assert!(
+        err.to_string().contains("/nonexistent/dir/train.jsonl"),
+        "{err}"
+    );
+    assert!(ConversationReader::new(Vec::new()).is_err());
+}
+
+#[test]
+fn several_files_are_read_in_order_with_their_own_line_numbers() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.jsonl");
+    let b = dir.path().join("b.jsonl");
+    std::fs::write(&a, format!("{GOOD}\n{GOOD}")).unwrap(); // no final line break
+    std::fs::write(&b, format!("\n{GOOD}\n{{\"messages\": 1}}\n")).unwrap();
+    let items: Vec<_> = ConversationReader::new(vec![a.clone(), b.clone()])
+        .unwrap()
+        .collect();
+    assert_eq!(items.len(), 4);
+    let sources: Vec<_> = items[..3]
+        .iter()
+        .map(|c| {
+            let s = c.as_ref().unwrap().source().unwrap().clone();
+            (s.path.to_path_buf(), s.line)
+        })
+        .collect();
+    assert_eq!(sources, vec![(a.clone(), 1), (a, 2), (b.clone(), 2)]);
+    match items[3].as_ref().unwrap_err() {
+        Error::Chat { path, line, .. } => assert_eq!((path, *line), (&b, Some(3))),
+        other => panic!("{other}"),
+    }
+}
+
+#[test]
+fn a_template_that_fails_names_the_row_and_the_template_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("data.jsonl");
+    // Mistral's template raises on roles that do not alternate.
+    std::fs::write(
+        &file,
+        format!(
+            "{GOOD}\n{}\n",
+            r#"{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]}"#
+        ),
+    )
+    .unwrap();
+    let encoder = ChatEncoder::from_folder(folder("mistral")).unwrap();
+    let data = ChatDataset::new(vec![file.clone()], encoder, 64).unwrap();
+    let items: Vec<_> = data.examples().unwrap().collect();
+    assert!(items[0].is_ok());
+    let err = items[1].as_ref().unwrap_err();
+    assert_eq!(kind_ref(err), ChatErrorKind::Render);
+    let message = err.to_string();
+    assert!(message.contains("data.jsonl:2"), "{message}");
+    assert!(
+        message.contains("must alternate user/assistant"),
+        "{message}"
+    );
+    assert!(message.contains("tokenizer_config.json"), "{message}");
+
+    // Through the streaming loader: an error item naming the row, then the end.
+    let loader = StreamingLoader::new(data, 1)
+        .prefetch(0)
+        .shard(0, 1)
+        .unwrap();
+    let batches: Vec<_> = loader.iter().unwrap().collect();
+    let err = batches.iter().find_map(|b| b.as_ref().err()).unwrap();
+    assert!(err.to_string().contains("data.jsonl:2"), "{err}");
+    assert!(batches.last().unwrap().is_err());
+}
+
+#[test]
+fn a_folder_without_a_usable_template_is_an_error() {
+    // The example model: a tokenizer but no chat template.
+    let tiny = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/tiny-llama");
+    match ChatEncoder::from_folder(&tiny).unwrap_err() {
+        Error::ChatTemplate { path, reason } => {
+            assert_eq!(path, tiny);
+            assert!(reason.contains("chat_template.jinja"), "{reason}");
+        }
+        other => panic!("{other}"),
+    }
+    assert!(matches!(
+        ChatTemplate::from_folder("/nonexistent/model").unwrap_err(),
+        Error::ChatTemplate { .. }
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let write_config = |config: &str| {
+        std::fs::write(dir.path().join("tokenizer_config.json"), config).unwrap();
+        ChatTemplate::from_folder(dir.path())
+            .unwrap_err()
+            .to_string()
+    };
+    let message = write_config(r#"{"chat_template": [{"name": "tool_use", "template": "x"}]}"#);
+    assert!(
+        message.contains("default") && message.contains("tool_use"),
+        "{message}"
+    );
+    let message = write_config(r#"{"chat_template": 3}"#);
+    assert!(message.contains("chat_template"), "{message}");
+    let message = write_config("{not json");
+    assert!(message.contains("tokenizer_config.json"), "{message}");
+    let message = write_config(r#"{"chat_template": "{% for m in messages %}{{ m.content }"}"#);
+    assert!(message.contains("does not compile"), "{message}");
+    // A template file wins over the key, as in transformers 5.
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"chat_template": "key", "eos_token": {"content": "</s>", "special": true}}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "file{{ eos_token }}\n",
+    )
+    .unwrap();
+    let template = ChatTemplate::from_folder(dir.path()).unwrap();
+    assert_eq!(template.special_token("eos_token"), Some("</s>"));
+    let tokenizer = load_tokenizer(&tiny).unwrap();
+    let encoder = ChatEncoder::new(template, tokenizer).train_on_all(true);
+    let chat = Conversation::new([(Role::Assistant, "x")]).unwrap();
+    // Jinja2 drops the template's final line break.
+    assert_eq!(encoder.render(&chat).unwrap(), "file</s>");
+}
+
+#[test]
+fn templates_that_raise_or_mark_nothing_are_errors() {
+    let tokenizer = || load_tokenizer(folder("qwen2")).unwrap();
+    let chat = Conversation::new([(Role::User, "a"), (Role::Assistant, "b")]).unwrap();
+    let raising = ChatTemplate::new(
+        "{% if messages|length > 1 %}{{ raise_exception('too many: ' ~ messages|length) }}{% endif %}ok",
+        [("eos_token", "<|im_end|>")],
+    )
+    .unwrap();
+    let err = ChatEncoder::new(raising, tokenizer())
+        .encode(&chat)
+        .unwrap_err();
+    assert_eq!(kind_ref(&err), ChatErrorKind::Render);
+    assert!(err.to_string().contains("too many: 2"), "{err}");
+    assert!(err.to_string().contains("<memory>"), "{err}");
+    // Marks around nothing the assistant wrote: no target, an error rather than an empty row.
+    let empty = ChatTemplate::new(
+        "{% for m in messages %}{{ m.content }}{% generation %}{% endgeneration %}{% endfor %}",
+        Vec::<(String, String)>::new(),
+    )
+    .unwrap();
+    let err = ChatEncoder::new(empty, tokenizer())
+        .encode(&chat)
+        .unwrap_err();
+    assert_eq!(kind(err), ChatErrorKind::NoTarget);
+    // tojson's options are checked.
+    for bad in [
+        "{{ messages|tojson(indent=100000) }}",
+        "{{ messages|tojson(separators=',') }}",
+        "{{ messages|tojson(colour=1) }}",
+    ] {
+        let template = ChatTemplate::new(bad, Vec::<(String, String)>::new()).unwrap();
+        let err = ChatEncoder::new(template, tokenizer())
+            .render(&chat)
+            .unwrap_err();
+        assert_eq!(kind_ref(&err), ChatErrorKind::Render, "{bad}");
+        assert!(
+            err.to_string().contains("tojson") || err.to_string().contains("colour"),
+            "{err}"
+        );
+    }
+    // An undefined variable's attribute is an error, as in Jinja2.
+    let broken = ChatTemplate::new("{{ nothing.here }}", Vec::<(String, String)>::new()).unwrap();
+    let err = ChatEncoder::new(broken, tokenizer())
+        .render(&chat)
+        .unwrap_err();
+    assert_eq!(kind(err), ChatErrorKind::Render);
+}
+
+#[test]
+fn bad_dataset_parameters_are_errors() {
+    let encoder = || ChatEncoder::from_folder(folder("qwen2")).unwrap();
+    let file = folder("qwen2").join("conversations.jsonl");
+    let err = ChatDataset::new(vec![file.clone()], encoder(), 0).unwrap_err();
+    assert!(err.to_string().contains("max_len"), "{err}");
+    assert!(ChatDataset::new(Vec::new(), encoder(), 8).is_err());
+    // An example longer than the samples.
+    let data = ChatDataset::new(vec![file], encoder(), 8).unwrap();
+    let chat = Conversation::new([(Role::User, "a"), (Role::Assistant, "b")]).unwrap();
+    let example = data.encoder().encode(&chat).unwrap();
+    let err = data
+        .to_tensors(&example, &candle_core::Device::Cpu)
+        .unwrap_err();
+    assert!(err.to_string().contains("max_len"), "{err}");
+}
