@@ -511,7 +511,10 @@ mod tests {
         let e = resolve(&[(env::NONFINITE, "sometimes")], Overrides::default())
             .unwrap_err()
             .to_string();
-        assert!(e.contains("ACCELERATE_RS_NONFINITE") && e.contains("`skip-step`"), "{e}");
+        assert!(
+            e.contains("ACCELERATE_RS_NONFINITE") && e.contains("`skip-step`"),
+            "{e}"
+        );
     }
 
     #[test]

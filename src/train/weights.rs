@@ -314,7 +314,8 @@ pub fn load_weights_mapped(
                 .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
             view.load(var.device())?.to_dtype(var.dtype())
         };
-        let t = read().map_err(|e| file_err(file, Some(&tensor), format!("could not read: {e}")))?;
+        let t =
+            read().map_err(|e| file_err(file, Some(&tensor), format!("could not read: {e}")))?;
         if let Some(what) = crate::train::clip::non_finite(&t)? {
             return Err(file_err(
                 file,

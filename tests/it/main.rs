@@ -29,8 +29,8 @@ mod mixed_precision;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod multinode;
-mod nonfinite;
 mod nn;
+mod nonfinite;
 mod ops;
 mod optim;
 mod sampler;

@@ -83,24 +83,26 @@ impl ConversationReader {
     /// Opens the next file.
     fn open_next(&mut self) -> Option<Result<()>> {
         let path = self.files.next()?;
-        Some(match File::open(&path) {
-            Ok(file) => {
-                self.current = Some(OpenFile {
-                    path: Arc::from(path),
-                    reader: BufReader::new(file),
-                    line: 0,
-                    rows: 0,
-                });
-                Ok(())
-            }
-            Err(e) => Err(Error::Chat {
-                kind: ChatErrorKind::Io,
-                reason: format!("cannot open the conversation file: {e}"),
-                path,
-                line: None,
-                field: None,
-            }),
-        })
+        Some(
+            match accelerate_rs::files::open_regular(&path).map(|(f, _)| f) {
+                Ok(file) => {
+                    self.current = Some(OpenFile {
+                        path: Arc::from(path),
+                        reader: BufReader::new(file),
+                        line: 0,
+                        rows: 0,
+                    });
+                    Ok(())
+                }
+                Err(e) => Err(Error::Chat {
+                    kind: ChatErrorKind::Io,
+                    reason: format!("cannot open the conversation file: {}", short(&e)),
+                    path,
+                    line: None,
+                    field: None,
+                }),
+            },
+        )
     }
 
     /// The next row of the current file: `None` at its end.
@@ -194,5 +196,13 @@ impl Iterator for ConversationReader {
                 return Some(Err(e));
             }
         }
+    }
+}
+
+/// The reason of a file error without the path the chat error names already.
+fn short(e: &accelerate_rs::Error) -> String {
+    match e {
+        accelerate_rs::Error::InputFile { reason, .. } => reason.clone(),
+        other => other.to_string(),
     }
 }

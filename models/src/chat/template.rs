@@ -88,8 +88,12 @@ impl ChatTemplate {
             }
         }
         let jinja = dir.join(CHAT_TEMPLATE_FILE);
-        let (source, path) = if jinja.is_file() {
-            let text = std::fs::read_to_string(&jinja).map_err(|e| Error::ChatTemplate {
+        let (source, path) = if jinja.exists() {
+            let text = accelerate_rs::files::read_to_string_bounded(
+                &jinja,
+                accelerate_rs::files::MAX_JSON_BYTES,
+            )
+            .map_err(|e| Error::ChatTemplate {
                 path: jinja.clone(),
                 reason: format!("cannot read it: {e}"),
             })?;
@@ -426,13 +430,15 @@ fn describe(error: &JinjaError) -> String {
 
 /// Reads a JSON file, `None` if it does not exist.
 fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
-    if !path.is_file() {
+    if !path.exists() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(path).map_err(|e| Error::ChatTemplate {
-        path: path.to_path_buf(),
-        reason: format!("cannot read it: {e}"),
-    })?;
+    let text =
+        accelerate_rs::files::read_to_string_bounded(path, accelerate_rs::files::MAX_JSON_BYTES)
+            .map_err(|e| Error::ChatTemplate {
+                path: path.to_path_buf(),
+                reason: format!("cannot read it: {e}"),
+            })?;
     serde_json::from_str(&text)
         .map(Some)
         .map_err(|e| Error::ChatTemplate {
