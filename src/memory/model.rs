@@ -477,6 +477,9 @@ fn read_json(path: &Path) -> Result<Value> {
 
 fn read_folder(dir: &Path) -> Result<ModelSpec> {
     let config = dir.join("config.json");
+    if config.exists() {
+        crate::files::check_regular(&config)?;
+    }
     let (architecture, unknown, config_tensors) = if config.is_file() {
         let cfg = read_json(&config)?;
         match Architecture::from_config(&cfg, &config)? {
@@ -490,7 +493,7 @@ fn read_folder(dir: &Path) -> Result<ModelSpec> {
         (None, None, None)
     };
     let index = dir.join("model.safetensors.index.json");
-    let found = if index.is_file() {
+    let found = if index.exists() {
         let (t, files, header_only) = read_index(&index, &read_json(&index)?)?;
         Some((t, files, header_only))
     } else {

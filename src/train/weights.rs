@@ -63,14 +63,15 @@ impl WeightFiles {
         let path = path.as_ref();
         if path.is_dir() {
             let single = path.join(SINGLE_FILE);
-            if single.is_file() {
+            if single.exists() {
+                crate::files::check_regular(&single)?;
                 return Ok(WeightFiles {
                     files: vec![single],
                     index: None,
                 });
             }
             let index = path.join(INDEX_FILE);
-            if index.is_file() {
+            if index.exists() {
                 return Self::from_index(&index);
             }
             return Err(file_err(
@@ -143,7 +144,7 @@ impl WeightFiles {
                 Some(&i) => i,
                 None => {
                     let full = folder.join(file);
-                    if !full.is_file() {
+                    if !full.exists() {
                         return Err(file_err(
                             index,
                             Some(tensor),
