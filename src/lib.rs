@@ -76,6 +76,7 @@
 //! | Global batch split across ranks | [`split_batches`](AcceleratorBuilder::split_batches) | `ACCELERATE_RS_SPLIT_BATCHES` | `split_batches` | off: the batch size is per rank |
 //! | ZeRO sharding stage | [`zero_stage`](AcceleratorBuilder::zero_stage) | `ACCELERATE_RS_ZERO_STAGE`: 0, 1 or 2 | `zero_stage` | 0 |
 //! | Parameters without a gradient at the first step | [`missing_gradients`](AcceleratorBuilder::missing_gradients) | `ACCELERATE_RS_MISSING_GRADIENTS`: `warn`, `error` or `off` | `missing_gradients` | `warn`: one warning on the main process naming them |
+//! | Gradients that turn NaN or infinite | [`nonfinite`](AcceleratorBuilder::nonfinite) | `ACCELERATE_RS_NONFINITE`: `error`, `warn`, `skip-step` or `off` | `nonfinite` | `error`: every rank stops, naming the step, the rank and the parameter |
 //! | reduce CPU gradient buckets on a communication thread while the next is flattened | - | `ACCELERATE_RS_OVERLAP`: `1` or `0` | - | on |
 //! | fused optimizer kernels ([`optim`]) | [`AdamW::set_fused`](optim::AdamW::set_fused), [`Sgd::set_fused`](optim::Sgd::set_fused) | `ACCELERATE_RS_FUSED_OPTIM`: `1` or `0` | - | on |
 //! | check shapes across ranks before `gather`, `reduce`, `broadcast` | - | `ACCELERATE_RS_DEBUG`: `1` or `0` | - | off |

@@ -82,16 +82,7 @@ impl Accelerator {
         );
         let probe = Arc::new(Probe::new(collective));
         let collective: Arc<dyn Collective> = Arc::new(ProbedCollective::new(probe.clone()));
-        let grads = Arc::new(GradSync::new(
-            collective.clone(),
-            state.gradient_accumulation_steps(),
-            state.bucket_cap_bytes(),
-            state.overlap(),
-            state.missing_gradients(),
-            state.nonfinite(),
-            state.zero_stage(),
-            probe.clone(),
-        ));
+        let grads = Arc::new(GradSync::new(collective.clone(), &state, probe.clone()));
         Accelerator {
             inner: Arc::new(Inner {
                 state,

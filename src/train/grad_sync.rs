@@ -40,7 +40,7 @@ use candle_core::{Tensor, Var};
 
 use crate::collective::Collective;
 use crate::error::{Error, Result};
-use crate::settings::{MissingGradients, NonFinite};
+use crate::settings::{MissingGradients, NonFinite, ProcessState};
 use crate::tracking::timing::{Phase, PhaseClock};
 use crate::train::batch_size::Probe;
 use crate::train::clip;
@@ -114,31 +114,27 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl GradSync {
-    /// An engine averaging over `collective`, with `steps` micro-steps per optimizer step,
-    /// gradient buckets of at most `bucket_cap_bytes` and, if `overlap`, CPU buckets reduced on
-    /// a communication thread; `missing`: what the first sync step does about registered
-    /// parameters that received no gradient on any rank.
+    /// An engine averaging over `collective` as `state` says: its micro-steps per optimizer step
+    /// (`N`), gradient buckets of at most its bucket cap and, if it overlaps, CPU buckets reduced
+    /// on a communication thread; its ZeRO stage; its `missing_gradients` (what the first sync
+    /// step does about registered parameters that received no gradient on any rank) and its
+    /// `nonfinite` (what a step with non-finite gradients does).
     pub(crate) fn new(
         collective: Arc<dyn Collective>,
-        steps: usize,
-        bucket_cap_bytes: usize,
-        overlap: bool,
-        missing: MissingGradients,
-        nonfinite: NonFinite,
-        zero_stage: usize,
+        state: &ProcessState,
         probe: Arc<Probe>,
     ) -> Self {
         GradSync {
             collective,
-            steps: steps.max(1),
-            bucket_cap_bytes,
-            overlap,
-            missing,
+            steps: state.gradient_accumulation_steps().max(1),
+            bucket_cap_bytes: state.bucket_cap_bytes(),
+            overlap: state.overlap(),
+            missing: state.missing_gradients(),
             checked: AtomicBool::new(false),
-            nonfinite,
+            nonfinite: state.nonfinite(),
             checked_steps: AtomicU64::new(0),
             data_checked: AtomicBool::new(false),
-            zero_stage,
+            zero_stage: state.zero_stage(),
             params: Mutex::new(None),
             accum: Mutex::new(Accumulation::default()),
             reduced: AtomicU64::new(0),

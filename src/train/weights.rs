@@ -349,6 +349,9 @@ pub fn check_weights_mapped(
     plan_load(path.as_ref(), params, &map).map(drop)
 }
 
+/// A parameter to load: its name, the file (an index into `WeightFiles::files`) and the tensor.
+type Planned = (String, usize, String);
+
 /// The files at `path` and, for each parameter of `params`, the file (an index into
 /// `WeightFiles::files`) and tensor it loads from, every check of [`check_weights_mapped`] done
 /// on the headers.
@@ -356,7 +359,7 @@ fn plan_load(
     path: &Path,
     params: &[ParamSpec],
     map: &dyn Fn(&str) -> Option<String>,
-) -> Result<(WeightFiles, Vec<(String, usize, String)>)> {
+) -> Result<(WeightFiles, Vec<Planned>)> {
     let found = WeightFiles::find(path)?;
     let headers: Vec<SafetensorsHeader> = found
         .files
