@@ -191,21 +191,24 @@ proptest! {
         values in proptest::collection::vec(finite_f64(), 1..24),
     ) {
         let acc = crate::common::single();
-        let dir = tempfile::tempdir().unwrap();
+        // A folder of its own under the temporary one: a save locks the checkpoint's parent, and
+        // another test run on this machine may be saving under /tmp at the same moment.
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("run");
         let p = params(0.5, HIDDEN);
         let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
         let mut opt = AdamW::new_lr(vars.clone(), 0.01).unwrap();
         opt.set_learning_rate(lr);
         let state = Floats(values.clone());
         let parts = CheckpointParts::new(&p).optimizer(&opt).state("floats", &state).step(3);
-        acc.save_state(dir.path(), &parts).unwrap();
-        let m = verify_checkpoint(dir.path()).unwrap();
+        acc.save_state(&dir, &parts).unwrap();
+        let m = verify_checkpoint(&dir).unwrap();
         prop_assert_eq!(m.optimizer.as_ref().map(|o| o.lr.to_bits()), Some(lr.to_bits()));
 
         let mut back = Floats::default();
         let mut opt2 = AdamW::new_lr(vars, 0.5).unwrap();
         let targets = LoadTargets::new(&p).optimizer(&mut opt2).state("floats", &mut back);
-        acc.load_state_into(dir.path(), targets).unwrap();
+        acc.load_state_into(&dir, targets).unwrap();
         prop_assert_eq!(opt2.learning_rate().to_bits(), lr.to_bits());
         let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         prop_assert_eq!(bits(&back.0), bits(&values));
