@@ -32,6 +32,7 @@ mod multinode;
 mod nn;
 mod ops;
 mod optim;
+mod quant;
 mod sampler;
 mod save_targets;
 mod scripts;
