@@ -57,6 +57,7 @@ mod state;
 mod weight;
 
 pub use state::{NestedScales, QuantState, Scales};
+pub(crate) use weight::rounding;
 pub use weight::Weight4bit;
 
 use crate::error::{Error, Result};

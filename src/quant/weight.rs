@@ -118,7 +118,12 @@ impl Weight4bit {
 
     /// Dequantizes the flat elements `start..start + out.len()` into `out` (in parallel), each
     /// value taken through `round` (the dtypes it passes through).
-    pub(crate) fn dequantize_into(&self, start: usize, out: &mut [f32], round: fn(f32) -> f32) {
+    pub(crate) fn dequantize_into(
+        &self,
+        start: usize,
+        out: &mut [f32],
+        round: impl Fn(f32) -> f32 + Send + Sync,
+    ) {
         let code = self.state.quant_type().code();
         let bs = self.state.blocksize();
         let state = &self.state;
@@ -131,7 +136,7 @@ impl Weight4bit {
                     &code,
                     bs,
                     |b| state.scale(b),
-                    round,
+                    &round,
                     first,
                     chunk,
                 );
