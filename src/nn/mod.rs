@@ -24,6 +24,10 @@
 //!
 //! [`LoraLinear`] wraps a [`Linear`] with a LoRA adapter ([`Lora`], configured by
 //! [`LoraConfig`] as PEFT's `LoraConfig`): the base frozen, the low-rank update trainable.
+//! [`Linear4bit`] is a frozen linear layer over a 4-bit weight
+//! ([`quant::Weight4bit`](crate::quant::Weight4bit), bitsandbytes' NF4/FP4): one op on the CPU
+//! that dequantizes the weight a tile at a time, whose backward pass gives the input gradient;
+//! [`Linear4bit::forward_with_lora`] puts a LoRA adapter on it (QLoRA).
 //!
 //! **CUDA kernels.** In a build with the `cuda` feature, LayerNorm and RMSNorm, the softmaxes (and
 //! so the composed
