@@ -32,7 +32,8 @@ const TILE_ELEMS: usize = 1 << 20;
 /// On the CPU, for f32, bf16 and f16 inputs, one fused op (the weight dequantized a tile at a
 /// time, the products in f32, rounded once to the input's dtype); elsewhere (a GPU, f64), the
 /// weight is dequantized on the host at each call and the layer runs as a [`Linear`] over it
-/// (correct, not fast: no GPU kernel yet). Either way the weight used is bitsandbytes': each
+/// (correct, not fast: the CUDA dequantization kernel, `src/quant/dequant4.cu`, is checked on
+/// the CPU's emulation of CUDA but not launched until a GPU run proves it). Either way the weight used is bitsandbytes': each
 /// value dequantized in the weight's dtype, then cast to the input's (`dequantize_4bit(W).to(x.dtype)`).
 ///
 /// ```

@@ -33,6 +33,11 @@
 //! last dimension is a multiple of 16 but not of 64; ours, like its portable and CUDA kernels,
 //! follows the flat block layout.
 //!
+//! **On a GPU.** The weights are held in host memory; `src/quant/dequant4.cu` is the CUDA
+//! dequantization kernel (bit for bit the values above, checked on the CPU's emulation of CUDA by
+//! `tests/cuda_emulation/check_quant.cpp` and compiled by the real NVRTC in
+//! `scripts/nvrtc_check.py`), not launched yet: no GPU has run it.
+//!
 //! ```
 //! use accelerate_rs::quant::{Quant4bitConfig, Weight4bit};
 //! use candle_core::{Device, Tensor};
