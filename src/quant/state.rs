@@ -269,30 +269,7 @@ impl JsonState {
             }
         };
         let shape = field.shape()?;
-        let nested = if obj.contains_key("nested_blocksize")
-            || obj.contains_key("nested_dtype")
-            || obj.contains_key("nested_offset")
-        {
-            let blocksize = field.usize("nested_blocksize")?;
-            if blocksize == 0 {
-                return Err(err("nested_blocksize is 0".into()));
-            }
-            let nested_dtype = field.str("nested_dtype")?;
-            if nested_dtype != "float32" {
-                return Err(err(format!(
-                    "nested_dtype {nested_dtype:?}: \"float32\" expected"
-                )));
-            }
-            let offset = match obj.get("nested_offset") {
-                Some(Value::Number(n)) => n.as_f64().map(|v| v as f32),
-                _ => None,
-            }
-            .filter(|v| v.is_finite())
-            .ok_or_else(|| err("nested_offset is missing or not a finite number".into()))?;
-            Some((blocksize, offset))
-        } else {
-            None
-        };
+        let nested = field.nested()?;
         Ok(JsonState {
             quant_type,
             blocksize,
@@ -327,6 +304,32 @@ impl<E: Fn(String) -> Error> Field<'_, E> {
             .as_u64()
             .and_then(|v| usize::try_from(v).ok())
             .ok_or_else(|| (self.err)(format!("`{key}` is not a non-negative integer")))
+    }
+
+    /// `(nested_blocksize, nested_offset)` when any `nested_*` key is there (then all three
+    /// must be, `nested_dtype` float32).
+    fn nested(&self) -> Result<Option<(usize, f32)>> {
+        let keys = ["nested_blocksize", "nested_dtype", "nested_offset"];
+        if !keys.iter().any(|k| self.obj.contains_key(*k)) {
+            return Ok(None);
+        }
+        let blocksize = self.usize("nested_blocksize")?;
+        if blocksize == 0 {
+            return Err((self.err)("nested_blocksize is 0".into()));
+        }
+        let dtype = self.str("nested_dtype")?;
+        if dtype != "float32" {
+            return Err((self.err)(format!(
+                "nested_dtype {dtype:?}: \"float32\" expected"
+            )));
+        }
+        let offset = match self.obj.get("nested_offset") {
+            Some(Value::Number(n)) => n.as_f64().map(|v| v as f32),
+            _ => None,
+        }
+        .filter(|v| v.is_finite())
+        .ok_or_else(|| (self.err)("nested_offset is missing or not a finite number".into()))?;
+        Ok(Some((blocksize, offset)))
     }
 
     fn shape(&self) -> Result<Vec<usize>> {

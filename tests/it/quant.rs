@@ -242,10 +242,9 @@ fn json_tensor(text: &str) -> Tensor {
 }
 
 #[test]
-fn malformed_states_are_refused_naming_the_tensor() {
+fn missing_tensors_are_refused_naming_them() {
     let q = "llama_q.weight";
     let js = "llama_q.weight.quant_state.bitsandbytes__nf4";
-    let good = r#"{"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [32, 32], "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 0.1}"#;
     // Each tensor missing.
     for suffix in [
         "",
@@ -267,6 +266,12 @@ fn malformed_states_are_refused_naming_the_tensor() {
         g.remove(js);
     });
     assert!(e.contains(js) && e.contains("not a 4-bit weight"), "{e}");
+}
+
+#[test]
+fn malformed_tensors_and_quant_states_are_refused_naming_the_tensor() {
+    let js = "llama_q.weight.quant_state.bitsandbytes__nf4";
+    let good = r#"{"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [32, 32], "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 0.1}"#;
     let cases: Vec<(&str, Edit, &str)> = vec![
         // Wrong dtypes and sizes.
         (
