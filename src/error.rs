@@ -278,6 +278,17 @@ pub enum Error {
         reason: String,
     },
 
+    /// A 4-bit quantized weight ([`quant`](crate::quant)) cannot be read from the tensors
+    /// given: the tensor to blame (missing, of the wrong dtype or size, a malformed quant state)
+    /// and what is wrong.
+    #[error("4-bit weight: tensor `{tensor}`: {reason}")]
+    Quantized {
+        /// The tensor's full name (`model.layers.0.mlp.up_proj.weight.absmax`).
+        tensor: String,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// Another run holds the checkpoint directory (two runs saving into one folder would
     /// overwrite and rotate away each other's checkpoints).
     #[error("checkpoint directory {} is in use by another run ({holder}); give this run its own directory", path.display())]

@@ -189,6 +189,7 @@ pub mod logging;
 pub mod memory;
 pub mod nn;
 pub mod optim;
+pub mod quant;
 mod settings;
 pub mod tracking;
 mod train;

@@ -454,6 +454,11 @@ impl Lora {
         self.scaling
     }
 
+    /// The dropout probability on the adapter's input (in training mode).
+    pub fn dropout(&self) -> f64 {
+        f64::from(self.dropout)
+    }
+
     /// The update `s · dropout(x) Aᵀ Bᵀ` for inputs `x` `[.., in]` (cast to the adapter's
     /// dtype): `[.., out]` in the adapter's dtype. Dropout only if `train`.
     pub fn update(&self, x: &Tensor, train: bool) -> Result<Tensor> {

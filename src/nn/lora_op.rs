@@ -87,6 +87,70 @@ fn add_scaled(y: &mut CpuStorage, u: &CpuStorage, s: f64) -> Result<()> {
     Ok(())
 }
 
+/// `y += s (x Aᵀ) Bᵀ` on CPU storages: `x` contiguous `[rows, k]` from its layout's offset, `A`
+/// `[r, k]`, `B` `[n, r]` (of `sizes` `(n, k, r, rows)`), `y` `[rows, n]`, one dtype.
+pub(super) fn add_update_cpu(
+    y: &mut CpuStorage,
+    (sx, lx): (&CpuStorage, &Layout),
+    (sa, la): (&CpuStorage, &Layout),
+    (sb, lb): (&CpuStorage, &Layout),
+    (n, k, r, rows): (usize, usize, usize, usize),
+    s: f64,
+) -> Result<()> {
+    // `h = x Aᵀ` (`[rows, r]`), `u = h Bᵀ` (`[rows, n]`), `y += s u`.
+    let lx2 = Layout::contiguous_with_offset((rows, k), lx.start_offset());
+    let h = sx.matmul(sa, (1, rows, r, k), &lx2, &la.transpose(0, 1)?)?;
+    let lh = Layout::contiguous((rows, r));
+    let u = h.matmul(sb, (1, rows, n, r), &lh, &lb.transpose(0, 1)?)?;
+    add_scaled(y, &u, s)
+}
+
+/// The output gradient as `[rows, n]` and the input as `[rows, k]`, both detached (the gradients
+/// record no ops and keep nothing else alive) and contiguous.
+pub(super) fn flat_grad_and_input(
+    grad: &Tensor,
+    x: &Tensor,
+    n: usize,
+    k: usize,
+) -> Result<(Tensor, Tensor)> {
+    let rows = x.elem_count() / k.max(1);
+    let g = grad.detach().contiguous()?.reshape((rows, n))?;
+    let x2 = x.detach().contiguous()?.reshape((rows, k))?;
+    Ok((g, x2))
+}
+
+/// The adapter's part of a LoRA op's backward pass from the output gradient `g` `[rows, n]` and
+/// the input `x2` `[rows, k]` (see [`flat_grad_and_input`]): the update's term of the input
+/// gradient, `s (g B) A` `[rows, k]` (if `want_dx`), and the gradients of `A` and `B` (for those
+/// in the graph).
+pub(super) fn adapter_grads(
+    want_dx: bool,
+    a: &Tensor,
+    b: &Tensor,
+    g: &Tensor,
+    x2: &Tensor,
+    s: f64,
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    let (ad, bd) = (a.detach(), b.detach());
+    let gb = g.matmul(&bd)?; // [rows, r]
+    let da = match a.track_op() {
+        true => Some((gb.t()?.matmul(x2)? * s)?),
+        false => None,
+    };
+    let db = match b.track_op() {
+        true => {
+            let h = x2.matmul(&ad.t()?)?;
+            Some((g.t()?.matmul(&h)? * s)?)
+        }
+        false => None,
+    };
+    let dx = match want_dx {
+        true => Some((gb.matmul(&ad)? * s)?),
+        false => None,
+    };
+    Ok((dx, da, db))
+}
+
 impl LoraOp {
     /// `(n, k, r, rows)`: the base's output and input widths, the adapter's rank, and the rows
     /// of `x` (its layout `lx`) as `[rows, k]`.
@@ -126,12 +190,14 @@ impl CustomOp3 for LoraOp {
             None => None,
         };
         let (mut y, shape) = LinearOp { n, relu: false }.forward(sx, lx, ws, wl, bias)?;
-        // The update: `h = x Aᵀ` (`[rows, r]`), `u = h Bᵀ` (`[rows, n]`), `y += s u`.
-        let lx2 = Layout::contiguous_with_offset((rows, k), lx.start_offset());
-        let h = sx.matmul(sa, (1, rows, r, k), &lx2, &la.transpose(0, 1)?)?;
-        let lh = Layout::contiguous((rows, r));
-        let u = h.matmul(sb, (1, rows, n, r), &lh, &lb.transpose(0, 1)?)?;
-        add_scaled(&mut y, &u, self.scaling)?;
+        add_update_cpu(
+            &mut y,
+            (sx, lx),
+            (sa, la),
+            (sb, lb),
+            (n, k, r, rows),
+            self.scaling,
+        )?;
         Ok((y, shape))
     }
 
@@ -184,30 +250,11 @@ impl CustomOp3 for LoraOp {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (n, k) = self.w.dims2()?;
-        let rows = x.elem_count() / k.max(1);
-        let s = self.scaling;
-        // Detached operands: the gradients record no ops and keep nothing else alive.
-        let g = grad.detach().contiguous()?.reshape((rows, n))?;
-        let x2 = x.detach().contiguous()?.reshape((rows, k))?;
-        let (ad, bd) = (a.detach(), b.detach());
-        let gb = g.matmul(&bd)?; // [rows, r]
-        let da = match a.track_op() {
-            true => Some((gb.t()?.matmul(&x2)? * s)?),
-            false => None,
-        };
-        let db = match b.track_op() {
-            true => {
-                let h = x2.matmul(&ad.t()?)?;
-                Some((g.t()?.matmul(&h)? * s)?)
-            }
-            false => None,
-        };
-        let dx = match x.track_op() {
-            true => {
-                let base = g.matmul(&self.w.detach())?;
-                Some((base + (gb.matmul(&ad)? * s)?)?.reshape(x.shape())?)
-            }
-            false => None,
+        let (g, x2) = flat_grad_and_input(grad, x, n, k)?;
+        let (update, da, db) = adapter_grads(x.track_op(), a, b, &g, &x2, self.scaling)?;
+        let dx = match update {
+            Some(u) => Some((g.matmul(&self.w.detach())? + u)?.reshape(x.shape())?),
+            None => None,
         };
         Ok((dx, da, db))
     }

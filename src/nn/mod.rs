@@ -24,6 +24,10 @@
 //!
 //! [`LoraLinear`] wraps a [`Linear`] with a LoRA adapter ([`Lora`], configured by
 //! [`LoraConfig`] as PEFT's `LoraConfig`): the base frozen, the low-rank update trainable.
+//! [`Linear4bit`] is a frozen linear layer over a 4-bit weight
+//! ([`quant::Weight4bit`](crate::quant::Weight4bit), bitsandbytes' NF4/FP4): one op on the CPU
+//! that dequantizes the weight a tile at a time, whose backward pass gives the input gradient;
+//! [`Linear4bit::forward_with_lora`] puts a LoRA adapter on it (QLoRA).
 //!
 //! **CUDA kernels.** In a build with the `cuda` feature, LayerNorm and RMSNorm, the softmaxes (and
 //! so the composed
@@ -61,6 +65,7 @@ mod elem;
 mod gelu;
 mod head_loss;
 mod linear;
+mod linear4bit;
 mod lora;
 mod lora_op;
 mod loss;
@@ -77,6 +82,7 @@ pub use dropout::{dropout, set_dropout_seed};
 pub use gelu::gelu;
 pub use head_loss::linear_cross_entropy;
 pub use linear::{linear, linear_no_bias, linear_relu, Linear};
+pub use linear4bit::Linear4bit;
 pub use lora::{Lora, LoraConfig, LoraLinear, TargetModules};
 pub use loss::{cross_entropy, cross_entropy_with, CrossEntropyOptions};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};

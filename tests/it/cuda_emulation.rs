@@ -1,4 +1,5 @@
-//! The run-time compiled CUDA kernels (`src/nn/kernels.cu`, `src/optim/fused_optim.cu`) run on
+//! The run-time compiled CUDA kernels (`src/nn/kernels.cu`, `src/optim/fused_optim.cu`,
+//! `src/quant/dequant4.cu`) run on
 //! the CPU: `tests/cuda_emulation/emu.hpp` gives them one OS thread per CUDA thread, barriers for
 //! `__syncthreads` and the warp shuffles, and software half-precision conversions; the checks
 //! compare every kernel with references written from the formulas (and the optimizer kernels bit
@@ -62,4 +63,14 @@ fn fused_optimizer_kernels_match_the_cpu_arithmetic_bit_for_bit() {
         "{text}"
     );
     assert_eq!(text.matches("bit for bit").count(), 27, "{text}");
+}
+
+#[test]
+fn dequant4_kernel_matches_the_format_bit_for_bit() {
+    let text = build_and_run("tests/cuda_emulation/check_quant.cpp");
+    assert!(
+        text.contains("cuda_emulation (quant): 0 failure(s)"),
+        "{text}"
+    );
+    assert_eq!(text.matches("bit for bit").count(), 40, "{text}");
 }
