@@ -186,6 +186,28 @@ mod tests {
     }
 
     #[test]
+    fn two_ranks_on_one_gpu_with_their_own_nccl_hostid_are_two_hosts_and_take_nccl() {
+        // scripts/gpu-smoke.sh's two-rank NCCL proof on a one-GPU machine: one host name, one
+        // boot id, one GPU, but NCCL_HOSTID differs per rank. NCCL then sees two hosts (it
+        // keys hosts by NCCL_HOSTID too), so placement must not fall back to the host path:
+        // no shared GPU, hence `connect` picks NCCL.
+        let key = |hostid: Option<&str>| -> &'static [u8] {
+            let host = host_identity_from(hostid, "gpu-box.cluster", Some("boot-1"));
+            Box::leak(gpu_key(&host, "0000:17:00").into_boxed_slice())
+        };
+        for r in exchange(&[key(Some("accel-smoke-0")), key(Some("accel-smoke-1"))]) {
+            assert_eq!(r.unwrap(), None);
+        }
+        // Without it (or with the same one on both), one GPU: the host path.
+        for r in exchange(&[key(None), key(None)]) {
+            assert_eq!(r.unwrap(), Some((0, 1)));
+        }
+        for r in exchange(&[key(Some("same")), key(Some("same"))]) {
+            assert_eq!(r.unwrap(), Some((0, 1)));
+        }
+    }
+
+    #[test]
     fn a_rank_without_an_identity_is_an_error_naming_it() {
         for r in exchange(&[b"GPU-a", b""]) {
             let e = r.unwrap_err().to_string();
