@@ -125,15 +125,7 @@ pub(crate) fn wait(
     let mut last_check = start;
     loop {
         match comm.state() {
-            CommState::Failed(why) => {
-                return Err(Error::Nccl {
-                    rank: w.rank,
-                    op: w.op.into(),
-                    reason: format!(
-                        "NCCL reported {why} (a network or peer failure; NCCL_DEBUG=WARN prints NCCL's own account)"
-                    ),
-                })
-            }
+            CommState::Failed(why) => return Err(failed(w, &why, check_peers)),
             CommState::Ready => {
                 if done()? {
                     return Ok(());
@@ -143,16 +135,7 @@ pub(crate) fn wait(
         }
         let now = Instant::now();
         if now.duration_since(last_check) >= PEER_CHECK {
-            check_peers().map_err(|e| Error::Peer {
-                rank: w.rank,
-                peer: match &e {
-                    Error::Peer { peer, .. } | Error::Timeout { peer, .. } => *peer,
-                    _ => w.rank,
-                },
-                op: w.op.into(),
-                reason: format!("a peer is gone while NCCL waits: {e}"),
-                source: None,
-            })?;
+            check_peers().map_err(|e| gone(w, &e, "a peer is gone while NCCL waits"))?;
             last_check = now;
         }
         let waited = now.duration_since(start);
@@ -164,6 +147,47 @@ pub(crate) fn wait(
             });
         }
         pause(waited);
+    }
+}
+
+/// How long an NCCL error waits for the host collective to name a peer that is gone.
+pub(crate) const NAME_THE_PEER: Duration = Duration::from_millis(250);
+
+/// The error of a wait that `e` (from `check_peers`) says a peer is gone from, naming it.
+fn gone(w: &Wait<'_>, e: &Error, what: &str) -> Error {
+    Error::Peer {
+        rank: w.rank,
+        peer: match e {
+            Error::Peer { peer, .. } | Error::Timeout { peer, .. } => *peer,
+            _ => w.rank,
+        },
+        op: w.op.into(),
+        reason: format!("{what}: {e}"),
+        source: None,
+    }
+}
+
+/// The error of a wait NCCL failed (`why`). A peer process that died (`kill -9`, a crash) shows
+/// in NCCL as a remote or system error that does not say which rank it was; the host collective
+/// knows, so its peers are checked for up to [`NAME_THE_PEER`] and a peer found gone is named
+/// (with NCCL's report). Otherwise the error is NCCL's.
+fn failed(w: &Wait<'_>, why: &str, check_peers: &mut dyn FnMut() -> Result<()>) -> Error {
+    let start = Instant::now();
+    loop {
+        if let Err(e) = check_peers() {
+            return gone(w, &e, &format!("NCCL reported {why}, and a peer is gone"));
+        }
+        if start.elapsed() >= NAME_THE_PEER {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Error::Nccl {
+        rank: w.rank,
+        op: w.op.into(),
+        reason: format!(
+            "NCCL reported {why} (a network or peer failure; NCCL_DEBUG=WARN prints NCCL's own account)"
+        ),
     }
 }
 
@@ -558,6 +582,51 @@ mod tests {
             text.contains("ncclRemoteError (6): socket closed by peer 10.0.0.2"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn an_nccl_error_from_a_dead_peer_names_it() {
+        // `kill -9` of rank 1: NCCL reports a remote error without a rank; the host collective
+        // notices the closed connection a moment later and names it.
+        let comm = Fake::new(vec![state_of(6, || "socket closed".into())]);
+        let mut checks = 0;
+        let e = wait(
+            &w("all_reduce", 60_000),
+            &comm,
+            &mut || Ok(false),
+            &mut || {
+                checks += 1;
+                if checks < 3 {
+                    Ok(())
+                } else {
+                    Err(Error::Peer {
+                        rank: 3,
+                        peer: 1,
+                        op: "check_peers".into(),
+                        reason: "connection closed".into(),
+                        source: None,
+                    })
+                }
+            },
+        )
+        .unwrap_err();
+        match &e {
+            Error::Peer {
+                rank,
+                peer,
+                op,
+                reason,
+                ..
+            } => {
+                assert_eq!((*rank, *peer, op.as_str()), (3, 1, "all_reduce"));
+                assert!(
+                    reason.contains("ncclRemoteError (6): socket closed"),
+                    "{reason}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(e.to_string().contains("talking to rank 1"), "{e}");
     }
 
     #[test]
