@@ -10,6 +10,12 @@
 //! refuses a communicator whose ranks repeat a `(host, bus id)` pair). Two MIG slices of one GPU
 //! have different UUIDs but one bus id, so they count as one GPU; two hosts can have a GPU at the
 //! same bus id, so the host is part of the key ([`gpu_key`], [`host_identity`]).
+//!
+//! The host is NCCL's too: `NCCL_HOSTID` when set. Two processes on one GPU with different
+//! `NCCL_HOSTID`s are two hosts to NCCL and to this placement, which then picks NCCL
+//! (`scripts/gpu-two-hosts.sh` runs real NCCL at world size 2 on a one-GPU machine that way, over
+//! NCCL's socket transport). DP replicas are threads of one process, which has one
+//! `NCCL_HOSTID`: two of them on one GPU always share it, and take the host path.
 
 use crate::collective::{Buffer, Collective};
 use crate::error::{Error, Result};
