@@ -47,7 +47,7 @@ impl Call {
     pub(super) fn out_len(self, n: usize, world: usize) -> Option<usize> {
         match self {
             Call::AllReduce(_) | Call::Broadcast(_) => Some(n),
-            Call::ReduceScatter(_) => (world > 0 && n % world == 0).then(|| n / world),
+            Call::ReduceScatter(_) => (world > 0 && n.is_multiple_of(world)).then(|| n / world),
             Call::AllGather => n.checked_mul(world),
         }
     }
