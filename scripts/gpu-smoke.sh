@@ -10,6 +10,30 @@
 #   2. real NCCL collectives at world size 1 (all_reduce, broadcast, all_gather in f32/bf16/f16,
 #      results and call count checked), fused CUDA AdamW/SGD kernels launched and equal to the
 #      unfused path within 1e-5: `accelerate-rs test -n 1`
+#  15. (run right after step 2: the most valuable proof of issue 38) two ranks on ONE GPU over
+#      REAL NCCL at world size 2 (scripts/gpu-two-hosts.sh: a distinct NCCL_HOSTID per rank makes
+#      them two hosts to NCCL, joined by its socket transport on loopback; the placement follows
+#      NCCL_HOSTID and picks NCCL), in order of value:
+#      15a. `accelerate-rs test-worker` on both: every collective on GPU tensors through NCCL,
+#           DDP steps equal to a 1-rank reference, find_executable_batch_size's Min vote (the
+#           last rank runs out), fused optimizers; both communicators destroyed, none aborted
+#      15b. kill -9 of rank 1 mid-training (transformer_lm): rank 0 ends with an error naming
+#           rank 1 within the collective timeout (NCCL's asynchronous error, the peer named by
+#           the host collective), no hang
+#      15c. digits, DDP over NCCL (>= 0.95), both communicators destroyed
+#      15d. transformer_lm on 2 ranks x batch 8 equals 1 rank x batch 16 (held-out loss within
+#           2e-3 relative after 40 steps)
+#      15e. ZeRO stages 1 and 2 over NCCL (reduce_scatter/all_gather_into of the device slices),
+#           the DDP check equal to the reference
+#      15f. fp16 loss scaling where only rank 1 overflows: every rank skips and halves the scale
+#      15g. LoRA r=8 fine-tuning over NCCL (only the adapters are trainable, so only they are
+#           all-reduced), then peft loads the adapters with the same logits
+#      15h. find_executable_batch_size from a batch far too big with both ranks on the GPU: real
+#           CUDA out-of-memory errors (in a forward pass or while allocating an NCCL output)
+#           become retries on both ranks
+#      DP (one process, two threads, two communicators on one device) cannot run NCCL: NCCL_HOSTID
+#      is read once per process, so both communicators would be one host with one GPU twice,
+#      which NCCL refuses; DP on one GPU takes the host path (step 3).
 #   3. DP, 2 replicas sharing GPU 0 (host fallback), equal to a 1-rank reference: `test --dp 2`
 #   4. DDP, 2 processes sharing GPU 0 (host fallback), equal to a 1-rank reference: `test -n 2`
 #      (plus `test -n <GPUs>` over NCCL when the machine has 2 or more)
@@ -46,9 +70,10 @@
 # ACCELERATE_RS_NN_CUDA_UNPROVEN=1), to prove them.
 # ACCEL_SMOKE_ONLY="8 9 10" runs only the steps whose number is listed (e.g. to split the run over
 # several device calls of at most 10 minutes each). With one short loan, run the proofs first and
-# the timings after: ACCEL_SMOKE_ONLY="1 2 3 4 6 8 11 12 14" (correctness, including the kernels,
-# the models and the CUDA out-of-memory retry), then "5 7 9 10 13" (bf16 digits, step times, the
-# PyTorch table, peak memory).
+# the timings after: ACCEL_SMOKE_ONLY="2 15" (NCCL at world sizes 1 and 2, about 6 minutes), then
+# "1 3 4 6 8 11 12 14" (correctness, including the kernels, the models and the CUDA
+# out-of-memory retry), then "5 7 9 10 13" (bf16 digits, step times, the PyTorch table, peak
+# memory).
 # The summary file gets one line per step plus the figures that matter; bring it back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -108,7 +133,7 @@ step() {
     failed=$((failed + 1))
   fi
   # The figures worth keeping.
-  grep -E "final test accuracy|ok: |skipped: |PASSED|FAILED|resumed from|overhead of|paired per round|\| (candle|accelerate-rs|PyTorch|implementation|composed|kernels|op |[a-z_]+ \[|configuration|plain|ckpt|lora|lora-ckpt) |^(PASS|FAIL) |nn_kernels:|RESULT-LM-GPU|warning: (ranks|DP replicas)|trained [0-9]+ steps|saved |test result|panicked|logits diff|find_executable_batch_size on|peak x|Llama-style" "$log" \
+  grep -E "final test accuracy|ok: |skipped: |PASSED|FAILED|resumed from|overhead of|paired per round|\| (candle|accelerate-rs|PyTorch|implementation|composed|kernels|op |[a-z_]+ \[|configuration|plain|ckpt|lora|lora-ckpt) |^(PASS|FAIL) |nn_kernels:|RESULT-LM-GPU|warning: (ranks|DP replicas)|trained [0-9]+ steps|saved |test result|panicked|logits diff|find_executable_batch_size on|peak x|Llama-style|kill -9 of rank|gpu-two-hosts: |2 ranks x 8 over NCCL" "$log" \
     | sed 's/^/    /' >>"$summary" || true
 }
 
@@ -119,6 +144,50 @@ step "1. digits on 1 GPU (>= 0.95)" 240 "final test accuracy" \
   env CUDA_VISIBLE_DEVICES=0 "$B/digits" --min-accuracy 0.95
 step "2. NCCL at world size 1 + fused CUDA optimizers" 240 "NCCL calls on a one-rank communicator" \
   env CUDA_VISIBLE_DEVICES=0 "$B/accelerate-rs" test -n 1
+# Step 15: two ranks on GPU 0, each its own host to NCCL (see the header and gpu-two-hosts.sh).
+two="$repo/scripts/gpu-two-hosts.sh"
+step "15a. 2 ranks on GPU 0 over real NCCL: accelerate-rs test-worker" 300 "both ranks passed" \
+  env NCCL_DEBUG=INFO "$two" --expect "GPU tensors.*\(through nccl\)" \
+  --expect "ok: DDP steps equal" --expect "ok: find_executable_batch_size" \
+  --expect "Using network Socket|NET/Socket" --each "Destroy COMPLETE" \
+  --reject "Abort COMPLETE" --reject "FAILED" "$B/accelerate-rs" test-worker
+step "15b. kill -9 of rank 1 mid-training: rank 0 names it within the timeout" 300 \
+  "kill -9 of rank 1: rank 0 ended after" \
+  env ACCELERATE_RS_TIMEOUT_SECS=60 "$two" --kill-rank 1 --kill-after "step +5/" \
+  "$B/transformer_lm" --max-steps 100000 --log-every 1 --checkpoint-every 0 \
+  --log-dir "$work/lm-kill"
+step "15c. digits, DDP over NCCL on GPU 0 (>= 0.95)" 300 "both ranks passed" \
+  env NCCL_DEBUG=INFO "$two" --expect "final test accuracy" --each "Destroy COMPLETE" \
+  --reject "Abort COMPLETE" "$B/digits" --min-accuracy 0.95
+step "15d. transformer_lm: 2 ranks x 8 over NCCL equal 1 rank x 16" 400 "2 ranks x 8 over NCCL" \
+  bash -c 'lm=(--max-steps 40 --log-every 20 --checkpoint-every 0 --eval-batches 0)
+    CUDA_VISIBLE_DEVICES=0 "$1" "${lm[@]}" --batch-size 16 --log-dir "$3/lm-1x16" >"$3/lm-1x16.log" 2>&1 || exit 1
+    "$2" "$1" "${lm[@]}" --batch-size 8 --log-dir "$3/lm-2x8" >"$3/lm-2x8.log" 2>&1 || { cat "$3/lm-2x8.log"; exit 1; }
+    a=$(grep -o "held-out loss [0-9.]*" "$3/lm-1x16.log" | tail -1 | cut -d" " -f3)
+    b=$(grep -o "held-out loss [0-9.]*" "$3/lm-2x8.log" | tail -1 | cut -d" " -f3)
+    awk -v a="$a" -v b="$b" "BEGIN { if (a == \"\" || b == \"\") exit 1; d = (a > b ? a - b : b - a) / a;
+      printf \"transformer_lm, 40 steps: held-out loss %s on 1 rank x 16, %s on 2 ranks x 8 over NCCL (relative difference %.1e)\\n\", a, b, d;
+      exit d > 2e-3 }"' _ "$B/transformer_lm" "$two" "$work"
+for stage in 1 2; do
+  step "15e. ZeRO stage $stage over NCCL, 2 ranks on GPU 0" 300 "both ranks passed" \
+    env ACCELERATE_RS_ZERO_STAGE=$stage "$two" --expect "zero_stage $stage: sharded true" \
+    --expect "GPU tensors.*\(through nccl\)" "$B/accelerate-rs" test-worker
+done
+step "15f. fp16 loss scaling over NCCL, overflow on rank 1 only" 300 "both ranks passed" \
+  env ACCELERATE_RS_MIXED_PRECISION=fp16 "$two" \
+  --expect "ok: fp16 loss scaling.*rank 1 overflowed: every rank skipped" \
+  "$B/accelerate-rs" test-worker
+step "15g. LoRA r=8 over NCCL (adapters all-reduced), peft loads the adapters" 400 \
+  "logits diff.*: OK" \
+  bash -c '"$1" "$2" --model "$4" --train "$5" --max-steps 60 --seq-len 64 --batch-size 4 \
+      --lr 1e-2 --lora-r 8 --output "$3/ft-lora-nccl" --probe "$3/ft-lora-nccl.probe" &&
+    python3 "$6" check-adapter "$3/ft-lora-nccl" --base "$4" --probe "$3/ft-lora-nccl.probe"' \
+  _ "$two" "$B/finetune" "$work" "$repo/models/examples/tiny-llama" "$repo/data/corpus.txt" \
+  "$repo/scripts/hf_reference.py"
+step "15h. find_executable_batch_size, 2 ranks on GPU 0: CUDA out-of-memory errors become retries" \
+  400 "out-of-memory retries: [1-9]" \
+  "$two" "$B/memory_bench" --find-batch-size 3000 --seq 256 --vocab 1000
+
 step "3. DP, 2 replicas sharing GPU 0" 240 "PASSED" \
   env CUDA_VISIBLE_DEVICES=0 "$B/accelerate-rs" test --dp 2
 step "4. DDP, 2 processes sharing GPU 0" 240 "PASSED" \

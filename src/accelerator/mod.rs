@@ -80,7 +80,7 @@ impl Accelerator {
             state.world_size(),
             collective.backend()
         );
-        let probe = Arc::new(Probe::new(collective));
+        let probe = Probe::install(collective);
         let collective: Arc<dyn Collective> = Arc::new(ProbedCollective::new(probe.clone()));
         let grads = Arc::new(GradSync::new(collective.clone(), &state, probe.clone()));
         Accelerator {

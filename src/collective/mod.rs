@@ -60,11 +60,65 @@ macro_rules! uninhabited_collective {
             fn barrier(&self) -> Result<()> {
                 match self.never {}
             }
+            fn reduce_scatter(&self, _: BufferMut<'_>, _: ReduceOp) -> Result<()> {
+                match self.never {}
+            }
+            fn all_gather_into(&self, _: BufferMut<'_>) -> Result<()> {
+                match self.never {}
+            }
+            fn reduce_scatter_tensor(
+                &self,
+                _: &candle_core::Tensor,
+                _: ReduceOp,
+            ) -> Result<candle_core::Tensor> {
+                match self.never {}
+            }
+            fn all_gather_into_tensor(
+                &self,
+                _: &candle_core::Tensor,
+            ) -> Result<candle_core::Tensor> {
+                match self.never {}
+            }
+            fn check_peers(&self) -> Result<()> {
+                match self.never {}
+            }
+            fn set_run_outcome(&self, _: bool) {
+                match self.never {}
+            }
+            fn add_gate(&self, _: std::sync::Weak<dyn super::Gate>) {
+                match self.never {}
+            }
+            fn all_reduce_tensor(
+                &self,
+                _: &candle_core::Tensor,
+                _: ReduceOp,
+            ) -> Result<candle_core::Tensor> {
+                match self.never {}
+            }
+            fn all_reduce_tensors(
+                &self,
+                _: &[candle_core::Tensor],
+                _: ReduceOp,
+            ) -> Result<Vec<candle_core::Tensor>> {
+                match self.never {}
+            }
+            fn broadcast_tensor(
+                &self,
+                _: &candle_core::Tensor,
+                _: usize,
+            ) -> Result<candle_core::Tensor> {
+                match self.never {}
+            }
+            fn all_gather_tensor(&self, _: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+                match self.never {}
+            }
         }
     };
 }
 
 mod buffer;
+pub mod fallback;
+pub mod forwarding;
 #[cfg(feature = "cuda")]
 mod nccl;
 #[cfg(not(feature = "cuda"))]
@@ -88,6 +142,8 @@ mod single;
 mod tcp;
 mod threads;
 
+use std::sync::Weak;
+
 use candle_core::Tensor;
 
 pub use buffer::{AlignedBytes, Buffer, BufferMut, ElemType, Element, OwnedBuffer};
@@ -108,6 +164,17 @@ use crate::error::{Error, Result};
 /// All ranks must call the same operations in the same order with matching sizes and element
 /// types; a mismatch is detected and reported as [`Error::Mismatch`] rather than corrupting data.
 /// Implementations short-circuit when [`world_size`](Collective::world_size) is 1.
+///
+/// **No method has a default body**, on purpose. A backend states, method by method, what it
+/// does: its own implementation, or one of [`fallback`]'s (the host-memory path, one line).
+/// A *wrapper* of another collective (the batch-size search's `ProbedCollective`, a user's
+/// counting or logging wrapper) must forward every method, or the wrapped backend's override is
+/// silently lost: a default body would have run the host path instead (this is how the batched
+/// NCCL all-reduce once fell back to one NCCL group and one host wait per bucket). Without
+/// defaults, a method added to the trait is a compile error in every backend and every wrapper
+/// until each says what it does, which is stronger than any test; [`forwarding::check_wrapper`]
+/// then checks at test time that a wrapper's methods reach the wrapped collective's own ones
+/// (and that its list of methods is this trait's).
 pub trait Collective: Send + Sync + std::fmt::Debug {
     /// This process's rank, `0..world_size`.
     fn rank(&self) -> usize;
@@ -130,118 +197,87 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// of those elements over every rank; the rest of `buf` is unspecified. Every rank passes the
     /// same length. This is how ZeRO stage 2 keeps only its slice of the gradients; ring backends
     /// (TCP, shared memory, threads) move and add half of what an
-    /// [`all_reduce`](Collective::all_reduce) does. The default is an `all_reduce`.
-    fn reduce_scatter(&self, buf: BufferMut<'_>, op: ReduceOp) -> Result<()> {
-        self.all_reduce(buf, op)
-    }
+    /// [`all_reduce`](Collective::all_reduce) does. [`fallback::reduce_scatter`] is an
+    /// `all_reduce`.
+    fn reduce_scatter(&self, buf: BufferMut<'_>, op: ReduceOp) -> Result<()>;
 
     /// The inverse of [`reduce_scatter`](Collective::reduce_scatter), into a preallocated buffer:
     /// each rank's chunk [`chunk_range`]`(buf.len(), world_size, rank)` of `buf` is its
     /// contribution, and on return every rank's `buf` holds every rank's chunk. Every rank
-    /// passes the same length (ZeRO: each rank updated its slice of the flat parameters). The
-    /// default goes through [`all_gather`](Collective::all_gather).
-    fn all_gather_into(&self, mut buf: BufferMut<'_>) -> Result<()> {
-        let (n, me, len) = (self.world_size(), self.rank(), buf.len());
-        if n == 1 {
-            return Ok(());
-        }
-        let elem = buf.elem();
-        let esize = elem.size();
-        let mine = chunk_range(len, n, me);
-        let bytes = buf.bytes_mut();
-        let parts = self.all_gather(Buffer::raw(
-            &bytes[mine.start * esize..mine.end * esize],
-            elem,
-        ))?;
-        fill_from_chunks(me, bytes, esize, &parts)
-    }
+    /// passes the same length (ZeRO: each rank updated its slice of the flat parameters).
+    /// [`fallback::all_gather_into`] goes through [`all_gather`](Collective::all_gather).
+    fn all_gather_into(&self, buf: BufferMut<'_>) -> Result<()>;
 
     /// [`reduce_scatter`](Collective::reduce_scatter) on a tensor: returns, as a 1-D tensor on
     /// `t`'s device, this rank's chunk [`chunk_range`]`(t.elem_count(), world_size, rank)` of the
     /// element-wise reduction of the flattened `t` over every rank (ZeRO stage 2 on GPU
     /// tensors). Every rank passes the same number of elements. NCCL reduces on the GPU
-    /// (`ncclReduceScatter`); the default goes through host memory.
-    fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let (n, me, len) = (self.world_size(), self.rank(), t.elem_count());
-        if n == 1 {
-            return Ok(t.flatten_all()?);
-        }
-        let own = chunk_range(len, n, me);
-        let mut host = HostVec::from_tensor(t, "reduce_scatter")?;
-        self.reduce_scatter(host.as_buffer_mut(), op)?;
-        Ok(host
-            .into_tensor(len, t.device())?
-            .narrow(0, own.start, own.len())?)
-    }
+    /// (`ncclReduceScatter`); [`fallback::reduce_scatter_tensor`] goes through host memory.
+    fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
 
     /// [`all_gather_into`](Collective::all_gather_into) on a tensor: chunk
     /// [`chunk_range`]`(t.elem_count(), world_size, rank)` of the flattened `t` is this rank's
     /// contribution; returns a 1-D tensor on `t`'s device holding every rank's chunk (ZeRO on
     /// GPU tensors, after each rank updated its slice). Every rank passes the same number of
-    /// elements. NCCL gathers on the GPU (`ncclAllGather`); the default goes through host
-    /// memory.
-    fn all_gather_into_tensor(&self, t: &Tensor) -> Result<Tensor> {
-        if self.world_size() == 1 {
-            return Ok(t.flatten_all()?);
-        }
-        let mut host = HostVec::from_tensor(t, "all_gather_into")?;
-        self.all_gather_into(host.as_buffer_mut())?;
-        host.into_tensor(t.elem_count(), t.device())
-    }
+    /// elements. NCCL gathers on the GPU (`ncclAllGather`); [`fallback::all_gather_into_tensor`]
+    /// goes through host memory.
+    fn all_gather_into_tensor(&self, t: &Tensor) -> Result<Tensor>;
 
     /// Checks, without blocking, that the peers this rank talks to are still there (used by
-    /// backends whose device operations cannot notice a dead peer themselves). The default has
-    /// nothing to check.
-    fn check_peers(&self) -> Result<()> {
-        Ok(())
-    }
+    /// backends whose device operations cannot notice a dead peer themselves). Backends without
+    /// peers to watch return `Ok(())`.
+    fn check_peers(&self) -> Result<()>;
 
     /// Tells the collective how the run ended on this rank, before its last handle is dropped:
     /// `true` when it finished, `false` after an error.
     /// [`AcceleratorBuilder::run`](crate::AcceleratorBuilder::run) tells it. Backends that must
     /// be closed in step with the other ranks use it: NCCL closes a finished run together with
-    /// the other ranks (barrier, finalize, destroy) and aborts after an error. The default (every
-    /// other backend) ignores it.
-    fn set_run_outcome(&self, _finished: bool) {}
+    /// the other ranks (barrier, finalize, destroy) and aborts after an error. Every other
+    /// backend ignores it.
+    fn set_run_outcome(&self, finished: bool);
+
+    /// Adds a [`Gate`] this collective passes, on every rank, between preparing an operation
+    /// (allocating its device buffers) and starting to communicate. Every accelerator built on
+    /// the collective adds its batch-size search's, so that running out of device memory inside
+    /// a collective is agreed on like anywhere else. Gates are held weakly (one that is gone is
+    /// forgotten) and passed newest first, the order in which accelerators built on one another
+    /// agree before a collective. Backends whose operations allocate no device memory before
+    /// communicating (every one but NCCL) ignore them.
+    fn add_gate(&self, gate: Weak<dyn Gate>);
 
     /// [`all_reduce`](Collective::all_reduce) on a tensor; returns a new tensor of the same shape
-    /// on the same device. Backends with device memory (NCCL) override this to avoid host copies.
-    fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        if self.world_size() == 1 {
-            return Ok(t.clone());
-        }
-        let mut host = HostVec::from_tensor(t, "all_reduce")?;
-        self.all_reduce(host.as_buffer_mut(), op)?;
-        host.into_tensor(t.shape().clone(), t.device())
-    }
+    /// on the same device. Backends with device memory (NCCL) implement it without host copies;
+    /// [`fallback::all_reduce_tensor`] goes through host memory.
+    fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
 
     /// [`all_reduce_tensor`](Collective::all_reduce_tensor) of several tensors, in order, as one
     /// batch: backends with device memory (NCCL) queue them all back to back and wait once. Every
-    /// rank must pass the same number of tensors with matching sizes and dtypes. The default
-    /// reduces them one by one.
-    fn all_reduce_tensors(&self, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>> {
-        ts.iter().map(|t| self.all_reduce_tensor(t, op)).collect()
-    }
+    /// rank must pass the same number of tensors with matching sizes and dtypes.
+    /// [`fallback::all_reduce_tensors`] reduces them one by one.
+    fn all_reduce_tensors(&self, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>>;
 
     /// [`broadcast`](Collective::broadcast) on a tensor: returns `root`'s tensor on every rank.
-    fn broadcast_tensor(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        if self.world_size() == 1 {
-            return Ok(t.clone());
-        }
-        let mut host = HostVec::from_tensor(t, "broadcast")?;
-        self.broadcast(host.as_buffer_mut(), root)?;
-        host.into_tensor(t.shape().clone(), t.device())
-    }
+    fn broadcast_tensor(&self, t: &Tensor, root: usize) -> Result<Tensor>;
 
     /// Concatenates every rank's tensor along dim 0, in rank order. The first dimension may differ
     /// between ranks; the other dimensions and the dtype must match (the error lists every rank's
     /// shape otherwise).
-    fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
-        if self.world_size() == 1 {
-            return Ok(t.clone());
-        }
-        gather_tensor_via_host(self, t)
-    }
+    fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor>;
+}
+
+/// What a collective asks, on every rank, after it prepared an operation (its device buffers
+/// allocated) and before it starts communicating: see [`Collective::add_gate`].
+///
+/// An allocation that fails inside a collective would otherwise leave the peers waiting in the
+/// collective for a rank that will never join it. Passing the gate is the moment every rank can
+/// still agree to abandon the operation: nothing has been sent yet.
+pub trait Gate: Send + Sync {
+    /// `failure` is this rank's failed preparation (typically [`Error::OutOfMemory`]), `None` when
+    /// it is ready. Returns `Ok(())` to go on, or the error to return instead of communicating;
+    /// the decision must be the same on every rank (a gate that agrees with the other ranks
+    /// communicates over the host, never through the gated operation). With `failure` set the
+    /// collective returns that failure whatever the gate returns.
+    fn pass(&self, op: &str, failure: Option<&Error>) -> Result<()>;
 }
 
 /// The elements of a flat buffer of `len` elements that rank `rank` of `world` owns in
@@ -251,34 +287,6 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
 pub fn chunk_range(len: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
     let bound = |i: usize| (i as u128 * len as u128 / world.max(1) as u128) as usize;
     bound(rank.min(world))..bound((rank + 1).min(world))
-}
-
-/// Writes every rank's chunk (`parts`, from an all-gather) into its place in `bytes`; a chunk
-/// of the wrong length (ranks passed different lengths) is an [`Error::Mismatch`].
-fn fill_from_chunks(
-    rank: usize,
-    bytes: &mut [u8],
-    esize: usize,
-    parts: &[OwnedBuffer],
-) -> Result<()> {
-    let (n, len) = (parts.len(), bytes.len() / esize.max(1));
-    for (r, part) in parts.iter().enumerate() {
-        let range = chunk_range(len, n, r);
-        let want = range.len() * esize;
-        if part.bytes().len() != want {
-            return Err(Error::Mismatch {
-                rank,
-                op: "all_gather_into".into(),
-                detail: format!(
-                    "rank {rank} expected {} element(s) from rank {r} (a buffer of {len} over {n} ranks), got {}; every rank must pass the same length",
-                    range.len(),
-                    part.bytes().len() / esize.max(1)
-                ),
-            });
-        }
-        bytes[range.start * esize..range.end * esize].copy_from_slice(part.bytes());
-    }
-    Ok(())
 }
 
 /// Gathers every rank's dtype and dims and checks that the dtype and all dims but the first agree
@@ -344,24 +352,6 @@ const ALL_ELEMS: [ElemType; 5] = [
     ElemType::F32,
     ElemType::F64,
 ];
-
-/// The host path of `all_gather_tensor`: shapes first, then the data, concatenated on dim 0.
-fn gather_tensor_via_host<C: Collective + ?Sized>(c: &C, t: &Tensor) -> Result<Tensor> {
-    let rows: usize = agree_on_rows(c, t)?.iter().sum();
-    let elem = ElemType::from_dtype(t.dtype()).ok_or_else(|| Error::UnsupportedDType {
-        op: "all_gather".into(),
-        dtype: format!("{:?}", t.dtype()),
-    })?;
-    let mut host = HostVec::from_tensor(t, "all_gather")?;
-    let parts = c.all_gather(host.as_buffer_mut().as_buffer())?;
-    let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.bytes().len()).sum());
-    for p in &parts {
-        bytes.extend_from_slice(p.bytes());
-    }
-    let mut dims = t.dims().to_vec();
-    dims[0] = rows;
-    tensor_from_bytes(&bytes, elem, dims, t.device())
-}
 
 /// Checks the `root` argument of a broadcast.
 pub(crate) fn check_root(root: usize, world_size: usize, rank: usize) -> Result<()> {

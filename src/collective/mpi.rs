@@ -16,6 +16,8 @@ use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
+use candle_core::Tensor;
+
 use super::{
     check_reducible, check_root, finish_mean, AlignedBytes, Buffer, BufferMut, Collective,
     ElemType, OwnedBuffer, ReduceOp,
@@ -305,5 +307,34 @@ impl Collective for MpiCollective {
         self.agree(&comm, OP_BARRIER, 0, 0)?;
         comm.barrier();
         Ok(())
+    }
+    fn reduce_scatter(&self, buf: BufferMut<'_>, op: ReduceOp) -> Result<()> {
+        super::fallback::reduce_scatter(self, buf, op)
+    }
+    fn all_gather_into(&self, buf: BufferMut<'_>) -> Result<()> {
+        super::fallback::all_gather_into(self, buf)
+    }
+    fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        super::fallback::reduce_scatter_tensor(self, t, op)
+    }
+    fn all_gather_into_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        super::fallback::all_gather_into_tensor(self, t)
+    }
+    fn check_peers(&self) -> Result<()> {
+        Ok(())
+    }
+    fn set_run_outcome(&self, _finished: bool) {}
+    fn add_gate(&self, _gate: std::sync::Weak<dyn super::Gate>) {}
+    fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        super::fallback::all_reduce_tensor(self, t, op)
+    }
+    fn all_reduce_tensors(&self, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>> {
+        super::fallback::all_reduce_tensors(self, ts, op)
+    }
+    fn broadcast_tensor(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        super::fallback::broadcast_tensor(self, t, root)
+    }
+    fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        super::fallback::all_gather_tensor(self, t)
     }
 }

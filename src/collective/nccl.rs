@@ -13,9 +13,17 @@
 //! rank: the training thread (a DP replica's thread in DP). The data loader's prefetch thread
 //! only copies batches.
 //!
-//! The dtype, layout and GPU are checked before anything is queued, so a wrong call is an error
-//! that leaves the communicator usable. NCCL calls are asynchronous and a dead peer can leave
-//! them spinning forever, so every wait has a watchdog ([`super::nccl_life`]):
+//! The dtype, layout, GPU and stream are checked and every output buffer is allocated before
+//! anything is queued ([`nccl_life::GuardedComm::run`]), so a wrong call, or running out of
+//! memory for the outputs, is an ordinary error that leaves the communicator usable. A tensor
+//! made on another Candle device of the same GPU (a `Device::new_cuda` of the user's own, on
+//! another stream) is refused: NCCL would read it without waiting for that stream
+//! ([`nccl_life::check_place`] says why it is refused rather than ordered). Between the
+//! allocation and the queueing, the [`Gate`] installed by the accelerator is passed: while a
+//! batch-size search probes, the ranks agree there, so that one rank running out of memory for
+//! its outputs makes every rank retry instead of leaving its peers inside NCCL. NCCL calls are
+//! asynchronous and a dead peer can leave them spinning forever, so every wait has a watchdog
+//! ([`super::nccl_life`]):
 //!
 //! - **Creation.** Communicators are created non-blocking (`ncclCommInitRankConfig` with
 //!   `blocking = 0`) and waited for with the collective timeout: a rank that never arrives, or a
@@ -36,10 +44,10 @@
 //!   panics) is aborted. Aborting never panics, even after a sticky CUDA error.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, DeviceLocation, Tensor};
 use cudarc::driver::CudaStream;
 use cudarc::nccl::{result as nccl, sys};
 
@@ -49,11 +57,12 @@ mod comm;
 mod ops;
 
 use comm::{nccl_err, warm_up, RawComm};
-use ops::{nccl_op, padded_blocks, AllGather, Call, OutOfPlace, ReduceScatter};
+use ops::{alloc_output, nccl_op, padded_blocks, queue, Call};
 
-use super::nccl_life;
+use super::nccl_life::{self, GuardedComm, StreamPlace};
 use super::{
-    Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp, TcpCollective, TcpOptions, ThreadGroup,
+    Buffer, BufferMut, Collective, Gate, OwnedBuffer, ReduceOp, TcpCollective, TcpOptions,
+    ThreadGroup,
 };
 use crate::error::{Error, Result};
 
@@ -85,8 +94,10 @@ fn checked(op: &str, dtype: DType, reduce: Option<ReduceOp>) -> Result<sys::nccl
 /// One rank of an NCCL group; see the module docs.
 pub struct NcclCollective {
     host: Arc<dyn Collective>,
-    comm: Mutex<Option<RawComm>>,
-    broken: Mutex<Option<String>>,
+    comm: GuardedComm<RawComm>,
+    /// Passed between preparing an operation and queueing it, newest first
+    /// ([`Collective::add_gate`]).
+    gates: Mutex<Vec<Weak<dyn Gate>>>,
     device: Device,
     timeout: Duration,
     /// Call NCCL even at world size 1 (a diagnostic switch; see [`NcclCollective::force_calls`]).
@@ -99,11 +110,11 @@ pub struct NcclCollective {
 
 impl Drop for NcclCollective {
     fn drop(&mut self) {
-        let Some(mut comm) = self.comm.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+        let Some(mut comm) = self.comm.take() else {
             return;
         };
         let outcome = nccl_life::outcome(
-            self.broken_guard().clone(),
+            self.comm.first_failure(),
             std::thread::panicking(),
             *self.outcome.lock().unwrap_or_else(|p| p.into_inner()),
         );
@@ -237,8 +248,8 @@ impl NcclCollective {
     ) -> Self {
         NcclCollective {
             host,
-            comm: Mutex::new(Some(comm)),
-            broken: Mutex::new(None),
+            comm: GuardedComm::new(comm),
+            gates: Mutex::new(Vec::new()),
             device,
             timeout,
             force: false,
@@ -311,54 +322,41 @@ impl NcclCollective {
         self.world_size() == 1 && !self.force
     }
 
-    fn broken_guard(&self) -> MutexGuard<'_, Option<String>> {
-        self.broken.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Queues `enqueue` on the communicator, then waits for it with the watchdog. Callers have
-    /// validated the arguments, so a failure here is NCCL's or a peer's: the communicator is
-    /// aborted and every later call fails with [`Error::Broken`].
-    fn run(&self, op: &str, enqueue: impl FnOnce(&RawComm) -> Result<()>) -> Result<()> {
-        self.run_n(op, 1, enqueue)
-    }
-
-    /// [`run`](Self::run) for `count` operations queued by `enqueue` (counted in
-    /// [`nccl_calls`](Self::nccl_calls)), waited for once.
-    fn run_n(
+    /// Runs one operation of `count` NCCL calls (counted in [`nccl_calls`](Self::nccl_calls))
+    /// with [`GuardedComm::run`]: `prepare` validates and allocates every output (an error
+    /// there, running out of memory included, leaves the communicator usable), the gate is
+    /// passed, `enqueue` queues the calls (allocating nothing) and the watchdog waits once. A
+    /// failure once queued aborts the communicator; every later call fails with
+    /// [`Error::Broken`].
+    fn run_n<O>(
         &self,
         op: &str,
         count: u64,
-        enqueue: impl FnOnce(&RawComm) -> Result<()>,
-    ) -> Result<()> {
+        prepare: impl FnOnce() -> Result<O>,
+        enqueue: impl FnOnce(&RawComm, &O) -> Result<()>,
+    ) -> Result<O> {
         let rank = self.host.rank();
-        if let Some(first) = self.broken_guard().clone() {
-            return Err(Error::Broken {
-                rank,
-                op: op.into(),
-                first,
-            });
-        }
-        let mut guard = self.comm.lock().unwrap_or_else(|p| p.into_inner());
-        let res = match guard.as_ref() {
-            Some(comm) => enqueue(comm).and_then(|()| self.watch(op, comm)),
-            None => Err(Error::Broken {
-                rank,
-                op: op.into(),
-                first: "the NCCL communicator was aborted".into(),
-            }),
+        let out = self.comm.run(
+            rank,
+            op,
+            || prepare().map_err(|e| e.on_rank(rank, &self.device)),
+            |failure| self.pass_gate(op, failure),
+            enqueue,
+            |comm| self.watch(op, comm),
+        )?;
+        self.calls.fetch_add(count, Ordering::Relaxed);
+        Ok(out)
+    }
+
+    /// Passes the gates still alive, newest first, with how the preparation went; the first
+    /// that refuses decides (none installed: go on).
+    fn pass_gate(&self, op: &str, failure: Option<&Error>) -> Result<()> {
+        let live: Vec<Arc<dyn Gate>> = {
+            let mut gates = self.gates.lock().unwrap_or_else(|p| p.into_inner());
+            gates.retain(|g| g.strong_count() > 0);
+            gates.iter().rev().filter_map(Weak::upgrade).collect()
         };
-        match &res {
-            Ok(()) => {
-                self.calls.fetch_add(count, Ordering::Relaxed);
-            }
-            Err(e) => {
-                // Dropping the communicator aborts it, which unblocks NCCL kernels still waiting
-                // for a peer that will never come.
-                guard.take();
-                self.broken_guard().get_or_insert_with(|| e.to_string());
-            }
-        }
-        res
+        live.iter().try_for_each(|g| g.pass(op, failure))
     }
 
     fn watch(&self, op: &str, comm: &RawComm) -> Result<()> {
@@ -368,13 +366,64 @@ impl NcclCollective {
         })
     }
 
-    /// Refuses a tensor on another GPU than this rank's (checked before anything is queued).
+    /// Refuses a tensor on another GPU than this rank's, or on this GPU through another Candle
+    /// device (another stream), before anything is queued (see [`nccl_life::check_place`]).
     fn check_device(&self, op: &str, t: &Tensor) -> Result<()> {
-        let want = match self.device.location() {
-            candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
-            _ => return Ok(()),
+        let Some(want) = place_of(&self.device)? else {
+            return Ok(());
         };
-        nccl_life::check_ordinal(self.host.rank(), op, want, t.device().location())
+        nccl_life::check_place(self.host.rank(), op, want, place_of(t.device())?)
+    }
+
+    /// The validated, contiguous input of `op` and its NCCL type.
+    fn input(
+        &self,
+        op: &str,
+        t: &Tensor,
+        reduce: Option<ReduceOp>,
+    ) -> Result<(Tensor, sys::ncclDataType_t)> {
+        self.check_device(op, t)?;
+        let ty = checked(op, t.dtype(), reduce)?;
+        Ok((t.contiguous()?, ty))
+    }
+
+    /// One operation of one NCCL call from `input` into a new output of `call.out_len`
+    /// elements, allocated by `prepare` after `input` is made (see [`run_n`](Self::run_n)).
+    fn one_call(
+        &self,
+        call: Call,
+        prepare: impl FnOnce() -> Result<(Tensor, sys::ncclDataType_t)>,
+    ) -> Result<Tensor> {
+        let world = self.world_size();
+        let (_, _, out) = self.run_n(
+            call.name(),
+            1,
+            || {
+                let (input, ty) = prepare()?;
+                let len = call.out_len(input.elem_count(), world).ok_or_else(|| {
+                    nccl_err(
+                        self.rank(),
+                        call.name(),
+                        "the input does not split into equal blocks",
+                    )
+                })?;
+                let out = alloc_output(&input, len)?;
+                Ok((input, ty, out))
+            },
+            |comm, (input, ty, out)| queue(comm, call, *ty, world, input, out),
+        )?;
+        Ok(out)
+    }
+}
+
+/// Where `device`'s work runs, for a CUDA device.
+fn place_of(device: &Device) -> Result<Option<StreamPlace>> {
+    match device.location() {
+        DeviceLocation::Cuda { gpu_id } => Ok(Some(StreamPlace {
+            ordinal: gpu_id,
+            stream: device.as_cuda_device()?.cuda_stream().cu_stream() as usize,
+        })),
+        _ => Ok(None),
     }
 }
 
@@ -400,11 +449,23 @@ impl Collective for NcclCollective {
     fn barrier(&self) -> Result<()> {
         self.host.barrier()
     }
+    fn reduce_scatter(&self, buf: BufferMut<'_>, op: ReduceOp) -> Result<()> {
+        self.host.reduce_scatter(buf, op)
+    }
+    fn all_gather_into(&self, buf: BufferMut<'_>) -> Result<()> {
+        self.host.all_gather_into(buf)
+    }
     fn check_peers(&self) -> Result<()> {
         self.host.check_peers()
     }
     fn set_run_outcome(&self, finished: bool) {
         *self.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(finished);
+    }
+    fn add_gate(&self, gate: Weak<dyn Gate>) {
+        self.gates
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(gate);
     }
 
     fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -436,39 +497,35 @@ impl Collective for NcclCollective {
                 })
                 .collect();
         }
-        // Everything checked before anything is queued.
-        let mut inputs = Vec::with_capacity(ts.len());
-        for t in ts {
-            self.check_device("all_reduce", t)?;
-            inputs.push((t.contiguous()?, checked("all_reduce", t.dtype(), Some(op))?));
-        }
-        let mut outs = Vec::with_capacity(ts.len());
-        // One NCCL group, queued back to back on the stream, one wait for all of them.
-        self.run_n("all_reduce", ts.len() as u64, |comm| {
-            nccl::group_start()
-                .map_err(|e| nccl_err(comm.rank, "all_reduce (group start)", e.0))?;
-            let mut queued = Ok(());
-            for (t, ty) in &inputs {
-                let call = Call::AllReduce(nccl_op(op));
-                match t.apply_op1_no_bwd(&OutOfPlace {
-                    comm,
-                    call,
-                    ty: *ty,
-                }) {
-                    Ok(out) => outs.push(out),
-                    Err(e) => {
-                        queued = Err(e.into());
-                        break;
-                    }
+        let (world, call) = (self.world_size(), Call::AllReduce(nccl_op(op)));
+        // Everything checked and every output allocated before anything is queued; then one
+        // NCCL group, queued back to back on the stream, one wait for all of them.
+        let prepared = self.run_n(
+            "all_reduce",
+            ts.len() as u64,
+            || {
+                let mut v = Vec::with_capacity(ts.len());
+                for t in ts {
+                    let (input, ty) = self.input("all_reduce", t, Some(op))?;
+                    let out = alloc_output(&input, input.elem_count())?.reshape(t.shape())?;
+                    v.push((input, ty, out));
                 }
-            }
-            // Always ended, whatever happened inside.
-            let ended = nccl::group_end()
-                .map(|_| ())
-                .map_err(|e| nccl_err(comm.rank, "all_reduce (group end)", e.0));
-            queued.and(ended)
-        })?;
-        Ok(outs)
+                Ok(v)
+            },
+            |comm, prepared| {
+                nccl::group_start()
+                    .map_err(|e| nccl_err(comm.rank, "all_reduce (group start)", e.0))?;
+                let queued = prepared
+                    .iter()
+                    .try_for_each(|(input, ty, out)| queue(comm, call, *ty, world, input, out));
+                // Always ended, whatever happened inside.
+                let ended = nccl::group_end()
+                    .map(|_| ())
+                    .map_err(|e| nccl_err(comm.rank, "all_reduce (group end)", e.0));
+                queued.and(ended)
+            },
+        )?;
+        Ok(prepared.into_iter().map(|(_, _, out)| out).collect())
     }
 
     fn broadcast_tensor(&self, t: &Tensor, root: usize) -> Result<Tensor> {
@@ -479,18 +536,10 @@ impl Collective for NcclCollective {
         if !t.device().is_cuda() {
             return self.host.broadcast_tensor(t, root);
         }
-        self.check_device("broadcast", t)?;
-        let ty = checked("broadcast", t.dtype(), None)?;
         let root =
             i32::try_from(root).map_err(|_| Error::invalid("broadcast root", "too large"))?;
-        let input = t.contiguous()?;
-        let mut out = None;
-        self.run("broadcast", |comm| {
-            let call = Call::Broadcast(root);
-            out = Some(input.apply_op1_no_bwd(&OutOfPlace { comm, call, ty })?);
-            Ok(())
-        })?;
-        out.ok_or_else(|| nccl_err(self.rank(), "broadcast", "no output"))
+        let out = self.one_call(Call::Broadcast(root), || self.input("broadcast", t, None))?;
+        Ok(out.reshape(t.shape())?)
     }
 
     fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -501,22 +550,11 @@ impl Collective for NcclCollective {
         if !t.device().is_cuda() || len == 0 {
             return self.host.reduce_scatter_tensor(t, op);
         }
-        self.check_device("reduce_scatter", t)?;
-        let ty = checked("reduce_scatter", t.dtype(), Some(op))?;
-        let block = len.div_ceil(world);
-        let padded = padded_blocks(&t.flatten_all()?, world, block)?;
-        let mut out = None;
-        self.run("reduce_scatter", |comm| {
-            let call = ReduceScatter {
-                comm,
-                world,
-                ty,
-                op: nccl_op(op),
-            };
-            out = Some(padded.apply_op1_no_bwd(&call)?);
-            Ok(())
+        let out = self.one_call(Call::ReduceScatter(nccl_op(op)), || {
+            let (input, ty) = self.input("reduce_scatter", t, Some(op))?;
+            let padded = padded_blocks(&input.flatten_all()?, world, len.div_ceil(world))?;
+            Ok((padded, ty))
         })?;
-        let out = out.ok_or_else(|| nccl_err(self.rank(), "reduce_scatter", "no output"))?;
         let own = super::chunk_range(len, world, self.rank());
         Ok(out.narrow(0, 0, own.len())?)
     }
@@ -529,30 +567,19 @@ impl Collective for NcclCollective {
         if !t.device().is_cuda() || len == 0 {
             return self.host.all_gather_into_tensor(t);
         }
-        self.check_device("all_gather_into", t)?;
-        let ty = checked("all_gather_into", t.dtype(), None)?;
         let block = len.div_ceil(world);
         let own = super::chunk_range(len, world, self.rank());
-        let mine = t.flatten_all()?.narrow(0, own.start, own.len())?;
-        let mine = if own.len() < block {
-            Tensor::cat(
-                &[
-                    mine,
-                    Tensor::zeros(block - own.len(), t.dtype(), t.device())?,
-                ],
-                0,
-            )?
-        } else {
-            mine
-        }
-        .contiguous()?;
-        let mut gathered = None;
-        self.run("all_gather_into", |comm| {
-            gathered = Some(mine.apply_op1_no_bwd(&AllGather { comm, world, ty })?);
-            Ok(())
+        let gathered = self.one_call(Call::AllGather, || {
+            let (input, ty) = self.input("all_gather_into", t, None)?;
+            let mine = input.flatten_all()?.narrow(0, own.start, own.len())?;
+            let mine = if own.len() < block {
+                let pad = Tensor::zeros(block - own.len(), t.dtype(), t.device())?;
+                Tensor::cat(&[mine, pad], 0)?
+            } else {
+                mine
+            };
+            Ok((mine.contiguous()?, ty))
         })?;
-        let gathered =
-            gathered.ok_or_else(|| nccl_err(self.rank(), "all_gather_into", "no output"))?;
         let parts = (0..world)
             .map(|r| gathered.narrow(0, r * block, super::chunk_range(len, world, r).len()))
             .collect::<candle_core::Result<Vec<_>>>()?;
@@ -567,40 +594,35 @@ impl Collective for NcclCollective {
             return self.host.all_gather_tensor(t);
         }
         self.check_device("all_gather", t)?;
-        let ty = checked("all_gather", t.dtype(), None)?;
+        checked("all_gather", t.dtype(), None)?;
         // NCCL gathers equal sizes: agree on every rank's row count (host side, which also
         // checks dtype and trailing dims), pad to the largest, gather, then drop the padding.
         let rows = t.dim(0)?;
         let counts = super::agree_on_rows(self.host.as_ref(), t)?;
         let max = counts.iter().copied().max().unwrap_or(0);
         let mut dims = t.dims().to_vec();
-        let padded = if rows < max {
-            dims[0] = max - rows;
-            Tensor::cat(
-                &[
-                    t.clone(),
-                    Tensor::zeros(dims.clone(), t.dtype(), t.device())?,
-                ],
-                0,
-            )?
-        } else {
-            t.clone()
-        }
-        .contiguous()?;
-        let world = self.world_size();
-        let mut gathered = None;
-        self.run("all_gather", |comm| {
-            gathered = Some(padded.apply_op1_no_bwd(&AllGather { comm, world, ty })?);
-            Ok(())
+        let gathered = self.one_call(Call::AllGather, || {
+            let (input, ty) = self.input("all_gather", t, None)?;
+            let padded = if rows < max {
+                let mut pad = dims.clone();
+                pad[0] = max - rows;
+                let zeros = Tensor::zeros(pad, t.dtype(), t.device())?;
+                Tensor::cat(&[input, zeros], 0)?.contiguous()?
+            } else {
+                input
+            };
+            Ok((padded, ty))
         })?;
-        let gathered = gathered.ok_or_else(|| nccl_err(self.rank(), "all_gather", "no output"))?;
         // Each rank's block holds `max` rows of `row` elements.
         let row: usize = dims[1..].iter().product();
         let mut parts = Vec::with_capacity(counts.len());
         for (r, &k) in counts.iter().enumerate() {
-            let mut d = dims.clone();
-            d[0] = k;
-            parts.push(gathered.narrow(0, r * max * row, k * row)?.reshape(d)?);
+            dims[0] = k;
+            parts.push(
+                gathered
+                    .narrow(0, r * max * row, k * row)?
+                    .reshape(dims.clone())?,
+            );
         }
         Ok(Tensor::cat(&parts, 0)?)
     }

@@ -4,7 +4,7 @@
 //!
 //! `nccl.rs` drives real communicators through [`CommHandle`]; the tests here drive fakes, so
 //! every decision (a creation that never completes, an asynchronous network error, finalize or
-//! abort, a tensor on the wrong GPU) is checked on the CPU.
+//! abort, a tensor on the wrong GPU or stream, an allocation that fails) is checked on the CPU.
 //!
 //! - **Waiting** ([`wait`]): polls `ncclCommGetAsyncError` (and, for an operation, whether the
 //!   work queued on the GPU is done) until done. An asynchronous error (a network failure with
@@ -12,6 +12,10 @@
 //!   peer that is gone fails within [`PEER_CHECK`]; past the deadline the error names the rank
 //!   and the operation (no peer is guessed: NCCL does not say which one it waits for), with what
 //!   to check (`NCCL_SOCKET_IFNAME`, `NCCL_DEBUG`).
+//! - **Running an operation** ([`GuardedComm::run`]): validation and every allocation first,
+//!   then the gate, then the NCCL calls (which allocate nothing), then the wait. Running out of
+//!   memory is an ordinary error that leaves the communicator usable; a failure once something
+//!   is queued aborts it.
 //! - **Closing** ([`close`]): after a run that finished ([`Outcome::Finished`]), a barrier with
 //!   every rank (so that no rank tears its communicator down while a peer's last operation may
 //!   still need it), then `ncclCommFinalize` (this rank's outstanding work flushed, waited for
@@ -20,8 +24,6 @@
 //!   ([`Outcome::Failed`]), or when a step of the orderly close fails: `ncclCommAbort`.
 
 use std::time::{Duration, Instant};
-
-use candle_core::DeviceLocation;
 
 use crate::error::{Error, Result};
 
@@ -123,15 +125,7 @@ pub(crate) fn wait(
     let mut last_check = start;
     loop {
         match comm.state() {
-            CommState::Failed(why) => {
-                return Err(Error::Nccl {
-                    rank: w.rank,
-                    op: w.op.into(),
-                    reason: format!(
-                        "NCCL reported {why} (a network or peer failure; NCCL_DEBUG=WARN prints NCCL's own account)"
-                    ),
-                })
-            }
+            CommState::Failed(why) => return Err(failed(w, &why, check_peers)),
             CommState::Ready => {
                 if done()? {
                     return Ok(());
@@ -141,16 +135,7 @@ pub(crate) fn wait(
         }
         let now = Instant::now();
         if now.duration_since(last_check) >= PEER_CHECK {
-            check_peers().map_err(|e| Error::Peer {
-                rank: w.rank,
-                peer: match &e {
-                    Error::Peer { peer, .. } | Error::Timeout { peer, .. } => *peer,
-                    _ => w.rank,
-                },
-                op: w.op.into(),
-                reason: format!("a peer is gone while NCCL waits: {e}"),
-                source: None,
-            })?;
+            check_peers().map_err(|e| gone(w, &e, "a peer is gone while NCCL waits"))?;
             last_check = now;
         }
         let waited = now.duration_since(start);
@@ -162,6 +147,47 @@ pub(crate) fn wait(
             });
         }
         pause(waited);
+    }
+}
+
+/// How long an NCCL error waits for the host collective to name a peer that is gone.
+pub(crate) const NAME_THE_PEER: Duration = Duration::from_millis(250);
+
+/// The error of a wait that `e` (from `check_peers`) says a peer is gone from, naming it.
+fn gone(w: &Wait<'_>, e: &Error, what: &str) -> Error {
+    Error::Peer {
+        rank: w.rank,
+        peer: match e {
+            Error::Peer { peer, .. } | Error::Timeout { peer, .. } => *peer,
+            _ => w.rank,
+        },
+        op: w.op.into(),
+        reason: format!("{what}: {e}"),
+        source: None,
+    }
+}
+
+/// The error of a wait NCCL failed (`why`). A peer process that died (`kill -9`, a crash) shows
+/// in NCCL as a remote or system error that does not say which rank it was; the host collective
+/// knows, so its peers are checked for up to [`NAME_THE_PEER`] and a peer found gone is named
+/// (with NCCL's report). Otherwise the error is NCCL's.
+fn failed(w: &Wait<'_>, why: &str, check_peers: &mut dyn FnMut() -> Result<()>) -> Error {
+    let start = Instant::now();
+    loop {
+        if let Err(e) = check_peers() {
+            return gone(w, &e, &format!("NCCL reported {why}, and a peer is gone"));
+        }
+        if start.elapsed() >= NAME_THE_PEER {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Error::Nccl {
+        rank: w.rank,
+        op: w.op.into(),
+        reason: format!(
+            "NCCL reported {why} (a network or peer failure; NCCL_DEBUG=WARN prints NCCL's own account)"
+        ),
     }
 }
 
@@ -275,18 +301,168 @@ fn finalize(
     comm.destroy().map_err(|e| nccl("nccl destroy", e))
 }
 
-/// Refuses a CUDA tensor on another GPU than the communicator's (`want`, an ordinal among this
-/// process's visible GPUs): NCCL would read or write memory of the wrong device.
-pub(crate) fn check_ordinal(rank: usize, op: &str, want: usize, got: DeviceLocation) -> Result<()> {
-    match got {
-        DeviceLocation::Cuda { gpu_id } if gpu_id != want => Err(Error::Nccl {
-            rank,
-            op: op.into(),
-            reason: format!(
-                "the tensor is on GPU {gpu_id}, but this rank's NCCL communicator drives GPU {want}; move it there first (`tensor.to_device(accelerator.device())`)"
+/// Where a CUDA tensor's work runs: its GPU (an ordinal among this process's visible GPUs) and
+/// the CUDA stream its Candle device queues everything on (the stream's handle, as a number).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StreamPlace {
+    /// The GPU's ordinal.
+    pub(crate) ordinal: usize,
+    /// The stream's handle (`CUstream`) as an address.
+    pub(crate) stream: usize,
+}
+
+/// Refuses a tensor NCCL cannot use safely, before anything is queued; `want` is where the
+/// communicator works, `got` where the tensor's device does (`None`: not a CUDA tensor, left to
+/// the host path).
+///
+/// - **Another GPU**: NCCL would read or write memory of the wrong device.
+/// - **The same GPU, another stream**: a tensor made on another Candle device of that GPU (a
+///   user's own `Device::new_cuda(0)`, which queues on the calling thread's default stream).
+///   NCCL runs on the communicator's stream and would read the tensor without waiting for the
+///   kernels still writing it on the other one: a data race, and cudarc's cross-stream
+///   tracking does not help (it is off on the crate's devices, see `settings::gpu`, and the
+///   other device never entered cudarc's multi-stream mode).
+///
+/// Refused rather than ordered (an event recorded on the tensor's stream, the communicator's
+/// stream made to wait for it): ordering the input is not enough. The output would belong to
+/// the tensor's device too (Candle ties storage to a device), so it would be allocated and later
+/// freed and read on the other stream, each needing ordering of its own that nothing else in
+/// the crate provides; Candle refuses to mix the two devices in any operation anyway, so such a
+/// tensor cannot meet the model's tensors; and the refusal costs nothing on the path of every
+/// correct call, where ordering would cost an event per tensor. The error says how to get the
+/// tensor onto the accelerator's device.
+pub(crate) fn check_place(
+    rank: usize,
+    op: &str,
+    want: StreamPlace,
+    got: Option<StreamPlace>,
+) -> Result<()> {
+    let Some(got) = got else {
+        return Ok(());
+    };
+    let reason = if got.ordinal != want.ordinal {
+        format!(
+            "the tensor is on GPU {}, but this rank's NCCL communicator drives GPU {}; move it there first (`tensor.to_device(accelerator.device())`)",
+            got.ordinal, want.ordinal
+        )
+    } else if got.stream != want.stream {
+        format!(
+            "the tensor is on GPU {} but was made on another Candle device of it (a `Device::new_cuda` of your own?), whose work runs on CUDA stream {:#x}, not on this rank's stream {:#x} where NCCL runs: NCCL would read it before that stream's kernels are done with it. Make it on `accelerator.device()`, or copy it there through host memory (`t.to_device(&Device::Cpu)?.to_device(accelerator.device())`; a direct `to_device` between the two devices is not ordered either)",
+            got.ordinal, got.stream, want.stream
+        )
+    } else {
+        return Ok(());
+    };
+    Err(Error::Nccl {
+        rank,
+        op: op.into(),
+        reason,
+    })
+}
+
+/// One rank's NCCL communicator behind its lock, with its first failure: how every operation
+/// is run (see [`GuardedComm::run`]). `C` is a real communicator in `nccl.rs`, a fake in the
+/// tests; dropping a `C` aborts it (a real one aborts in its `Drop` unless it was closed).
+pub(crate) struct GuardedComm<C> {
+    comm: std::sync::Mutex<Option<C>>,
+    broken: std::sync::Mutex<Option<String>>,
+}
+
+impl<C: CommHandle> GuardedComm<C> {
+    /// A communicator that works.
+    pub(crate) fn new(comm: C) -> Self {
+        GuardedComm {
+            comm: std::sync::Mutex::new(Some(comm)),
+            broken: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// The first failure of an operation, once one failed.
+    pub(crate) fn first_failure(&self) -> Option<String> {
+        self.broken
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Takes the communicator out, to close it; later operations fail with [`Error::Broken`].
+    pub(crate) fn take(&self) -> Option<C> {
+        self.comm.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    /// Runs one operation in three phases:
+    ///
+    /// 1. `prepare` (validation, input copies, **every output buffer allocated**), then `gate`
+    ///    with how it went (see [`Gate`](super::Gate)). A failure here, this rank's or one the
+    ///    gate reports, is returned as it is (an out-of-memory error names the rank and the
+    ///    operation): nothing was queued, so the communicator stays usable and a batch-size
+    ///    search can retry.
+    /// 2. `queue` on the communicator (under its lock), which allocates nothing.
+    /// 3. `wait` for it (the watchdog).
+    ///
+    /// A failure in 2 or 3 is NCCL's or a peer's: the communicator is dropped (aborted, which
+    /// unblocks NCCL kernels still waiting for a peer that will never come) and every later
+    /// operation fails with [`Error::Broken`] naming the first failure.
+    pub(crate) fn run<O>(
+        &self,
+        rank: usize,
+        op: &str,
+        prepare: impl FnOnce() -> Result<O>,
+        gate: impl FnOnce(Option<&Error>) -> Result<()>,
+        queue: impl FnOnce(&C, &O) -> Result<()>,
+        wait: impl FnOnce(&C) -> Result<()>,
+    ) -> Result<O> {
+        if let Some(first) = self.first_failure() {
+            return Err(Error::Broken {
+                rank,
+                op: op.into(),
+                first,
+            });
+        }
+        let prepared = prepare().map_err(|e| while_preparing(e, rank, op));
+        let passed = gate(prepared.as_ref().err());
+        let out = prepared?;
+        passed?;
+        let mut guard = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+        let res = match guard.as_ref() {
+            Some(comm) => queue(comm, &out).and_then(|()| wait(comm)),
+            None => Err(Error::Broken {
+                rank,
+                op: op.into(),
+                first: "the NCCL communicator was aborted".into(),
+            }),
+        };
+        if let Err(e) = &res {
+            drop(guard.take());
+            self.broken
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert_with(|| e.to_string());
+        }
+        res.map(|()| out)
+    }
+}
+
+/// A failure while preparing `op`: running out of memory names the rank and says that nothing
+/// was queued; any other error is returned as it is.
+fn while_preparing(e: Error, rank: usize, op: &str) -> Error {
+    match e {
+        Error::OutOfMemory {
+            rank: r,
+            device,
+            requested,
+            limit,
+            detail,
+        } => Error::OutOfMemory {
+            rank: r.or(Some(rank)),
+            device,
+            requested,
+            limit,
+            detail: format!(
+                "{detail} (allocating the buffers of {op} over NCCL, before anything was queued: the communicator is intact)"
             ),
-        }),
-        _ => Ok(()),
+        },
+        other => other,
     }
 }
 
@@ -406,6 +582,51 @@ mod tests {
             text.contains("ncclRemoteError (6): socket closed by peer 10.0.0.2"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn an_nccl_error_from_a_dead_peer_names_it() {
+        // `kill -9` of rank 1: NCCL reports a remote error without a rank; the host collective
+        // notices the closed connection a moment later and names it.
+        let comm = Fake::new(vec![state_of(6, || "socket closed".into())]);
+        let mut checks = 0;
+        let e = wait(
+            &w("all_reduce", 60_000),
+            &comm,
+            &mut || Ok(false),
+            &mut || {
+                checks += 1;
+                if checks < 3 {
+                    Ok(())
+                } else {
+                    Err(Error::Peer {
+                        rank: 3,
+                        peer: 1,
+                        op: "check_peers".into(),
+                        reason: "connection closed".into(),
+                        source: None,
+                    })
+                }
+            },
+        )
+        .unwrap_err();
+        match &e {
+            Error::Peer {
+                rank,
+                peer,
+                op,
+                reason,
+                ..
+            } => {
+                assert_eq!((*rank, *peer, op.as_str()), (3, 1, "all_reduce"));
+                assert!(
+                    reason.contains("ncclRemoteError (6): socket closed"),
+                    "{reason}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(e.to_string().contains("talking to rank 1"), "{e}");
     }
 
     #[test]
@@ -547,16 +768,190 @@ mod tests {
         assert_eq!(comm.calls(), ["finalize", "abort"]);
     }
 
+    fn place(ordinal: usize, stream: usize) -> Option<StreamPlace> {
+        Some(StreamPlace { ordinal, stream })
+    }
+
     #[test]
     fn a_tensor_on_another_gpu_is_refused() {
-        let e = check_ordinal(1, "all_reduce", 1, DeviceLocation::Cuda { gpu_id: 0 }).unwrap_err();
+        let want = StreamPlace {
+            ordinal: 1,
+            stream: 0x5000,
+        };
+        let e = check_place(1, "all_reduce", want, place(0, 0x5000)).unwrap_err();
         let text = e.to_string();
         assert!(text.starts_with("rank 1: all_reduce over NCCL"), "{text}");
         assert!(
             text.contains("on GPU 0") && text.contains("drives GPU 1"),
             "{text}"
         );
-        check_ordinal(1, "all_reduce", 1, DeviceLocation::Cuda { gpu_id: 1 }).unwrap();
-        check_ordinal(1, "all_reduce", 1, DeviceLocation::Cpu).unwrap();
+        check_place(1, "all_reduce", want, place(1, 0x5000)).unwrap();
+        check_place(1, "all_reduce", want, None).unwrap();
+    }
+
+    #[test]
+    fn a_tensor_on_the_same_gpu_but_another_stream_is_refused_naming_the_operation() {
+        // The communicator's own stream, and a user's `Device::new_cuda(1)`: the same GPU, the
+        // per-thread default stream (`CU_STREAM_PER_THREAD`, handle 0x2).
+        let want = StreamPlace {
+            ordinal: 1,
+            stream: 0x7f00_1234,
+        };
+        let e = check_place(3, "broadcast", want, place(1, 0x2)).unwrap_err();
+        assert!(matches!(e, Error::Nccl { rank: 3, .. }), "{e:?}");
+        let text = e.to_string();
+        assert!(text.starts_with("rank 3: broadcast over NCCL"), "{text}");
+        assert!(
+            text.contains("another Candle device")
+                && text.contains("stream 0x2")
+                && text.contains("0x7f001234")
+                && text.contains("accelerator.device()"),
+            "{text}"
+        );
+    }
+
+    /// A fake communicator for [`GuardedComm`]: records what is done to it (in a log shared
+    /// with the test, which outlives it), and records an abort when dropped.
+    struct Queued {
+        log: std::rc::Rc<RefCell<Vec<&'static str>>>,
+    }
+
+    impl CommHandle for Queued {
+        fn state(&self) -> CommState {
+            CommState::Ready
+        }
+        fn finalize(&self) -> std::result::Result<(), String> {
+            Ok(())
+        }
+        fn destroy(&self) -> std::result::Result<(), String> {
+            Ok(())
+        }
+        fn abort(&self) -> std::result::Result<(), String> {
+            Ok(())
+        }
+    }
+
+    impl Drop for Queued {
+        fn drop(&mut self) {
+            self.log.borrow_mut().push("aborted");
+        }
+    }
+
+    fn oom_on_cuda() -> Error {
+        Error::OutOfMemory {
+            rank: None,
+            device: "cuda".into(),
+            requested: Some(1 << 30),
+            limit: None,
+            detail: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+        }
+    }
+
+    /// One operation whose output allocation fails (`alloc_fails`) or whose queueing fails
+    /// (`queue_fails`), through the gate `gate`.
+    fn one_op(
+        c: &GuardedComm<Queued>,
+        log: &std::rc::Rc<RefCell<Vec<&'static str>>>,
+        alloc_fails: bool,
+        queue_fails: bool,
+        gate: impl FnOnce(Option<&Error>) -> Result<()>,
+    ) -> Result<Vec<f32>> {
+        c.run(
+            2,
+            "all_reduce",
+            || {
+                log.borrow_mut().push("allocate");
+                if alloc_fails {
+                    Err(oom_on_cuda())
+                } else {
+                    Ok(vec![0.0f32; 4])
+                }
+            },
+            gate,
+            |_, out| {
+                assert_eq!(out.len(), 4, "the outputs exist before anything is queued");
+                log.borrow_mut().push("queue");
+                if queue_fails {
+                    Err(Error::Nccl {
+                        rank: 2,
+                        op: "all_reduce".into(),
+                        reason: "ncclInvalidUsage".into(),
+                    })
+                } else {
+                    Ok(())
+                }
+            },
+            |_| {
+                log.borrow_mut().push("wait");
+                Ok(())
+            },
+        )
+    }
+
+    #[test]
+    fn running_out_of_memory_for_the_outputs_queues_nothing_and_keeps_the_communicator() {
+        let log = std::rc::Rc::new(RefCell::new(Vec::new()));
+        let c = GuardedComm::new(Queued { log: log.clone() });
+        let mut told = None;
+        let e = one_op(&c, &log, true, false, |f| {
+            told = Some(f.map(|e| e.is_out_of_memory()));
+            Ok(())
+        })
+        .unwrap_err();
+        // The gate heard of the failure; the error is an ordinary out-of-memory error, naming
+        // the rank and the operation, that a batch-size search retries.
+        assert_eq!(told, Some(Some(true)));
+        assert!(e.is_out_of_memory(), "{e:?}");
+        let text = e.to_string();
+        assert!(text.starts_with("rank 2: out of memory on cuda"), "{text}");
+        assert!(
+            text.contains("all_reduce over NCCL, before anything was queued"),
+            "{text}"
+        );
+        assert_eq!(*log.borrow(), ["allocate"]);
+        assert_eq!(c.first_failure(), None);
+        // The communicator still works.
+        let out = one_op(&c, &log, false, false, |f| {
+            assert!(f.is_none());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(out.len(), 4);
+        assert_eq!(*log.borrow(), ["allocate", "allocate", "queue", "wait"]);
+    }
+
+    #[test]
+    fn a_peer_that_ran_out_stops_this_rank_at_the_gate_before_anything_is_queued() {
+        let log = std::rc::Rc::new(RefCell::new(Vec::new()));
+        let c = GuardedComm::new(Queued { log: log.clone() });
+        let e = one_op(&c, &log, false, false, |f| {
+            assert!(f.is_none());
+            Err(Error::PeerOutOfMemory {
+                rank: 2,
+                peer: 0,
+                batch_size: 8,
+                next_batch_size: 4,
+            })
+        })
+        .unwrap_err();
+        assert!(matches!(e, Error::PeerOutOfMemory { peer: 0, .. }), "{e:?}");
+        assert_eq!(*log.borrow(), ["allocate"]);
+        assert_eq!(c.first_failure(), None);
+    }
+
+    #[test]
+    fn a_failure_once_queued_aborts_the_communicator_for_good() {
+        let log = std::rc::Rc::new(RefCell::new(Vec::new()));
+        let c = GuardedComm::new(Queued { log: log.clone() });
+        let e = one_op(&c, &log, false, true, |_| Ok(())).unwrap_err();
+        assert!(matches!(e, Error::Nccl { rank: 2, .. }), "{e:?}");
+        assert_eq!(*log.borrow(), ["allocate", "queue", "aborted"]);
+        let e = one_op(&c, &log, false, false, |_| Ok(())).unwrap_err();
+        match e {
+            Error::Broken { rank: 2, first, .. } => assert!(first.contains("ncclInvalidUsage")),
+            other => panic!("{other:?}"),
+        }
+        // Nothing more was prepared or queued.
+        assert_eq!(*log.borrow(), ["allocate", "queue", "aborted"]);
     }
 }

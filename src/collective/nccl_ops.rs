@@ -1,5 +1,8 @@
-//! The NCCL calls as Candle custom ops on CUDA storage: out-of-place all-reduce and broadcast,
-//! reduce-scatter and all-gather into new tensors, queued on the communicator's stream.
+//! The NCCL calls on CUDA storage, in two steps so that nothing is allocated once NCCL is
+//! entered: [`alloc_output`] makes an operation's output tensor (uninitialised) before anything
+//! is queued, and [`queue`] queues one NCCL call from a contiguous input tensor into it on the
+//! communicator's stream. Running out of memory is then an ordinary error of the first step,
+//! not a failure inside an NCCL group that would leave the communicator unusable.
 
 use std::ffi::c_void;
 
@@ -9,32 +12,45 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result as nccl, sys};
 
-use super::comm::RawComm;
+use super::comm::{nccl_err, RawComm};
 use crate::collective::ReduceOp;
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::inplace::{with_mut_src, DstMut, Src};
 
-/// What one NCCL call does, queued on the communicator's stream.
+/// What one NCCL call does, queued on the communicator's stream from an input of `n` elements
+/// into an output of [`Call::out_len`] elements.
 #[derive(Clone, Copy)]
 pub(super) enum Call {
+    /// Out-of-place all-reduce: the output has the input's length.
     AllReduce(sys::ncclRedOp_t),
+    /// Out-of-place broadcast from a root: the output has the input's length.
     Broadcast(i32),
+    /// Reduce-scatter of `world` equal blocks: the output is one block.
+    ReduceScatter(sys::ncclRedOp_t),
+    /// All-gather of equal inputs: the output is `world` of them.
+    AllGather,
 }
 
-/// An out-of-place NCCL all-reduce or broadcast of a contiguous CUDA tensor into a new one of
-/// the same shape: no copy of the input first, and the caller's tensor is never modified.
-pub(super) struct OutOfPlace<'a> {
-    pub(super) comm: &'a RawComm,
-    pub(super) call: Call,
-    pub(super) ty: sys::ncclDataType_t,
-}
+impl Call {
+    /// The operation's name in errors.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Call::AllReduce(_) => "all_reduce",
+            Call::Broadcast(_) => "broadcast",
+            Call::ReduceScatter(_) => "reduce_scatter",
+            Call::AllGather => "all_gather",
+        }
+    }
 
-/// Reduce-scatter of a contiguous CUDA tensor of `world * n` elements into a new `[n]` tensor
-/// (this rank's block of the reduction).
-pub(super) struct ReduceScatter<'a> {
-    pub(super) comm: &'a RawComm,
-    pub(super) world: usize,
-    pub(super) ty: sys::ncclDataType_t,
-    pub(super) op: sys::ncclRedOp_t,
+    /// The output's length for an input of `n` elements over `world` ranks; `None` when the
+    /// input does not split into `world` equal blocks (reduce-scatter).
+    pub(super) fn out_len(self, n: usize, world: usize) -> Option<usize> {
+        match self {
+            Call::AllReduce(_) | Call::Broadcast(_) => Some(n),
+            Call::ReduceScatter(_) => (world > 0 && n.is_multiple_of(world)).then(|| n / world),
+            Call::AllGather => n.checked_mul(world),
+        }
+    }
 }
 
 /// `flat` (1-D, `len` elements) cut into the ranks' chunks ([`crate::collective::chunk_range`]), each
@@ -61,13 +77,6 @@ pub(super) fn padded_blocks(flat: &Tensor, world: usize, block: usize) -> Result
     Ok(Tensor::cat(&parts, 0)?.contiguous()?)
 }
 
-/// All-gather of equal-sized contiguous CUDA tensors into a new `[world * n]` tensor.
-pub(super) struct AllGather<'a> {
-    pub(super) comm: &'a RawComm,
-    pub(super) world: usize,
-    pub(super) ty: sys::ncclDataType_t,
-}
-
 pub(super) fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
     match op {
         ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
@@ -75,19 +84,6 @@ pub(super) fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
         ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
         ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
     }
-}
-
-fn cpu_refused(name: &str) -> candle_core::Error {
-    candle_core::Error::Msg(format!("{name}: NCCL operations need CUDA tensors"))
-}
-
-fn contiguous(l: &Layout, name: &str) -> candle_core::Result<(usize, usize)> {
-    l.contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("{name}: tensor is not contiguous")))
-}
-
-fn wrap(e: nccl::NcclError) -> candle_core::Error {
-    candle_core::Error::Msg(format!("NCCL: {:?}", e.0))
 }
 
 /// Runs `$body` with `$t` the Rust element type of `$dtype` (only the dtypes `nccl_dtype`
@@ -127,160 +123,106 @@ macro_rules! per_dtype {
                 type $t = i64;
                 $body
             }
-            other => Err(candle_core::Error::Msg(format!(
-                "{}: unsupported dtype {other:?}",
-                $name
-            ))),
+            other => Err(Error::UnsupportedDType {
+                op: format!("{} over NCCL", $name),
+                dtype: format!("{other:?}"),
+            }),
         }
     };
 }
 
-impl CustomOp1 for OutOfPlace<'_> {
+/// Allocates the uninitialised output of one NCCL call: a 1-D tensor of `len` elements of
+/// `like`'s dtype on `like`'s device (stream-ordered on that device's stream, where NCCL then
+/// writes it). Running out of memory is an [`Error::OutOfMemory`] here, before anything is
+/// queued.
+pub(super) fn alloc_output(like: &Tensor, len: usize) -> Result<Tensor> {
+    Ok(like.apply_op1_no_bwd(&Uninit { len })?)
+}
+
+/// The Candle op behind [`alloc_output`].
+struct Uninit {
+    len: usize,
+}
+
+impl CustomOp1 for Uninit {
     fn name(&self) -> &'static str {
-        match self.call {
-            Call::AllReduce(_) => "nccl-all-reduce",
-            Call::Broadcast(_) => "nccl-broadcast",
-        }
+        "nccl-output"
     }
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(cpu_refused(self.name()))
+        Err(candle_core::Error::Msg(
+            "nccl-output: NCCL operations need CUDA tensors".into(),
+        ))
     }
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (a, b) = contiguous(l, self.name())?;
-        let n = b - a;
+    fn cuda_fwd(&self, s: &CudaStorage, _: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         let dev = s.device.clone();
-        let stream = &self.comm.stream;
-        per_dtype!(s.dtype(), self.name(), |T| {
-            let src = s.as_cuda_slice::<T>()?.slice(a..b);
-            // SAFETY: the NCCL call below writes all `n` elements before anything reads them
-            // (later uses are queued after it on the same stream).
-            let mut dst = unsafe { dev.alloc::<T>(n)? };
-            {
-                let (sp, _sync_src) = src.device_ptr(stream);
-                let (dp, _sync_dst) = dst.device_ptr_mut(stream);
-                let (sp, dp) = (sp as *const c_void, dp as *mut c_void);
-                // SAFETY: `sp` and `dp` point to `n` elements of type `ty` on the
-                // communicator's GPU, alive until the call is queued on its stream (later uses
-                // are ordered after it there); source and destination do not overlap.
-                let res = unsafe {
-                    match self.call {
-                        Call::AllReduce(op) => nccl::all_reduce(
-                            sp,
-                            dp,
-                            n,
-                            self.ty,
-                            op,
-                            self.comm.comm,
-                            stream.cu_stream() as _,
-                        ),
-                        Call::Broadcast(root) => nccl::broadcast(
-                            sp,
-                            dp,
-                            n,
-                            self.ty,
-                            root,
-                            self.comm.comm,
-                            stream.cu_stream() as _,
-                        ),
+        let len = self.len;
+        let storage = per_dtype!(s.dtype(), self.name(), |T| {
+            // SAFETY: the memory is read only after the NCCL call queued into it (by `queue`,
+            // before the tensor is handed out) wrote all `len` elements; when that call is not
+            // queued (an error), the tensor is dropped unread.
+            let dst = unsafe { dev.alloc::<T>(len)? };
+            Ok(CudaStorage::wrap_cuda_slice(dst, dev.clone()))
+        })
+        .map_err(candle_core::Error::wrap)?;
+        Ok((storage, Shape::from(len)))
+    }
+}
+
+/// Queues `call` on `comm`'s stream from `input` into `out` ([`alloc_output`] of
+/// [`Call::out_len`] elements), both contiguous CUDA tensors of the communicator's GPU and of
+/// NCCL type `ty`. Allocates nothing.
+pub(super) fn queue(
+    comm: &RawComm,
+    call: Call,
+    ty: sys::ncclDataType_t,
+    world: usize,
+    input: &Tensor,
+    out: &Tensor,
+) -> Result<()> {
+    let name = call.name();
+    with_mut_src(out, input, name, |dst, dr, src, sr| {
+        let (DstMut::Cuda(d), Src::Cuda(s)) = (dst, src) else {
+            return Err(nccl_err(
+                comm.rank,
+                name,
+                "NCCL operations need CUDA tensors",
+            ));
+        };
+        let n = sr.len();
+        if call.out_len(n, world) != Some(dr.len()) {
+            return Err(nccl_err(
+                comm.rank,
+                name,
+                format!(
+                    "{n} input element(s) over {world} rank(s) do not fit an output of {}",
+                    dr.len()
+                ),
+            ));
+        }
+        let stream = &comm.stream;
+        per_dtype!(s.dtype(), name, |T| {
+            let src = s.as_cuda_slice::<T>()?.slice(sr.clone());
+            let mut dst = d.as_cuda_slice_mut::<T>()?.slice_mut(dr.clone());
+            let (sp, _sync_src) = src.device_ptr(stream);
+            let (dp, _sync_dst) = dst.device_ptr_mut(stream);
+            let (sp, dp) = (sp as *const c_void, dp as *mut c_void);
+            let cu = stream.cu_stream() as _;
+            // SAFETY: `sp` points to `n` elements of type `ty` and `dp` to `out_len(n)`, both on
+            // the communicator's GPU (checked before anything was queued) and kept alive by the
+            // caller until the wait for this call has ended; they do not overlap (`out` is a
+            // fresh allocation). The call is queued on the communicator's stream, after the
+            // kernels that wrote the input and the allocation of the output (same stream).
+            let res = unsafe {
+                match call {
+                    Call::AllReduce(op) => nccl::all_reduce(sp, dp, n, ty, op, comm.comm, cu),
+                    Call::Broadcast(root) => nccl::broadcast(sp, dp, n, ty, root, comm.comm, cu),
+                    Call::ReduceScatter(op) => {
+                        nccl::reduce_scatter(sp, dp, dr.len(), ty, op, comm.comm, cu)
                     }
-                };
-                res.map_err(wrap)?;
-            }
-            Ok((
-                CudaStorage::wrap_cuda_slice(dst, dev.clone()),
-                l.shape().clone(),
-            ))
-        })
-    }
-}
-
-impl CustomOp1 for ReduceScatter<'_> {
-    fn name(&self) -> &'static str {
-        "nccl-reduce-scatter"
-    }
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(cpu_refused(self.name()))
-    }
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (a, b) = contiguous(l, self.name())?;
-        if (b - a) % self.world.max(1) != 0 {
-            return Err(candle_core::Error::Msg(format!(
-                "{}: {} element(s) do not split into {} equal blocks",
-                self.name(),
-                b - a,
-                self.world
-            )));
-        }
-        let out_len = (b - a) / self.world.max(1);
-        let dev = s.device.clone();
-        let stream = &self.comm.stream;
-        per_dtype!(s.dtype(), self.name(), |T| {
-            let src = s.as_cuda_slice::<T>()?.slice(a..b);
-            let mut dst = dev.alloc_zeros::<T>(out_len)?;
-            {
-                let (sp, _sync_src) = src.device_ptr(stream);
-                let (dp, _sync_dst) = dst.device_ptr_mut(stream);
-                // SAFETY: `sp` points to `world * out_len` elements of type `ty` and `dp` to
-                // `out_len`, both on the communicator's GPU and alive until the call is queued on
-                // its stream (the events recorded when the guards drop order later uses).
-                unsafe {
-                    nccl::reduce_scatter(
-                        sp as *const c_void,
-                        dp as *mut c_void,
-                        out_len,
-                        self.ty,
-                        self.op,
-                        self.comm.comm,
-                        stream.cu_stream() as _,
-                    )
+                    Call::AllGather => nccl::all_gather(sp, dp, n, ty, comm.comm, cu),
                 }
-                .map_err(wrap)?;
-            }
-            Ok((
-                CudaStorage::wrap_cuda_slice(dst, dev.clone()),
-                Shape::from(out_len),
-            ))
+            };
+            res.map(|_| ()).map_err(|e| nccl_err(comm.rank, name, e.0))
         })
-    }
-}
-
-impl CustomOp1 for AllGather<'_> {
-    fn name(&self) -> &'static str {
-        "nccl-all-gather"
-    }
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(cpu_refused(self.name()))
-    }
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (a, b) = contiguous(l, self.name())?;
-        let out_len = (b - a) * self.world;
-        let dev = s.device.clone();
-        let stream = &self.comm.stream;
-        per_dtype!(s.dtype(), self.name(), |T| {
-            let src = s.as_cuda_slice::<T>()?.slice(a..b);
-            let mut dst = dev.alloc_zeros::<T>(out_len)?;
-            {
-                let (sp, _sync_src) = src.device_ptr(stream);
-                let (dp, _sync_dst) = dst.device_ptr_mut(stream);
-                // SAFETY: `sp` points to `b - a` elements of type `ty` and `dp` to `world` times
-                // as many, both on the communicator's GPU and alive until the call is queued on
-                // its stream (the events recorded when the guards drop order later uses).
-                unsafe {
-                    nccl::all_gather(
-                        sp as *const c_void,
-                        dp as *mut c_void,
-                        b - a,
-                        self.ty,
-                        self.comm.comm,
-                        stream.cu_stream() as _,
-                    )
-                }
-                .map_err(wrap)?;
-            }
-            Ok((
-                CudaStorage::wrap_cuda_slice(dst, dev.clone()),
-                Shape::from(out_len),
-            ))
-        })
-    }
+    })
 }

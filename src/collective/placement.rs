@@ -10,6 +10,12 @@
 //! refuses a communicator whose ranks repeat a `(host, bus id)` pair). Two MIG slices of one GPU
 //! have different UUIDs but one bus id, so they count as one GPU; two hosts can have a GPU at the
 //! same bus id, so the host is part of the key ([`gpu_key`], [`host_identity`]).
+//!
+//! The host is NCCL's too: `NCCL_HOSTID` when set. Two processes on one GPU with different
+//! `NCCL_HOSTID`s are two hosts to NCCL and to this placement, which then picks NCCL
+//! (`scripts/gpu-two-hosts.sh` runs real NCCL at world size 2 on a one-GPU machine that way, over
+//! NCCL's socket transport). DP replicas are threads of one process, which has one
+//! `NCCL_HOSTID`: two of them on one GPU always share it, and take the host path.
 
 use crate::collective::{Buffer, Collective};
 use crate::error::{Error, Result};
@@ -183,6 +189,28 @@ mod tests {
         assert_eq!(host_identity_from(Some(" rack7 "), "x", Some("b")), "rack7");
         assert_eq!(host_identity_from(Some(""), "x.y", None), "x");
         assert!(!host_identity().is_empty());
+    }
+
+    #[test]
+    fn two_ranks_on_one_gpu_with_their_own_nccl_hostid_are_two_hosts_and_take_nccl() {
+        // scripts/gpu-smoke.sh's two-rank NCCL proof on a one-GPU machine: one host name, one
+        // boot id, one GPU, but NCCL_HOSTID differs per rank. NCCL then sees two hosts (it
+        // keys hosts by NCCL_HOSTID too), so placement must not fall back to the host path:
+        // no shared GPU, hence `connect` picks NCCL.
+        let key = |hostid: Option<&str>| -> &'static [u8] {
+            let host = host_identity_from(hostid, "gpu-box.cluster", Some("boot-1"));
+            Box::leak(gpu_key(&host, "0000:17:00").into_boxed_slice())
+        };
+        for r in exchange(&[key(Some("accel-smoke-0")), key(Some("accel-smoke-1"))]) {
+            assert_eq!(r.unwrap(), None);
+        }
+        // Without it (or with the same one on both), one GPU: the host path.
+        for r in exchange(&[key(None), key(None)]) {
+            assert_eq!(r.unwrap(), Some((0, 1)));
+        }
+        for r in exchange(&[key(Some("same")), key(Some("same"))]) {
+            assert_eq!(r.unwrap(), Some((0, 1)));
+        }
     }
 
     #[test]

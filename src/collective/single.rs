@@ -1,5 +1,7 @@
 //! The world-size-1 backend: every operation returns at once and no socket is opened.
 
+use candle_core::Tensor;
+
 use super::{check_root, AlignedBytes, Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp};
 use crate::error::Result;
 
@@ -32,5 +34,34 @@ impl Collective for SingleProcess {
     }
     fn barrier(&self) -> Result<()> {
         Ok(())
+    }
+    fn reduce_scatter(&self, buf: BufferMut<'_>, op: ReduceOp) -> Result<()> {
+        super::fallback::reduce_scatter(self, buf, op)
+    }
+    fn all_gather_into(&self, buf: BufferMut<'_>) -> Result<()> {
+        super::fallback::all_gather_into(self, buf)
+    }
+    fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        super::fallback::reduce_scatter_tensor(self, t, op)
+    }
+    fn all_gather_into_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        super::fallback::all_gather_into_tensor(self, t)
+    }
+    fn check_peers(&self) -> Result<()> {
+        Ok(())
+    }
+    fn set_run_outcome(&self, _finished: bool) {}
+    fn add_gate(&self, _gate: std::sync::Weak<dyn super::Gate>) {}
+    fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        super::fallback::all_reduce_tensor(self, t, op)
+    }
+    fn all_reduce_tensors(&self, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>> {
+        super::fallback::all_reduce_tensors(self, ts, op)
+    }
+    fn broadcast_tensor(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        super::fallback::broadcast_tensor(self, t, root)
+    }
+    fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        super::fallback::all_gather_tensor(self, t)
     }
 }

@@ -15,6 +15,8 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use candle_core::Tensor;
+
 use super::{
     check_reducible, check_root, chunk_range, finish_mean, reduce_into, AlignedBytes, Buffer,
     BufferMut, Collective, ElemType, OwnedBuffer, ReduceOp,
@@ -539,6 +541,26 @@ impl Collective for ThreadCollective {
             }),
             None => Ok(()),
         }
+    }
+    fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        super::fallback::reduce_scatter_tensor(self, t, op)
+    }
+    fn all_gather_into_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        super::fallback::all_gather_into_tensor(self, t)
+    }
+    fn set_run_outcome(&self, _finished: bool) {}
+    fn add_gate(&self, _gate: std::sync::Weak<dyn super::Gate>) {}
+    fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        super::fallback::all_reduce_tensor(self, t, op)
+    }
+    fn all_reduce_tensors(&self, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>> {
+        super::fallback::all_reduce_tensors(self, ts, op)
+    }
+    fn broadcast_tensor(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        super::fallback::broadcast_tensor(self, t, root)
+    }
+    fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        super::fallback::all_gather_tensor(self, t)
     }
 }
 

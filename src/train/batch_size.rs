@@ -60,11 +60,11 @@
 //! same `start` (checked: one more small collective before the first attempt).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use candle_core::Tensor;
 
-use crate::collective::{Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp};
+use crate::collective::{Buffer, BufferMut, Collective, Gate, OwnedBuffer, ReduceOp};
 use crate::error::{Error, Result};
 
 /// The largest batch size a search may start from: votes stay exact in an `f64`.
@@ -291,13 +291,17 @@ fn lock(m: &Mutex<ProbeState>) -> MutexGuard<'_, ProbeState> {
 }
 
 impl Probe {
-    /// The attempt state of an accelerator whose backend communicator is `raw`.
-    pub(crate) fn new(raw: Arc<dyn Collective>) -> Self {
-        Probe {
+    /// The attempt state of an accelerator whose backend communicator is `raw`, installed as
+    /// `raw`'s [`Gate`] (held weakly there: the probe owns `raw`, not the other way round).
+    pub(crate) fn install(raw: Arc<dyn Collective>) -> Arc<Self> {
+        let probe = Arc::new(Probe {
             raw,
             agreeing: AtomicBool::new(false),
             state: Mutex::new(ProbeState::default()),
-        }
+        });
+        let gate: Weak<dyn Gate> = Arc::downgrade(&probe) as Weak<Probe>;
+        probe.raw.add_gate(gate);
+        probe
     }
 
     /// The backend's communicator.
@@ -361,6 +365,12 @@ impl Probe {
 
     /// Before a collective of the probed communicator: the agreement (see [the module](self)).
     fn before(&self) -> Result<()> {
+        self.agree_now(None)
+    }
+
+    /// One agreement while probing, this rank's vote from `failure`: healthy (`None`), out of
+    /// memory, or failed otherwise.
+    fn agree_now(&self, failure: Option<&Error>) -> Result<()> {
         if !self.agreeing.load(Ordering::Acquire) {
             return Ok(());
         }
@@ -382,7 +392,12 @@ impl Probe {
             }
             s.batch_size
         };
-        let verdict = match agree(self.raw(), Vote::Healthy, b) {
+        let vote = match failure {
+            None => Vote::Healthy,
+            Some(e) if e.is_out_of_memory() => Vote::OutOfMemory(b / 2),
+            Some(_) => Vote::Failed,
+        };
+        let verdict = match agree(self.raw(), vote, b) {
             Ok(v) => v,
             Err(e) => {
                 lock(&self.state).broken = true;
@@ -399,17 +414,36 @@ impl Probe {
     }
 
     /// After a collective of the probed communicator: a failure while probing leaves the
-    /// ranks out of step.
+    /// ranks out of step, unless an agreement inside the collective (its [`Gate`]) decided it:
+    /// then every rank returned from the same collective without communicating.
     fn after<T>(&self, r: Result<T>) -> Result<T> {
         if r.is_err() && self.agreeing.load(Ordering::Acquire) {
-            lock(&self.state).broken = true;
+            let mut s = lock(&self.state);
+            if s.verdict.is_none() {
+                s.broken = true;
+            }
         }
         r
     }
 }
 
+/// The backend's gate (see [`Collective::add_gate`]): while probing, a second agreement inside
+/// each collective that allocates device memory before communicating (NCCL's outputs), after the
+/// allocation and before anything is sent. A rank whose allocation failed votes out of memory
+/// there, so every rank abandons the attempt together and retries smaller, as when it runs out
+/// anywhere else; outside the probing it lets everything through.
+impl Gate for Probe {
+    fn pass(&self, _op: &str, failure: Option<&Error>) -> Result<()> {
+        self.agree_now(failure)
+    }
+}
+
 /// The accelerator's communicator: the backend's, with the agreement of [`Probe`] before every
-/// collective while a batch-size search probes (an atomic load otherwise).
+/// collective while a batch-size search probes (an atomic load otherwise). It forwards every
+/// method of [`Collective`] to the backend's own (checked by
+/// [`check_wrapper`](crate::collective::forwarding::check_wrapper) in the tests): a method left
+/// to a host fallback here once turned NCCL's batched gradient all-reduce into one NCCL group
+/// and one host wait per bucket.
 #[derive(Debug)]
 pub(crate) struct ProbedCollective {
     probe: Arc<Probe>,
@@ -464,8 +498,17 @@ impl Collective for ProbedCollective {
     fn check_peers(&self) -> Result<()> {
         self.probe.raw().check_peers()
     }
+    fn set_run_outcome(&self, finished: bool) {
+        self.probe.raw().set_run_outcome(finished)
+    }
+    fn add_gate(&self, gate: Weak<dyn Gate>) {
+        self.probe.raw().add_gate(gate)
+    }
     fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         self.run(|c| c.all_reduce_tensor(t, op))
+    }
+    fn all_reduce_tensors(&self, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>> {
+        self.run(|c| c.all_reduce_tensors(ts, op))
     }
     fn broadcast_tensor(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         self.run(|c| c.broadcast_tensor(t, root))
@@ -659,6 +702,14 @@ mod tests {
         assert!(decode(0.5, 4, 2, 0).is_err());
         // A rank ahead of this one: not the same search.
         assert!(decode(encode(Vote::Healthy, 8, 1, 2), 4, 2, 0).is_err());
+    }
+
+    #[test]
+    fn the_probed_collective_forwards_every_method() {
+        crate::collective::forwarding::check_wrapper("ProbedCollective", |c| {
+            Arc::new(ProbedCollective::new(Probe::install(c)))
+        })
+        .unwrap();
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use crate::common::tiny::{self, forward, max_abs_diff, snapshot, HIDDEN, LR};
 use accelerate_rs::collective::Collective;
-use accelerate_rs::collective::{Buffer, BufferMut, OwnedBuffer};
+use accelerate_rs::collective::{Buffer, BufferMut, Gate, OwnedBuffer};
 use accelerate_rs::ReduceOp;
 use accelerate_rs::{Accelerator, DataLoader, Error, TensorDataset};
 use candle_core::{Device, Tensor, Var};
@@ -186,10 +186,16 @@ static BYTES: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
 #[derive(Debug)]
 struct Counting {
     inner: Arc<dyn Collective>,
+    /// Whether calls are counted (not in the forwarding check, which runs beside the test that
+    /// reads the counters).
+    counted: bool,
 }
 
 impl Counting {
     fn count(&self, bytes: usize) {
+        if !self.counted {
+            return;
+        }
         CALLS[self.rank()].fetch_add(1, Ordering::SeqCst);
         BYTES[self.rank()].fetch_add(bytes, Ordering::SeqCst);
     }
@@ -233,6 +239,52 @@ impl Collective for Counting {
         self.count(t.elem_count() * t.dtype().size_in_bytes());
         self.inner.all_gather_tensor(t)
     }
+    fn reduce_scatter(&self, buf: BufferMut<'_>, op: ReduceOp) -> accelerate_rs::Result<()> {
+        self.count(buf.bytes().len());
+        self.inner.reduce_scatter(buf, op)
+    }
+    fn all_gather_into(&self, buf: BufferMut<'_>) -> accelerate_rs::Result<()> {
+        self.count(buf.bytes().len());
+        self.inner.all_gather_into(buf)
+    }
+    fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> accelerate_rs::Result<Tensor> {
+        self.count(t.elem_count() * t.dtype().size_in_bytes());
+        self.inner.reduce_scatter_tensor(t, op)
+    }
+    fn all_gather_into_tensor(&self, t: &Tensor) -> accelerate_rs::Result<Tensor> {
+        self.count(t.elem_count() * t.dtype().size_in_bytes());
+        self.inner.all_gather_into_tensor(t)
+    }
+    fn all_reduce_tensors(
+        &self,
+        ts: &[Tensor],
+        op: ReduceOp,
+    ) -> accelerate_rs::Result<Vec<Tensor>> {
+        for t in ts {
+            self.count(t.elem_count() * t.dtype().size_in_bytes());
+        }
+        self.inner.all_reduce_tensors(ts, op)
+    }
+    fn check_peers(&self) -> accelerate_rs::Result<()> {
+        self.inner.check_peers()
+    }
+    fn set_run_outcome(&self, finished: bool) {
+        self.inner.set_run_outcome(finished)
+    }
+    fn add_gate(&self, gate: std::sync::Weak<dyn Gate>) {
+        self.inner.add_gate(gate)
+    }
+}
+
+#[test]
+fn the_counting_wrapper_forwards_every_method() {
+    accelerate_rs::collective::forwarding::check_wrapper("Counting", |inner| {
+        Arc::new(Counting {
+            inner,
+            counted: false,
+        })
+    })
+    .unwrap();
 }
 
 #[test]
@@ -242,7 +294,10 @@ fn non_sync_micro_steps_exchange_nothing_and_do_not_step() {
         2,
         N,
         |c| {
-            let counting: Arc<dyn Collective> = Arc::new(Counting { inner: c });
+            let counting: Arc<dyn Collective> = Arc::new(Counting {
+                inner: c,
+                counted: true,
+            });
             counting
         },
         |acc| {

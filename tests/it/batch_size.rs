@@ -11,12 +11,13 @@
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::common::tiny::{dataset, forward, max_abs_diff, params, snapshot, HIDDEN};
 use crate::common::{free_port, in_process_with, Children};
-use accelerate_rs::collective::Collective;
+use accelerate_rs::collective::{fallback, Buffer, BufferMut, Collective, Gate, OwnedBuffer};
 use accelerate_rs::optim::{Sgd, SgdConfig};
 use accelerate_rs::{Accelerator, BatchSizeSearch, DataLoader, Error, ReduceOp};
 use candle_core::Tensor;
@@ -253,6 +254,162 @@ fn one_process_retries_and_different_starts_are_refused() {
         let e = res.unwrap_err().to_string();
         assert!(e.contains("starting batch sizes from 16 to 32"), "{e}");
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running out of memory inside a collective, for its output buffers (NCCL allocates them before
+// queueing anything and passes the accelerator's gate in between).
+
+/// The batch size each rank's attempt runs at, for [`Allocating`] (only one test uses it).
+static BATCH: [AtomicUsize; 3] = [
+    AtomicUsize::new(0),
+    AtomicUsize::new(0),
+    AtomicUsize::new(0),
+];
+
+/// A backend that allocates the output of `all_reduce_tensor` before communicating, as NCCL
+/// does, and passes its gate in between: rank 1's allocation fails above batch size 8. Every
+/// other method is the thread group's.
+#[derive(Debug)]
+struct Allocating {
+    inner: Arc<dyn Collective>,
+    gate: Mutex<Option<Weak<dyn Gate>>>,
+}
+
+impl Allocating {
+    fn pass_gate(&self, failure: Option<&Error>) -> accelerate_rs::Result<()> {
+        let gate = self.gate.lock().unwrap().as_ref().and_then(Weak::upgrade);
+        gate.map_or(Ok(()), |g| g.pass("all_reduce", failure))
+    }
+}
+
+impl Collective for Allocating {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn backend(&self) -> &'static str {
+        "allocating"
+    }
+    fn all_reduce(&self, buf: BufferMut<'_>, op: ReduceOp) -> accelerate_rs::Result<()> {
+        self.inner.all_reduce(buf, op)
+    }
+    fn broadcast(&self, buf: BufferMut<'_>, root: usize) -> accelerate_rs::Result<()> {
+        self.inner.broadcast(buf, root)
+    }
+    fn all_gather(&self, buf: Buffer<'_>) -> accelerate_rs::Result<Vec<OwnedBuffer>> {
+        self.inner.all_gather(buf)
+    }
+    fn barrier(&self) -> accelerate_rs::Result<()> {
+        self.inner.barrier()
+    }
+    fn reduce_scatter(&self, buf: BufferMut<'_>, op: ReduceOp) -> accelerate_rs::Result<()> {
+        self.inner.reduce_scatter(buf, op)
+    }
+    fn all_gather_into(&self, buf: BufferMut<'_>) -> accelerate_rs::Result<()> {
+        self.inner.all_gather_into(buf)
+    }
+    fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> accelerate_rs::Result<Tensor> {
+        self.inner.reduce_scatter_tensor(t, op)
+    }
+    fn all_gather_into_tensor(&self, t: &Tensor) -> accelerate_rs::Result<Tensor> {
+        self.inner.all_gather_into_tensor(t)
+    }
+    fn check_peers(&self) -> accelerate_rs::Result<()> {
+        self.inner.check_peers()
+    }
+    fn set_run_outcome(&self, finished: bool) {
+        self.inner.set_run_outcome(finished)
+    }
+    fn add_gate(&self, gate: Weak<dyn Gate>) {
+        *self.gate.lock().unwrap() = Some(gate);
+    }
+    fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> accelerate_rs::Result<Tensor> {
+        let me = self.rank();
+        // "Allocate" the output, then pass the gate, then communicate.
+        let failure =
+            (me == 1 && BATCH[me].load(Ordering::SeqCst) > 8).then(|| Error::OutOfMemory {
+                rank: None,
+                device: "cuda:0".into(),
+                requested: Some(1 << 20),
+                limit: None,
+                detail: "the output of all_reduce (injected by the test)".into(),
+            });
+        let passed = self.pass_gate(failure.as_ref());
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        passed?;
+        self.inner.all_reduce_tensor(t, op)
+    }
+    fn all_reduce_tensors(
+        &self,
+        ts: &[Tensor],
+        op: ReduceOp,
+    ) -> accelerate_rs::Result<Vec<Tensor>> {
+        fallback::all_reduce_tensors(self, ts, op)
+    }
+    fn broadcast_tensor(&self, t: &Tensor, root: usize) -> accelerate_rs::Result<Tensor> {
+        self.inner.broadcast_tensor(t, root)
+    }
+    fn all_gather_tensor(&self, t: &Tensor) -> accelerate_rs::Result<Tensor> {
+        self.inner.all_gather_tensor(t)
+    }
+}
+
+#[test]
+fn running_out_for_a_collectives_outputs_is_agreed_at_its_gate_and_every_rank_retries() {
+    // Rank 1 runs out allocating the output of the user `reduce` at 32 and 16, while ranks 0
+    // and 2 are about to send theirs: without the gate they would wait in the collective for a
+    // rank that left it (until the timeout); with it, every rank abandons the attempt together.
+    let no_inject: Inject = Arc::new(|_, _, _| None);
+    let start = Instant::now();
+    let out = in_process_with(
+        3,
+        |c: Arc<dyn Collective>| {
+            let backend: Arc<dyn Collective> = Arc::new(Allocating {
+                inner: c,
+                gate: Mutex::new(None),
+            });
+            Accelerator::builder().collective(backend)
+        },
+        move |acc| {
+            let mut seen = Vec::new();
+            let res = acc.find_executable_batch_size(32, |bs| {
+                BATCH[acc.rank()].store(bs, Ordering::SeqCst);
+                let r = attempt(&acc, bs, &no_inject);
+                if let Err(e) = &r {
+                    seen.push(e.to_string());
+                }
+                r
+            });
+            (res, seen)
+        },
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        start.elapsed()
+    );
+    for (r, (res, seen)) in out.iter().enumerate() {
+        assert!(res.is_ok(), "rank {r}: {res:?}");
+        assert_eq!(seen.len(), 2, "rank {r}: {seen:?}");
+        if r == 1 {
+            assert!(
+                seen.iter().all(|e| e.contains("out of memory on cuda:0")),
+                "{seen:?}"
+            );
+        } else {
+            assert!(
+                seen[0].contains("rank 1 ran out of memory at batch size 32")
+                    && seen[1].contains("rank 1 ran out of memory at batch size 16"),
+                "rank {r}: {seen:?}"
+            );
+        }
+    }
+    assert_like_a_run_at(out, 3, 0, 8);
 }
 
 // ---------------------------------------------------------------------------------------------

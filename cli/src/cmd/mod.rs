@@ -6,6 +6,7 @@ mod env;
 mod estimate;
 mod launch;
 mod test;
+mod test_train;
 
 use std::error::Error as _;
 use std::process::ExitCode;

@@ -106,7 +106,7 @@ type Check = fn(&Accelerator) -> Result<Outcome>;
 /// then agrees with the others on the verdict.
 fn run_checks(acc: &Accelerator) -> Result<()> {
     let c = acc.collective().as_ref();
-    let checks: [(&str, Check); 8] = [
+    let checks: [(&str, Check); 10] = [
         (
             "all_reduce (sum, mean, max; f32, f64, f16, bf16)",
             check_all_reduce,
@@ -126,6 +126,14 @@ fn run_checks(acc: &Accelerator) -> Result<()> {
         (
             "GPU setup: event tracking off (one stream), the memory pool keeps freed memory",
             check_gpu_setup,
+        ),
+        (
+            "fp16 loss scaling: an overflow on the last rank only skips the step on every rank",
+            check_fp16_overflow,
+        ),
+        (
+            "find_executable_batch_size: the last rank runs out of memory, every rank retries (Min vote)",
+            check_batch_size_search,
         ),
     ];
     let mut failed = Vec::new();
@@ -155,6 +163,23 @@ fn run_checks(acc: &Accelerator) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// See [`super::test_train::fp16_overflow_on_one_rank`].
+fn check_fp16_overflow(acc: &Accelerator) -> Result<Outcome> {
+    Ok(match super::test_train::fp16_overflow_on_one_rank(acc)? {
+        Some(how) => Outcome::PassedVia(how),
+        None => Outcome::Skipped(
+            "mixed precision is not fp16: ACCELERATE_RS_MIXED_PRECISION=fp16 runs it",
+        ),
+    })
+}
+
+/// See [`super::test_train::batch_size_search`].
+fn check_batch_size_search(acc: &Accelerator) -> Result<Outcome> {
+    Ok(Outcome::PassedVia(super::test_train::batch_size_search(
+        acc,
+    )?))
 }
 
 /// 100 AdamW steps and 50 SGD (momentum, Nesterov, weight decay) steps on this rank's device,

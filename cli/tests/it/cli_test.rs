@@ -36,6 +36,25 @@ fn zero_stages_pass_the_ddp_check_against_the_reference() {
     }
 }
 
+/// With `ACCELERATE_RS_MIXED_PRECISION=fp16`, the loss-scaling check runs: only the last of 3
+/// processes overflows, and every one skips the step and halves the scale.
+#[test]
+fn fp16_overflow_on_one_rank_is_skipped_by_every_rank() {
+    let out = bin()
+        .args(["test", "-n", "3", "--cpu"])
+        .env("ACCELERATE_RS_MIXED_PRECISION", "fp16")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want = "[rank 0] ok: fp16 loss scaling: an overflow on the last rank only skips the step on every rank (rank 2 overflowed: every rank skipped, scale 65536 -> 32768, then stepped together)";
+    assert!(stdout.contains(want), "missing `{want}`:\n{stdout}");
+}
+
 #[test]
 fn passes_on_two_cpu_processes_with_every_check_reported() {
     let out = bin().args(["test", "-n", "2"]).output().unwrap();
@@ -54,6 +73,8 @@ fn passes_on_two_cpu_processes_with_every_check_reported() {
         // A check that does not apply says so: never `ok` for what did not run.
         "skipped: GPU tensors: all_reduce, broadcast, all_gather, reduce_scatter, all_gather_into (f32, bf16, f16) (this rank runs on the CPU)",
         "skipped: GPU setup: event tracking off (one stream), the memory pool keeps freed memory (this rank runs on the CPU)",
+        "skipped: fp16 loss scaling: an overflow on the last rank only skips the step on every rank (mixed precision is not fp16",
+        "ok: find_executable_batch_size: the last rank runs out of memory, every rank retries (Min vote) (rank 1 ran out at 8 and 4: every rank tried [8, 4, 2] and settled on 2)",
     ] {
         assert!(
             stdout.contains(&format!("[rank 0] {check}")),
