@@ -182,8 +182,13 @@ class Crate:
     @staticmethod
     def inline_modules(text: str) -> list[tuple[int, int, str]]:
         """(start, end, name) of every inline `mod name { ... }` block."""
+        return Crate.blocks(text, r"\bmod\s+(\w+)\s*\{")
+
+    @staticmethod
+    def blocks(text: str, pattern: str) -> list[tuple[int, int, str]]:
+        """(start, end, name) of every block `pattern` opens (its last character a `{`)."""
         out = []
-        for m in re.finditer(r"\bmod\s+(\w+)\s*\{", text):
+        for m in re.finditer(pattern, text):
             i, depth = m.end() - 1, 0
             while i < len(text):
                 if text[i] == "{":
@@ -207,9 +212,11 @@ class Crate:
                 paths += [(m.start(), p) for p, _ in expand_use(m.group(1))]
             for m in re.finditer(r"(?<![\w:])((?:crate|super|self|\w+)(?:::\w+)+)", text):
                 paths.append((m.start(), m.group(1)))
+            # A macro's paths resolve where it expands: not read here.
+            macros = [(a, b) for (a, b, _) in self.blocks(text, r"\bmacro_rules!\s*(\w+)\s*\{")]
             for at, p in paths:
                 segs = [s for s in p.split("::") if s]
-                if not segs or segs[0] == "*":
+                if not segs or segs[0] == "*" or any(a <= at <= b for a, b in macros):
                     continue
                 # Inside inline modules (`mod tests { use super::*; }`), `self` and `super` are
                 # theirs.
