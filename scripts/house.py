@@ -99,8 +99,10 @@ class Crate:
         for m in re.finditer(r'((?:#\[[^\]]*\]\s*)*)(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;',
                              text):
             attrs, name = m.group(1), m.group(2)
-            del attrs
-            raw = re.search(r'#\[path\s*=\s*"([^"]*)"\]', self._raw_attrs(path, m.start()))
+            raw = None
+            if "#[path" in attrs:
+                decl_line = text[:m.start() + len(attrs)].count("\n")
+                raw = re.search(r'#\[path\s*=\s*"([^"]*)"\]', self._raw_attrs(path, decl_line))
             child = f"{module}::{name}" if module else name
             self.children[module].add(name)
             if raw:
@@ -114,15 +116,15 @@ class Crate:
                     break
 
     @staticmethod
-    def _raw_attrs(path: str, at: int) -> str:
-        # The path attribute's string was blanked by `strip`; read it from the file itself, in
-        # the few lines before the declaration.
+    def _raw_attrs(path: str, line: int) -> str:
+        """The attribute lines right above line `line` (0-based) of the file as written (`strip`
+        blanked the path attribute's string)."""
         with open(path) as f:
-            raw = f.read()
-        stripped_prefix_lines = strip(raw)[:at].count("\n")
-        lines = raw.splitlines()
-        lo = max(0, stripped_prefix_lines - 3)
-        return "\n".join(lines[lo:stripped_prefix_lines + 1])
+            lines = f.read().splitlines()
+        lo = line
+        while lo > 0 and lines[lo - 1].lstrip().startswith("#["):
+            lo -= 1
+        return "\n".join(lines[lo:line + 1])
 
     # ---- path resolution ---------------------------------------------------------------------
 
