@@ -213,7 +213,9 @@ class Crate:
             for m in re.finditer(r"\buse\s+([^;]+);", text):
                 paths += [(m.start(), p) for p, _ in expand_use(m.group(1))]
             for m in re.finditer(r"(?<![\w:])((?:crate|super|self|\w+)(?:::\w+)+)", text):
-                paths.append((m.start(), m.group(1)))
+                # The prefix of a `use a::b::{...}` group: its paths are read above.
+                if not text.startswith("::{", m.end()):
+                    paths.append((m.start(), m.group(1)))
             # A macro's paths resolve where it expands: not read here.
             macros = [(a, b) for (a, b, _) in self.blocks(text, r"\bmacro_rules!\s*(\w+)\s*\{")]
             for at, p in paths:
