@@ -69,6 +69,7 @@ mod linear4bit;
 mod lora;
 mod lora_op;
 mod loss;
+mod mask;
 mod norm;
 mod relu;
 mod rope;

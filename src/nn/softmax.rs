@@ -192,7 +192,7 @@ pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
 /// built once per device and size, on the device (shared with the composed attention).
 fn causal_softmax_composed(x: &Tensor, scale: f64, tq: usize, tk: usize) -> Result<Tensor> {
     let dims = x.dims();
-    let visible = super::attention::causal_mask(tq, tk, x.device())?.broadcast_as(dims)?;
+    let visible = super::mask::causal_mask(tq, tk, x.device())?.broadcast_as(dims)?;
     let neg = Tensor::new(f32::NEG_INFINITY, x.device())?
         .to_dtype(x.dtype())?
         .broadcast_as(dims)?;
