@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::parse_secs;
 use accelerate_rs::{ConfigFile, MixedPrecision};
 
 use crate::launch::{launch, LaunchOptions};
@@ -223,4 +222,12 @@ mod tests {
         assert_eq!(o.num_processes, 1);
         assert!(!o.cpu);
     }
+}
+
+/// A number of seconds from 0 to a week ([`accelerate_rs::limits::MAX_TIMEOUT_SECS`]).
+fn parse_secs(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|e| format!("`{s}` is not a number of seconds: {e}"))?;
+    accelerate_rs::limits::checked_secs(secs, true)
 }

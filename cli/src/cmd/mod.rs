@@ -10,7 +10,6 @@ mod test_train;
 
 use std::error::Error as _;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
@@ -42,14 +41,6 @@ enum Command {
     /// One worker of `accelerate-rs test` (started by it).
     #[command(hide = true)]
     TestWorker,
-}
-
-/// A number of seconds from 0 to a week ([`accelerate_rs::limits::MAX_TIMEOUT_SECS`]).
-pub(crate) fn parse_secs(s: &str) -> Result<Duration, String> {
-    let secs: f64 = s
-        .parse()
-        .map_err(|e| format!("`{s}` is not a number of seconds: {e}"))?;
-    accelerate_rs::limits::checked_secs(secs, true)
 }
 
 /// Parses the process arguments, runs the subcommand and returns the exit code.
