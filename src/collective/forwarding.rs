@@ -12,7 +12,7 @@
 //! How a method added to the trait is caught: the trait has no default bodies, so the recording
 //! collective here (and every wrapper) does not compile until it implements the method; its list
 //! [`Method`] is matched exhaustively when calling, and a test compares the list with the
-//! trait's methods as written in `collective/mod.rs`, so a method cannot be left out of the check.
+//! trait's methods as written in `collective/base.rs`, so a method cannot be left out of the check.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -300,12 +300,12 @@ pub fn check_wrapper(
 mod tests {
     use super::*;
 
-    /// The methods of `pub trait Collective` as written in `mod.rs`.
+    /// The methods of `pub trait Collective` as written in `base.rs`.
     fn trait_methods() -> Vec<String> {
-        let src = include_str!("mod.rs");
+        let src = include_str!("base.rs");
         let start = src
             .find("pub trait Collective:")
-            .expect("mod.rs declares the trait");
+            .expect("base.rs declares the trait");
         let body = &src[start..];
         let end = body.find("\n}\n").expect("the trait ends");
         body[..end]

@@ -162,6 +162,14 @@ pub(crate) fn run(args: LaunchArgs) -> crate::Result<()> {
     launch(&options(args, &cfg))
 }
 
+/// A number of seconds from 0 to a week ([`accelerate_rs::limits::MAX_TIMEOUT_SECS`]).
+fn parse_secs(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|e| format!("`{s}` is not a number of seconds: {e}"))?;
+    accelerate_rs::limits::checked_secs(secs, true)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -222,12 +230,4 @@ mod tests {
         assert_eq!(o.num_processes, 1);
         assert!(!o.cpu);
     }
-}
-
-/// A number of seconds from 0 to a week ([`accelerate_rs::limits::MAX_TIMEOUT_SECS`]).
-fn parse_secs(s: &str) -> Result<Duration, String> {
-    let secs: f64 = s
-        .parse()
-        .map_err(|e| format!("`{s}` is not a number of seconds: {e}"))?;
-    accelerate_rs::limits::checked_secs(secs, true)
 }
