@@ -1,0 +1,276 @@
+//! Fine-tunes a Hugging Face model folder on a plain-text file, data-parallel with
+//! accelerate-rs, and saves a folder `transformers` loads.
+//!
+//! Any folder of a supported architecture that `save_pretrained` wrote, with its
+//! `tokenizer.json`: Llama, Mistral, Qwen2 and GPT-2 learn the next token; BERT (masked-LM) learns
+//! masked tokens (15% of the tokens replaced by the tokenizer's mask token). The text is
+//! tokenized once, cut into windows of `--seq-len` tokens, the last `--eval-fraction` of it held
+//! out; the held-out loss is printed before and after training.
+//!
+//!     cargo build --release -p accelerate-rs-models --example finetune
+//!     target/release/examples/finetune --model models/examples/tiny-llama \
+//!         --train data/corpus.txt --max-steps 100 --output runs/tiny-llama-ft
+//!     cargo run --release -- launch --cpu -n 2 target/release/examples/finetune \
+//!         --model models/examples/tiny-llama --train data/corpus.txt --output runs/ft2
+//!
+//! `--lora-r R` trains LoRA adapters of rank R only (the base frozen; PEFT's default targets
+//! for the architecture unless `--lora-targets` names them); `--output` then holds a PEFT
+//! adapter folder (`PeftModel.from_pretrained(base, OUTPUT)` loads it), and `--merge DIR` also
+//! writes the adapters merged into a plain Hugging Face folder. `--checkpoint-activations`
+//! recomputes each block's activations in the backward pass instead of keeping them.
+//! `--dtype bf16` keeps the model in bf16 (LoRA adapters still train in f32).
+//!
+//! Mixed precision (`accelerate-rs launch --mixed-precision bf16|fp16`, or
+//! `ACCELERATE_RS_MIXED_PRECISION`): full fine-tuning keeps f32 masters (stepped, evaluated and
+//! saved) and runs forward and backward on working copies in the compute dtype (fp16 with
+//! dynamic loss scaling), through `Accelerator::prepare_mixed` and `AutoModel::with_parameters`;
+//! with `--lora-r` the base is loaded in the compute dtype and the adapters train in f32.
+//!
+//!     cargo run --release -- launch --cpu -n 2 --mixed-precision bf16 \
+//!         target/release/examples/finetune --model models/examples/tiny-llama \
+//!         --train data/corpus.txt --output runs/ft-bf16
+//!
+//!     target/release/examples/finetune --model models/examples/tiny-llama \
+//!         --train data/corpus.txt --lora-r 8 --checkpoint-activations \
+//!         --output runs/tiny-llama-adapter --merge runs/tiny-llama-merged
+//!
+//! `--batch-size` is per process; under `ACCELERATE_RS_SPLIT_BATCHES=1` (or the launcher's
+//! `--split-batches`) it is the global batch, split across the processes, so one process and N
+//! processes follow the same trajectory. `--probe FILE` writes a few held-out windows and the
+//! logits of the trained model, for `python scripts/hf_reference.py check OUTPUT --probe FILE`
+//! (with LoRA: `check-adapter OUTPUT --base MODEL --probe FILE`, or `check MERGED --probe FILE`).
+
+mod data;
+mod outputs;
+mod train;
+
+use std::path::PathBuf;
+
+use accelerate_rs::nn::LoraConfig;
+use accelerate_rs::{Accelerator, MixedPrecision};
+use accelerate_rs_models::AutoModel;
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+use clap::Parser;
+
+use data::{evaluate, Data};
+use train::Run;
+
+#[derive(Parser, Debug)]
+#[command(about = "Fine-tune a Hugging Face model folder on a text file with accelerate-rs")]
+pub(crate) struct Args {
+    /// A Hugging Face model folder (config.json, model.safetensors or a sharded index,
+    /// tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// The training text (plain UTF-8).
+    #[arg(long)]
+    train: PathBuf,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 100)]
+    max_steps: u64,
+    /// Tokens per window.
+    #[arg(long, default_value_t = 64, value_parser = at_least_one)]
+    seq_len: usize,
+    /// Windows per batch, per process (the global batch with split batches).
+    #[arg(long, default_value_t = 8, value_parser = at_least_one)]
+    batch_size: usize,
+    /// AdamW's learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// AdamW's decoupled weight decay.
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f64,
+    /// Where the fine-tuned folder goes (config.json, weights, tokenizer files); with
+    /// `--lora-r`, the PEFT adapter folder (adapter_config.json, adapter_model.safetensors).
+    #[arg(long)]
+    output: PathBuf,
+    /// Train LoRA adapters of this rank only (the base frozen) instead of every parameter.
+    #[arg(long)]
+    lora_r: Option<usize>,
+    /// Continue training the PEFT adapter folder DIR (its `adapter_config.json` sets the rank,
+    /// alpha and targets; every field and tensor is checked) instead of new adapters.
+    #[arg(long, conflicts_with_all = ["lora_r", "lora_alpha", "lora_targets", "rslora"])]
+    adapter: Option<PathBuf>,
+    /// Write into `--output` (and `--merge`, `--probe`) even when they already hold files:
+    /// without it, a run refuses a non-empty output folder rather than replace a user's files.
+    #[arg(long)]
+    overwrite: bool,
+    /// LoRA's alpha (the update is scaled by alpha / r); default 2 r.
+    #[arg(long)]
+    lora_alpha: Option<f64>,
+    /// Dropout on the LoRA adapters' input.
+    #[arg(long, default_value_t = 0.0)]
+    lora_dropout: f64,
+    /// The layers that get adapters, comma-separated module names (`q_proj,v_proj`) or
+    /// `all-linear`; default: PEFT's default for the architecture.
+    #[arg(long)]
+    lora_targets: Option<String>,
+    /// rsLoRA scaling (alpha / sqrt(r)).
+    #[arg(long)]
+    rslora: bool,
+    /// With `--lora-r`: also write the adapters merged into the weights, as a plain Hugging
+    /// Face folder (with the tokenizer files), here.
+    #[arg(long)]
+    merge: Option<PathBuf>,
+    /// Activation checkpointing: recompute every block's activations in the backward pass.
+    #[arg(long)]
+    checkpoint_activations: bool,
+    /// The model's dtype: f32, bf16 or f16 (LoRA adapters train in f32 either way).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// The share of the text held out for evaluation (its end).
+    #[arg(long, default_value_t = 0.1)]
+    eval_fraction: f64,
+    /// At most this many held-out windows are evaluated (0: all).
+    #[arg(long, default_value_t = 256)]
+    eval_windows: usize,
+    /// The share of tokens masked for a masked LM.
+    #[arg(long, default_value_t = 0.15)]
+    mlm_probability: f64,
+    /// Print the training loss every N steps.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    log_every: u64,
+    /// Seed of the data order, the masks, the dropout and the LoRA adapters' initial values.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Also write held-out inputs and the trained model's logits to this file.
+    #[arg(long)]
+    probe: Option<PathBuf>,
+    /// Where the main process writes `metrics.jsonl` and TensorBoard event files: the run's
+    /// settings and hyperparameters once, then every step's loss, time by phase, tokens/s and
+    /// FLOP/s. None: printed only.
+    #[arg(long)]
+    log_dir: Option<PathBuf>,
+}
+
+/// A count that must be at least 1 (clap's parser for `--seq-len` and `--batch-size`).
+fn at_least_one(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_string()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let accelerator = Accelerator::new()?;
+    accelerator.set_seed(args.seed)?;
+    let dtype = compute_dtype(&args, &accelerator)?;
+    outputs::check_outputs(&args)?;
+    let mut model = load_model(&args, accelerator.device(), dtype)?;
+    let data = Data::load(&args, &model)?;
+    describe(&accelerator, &args, &model, &data)?;
+
+    let before = evaluate(&accelerator, &model, &data, &args)?;
+    accelerator.print(format!("held-out loss before: {before:.4}"));
+    let run = Run::prepare(&accelerator, &args, &mut model, &data)?;
+    let (steps, secs) = run.train(&accelerator, &args, &model, &data)?;
+    model.train(false);
+    let after = evaluate(&accelerator, &model, &data, &args)?;
+    accelerator.print(format!(
+        "trained {steps} steps in {secs:.1} s; held-out loss {before:.4} -> {after:.4}"
+    ));
+    if accelerator.world_size() > 1 && steps > 0 {
+        // With LoRA only the adapters' gradients travel (the frozen base has none).
+        accelerator.print(format!(
+            "gradient all-reduce: {} bytes per step from this rank",
+            accelerator.gradient_bytes_reduced() / steps
+        ));
+    }
+    outputs::save(&accelerator, &args, &mut model, &data)
+}
+
+/// The model's dtype from `--dtype` and the accelerator's mixed precision, checked with the
+/// rest of the flags that decide it.
+fn compute_dtype(args: &Args, accelerator: &Accelerator) -> Result<DType> {
+    let dtype = match args.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        other => bail!("--dtype {other}: expected f32, bf16 or f16"),
+    };
+    let lora = args.lora_r.is_some() || args.adapter.is_some();
+    if args.merge.is_some() && !lora {
+        bail!("--merge writes merged LoRA adapters: it needs --lora-r or --adapter");
+    }
+    let mixed = accelerator.state().mixed_precision();
+    if mixed != MixedPrecision::No {
+        if dtype != DType::F32 {
+            bail!(
+                "--dtype {} and mixed precision {mixed} both set the compute dtype: keep one",
+                args.dtype
+            );
+        }
+        // With LoRA the frozen base is in the compute dtype, the adapters in f32; without, the
+        // model keeps f32 masters.
+        return Ok(if lora { mixed.compute_dtype() } else { dtype });
+    }
+    if dtype == DType::F16 && !lora {
+        bail!(
+            "--dtype f16 would train the weights themselves in f16, where AdamW's updates \
+             underflow and the loss diverges: use mixed precision fp16 (`launch \
+             --mixed-precision fp16`: f32 masters, f16 compute, loss scaling), bf16, or \
+             --lora-r with an f16 base"
+        );
+    }
+    Ok(dtype)
+}
+
+/// The model of `--model` in `dtype`, with new LoRA adapters (`--lora-r`) or the PEFT adapter
+/// of `--adapter`, and activation checkpointing as asked.
+fn load_model(args: &Args, device: &Device, dtype: DType) -> Result<AutoModel> {
+    let mut model = AutoModel::from_pretrained(&args.model, device, dtype)?;
+    if let Some(r) = args.lora_r {
+        let mut config = LoraConfig::new(r, args.lora_alpha.unwrap_or(2.0 * r as f64))
+            .dropout(args.lora_dropout)
+            .rslora(args.rslora)
+            .seed(args.seed);
+        match args.lora_targets.as_deref() {
+            None => {}
+            Some("all-linear") => config = config.all_linear(),
+            Some(list) => config = config.target_modules(list.split(',').map(str::trim)),
+        }
+        model.add_lora(&config)?;
+    }
+    if let Some(dir) = &args.adapter {
+        model.load_adapter(dir)?;
+    }
+    model.set_gradient_checkpointing(args.checkpoint_activations);
+    Ok(model)
+}
+
+/// One line on the main process: the model, what trains, the processes and the data.
+fn describe(accelerator: &Accelerator, args: &Args, model: &AutoModel, data: &Data) -> Result<()> {
+    let count =
+        |m: &candle_nn::VarMap| -> usize { m.all_vars().iter().map(|v| v.elem_count()).sum() };
+    let trained = match model.lora_config() {
+        Some(c) => format!(
+            "LoRA r={} alpha={} on {:?}: {} trainable",
+            c.r,
+            c.alpha,
+            c.target_modules,
+            count(model.trainable_parameters())
+        ),
+        None => "all trainable".to_string(),
+    };
+    accelerator.print(format!(
+        "{}: {} ({} parameters, {trained}{}), {} processes; {} tokens: {} training windows, \
+         {} held out, {} tokens each",
+        args.model.display(),
+        model.model_type(),
+        count(model.varmap()),
+        if args.checkpoint_activations {
+            ", activation checkpointing"
+        } else {
+            ""
+        },
+        accelerator.world_size(),
+        data.tokens,
+        data.train.0.dim(0)?,
+        data.val.0.dim(0)?,
+        args.seq_len
+    ));
+    Ok(())
+}
