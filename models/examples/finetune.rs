@@ -678,7 +678,9 @@ fn check_outputs(args: &Args) -> Result<()> {
             bail!("--probe {} is the training text", probe.display());
         }
         match std::fs::symlink_metadata(probe) {
-            Ok(m) if m.is_dir() => bail!("--probe {} is a folder: it names a file", probe.display()),
+            Ok(m) if m.is_dir() => {
+                bail!("--probe {} is a folder: it names a file", probe.display())
+            }
             Ok(_) if !args.overwrite => bail!(
                 "--probe {} exists: pass --overwrite to replace it, or name a new file",
                 probe.display()

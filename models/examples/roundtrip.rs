@@ -29,7 +29,9 @@ const ARCHS: &[&str] = &[
 ];
 
 #[derive(clap::Parser)]
-#[command(about = "Save every fixture architecture after 3 AdamW steps, with a probe for transformers")]
+#[command(
+    about = "Save every fixture architecture after 3 AdamW steps, with a probe for transformers"
+)]
 struct Args {
     /// The folder to write the model folders into (created; must be new or empty).
     out: PathBuf,

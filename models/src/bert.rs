@@ -11,7 +11,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::config::{
-    config_readers, ensure, ensure_multiple, ensure_probabilities, ensure_sizes, ensure_init_range, ensure_layers, ensure_positive, Activation, Origin,
+    config_readers, ensure, ensure_init_range, ensure_layers, ensure_multiple, ensure_positive,
+    ensure_probabilities, ensure_sizes, Activation, Origin,
 };
 use crate::error::Result as CrateResult;
 use crate::layers::{

@@ -27,7 +27,8 @@ pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
             ),
         });
     }
-    let bytes = accelerate_rs::files::read_bounded(&path, accelerate_rs::files::MAX_TOKENIZER_BYTES)?;
+    let bytes =
+        accelerate_rs::files::read_bounded(&path, accelerate_rs::files::MAX_TOKENIZER_BYTES)?;
     Tokenizer::from_bytes(&bytes).map_err(|e| Error::Tokenizer {
         reason: format!("could not read it: {e}"),
         path,

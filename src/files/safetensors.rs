@@ -73,7 +73,10 @@ impl<'de> Deserialize<'de> for Entries {
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("a JSON object")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Entries, A::Error> {
+            fn visit_map<A: MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<Entries, A::Error> {
                 let mut out = Vec::new();
                 while let Some(entry) = map.next_entry::<String, Value>()? {
                     out.push(entry);
@@ -160,8 +163,13 @@ impl SafetensorsHeader {
     fn parse_json(path: &Path, header: &[u8], file_len: u64) -> Result<Self> {
         let text = std::str::from_utf8(header)
             .map_err(|e| bad(path, None, format!("the header is not UTF-8: {e}")))?;
-        let Entries(entries) = serde_json::from_str(text)
-            .map_err(|e| bad(path, None, format!("the header is not a valid JSON object: {e}")))?;
+        let Entries(entries) = serde_json::from_str(text).map_err(|e| {
+            bad(
+                path,
+                None,
+                format!("the header is not a valid JSON object: {e}"),
+            )
+        })?;
         let mut seen = std::collections::HashSet::new();
         let mut tensors = Vec::with_capacity(entries.len());
         for (name, entry) in entries {
@@ -219,9 +227,13 @@ impl SafetensorsHeader {
     /// equals its byte range.
     fn entry(path: &Path, name: String, entry: &Value) -> Result<HeaderTensor> {
         let field = |key: &str| {
-            entry
-                .get(key)
-                .ok_or_else(|| bad(path, Some(&name), format!("no `{key}` in the tensor's entry")))
+            entry.get(key).ok_or_else(|| {
+                bad(
+                    path,
+                    Some(&name),
+                    format!("no `{key}` in the tensor's entry"),
+                )
+            })
         };
         let dtype = field("dtype")?
             .as_str()
@@ -247,7 +259,13 @@ impl SafetensorsHeader {
             .as_array()
             .filter(|o| o.len() == 2)
             .and_then(|o| Some((o[0].as_u64()?, o[1].as_u64()?)))
-            .ok_or_else(|| bad(path, Some(&name), "`data_offsets` is not a pair of integers"))?;
+            .ok_or_else(|| {
+                bad(
+                    path,
+                    Some(&name),
+                    "`data_offsets` is not a pair of integers",
+                )
+            })?;
         let bytes = shape
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
@@ -313,12 +331,16 @@ mod tests {
     #[test]
     fn headers_are_checked() {
         let p = Path::new("m.safetensors");
-        let good = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"x":"y"}}"#;
+        let good =
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"x":"y"}}"#;
         let h = SafetensorsHeader::parse(p, &file(good, 8)).unwrap();
         assert_eq!(h.tensors.len(), 1);
         assert!(h.is_complete());
         let h = SafetensorsHeader::parse(p, &file(good, 4)).unwrap();
-        assert_eq!(h.first_cut().map(|(t, n)| (t.name.as_str(), n)), Some(("a", 4)));
+        assert_eq!(
+            h.first_cut().map(|(t, n)| (t.name.as_str(), n)),
+            Some(("a", 4))
+        );
         let err = |header: &str, data: usize| {
             SafetensorsHeader::parse(p, &file(header, data))
                 .unwrap_err()

@@ -275,10 +275,7 @@ fn check_plan(plan: &Plan) -> Result<()> {
     }
     if let Some(l) = &plan.lora {
         if l.r == 0 || l.r > max {
-            return bad(
-                "lora rank",
-                format!("must be from 1 to {max}, got {}", l.r),
-            );
+            return bad("lora rank", format!("must be from 1 to {max}, got {}", l.r));
         }
     }
     Ok(())
@@ -492,7 +489,10 @@ fn activations(
     let end = tokens * 2 * (h + i.max(h)) * e + if plan.checkpointing { block } else { 0 };
     Ok(Activations {
         kept: fit(kept, "the kept activations")?,
-        backward: fit(start.saturating_sub(gradients).max(end), "the backward pass")?,
+        backward: fit(
+            start.saturating_sub(gradients).max(end),
+            "the backward pass",
+        )?,
     })
 }
 

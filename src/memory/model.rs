@@ -40,7 +40,6 @@ impl TensorInfo {
     }
 }
 
-
 /// The architectures whose activations the estimate knows (Hugging Face's `model_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ArchKind {

@@ -113,7 +113,10 @@ fn bad_headers_are_errors_naming_the_file_and_tensor() {
             ),
             "`shape` is not a list",
         ),
-        (raw(d, "list.safetensors", "[1, 2]", 0), "expected a JSON object"),
+        (
+            raw(d, "list.safetensors", "[1, 2]", 0),
+            "expected a JSON object",
+        ),
     ];
     for (p, want) in cases {
         let e = read_safetensors_header(&p).unwrap_err().to_string();

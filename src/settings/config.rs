@@ -256,8 +256,8 @@ impl ConfigFile {
             }
         }
         if let Some(n) = self.zero_stage {
-            if n > 2 {
-                return Some(("zero_stage", format!("expected 0, 1 or 2, got {n}")));
+            if n > 3 {
+                return Some(("zero_stage", format!("expected 0, 1, 2 or 3, got {n}")));
             }
         }
         if self.main_process_port == Some(0) {

@@ -83,7 +83,7 @@ pub(crate) struct Overrides {
 }
 
 /// The highest ZeRO stage there is.
-const MAX_ZERO_STAGE: usize = 2;
+const MAX_ZERO_STAGE: usize = 3;
 
 /// This process's place in the run and the settings in force.
 #[derive(Clone)]
@@ -275,7 +275,7 @@ impl ProcessState {
         if zero_stage > MAX_ZERO_STAGE {
             return Err(Error::invalid(
                 "zero_stage",
-                format!("must be 0, 1 or 2 (builder `zero_stage`, {} or config key `zero_stage`), got {zero_stage}", env::ZERO_STAGE),
+                format!("must be 0, 1, 2 or 3 (builder `zero_stage`, {} or config key `zero_stage`), got {zero_stage}", env::ZERO_STAGE),
             ));
         }
         let split_batches = pick(
@@ -511,7 +511,10 @@ mod tests {
         let e = resolve(&[(env::NONFINITE, "sometimes")], Overrides::default())
             .unwrap_err()
             .to_string();
-        assert!(e.contains("ACCELERATE_RS_NONFINITE") && e.contains("`skip-step`"), "{e}");
+        assert!(
+            e.contains("ACCELERATE_RS_NONFINITE") && e.contains("`skip-step`"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -37,6 +37,8 @@ pub struct EnvSpec {
     pub timeout_secs: Option<f64>,
     /// Gradient bucket cap to export, in MiB.
     pub bucket_cap_mb: Option<f64>,
+    /// ZeRO stage to export (`ACCELERATE_RS_ZERO_STAGE`).
+    pub zero_stage: Option<usize>,
 }
 
 /// Variables shared by every rank of one launch.
@@ -80,6 +82,9 @@ impl CommonEnv {
         }
         if let Some(b) = spec.bucket_cap_mb {
             vars.push((env::BUCKET_CAP_MB, b.to_string()));
+        }
+        if let Some(z) = spec.zero_stage {
+            vars.push((env::ZERO_STAGE, z.to_string()));
         }
         for var in [env::RAYON_NUM_THREADS, env::OMP_NUM_THREADS] {
             if !already_set(var) {
@@ -130,6 +135,7 @@ mod tests {
             gradient_accumulation_steps: None,
             timeout_secs: None,
             bucket_cap_mb: None,
+            zero_stage: None,
         }
     }
 
@@ -187,6 +193,7 @@ mod tests {
             gradient_accumulation_steps: Some(4),
             timeout_secs: Some(12.5),
             bucket_cap_mb: Some(3.0),
+            zero_stage: Some(3),
             ..spec()
         };
         let common = CommonEnv::new(&spec, |_| false);
@@ -215,6 +222,7 @@ mod tests {
             assert_eq!(s.gradient_accumulation_steps(), 4);
             assert_eq!(s.timeout(), Duration::from_secs_f64(12.5));
             assert_eq!(s.bucket_cap_bytes(), 3 * 1024 * 1024);
+            assert_eq!(s.zero_stage(), 3);
             assert_eq!(s.launcher(), "torchrun");
         }
     }

@@ -101,7 +101,9 @@ pub(crate) fn grads_finite(vars: &[Var], grads: &GradStore) -> Result<bool> {
     if sums.is_empty() {
         return Ok(true);
     }
-    let devices_agree = sums.iter().all(|s| s.device().same_device(sums[0].device()));
+    let devices_agree = sums
+        .iter()
+        .all(|s| s.device().same_device(sums[0].device()));
     let total = if devices_agree {
         Tensor::stack(&sums, 0)?.sum_all()?.to_scalar::<f32>()?
     } else {

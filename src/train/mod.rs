@@ -14,3 +14,4 @@ pub(crate) mod reducer;
 pub mod scheduler;
 pub(crate) mod shapes;
 pub(crate) mod weights;
+pub(crate) mod zero3;

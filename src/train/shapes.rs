@@ -62,10 +62,9 @@ impl SimpleBackend for ParamShapes {
         dtype: DType,
         device: &Device,
     ) -> candle_core::Result<Tensor> {
-        let mut specs = self
-            .0
-            .lock()
-            .map_err(|_| candle_core::Error::Msg(format!("recording {name}: a lock is poisoned")))?;
+        let mut specs = self.0.lock().map_err(|_| {
+            candle_core::Error::Msg(format!("recording {name}: a lock is poisoned"))
+        })?;
         match specs.iter().find(|s| s.name == name) {
             Some(s) if s.shape != shape.dims() => candle_core::bail!(
                 "shape mismatch on {name}: asked for {shape:?}, earlier for {:?}",
@@ -82,7 +81,9 @@ impl SimpleBackend for ParamShapes {
     }
 
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
-        candle_core::bail!("`get_unchecked({name})`: a shape-only builder needs the shape, use `get`")
+        candle_core::bail!(
+            "`get_unchecked({name})`: a shape-only builder needs the shape, use `get`"
+        )
     }
 
     fn contains_tensor(&self, _name: &str) -> bool {
@@ -125,7 +126,10 @@ pub fn check_allocatable(specs: &[ParamSpec], device: &Device) -> Result<()> {
             )
         })?;
         total = total.checked_add(bytes).ok_or_else(|| {
-            oom(None, "the parameters together need more than 2^64 bytes".into())
+            oom(
+                None,
+                "the parameters together need more than 2^64 bytes".into(),
+            )
         })?;
         if largest.is_none_or(|(_, b)| bytes > b) {
             largest = Some((spec, bytes));
@@ -174,9 +178,14 @@ mod tests {
     #[test]
     fn shapes_are_recorded_without_allocating() {
         let (vb, shapes) = shape_only_var_builder(DType::BF16, &Device::Cpu);
-        let w = vb.pp("a").get((1usize << 40, 1usize << 20), "weight").unwrap();
+        let w = vb
+            .pp("a")
+            .get((1usize << 40, 1usize << 20), "weight")
+            .unwrap();
         assert_eq!(w.dims(), &[1 << 40, 1 << 20]);
-        vb.pp("a").get((1usize << 40, 1usize << 20), "weight").unwrap();
+        vb.pp("a")
+            .get((1usize << 40, 1usize << 20), "weight")
+            .unwrap();
         assert!(vb.pp("a").get((3, 3), "weight").is_err());
         let specs = shapes.specs();
         assert_eq!(specs.len(), 1);

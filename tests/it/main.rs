@@ -29,8 +29,8 @@ mod mixed_precision;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod multinode;
-mod nonfinite;
 mod nn;
+mod nonfinite;
 mod ops;
 mod optim;
 mod sampler;
@@ -42,4 +42,5 @@ mod streaming_loader;
 mod tracking;
 mod weights;
 mod zero;
+mod zero3;
 mod zero_overflow;

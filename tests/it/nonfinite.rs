@@ -23,7 +23,10 @@ fn train(
     let a = vb.get_with_hints(6, "a", candle_nn::Init::Const(1.0))?;
     let b = vb.get_with_hints(5, "b", candle_nn::Init::Const(1.0))?;
     acc.prepare_model(&varmap)?;
-    let sgd = accelerate_rs::optim::Sgd::new(varmap.all_vars(), accelerate_rs::optim::SgdConfig::new(0.1))?;
+    let sgd = accelerate_rs::optim::Sgd::new(
+        varmap.all_vars(),
+        accelerate_rs::optim::SgdConfig::new(0.1),
+    )?;
     let mut opt = acc.prepare_optimizer(sgd);
     opt.set_clip_grad_norm(clip);
     for step in 1..=3 {
@@ -71,7 +74,10 @@ fn the_default_stops_naming_the_step_the_rank_and_the_parameter() {
 fn skip_step_skips_and_warn_steps() {
     // Two good steps of lr 0.1 on a gradient of ones: 1 - 0.2.
     let skipped = train(&single(Some(NonFinite::SkipStep)), 2, None, None).unwrap();
-    assert!(skipped.iter().all(|&v| (v - 0.8).abs() < 1e-6), "{skipped:?}");
+    assert!(
+        skipped.iter().all(|&v| (v - 0.8).abs() < 1e-6),
+        "{skipped:?}"
+    );
     let warned = train(&single(Some(NonFinite::Warn)), 2, None, None).unwrap();
     assert!(warned[..6].iter().all(|v| v.is_nan()), "{warned:?}");
     let off = train(&single(Some(NonFinite::Off)), 2, None, None).unwrap();
@@ -104,7 +110,10 @@ fn every_rank_agrees_also_under_zero_2() {
         );
         for r in &results {
             let v = r.as_ref().unwrap();
-            assert!(v.iter().all(|&v| (v - 0.8).abs() < 1e-6), "zero {zero}: {v:?}");
+            assert!(
+                v.iter().all(|&v| (v - 0.8).abs() < 1e-6),
+                "zero {zero}: {v:?}"
+            );
         }
     }
 }

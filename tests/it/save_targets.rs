@@ -308,7 +308,10 @@ fn links_to_folders_are_saved_through_and_dangling_links_refused() {
     std::os::unix::fs::symlink(&real, &link).unwrap();
     let p = params(0.3, HIDDEN);
     write_model_folder(&link, &p, 1 << 30, None).unwrap();
-    assert!(fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+    assert!(fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
     users_files_intact(&real);
     loads_back(&real, &p);
     no_leftovers(tmp.path());
@@ -346,7 +349,11 @@ fn output_folders_are_checked_before_a_run() {
     // A folder with files: refused unless overwrite is asked for.
     let used = tmp.path().join("used");
     users_folder(&used);
-    refused(&used, false, "already holds 3 entries (notes.txt, runs, tokenizer.json)");
+    refused(
+        &used,
+        false,
+        "already holds 3 entries (notes.txt, runs, tokenizer.json)",
+    );
     check_output_dir(&used, &[&input], true).unwrap();
     users_files_intact(&used);
     // A file; a path under a file; a dangling link.

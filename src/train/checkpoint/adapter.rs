@@ -9,8 +9,8 @@ use serde_json::Value;
 
 use super::io::write_safetensors;
 use super::model_files::{model_write_err, write_json};
-use super::place::{check_folder_target, fresh_tmp, place_files};
 use super::named_tensors;
+use super::place::{check_folder_target, fresh_tmp, place_files};
 use crate::error::{Error, Result};
 use crate::nn::LoraConfig;
 use crate::train::params::Parameters;

@@ -12,8 +12,8 @@ use crate::error::{Error, Result};
 use crate::train::params::Parameters;
 
 use super::io::{sync_file, write_safetensors};
-use super::place::{check_folder_target, fresh_tmp, place_files};
 use super::load::agree;
+use super::place::{check_folder_target, fresh_tmp, place_files};
 use super::{io_err, named_tensors, with_suffix, write_err, CONFIG_FILE, MODEL_FILE};
 
 /// A model file's write error as [`Error::ModelFile`] (the checkpoint writers' errors say

@@ -102,7 +102,8 @@ fn place(tmp: &Path, dir: &Path, stale: fn(&str) -> bool) -> Result<()> {
     // `tmp` now holds the old folder: its subfolders move into the new one, then it goes.
     for name in folders {
         let to = dir.join(&name);
-        fs::rename(tmp.join(&name), &to).map_err(|e| io_err("moving the earlier folder into", &to, e))?;
+        fs::rename(tmp.join(&name), &to)
+            .map_err(|e| io_err("moving the earlier folder into", &to, e))?;
     }
     fs::remove_dir_all(tmp).map_err(|e| io_err("removing the replaced folder", tmp, e))
 }
@@ -241,8 +242,12 @@ pub fn check_output_dir(dir: &Path, inputs: &[&Path], overwrite: bool) -> Result
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    fs::create_dir_all(parent)
-        .map_err(|e| refuse(format!("its parent folder {} cannot be created: {e}", parent.display())))?;
+    fs::create_dir_all(parent).map_err(|e| {
+        refuse(format!(
+            "its parent folder {} cannot be created: {e}",
+            parent.display()
+        ))
+    })?;
     probe_writable(parent).map_err(|e| {
         refuse(format!(
             "its parent folder {} is not writable ({e}): the new folder is written beside it",
@@ -261,7 +266,11 @@ pub fn check_output_dir(dir: &Path, inputs: &[&Path], overwrite: bool) -> Result
                  replaced)",
                 names.len(),
                 shown.join(", "),
-                if names.len() > shown.len() { ", ..." } else { "" }
+                if names.len() > shown.len() {
+                    ", ..."
+                } else {
+                    ""
+                }
             )));
         }
     }

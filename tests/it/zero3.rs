@@ -1,0 +1,358 @@
+//! ZeRO stage 3 on a plain model (the tiny MLP of `common::tiny`, one unit per layer): the same
+//! parameters as stage 0 after K steps (AdamW with decay groups and clipping, SGD with momentum,
+//! gradient accumulation, bf16 mixed precision) on 1 to 4 in-process ranks; each rank keeps
+//! about 1/N of the parameters and of the optimizer state; bad uses are clear errors.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::common::tiny::{dataset, forward, max_abs_diff, params, snapshot, HIDDEN, IN};
+use accelerate_rs::collective::Collective;
+use accelerate_rs::optim::{AdamW, Sgd, SgdConfig};
+use accelerate_rs::{Accelerator, DataLoader, ShardedModel, WrapPolicy};
+use candle_core::{DType, Module, Tensor, Var};
+use candle_nn::{loss, Linear, Optimizer, ParamsAdamW, VarBuilder};
+
+const STEPS: usize = 5;
+const BATCH: usize = 4;
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Opt {
+    AdamW,
+    Sgd,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Run {
+    pub(crate) opt: Opt,
+    pub(crate) clip: Option<f64>,
+    pub(crate) bf16: bool,
+}
+
+fn layer(vb: &VarBuilder, name: &str, i: usize, o: usize) -> candle_core::Result<Linear> {
+    let vb = vb.pp(name);
+    Ok(Linear::new(
+        vb.get((o, i), "weight")?,
+        Some(vb.get(o, "bias")?),
+    ))
+}
+
+/// The tiny MLP through a sharded model: one unit per layer.
+pub(crate) fn sharded_forward(m: &ShardedModel, x: &Tensor) -> accelerate_rs::Result<Tensor> {
+    let x = x.to_dtype(m.compute_dtype())?;
+    let h = m.run("fc1", &x, |vb, x| {
+        layer(&vb, "fc1", IN, HIDDEN)?.forward(x)?.relu()
+    })?;
+    let classes = crate::common::tiny::CLASSES;
+    let y = m.run("fc2", &h, move |vb, x| {
+        layer(&vb, "fc2", HIDDEN, classes)?.forward(x)
+    })?;
+    Ok(y.to_dtype(DType::F32)?)
+}
+
+fn optimizer(run: Run, p: &[(String, Var)]) -> Either {
+    let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
+    let biases: Vec<Var> = p
+        .iter()
+        .filter(|(n, _)| n.ends_with("bias"))
+        .map(|(_, v)| v.clone())
+        .collect();
+    match run.opt {
+        Opt::AdamW => {
+            let cfg = ParamsAdamW {
+                lr: 0.01,
+                weight_decay: 0.1,
+                ..Default::default()
+            };
+            Either::A(AdamW::new(vars, cfg).unwrap().no_weight_decay_on(&biases))
+        }
+        Opt::Sgd => {
+            let cfg = SgdConfig::new(0.05).momentum(0.9).weight_decay(0.01);
+            Either::S(Sgd::new(vars, cfg).unwrap())
+        }
+    }
+}
+
+enum Either {
+    A(AdamW),
+    S(Sgd),
+}
+
+/// `STEPS` optimizer steps at the accelerator's stage: stage 3 through `prepare_sharded`, else
+/// the plain `prepare`. Returns the final parameters (whole) and this rank's state bytes.
+pub(crate) fn train(acc: &Accelerator, run: Run) -> (HashMap<String, Tensor>, usize) {
+    let p = params(
+        0.1 * acc.rank() as f32 * f32::from(u8::from(!run.bf16)),
+        HIDDEN,
+    );
+    let n = acc.gradient_accumulation_steps();
+    let loader = DataLoader::new(dataset(acc.world_size() * BATCH * STEPS * n), BATCH);
+    macro_rules! go {
+        ($opt:expr) => {{
+            let policy = WrapPolicy::prefixes(["fc1", "fc2"]);
+            let (mut opt, loader, model) = acc.prepare_sharded(&p, &policy, $opt, loader).unwrap();
+            opt.set_clip_grad_norm(run.clip);
+            for b in loader.iter().unwrap() {
+                let b = b.unwrap();
+                let out = sharded_forward(&model, &b[0]).unwrap();
+                let l = loss::cross_entropy(&out, &b[1]).unwrap();
+                opt.backward_step_batch(&l, &b).unwrap();
+            }
+            assert_eq!(model.is_sharded(), acc.state().zero_stage() == 3);
+            let full: HashMap<String, Tensor> =
+                model.full_parameters().unwrap().into_iter().collect();
+            (full, opt.inner().state_bytes())
+        }};
+    }
+    match optimizer(run, &p) {
+        Either::A(o) => go!(o),
+        Either::S(o) => go!(o),
+    }
+}
+
+/// The same training through the plain `prepare` at stage 0 (the reference).
+fn train_plain(acc: &Accelerator, run: Run) -> HashMap<String, Tensor> {
+    let p = params(0.1 * acc.rank() as f32, HIDDEN);
+    let n = acc.gradient_accumulation_steps();
+    let loader = DataLoader::new(dataset(acc.world_size() * BATCH * STEPS * n), BATCH);
+    macro_rules! go {
+        ($opt:expr) => {{
+            let (mut opt, loader) = acc.prepare(&p, $opt, loader).unwrap();
+            opt.set_clip_grad_norm(run.clip);
+            for b in loader.iter().unwrap() {
+                let b = b.unwrap();
+                let l = loss::cross_entropy(&forward(&p, &b[0]).unwrap(), &b[1]).unwrap();
+                opt.backward_step_batch(&l, &b).unwrap();
+            }
+        }};
+    }
+    match optimizer(run, &p) {
+        Either::A(o) => go!(o),
+        Either::S(o) => go!(o),
+    }
+    snapshot(&p)
+}
+
+fn in_process<R: Send + 'static>(
+    world: usize,
+    stage: usize,
+    accumulate: usize,
+    f: impl Fn(Accelerator) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    crate::common::in_process_with(
+        world,
+        move |c: Arc<dyn Collective>| {
+            Accelerator::builder()
+                .collective(c)
+                .zero_stage(stage)
+                .gradient_accumulation_steps(accumulate)
+        },
+        f,
+    )
+}
+
+#[test]
+fn stage_3_matches_stage_0_on_1_to_4_ranks() {
+    let runs = [
+        Run {
+            opt: Opt::AdamW,
+            clip: Some(0.05),
+            bf16: false,
+        },
+        Run {
+            opt: Opt::Sgd,
+            clip: None,
+            bf16: false,
+        },
+    ];
+    for run in runs {
+        for world in 1..=4 {
+            for accumulate in [1, 2] {
+                let base = in_process(world, 0, accumulate, move |a| train_plain(&a, run));
+                let got = in_process(world, 3, accumulate, move |a| train(&a, run));
+                let d = max_abs_diff(&base[0], &got[0].0);
+                eprintln!("{run:?} world {world} accumulate {accumulate}: {d}");
+                assert!(
+                    d < 1e-6,
+                    "{run:?} world {world} accumulate {accumulate}: {d}"
+                );
+                // Every rank ends with the same whole model.
+                for (r, (other, _)) in got.iter().enumerate().skip(1) {
+                    assert_eq!(max_abs_diff(&got[0].0, other), 0.0, "rank {r}");
+                }
+                // The prepare_sharded script below stage 3 is the plain one.
+                let same = in_process(world, 0, accumulate, move |a| train(&a, run));
+                let d0 = max_abs_diff(&base[0], &same[0].0);
+                assert_eq!(
+                    d0, 0.0,
+                    "{run:?} world {world}: stage-0 prepare_sharded {d0}"
+                );
+                if world > 1 && matches!(run.opt, Opt::AdamW) {
+                    let whole = same[0].1;
+                    let parts: usize = got.iter().map(|(_, b)| b).sum();
+                    assert_eq!(parts, whole, "the ranks' states add up to the whole");
+                    for (_, b) in &got {
+                        assert!(*b <= whole / world + 16, "{b} of {whole} on {world} ranks");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// bf16 mixed precision: stage 0's `prepare_mixed` (bf16 working copies, f32 masters) against
+/// stage 3 (f32 shards, units gathered in bf16).
+#[test]
+fn bf16_mixed_precision_at_stage_3_matches_stage_0() {
+    let run = Run {
+        opt: Opt::AdamW,
+        clip: Some(0.05),
+        bf16: true,
+    };
+    for world in [2, 3] {
+        let mixed = |stage: usize| {
+            move |c: Arc<dyn Collective>| {
+                Accelerator::builder()
+                    .collective(c)
+                    .zero_stage(stage)
+                    .mixed_precision(accelerate_rs::MixedPrecision::Bf16)
+            }
+        };
+        let base = crate::common::in_process_with(world, mixed(0), move |acc| {
+            let p = params(0.0, HIDDEN);
+            let loader = DataLoader::new(dataset(acc.world_size() * BATCH * STEPS), BATCH);
+            let Either::A(opt) = optimizer(run, &p) else {
+                unreachable!()
+            };
+            let (mut opt, loader, work) = acc.prepare_mixed(&p, opt, loader).unwrap();
+            opt.set_clip_grad_norm(run.clip);
+            let wp: Vec<(String, Var)> = p
+                .iter()
+                .map(|(k, _)| (k.clone(), work.data().lock().unwrap()[k].clone()))
+                .collect();
+            for b in loader.iter().unwrap() {
+                let b = b.unwrap();
+                let out = forward(&wp, &b[0].to_dtype(DType::BF16).unwrap()).unwrap();
+                let l = loss::cross_entropy(&out.to_dtype(DType::F32).unwrap(), &b[1]).unwrap();
+                opt.backward_step(&l).unwrap();
+            }
+            snapshot(&p)
+        });
+        let got = crate::common::in_process_with(world, mixed(3), move |acc| train(&acc, run));
+        let d = max_abs_diff(&base[0], &got[0].0);
+        assert!(d < 1e-6, "bf16 world {world}: {d}");
+    }
+}
+
+/// What stage 3 refuses, and how it says so; the frozen-parameter check names a parameter of a
+/// unit that got no gradient on any rank.
+#[test]
+fn stage_3_errors_name_what_is_wrong() {
+    let errs = in_process(2, 3, 1, |acc| {
+        let p = params(0.0, HIDDEN);
+        let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
+        let loader = || DataLoader::new(dataset(16), 4);
+        let mut out = Vec::new();
+        // The plain prepare at stage 3.
+        let e = acc
+            .prepare(&p, AdamW::new_lr(vars.clone(), 0.1).unwrap(), loader())
+            .unwrap_err();
+        out.push(e.to_string());
+        // Candle's own optimizer cannot step shards.
+        let sgd = candle_nn::SGD::new(vars.clone(), 0.1).unwrap();
+        let policy = WrapPolicy::prefixes(["fc1", "fc2"]);
+        let e = acc.prepare_sharded(&p, &policy, sgd, loader()).unwrap_err();
+        out.push(e.to_string());
+        // A prefix that matches nothing.
+        let bad = WrapPolicy::prefixes(["fc3"]);
+        let opt = AdamW::new_lr(vars.clone(), 0.1).unwrap();
+        out.push(
+            acc.prepare_sharded(&p, &bad, opt, loader())
+                .unwrap_err()
+                .to_string(),
+        );
+        // A block asking for a parameter of another unit, and an unknown unit.
+        let opt = AdamW::new_lr(vars, 0.1).unwrap();
+        let (_, _, model) = acc.prepare_sharded(&p, &policy, opt, loader()).unwrap();
+        let x = Tensor::zeros((2, IN), DType::F32, &candle_core::Device::Cpu).unwrap();
+        let e = model
+            .run("fc1", &x, |vb, x| layer(&vb, "fc2", HIDDEN, 4)?.forward(x))
+            .unwrap_err();
+        out.push(e.to_string());
+        out.push(model.gather("fc9").err().unwrap().to_string());
+        out
+    });
+    for e in errs {
+        assert!(e[0].contains("prepare_sharded"), "{}", e[0]);
+        assert!(
+            e[1].contains("optim::AdamW") && e[1].contains("stage 3"),
+            "{}",
+            e[1]
+        );
+        assert!(
+            e[2].contains("`fc3`") && e[2].contains("matches no parameter"),
+            "{}",
+            e[2]
+        );
+        assert!(
+            e[3].contains("`fc1`") && e[3].contains("fc2.weight"),
+            "{}",
+            e[3]
+        );
+        assert!(e[4].contains("`fc9`") && e[4].contains("`fc1`"), "{}", e[4]);
+    }
+    // fp16 needs loss scaling of sharded gradients: not there yet, and said so.
+    let e = crate::common::in_process_with(
+        1,
+        |c: Arc<dyn Collective>| {
+            Accelerator::builder()
+                .collective(c)
+                .zero_stage(3)
+                .mixed_precision(accelerate_rs::MixedPrecision::Fp16)
+        },
+        |acc| {
+            let p = params(0.0, HIDDEN);
+            let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
+            let opt = AdamW::new_lr(vars, 0.1).unwrap();
+            let loader = DataLoader::new(dataset(16), 4);
+            acc.prepare_sharded(&p, &WrapPolicy::one_unit(), opt, loader)
+                .unwrap_err()
+                .to_string()
+        },
+    );
+    assert!(e[0].contains("fp16") && e[0].contains("bf16"), "{}", e[0]);
+    // A parameter no rank gives a gradient (fc2's bias is never used): named at the first step.
+    let missing = crate::common::in_process_with(
+        2,
+        |c: Arc<dyn Collective>| {
+            Accelerator::builder()
+                .collective(c)
+                .zero_stage(3)
+                .missing_gradients(accelerate_rs::MissingGradients::Error)
+        },
+        |acc| {
+            let p = params(0.0, HIDDEN);
+            let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
+            let opt = AdamW::new_lr(vars, 0.1).unwrap();
+            let loader = DataLoader::new(dataset(16), 4);
+            let policy = WrapPolicy::prefixes(["fc1", "fc2"]);
+            let (mut opt, loader, model) = acc.prepare_sharded(&p, &policy, opt, loader).unwrap();
+            let b = loader.iter().unwrap().next().unwrap().unwrap();
+            let h = model
+                .run("fc1", &b[0], |vb, x| {
+                    layer(&vb, "fc1", IN, HIDDEN)?.forward(x)
+                })
+                .unwrap();
+            let y = model
+                .run("fc2", &h, |vb, x| {
+                    x.matmul(&vb.get((4, HIDDEN), "fc2.weight")?.t()?)
+                })
+                .unwrap();
+            let l = loss::cross_entropy(&y, &b[1]).unwrap();
+            opt.backward_step(&l).unwrap_err().to_string()
+        },
+    );
+    for e in missing {
+        assert!(e.contains("fc2.bias") && !e.contains("fc2.weight"), "{e}");
+    }
+}
