@@ -75,13 +75,14 @@ impl Accelerator {
         Ok((opt, loader, sharded))
     }
 
-    /// A [`ShardedModel`] made without ever holding the whole model: `build` constructs the
-    /// model from a [`VarBuilder`] (it is run once with a builder that allocates nothing, to
-    /// learn the parameters, and at stage 3 once more while the values are drawn), `dtype` is
-    /// the parameters' (f32 under mixed precision: the masters), `source` where the values come
-    /// from ([`ShardSource::Seeded`], or only this rank's slices read from safetensors files
-    /// with [`ShardSource::Files`]). Below stage 3 the whole model is made and prepared. Give
-    /// its optimizer to [`prepare_sharded_optimizer`](Self::prepare_sharded_optimizer).
+    /// At `zero_stage = 3`, a [`ShardedModel`] made without ever holding the whole model:
+    /// `build` constructs the model from a [`VarBuilder`] (it is run once with a builder that
+    /// allocates nothing, to learn the parameters, and once more while the values are drawn),
+    /// `dtype` is the parameters' (f32 under mixed precision: the masters), `source` where the
+    /// values come from ([`ShardSource::Seeded`], or only this rank's slices read from
+    /// safetensors files with [`ShardSource::Files`]). Below stage 3 an error: build the model
+    /// whole and [`prepare`](Self::prepare) it. Give its optimizer to
+    /// [`prepare_sharded_optimizer`](Self::prepare_sharded_optimizer).
     pub fn shard_model(
         &self,
         policy: &WrapPolicy,
@@ -121,11 +122,7 @@ impl Accelerator {
         check_mode(mode)?;
         let b = self.sharding(policy, mode, trainable);
         let model = ShardedModel::from_source(b, dtype, build, source)?;
-        if model.is_sharded() {
-            self.inner.grads.register_sharded(model.inner().clone())?;
-        } else if trainable {
-            self.inner.grads.register(model.inner().whole_named())?;
-        }
+        self.inner.grads.register_sharded(model.inner().clone())?;
         Ok(model)
     }
 

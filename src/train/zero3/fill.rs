@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::var_builder::SimpleBackend;
-use candle_nn::{Init, VarBuilder, VarMap};
+use candle_nn::{Init, VarBuilder};
 
 use crate::collective::{Collective, ReduceOp};
 use crate::error::{Error, Result};
@@ -142,10 +142,10 @@ impl ShardedModel {
         )))
     }
 
-    /// From the parameters `build` asks a [`VarBuilder`] for (it builds the model; run once
-    /// with a builder that allocates nothing, to learn them) in `dtype`, with values from
-    /// `source`. At stage 3 each rank allocates only its shards and fills them one parameter at
-    /// a time; below it the whole model is made.
+    /// At stage 3, from the parameters `build` asks a [`VarBuilder`] for (it builds the model;
+    /// run once with a builder that allocates nothing, to learn them) in `dtype`, with values
+    /// from `source`: each rank allocates only its shards and fills them one parameter at a
+    /// time.
     pub(crate) fn from_source(
         b: Build<'_>,
         dtype: DType,
@@ -157,31 +157,11 @@ impl ShardedModel {
         let specs = shapes.specs();
         let layout = ShardLayout::new(&specs, b.policy)?;
         if !b.sharded {
-            let varmap = VarMap::new();
-            match source {
-                ShardSource::Seeded(seed) => {
-                    build(crate::train::init::seeded_var_builder(
-                        &varmap, seed, dtype, &b.device,
-                    ))?;
-                }
-                ShardSource::Files { path, map } => {
-                    build(VarBuilder::from_varmap(&varmap, dtype, &b.device))?;
-                    crate::train::weights::load_weights_mapped(path, &varmap, map)?;
-                }
-            }
-            let whole: HashMap<String, Var> =
-                crate::train::params::Parameters::named_parameters(&varmap)
-                    .into_iter()
-                    .collect();
-            return Ok(Self::from_inner(Inner::new(
-                b.collective.clone(),
-                layout,
-                Vec::new(),
-                whole,
-                b.compute,
-                b.device,
-                HashMap::new(),
-            )));
+            return Err(Error::invalid(
+                "zero_stage",
+                "a model is made from its parameter list and sharded only at stage 3; below it, \
+                 build it whole (`VarBuilder`, `from_pretrained`) and `prepare` it",
+            ));
         }
         let c = b.collective.as_ref();
         let (n, me) = (c.world_size(), c.rank());

@@ -240,6 +240,15 @@ impl ShardedModel {
         Ok(out)
     }
 
+    /// Freezes every unit: no gradient is computed or reduced for the model from now on (the
+    /// base under LoRA adapters, which are trained replicated beside it). Call it before the
+    /// optimizer is prepared.
+    pub fn freeze(&self) {
+        for u in &self.inner.units {
+            u.freeze();
+        }
+    }
+
     /// Parameters (by name) an optimizer built over no parameters does not decay (see
     /// [`Accelerator::prepare_sharded_optimizer`](crate::Accelerator::prepare_sharded_optimizer));
     /// an optimizer built over the model's variables keeps its own flags.
@@ -270,7 +279,7 @@ impl ShardedModel {
             let (inner, replaying, slot) = (inner.clone(), replaying.clone(), slot.clone());
             move |x: &Tensor| -> candle_core::Result<Tensor> {
                 let tensors = inner.units[idx].gather(inner.collective.as_ref(), inner.compute)?;
-                if replaying.load(Ordering::Relaxed) && inner.units[idx].trainable {
+                if replaying.load(Ordering::Relaxed) && inner.units[idx].trainable() {
                     *lock(&slot) = Some(tensors.iter().map(|(_, t)| t.clone()).collect());
                 }
                 block(inner.builder(idx, tensors), x)
@@ -301,7 +310,7 @@ impl ShardedModel {
         }
         let u = &self.inner.units[idx];
         let tensors = u.gather(self.inner.collective.as_ref(), self.inner.compute)?;
-        if u.trainable {
+        if u.trainable() {
             lock(&u.held).push(tensors.iter().map(|(_, t)| t.id()).collect());
         }
         Ok(self.inner.builder(idx, tensors))
@@ -404,7 +413,7 @@ impl Inner {
     pub(crate) fn shard_vars(&self) -> Vec<(String, Var)> {
         self.units
             .iter()
-            .filter(|u| u.trainable)
+            .filter(|u| u.trainable())
             .map(|u| (format!("{}#shard", u.layout.name), u.shard.clone()))
             .collect()
     }
@@ -414,7 +423,7 @@ impl Inner {
         let mut out: Vec<String> = self
             .units
             .iter()
-            .filter(|u| u.trainable)
+            .filter(|u| u.trainable())
             .flat_map(|u| u.layout.members.iter().map(|m| m.name.clone()))
             .collect();
         out.sort();
@@ -424,7 +433,7 @@ impl Inner {
     /// The trainable parameters no rank gave a gradient since the last call, by name.
     pub(crate) fn take_missing(&self) -> Vec<String> {
         let mut out = Vec::new();
-        for u in self.units.iter().filter(|u| u.trainable) {
+        for u in self.units.iter().filter(|u| u.trainable()) {
             for (m, present) in u.layout.members.iter().zip(u.take_present()) {
                 if !present {
                     out.push(m.name.clone());
@@ -439,7 +448,7 @@ impl Inner {
     /// what it holds.
     pub(crate) fn first_non_finite(&self, grads: &GradStore) -> Result<Option<(String, String)>> {
         let (n, me) = (self.collective.world_size(), self.collective.rank());
-        for u in self.units.iter().filter(|u| u.trainable) {
+        for u in self.units.iter().filter(|u| u.trainable()) {
             let Some(g) = grads.get(u.shard.as_tensor()) else {
                 continue;
             };
@@ -458,7 +467,7 @@ impl Inner {
         let (n, me) = (self.collective.world_size(), self.collective.rank());
         let no_decay = lock(&self.no_decay).clone();
         let mut out: Vec<(String, ParamPieces)> = Vec::new();
-        for u in self.units.iter().filter(|u| u.trainable) {
+        for u in self.units.iter().filter(|u| u.trainable()) {
             let mut by_member: Vec<Vec<(Var, std::ops::Range<usize>, usize)>> =
                 vec![Vec::new(); u.layout.members.len()];
             for p in u.layout.pieces(n, me) {

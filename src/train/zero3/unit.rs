@@ -4,6 +4,7 @@
 //! tensor operations.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use candle_core::{DType, Device, Storage, Tensor, TensorId, Var};
@@ -24,7 +25,7 @@ pub(crate) struct Unit {
     /// The elements of the flat vector the shard holds.
     pub(crate) own: Range<usize>,
     /// Whether the unit's parameters get gradients (false: a frozen base under LoRA).
-    pub(crate) trainable: bool,
+    trainable: AtomicBool,
     /// Held gathers ([`ShardedModel::gather`](super::ShardedModel::gather)) whose gradients
     /// are collected when the backward pass ends: the ids of their variables, member by member.
     pub(crate) held: Mutex<Vec<Vec<TensorId>>>,
@@ -47,10 +48,20 @@ impl Unit {
             layout,
             shard,
             own,
-            trainable,
+            trainable: AtomicBool::new(trainable),
             held: Mutex::new(Vec::new()),
             present: Mutex::new(vec![false; members]),
         }
+    }
+
+    /// Whether the unit's parameters get gradients.
+    pub(crate) fn trainable(&self) -> bool {
+        self.trainable.load(Ordering::Relaxed)
+    }
+
+    /// Stops computing and reducing gradients for the unit (a base frozen under LoRA).
+    pub(crate) fn freeze(&self) {
+        self.trainable.store(false, Ordering::Relaxed);
     }
 
     /// The whole flat vector in `dtype` on the shard's device: every rank's chunk, gathered.
@@ -93,7 +104,7 @@ impl Unit {
             let view = flat
                 .narrow(0, m.offset, m.len)?
                 .reshape(m.shape.as_slice())?;
-            let t = if self.trainable {
+            let t = if self.trainable() {
                 Var::from_tensor(&view)?.into_inner()
             } else {
                 view
