@@ -60,7 +60,7 @@ impl Accelerator {
     ) -> Result<(AcceleratedOptimizer<O>, DataLoader, ShardedModel)> {
         let named = model.named_parameters();
         let mode = self.checked_mode(&named)?;
-        let sharded = ShardedModel::from_vars(self.sharding(policy, mode, true), named.clone())?;
+        let sharded = zero3::from_vars(self.sharding(policy, mode, true), named.clone())?;
         // Everything checked before anything is registered: a refused optimizer leaves the
         // accelerator as it was.
         let loader = self.prepare_data_loader(loader)?;
@@ -121,7 +121,7 @@ impl Accelerator {
         }
         check_mode(mode)?;
         let b = self.sharding(policy, mode, trainable);
-        let model = ShardedModel::from_source(b, dtype, build, source)?;
+        let model = zero3::from_source(b, dtype, build, source)?;
         self.inner.grads.register_sharded(model.inner().clone())?;
         Ok(model)
     }

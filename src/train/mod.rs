@@ -10,6 +10,7 @@ pub(crate) mod missing;
 pub(crate) mod mixed_precision;
 pub(crate) mod optimizer;
 pub(crate) mod params;
+pub(crate) mod pieces;
 pub(crate) mod reducer;
 pub mod scheduler;
 pub(crate) mod shapes;

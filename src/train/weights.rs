@@ -397,6 +397,49 @@ pub(crate) fn read_slices(
     Ok(out)
 }
 
+/// ZeRO-3 checkpoints: from the safetensors file `path` of one rank's pieces (tensors named
+/// `<parameter>@<first element>`, 1-D), the elements of each piece that fall in `want`
+/// (parameter → element ranges), read from the memory-mapped file: `(parameter, first
+/// element, values)`. A tensor name that is not `<name>@<number>` is an error naming the file.
+pub(crate) fn read_piece_overlaps(
+    path: &Path,
+    want: &HashMap<String, Vec<std::ops::Range<usize>>>,
+) -> Result<Vec<(String, usize, Tensor)>> {
+    let mapped = Mapped::open(path)?;
+    let view = mapped.tensors()?;
+    let mut out = Vec::new();
+    for (key, t) in view.tensors() {
+        let parsed = key
+            .rsplit_once('@')
+            .and_then(|(name, start)| Some((name, start.parse::<usize>().ok()?)));
+        let Some((name, start)) = parsed else {
+            return Err(file_err(
+                path,
+                Some(&key),
+                "not `<parameter>@<first element>` (a ZeRO-3 model shard)",
+            ));
+        };
+        let Some(ranges) = want.get(name) else {
+            continue;
+        };
+        let len: usize = t.shape().iter().product();
+        let size = t.dtype().bitsize() / 8;
+        for r in ranges {
+            let (lo, hi) = (r.start.max(start), r.end.min(start + len));
+            if lo >= hi {
+                continue;
+            }
+            let bytes = &t.data()[(lo - start) * size..(hi - start) * size];
+            let piece = safetensors::tensor::TensorView::new(t.dtype(), vec![hi - lo], bytes)
+                .map(|v| v.load(&candle_core::Device::Cpu))
+                .map_err(|e| file_err(path, Some(&key), format!("could not read: {e}")))?
+                .map_err(|e| file_err(path, Some(&key), format!("could not read: {e}")))?;
+            out.push((name.to_string(), lo, piece));
+        }
+    }
+    Ok(out)
+}
+
 /// Checks the weight files at `path` against the parameters a model will have, reading headers
 /// only (nothing is allocated for the weights): every parameter in the files under its name
 /// after `map` (see [`load_weights_mapped`]), no unexpected tensor, every shape equal, float

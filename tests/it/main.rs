@@ -43,4 +43,5 @@ mod tracking;
 mod weights;
 mod zero;
 mod zero3;
+mod zero3_checkpoint;
 mod zero_overflow;

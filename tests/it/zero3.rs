@@ -29,7 +29,12 @@ pub(crate) struct Run {
     pub(crate) bf16: bool,
 }
 
-fn layer(vb: &VarBuilder, name: &str, i: usize, o: usize) -> candle_core::Result<Linear> {
+pub(crate) fn layer(
+    vb: &VarBuilder,
+    name: &str,
+    i: usize,
+    o: usize,
+) -> candle_core::Result<Linear> {
     let vb = vb.pp(name);
     Ok(Linear::new(
         vb.get((o, i), "weight")?,
@@ -50,7 +55,7 @@ pub(crate) fn sharded_forward(m: &ShardedModel, x: &Tensor) -> accelerate_rs::Re
     Ok(y.to_dtype(DType::F32)?)
 }
 
-fn optimizer(run: Run, p: &[(String, Var)]) -> Either {
+pub(crate) fn optimizer(run: Run, p: &[(String, Var)]) -> Either {
     let vars: Vec<Var> = p.iter().map(|(_, v)| v.clone()).collect();
     let biases: Vec<Var> = p
         .iter()
@@ -73,7 +78,7 @@ fn optimizer(run: Run, p: &[(String, Var)]) -> Either {
     }
 }
 
-enum Either {
+pub(crate) enum Either {
     A(AdamW),
     S(Sgd),
 }
@@ -354,5 +359,72 @@ fn stage_3_errors_name_what_is_wrong() {
     );
     for e in missing {
         assert!(e.contains("fc2.bias") && !e.contains("fc2.weight"), "{e}");
+    }
+}
+
+const ROLE_VAR: &str = "ACCEL_ZERO3_OUT";
+
+/// The worker of [`stage_3_on_1_to_4_processes_matches_stage_0`]: trains at the stage the
+/// launcher hands down (stage 3 through `prepare_sharded`, stage 0 the plain way) with
+/// gradient accumulation 2; rank 0 writes the parameters. Does nothing in a normal test run.
+#[test]
+fn zero3_worker_entry() {
+    let Ok(out) = std::env::var(ROLE_VAR) else {
+        return;
+    };
+    let result = Accelerator::new().and_then(|acc| {
+        let run = Run {
+            opt: Opt::AdamW,
+            clip: Some(0.05),
+            bf16: false,
+        };
+        let p = if acc.state().zero_stage() == 3 {
+            train(&acc, run).0
+        } else {
+            train_plain(&acc, run)
+        };
+        if acc.is_main_process() {
+            candle_core::safetensors::save(&p, &out)?;
+        }
+        Ok(())
+    });
+    crate::common::exit_worker(result)
+}
+
+/// Real processes through `accelerate-rs launch --zero-stage N` (TCP on loopback), 1 to 4 of
+/// them: stage 3 ends with the parameters of stage 0 (AdamW, clipping, accumulation 2).
+#[test]
+fn stage_3_on_1_to_4_processes_matches_stage_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |world: usize, stage: usize| {
+        let out = dir.path().join(format!("s{stage}-w{world}.safetensors"));
+        let mut cmd = std::process::Command::new(crate::common::launcher());
+        cmd.args(["launch", "--cpu", "-n", &world.to_string()])
+            .args(["--zero-stage", &stage.to_string()])
+            .args(["--gradient-accumulation-steps", "2"])
+            .arg(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "zero3::zero3_worker_entry",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ROLE_VAR, &out)
+            .env_remove("RUST_LOG")
+            .stdin(std::process::Stdio::null());
+        let start = std::time::Instant::now();
+        let o = cmd.output().unwrap();
+        assert!(start.elapsed() < std::time::Duration::from_secs(90));
+        assert!(
+            o.status.success(),
+            "stage {stage} on {world}:\n{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        candle_core::safetensors::load(&out, &candle_core::Device::Cpu).unwrap()
+    };
+    for world in 1..=4 {
+        let d = max_abs_diff(&run(world, 0), &run(world, 3));
+        assert!(d < 1e-6, "{world} processes: {d}");
     }
 }

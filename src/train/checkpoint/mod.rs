@@ -86,6 +86,7 @@ mod io;
 mod load;
 mod manifest;
 mod model_files;
+mod model_shards;
 mod optimizer;
 mod place;
 mod rotation;

@@ -72,7 +72,7 @@ fn specs_of(named: &[(String, Var)]) -> Vec<ParamSpec> {
 
 /// Every rank returns an error when any rank failed (`result` is this rank's outcome), so that
 /// no rank goes on to wait in a collective for one that stopped.
-fn agree(c: &dyn Collective, what: &str, result: Result<()>) -> Result<()> {
+pub(crate) fn agree(c: &dyn Collective, what: &str, result: Result<()>) -> Result<()> {
     if c.world_size() == 1 {
         return result;
     }
@@ -92,109 +92,102 @@ fn agree(c: &dyn Collective, what: &str, result: Result<()>) -> Result<()> {
     Ok(())
 }
 
-impl ShardedModel {
-    /// From a model's variables: below stage 3 it uses them; at stage 3 it checks that every
-    /// rank has the same parameters, cuts rank 0's values into the units' shards (one unit
-    /// broadcast at a time) and keeps only this rank's chunks (drop the variables afterwards to
-    /// free them).
-    pub(crate) fn from_vars(b: Build<'_>, named: Vec<(String, Var)>) -> Result<Self> {
-        let c = b.collective.as_ref();
-        let layout = ShardLayout::new(&specs_of(&named), b.policy)?;
-        let ids = named.iter().map(|(n, v)| (n.clone(), v.id())).collect();
-        let vars: HashMap<String, Var> = named.into_iter().collect();
-        if !b.sharded {
-            return Ok(Self::from_inner(Inner::new(
-                b.collective.clone(),
-                layout,
-                Vec::new(),
-                vars,
-                b.compute,
-                b.device,
-                ids,
-            )));
-        }
-        if c.world_size() > 1 {
-            let named: Vec<(String, Var)> =
-                vars.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
-            ParamSet::new(named, usize::MAX, false)?.verify(c)?;
-        }
-        let (n, me) = (c.world_size(), c.rank());
-        let mut units = Vec::with_capacity(layout.units.len());
-        for u in &layout.units {
-            let parts = u
-                .members
-                .iter()
-                .map(|m| vars[&m.name].as_tensor().flatten_all())
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            let flat = c.broadcast_tensor(&Tensor::cat(&parts, 0)?, 0)?;
-            let own = u.own(n, me);
-            let shard = Var::from_tensor(&flat.narrow(0, own.start, own.len())?)?;
-            units.push(Unit::new(u.clone(), shard, own, b.trainable));
-        }
-        Ok(Self::from_inner(Inner::new(
+/// From a model's variables: below stage 3 it uses them; at stage 3 it checks that every
+/// rank has the same parameters, cuts rank 0's values into the units' shards (one unit
+/// broadcast at a time) and keeps only this rank's chunks (drop the variables afterwards to
+/// free them).
+pub(crate) fn from_vars(b: Build<'_>, named: Vec<(String, Var)>) -> Result<ShardedModel> {
+    let c = b.collective.as_ref();
+    let layout = ShardLayout::new(&specs_of(&named), b.policy)?;
+    let ids = named.iter().map(|(n, v)| (n.clone(), v.id())).collect();
+    let vars: HashMap<String, Var> = named.into_iter().collect();
+    if !b.sharded {
+        return Ok(ShardedModel::from_inner(Inner::new(
             b.collective.clone(),
             layout,
-            units,
-            HashMap::new(),
+            Vec::new(),
+            vars,
             b.compute,
             b.device,
             ids,
-        )))
+        )));
     }
+    if c.world_size() > 1 {
+        let named: Vec<(String, Var)> = vars.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+        ParamSet::new(named, usize::MAX, false)?.verify(c)?;
+    }
+    let (n, me) = (c.world_size(), c.rank());
+    let mut units = Vec::with_capacity(layout.units.len());
+    for u in &layout.units {
+        let parts = u
+            .members
+            .iter()
+            .map(|m| vars[&m.name].as_tensor().flatten_all())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let flat = c.broadcast_tensor(&Tensor::cat(&parts, 0)?, 0)?;
+        let own = u.own(n, me);
+        let shard = Var::from_tensor(&flat.narrow(0, own.start, own.len())?)?;
+        units.push(Unit::new(u.clone(), shard, own, b.trainable));
+    }
+    Ok(ShardedModel::from_inner(Inner::new(
+        b.collective.clone(),
+        layout,
+        units,
+        HashMap::new(),
+        b.compute,
+        b.device,
+        ids,
+    )))
+}
 
-    /// At stage 3, from the parameters `build` asks a [`VarBuilder`] for (it builds the model;
-    /// run once with a builder that allocates nothing, to learn them) in `dtype`, with values
-    /// from `source`: each rank allocates only its shards and fills them one parameter at a
-    /// time.
-    pub(crate) fn from_source(
-        b: Build<'_>,
-        dtype: DType,
-        build: &dyn Fn(VarBuilder<'_>) -> candle_core::Result<()>,
-        source: ShardSource<'_>,
-    ) -> Result<Self> {
-        let (vb, shapes) = crate::train::shapes::shape_only_var_builder(dtype, &b.device);
-        build(vb)?;
-        let specs = shapes.specs();
-        let layout = ShardLayout::new(&specs, b.policy)?;
-        if !b.sharded {
-            return Err(Error::invalid(
-                "zero_stage",
-                "a model is made from its parameter list and sharded only at stage 3; below it, \
+/// At stage 3, from the parameters `build` asks a [`VarBuilder`] for (it builds the model;
+/// run once with a builder that allocates nothing, to learn them) in `dtype`, with values
+/// from `source`: each rank allocates only its shards and fills them one parameter at a
+/// time.
+pub(crate) fn from_source(
+    b: Build<'_>,
+    dtype: DType,
+    build: &dyn Fn(VarBuilder<'_>) -> candle_core::Result<()>,
+    source: ShardSource<'_>,
+) -> Result<ShardedModel> {
+    let (vb, shapes) = crate::train::shapes::shape_only_var_builder(dtype, &b.device);
+    build(vb)?;
+    let specs = shapes.specs();
+    let layout = ShardLayout::new(&specs, b.policy)?;
+    if !b.sharded {
+        return Err(Error::invalid(
+            "zero_stage",
+            "a model is made from its parameter list and sharded only at stage 3; below it, \
                  build it whole (`VarBuilder`, `from_pretrained`) and `prepare` it",
-            ));
-        }
-        let c = b.collective.as_ref();
-        let (n, me) = (c.world_size(), c.rank());
-        let mut units = Vec::with_capacity(layout.units.len());
-        for u in &layout.units {
-            let own = u.own(n, me);
-            let shard = Var::zeros(own.len(), u.dtype, &b.device)?;
-            units.push(Unit::new(u.clone(), shard, own, b.trainable));
-        }
-        let filled = match source {
-            ShardSource::Seeded(seed) => {
-                fill_seeded(&layout, &units, build, seed, n, me, &b.device)
-            }
-            ShardSource::Files { path, map } => {
-                fill_files(&layout, &units, &specs, path, map, n, me)
-            }
-        };
-        agree(c, "loading a ZeRO-3 model", filled)?;
-        Ok(Self::from_inner(Inner::new(
-            b.collective.clone(),
-            layout,
-            units,
-            HashMap::new(),
-            b.compute,
-            b.device,
-            HashMap::new(),
-        )))
+        ));
     }
+    let c = b.collective.as_ref();
+    let (n, me) = (c.world_size(), c.rank());
+    let mut units = Vec::with_capacity(layout.units.len());
+    for u in &layout.units {
+        let own = u.own(n, me);
+        let shard = Var::zeros(own.len(), u.dtype, &b.device)?;
+        units.push(Unit::new(u.clone(), shard, own, b.trainable));
+    }
+    let filled = match source {
+        ShardSource::Seeded(seed) => fill_seeded(&layout, &units, build, seed, n, me, &b.device),
+        ShardSource::Files { path, map } => fill_files(&layout, &units, &specs, path, map, n, me),
+    };
+    agree(c, "loading a ZeRO-3 model", filled)?;
+    Ok(ShardedModel::from_inner(Inner::new(
+        b.collective.clone(),
+        layout,
+        units,
+        HashMap::new(),
+        b.compute,
+        b.device,
+        HashMap::new(),
+    )))
 }
 
 /// Writes `values` (a whole parameter, any shape, or a 1-D piece starting at element
 /// `values_start` of it) into the units' shards where this rank owns them.
-fn write_pieces(
+pub(crate) fn write_pieces(
     layout: &ShardLayout,
     units: &[Unit],
     name: &str,

@@ -23,8 +23,10 @@ use crate::error::{Error, Result};
 use crate::optim::ParamPieces;
 use crate::train::weights::ParamSpec;
 
-pub(crate) use fill::Build;
+use crate::train::params::Parameters;
+use crate::train::pieces::{ShardedParameters, UnitSpec};
 pub use fill::ShardSource;
+pub(crate) use fill::{from_source, from_vars, Build};
 use layout::ShardLayout;
 pub use layout::WrapPolicy;
 use unit::Unit;
@@ -317,7 +319,101 @@ impl ShardedModel {
     }
 }
 
+/// Below stage 3 the model's variables; at stage 3 none (no whole variable exists), and
+/// checkpoints and model folders go through
+/// [`sharded_parameters`](Parameters::sharded_parameters): each rank's pieces are saved and
+/// loaded, folders are streamed one unit at a time.
+impl Parameters for ShardedModel {
+    fn named_parameters(&self) -> Vec<(String, Var)> {
+        self.inner.whole_named()
+    }
+
+    fn sharded_parameters(&self) -> Option<&dyn ShardedParameters> {
+        if self.is_sharded() {
+            Some(self)
+        } else {
+            None
+        }
+    }
+}
+
+impl ShardedParameters for ShardedModel {
+    fn unit_specs(&self) -> Vec<UnitSpec> {
+        self.inner
+            .layout
+            .units
+            .iter()
+            .map(|u| {
+                let members = u.members.iter().map(|m| (m.name.clone(), m.shape.clone()));
+                (u.name.clone(), u.dtype, members.collect())
+            })
+            .collect()
+    }
+
+    fn local_pieces(&self) -> Result<Vec<(String, usize, Tensor)>> {
+        let (n, me) = self.inner.place();
+        let mut out = Vec::new();
+        for u in &self.inner.units {
+            for p in u.layout.pieces(n, me) {
+                let t = u
+                    .shard
+                    .as_tensor()
+                    .narrow(0, p.in_shard.start, p.in_shard.len())?;
+                out.push((
+                    u.layout.members[p.member].name.clone(),
+                    p.in_param.start,
+                    t.copy()?,
+                ));
+            }
+        }
+        Ok(out)
+    }
+
+    fn local_ranges(&self) -> Vec<(String, std::ops::Range<usize>)> {
+        let (n, me) = self.inner.place();
+        let mut out = Vec::new();
+        for u in &self.inner.units {
+            for p in u.layout.pieces(n, me) {
+                out.push((u.layout.members[p.member].name.clone(), p.in_param));
+            }
+        }
+        out
+    }
+
+    fn write_local(&self, values: &[(String, usize, Tensor)]) -> Result<()> {
+        let (n, me) = self.inner.place();
+        for (name, start, t) in values {
+            fill::write_pieces(
+                &self.inner.layout,
+                &self.inner.units,
+                name,
+                t,
+                *start,
+                n,
+                me,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn gather_unit(&self, unit: usize) -> Result<Vec<(String, Tensor)>> {
+        let u = self.inner.units.get(unit).ok_or_else(|| {
+            Error::invalid("ZeRO-3 unit", format!("index {unit} is out of range"))
+        })?;
+        self.inner.gather_unit_whole(u)
+    }
+
+    fn agree(&self, what: &str, result: Result<()>) -> Result<()> {
+        fill::agree(self.inner.collective.as_ref(), what, result)
+    }
+}
+
 impl Inner {
+    /// `(world size, rank)`.
+    fn place(&self) -> (usize, usize) {
+        (self.collective.world_size(), self.collective.rank())
+    }
+
     /// Builds the inner state from its parts (see `fill.rs`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
