@@ -144,7 +144,7 @@ impl Weights {
             return Err(Error::Accelerate(accelerate_rs::Error::invalid(
                 "save_pretrained",
                 "the model is sharded (ZeRO-3): every rank calls \
-                 `accelerator.save_sharded_model(dir, model.sharded_parameters(), Some(&model.config_json()), max_shard_bytes)`, \
+                 `accelerator.save_model_with_config(dir, model.sharded_parameters().unwrap(), &model.config_json(), max_shard_bytes)`, \
                  which streams one unit at a time through rank 0",
             )));
         }
@@ -436,7 +436,7 @@ macro_rules! pretrained_methods {
 
             /// ZeRO-3: the sharded parameters, when the model was made sharded
             /// (`from_pretrained_sharded`); give them to
-            /// `accelerator.prepare_sharded_optimizer` and `save_sharded_model`.
+            /// `accelerator.prepare_sharded_optimizer`, `save_state` and `save_model_with_config`.
             pub fn sharded_parameters(&self) -> Option<&accelerate_rs::ShardedModel> {
                 self.weights.sharded.as_ref()
             }

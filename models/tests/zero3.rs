@@ -350,3 +350,54 @@ fn lora_over_a_sharded_base_saves_whole_adapters() {
     let loaded = snapshot(fresh.trainable_parameters());
     assert_eq!(max_abs_diff(&loaded, &got), 0.0);
 }
+
+/// `save_model_with_config` of a sharded Llama streams one unit at a time through rank 0 into
+/// a Hugging Face folder (here cut into shards of at most 2 kB, with their index) that
+/// `from_pretrained` loads back to the very parameters the ranks hold; `save_pretrained` says
+/// what to call instead.
+#[test]
+fn a_sharded_llama_saves_a_folder_from_pretrained_loads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("saved");
+    let handles: Vec<_> = ThreadGroup::new(3, Duration::from_secs(60))
+        .unwrap()
+        .into_iter()
+        .map(|c| {
+            let c: Arc<dyn Collective> = Arc::new(c);
+            let out = out.clone();
+            std::thread::spawn(move || {
+                let acc = Accelerator::builder()
+                    .collective(c)
+                    .zero_stage(3)
+                    .build()
+                    .unwrap();
+                let model =
+                    LlamaForCausalLm::from_pretrained_sharded(fixture("llama"), &acc, DType::F32)
+                        .unwrap();
+                let s = model.sharded_parameters().unwrap().clone();
+                let mut opt = acc
+                    .prepare_sharded_optimizer(&s, AdamW::new(Vec::new(), cfg()).unwrap())
+                    .unwrap();
+                let ids = tokens(BATCH);
+                opt.backward_step(&model.loss(&ids, &ids).unwrap()).unwrap();
+                acc.save_model_with_config(&out, &s, &model.config_json(), 2000)
+                    .unwrap();
+                let e = model
+                    .save_pretrained(out.join("x"))
+                    .unwrap_err()
+                    .to_string();
+                assert!(e.contains("save_model_with_config"), "{e}");
+                s.full_parameters()
+                    .unwrap()
+                    .into_iter()
+                    .collect::<HashMap<_, _>>()
+            })
+        })
+        .collect();
+    let held: Vec<HashMap<String, Tensor>> =
+        handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(out.join("model.safetensors.index.json").is_file());
+    assert!(out.join("config.json").is_file());
+    let loaded = LlamaForCausalLm::from_pretrained(&out, &Device::Cpu, DType::F32).unwrap();
+    assert_eq!(max_abs_diff(&snapshot(loaded.varmap()), &held[0]), 0.0);
+}

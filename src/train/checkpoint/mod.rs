@@ -91,6 +91,7 @@ mod optimizer;
 mod place;
 mod rotation;
 mod save;
+mod stream;
 
 pub use io::LOCK_FILE;
 pub(crate) use load::load_state;

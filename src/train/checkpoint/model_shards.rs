@@ -152,13 +152,15 @@ fn check_parameters(dir: &Path, manifest: &Manifest, specs: &[ParamSpec]) -> Res
                     ),
                 ))
             }
-            Some(shape) if **shape != s.shape => return Err(super::checkpoint_err(
-                &path,
-                format!(
+            Some(shape) if **shape != s.shape => {
+                return Err(super::checkpoint_err(
+                    &path,
+                    format!(
                     "parameter `{}` has shape {shape:?} in the checkpoint, but {:?} in the model",
                     s.name, s.shape
                 ),
-            )),
+                ))
+            }
             Some(_) => {}
         }
     }

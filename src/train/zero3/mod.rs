@@ -225,7 +225,7 @@ impl ShardedModel {
     /// Every parameter, whole, in name order, on every rank: the model as it is at stage 0.
     /// A collective at stage 3 (every rank must call it; the units are all-gathered one at a
     /// time) that holds the whole model: for evaluation, tests and small models (to save a
-    /// model use [`Accelerator::save_sharded_model`](crate::Accelerator::save_sharded_model),
+    /// model use [`Accelerator::save_model_sharded`](crate::Accelerator::save_model_sharded),
     /// which streams one unit at a time through rank 0).
     pub fn full_parameters(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
