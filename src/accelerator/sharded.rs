@@ -160,6 +160,7 @@ impl Accelerator {
             compute: mode.compute_dtype(),
             device: self.device().clone(),
             trainable,
+            offload: self.inner.state.offload_optimizer(),
         }
     }
 

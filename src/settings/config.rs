@@ -57,9 +57,13 @@ pub struct ConfigFile {
     /// `warn`, `skip-step` or `off`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nonfinite: Option<crate::settings::NonFinite>,
-    /// ZeRO-style sharding: 0 (none), 1 (optimizer state) or 2 (optimizer state and gradients).
+    /// ZeRO-style sharding: 0 (none), 1 (optimizer state), 2 (optimizer state and gradients)
+    /// or 3 (parameters too).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zero_stage: Option<usize>,
+    /// ZeRO stage 3: the shards' optimizer state, masters and f32 gradients in host memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offload_optimizer: Option<bool>,
     /// Whether the data loaders' batch size is the global one, split across the ranks.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub split_batches: Option<bool>,

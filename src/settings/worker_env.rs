@@ -39,6 +39,8 @@ pub struct EnvSpec {
     pub bucket_cap_mb: Option<f64>,
     /// ZeRO stage to export (`ACCELERATE_RS_ZERO_STAGE`).
     pub zero_stage: Option<usize>,
+    /// ZeRO-3 offload to export (`ACCELERATE_RS_OFFLOAD_OPTIMIZER`).
+    pub offload_optimizer: Option<bool>,
 }
 
 /// Variables shared by every rank of one launch.
@@ -85,6 +87,12 @@ impl CommonEnv {
         }
         if let Some(z) = spec.zero_stage {
             vars.push((env::ZERO_STAGE, z.to_string()));
+        }
+        if let Some(o) = spec.offload_optimizer {
+            vars.push((
+                env::OFFLOAD_OPTIMIZER,
+                if o { "1" } else { "0" }.to_string(),
+            ));
         }
         for var in [env::RAYON_NUM_THREADS, env::OMP_NUM_THREADS] {
             if !already_set(var) {
@@ -136,6 +144,7 @@ mod tests {
             timeout_secs: None,
             bucket_cap_mb: None,
             zero_stage: None,
+            offload_optimizer: None,
         }
     }
 
@@ -194,6 +203,7 @@ mod tests {
             timeout_secs: Some(12.5),
             bucket_cap_mb: Some(3.0),
             zero_stage: Some(3),
+            offload_optimizer: Some(true),
             ..spec()
         };
         let common = CommonEnv::new(&spec, |_| false);
@@ -223,6 +233,7 @@ mod tests {
             assert_eq!(s.timeout(), Duration::from_secs_f64(12.5));
             assert_eq!(s.bucket_cap_bytes(), 3 * 1024 * 1024);
             assert_eq!(s.zero_stage(), 3);
+            assert!(s.offload_optimizer());
             assert_eq!(s.launcher(), "torchrun");
         }
     }

@@ -243,6 +243,14 @@ impl GradSync {
         Ok(())
     }
 
+    /// Stage 3, after the optimizer stepped the shards: offload refreshes the device copies.
+    pub(crate) fn after_sharded_step(&self) -> Result<()> {
+        match self.sharded() {
+            Some(s) => s.after_step(),
+            None => Ok(()),
+        }
+    }
+
     /// Stage 3: the sharded model, if one was prepared.
     pub(crate) fn sharded(&self) -> Option<Arc<zero3::Inner>> {
         lock(&self.sharded).clone()

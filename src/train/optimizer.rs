@@ -145,8 +145,12 @@ impl<O: Optimizer + 'static> AcceleratedOptimizer<O> {
     fn apply(&mut self, grads: &GradStore) -> Result<()> {
         // Stage 3: the optimizer was moved onto the units' shards when it was prepared (or it
         // steps parameters replicated beside them whole); nothing is gathered after the step.
-        if self.grads.zero_stage() == 0 || self.grads.zero_stage() >= 3 {
+        if self.grads.zero_stage() == 0 {
             return Ok(self.inner.step(grads)?);
+        }
+        if self.grads.zero_stage() >= 3 {
+            self.inner.step(grads)?;
+            return self.grads.after_sharded_step();
         }
         if !self.sharded {
             let shards = self.grads.shards()?;

@@ -183,6 +183,7 @@ impl AnswerFlags {
             missing_gradients: None,
             nonfinite: None,
             zero_stage: self.zero_stage,
+            offload_optimizer: None,
             split_batches: None,
         };
         if let Some((key, reason)) = cfg.problem() {

@@ -64,6 +64,11 @@ pub(crate) struct LaunchArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=3))]
     zero_stage: Option<u8>,
 
+    /// ZeRO stage 3: the shards' optimizer state, f32 masters and f32 gradients in host memory,
+    /// stepped there (ACCELERATE_RS_OFFLOAD_OPTIMIZER=1) [config: offload_optimizer].
+    #[arg(long)]
+    offload_optimizer: bool,
+
     /// Timeout of every collective in seconds (ACCELERATE_RS_TIMEOUT_SECS)
     /// [config: collective_timeout_secs].
     #[arg(long, value_name = "SECS", value_parser = parse_secs)]
@@ -144,6 +149,9 @@ fn options(args: LaunchArgs, cfg: &ConfigFile) -> LaunchOptions {
     }
     if let Some(v) = args.zero_stage {
         o.zero_stage = Some(usize::from(v));
+    }
+    if args.offload_optimizer {
+        o.offload_optimizer = Some(true);
     }
     if let Some(v) = args.collective_timeout_secs {
         o.collective_timeout = Some(v);

@@ -284,6 +284,7 @@ fn flags_round_trip_without_questions() {
         missing_gradients: None,
         nonfinite: None,
         zero_stage: None,
+        offload_optimizer: None,
         split_batches: None,
         max_restarts: Some(2),
         monitor_interval_secs: Some(0.5),

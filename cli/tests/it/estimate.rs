@@ -209,10 +209,24 @@ fn the_readme_shows_what_the_tool_prints() {
     let dir = fixture();
     let d = dir.to_str().unwrap();
     let common = [d, "--precision", "bf16", "--seq-len", "2048"];
+    let b13 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/llama-2-13b/config.json");
+    let b13 = b13.to_str().unwrap();
     let outputs = [
         ok(&common),
         ok(&[&common[..], &["--lora-r", "16"]].concat()),
         ok(&[&common[..], &["-n", "8", "--zero-stage", "2"]].concat()),
+        ok(&[&common[..], &["-n", "8", "--zero-stage", "3"]].concat()),
+        ok(&[
+            b13,
+            "--precision",
+            "bf16",
+            "--seq-len",
+            "2048",
+            "-n",
+            "8",
+            "--zero-stage",
+            "2,3",
+        ]),
     ]
     .concat();
     let rows: Vec<&str> = section

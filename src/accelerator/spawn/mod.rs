@@ -138,6 +138,7 @@ pub(crate) fn run(plan: &SelfLaunch) -> Result<std::convert::Infallible> {
             timeout_secs: None,
             bucket_cap_mb: None,
             zero_stage: None,
+            offload_optimizer: None,
         },
         crate::settings::runtime::process_var_is_set,
     );

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::train::params::ParamSet;
 use crate::train::weights::ParamSpec;
 
-use super::layout::{ShardLayout, WrapPolicy};
+use super::layout::{ShardLayout, UnitLayout, WrapPolicy};
 use super::unit::Unit;
 use super::{Inner, ShardedModel};
 
@@ -57,6 +57,34 @@ pub(crate) struct Build<'a> {
     pub(crate) compute: DType,
     pub(crate) device: Device,
     pub(crate) trainable: bool,
+    /// Offload: shards (masters) in host memory, copies in the compute dtype on `device`.
+    pub(crate) offload: bool,
+}
+
+impl Build<'_> {
+    /// Where the shards live: host memory with offload, else the device.
+    fn shard_device(&self) -> Device {
+        if self.offload {
+            Device::Cpu
+        } else {
+            self.device.clone()
+        }
+    }
+
+    /// A unit over `shard` (moved to where shards live), with its device copy under offload
+    /// (filled by [`Unit::refresh`]).
+    fn unit(&self, layout: &UnitLayout, shard: Var, own: std::ops::Range<usize>) -> Result<Unit> {
+        let (shard, copy) = if self.offload {
+            let host = Var::from_tensor(&shard.as_tensor().to_device(&Device::Cpu)?)?;
+            let copy = Var::zeros(own.len(), self.compute, &self.device)?;
+            (host, Some(copy))
+        } else {
+            (shard, None)
+        };
+        let unit = Unit::new(layout.clone(), shard, own, self.trainable, copy);
+        unit.refresh()?;
+        Ok(unit)
+    }
 }
 
 fn specs_of(named: &[(String, Var)]) -> Vec<ParamSpec> {
@@ -127,7 +155,7 @@ pub(crate) fn from_vars(b: Build<'_>, named: Vec<(String, Var)>) -> Result<Shard
         let flat = c.broadcast_tensor(&Tensor::cat(&parts, 0)?, 0)?;
         let own = u.own(n, me);
         let shard = Var::from_tensor(&flat.narrow(0, own.start, own.len())?)?;
-        units.push(Unit::new(u.clone(), shard, own, b.trainable));
+        units.push(b.unit(u, shard, own)?);
     }
     Ok(ShardedModel::from_inner(Inner::new(
         b.collective.clone(),
@@ -166,13 +194,14 @@ pub(crate) fn from_source(
     let mut units = Vec::with_capacity(layout.units.len());
     for u in &layout.units {
         let own = u.own(n, me);
-        let shard = Var::zeros(own.len(), u.dtype, &b.device)?;
-        units.push(Unit::new(u.clone(), shard, own, b.trainable));
+        let shard = Var::zeros(own.len(), u.dtype, &b.shard_device())?;
+        units.push(b.unit(u, shard, own)?);
     }
     let filled = match source {
         ShardSource::Seeded(seed) => fill_seeded(&layout, &units, build, seed, n, me, &b.device),
         ShardSource::Files { path, map } => fill_files(&layout, &units, &specs, path, map, n, me),
     };
+    let filled = filled.and_then(|()| units.iter().try_for_each(Unit::refresh));
     agree(c, "loading a ZeRO-3 model", filled)?;
     Ok(ShardedModel::from_inner(Inner::new(
         b.collective.clone(),

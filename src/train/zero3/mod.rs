@@ -393,7 +393,7 @@ impl ShardedParameters for ShardedModel {
                 me,
             )?;
         }
-        Ok(())
+        self.inner.after_step()
     }
 
     fn gather_unit(&self, unit: usize) -> Result<Vec<(String, Tensor)>> {
@@ -514,6 +514,12 @@ impl Inner {
             .collect()
     }
 
+    /// After the optimizer stepped the shards (or a checkpoint was loaded into them): offload
+    /// refreshes each unit's device copy.
+    pub(crate) fn after_step(&self) -> Result<()> {
+        self.units.iter().try_for_each(Unit::refresh)
+    }
+
     /// The names of the trainable units' parameters, in name order.
     pub(crate) fn parameter_names(&self) -> Vec<String> {
         let mut out: Vec<String> = self
@@ -589,7 +595,7 @@ impl Inner {
 
     /// One unit's parameters, whole (all-gathered in the shards' dtype), by name.
     pub(crate) fn gather_unit_whole(&self, u: &Unit) -> Result<Vec<(String, Tensor)>> {
-        let flat = u.gather_flat(self.collective.as_ref(), u.shard.dtype())?;
+        let flat = u.gather_flat(self.collective.as_ref(), u.shard.dtype(), true)?;
         let mut out = Vec::with_capacity(u.layout.members.len());
         for m in &u.layout.members {
             let t = flat

@@ -26,6 +26,10 @@ pub(crate) struct Unit {
     pub(crate) own: Range<usize>,
     /// Whether the unit's parameters get gradients (false: a frozen base under LoRA).
     trainable: AtomicBool,
+    /// Offload: the shard in the compute dtype on the accelerator's device, what gathers read;
+    /// the shard itself (the masters the optimizer steps) then lives in host memory. Refreshed
+    /// after every step and load ([`refresh`](Self::refresh)).
+    device_copy: Option<Var>,
     /// Held gathers ([`ShardedModel::gather`](super::ShardedModel::gather)) whose gradients
     /// are collected when the backward pass ends: the ids of their variables, member by member.
     pub(crate) held: Mutex<Vec<Vec<TensorId>>>,
@@ -41,13 +45,20 @@ fn cpu_storage<'a>(s: &'a Storage, what: &str) -> Result<&'a candle_core::CpuSto
 }
 
 impl Unit {
-    /// A unit over `shard` (this rank's chunk `own`).
-    pub(crate) fn new(layout: UnitLayout, shard: Var, own: Range<usize>, trainable: bool) -> Self {
+    /// A unit over `shard` (this rank's chunk `own`); `device_copy`: see the field.
+    pub(crate) fn new(
+        layout: UnitLayout,
+        shard: Var,
+        own: Range<usize>,
+        trainable: bool,
+        device_copy: Option<Var>,
+    ) -> Self {
         let members = layout.members.len();
         Unit {
             layout,
             shard,
             own,
+            device_copy,
             trainable: AtomicBool::new(trainable),
             held: Mutex::new(Vec::new()),
             present: Mutex::new(vec![false; members]),
@@ -64,11 +75,39 @@ impl Unit {
         self.trainable.store(false, Ordering::Relaxed);
     }
 
-    /// The whole flat vector in `dtype` on the shard's device: every rank's chunk, gathered.
-    pub(crate) fn gather_flat(&self, c: &dyn Collective, dtype: DType) -> Result<Tensor> {
+    /// Where the unit is gathered and its gradients reduced: the device copy's device
+    /// (offload), else the shard's.
+    fn device(&self) -> &Device {
+        self.device_copy
+            .as_ref()
+            .map_or(self.shard.device(), |c| c.device())
+    }
+
+    /// Offload: copies the shard (the masters, in host memory) into the device copy, in its
+    /// dtype; nothing to do otherwise.
+    pub(crate) fn refresh(&self) -> Result<()> {
+        if let Some(copy) = &self.device_copy {
+            let t = self.shard.as_tensor().to_dtype(copy.dtype())?;
+            copy.set(&t.to_device(copy.device())?)?;
+        }
+        Ok(())
+    }
+
+    /// The whole flat vector in `dtype`: every rank's chunk, gathered from the masters (the
+    /// shards, for saving) or for computing (offload: from the device copies, on the device).
+    pub(crate) fn gather_flat(
+        &self,
+        c: &dyn Collective,
+        dtype: DType,
+        masters: bool,
+    ) -> Result<Tensor> {
         let len = self.layout.len;
-        let device = self.shard.device().clone();
-        let mine = self.shard.as_tensor().to_dtype(dtype)?.contiguous()?;
+        let source = match &self.device_copy {
+            Some(copy) if !masters => copy,
+            _ => &self.shard,
+        };
+        let device = source.device().clone();
+        let mine = source.as_tensor().to_dtype(dtype)?.contiguous()?;
         if c.world_size() == 1 {
             return Ok(mine.copy()?);
         }
@@ -98,7 +137,7 @@ impl Unit {
     /// The unit's parameters, gathered in `dtype`, by name: fresh variables when the unit is
     /// trainable (their gradients are this unit's), else views of one flat buffer.
     pub(crate) fn gather(&self, c: &dyn Collective, dtype: DType) -> Result<Vec<(String, Tensor)>> {
-        let flat = self.gather_flat(c, dtype)?;
+        let flat = self.gather_flat(c, dtype, false)?;
         let mut out = Vec::with_capacity(self.layout.members.len());
         for m in &self.layout.members {
             let view = flat
@@ -153,11 +192,13 @@ impl Unit {
                 None => None,
             });
         }
-        let (chunk, flags) = if self.shard.device().is_cpu() {
+        let (chunk, flags) = if self.device().is_cpu() {
             self.reduce_cpu(c, &parts)?
         } else {
             self.reduce_device(c, &parts)?
         };
+        // Offload: the shard's gradient goes to host memory, where the optimizer steps.
+        let chunk = chunk.to_device(self.shard.device())?;
         let mut present = self.present.lock().unwrap_or_else(|p| p.into_inner());
         for (p, f) in present.iter_mut().zip(flags) {
             *p |= f > 0.0;
@@ -221,7 +262,7 @@ impl Unit {
         c: &dyn Collective,
         parts: &[Option<Tensor>],
     ) -> Result<(Tensor, Vec<f64>)> {
-        let (dtype, device) = (self.shard.dtype(), self.shard.device().clone());
+        let (dtype, device) = (self.shard.dtype(), self.device().clone());
         let mut flat = Vec::with_capacity(parts.len());
         let mut flags = Vec::with_capacity(parts.len());
         for (m, g) in self.layout.members.iter().zip(parts) {
