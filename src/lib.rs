@@ -74,7 +74,7 @@
 //! | config file | [`config_file`](AcceleratorBuilder::config_file) | `ACCELERATE_RS_CONFIG_FILE` | - | platform config dir |
 //! | CPU collective transport (several processes) | [`transport`](AcceleratorBuilder::transport) | `ACCELERATE_RS_TRANSPORT`: `auto`, `tcp` or `shm` | `transport` | `auto`: shared memory when every rank is on one host, else TCP |
 //! | Global batch split across ranks | [`split_batches`](AcceleratorBuilder::split_batches) | `ACCELERATE_RS_SPLIT_BATCHES` | `split_batches` | off: the batch size is per rank |
-//! | ZeRO sharding stage | [`zero_stage`](AcceleratorBuilder::zero_stage) | `ACCELERATE_RS_ZERO_STAGE`: 0, 1 or 2 | `zero_stage` | 0 |
+//! | ZeRO sharding stage | [`zero_stage`](AcceleratorBuilder::zero_stage) | `ACCELERATE_RS_ZERO_STAGE`: 0, 1, 2 or 3 | `zero_stage` | 0 |
 //! | Parameters without a gradient at the first step | [`missing_gradients`](AcceleratorBuilder::missing_gradients) | `ACCELERATE_RS_MISSING_GRADIENTS`: `warn`, `error` or `off` | `missing_gradients` | `warn`: one warning on the main process naming them |
 //! | Gradients that turn NaN or infinite | [`nonfinite`](AcceleratorBuilder::nonfinite) | `ACCELERATE_RS_NONFINITE`: `error`, `warn`, `skip-step` or `off` | `nonfinite` | `error`: every rank stops, naming the step, the rank and the parameter |
 //! | reduce CPU gradient buckets on a communication thread while the next is flattened | - | `ACCELERATE_RS_OVERLAP`: `1` or `0` | - | on |
@@ -225,3 +225,4 @@ pub use train::mixed_precision::{LossScaler, MixedPrecisionOptimizer};
 pub use train::optimizer::{AcceleratedOptimizer, TrainOptimizer};
 pub use train::params::Parameters;
 pub use train::shapes::{check_allocatable, shape_only_var_builder, spec_bytes, ParamShapes};
+pub use train::zero3::{ShardSource, ShardedModel, WrapPolicy};

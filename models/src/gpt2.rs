@@ -375,6 +375,18 @@ impl Gpt2LmHeadModel {
         self.ln_f.forward(&h)
     }
 
+    /// The final hidden states and the output layer.
+    fn hidden_and_head(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<(Tensor, Linear)> {
+        Ok((
+            self.hidden_states(input_ids, attention_mask)?,
+            self.lm_head.clone(),
+        ))
+    }
+
     causal_lm_methods!();
 }
 

@@ -286,8 +286,8 @@ pub(crate) fn causal_lm_loss(hidden: &Tensor, head: &Linear, labels: &Tensor) ->
 }
 
 /// `forward`, `loss` and `loss_with_mask` of a causal language model (inside its `impl`
-/// block): the type needs `hidden_states(&self, &Tensor, Option<&Tensor>) -> Result<Tensor>` and
-/// a field `lm_head: Linear`.
+/// block): the type needs `hidden_and_head(&self, &Tensor, Option<&Tensor>) -> Result<(Tensor,
+/// Linear)>` (the final hidden states and the output layer).
 macro_rules! causal_lm_methods {
     () => {
         /// The logits `[B, T, vocab]` of every position.
@@ -296,8 +296,8 @@ macro_rules! causal_lm_methods {
             input_ids: &Tensor,
             attention_mask: Option<&Tensor>,
         ) -> Result<Tensor> {
-            self.lm_head
-                .forward(&self.hidden_states(input_ids, attention_mask)?)
+            let (hidden, head) = self.hidden_and_head(input_ids, attention_mask)?;
+            head.forward(&hidden)
         }
 
         /// The next-token loss: `labels` `[B, T]` (usually the input ids; -100 where nothing
@@ -315,8 +315,8 @@ macro_rules! causal_lm_methods {
             attention_mask: Option<&Tensor>,
             labels: &Tensor,
         ) -> Result<Tensor> {
-            let hidden = self.hidden_states(input_ids, attention_mask)?;
-            $crate::layers::causal_lm_loss(&hidden, &self.lm_head, labels)
+            let (hidden, head) = self.hidden_and_head(input_ids, attention_mask)?;
+            $crate::layers::causal_lm_loss(&hidden, &head, labels)
         }
     };
 }

@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use accelerate_rs::nn::{checkpoint_fn, Linear, RmsNorm};
+use accelerate_rs::{Accelerator, ShardSource, ShardedModel, WrapPolicy};
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
@@ -537,6 +538,30 @@ impl LlamaForCausalLm {
         input_ids: &Tensor,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor> {
+        Ok(self.hidden_and_head(input_ids, attention_mask)?.0)
+    }
+
+    /// The final hidden states and the output layer.
+    fn hidden_and_head(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<(Tensor, Linear)> {
+        match &self.weights.sharded {
+            Some(s) => self.sharded_hidden_and_head(s, input_ids, attention_mask),
+            None => Ok((
+                self.dense_hidden_states(input_ids, attention_mask)?,
+                self.lm_head.clone(),
+            )),
+        }
+    }
+
+    /// [`hidden_states`](Self::hidden_states) over the whole parameters.
+    fn dense_hidden_states(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let (b, t) = input_ids.dims2()?;
         check_mask(attention_mask, b, t)?;
         let pad = padding_idx(&self.config.extra, self.config.vocab_size);
@@ -557,8 +582,136 @@ impl LlamaForCausalLm {
         self.norm.forward(&h)
     }
 
+    /// ZeRO-3: the embeddings and the root unit (final norm, output layer) gathered and held
+    /// until the backward pass ends; each decoder layer built from its gathered unit, run and
+    /// recomputed in the backward pass, its gradients reduce-scattered right after.
+    fn sharded_hidden_and_head(
+        &self,
+        s: &ShardedModel,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<(Tensor, Linear)> {
+        let c = &self.config;
+        let (b, t) = input_ids.dims2()?;
+        check_mask(attention_mask, b, t)?;
+        let pad = padding_idx(&c.extra, c.vocab_size);
+        let emb = s
+            .gather(EMBED_UNIT)?
+            .get((c.vocab_size, c.hidden_size), "model.embed_tokens.weight")?;
+        let mut h = lookup(&emb, input_ids, pad, "input_ids")?;
+        let (cos, sin) = rope::tables(&self.inv_freq, t, h.dtype(), h.device())?;
+        let config = std::sync::Arc::new(c.clone());
+        for i in 0..c.num_hidden_layers {
+            let unit = format!("model.layers.{i}");
+            let (config, cos, sin) = (config.clone(), cos.clone(), sin.clone());
+            let (mask, train) = (attention_mask.cloned(), self.weights.training);
+            let (adapters, dtype) = (self.weights.adapters.clone(), self.weights.dtype);
+            let prefix = unit.clone();
+            h = s.run(&unit, &h, move |vb, x| {
+                let mut layer = DecoderLayer::new(&config, i, 0.0, vb.pp(&prefix))?;
+                if let Some(a) = &adapters {
+                    crate::lora::attach(layer.projections_mut().into(), a, dtype, x.device())?;
+                }
+                layer.forward(x, &cos, &sin, mask.as_ref(), train)
+            })?;
+        }
+        let root = s.gather("")?;
+        let norm = rms_norm(c.hidden_size, c.rms_norm_eps, root.pp("model.norm"))?;
+        let head = if c.tie_word_embeddings {
+            Linear::new(emb, None)
+        } else {
+            linear(c.hidden_size, c.vocab_size, false, 0.0, root.pp("lm_head"))?
+        };
+        Ok((norm.forward(&h)?, head))
+    }
+
+    /// The ZeRO-3 units of a Llama: the embeddings, each decoder layer, and the root unit
+    /// (the final norm and the output layer).
+    pub fn wrap_policy(config: &LlamaConfig) -> WrapPolicy {
+        let layers = (0..config.num_hidden_layers).map(|i| format!("model.layers.{i}"));
+        WrapPolicy::prefixes(std::iter::once(EMBED_UNIT.to_string()).chain(layers))
+    }
+
+    /// [`from_pretrained`](Self::from_pretrained) at `zero_stage = 3`: the parameters are
+    /// sharded over the ranks of `accelerator` by [`wrap_policy`](Self::wrap_policy), and each
+    /// rank reads only its 1/N of every unit from the memory-mapped files (no rank holds the
+    /// whole model). Every rank calls it. Forward and backward then gather each unit for the
+    /// time it runs (decoder layers are recomputed in the backward pass); train it with the
+    /// optimizer of `accelerator.prepare_sharded_optimizer(model.sharded_parameters(), opt)`.
+    /// `dtype` is the parameters' (f32 under mixed precision, where the units are gathered in
+    /// bf16). Below stage 3 an error naming `from_pretrained`.
+    pub fn from_pretrained_sharded(
+        dir: impl AsRef<Path>,
+        accelerator: &Accelerator,
+        dtype: DType,
+    ) -> CrateResult<Self> {
+        let dir = crate::config::model_folder(dir.as_ref())?;
+        let (path, json) = crate::config::read_json(dir)?;
+        crate::pretrained::check_architecture(
+            &path,
+            &json,
+            &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"],
+        )?;
+        let config = LlamaConfig::from_json(&path, &json)?;
+        let tied = config.tie_word_embeddings;
+        let map = |name: &str| {
+            let skip = name.ends_with(".rotary_emb.inv_freq") || (tied && name == "lm_head.weight");
+            (!skip).then(|| name.to_string())
+        };
+        Self::sharded(
+            config,
+            accelerator,
+            dtype,
+            ShardSource::Files {
+                path: dir,
+                map: &map,
+            },
+        )
+    }
+
+    /// [`from_config`](Self::from_config) at `zero_stage = 3`, the values drawn as
+    /// `accelerate_rs::seeded_var_builder` draws them with `seed` (each rank draws one
+    /// parameter at a time and keeps its pieces: the same model at any world size).
+    pub fn from_config_sharded(
+        config: &LlamaConfig,
+        accelerator: &Accelerator,
+        dtype: DType,
+        seed: u64,
+    ) -> CrateResult<Self> {
+        Self::sharded(
+            config.clone(),
+            accelerator,
+            dtype,
+            ShardSource::Seeded(seed),
+        )
+    }
+
+    fn sharded(
+        config: LlamaConfig,
+        accelerator: &Accelerator,
+        dtype: DType,
+        source: ShardSource<'_>,
+    ) -> CrateResult<Self> {
+        config.check()?;
+        let std = config.initializer_range;
+        let build = |vb: VarBuilder<'_>| -> Result<()> {
+            Self::assemble(&config, vb, std)
+                .map(drop)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))
+        };
+        let policy = Self::wrap_policy(&config);
+        let model = accelerator.shard_model(&policy, dtype, &build, source)?;
+        let device = accelerator.device();
+        let (vb, _) = accelerate_rs::shape_only_var_builder(dtype, device);
+        let parts = Self::assemble(&config, vb, 0.0)?;
+        Self::from_parts(&config, parts, Weights::sharded(model, dtype, device))
+    }
+
     causal_lm_methods!();
 }
+
+/// The ZeRO-3 unit of the embeddings.
+const EMBED_UNIT: &str = "model.embed_tokens";
 
 adaptable!(
     LlamaForCausalLm,

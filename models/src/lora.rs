@@ -292,8 +292,35 @@ pub(crate) fn add_lora<M: Adaptable>(model: &mut M, config: &LoraConfig) -> Crat
             ),
         )));
     }
+    if let Some(sharded) = &frozen.weights().sharded {
+        // ZeRO-3: the base stays sharded and frozen; the adapters train replicated.
+        sharded.freeze();
+    }
     frozen.weights_mut().adapters = Some(Adapters { config, varmap });
     *model = frozen;
+    Ok(())
+}
+
+/// ZeRO-3: puts `adapters` (replicated on every rank, trained whole) on the `projections` of a
+/// layer just built from a gathered unit, as [`add_lora`] put them on the whole model's.
+pub(crate) fn attach(
+    projections: Vec<&mut Proj>,
+    adapters: &Adapters,
+    base_dtype: DType,
+    device: &Device,
+) -> Result<()> {
+    let config = &adapters.config;
+    let dtype = config.adapter_dtype_for(base_dtype);
+    let vb = VarBuilder::from_varmap(&adapters.varmap, dtype, device);
+    for p in projections {
+        if config
+            .matches(&p.path)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?
+        {
+            let (i, o) = p.dims()?;
+            p.lora = Some(Lora::new(i, o, config, vb.pp(&p.path))?);
+        }
+    }
     Ok(())
 }
 
@@ -341,6 +368,13 @@ pub(crate) fn load<M: Adaptable>(model: &mut M, dir: &Path) -> CrateResult<()> {
 /// drops them; the model is trainable again, every parameter.
 pub(crate) fn merge<M: Adaptable>(model: &mut M) -> CrateResult<()> {
     adapters(model, "merge_lora")?;
+    if model.weights().sharded.is_some() {
+        return Err(Error::Accelerate(accelerate_rs::Error::invalid(
+            "merge_lora",
+            "the base is sharded (ZeRO-3): save the adapters (`save_adapter`, loadable by peft) \
+             and merge them into the base on one process",
+        )));
+    }
     let weights = model.weights().clone();
     let mut merged = Vec::new();
     {

@@ -33,6 +33,9 @@ pub(crate) struct Weights {
     pub(crate) training: bool,
     /// Every block runs through `accelerate_rs::nn::checkpoint_fn`.
     pub(crate) checkpointing: bool,
+    /// ZeRO-3: the parameters, sharded over the ranks (then `varmap` is empty and the model's
+    /// layers hold shape-only placeholders: every forward builds them from the gathered units).
+    pub(crate) sharded: Option<accelerate_rs::ShardedModel>,
 }
 
 impl std::fmt::Debug for Weights {
@@ -117,6 +120,7 @@ impl Weights {
             adapters: None,
             training: false,
             checkpointing: false,
+            sharded: None,
         };
         Ok((model, weights))
     }
@@ -136,8 +140,33 @@ impl Weights {
         config: &serde_json::Value,
         max_shard_bytes: usize,
     ) -> Result<()> {
+        if self.sharded.is_some() {
+            return Err(Error::Accelerate(accelerate_rs::Error::invalid(
+                "save_pretrained",
+                "the model is sharded (ZeRO-3): every rank calls \
+                 `accelerator.save_model_with_config(dir, model.sharded_parameters().unwrap(), &model.config_json(), max_shard_bytes)`, \
+                 which streams one unit at a time through rank 0",
+            )));
+        }
         write_model_folder(dir, &self.varmap, max_shard_bytes, Some(config))?;
         Ok(())
+    }
+
+    /// ZeRO-3 weights: nothing in `varmap`, the parameters in `sharded`.
+    pub(crate) fn sharded(
+        sharded: accelerate_rs::ShardedModel,
+        dtype: DType,
+        device: &Device,
+    ) -> Self {
+        Weights {
+            varmap: VarMap::new(),
+            dtype,
+            device: device.clone(),
+            adapters: None,
+            training: false,
+            checkpointing: false,
+            sharded: Some(sharded),
+        }
     }
 }
 
@@ -212,7 +241,17 @@ macro_rules! pretrained_methods {
 
             /// The layers again over the same parameters (frozen or not), for LoRA.
             fn rebuilt(&self, frozen: bool) -> $crate::error::Result<Self> {
-                let vb = $crate::lora::rebuild_vb(&self.weights, frozen);
+                let vb = match &self.weights.sharded {
+                    // ZeRO-3: placeholders again; the forward builds from the gathered units.
+                    Some(_) => {
+                        accelerate_rs::shape_only_var_builder(
+                            self.weights.dtype,
+                            &self.weights.device,
+                        )
+                        .0
+                    }
+                    None => $crate::lora::rebuild_vb(&self.weights, frozen),
+                };
                 let parts = Self::assemble(&self.config, vb, 0.0)?;
                 Self::from_parts(&self.config, parts, self.weights.clone())
             }
@@ -393,6 +432,13 @@ macro_rules! pretrained_methods {
             /// The adapters' settings, when the model has adapters.
             pub fn lora_config(&self) -> Option<&accelerate_rs::nn::LoraConfig> {
                 self.weights.adapters.as_ref().map(|a| &a.config)
+            }
+
+            /// ZeRO-3: the sharded parameters, when the model was made sharded
+            /// (`from_pretrained_sharded`); give them to
+            /// `accelerator.prepare_sharded_optimizer`, `save_state` and `save_model_with_config`.
+            pub fn sharded_parameters(&self) -> Option<&accelerate_rs::ShardedModel> {
+                self.weights.sharded.as_ref()
             }
 
             /// What trains: the adapters (`<module path>.lora_A.weight`, ...) when the model

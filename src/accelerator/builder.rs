@@ -76,6 +76,11 @@ impl AcceleratorBuilder {
         /// too. Needs [`optim::AdamW`](crate::optim::AdamW) or [`optim::Sgd`](crate::optim::Sgd)
         /// and CPU parameters.
         zero_stage: usize;
+        /// ZeRO stage 3: keep the optimizer state, f32 masters and f32 gradients of this
+        /// rank's shards in host memory and step them there with the CPU optimizer (instead of
+        /// `ACCELERATE_RS_OFFLOAD_OPTIMIZER`, the config key `offload_optimizer`; default
+        /// false). The device keeps the shards in the compute dtype for the gathers.
+        offload_optimizer: bool;
         /// Whether to tune glibc's allocator for training (default true; see
         /// [`allocator`](crate::allocator)).
         tune_malloc: bool;

@@ -105,9 +105,13 @@ impl Accelerator {
 
     /// Loads the checkpoint in `dir` (or its `.old` copy, after a crash mid-save) into `model`
     /// and, if given, `optimizer`, and returns its [`Manifest`] for the rest (loader position,
-    /// schedule step, `extra`). Every rank reads the files itself; nothing communicates. Checks
-    /// everything before changing anything: errors name the file and the parameter or tensor
-    /// that is missing, unexpected or of the wrong shape.
+    /// schedule step, `extra`). Every rank reads the files itself; nothing communicates, except
+    /// for a ZeRO-3 [`ShardedModel`](crate::ShardedModel): each rank then reads only the
+    /// elements it keeps (from the per-rank files of a checkpoint of any world size and stage,
+    /// or from a whole `model.safetensors`), and one all-reduce makes every rank fail when one
+    /// cannot (every rank must call it). Checks everything before changing anything: errors
+    /// name the file and the parameter or tensor that is missing, unexpected or of the wrong
+    /// shape.
     pub fn load_state<'a>(
         &self,
         dir: impl AsRef<Path>,

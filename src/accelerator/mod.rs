@@ -10,6 +10,7 @@ mod checkpoint;
 mod connect;
 pub(crate) mod dp;
 mod ops;
+mod sharded;
 mod spawn;
 
 use std::sync::Arc;

@@ -15,8 +15,13 @@
 //! | backward working set | at the backward pass's start the head's input gradient (with the fused output layer and loss, `nn::linear_cross_entropy`; three logits-sized f32 tensors with a composed head, `Plan::fused_head` false), at its end a few tensors of one block's size (and with checkpointing the block being recomputed), whichever is larger beyond the gradients |
 //!
 //! ZeRO is counted as accelerate-rs implements it: stage 1 shards the optimizer state, stage 2
-//! also the averaged gradients; parameters and f32 masters stay whole on every rank. What is not
-//! counted is listed in [`NOT_COUNTED`].
+//! also the averaged gradients; parameters and f32 masters stay whole on every rank. Stage 3
+//! shards the parameters too (as f32 masters under mixed precision: no whole working copy),
+//! holds what lies outside the blocks (embeddings, final norm, head) gathered for the step and
+//! about two blocks at a time, keeps 1/N of the f32 gradients plus one unit's gradients in
+//! flight, and recomputes every block (its activations are the checkpointed ones); with
+//! [`Plan::offload_optimizer`] the shards' optimizer state, masters and f32 gradients are host
+//! memory ([`Estimate::offloaded`]). What is not counted is listed in [`NOT_COUNTED`].
 //!
 //! Activations per block and token, in elements of the compute dtype (`h` hidden size, `q`
 //! the query width heads × head size, `kv` the key/value width, `i` the MLP width), plus the
@@ -115,7 +120,7 @@ pub struct Lora {
 pub struct Plan {
     /// The precision: f32, or bf16/fp16 mixed precision (f32 masters, half working copies).
     pub precision: MixedPrecision,
-    /// ZeRO stage (0, 1 or 2).
+    /// ZeRO stage (0 to 3).
     pub zero_stage: usize,
     /// Ranks the ZeRO stage shards over.
     pub world_size: usize,
@@ -135,6 +140,10 @@ pub struct Plan {
     /// backward pass starts with three logits-sized f32 tensors (the loss's gradient, and the
     /// zero-filled tensor and sum Candle's backward makes of it).
     pub fused_head: bool,
+    /// ZeRO-3 offload: the optimizer state, the f32 masters and the f32 gradients of the
+    /// rank's shards live in host memory ([`Estimate::offloaded`]), the device keeping the
+    /// shards in the compute dtype for the gathers.
+    pub offload_optimizer: bool,
 }
 
 impl Default for Plan {
@@ -151,6 +160,7 @@ impl Default for Plan {
             seq_len: 512,
             checkpointing: false,
             fused_head: true,
+            offload_optimizer: false,
         }
     }
 }
@@ -186,6 +196,9 @@ pub struct Estimate {
     pub masters: u64,
     /// The activations, when the architecture is known.
     pub activations: Option<Activations>,
+    /// With [`Plan::offload_optimizer`]: bytes kept in host memory instead of the device (not
+    /// in [`total`](Self::total)).
+    pub offloaded: u64,
 }
 
 impl Estimate {
@@ -238,10 +251,19 @@ fn is_target(module: &str, targets: &[String]) -> bool {
 /// Checks a plan on its own.
 fn check_plan(plan: &Plan) -> Result<()> {
     let bad = |name: &str, reason: String| Err(Error::invalid(name, reason));
-    if plan.zero_stage > 2 {
+    if plan.zero_stage > 3 {
         return bad(
             "zero_stage",
-            format!("must be 0, 1 or 2, got {}", plan.zero_stage),
+            format!("must be 0, 1, 2 or 3, got {}", plan.zero_stage),
+        );
+    }
+    if plan.offload_optimizer && plan.zero_stage != 3 {
+        return bad(
+            "offload_optimizer",
+            format!(
+                "offloads the shards' optimizer state and masters of ZeRO stage 3, got stage {}",
+                plan.zero_stage
+            ),
         );
     }
     if plan.world_size == 0 || plan.world_size > crate::settings::limits::MAX_WORLD_SIZE {
@@ -364,6 +386,13 @@ pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
             (adapters, params, layers, per_block)
         }
     };
+    if plan.zero_stage == 3 {
+        return stage3(
+            model,
+            plan,
+            (trainable, frozen, lora_layers, adapter_tokens),
+        );
+    }
     // Trainable parameters live in f32 (masters under mixed precision, with half working
     // copies); a frozen base lives in the compute dtype.
     let parameters = frozen * e + trainable * if mixed { 2 } else { 4 };
@@ -395,6 +424,7 @@ pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
         optimizer_state: fit(optimizer_state, "the optimizer state")?,
         masters: fit(masters, "the f32 masters")?,
         activations,
+        offloaded: 0,
     };
     // The totals must fit too.
     let states = [
@@ -410,6 +440,108 @@ pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
         .activations
         .map_or(0, |a| a.kept as u128 + a.backward as u128);
     fit(states + acts, "the whole step")?;
+    Ok(estimate)
+}
+
+/// The block a tensor belongs to (`model.layers.3.…`, `transformer.h.3.…`,
+/// `encoder.layer.3.…`): the ZeRO-3 unit of `accelerate-rs-models`' wrap policies.
+fn block_of(name: &str) -> Option<usize> {
+    let mut parts = name.split('.').peekable();
+    while let Some(p) = parts.next() {
+        if matches!(p, "layers" | "h" | "layer" | "blocks") {
+            if let Some(i) = parts.peek().and_then(|n| n.parse().ok()) {
+                return Some(i);
+            }
+        }
+    }
+    None
+}
+
+/// ZeRO stage 3 (see [the module](self)): every rank keeps 1/N of the parameters (as f32
+/// masters under mixed precision), of their gradients and of the optimizer state; it holds the
+/// units outside the blocks (embeddings, final norm, head) gathered for the whole step, and
+/// about two blocks at a time (the block gathered for its forward or its recomputation, and
+/// the copy its gather goes through); every block is recomputed in the backward pass.
+/// `lora`: (trainable, frozen, adapter layers, adapter elements per token and block).
+fn stage3(model: &ModelSpec, plan: &Plan, lora: (u128, u128, usize, u128)) -> Result<Estimate> {
+    let (trainable, frozen, lora_layers, adapter_tokens) = lora;
+    let e = compute_bytes(plan.precision);
+    let n = plan.world_size as u128;
+    let mut blocks: std::collections::BTreeMap<usize, u128> = Default::default();
+    let mut all = 0u128;
+    for t in model.tensors.iter().filter(|t| t.is_float()) {
+        all += t.elem_count() as u128;
+        if let Some(b) = block_of(&t.name) {
+            *blocks.entry(b).or_default() += t.elem_count() as u128;
+        }
+    }
+    let block = blocks.values().copied().max().unwrap_or(all);
+    let held = all - blocks.values().sum::<u128>();
+    // Gathered in the compute dtype: the held units, and two blocks' worth.
+    let gathered = (held + 2 * block.min(all)) * e;
+    let lora_on = plan.lora.is_some();
+    // The sharded parameters: the base (LoRA, frozen) or every trainable one, in f32.
+    let sharded = if lora_on { frozen * e } else { trainable * 4 };
+    let shard = sharded.div_ceil(n);
+    let state = trainable * plan.optimizer.state_bytes() as u128;
+    let (mut parameters, mut gradients, mut optimizer_state, mut masters, mut offloaded);
+    if lora_on {
+        // The adapters are replicated: whole on every rank, as at stage 0.
+        parameters = shard + gathered + trainable * 4;
+        gradients = trainable * 4;
+        optimizer_state = state;
+        masters = 0;
+        offloaded = 0;
+    } else {
+        let mixed = plan.precision != MixedPrecision::No;
+        // The shard's f32 gradients, a block's gradients (compute dtype) and its f32 reduce
+        // buffer, or at the end the held units' gradients in the same two forms.
+        let transient = held.max(block) * (e + 4);
+        gradients = trainable * 4 / n.max(1) + transient;
+        optimizer_state = state.div_ceil(n);
+        (parameters, masters) = if mixed {
+            (gathered, shard)
+        } else {
+            (shard + gathered, 0)
+        };
+        offloaded = 0;
+        if plan.offload_optimizer {
+            // Host: masters, moments, f32 shard gradients; device: the shard in the compute
+            // dtype for the gathers.
+            offloaded = shard + optimizer_state + trainable * 4 / n.max(1);
+            parameters = (trainable * e).div_ceil(n) + gathered;
+            gradients = transient;
+            optimizer_state = 0;
+            masters = 0;
+        }
+    }
+    let ckpt = Plan {
+        checkpointing: true,
+        ..plan.clone()
+    };
+    let activations = model
+        .architecture
+        .as_ref()
+        .map(|a| activations(a, &ckpt, adapter_tokens, gradients))
+        .transpose()?;
+    let estimate = Estimate {
+        trainable_params: fit(trainable, "the trainable parameters")?,
+        frozen_params: fit(frozen, "the frozen parameters")?,
+        lora_layers,
+        parameters: fit(parameters, "the parameters")?,
+        gradients: fit(gradients, "the gradients")?,
+        optimizer_state: fit(optimizer_state, "the optimizer state")?,
+        masters: fit(masters, "the f32 masters")?,
+        activations,
+        offloaded: fit(offloaded, "the offloaded state")?,
+    };
+    fit(
+        estimate.states() as u128
+            + estimate
+                .activations
+                .map_or(0, |a| a.kept as u128 + a.backward as u128),
+        "the whole step",
+    )?;
     Ok(estimate)
 }
 
@@ -659,7 +791,12 @@ mod tests {
         let m = llama(serde_json::json!({}));
         for plan in [
             Plan {
-                zero_stage: 3,
+                zero_stage: 4,
+                ..Plan::default()
+            },
+            Plan {
+                zero_stage: 2,
+                offload_optimizer: true,
                 ..Plan::default()
             },
             Plan {
@@ -680,5 +817,48 @@ mod tests {
         ] {
             assert!(estimate(&m, &plan).is_err(), "{plan:?}");
         }
+    }
+
+    #[test]
+    fn stage_3_shards_parameters_masters_and_gradients() {
+        let m = llama(serde_json::json!({}));
+        let p = m.parameter_count();
+        // Two blocks of 2 x 64 + 4 x 64 x 64 + 3 x 64 x 176; the rest (embeddings, norm, head)
+        // held for the step.
+        let block = 2 * 64 + 4 * 64 * 64 + 3 * 64 * 176;
+        let held = p - 2 * block;
+        let plan = Plan {
+            precision: MixedPrecision::Bf16,
+            zero_stage: 3,
+            world_size: 4,
+            ..Plan::default()
+        };
+        let e = estimate(&m, &plan).unwrap();
+        assert_eq!(e.masters, (4 * p).div_ceil(4));
+        assert_eq!(e.optimizer_state, (8 * p).div_ceil(4));
+        assert_eq!(e.parameters, (held + 2 * block) * 2);
+        assert_eq!(e.gradients, 4 * p / 4 + held.max(block) * 6);
+        // Every block recomputed: the checkpointed activations, asked for or not.
+        let ckpt = estimate(
+            &m,
+            &Plan {
+                checkpointing: true,
+                ..plan.clone()
+            },
+        )
+        .unwrap();
+        assert_eq!(e.activations, ckpt.activations);
+        // Offload: moments, masters and f32 shard gradients on the host.
+        let o = estimate(
+            &m,
+            &Plan {
+                offload_optimizer: true,
+                ..plan
+            },
+        )
+        .unwrap();
+        assert_eq!(o.offloaded, e.masters + e.optimizer_state + 4 * p / 4);
+        assert_eq!((o.optimizer_state, o.masters), (0, 0));
+        assert!(o.total() < e.total());
     }
 }

@@ -24,6 +24,12 @@ use rand_chacha::ChaCha8Rng;
 /// A block's forward function, as [`checkpoint_fn`] takes it.
 type Block = dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync;
 
+/// What [`checkpoint_then`] runs right after a recomputed block's backward pass, inside Candle's
+/// backward: it gets the gradients of the variables the recomputation used and takes those it
+/// owns out of the store (ZeRO-3 reduce-scatters a unit's gradients there); the others go where
+/// [`checkpoint_fn`] sends them.
+pub(crate) type AfterBackward = dyn Fn(&mut GradStore) -> Result<()> + Send + Sync;
+
 thread_local! {
     /// Parameter gradients of the checkpointed blocks back-propagated on this thread, waiting for
     /// [`backward`] (id -> (parameter, gradient)).
@@ -74,6 +80,20 @@ pub fn checkpoint_fn<F>(f: F, x: &Tensor) -> Result<Tensor>
 where
     F: Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
 {
+    checkpointed(Arc::new(f), None, x)
+}
+
+/// [`checkpoint_fn`] with `after` run on the recomputed block's parameter gradients as soon as
+/// its backward pass is done (see [`AfterBackward`]).
+pub(crate) fn checkpoint_then(
+    f: Arc<Block>,
+    after: Arc<AfterBackward>,
+    x: &Tensor,
+) -> Result<Tensor> {
+    checkpointed(f, Some(after), x)
+}
+
+fn checkpointed(f: Arc<Block>, after: Option<Arc<AfterBackward>>, x: &Tensor) -> Result<Tensor> {
     // Reported once, then forgotten: the gradients are lost either way.
     let uncollected = if DEPTH.with(Cell::get) == 0 {
         PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()).len())
@@ -100,7 +120,8 @@ where
         Var::from_tensor(x)?.as_tensor().clone()
     };
     let op = Checkpointed {
-        f: Arc::new(f),
+        f,
+        after,
         output: Mutex::new(Some(y)),
         rng,
     };
@@ -188,6 +209,8 @@ fn check_memory_limit(loss: &Tensor) -> Result<()> {
 /// recomputes the block.
 struct Checkpointed {
     f: Arc<Block>,
+    /// Run on the parameter gradients right after the recomputed backward pass.
+    after: Option<Arc<AfterBackward>>,
     /// The block's output until the forward pass takes it.
     output: Mutex<Option<Tensor>>,
     /// The dropout stream as the first pass found it, replayed by the recomputation.
@@ -267,6 +290,9 @@ impl CustomOp1 for Checkpointed {
         // activations and their gradients) alive for as long as it is held, which would undo
         // the checkpointing for every block until the backward pass ends.
         let dx = grads.remove(input.as_tensor()).map(|g| g.detach());
+        if let Some(after) = &self.after {
+            after(&mut grads)?;
+        }
         let params: HashMap<TensorId, Tensor> = y
             .sorted_nodes()
             .into_iter()

@@ -78,6 +78,7 @@ mod softmax;
 
 pub use attention::{packed_self_attention, scaled_dot_product_attention, AttentionOptions};
 pub use candle_nn::LayerNormConfig;
+pub(crate) use checkpoint::checkpoint_then;
 pub use checkpoint::{backward, checkpoint, checkpoint_fn};
 pub use dropout::{dropout, set_dropout_seed};
 pub use gelu::gelu;

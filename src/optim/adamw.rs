@@ -249,6 +249,11 @@ impl AdamW {
         self.slots.shard(shards)
     }
 
+    /// ZeRO-3: moves the optimizer onto the units' shards (see `Slots::rebase`).
+    pub(crate) fn rebase(&mut self, params: &[super::ParamPieces]) -> Result<()> {
+        self.slots.rebase(params)
+    }
+
     /// ZeRO: this rank's slices of the moments (`None` unless sharded), for a checkpoint in
     /// which every rank writes its own file.
     pub fn state_shard(&self) -> Result<Option<StateShard>> {

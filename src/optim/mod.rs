@@ -41,5 +41,5 @@ pub(crate) use fused::sq_sum;
 pub use sgd::{Sgd, SgdConfig};
 
 pub use fused_cuda::launches as cuda_kernel_launches;
-pub(crate) use state::{candle_err, check_lr, Shard};
+pub(crate) use state::{candle_err, check_lr, ParamPieces, Shard};
 pub use state::{OptimizerState, StateShard, StatefulOptimizer};

@@ -272,6 +272,11 @@ impl Sgd {
         self.slots.shard(shards)
     }
 
+    /// ZeRO-3: moves the optimizer onto the units' shards (see `Slots::rebase`).
+    pub(crate) fn rebase(&mut self, params: &[super::ParamPieces]) -> Result<()> {
+        self.slots.rebase(params)
+    }
+
     /// Whether this optimizer keeps momentum buffers with its present hyper-parameters.
     fn keeps_state(&self) -> bool {
         self.config.momentum != 0.0

@@ -10,9 +10,9 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_core::{DType, Device, Shape, Tensor, TensorId, Var};
 
-use super::{check_lr, fused, OptimizerState, Shard, StateShard};
+use super::{check_lr, fused, OptimizerState, ParamPieces, Shard, StateShard};
 use crate::error::{Error, Result};
 
 /// What an optimizer keeps per parameter.
@@ -34,8 +34,12 @@ pub(crate) struct SlotSpec<const K: usize> {
 pub(crate) struct Slot<const K: usize> {
     /// The parameter.
     pub(crate) var: Var,
-    /// ZeRO: the elements of the flattened parameter this rank updates (`None`: all).
+    /// ZeRO: the elements of the flattened `var` this rank updates (`None`: all).
     range: Option<Range<usize>>,
+    /// ZeRO-3: the parameter this slot is a piece of (its index in the unsharded layout) and
+    /// the piece's first element in it; `var` is then a unit's shard, not the parameter.
+    /// `None`: `var` is the parameter itself.
+    place: Option<(usize, usize)>,
     /// The state tensors, one per kind of the [`SlotSpec`], allocated on the parameter's first
     /// gradient (so that a sharded optimizer never holds the whole state) or by a loaded state.
     pub(crate) state: [Option<Tensor>; K],
@@ -91,7 +95,31 @@ pub(crate) struct Slots<const K: usize> {
     fused: bool,
     /// ZeRO: every parameter before the optimizer was cut down to this rank's slices, in index
     /// order (empty unless sharded), so that checkpoints keep the unsharded layout.
-    origin: Vec<Var>,
+    origin: Vec<Origin>,
+    /// Whether the optimizer was cut down to this rank's slices (it may own none of them).
+    sharded: bool,
+}
+
+/// A parameter of the unsharded layout, kept by a sharded optimizer: what a checkpoint needs of
+/// it, without holding the parameter itself (ZeRO-3 keeps no whole parameter).
+#[derive(Debug)]
+struct Origin {
+    /// The whole parameter's id, when the optimizer was built over it.
+    id: Option<TensorId>,
+    shape: Shape,
+    dtype: DType,
+    device: Device,
+}
+
+impl Origin {
+    fn of(var: &Var) -> Self {
+        Origin {
+            id: Some(var.id()),
+            shape: var.shape().clone(),
+            dtype: var.dtype(),
+            device: var.device().clone(),
+        }
+    }
 }
 
 impl<const K: usize> Slots<K> {
@@ -104,6 +132,7 @@ impl<const K: usize> Slots<K> {
             .map(|var| Slot {
                 var,
                 range: None,
+                place: None,
                 state: std::array::from_fn(|_| None),
                 decays: true,
             })
@@ -114,6 +143,7 @@ impl<const K: usize> Slots<K> {
             step: 0,
             fused: fused::default_on()?,
             origin: Vec::new(),
+            sharded: false,
         })
     }
 
@@ -157,9 +187,18 @@ impl<const K: usize> Slots<K> {
         self.slots.iter().map(|s| &s.var).collect()
     }
 
-    /// Whether only this rank's slices of the parameters are kept (ZeRO stage 1 or 2).
+    /// Whether only this rank's slices of the parameters are kept (ZeRO stages 1 to 3).
     pub(crate) fn is_sharded(&self) -> bool {
-        self.slots.iter().any(|s| s.range.is_some())
+        self.sharded
+    }
+
+    /// A sharded slot's parameter (index in the unsharded layout) and first element in it.
+    fn place(&self, s: &Slot<K>) -> Option<(usize, usize)> {
+        if s.place.is_some() {
+            return s.place;
+        }
+        let i = self.origin.iter().position(|o| o.id == Some(s.var.id()))?;
+        Some((i, s.range.as_ref().map_or(0, |r| r.start)))
     }
 
     /// Bytes of state tensors this rank holds.
@@ -178,7 +217,8 @@ impl<const K: usize> Slots<K> {
         if self.is_sharded() {
             return Ok(());
         }
-        self.origin = self.slots.iter().map(|s| s.var.clone()).collect();
+        self.origin = self.slots.iter().map(|s| Origin::of(&s.var)).collect();
+        self.sharded = true;
         let mut slots = Vec::new();
         for slot in self.slots.drain(..) {
             for shard in shards.iter().filter(|s| s.var.id() == slot.var.id()) {
@@ -192,12 +232,76 @@ impl<const K: usize> Slots<K> {
                 slots.push(Slot {
                     var: slot.var.clone(),
                     range: Some(r),
+                    place: None,
                     state,
                     decays: slot.decays,
                 });
             }
         }
         self.slots = slots;
+        Ok(())
+    }
+
+    /// ZeRO-3: moves the optimizer onto the units' shards. `params` lists every parameter of
+    /// the sharded model with this rank's pieces of it. An optimizer built over the whole
+    /// parameters keeps its order (the `i` of its state's names), weight-decay flags and any
+    /// state already there (cut to the pieces); its parameters must all be in `params` (the
+    /// error names the first that is not). An optimizer built over no parameters takes every
+    /// one of `params`, in their order, with their weight-decay flags. Once only.
+    pub(crate) fn rebase(&mut self, params: &[ParamPieces]) -> Result<()> {
+        if self.is_sharded() {
+            return Err(Error::invalid(
+                format!("{} (ZeRO-3)", self.spec.optimizer),
+                "the optimizer is already sharded: give `prepare_sharded` a fresh optimizer",
+            ));
+        }
+        let old: Vec<Slot<K>> = self.slots.drain(..).collect();
+        let mut plan: Vec<(&ParamPieces, bool, [Option<Tensor>; K])> = Vec::new();
+        if old.is_empty() {
+            for p in params {
+                plan.push((p, p.decays, std::array::from_fn(|_| None)));
+            }
+        } else {
+            for (i, slot) in old.into_iter().enumerate() {
+                let Some(p) = params.iter().find(|p| p.id == Some(slot.var.id())) else {
+                    return Err(Error::invalid(
+                        format!("{} parameter #{i}", self.spec.optimizer),
+                        format!(
+                            "a {:?}{:?} variable that is not a parameter of the sharded model:                              build the optimizer over the model's variables (or over none)",
+                            slot.var.dtype(),
+                            slot.var.dims()
+                        ),
+                    ));
+                };
+                plan.push((p, slot.decays, slot.state));
+            }
+        }
+        self.origin.clear();
+        for (i, (p, decays, state)) in plan.into_iter().enumerate() {
+            self.origin.push(Origin {
+                id: p.id,
+                shape: Shape::from_dims(&p.shape),
+                dtype: p.dtype,
+                device: p.device.clone(),
+            });
+            for (shard, in_shard, start) in &p.pieces {
+                let mut cut: [Option<Tensor>; K] = std::array::from_fn(|_| None);
+                for (c, t) in cut.iter_mut().zip(&state) {
+                    if let Some(t) = t {
+                        let n = in_shard.len();
+                        *c = Some(t.flatten_all()?.narrow(0, *start, n)?.copy()?);
+                    }
+                }
+                self.slots.push(Slot {
+                    var: shard.clone(),
+                    range: Some(in_shard.clone()),
+                    place: Some((i, *start)),
+                    state: cut,
+                    decays,
+                });
+            }
+        }
+        self.sharded = true;
         Ok(())
     }
 
@@ -220,16 +324,20 @@ impl<const K: usize> Slots<K> {
     pub(crate) fn state(&self, lr: f64, keeps_state: bool) -> Result<OptimizerState> {
         let mut tensors = Vec::new();
         if self.is_sharded() {
-            for (i, var) in self.origin.iter().enumerate() {
+            for (i, o) in self.origin.iter().enumerate() {
                 for (k, kind) in self.kinds_in_force(keeps_state).iter().enumerate() {
-                    let mut full = Tensor::zeros(var.elem_count(), var.dtype(), var.device())?;
-                    for s in self.slots.iter().filter(|s| s.var.id() == var.id()) {
-                        if let (Some(r), Some(part)) = (&s.range, &s.state[k]) {
-                            full =
-                                full.slice_assign(std::slice::from_ref(r), &part.flatten_all()?)?;
+                    let mut full = Tensor::zeros(o.shape.elem_count(), o.dtype, &o.device)?;
+                    for s in &self.slots {
+                        let (Some((j, start)), Some(part)) = (self.place(s), &s.state[k]) else {
+                            continue;
+                        };
+                        if j == i {
+                            let part = part.flatten_all()?;
+                            let r = start..start + part.elem_count();
+                            full = full.slice_assign(&[r], &part)?;
                         }
                     }
-                    tensors.push((format!("{i}.{kind}"), full.reshape(var.shape())?));
+                    tensors.push((format!("{i}.{kind}"), full.reshape(o.shape.clone())?));
                 }
             }
         } else {
@@ -261,17 +369,14 @@ impl<const K: usize> Slots<K> {
         }
         let kinds = self.kinds_in_force(keeps_state);
         let mut layout = Vec::with_capacity(kinds.len() * self.origin.len());
-        for (i, var) in self.origin.iter().enumerate() {
+        for (i, o) in self.origin.iter().enumerate() {
             for kind in kinds {
-                layout.push((format!("{i}.{kind}"), var.dims().to_vec()));
+                layout.push((format!("{i}.{kind}"), o.shape.dims().to_vec()));
             }
         }
         let mut pieces = Vec::new();
         for s in &self.slots {
-            let (Some(i), Some(r)) = (
-                self.origin.iter().position(|v| v.id() == s.var.id()),
-                &s.range,
-            ) else {
+            let (Some((i, start)), Some(r)) = (self.place(s), &s.range) else {
                 continue;
             };
             for (kind, t) in kinds.iter().zip(&s.state) {
@@ -279,7 +384,7 @@ impl<const K: usize> Slots<K> {
                     Some(t) => t.flatten_all()?.copy()?,
                     None => Tensor::zeros(r.len(), s.var.dtype(), s.var.device())?,
                 };
-                pieces.push((format!("{i}.{kind}"), r.start, piece));
+                pieces.push((format!("{i}.{kind}"), start, piece));
             }
         }
         Ok(Some(StateShard {
@@ -298,7 +403,7 @@ impl<const K: usize> Slots<K> {
     pub(crate) fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
         let name = self.spec.optimizer;
         if self.is_sharded() {
-            return Err(sharded_state_err(name));
+            return self.load_sharded(state);
         }
         check_lr(&format!("{name} state lr"), state.lr)?;
         let (n, kinds) = (self.slots.len(), &self.spec.kinds);
@@ -364,6 +469,79 @@ impl<const K: usize> Slots<K> {
     }
 }
 
+impl<const K: usize> Slots<K> {
+    /// [`load_state`](Self::load_state) into a sharded optimizer: each slot takes its piece of
+    /// the whole state's tensors (same checks: names, shapes, count; nothing changes on error).
+    fn load_sharded(&mut self, state: &OptimizerState) -> Result<()> {
+        let name = self.spec.optimizer;
+        check_lr(&format!("{name} state lr"), state.lr)?;
+        let (n, kinds) = (self.origin.len(), &self.spec.kinds);
+        let mut by_name: std::collections::HashMap<&str, &Tensor> = Default::default();
+        for (tensor_name, tensor) in &state.tensors {
+            let Some((i, kind)) = parse_name(tensor_name).filter(|(i, _)| *i < n) else {
+                return Err(unknown_name(name, tensor_name, kinds, n));
+            };
+            if !kinds.contains(&kind) {
+                return Err(unknown_name(name, tensor_name, kinds, n));
+            }
+            if tensor.shape() != &self.origin[i].shape {
+                return Err(Error::invalid(
+                    format!("{name} state tensor `{tensor_name}`"),
+                    format!(
+                        "has shape {:?}, but its parameter has shape {:?}",
+                        tensor.dims(),
+                        self.origin[i].shape.dims()
+                    ),
+                ));
+            }
+            if by_name.insert(tensor_name, tensor).is_some() {
+                return Err(Error::invalid(
+                    format!("{name} state tensor `{tensor_name}`"),
+                    "appears twice",
+                ));
+            }
+        }
+        if self.spec.complete && by_name.len() != K * n {
+            return Err(Error::invalid(
+                format!("{name} state"),
+                format!(
+                    "has {} tensors, but this optimizer has {n} parameters and expects {}",
+                    by_name.len(),
+                    K * n
+                ),
+            ));
+        }
+        let mut fitted: Vec<[Option<Tensor>; K]> = Vec::with_capacity(self.slots.len());
+        for s in &self.slots {
+            let (Some((i, start)), Some(r)) = (self.place(s), &s.range) else {
+                fitted.push(std::array::from_fn(|_| None));
+                continue;
+            };
+            let mut cut: [Option<Tensor>; K] = std::array::from_fn(|_| None);
+            for (c, kind) in cut.iter_mut().zip(kinds) {
+                let key = format!("{i}.{kind}");
+                if let Some(t) = by_name.get(key.as_str()) {
+                    let piece = t.flatten_all()?.narrow(0, start, r.len())?;
+                    *c = Some(fit_tensor(
+                        name,
+                        &key,
+                        &piece,
+                        &Shape::from_dims(&[r.len()]),
+                        s.var.dtype(),
+                        s.var.device(),
+                    )?);
+                }
+            }
+            fitted.push(cut);
+        }
+        for (slot, state) in self.slots.iter_mut().zip(fitted) {
+            slot.state = state;
+        }
+        self.step = state.step;
+        Ok(())
+    }
+}
+
 /// The error of a state tensor whose name is not `"{i}.{kind}"` for a parameter `i < n` and
 /// one of `kinds`.
 fn unknown_name(optimizer: &str, name: &str, kinds: &[&str], n: usize) -> Error {
@@ -414,15 +592,4 @@ fn fit_tensor(
     // `to_device`/`to_dtype` return the same storage when nothing changes: copy so that the
     // optimizer never shares storage with a tensor the caller may still hold (a `Var`).
     Ok(t.copy()?)
-}
-
-/// The error of loading a checkpoint into a sharded optimizer (not supported yet).
-fn sharded_state_err(what: &str) -> Error {
-    Error::invalid(
-        format!("{what} state"),
-        "this optimizer is sharded (zero_stage 1 or 2) and holds only this rank's slices: load a \
-         checkpoint before the first optimizer step (the optimizer is cut into slices then, \
-         keeping the loaded state), and save it through the accelerator's optimizer wrapper, \
-         which gathers the slices",
-    )
 }

@@ -62,6 +62,26 @@ pub(crate) struct Shard {
     pub(crate) range: Range<usize>,
 }
 
+/// ZeRO-3: one parameter of a sharded model and this rank's pieces of it, for
+/// [`AdamW`](super::AdamW)'s and [`Sgd`](super::Sgd)'s `rebase`: each piece is `(shard,
+/// elements of the shard, first element in the parameter)`, the shard being the flat `Var` of
+/// the parameter's unit that this rank keeps.
+#[derive(Clone, Debug)]
+pub(crate) struct ParamPieces {
+    /// The whole parameter's id, when the optimizer may have been built over it.
+    pub(crate) id: Option<candle_core::TensorId>,
+    /// Its dimensions.
+    pub(crate) shape: Vec<usize>,
+    /// Its dtype (the shard's).
+    pub(crate) dtype: candle_core::DType,
+    /// Its device (the shard's).
+    pub(crate) device: candle_core::Device,
+    /// Whether weight decay applies, for an optimizer built over no parameters.
+    pub(crate) decays: bool,
+    /// This rank's pieces.
+    pub(crate) pieces: Vec<(Var, Range<usize>, usize)>,
+}
+
 /// One rank's part of a ZeRO-sharded optimizer's state (`zero_stage` 1 or 2), for
 /// checkpoints where every rank writes its own file: the pieces of the state this rank holds,
 /// and the layout of the whole state they are cut from. The pieces of all ranks tile every

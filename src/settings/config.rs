@@ -57,9 +57,13 @@ pub struct ConfigFile {
     /// `warn`, `skip-step` or `off`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nonfinite: Option<crate::settings::NonFinite>,
-    /// ZeRO-style sharding: 0 (none), 1 (optimizer state) or 2 (optimizer state and gradients).
+    /// ZeRO-style sharding: 0 (none), 1 (optimizer state), 2 (optimizer state and gradients)
+    /// or 3 (parameters too).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zero_stage: Option<usize>,
+    /// ZeRO stage 3: the shards' optimizer state, masters and f32 gradients in host memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offload_optimizer: Option<bool>,
     /// Whether the data loaders' batch size is the global one, split across the ranks.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub split_batches: Option<bool>,
@@ -256,8 +260,8 @@ impl ConfigFile {
             }
         }
         if let Some(n) = self.zero_stage {
-            if n > 2 {
-                return Some(("zero_stage", format!("expected 0, 1 or 2, got {n}")));
+            if n > 3 {
+                return Some(("zero_stage", format!("expected 0, 1, 2 or 3, got {n}")));
             }
         }
         if self.main_process_port == Some(0) {

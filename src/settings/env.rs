@@ -93,8 +93,11 @@ pub const MISSING_GRADIENTS: &str = "ACCELERATE_RS_MISSING_GRADIENTS";
 /// `skip-step` or `off` (see [`NonFinite`](crate::NonFinite)).
 pub const NONFINITE: &str = "ACCELERATE_RS_NONFINITE";
 /// ZeRO-style sharding stage: `0` (default, every rank holds everything), `1` (optimizer state
-/// sharded) or `2` (gradients too).
+/// sharded), `2` (gradients too) or `3` (parameters too).
 pub const ZERO_STAGE: &str = "ACCELERATE_RS_ZERO_STAGE";
+/// ZeRO stage 3: keep the optimizer state, f32 masters and f32 gradients of each rank's shards
+/// in host memory and step them there (`1`/`0`; default off).
+pub const OFFLOAD_OPTIMIZER: &str = "ACCELERATE_RS_OFFLOAD_OPTIMIZER";
 /// Whether the data loaders' batch size is the global one, split across the ranks (`1`/`0`;
 /// default off: the batch size is per rank).
 pub const SPLIT_BATCHES: &str = "ACCELERATE_RS_SPLIT_BATCHES";

@@ -15,7 +15,7 @@
 //! | DP replicas (`data_parallel`) | 1 to [`MAX_PROCESSES`] |
 //! | restarts (`max_restarts`) | 0 to [`MAX_RESTARTS`] |
 //! | ports | 0 to 65535 (0: pick a free one, where allowed) |
-//! | ZeRO stage | 0, 1 or 2 |
+//! | ZeRO stage | 0, 1, 2 or 3 |
 
 use std::time::{Duration, Instant};
 

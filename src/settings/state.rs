@@ -59,6 +59,7 @@ pub(crate) struct Overrides {
     pub missing_gradients: Option<MissingGradients>,
     pub nonfinite: Option<NonFinite>,
     pub zero_stage: Option<usize>,
+    pub offload_optimizer: Option<bool>,
     pub split_batches: Option<bool>,
     pub config_file: Option<PathBuf>,
     pub rank: Option<usize>,
@@ -83,7 +84,7 @@ pub(crate) struct Overrides {
 }
 
 /// The highest ZeRO stage there is.
-const MAX_ZERO_STAGE: usize = 2;
+const MAX_ZERO_STAGE: usize = 3;
 
 /// This process's place in the run and the settings in force.
 #[derive(Clone)]
@@ -103,6 +104,7 @@ pub struct ProcessState {
     missing_gradients: MissingGradients,
     nonfinite: NonFinite,
     zero_stage: usize,
+    offload_optimizer: bool,
     split_batches: bool,
     overlap: bool,
     debug: bool,
@@ -133,6 +135,7 @@ impl std::fmt::Debug for ProcessState {
             .field("missing_gradients", &self.missing_gradients)
             .field("nonfinite", &self.nonfinite)
             .field("zero_stage", &self.zero_stage)
+            .field("offload_optimizer", &self.offload_optimizer)
             .field("split_batches", &self.split_batches)
             .field("overlap", &self.overlap)
             .field("debug", &self.debug)
@@ -275,7 +278,22 @@ impl ProcessState {
         if zero_stage > MAX_ZERO_STAGE {
             return Err(Error::invalid(
                 "zero_stage",
-                format!("must be 0, 1 or 2 (builder `zero_stage`, {} or config key `zero_stage`), got {zero_stage}", env::ZERO_STAGE),
+                format!("must be 0, 1, 2 or 3 (builder `zero_stage`, {} or config key `zero_stage`), got {zero_stage}", env::ZERO_STAGE),
+            ));
+        }
+        let offload_optimizer = pick(
+            o.offload_optimizer,
+            env_value(getenv, env::OFFLOAD_OPTIMIZER)?,
+            cfg.offload_optimizer,
+            false,
+        );
+        if offload_optimizer && zero_stage != 3 {
+            return Err(Error::invalid(
+                "offload_optimizer",
+                format!(
+                    "offloads the optimizer state of ZeRO stage 3's shards, but zero_stage is {zero_stage} (builder `offload_optimizer`, {} or config key `offload_optimizer`)",
+                    env::OFFLOAD_OPTIMIZER
+                ),
             ));
         }
         let split_batches = pick(
@@ -340,6 +358,7 @@ impl ProcessState {
             missing_gradients,
             nonfinite,
             zero_stage,
+            offload_optimizer,
             split_batches,
             overlap,
             debug,
@@ -411,10 +430,16 @@ impl ProcessState {
     pub fn split_batches(&self) -> bool {
         self.split_batches
     }
-    /// ZeRO-style sharding stage: 0 (none), 1 (optimizer state) or 2 (optimizer state and
-    /// gradients).
+    /// ZeRO-style sharding stage: 0 (none), 1 (optimizer state), 2 (optimizer state and
+    /// gradients) or 3 (parameters too).
     pub fn zero_stage(&self) -> usize {
         self.zero_stage
+    }
+
+    /// ZeRO stage 3: whether the optimizer state, f32 masters and f32 gradients of this rank's
+    /// shards live in host memory and are stepped there (`ACCELERATE_RS_OFFLOAD_OPTIMIZER`).
+    pub fn offload_optimizer(&self) -> bool {
+        self.offload_optimizer
     }
     /// What the first optimizer step does when registered parameters received no gradient.
     pub fn missing_gradients(&self) -> MissingGradients {
@@ -745,7 +770,7 @@ mod property {
     use crate::settings::env as e;
 
     /// Every variable the settings read.
-    const VARS: [&str; 32] = [
+    const VARS: [&str; 33] = [
         e::RANK,
         e::WORLD_SIZE,
         e::LOCAL_RANK,
@@ -777,11 +802,12 @@ mod property {
         e::MISSING_GRADIENTS,
         e::NONFINITE,
         e::ZERO_STAGE,
+        e::OFFLOAD_OPTIMIZER,
         e::NUM_PROCESSES,
     ];
 
     /// Config keys and the kind of value they take (any value is tried anyway).
-    const KEYS: [&str; 17] = [
+    const KEYS: [&str; 18] = [
         "use_cpu",
         "num_machines",
         "machine_rank",
@@ -799,6 +825,7 @@ mod property {
         "missing_gradients",
         "nonfinite",
         "zero_stage",
+        "offload_optimizer",
     ];
 
     fn value() -> impl Strategy<Value = String> {

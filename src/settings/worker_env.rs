@@ -37,6 +37,10 @@ pub struct EnvSpec {
     pub timeout_secs: Option<f64>,
     /// Gradient bucket cap to export, in MiB.
     pub bucket_cap_mb: Option<f64>,
+    /// ZeRO stage to export (`ACCELERATE_RS_ZERO_STAGE`).
+    pub zero_stage: Option<usize>,
+    /// ZeRO-3 offload to export (`ACCELERATE_RS_OFFLOAD_OPTIMIZER`).
+    pub offload_optimizer: Option<bool>,
 }
 
 /// Variables shared by every rank of one launch.
@@ -80,6 +84,15 @@ impl CommonEnv {
         }
         if let Some(b) = spec.bucket_cap_mb {
             vars.push((env::BUCKET_CAP_MB, b.to_string()));
+        }
+        if let Some(z) = spec.zero_stage {
+            vars.push((env::ZERO_STAGE, z.to_string()));
+        }
+        if let Some(o) = spec.offload_optimizer {
+            vars.push((
+                env::OFFLOAD_OPTIMIZER,
+                if o { "1" } else { "0" }.to_string(),
+            ));
         }
         for var in [env::RAYON_NUM_THREADS, env::OMP_NUM_THREADS] {
             if !already_set(var) {
@@ -130,6 +143,8 @@ mod tests {
             gradient_accumulation_steps: None,
             timeout_secs: None,
             bucket_cap_mb: None,
+            zero_stage: None,
+            offload_optimizer: None,
         }
     }
 
@@ -187,6 +202,8 @@ mod tests {
             gradient_accumulation_steps: Some(4),
             timeout_secs: Some(12.5),
             bucket_cap_mb: Some(3.0),
+            zero_stage: Some(3),
+            offload_optimizer: Some(true),
             ..spec()
         };
         let common = CommonEnv::new(&spec, |_| false);
@@ -215,6 +232,8 @@ mod tests {
             assert_eq!(s.gradient_accumulation_steps(), 4);
             assert_eq!(s.timeout(), Duration::from_secs_f64(12.5));
             assert_eq!(s.bucket_cap_bytes(), 3 * 1024 * 1024);
+            assert_eq!(s.zero_stage(), 3);
+            assert!(s.offload_optimizer());
             assert_eq!(s.launcher(), "torchrun");
         }
     }

@@ -45,6 +45,10 @@ use crate::tracking::timing::{Phase, PhaseClock};
 use crate::train::batch_size::Probe;
 use crate::train::clip;
 use crate::train::params::ParamSet;
+use crate::train::zero3;
+
+/// What [`GradSync::registration`] gives back: the registered parameters and sharded model.
+pub(crate) type Registration = (Option<Arc<ParamSet>>, Option<Arc<zero3::Inner>>);
 
 /// The accumulation state of one engine.
 #[derive(Debug)]
@@ -85,9 +89,13 @@ pub(crate) struct GradSync {
     checked_steps: AtomicU64,
     /// Whether the same-data check of the first sync step has run (it runs once).
     data_checked: AtomicBool,
-    /// ZeRO stage: 0, 1 (optimizer state sharded) or 2 (gradients too).
+    /// ZeRO stage: 0, 1 (optimizer state sharded), 2 (gradients too) or 3 (parameters too).
     zero_stage: usize,
+    /// Registered parameters averaged as wholes (every parameter below stage 3; at stage 3 the
+    /// replicated ones, such as LoRA adapters over a sharded base).
     params: Mutex<Option<Arc<ParamSet>>>,
+    /// Stage 3: the sharded model, whose units reduce-scatter their own gradients.
+    sharded: Mutex<Option<Arc<zero3::Inner>>>,
     accum: Mutex<Accumulation>,
     /// Bytes of gradient buckets handed to the collective so far (see
     /// [`reduced_bytes`](Self::reduced_bytes)).
@@ -136,6 +144,7 @@ impl GradSync {
             data_checked: AtomicBool::new(false),
             zero_stage: state.zero_stage(),
             params: Mutex::new(None),
+            sharded: Mutex::new(None),
             accum: Mutex::new(Accumulation::default()),
             reduced: AtomicU64::new(0),
             clock: Arc::default(),
@@ -148,17 +157,19 @@ impl GradSync {
         &self.clock
     }
 
-    /// The registered parameters, to hand back to [`restart`](Self::restart) later.
-    pub(crate) fn registration(&self) -> Option<Arc<ParamSet>> {
-        self.params()
+    /// The registered parameters (and sharded model), to hand back to
+    /// [`restart`](Self::restart) later.
+    pub(crate) fn registration(&self) -> Registration {
+        (self.params(), self.sharded())
     }
 
     /// Starts over with `params` registered (what [`registration`](Self::registration) gave):
     /// what was registered since is forgotten (its buffers freed once nobody holds them), as are
     /// pending micro-steps, and the first sync step checks for missing gradients again. A
     /// batch-size search calls it before each retry.
-    pub(crate) fn restart(&self, params: Option<Arc<ParamSet>>) {
+    pub(crate) fn restart(&self, (params, sharded): Registration) {
         *lock(&self.params) = params;
+        *lock(&self.sharded) = sharded;
         *lock(&self.accum) = Accumulation::default();
         self.checked.store(false, Ordering::Relaxed);
     }
@@ -180,8 +191,15 @@ impl GradSync {
     }
 
     /// Registers parameters (adding to those registered before), verifies them across ranks and
-    /// gives every rank rank 0's values. Returns the registered set.
+    /// gives every rank rank 0's values. Returns the registered set. At stage 3 only parameters
+    /// replicated beside a sharded model (LoRA adapters) are registered so.
     pub(crate) fn register(&self, mut named: Vec<(String, Var)>) -> Result<Arc<ParamSet>> {
+        if self.zero_stage >= 3 && self.sharded().is_none() {
+            return Err(Error::invalid(
+                "zero_stage",
+                "at stage 3 the parameters are sharded: prepare the model with                  `accelerator.prepare_sharded(&model, &policy, optimizer, loader)` (or                  `shard_model`); `prepare`/`prepare_model` register only parameters replicated                  beside a sharded model, such as LoRA adapters",
+            ));
+        }
         if named.is_empty() {
             return Err(Error::invalid(
                 "model",
@@ -205,6 +223,51 @@ impl GradSync {
     /// The registered parameters, if any.
     pub(crate) fn params(&self) -> Option<Arc<ParamSet>> {
         lock(&self.params).clone()
+    }
+
+    /// Stage 3: registers the sharded model (one per accelerator).
+    pub(crate) fn register_sharded(&self, model: Arc<zero3::Inner>) -> Result<()> {
+        let mut slot = lock(&self.sharded);
+        if slot.is_some() {
+            return Err(Error::invalid(
+                "zero_stage",
+                "a sharded model is already prepared on this accelerator (one per accelerator)",
+            ));
+        }
+        *slot = Some(model);
+        Ok(())
+    }
+
+    /// Stage 3, after the optimizer stepped the shards: offload refreshes the device copies.
+    pub(crate) fn after_sharded_step(&self) -> Result<()> {
+        match self.sharded() {
+            Some(s) => s.after_step(),
+            None => Ok(()),
+        }
+    }
+
+    /// Stage 3: the sharded model, if one was prepared.
+    pub(crate) fn sharded(&self) -> Option<Arc<zero3::Inner>> {
+        lock(&self.sharded).clone()
+    }
+
+    /// The variables gradients are handed out for, by name: the registered parameters and, at
+    /// stage 3, the units' shards. An error naming `what` when nothing was prepared.
+    fn grad_vars(&self, what: &str) -> Result<Vec<(String, Var)>> {
+        let sharded = self.sharded();
+        let mut out = match (self.params(), &sharded) {
+            (Some(p), _) => p.named(),
+            (None, Some(_)) => Vec::new(),
+            (None, None) => self.require_params(what)?.named(),
+        };
+        if let Some(s) = sharded {
+            out.extend(s.shard_vars());
+        }
+        Ok(out)
+    }
+
+    fn vars_of(named: &[(String, Var)]) -> Vec<Var> {
+        named.iter().map(|(_, v)| v.clone()).collect()
     }
 
     /// The registered parameters, or an error naming `what` if no model was prepared.
@@ -235,6 +298,10 @@ impl GradSync {
     /// holds the gradients averaged across ranks, on sync steps only.
     pub(crate) fn backward(&self, loss: &Tensor, end: bool) -> Result<Option<GradStore>> {
         // `nn::backward`: `loss.backward()` plus the parameters inside checkpointed blocks.
+        let sharded = self.sharded();
+        if let Some(s) = &sharded {
+            s.begin_backward(1.0);
+        }
         let grads = self.clock.measure(Phase::Backward, || {
             if self.steps == 1 {
                 crate::nn::backward(loss)
@@ -242,7 +309,31 @@ impl GradSync {
                 crate::nn::backward(&(loss / self.steps as f64)?)
             }
         })?;
+        let grads = match &sharded {
+            Some(s) => self.collect_sharded(s, &grads)?,
+            None => grads,
+        };
         self.accumulate(grads, end)
+    }
+
+    /// Stage 3, after a backward pass: the held units reduce-scatter their gradients; returns
+    /// the shards' gradients (averaged over the ranks) and the replicated parameters' (local).
+    pub(crate) fn collect_sharded(
+        &self,
+        sharded: &zero3::Inner,
+        grads: &GradStore,
+    ) -> Result<GradStore> {
+        let mut out = self
+            .clock
+            .measure(Phase::Communication, || sharded.finish_backward(grads))?;
+        if let Some(p) = self.params() {
+            for v in p.vars() {
+                if let Some(g) = grads.get(v.as_tensor()) {
+                    out.insert(v.as_tensor(), g.clone());
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// One micro-step from gradients already computed (and divided by `N`): with `N = 1` they
@@ -255,11 +346,11 @@ impl GradSync {
             self.average(&mut grads)?;
             return Ok(Some(grads));
         }
-        let params = self.require_params("backward")?;
+        let vars = Self::vars_of(&self.grad_vars("backward")?);
         let mut acc = lock(&self.accum);
         let previous = std::mem::take(&mut acc.pending);
         let mut summed = GradStore::default();
-        for v in params.vars() {
+        for v in &vars {
             let t = v.as_tensor();
             let sum = match (previous.get(t), grads.get(t)) {
                 (Some(a), Some(b)) => (a + b)?,
@@ -278,7 +369,7 @@ impl GradSync {
         let k = std::mem::take(&mut acc.micro);
         acc.synced = true;
         drop(acc);
-        self.finish_cycle(&params, summed, k).map(Some)
+        self.finish_cycle(summed, k).map(Some)
     }
 
     /// Syncs the pending micro-steps now, if any.
@@ -291,28 +382,62 @@ impl GradSync {
         let summed = std::mem::take(&mut acc.pending);
         acc.synced = true;
         drop(acc);
-        let params = self.require_params("flush")?;
-        self.finish_cycle(&params, summed, k).map(Some)
+        self.finish_cycle(summed, k).map(Some)
     }
 
     /// Rescales a short cycle of `k < N` micro-steps by `N/k` and averages across ranks.
-    fn finish_cycle(&self, params: &ParamSet, mut grads: GradStore, k: usize) -> Result<GradStore> {
+    fn finish_cycle(&self, mut grads: GradStore, k: usize) -> Result<GradStore> {
         if k < self.steps {
-            clip::scale_grads(params.vars(), &mut grads, self.steps as f64 / k as f64)?;
+            let vars = Self::vars_of(&self.grad_vars("flush")?);
+            clip::scale_grads(&vars, &mut grads, self.steps as f64 / k as f64)?;
         }
-        self.average_with(params, &mut grads)?;
+        self.average(&mut grads)?;
         Ok(grads)
     }
 
     /// Replaces the registered parameters' gradients by their mean over the ranks (nothing to do
     /// on a rank that is alone).
     pub(crate) fn average(&self, grads: &mut GradStore) -> Result<()> {
+        if let Some(sharded) = self.sharded() {
+            return self.average_sharded(&sharded, self.params().as_deref(), grads);
+        }
         let params = match self.params() {
             Some(p) => p,
             None if self.alone() => return Ok(()),
             None => self.require_params("backward")?,
         };
         self.average_with(&params, grads)
+    }
+
+    /// Stage 3's sync step: the shards' gradients were averaged by their units' reduce-scatter;
+    /// the replicated parameters' are averaged here; then the frozen-parameter check.
+    fn average_sharded(
+        &self,
+        sharded: &zero3::Inner,
+        params: Option<&ParamSet>,
+        grads: &mut GradStore,
+    ) -> Result<()> {
+        self.probe.sync_step_starting()?;
+        if let (Some(p), false) = (params, self.alone()) {
+            let c = self.collective.as_ref();
+            self.reduced
+                .fetch_add(p.reduced_bytes_per_sync(), Ordering::Relaxed);
+            self.clock
+                .measure(Phase::Communication, || p.average_gradients(c, grads))?;
+        }
+        self.probe.sync_step_done();
+        let mut all: Vec<String> = sharded.parameter_names();
+        if let Some(p) = params {
+            all.extend(p.names().iter().cloned());
+        }
+        all.sort();
+        self.check_missing(&all, || {
+            let mut missing = sharded.take_missing();
+            if let Some(p) = params {
+                missing.extend(p.without_grad(grads));
+            }
+            missing
+        })
     }
 
     /// Averages (with more than one rank), then, on the first sync step, looks for parameters
@@ -336,14 +461,14 @@ impl GradSync {
                 params.reduce_scatter_gradients(c, grads)
             })?;
             self.probe.sync_step_done();
-            return self.check_missing(params, || params.names_where_absent(&present));
+            return self.check_missing(params.names(), || params.names_where_absent(&present));
         }
         if !self.alone() {
             self.clock
                 .measure(Phase::Communication, || params.average_gradients(c, grads))?;
         }
         self.probe.sync_step_done();
-        self.check_missing(params, || params.without_grad(grads))
+        self.check_missing(params.names(), || params.without_grad(grads))
     }
 
     /// Bytes of gradient buckets (gradients and presence flags, in the parameters' dtype) this
@@ -388,23 +513,30 @@ impl GradSync {
         if self.nonfinite == NonFinite::Off {
             return Ok(true);
         }
-        let Some(params) = self.params() else {
+        let Ok(named) = self.grad_vars("nonfinite") else {
             return Ok(true);
         };
         let finite = match norm {
             Some(n) => n.is_finite(),
-            None => clip::grads_finite(params.vars(), grads)?,
+            None => clip::grads_finite(&Self::vars_of(&named), grads)?,
         };
         if self.agree_all_finite(finite)? {
             return Ok(true);
         }
         let mut first = None;
-        for (name, v) in params.named() {
-            if let Some(g) = grads.get(v.as_tensor()) {
-                if let Some(detail) = clip::non_finite(g)? {
-                    first = Some((name, detail));
-                    break;
+        if let Some(p) = self.params() {
+            for (name, v) in p.named() {
+                if let Some(g) = grads.get(v.as_tensor()) {
+                    if let Some(detail) = clip::non_finite(g)? {
+                        first = Some((name, detail));
+                        break;
+                    }
                 }
+            }
+        }
+        if first.is_none() {
+            if let Some(s) = self.sharded() {
+                first = s.first_non_finite(grads)?;
             }
         }
         let (param, detail) = first.unwrap_or_else(|| {
@@ -446,7 +578,7 @@ impl GradSync {
         self.collective.as_ref()
     }
 
-    /// The ZeRO stage (0, 1 or 2).
+    /// The ZeRO stage (0 to 3).
     pub(crate) fn zero_stage(&self) -> usize {
         self.zero_stage
     }
@@ -458,9 +590,10 @@ impl GradSync {
         Ok(params.shards(self.collective.world_size(), self.rank()))
     }
 
-    /// ZeRO: after each rank stepped its slices, gives every rank the whole model.
+    /// ZeRO: after each rank stepped its slices, gives every rank the whole model (stages 1
+    /// and 2; at stage 3 the next forward gathers what it needs).
     pub(crate) fn gather_params(&self) -> Result<()> {
-        if self.alone() {
+        if self.alone() || self.zero_stage >= 3 {
             return Ok(());
         }
         let params = self.require_params("zero_stage")?;
@@ -471,11 +604,7 @@ impl GradSync {
 
     /// The frozen-parameter check of the first sync step (see [`MissingGradients`]); `missing`
     /// lists the parameters no rank gave a gradient.
-    fn check_missing(
-        &self,
-        params: &ParamSet,
-        missing: impl FnOnce() -> Vec<String>,
-    ) -> Result<()> {
+    fn check_missing(&self, all: &[String], missing: impl FnOnce() -> Vec<String>) -> Result<()> {
         if self.missing == MissingGradients::Off || self.checked.swap(true, Ordering::Relaxed) {
             return Ok(());
         }
@@ -483,7 +612,7 @@ impl GradSync {
         if missing.is_empty() {
             return Ok(());
         }
-        let report = crate::train::missing::report(&missing, params.names());
+        let report = crate::train::missing::report(&missing, all);
         match self.missing {
             MissingGradients::Error => Err(Error::MissingGradients {
                 rank: self.rank(),
@@ -535,18 +664,27 @@ impl GradSync {
     /// norm before clipping (see [`Accelerator::clip_grad_norm`](crate::Accelerator::clip_grad_norm)).
     pub(crate) fn clip_grad_norm(&self, grads: &mut GradStore, max_norm: f64) -> Result<f64> {
         check_positive("max_norm", max_norm)?;
-        let params = self.require_params("clip_grad_norm")?;
+        let vars = Self::vars_of(&self.grad_vars("clip_grad_norm")?);
         let norm = if self.zero_stage >= 2 && !self.alone() && self.sync_gradients() {
-            // Each rank holds only its slice of the averaged gradients: add the squares up.
-            let mut sq = [clip::grad_sq_sum(params.vars(), grads)?];
+            // Each rank holds only its slice of the averaged gradients: add the squares up;
+            // parameters replicated beside a sharded model (the same on every rank) count once.
+            let (sliced, whole) = match self.sharded() {
+                Some(s) => {
+                    let shards = Self::vars_of(&s.shard_vars());
+                    let replicated = self.params().map(|p| p.vars().to_vec()).unwrap_or_default();
+                    (shards, replicated)
+                }
+                None => (vars.clone(), Vec::new()),
+            };
+            let mut sq = [clip::grad_sq_sum(&sliced, grads)?];
             self.collective
                 .all_reduce((&mut sq[..]).into(), crate::collective::ReduceOp::Sum)?;
-            sq[0].sqrt()
+            (sq[0] + clip::grad_sq_sum(&whole, grads)?).sqrt()
         } else {
-            clip::grad_norm(params.vars(), grads)?
+            clip::grad_norm(&vars, grads)?
         };
         if self.sync_gradients() && norm > max_norm {
-            clip::scale_grads(params.vars(), grads, max_norm / (norm + 1e-6))?;
+            clip::scale_grads(&vars, grads, max_norm / (norm + 1e-6))?;
         }
         Ok(norm)
     }
@@ -554,9 +692,9 @@ impl GradSync {
     /// Clamps every registered parameter's gradient to `[-clip, clip]`.
     pub(crate) fn clip_grad_value(&self, grads: &mut GradStore, clip: f64) -> Result<()> {
         check_positive("clip", clip)?;
-        let params = self.require_params("clip_grad_value")?;
+        let vars = Self::vars_of(&self.grad_vars("clip_grad_value")?);
         if self.sync_gradients() {
-            clip::clamp_grads(params.vars(), grads, clip)?;
+            clip::clamp_grads(&vars, grads, clip)?;
         }
         Ok(())
     }
@@ -572,8 +710,8 @@ impl GradSync {
         if clip.norm.is_none() && clip.value.is_none() {
             return Ok(None);
         }
-        let params = self.require_params("gradient clipping")?;
-        let mut grads = clip::copy_grads(params.vars(), grads);
+        let vars = Self::vars_of(&self.grad_vars("gradient clipping")?);
+        let mut grads = clip::copy_grads(&vars, grads);
         let norm = match clip.norm {
             Some(max) => Some(self.clip_grad_norm(&mut grads, max)?),
             None => None,

@@ -91,10 +91,7 @@ impl SimpleBackend for SeededVarMap {
         };
         crate::train::shapes::check_allocatable(&[spec], &Device::Cpu)
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        let values = draw(init, &shape, rng_for(self.seed, name))?;
-        let tensor = Tensor::from_vec(values, shape, &Device::Cpu)?
-            .to_dtype(dtype)?
-            .to_device(device)?;
+        let tensor = seeded_values(init, &shape, self.seed, name, dtype)?.to_device(device)?;
         let var = Var::from_tensor(&tensor)?;
         let tensor = var.as_tensor().clone();
         vars.insert(name.to_string(), var);
@@ -114,6 +111,20 @@ impl SimpleBackend for SeededVarMap {
             .map(|vars| vars.contains_key(name))
             .unwrap_or(false)
     }
+}
+
+/// The values [`seeded_var_builder`] gives variable `name` of `shape` under `seed` with
+/// `init`: drawn in f64 on the CPU, cast to `dtype` (ZeRO-3 draws each parameter this way and
+/// keeps its rank's pieces).
+pub(crate) fn seeded_values(
+    init: Init,
+    shape: &Shape,
+    seed: u64,
+    name: &str,
+    dtype: DType,
+) -> candle_core::Result<Tensor> {
+    let values = draw(init, shape, rng_for(seed, name))?;
+    Tensor::from_vec(values, shape.clone(), &Device::Cpu)?.to_dtype(dtype)
 }
 
 /// The generator of variable `name` under `seed`: FNV-1a of the name, mixed with the seed

@@ -64,6 +64,28 @@ pub struct AcceleratedOptimizer<O> {
     sharded: bool,
 }
 
+/// ZeRO-3: moves `opt` onto the units' shards (`params`: every parameter of the sharded model
+/// with this rank's pieces), when it is one of the optimizers that can be sharded.
+pub(crate) fn rebase_optimizer<O: Optimizer + 'static>(
+    opt: &mut O,
+    params: &[crate::optim::ParamPieces],
+) -> Result<()> {
+    let any = opt as &mut dyn std::any::Any;
+    if let Some(adamw) = any.downcast_mut::<crate::optim::AdamW>() {
+        return adamw.rebase(params);
+    }
+    if let Some(sgd) = any.downcast_mut::<crate::optim::Sgd>() {
+        return sgd.rebase(params);
+    }
+    Err(crate::error::Error::invalid(
+        "zero_stage",
+        format!(
+            "stage 3 steps the parameters' shards with `accelerate_rs::optim::AdamW` or `accelerate_rs::optim::Sgd`, not `{}`",
+            std::any::type_name::<O>()
+        ),
+    ))
+}
+
 /// ZeRO: cuts `opt` down to this rank's `shards`, when it is one of the optimizers that can be
 /// sharded.
 fn shard_optimizer<O: Optimizer + 'static>(
@@ -97,6 +119,14 @@ impl<O: Optimizer> AcceleratedOptimizer<O> {
         }
     }
 
+    /// ZeRO-3: a wrapper around an optimizer already moved onto the units' shards.
+    pub(crate) fn new_sharded(inner: O, grads: Arc<GradSync>) -> Self {
+        AcceleratedOptimizer {
+            sharded: true,
+            ..Self::new(inner, grads)
+        }
+    }
+
     /// The gradient engine this optimizer steps from.
     pub(crate) fn engine(&self) -> &GradSync {
         &self.grads
@@ -113,8 +143,14 @@ impl<O: Optimizer + 'static> AcceleratedOptimizer<O> {
     /// rank's slices (cutting the optimizer down on the first step) and then gathers the
     /// parameters from their owners.
     fn apply(&mut self, grads: &GradStore) -> Result<()> {
+        // Stage 3: the optimizer was moved onto the units' shards when it was prepared (or it
+        // steps parameters replicated beside them whole); nothing is gathered after the step.
         if self.grads.zero_stage() == 0 {
             return Ok(self.inner.step(grads)?);
+        }
+        if self.grads.zero_stage() >= 3 {
+            self.inner.step(grads)?;
+            return self.grads.after_sharded_step();
         }
         if !self.sharded {
             let shards = self.grads.shards()?;

@@ -13,6 +13,7 @@ use candle_nn::VarMap;
 use crate::collective::{chunk_range, Buffer, Collective};
 use crate::error::{Error, Result};
 use crate::optim::Shard;
+use crate::train::pieces::ShardedParameters;
 use crate::train::reducer::Reducer;
 
 /// Float dtypes whose CPU gradients take the flat, in-place bucket path.
@@ -28,6 +29,14 @@ pub trait Parameters {
     /// `(name, variable)` pairs; names must be unique. The maps' implementations return them
     /// sorted by name, so the order is the same in every process.
     fn named_parameters(&self) -> Vec<(String, Var)>;
+
+    /// ZeRO-3: the parameters sharded over the ranks, when they are
+    /// ([`ShardedModel`](crate::ShardedModel) at stage 3): checkpoints then write and read
+    /// each rank's pieces and model folders are streamed one unit at a time. `None` for every
+    /// other model (the default).
+    fn sharded_parameters(&self) -> Option<&dyn ShardedParameters> {
+        None
+    }
 }
 
 fn sorted(mut named: Vec<(String, Var)>) -> Vec<(String, Var)> {

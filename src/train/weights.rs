@@ -335,6 +335,112 @@ pub fn load_weights_mapped(
     Ok(())
 }
 
+/// ZeRO-3: reads only `wanted` elements of parameters from the weight files at `path` (the
+/// checks of [`check_weights_mapped`] first, on the headers): for each `(parameter, elements of
+/// the flattened parameter)`, those values as a 1-D CPU tensor in the parameter's dtype of
+/// `params`. Only the bytes of the slices are read from the memory-mapped files. A slice
+/// holding a NaN or an infinity is an error naming the file and tensor.
+pub(crate) fn read_slices(
+    path: &Path,
+    params: &[ParamSpec],
+    map: &dyn Fn(&str) -> Option<String>,
+    wanted: &[(String, std::ops::Range<usize>)],
+) -> Result<Vec<Tensor>> {
+    let (found, plan) = plan_load(path, params, map)?;
+    let sources: HashMap<&str, (usize, &str)> = plan
+        .iter()
+        .map(|(p, i, t)| (p.as_str(), (*i, t.as_str())))
+        .collect();
+    let dtypes: HashMap<&str, DType> = params.iter().map(|p| (p.name.as_str(), p.dtype)).collect();
+    let mapped: Vec<Mapped> = found
+        .files
+        .iter()
+        .map(|p| Mapped::open(p))
+        .collect::<Result<_>>()?;
+    let views: Vec<SafeTensors<'_>> = mapped.iter().map(|m| m.tensors()).collect::<Result<_>>()?;
+    let mut out = Vec::with_capacity(wanted.len());
+    for (param, range) in wanted {
+        let (Some(&(i, tensor)), Some(&dtype)) =
+            (sources.get(param.as_str()), dtypes.get(param.as_str()))
+        else {
+            return Err(Error::invalid(
+                format!("parameter `{param}`"),
+                "is not among the parameters to load",
+            ));
+        };
+        let file = &found.files[i];
+        let read = || -> candle_core::Result<Tensor> {
+            let view = views[i]
+                .tensor(tensor)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            let size = view.dtype().bitsize() / 8;
+            let bytes = view
+                .data()
+                .get(range.start * size..range.end * size)
+                .ok_or_else(|| {
+                    candle_core::Error::Msg(format!("elements {range:?} are outside it"))
+                })?;
+            let piece =
+                safetensors::tensor::TensorView::new(view.dtype(), vec![range.len()], bytes)
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            piece.load(&candle_core::Device::Cpu)?.to_dtype(dtype)
+        };
+        let t = read().map_err(|e| file_err(file, Some(tensor), format!("could not read: {e}")))?;
+        if let Some(what) = crate::train::clip::non_finite(&t)? {
+            return Err(file_err(
+                file,
+                Some(tensor),
+                format!("it holds {what}: a model is never loaded with non-finite weights"),
+            ));
+        }
+        out.push(t);
+    }
+    Ok(out)
+}
+
+/// ZeRO-3 checkpoints: from the safetensors file `path` of one rank's pieces (tensors named
+/// `<parameter>@<first element>`, 1-D), the elements of each piece that fall in `want`
+/// (parameter → element ranges), read from the memory-mapped file: `(parameter, first
+/// element, values)`. A tensor name that is not `<name>@<number>` is an error naming the file.
+pub(crate) fn read_piece_overlaps(
+    path: &Path,
+    want: &HashMap<String, Vec<std::ops::Range<usize>>>,
+) -> Result<Vec<(String, usize, Tensor)>> {
+    let mapped = Mapped::open(path)?;
+    let view = mapped.tensors()?;
+    let mut out = Vec::new();
+    for (key, t) in view.tensors() {
+        let parsed = key
+            .rsplit_once('@')
+            .and_then(|(name, start)| Some((name, start.parse::<usize>().ok()?)));
+        let Some((name, start)) = parsed else {
+            return Err(file_err(
+                path,
+                Some(&key),
+                "not `<parameter>@<first element>` (a ZeRO-3 model shard)",
+            ));
+        };
+        let Some(ranges) = want.get(name) else {
+            continue;
+        };
+        let len: usize = t.shape().iter().product();
+        let size = t.dtype().bitsize() / 8;
+        for r in ranges {
+            let (lo, hi) = (r.start.max(start), r.end.min(start + len));
+            if lo >= hi {
+                continue;
+            }
+            let bytes = &t.data()[(lo - start) * size..(hi - start) * size];
+            let piece = safetensors::tensor::TensorView::new(t.dtype(), vec![hi - lo], bytes)
+                .map(|v| v.load(&candle_core::Device::Cpu))
+                .map_err(|e| file_err(path, Some(&key), format!("could not read: {e}")))?
+                .map_err(|e| file_err(path, Some(&key), format!("could not read: {e}")))?;
+            out.push((name.to_string(), lo, piece));
+        }
+    }
+    Ok(out)
+}
+
 /// Checks the weight files at `path` against the parameters a model will have, reading headers
 /// only (nothing is allocated for the weights): every parameter in the files under its name
 /// after `map` (see [`load_weights_mapped`]), no unexpected tensor, every shape equal, float
@@ -349,8 +455,8 @@ pub fn check_weights_mapped(
     plan_load(path.as_ref(), params, &map).map(drop)
 }
 
-/// A parameter to load: its name, the file (an index into `WeightFiles::files`) and the tensor.
-type Planned = (String, usize, String);
+/// For each parameter: its name, the file (an index into `WeightFiles::files`) and the tensor.
+type LoadPlan = Vec<(String, usize, String)>;
 
 /// The files at `path` and, for each parameter of `params`, the file (an index into
 /// `WeightFiles::files`) and tensor it loads from, every check of [`check_weights_mapped`] done
@@ -359,7 +465,7 @@ fn plan_load(
     path: &Path,
     params: &[ParamSpec],
     map: &dyn Fn(&str) -> Option<String>,
-) -> Result<(WeightFiles, Vec<Planned>)> {
+) -> Result<(WeightFiles, LoadPlan)> {
     let found = WeightFiles::find(path)?;
     let headers: Vec<SafetensorsHeader> = found
         .files

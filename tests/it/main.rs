@@ -44,4 +44,6 @@ mod streaming_loader;
 mod tracking;
 mod weights;
 mod zero;
+mod zero3;
+mod zero3_checkpoint;
 mod zero_overflow;

@@ -117,6 +117,10 @@ struct AnswerFlags {
         help_heading = "Answers"
     )]
     bucket_cap_mb: Option<f64>,
+    /// ZeRO stage: 0 (none), 1 (optimizer state sharded), 2 (and gradients), 3 (and
+    /// parameters); default 0.
+    #[arg(long, value_name = "N", help_heading = "Answers")]
+    zero_stage: Option<usize>,
 }
 
 impl AnswerFlags {
@@ -135,6 +139,7 @@ impl AnswerFlags {
             || self.max_restarts.is_some()
             || self.monitor_interval_secs.is_some()
             || self.bucket_cap_mb.is_some()
+            || self.zero_stage.is_some()
     }
 
     /// The config these flags describe, defaults filled in, validated like a config file.
@@ -177,7 +182,8 @@ impl AnswerFlags {
             transport: None,
             missing_gradients: None,
             nonfinite: None,
-            zero_stage: None,
+            zero_stage: self.zero_stage,
+            offload_optimizer: None,
             split_batches: None,
         };
         if let Some((key, reason)) = cfg.problem() {
@@ -533,6 +539,16 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
         Some(&timeout),
         &|c, s| {
             c.collective_timeout_secs = Some(parse_number(s)?);
+            Ok(())
+        },
+    )?;
+    a.ask(
+        &mut cfg,
+        "zero_stage",
+        "ZeRO stage (0 none, 1 optimizer state sharded, 2 and gradients, 3 and parameters)",
+        Some("0"),
+        &|c, s| {
+            c.zero_stage = Some(parse_count(s)?);
             Ok(())
         },
     )?;

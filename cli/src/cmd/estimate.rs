@@ -32,9 +32,13 @@ pub(crate) struct EstimateArgs {
     /// Precisions to show (default all): fp32, or bf16/fp16 mixed precision (f32 masters).
     #[arg(long, value_enum, value_delimiter = ',', value_name = "P")]
     precision: Vec<Precision>,
-    /// ZeRO stages to show (default 0 with one process, 0,1,2 with several).
+    /// ZeRO stages to show (default 0 with one process, 0,1,2,3 with several).
     #[arg(long, value_delimiter = ',', value_name = "S")]
     zero_stage: Vec<usize>,
+    /// ZeRO-3 offload: the shards' optimizer state, f32 masters and f32 gradients in host
+    /// memory (an "offloaded" column; not in the device totals). Needs --zero-stage 3.
+    #[arg(long)]
+    offload_optimizer: bool,
     /// The optimizer whose state is counted.
     #[arg(long, value_enum, default_value_t = Opt::Adamw)]
     optimizer: Opt,
@@ -130,7 +134,7 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
     let stages = if !args.zero_stage.is_empty() {
         args.zero_stage.clone()
     } else if args.world_size > 1 {
-        vec![0, 1, 2]
+        vec![0, 1, 2, 3]
     } else {
         vec![0]
     };
@@ -204,6 +208,7 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
         seq_len,
         checkpointing: false,
         fused_head: !args.composed_head,
+        offload_optimizer: args.offload_optimizer,
     };
     // One row per precision and stage: the plan without and with checkpointing.
     let mut rows: Vec<(Precision, usize, Estimate, Estimate)> = Vec::new();
@@ -246,7 +251,7 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
         args.batch_size,
         seq_len
     );
-    let head = [
+    let mut head = vec![
         "precision",
         "ZeRO",
         "parameters",
@@ -258,6 +263,9 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
         "activations (ckpt)",
         "total (ckpt)",
     ];
+    if args.offload_optimizer {
+        head.push("offloaded (host)");
+    }
     let mut table: Vec<Vec<String>> = vec![head.iter().map(|s| s.to_string()).collect()];
     let act = |e: &Estimate| {
         e.activations
@@ -271,7 +279,7 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
         }
     };
     for (p, s, plain, ckpt) in &rows {
-        table.push(vec![
+        let mut row = vec![
             p.label().to_string(),
             s.to_string(),
             size(plain.parameters),
@@ -286,7 +294,11 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
             total(plain),
             act(ckpt),
             total(ckpt),
-        ]);
+        ];
+        if args.offload_optimizer {
+            row.push(size(plain.offloaded));
+        }
+        table.push(row);
     }
     let widths: Vec<usize> = (0..head.len())
         .map(|c| table.iter().map(|r| r[c].len()).max().unwrap_or(0))
@@ -311,7 +323,7 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
         }
     }
     let counted = format!(
-        "Counted: parameters (bf16/fp16: the working copies; LoRA: the frozen base in the compute dtype plus the adapters), gradients of the trainable parameters (mixed precision: the half-precision ones and their f32 copies), {} state, f32 masters, and activations: what the backward pass keeps per block as accelerate-rs's nn layers keep it (attention weights of heads x sequence length included: no flash attention), the logits, and the backward pass's working set ({}); \"ckpt\": every block checkpointed (nn::checkpoint). ZeRO as accelerate-rs implements it: stage 1 shards the optimizer state over the ranks, stage 2 also the averaged gradients; parameters and masters stay whole on every rank.",
+        "Counted: parameters (bf16/fp16: the working copies; LoRA: the frozen base in the compute dtype plus the adapters), gradients of the trainable parameters (mixed precision: the half-precision ones and their f32 copies), {} state, f32 masters, and activations: what the backward pass keeps per block as accelerate-rs's nn layers keep it (attention weights of heads x sequence length included: no flash attention), the logits, and the backward pass's working set ({}); \"ckpt\": every block checkpointed (nn::checkpoint). ZeRO as accelerate-rs implements it: stage 1 shards the optimizer state over the ranks, stage 2 also the averaged gradients, stage 3 also the parameters (f32 masters under mixed precision), with the embeddings and head gathered for the whole step, about two blocks gathered at a time and every block recomputed (its \"activations\" are the checkpointed ones; LoRA: the frozen base sharded, the adapters whole on every rank).",
         optimizer.name(),
         if args.composed_head {
             "a composed output layer and loss: three logits-sized f32 tensors at its start"

@@ -58,6 +58,16 @@ pub(crate) struct LaunchArgs {
     #[arg(long, value_name = "N")]
     gradient_accumulation_steps: Option<usize>,
 
+    /// ZeRO stage: 0 (none), 1 (optimizer state sharded), 2 (and gradients), 3 (and
+    /// parameters) (ACCELERATE_RS_ZERO_STAGE) [config: zero_stage].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=3))]
+    zero_stage: Option<u8>,
+
+    /// ZeRO stage 3: the shards' optimizer state, f32 masters and f32 gradients in host memory,
+    /// stepped there (ACCELERATE_RS_OFFLOAD_OPTIMIZER=1) [config: offload_optimizer].
+    #[arg(long)]
+    offload_optimizer: bool,
+
     /// Timeout of every collective in seconds (ACCELERATE_RS_TIMEOUT_SECS)
     /// [config: collective_timeout_secs].
     #[arg(long, value_name = "SECS", value_parser = parse_secs)]
@@ -136,6 +146,12 @@ fn options(args: LaunchArgs, cfg: &ConfigFile) -> LaunchOptions {
     if let Some(v) = args.gradient_accumulation_steps {
         o.gradient_accumulation_steps = Some(v);
     }
+    if let Some(v) = args.zero_stage {
+        o.zero_stage = Some(usize::from(v));
+    }
+    if args.offload_optimizer {
+        o.offload_optimizer = Some(true);
+    }
     if let Some(v) = args.collective_timeout_secs {
         o.collective_timeout = Some(v);
     }
@@ -195,6 +211,7 @@ mod tests {
             max_restarts: Some(2),
             mixed_precision: Some(MixedPrecision::Bf16),
             main_process_port: Some(4000),
+            zero_stage: Some(2),
             ..ConfigFile::default()
         };
         let o = options(parse(&["prog", "x"]), &cfg);
@@ -203,6 +220,7 @@ mod tests {
         assert_eq!(o.max_restarts, 2);
         assert_eq!(o.mixed_precision, Some(MixedPrecision::Bf16));
         assert_eq!(o.main_process_port, Some(4000));
+        assert_eq!(o.zero_stage, Some(2));
         assert_eq!(
             (o.program.as_str(), o.args.as_slice()),
             ("prog", &["x".to_string()][..])
@@ -217,6 +235,8 @@ mod tests {
                 "fp16",
                 "--main-process-port",
                 "0",
+                "--zero-stage",
+                "3",
                 "--",
                 "prog",
             ]),
@@ -226,6 +246,9 @@ mod tests {
         assert_eq!(o.max_restarts, 0);
         assert_eq!(o.mixed_precision, Some(MixedPrecision::Fp16));
         assert_eq!(o.main_process_port, Some(0));
+        assert_eq!(o.zero_stage, Some(3));
+        let bad = T::try_parse_from(["launch", "--zero-stage", "4", "prog"]);
+        assert!(bad.is_err());
         let o = options(parse(&["prog"]), &ConfigFile::default());
         assert_eq!(o.num_processes, 1);
         assert!(!o.cpu);

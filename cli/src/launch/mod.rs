@@ -116,6 +116,10 @@ pub struct LaunchOptions {
     pub collective_timeout: Option<Duration>,
     /// Gradient bucket cap in MiB exported as `ACCELERATE_RS_BUCKET_CAP_MB`.
     pub bucket_cap_mb: Option<f64>,
+    /// ZeRO stage (0 to 3) exported as `ACCELERATE_RS_ZERO_STAGE`.
+    pub zero_stage: Option<usize>,
+    /// ZeRO-3 offload exported as `ACCELERATE_RS_OFFLOAD_OPTIMIZER`.
+    pub offload_optimizer: Option<bool>,
     /// How many times the whole group is restarted after a failure.
     pub max_restarts: usize,
     /// How often the monitor checks for signals (worker exits are seen at once).
@@ -150,6 +154,8 @@ impl Default for LaunchOptions {
             gradient_accumulation_steps: None,
             collective_timeout: None,
             bucket_cap_mb: None,
+            zero_stage: None,
+            offload_optimizer: None,
             max_restarts: 0,
             monitor_interval: DEFAULT_MONITOR_INTERVAL,
             program: String::new(),
@@ -182,6 +188,8 @@ impl LaunchOptions {
                 .collective_timeout_secs
                 .and_then(|s| Duration::try_from_secs_f64(s).ok()),
             bucket_cap_mb: cfg.bucket_cap_mb,
+            zero_stage: cfg.zero_stage,
+            offload_optimizer: cfg.offload_optimizer,
             max_restarts: cfg.max_restarts.unwrap_or(d.max_restarts),
             monitor_interval: cfg
                 .monitor_interval_secs
@@ -463,6 +471,8 @@ fn env_spec(opts: &LaunchOptions, plan: &Plan, port: u16, restart_count: usize) 
         gradient_accumulation_steps: opts.gradient_accumulation_steps,
         timeout_secs: opts.collective_timeout.map(|t| t.as_secs_f64()),
         bucket_cap_mb: opts.bucket_cap_mb,
+        zero_stage: opts.zero_stage,
+        offload_optimizer: opts.offload_optimizer,
     }
 }
 

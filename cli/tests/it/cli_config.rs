@@ -134,8 +134,9 @@ fn s(p: &Path) -> &str {
 fn answers_from_stdin_round_trip_with_a_reasked_answer() {
     let home = Home::new();
     let file = home.path("sub/dir/cfg.toml");
-    // gpu, 2 machines, rank 1, ip, port, a bad process count then 3, GPU ids, fp16, 4 steps, 90 s.
-    let answers = "gpu\n2\n1\n10.1.2.3\n29600\nthree\n3\n0,1\nfp16\n4\n90\n";
+    // gpu, 2 machines, rank 1, ip, port, a bad process count then 3, GPU ids, fp16, 4 steps, 90 s,
+    // ZeRO stage 3.
+    let answers = "gpu\n2\n1\n10.1.2.3\n29600\nthree\n3\n0,1\nfp16\n4\n90\n3\n";
     let out = ok(run_with_input(
         home.cmd(&["config", "--answers-from-stdin", "--config-file", s(&file)]),
         answers,
@@ -166,6 +167,7 @@ fn answers_from_stdin_round_trip_with_a_reasked_answer() {
         mixed_precision: Some(MixedPrecision::Fp16),
         gradient_accumulation_steps: Some(4),
         collective_timeout_secs: Some(90.0),
+        zero_stage: Some(3),
         ..ConfigFile::default()
     };
     assert_eq!(ConfigFile::load(&file).unwrap(), want);
@@ -187,6 +189,7 @@ fn answers_from_stdin_round_trip_with_a_reasked_answer() {
         "mixed_precision = \"fp16\"",
         "gradient_accumulation_steps = 4",
         "collective_timeout_secs = 90",
+        "zero_stage = 3",
     ] {
         assert!(
             show.stdout.contains(line),
@@ -281,6 +284,7 @@ fn flags_round_trip_without_questions() {
         missing_gradients: None,
         nonfinite: None,
         zero_stage: None,
+        offload_optimizer: None,
         split_batches: None,
         max_restarts: Some(2),
         monitor_interval_secs: Some(0.5),

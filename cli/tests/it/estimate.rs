@@ -44,7 +44,7 @@ fn row(report: &str, precision: &str, stage: usize) -> Vec<String> {
                 .map(|c| c.trim().to_string())
                 .collect::<Vec<_>>()
         })
-        .find(|c| c.len() == 10 && c[0] == precision && c[1] == stage.to_string())
+        .find(|c| c.len() >= 10 && c[0] == precision && c[1] == stage.to_string())
         .unwrap_or_else(|| panic!("no row {precision} {stage} in:\n{report}"))
 }
 
@@ -108,6 +108,28 @@ fn zero_stages_and_lora_change_what_each_rank_holds() {
     // Stage 1 shards the AdamW state, stage 2 the gradients too.
     assert_eq!(row(&r, "fp32", 1)[3..5], ["25.10 GiB", "12.55 GiB"]);
     assert_eq!(row(&r, "fp32", 2)[3..5], ["6.28 GiB", "12.55 GiB"]);
+    // Stage 3 shards the parameters too: 1/4 of the f32 parameters, plus the embeddings and
+    // head (held for the step) and two decoder layers gathered (8.76 GiB); a quarter of the
+    // AdamW state; every block recomputed (the checkpointed activations either way).
+    let s3 = row(&r, "fp32", 3);
+    assert_eq!(s3[2..5], ["8.76 GiB", "8.23 GiB", "12.55 GiB"]);
+    assert_eq!(s3[6], s3[8]);
+    let o = ok(&[
+        d,
+        "-n",
+        "4",
+        "--precision",
+        "fp32",
+        "--seq-len",
+        "512",
+        "--zero-stage",
+        "3",
+        "--offload-optimizer",
+    ]);
+    let s3o = row(&o, "fp32", 3);
+    // On the host: the shard's masters (6.28), moments (12.55) and f32 gradients (6.28).
+    assert_eq!(s3o[4], "0.0 MiB");
+    assert_eq!(s3o.last().map(String::as_str), Some("25.10 GiB"));
     // LoRA r=8 on q_proj and v_proj: 32 layers x 2 x 8 x (4096 + 4096) adapters.
     let l = ok(&[d, "--lora-r", "8", "--precision", "bf16"]);
     assert!(
@@ -134,8 +156,16 @@ fn bad_models_and_flags_are_clear_errors() {
     assert!(e.contains("c_attn") && e.contains("q_proj"), "{e}");
     let e = err(&[d, "--world-size", "0"]);
     assert!(e.contains("--world-size"), "{e}");
-    let e = err(&[d, "--zero-stage", "3", "-n", "2"]);
-    assert!(e.contains("zero_stage") && e.contains("0, 1 or 2"), "{e}");
+    let e = err(&[d, "--zero-stage", "4", "-n", "2"]);
+    assert!(
+        e.contains("zero_stage") && e.contains("0, 1, 2 or 3"),
+        "{e}"
+    );
+    let e = err(&[d, "--zero-stage", "2", "--offload-optimizer", "-n", "2"]);
+    assert!(
+        e.contains("offload_optimizer") && e.contains("stage 3"),
+        "{e}"
+    );
     let e = err(&[d, "--precision", "fp8"]);
     assert!(e.contains("fp8"), "{e}");
     // A shard cut short inside its header.
@@ -179,10 +209,24 @@ fn the_readme_shows_what_the_tool_prints() {
     let dir = fixture();
     let d = dir.to_str().unwrap();
     let common = [d, "--precision", "bf16", "--seq-len", "2048"];
+    let b13 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/llama-2-13b/config.json");
+    let b13 = b13.to_str().unwrap();
     let outputs = [
         ok(&common),
         ok(&[&common[..], &["--lora-r", "16"]].concat()),
         ok(&[&common[..], &["-n", "8", "--zero-stage", "2"]].concat()),
+        ok(&[&common[..], &["-n", "8", "--zero-stage", "3"]].concat()),
+        ok(&[
+            b13,
+            "--precision",
+            "bf16",
+            "--seq-len",
+            "2048",
+            "-n",
+            "8",
+            "--zero-stage",
+            "2,3",
+        ]),
     ]
     .concat();
     let rows: Vec<&str> = section

@@ -137,6 +137,8 @@ pub(crate) fn run(plan: &SelfLaunch) -> Result<std::convert::Infallible> {
             gradient_accumulation_steps: None,
             timeout_secs: None,
             bucket_cap_mb: None,
+            zero_stage: None,
+            offload_optimizer: None,
         },
         crate::settings::runtime::process_var_is_set,
     );

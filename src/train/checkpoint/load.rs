@@ -118,8 +118,7 @@ pub(crate) fn load_state(
         hook(&found, &manifest)?;
     }
     // Read and check everything first.
-    let model_path = found.join(MODEL_FILE);
-    let mut sets = fit_model(&model_path, read_safetensors(&model_path, device)?, model)?;
+    let (mut sets, pieces) = read_model(&found, &manifest, model, device)?;
     for (name, m) in &models {
         if !manifest.models.contains_key(name) {
             return Err(checkpoint_err(
@@ -211,7 +210,48 @@ pub(crate) fn load_state(
     for (var, t) in sets {
         var.set(&t)?;
     }
+    if let (Some(target), Some(values)) = (model.sharded_parameters(), pieces) {
+        target.write_local(&values)?;
+    }
     Ok(manifest)
+}
+
+/// The values to give the model: whole parameters to set, or, for a ZeRO-3 model, this rank's
+/// pieces (agreed on by every rank: a rank that cannot read its pieces fails them all).
+type ModelValues = (
+    Vec<(candle_core::Var, Tensor)>,
+    Option<Vec<(String, usize, Tensor)>>,
+);
+
+fn read_model(
+    found: &Path,
+    manifest: &Manifest,
+    model: &dyn Parameters,
+    device: &Device,
+) -> Result<ModelValues> {
+    if let Some(target) = model.sharded_parameters() {
+        let (values, outcome) = match super::model_shards::read_local(found, manifest, target) {
+            Ok(v) => (Some(v), Ok(())),
+            Err(e) => (None, Err(e)),
+        };
+        target.agree(
+            "load_state (reading this rank's pieces of the model)",
+            outcome,
+        )?;
+        return Ok((Vec::new(), values));
+    }
+    let sets = match manifest.model_shards {
+        Some(n) => {
+            let whole = super::model_shards::read_whole(found, manifest, n, device)?;
+            let at = found.join(format!("model.rank-*-of-{n:05}.safetensors"));
+            fit_model(&at, whole, model)?
+        }
+        None => {
+            let path = found.join(MODEL_FILE);
+            fit_model(&path, read_safetensors(&path, device)?, model)?
+        }
+    };
+    Ok((sets, None))
 }
 
 /// Makes every rank return the main process's result of a write.

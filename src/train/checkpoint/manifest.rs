@@ -64,6 +64,16 @@ pub struct Manifest {
     pub samples: Option<crate::data::SamplePosition>,
     /// The parameter names in `model.safetensors`, in name order.
     pub parameters: Vec<String>,
+    /// ZeRO-3: the number of per-rank files the model's parameters are cut across
+    /// (`model.rank-00000-of-0000N.safetensors`, ...: each rank's pieces, tensors named
+    /// `<parameter>@<first element>`), instead of `model.safetensors`; `None` for one whole
+    /// file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_shards: Option<usize>,
+    /// With [`model_shards`](Self::model_shards): the shape of each of
+    /// [`parameters`](Self::parameters).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub model_shapes: Vec<Vec<usize>>,
     /// Free-form strings ([`CheckpointParts::extra`](super::CheckpointParts::extra)).
     pub extra: BTreeMap<String, String>,
     /// The named models ([`CheckpointParts::model_named`](super::CheckpointParts::model_named))
@@ -241,6 +251,11 @@ pub struct FileChecksum {
     pub crc32: u32,
 }
 
+/// The file of rank `rank`'s pieces of a ZeRO-3 model in a checkpoint of `world_size` ranks.
+pub(super) fn model_shard_file(rank: usize, world_size: usize) -> String {
+    format!("model.rank-{rank:05}-of-{world_size:05}.safetensors")
+}
+
 /// Size and CRC-32 of the file at `path`, read in 1 MiB blocks.
 pub(super) fn checksum_file(path: &Path) -> std::io::Result<FileChecksum> {
     use std::io::Read;
@@ -282,11 +297,15 @@ pub fn verify_checkpoint(dir: impl AsRef<Path>) -> Result<Manifest> {
         });
         return Ok(manifest);
     }
-    if !manifest.files.contains_key(MODEL_FILE) {
-        return Err(corrupt(
-            &mpath,
-            format!("it lists no checksum for {MODEL_FILE}"),
-        ));
+    let model_files: Vec<String> = match manifest.model_shards {
+        Some(n) => (0..n).map(|r| model_shard_file(r, n)).collect(),
+        None => vec![MODEL_FILE.to_string()],
+    };
+    if let Some(f) = model_files
+        .iter()
+        .find(|f| !manifest.files.contains_key(*f))
+    {
+        return Err(corrupt(&mpath, format!("it lists no checksum for {f}")));
     }
     for (name, want) in &manifest.files {
         let path = found.join(name);
@@ -413,6 +432,8 @@ mod tests {
             loader: None,
             samples: None,
             parameters: vec!["w".into()],
+            model_shards: None,
+            model_shapes: Vec::new(),
             extra: BTreeMap::from([("note".into(), "0.1 + 0.2 = 0.30000000000000004".into())]),
             models: BTreeMap::new(),
             optimizers: BTreeMap::from([

@@ -86,10 +86,12 @@ mod io;
 mod load;
 mod manifest;
 mod model_files;
+mod model_shards;
 mod optimizer;
 mod place;
 mod rotation;
 mod save;
+mod stream;
 
 pub use io::LOCK_FILE;
 pub(crate) use load::load_state;

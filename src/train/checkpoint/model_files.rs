@@ -36,6 +36,9 @@ pub(super) fn model_write_err(e: Error) -> Error {
 
 /// See [`Accelerator::save_model`](crate::Accelerator::save_model).
 pub(crate) fn save_model(c: &dyn Collective, path: &Path, model: &dyn Parameters) -> Result<()> {
+    if let Some(sharded) = model.sharded_parameters() {
+        return super::stream::save(c, sharded, super::stream::Target::File(path));
+    }
     let result = if c.rank() == 0 {
         let tmp = with_suffix(path, &format!(".tmp-{}", std::process::id()));
         let folder = path.parent().filter(|p| !p.as_os_str().is_empty());
@@ -185,7 +188,7 @@ pub(super) fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
 
 /// The weight files of a Hugging Face model folder: `model.safetensors`, the shard index and
 /// `model-NNNNN-of-NNNNN.safetensors` shards.
-fn is_model_weights_file(name: &str) -> bool {
+pub(super) fn is_model_weights_file(name: &str) -> bool {
     let shard = || {
         let middle = name.strip_prefix("model-")?.strip_suffix(".safetensors")?;
         let (i, n) = middle.split_once("-of-")?;
@@ -203,6 +206,14 @@ pub(crate) fn save_model_sharded(
     max_shard_bytes: usize,
     config: Option<&serde_json::Value>,
 ) -> Result<()> {
+    if let Some(sharded) = model.sharded_parameters() {
+        let target = super::stream::Target::Folder {
+            dir,
+            max: max_shard_bytes,
+            config,
+        };
+        return super::stream::save(c, sharded, target);
+    }
     let result = if c.rank() == 0 {
         write_sharded(dir, model, max_shard_bytes, config)
     } else {

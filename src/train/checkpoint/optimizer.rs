@@ -14,7 +14,7 @@ use crate::optim::{OptimizerState, StateShard, StatefulOptimizer};
 
 use super::io::{crash_hook, lock_folder, read_safetensors, write_safetensors};
 use super::load::agree;
-use super::manifest::OptimizerManifest;
+use super::manifest::{model_shard_file, OptimizerManifest};
 use super::{
     check_ours, checkpoint_err, corrupt, io_err, named_optimizer_base, with_suffix, write_err,
     CheckpointParts, MANIFEST_FILE, OPTIMIZER_BASE,
@@ -207,10 +207,21 @@ pub(super) fn stage_shards(
     parts: &CheckpointParts<'_>,
     taken: Result<Taken>,
 ) -> Result<(Taken, Option<PathBuf>)> {
-    let sharded = taken
-        .as_ref()
-        .map(|t| !t.shards(parts).is_empty())
-        .unwrap_or(false);
+    let model = parts.model.sharded_parameters();
+    let taken = taken.and_then(|t| {
+        if model.is_some() && parts.save_on_each_node {
+            return Err(crate::train::zero3::unsupported(
+                "save_on_each_node (a copy of the checkpoint per machine)",
+                "save to a folder every rank sees (each rank writes its own shard)",
+            ));
+        }
+        Ok(t)
+    });
+    let sharded = model.is_some()
+        || taken
+            .as_ref()
+            .map(|t| !t.shards(parts).is_empty())
+            .unwrap_or(false);
     let mut any = [if sharded { 1f32 } else { 0f32 }];
     c.all_reduce((&mut any[..]).into(), crate::collective::ReduceOp::Max)?;
     if any[0] == 0.0 {
@@ -244,6 +255,14 @@ pub(super) fn stage_shards(
                 .collect();
             write_safetensors(&stage.join(shard_file(&base, rank, world)), &pieces)?;
         }
+        if let Some(m) = model {
+            let pieces: Vec<(String, Tensor)> = m
+                .local_pieces()?
+                .into_iter()
+                .map(|(name, start, piece)| (format!("{name}@{start}"), piece))
+                .collect();
+            write_safetensors(&stage.join(model_shard_file(rank, world)), &pieces)?;
+        }
         Ok(t)
     });
     let mut failed = [match &wrote {
@@ -259,7 +278,7 @@ pub(super) fn stage_shards(
         return Err(write_err(
             &stage,
             format!(
-                "rank {} could not write its optimizer shard (see its error)",
+                "rank {} could not write its shard of the optimizer or model (see its error)",
                 failed[0] as usize - 1
             ),
             None,

@@ -10,7 +10,7 @@ use crate::collective::Collective;
 use crate::error::{Error, Result};
 
 use super::io::{crash_hook, lock_folder, sync_dir, sync_file, write_safetensors};
-use super::manifest::{checksum_file, Manifest};
+use super::manifest::{checksum_file, model_shard_file, Manifest};
 use super::optimizer::{remove_stage, stage_shards, take_on_every_rank, write_optimizer, Taken};
 use super::rotation::{auto_entries, latest_number, rotate};
 use super::{
@@ -32,6 +32,12 @@ pub(super) fn write_checkpoint(
     fs::create_dir_all(tmp).map_err(|e| io_err("creating", tmp, e))?;
     let mut models = BTreeMap::new();
     for (name, m) in &parts.models {
+        if m.sharded_parameters().is_some() {
+            return Err(crate::train::zero3::unsupported(
+                &format!("a sharded model saved under a name (`{name}`)"),
+                "save it as the checkpoint's model",
+            ));
+        }
         let tensors = named_tensors(*m)?;
         write_safetensors(&tmp.join(named_model_file(name)), &tensors)?;
         models.insert(name.clone(), tensors.into_iter().map(|(n, _)| n).collect());
@@ -51,9 +57,7 @@ pub(super) fn write_checkpoint(
         fs::write(&path, text).map_err(|e| write_err(&path, "could not write it", Some(e)))?;
         sync_file(&path)?;
     }
-    let model = named_tensors(parts.model)?;
-    write_safetensors(&tmp.join(MODEL_FILE), &model)?;
-    crash_hook(MODEL_FILE);
+    let (parameters, model_shards, model_shapes) = write_model(tmp, parts, world_size, stage)?;
     let optimizer = match parts.optimizer {
         Some(opt) => {
             let took = taken.main.clone();
@@ -91,7 +95,9 @@ pub(super) fn write_checkpoint(
         schedule_step: parts.schedule_step,
         loader: parts.loader,
         samples: parts.samples,
-        parameters: model.iter().map(|(n, _)| n.clone()).collect(),
+        parameters,
+        model_shards,
+        model_shapes,
         extra: parts.extra.clone(),
         models,
         optimizers,
@@ -107,6 +113,46 @@ pub(super) fn write_checkpoint(
         .map_err(|e| io_err("writing", &path, e))?;
     sync_dir(tmp);
     Ok(())
+}
+
+/// The model's part of a checkpoint in `tmp`: `model.safetensors`, or for a ZeRO-3 model the
+/// `world_size` per-rank files every rank staged in `stage`. Returns the manifest's parameter
+/// names, number of model files and shapes.
+type ModelEntry = (Vec<String>, Option<usize>, Vec<Vec<usize>>);
+
+fn write_model(
+    tmp: &Path,
+    parts: &CheckpointParts<'_>,
+    world_size: usize,
+    stage: Option<&Path>,
+) -> Result<ModelEntry> {
+    let Some(sharded) = parts.model.sharded_parameters() else {
+        let model = named_tensors(parts.model)?;
+        write_safetensors(&tmp.join(MODEL_FILE), &model)?;
+        crash_hook(MODEL_FILE);
+        return Ok((
+            model.into_iter().map(|(n, _)| n).collect(),
+            None,
+            Vec::new(),
+        ));
+    };
+    let stage =
+        stage.ok_or_else(|| write_err(tmp, "the ranks' model shards were not staged", None))?;
+    for r in 0..world_size {
+        let file = model_shard_file(r, world_size);
+        let from = stage.join(&file);
+        fs::rename(&from, tmp.join(&file))
+            .map_err(|e| io_err(format!("moving rank {r}'s model shard from"), &from, e))?;
+    }
+    crash_hook(MODEL_FILE);
+    let mut params: Vec<(String, Vec<usize>)> = sharded
+        .unit_specs()
+        .into_iter()
+        .flat_map(|(_, _, members)| members)
+        .collect();
+    params.sort();
+    let (names, shapes) = params.into_iter().unzip();
+    Ok((names, Some(world_size), shapes))
 }
 
 /// An error unless the checkpoint may take the place of `dir` whole (the previous one is moved

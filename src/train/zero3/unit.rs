@@ -1,0 +1,293 @@
+//! One ZeRO-3 unit at run time: this rank's shard of its flat vector, the all-gather that
+//! materialises its parameters, and the reduce-scatter of their gradients. On the CPU both run
+//! in place in one flat buffer of the unit's size; on other devices through the collective's
+//! tensor operations.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Storage, Tensor, TensorId, Var};
+
+use crate::collective::{BufferMut, Collective, ReduceOp};
+use crate::error::{Error, Result};
+use crate::inplace::{copy_cpu, fill_cpu, read_f64, with_cpu_mut, with_cpu_mut_src};
+
+use super::layout::UnitLayout;
+
+/// A unit: its layout, this rank's shard, and the gathers waiting for their gradients.
+#[derive(Debug)]
+pub(crate) struct Unit {
+    pub(crate) layout: UnitLayout,
+    /// This rank's chunk of the flat vector (1-D, `own.len()` elements): the masters the
+    /// optimizer steps.
+    pub(crate) shard: Var,
+    /// The elements of the flat vector the shard holds.
+    pub(crate) own: Range<usize>,
+    /// Whether the unit's parameters get gradients (false: a frozen base under LoRA).
+    trainable: AtomicBool,
+    /// Offload: the shard in the compute dtype on the accelerator's device, what gathers read;
+    /// the shard itself (the masters the optimizer steps) then lives in host memory. Refreshed
+    /// after every step and load ([`refresh`](Self::refresh)).
+    device_copy: Option<Var>,
+    /// Held gathers ([`ShardedModel::gather`](super::ShardedModel::gather)) whose gradients
+    /// are collected when the backward pass ends: the ids of their variables, member by member.
+    pub(crate) held: Mutex<Vec<Vec<TensorId>>>,
+    /// Per member, whether some rank gave it a gradient since the presence was last read.
+    pub(crate) present: Mutex<Vec<bool>>,
+}
+
+fn cpu_storage<'a>(s: &'a Storage, what: &str) -> Result<&'a candle_core::CpuStorage> {
+    match s {
+        Storage::Cpu(c) => Ok(c),
+        _ => Err(Error::invalid(what, "is not on the CPU")),
+    }
+}
+
+impl Unit {
+    /// A unit over `shard` (this rank's chunk `own`); `device_copy`: see the field.
+    pub(crate) fn new(
+        layout: UnitLayout,
+        shard: Var,
+        own: Range<usize>,
+        trainable: bool,
+        device_copy: Option<Var>,
+    ) -> Self {
+        let members = layout.members.len();
+        Unit {
+            layout,
+            shard,
+            own,
+            device_copy,
+            trainable: AtomicBool::new(trainable),
+            held: Mutex::new(Vec::new()),
+            present: Mutex::new(vec![false; members]),
+        }
+    }
+
+    /// Whether the unit's parameters get gradients.
+    pub(crate) fn trainable(&self) -> bool {
+        self.trainable.load(Ordering::Relaxed)
+    }
+
+    /// Stops computing and reducing gradients for the unit (a base frozen under LoRA).
+    pub(crate) fn freeze(&self) {
+        self.trainable.store(false, Ordering::Relaxed);
+    }
+
+    /// Where the unit is gathered and its gradients reduced: the device copy's device
+    /// (offload), else the shard's.
+    fn device(&self) -> &Device {
+        self.device_copy
+            .as_ref()
+            .map_or(self.shard.device(), |c| c.device())
+    }
+
+    /// Offload: copies the shard (the masters, in host memory) into the device copy, in its
+    /// dtype; nothing to do otherwise.
+    pub(crate) fn refresh(&self) -> Result<()> {
+        if let Some(copy) = &self.device_copy {
+            let t = self.shard.as_tensor().to_dtype(copy.dtype())?;
+            copy.set(&t.to_device(copy.device())?)?;
+        }
+        Ok(())
+    }
+
+    /// The whole flat vector in `dtype`: every rank's chunk, gathered from the masters (the
+    /// shards, for saving) or for computing (offload: from the device copies, on the device).
+    pub(crate) fn gather_flat(
+        &self,
+        c: &dyn Collective,
+        dtype: DType,
+        masters: bool,
+    ) -> Result<Tensor> {
+        let len = self.layout.len;
+        let source = match &self.device_copy {
+            Some(copy) if !masters => copy,
+            _ => &self.shard,
+        };
+        let device = source.device().clone();
+        let mine = source.as_tensor().to_dtype(dtype)?.contiguous()?;
+        if c.world_size() == 1 {
+            return Ok(mine.copy()?);
+        }
+        if !device.is_cpu() {
+            let full = Tensor::zeros(len, dtype, &device)?;
+            if !self.own.is_empty() {
+                full.slice_set(&mine, 0, self.own.start)?;
+            }
+            return c.all_gather_into_tensor(&full);
+        }
+        let flat = Tensor::zeros(len, dtype, &Device::Cpu)?;
+        let own = self.own.clone();
+        if own.is_empty() {
+            with_cpu_mut(&flat, "ZeRO-3 gather", |dst, range| {
+                c.all_gather_into(BufferMut::of_cpu(dst, range)?)
+            })?;
+        } else {
+            with_cpu_mut_src(&flat, &mine, "ZeRO-3 gather", |dst, range, src, sr| {
+                let at = range.start + own.start..range.start + own.end;
+                copy_cpu(dst, at, src, sr)?;
+                c.all_gather_into(BufferMut::of_cpu(dst, range)?)
+            })?;
+        }
+        Ok(flat)
+    }
+
+    /// The unit's parameters, gathered in `dtype`, by name: fresh variables when the unit is
+    /// trainable (their gradients are this unit's), else views of one flat buffer.
+    pub(crate) fn gather(&self, c: &dyn Collective, dtype: DType) -> Result<Vec<(String, Tensor)>> {
+        let flat = self.gather_flat(c, dtype, false)?;
+        let mut out = Vec::with_capacity(self.layout.members.len());
+        for m in &self.layout.members {
+            let view = flat
+                .narrow(0, m.offset, m.len)?
+                .reshape(m.shape.as_slice())?;
+            let t = if self.trainable() {
+                Var::from_tensor(&view)?.into_inner()
+            } else {
+                view
+            };
+            out.push((m.name.clone(), t));
+        }
+        Ok(out)
+    }
+
+    /// Reduce-scatters the members' gradients (`grads`, member by member, `None` for a member
+    /// without one on this rank): each is cast to the shard's dtype and divided by `divide`
+    /// (an f16 loss scale), zeros standing in for a missing one. Returns this rank's chunk of
+    /// their mean over the ranks (1-D, like the shard), and per member whether any rank had a
+    /// gradient (also recorded in [`present`](Self::present)).
+    pub(crate) fn reduce(
+        &self,
+        c: &dyn Collective,
+        grads: Vec<Option<Tensor>>,
+        divide: f64,
+    ) -> Result<Tensor> {
+        let dtype = self.shard.dtype();
+        let mut parts = Vec::with_capacity(grads.len());
+        for (m, g) in self.layout.members.iter().zip(grads) {
+            parts.push(match g {
+                Some(g) => {
+                    if g.dims() != m.shape.as_slice() {
+                        return Err(Error::invalid(
+                            "gradient",
+                            format!(
+                                "rank {}: the gradient of `{}` has shape {:?}, the parameter {:?}",
+                                c.rank(),
+                                m.name,
+                                g.dims(),
+                                m.shape
+                            ),
+                        ));
+                    }
+                    let g = g.to_dtype(dtype)?;
+                    let g = if divide != 1.0 {
+                        g.affine(1.0 / divide, 0.0)?
+                    } else {
+                        g
+                    };
+                    Some(g.flatten_all()?)
+                }
+                None => None,
+            });
+        }
+        let (chunk, flags) = if self.device().is_cpu() {
+            self.reduce_cpu(c, &parts)?
+        } else {
+            self.reduce_device(c, &parts)?
+        };
+        // Offload: the shard's gradient goes to host memory, where the optimizer steps.
+        let chunk = chunk.to_device(self.shard.device())?;
+        let mut present = self.present.lock().unwrap_or_else(|p| p.into_inner());
+        for (p, f) in present.iter_mut().zip(flags) {
+            *p |= f > 0.0;
+        }
+        Ok(chunk)
+    }
+
+    /// [`reduce`](Self::reduce) on the CPU: one flat buffer (gradients, then one presence flag
+    /// per member), reduce-scattered and flag-reduced in place; this rank's chunk copied out.
+    fn reduce_cpu(
+        &self,
+        c: &dyn Collective,
+        parts: &[Option<Tensor>],
+    ) -> Result<(Tensor, Vec<f64>)> {
+        let (len, members) = (self.layout.len, self.layout.members.len());
+        let dtype = self.shard.dtype();
+        let flat = Tensor::zeros(len + members, dtype, &Device::Cpu)?;
+        let sources: Vec<Option<Tensor>> = parts
+            .iter()
+            .map(|p| {
+                p.as_ref()
+                    .map(|t| t.to_device(&Device::Cpu)?.contiguous())
+                    .transpose()
+            })
+            .collect::<candle_core::Result<_>>()?;
+        let mut flags = Vec::new();
+        with_cpu_mut(&flat, "ZeRO-3 gradients", |dst, range| {
+            for (m, g) in self.layout.members.iter().zip(&sources) {
+                let at = range.start + m.offset..range.start + m.offset + m.len;
+                match g {
+                    Some(g) => {
+                        let (src, layout) = g.storage_and_layout();
+                        let src = cpu_storage(&src, "gradient")?;
+                        let s = layout.start_offset();
+                        copy_cpu(dst, at, src, s..s + m.len)?;
+                    }
+                    None => fill_cpu(dst, at, 0.0)?,
+                }
+            }
+            let fl = range.start + len..range.end;
+            for (i, g) in sources.iter().enumerate() {
+                let f = if g.is_some() { 1.0 } else { 0.0 };
+                fill_cpu(dst, fl.start + i..fl.start + i + 1, f)?;
+            }
+            c.reduce_scatter(
+                BufferMut::of_cpu(dst, range.start..range.start + len)?,
+                ReduceOp::Mean,
+            )?;
+            c.all_reduce(BufferMut::of_cpu(dst, fl.clone())?, ReduceOp::Mean)?;
+            flags = read_f64(dst, fl)?;
+            Ok(())
+        })?;
+        let chunk = flat.narrow(0, self.own.start, self.own.len())?.copy()?;
+        Ok((chunk, flags))
+    }
+
+    /// [`reduce`](Self::reduce) elsewhere: the gradients end to end in one flat tensor on the
+    /// device, reduce-scattered there; the flags through the host.
+    fn reduce_device(
+        &self,
+        c: &dyn Collective,
+        parts: &[Option<Tensor>],
+    ) -> Result<(Tensor, Vec<f64>)> {
+        let (dtype, device) = (self.shard.dtype(), self.device().clone());
+        let mut flat = Vec::with_capacity(parts.len());
+        let mut flags = Vec::with_capacity(parts.len());
+        for (m, g) in self.layout.members.iter().zip(parts) {
+            match g {
+                Some(g) => {
+                    flat.push(g.clone());
+                    flags.push(1f64);
+                }
+                None => {
+                    flat.push(Tensor::zeros(m.len, dtype, &device)?);
+                    flags.push(0f64);
+                }
+            }
+        }
+        let flat = Tensor::cat(&flat, 0)?;
+        let chunk = c.reduce_scatter_tensor(&flat, ReduceOp::Mean)?;
+        c.all_reduce((&mut flags[..]).into(), ReduceOp::Mean)?;
+        Ok((chunk, flags))
+    }
+
+    /// Per member, whether some rank gave it a gradient since the last call (then cleared).
+    pub(crate) fn take_present(&self) -> Vec<bool> {
+        let mut p = self.present.lock().unwrap_or_else(|p| p.into_inner());
+        let out = p.clone();
+        p.iter_mut().for_each(|x| *x = false);
+        out
+    }
+}
