@@ -17,13 +17,13 @@ use crate::error::{Error, Result};
 /// Implementations short-circuit when [`world_size`](Collective::world_size) is 1.
 ///
 /// **No method has a default body**, on purpose. A backend states, method by method, what it
-/// does: its own implementation, or one of [`fallback`]'s (the host-memory path, one line).
+/// does: its own implementation, or one of [`fallback`](super::fallback)'s (the host-memory path, one line).
 /// A *wrapper* of another collective (the batch-size search's `ProbedCollective`, a user's
 /// counting or logging wrapper) must forward every method, or the wrapped backend's override is
 /// silently lost: a default body would have run the host path instead (this is how the batched
 /// NCCL all-reduce once fell back to one NCCL group and one host wait per bucket). Without
 /// defaults, a method added to the trait is a compile error in every backend and every wrapper
-/// until each says what it does, which is stronger than any test; [`forwarding::check_wrapper`]
+/// until each says what it does, which is stronger than any test; [`forwarding::check_wrapper`](super::forwarding::check_wrapper)
 /// then checks at test time that a wrapper's methods reach the wrapped collective's own ones
 /// (and that its list of methods is this trait's).
 pub trait Collective: Send + Sync + std::fmt::Debug {
@@ -48,7 +48,7 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// of those elements over every rank; the rest of `buf` is unspecified. Every rank passes the
     /// same length. This is how ZeRO stage 2 keeps only its slice of the gradients; ring backends
     /// (TCP, shared memory, threads) move and add half of what an
-    /// [`all_reduce`](Collective::all_reduce) does. [`fallback::reduce_scatter`] is an
+    /// [`all_reduce`](Collective::all_reduce) does. [`fallback::reduce_scatter`](super::fallback::reduce_scatter) is an
     /// `all_reduce`.
     fn reduce_scatter(&self, buf: BufferMut<'_>, op: ReduceOp) -> Result<()>;
 
@@ -56,21 +56,21 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// each rank's chunk [`chunk_range`]`(buf.len(), world_size, rank)` of `buf` is its
     /// contribution, and on return every rank's `buf` holds every rank's chunk. Every rank
     /// passes the same length (ZeRO: each rank updated its slice of the flat parameters).
-    /// [`fallback::all_gather_into`] goes through [`all_gather`](Collective::all_gather).
+    /// [`fallback::all_gather_into`](super::fallback::all_gather_into) goes through [`all_gather`](Collective::all_gather).
     fn all_gather_into(&self, buf: BufferMut<'_>) -> Result<()>;
 
     /// [`reduce_scatter`](Collective::reduce_scatter) on a tensor: returns, as a 1-D tensor on
     /// `t`'s device, this rank's chunk [`chunk_range`]`(t.elem_count(), world_size, rank)` of the
     /// element-wise reduction of the flattened `t` over every rank (ZeRO stage 2 on GPU
     /// tensors). Every rank passes the same number of elements. NCCL reduces on the GPU
-    /// (`ncclReduceScatter`); [`fallback::reduce_scatter_tensor`] goes through host memory.
+    /// (`ncclReduceScatter`); [`fallback::reduce_scatter_tensor`](super::fallback::reduce_scatter_tensor) goes through host memory.
     fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
 
     /// [`all_gather_into`](Collective::all_gather_into) on a tensor: chunk
     /// [`chunk_range`]`(t.elem_count(), world_size, rank)` of the flattened `t` is this rank's
     /// contribution; returns a 1-D tensor on `t`'s device holding every rank's chunk (ZeRO on
     /// GPU tensors, after each rank updated its slice). Every rank passes the same number of
-    /// elements. NCCL gathers on the GPU (`ncclAllGather`); [`fallback::all_gather_into_tensor`]
+    /// elements. NCCL gathers on the GPU (`ncclAllGather`); [`fallback::all_gather_into_tensor`](super::fallback::all_gather_into_tensor)
     /// goes through host memory.
     fn all_gather_into_tensor(&self, t: &Tensor) -> Result<Tensor>;
 
@@ -98,13 +98,13 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
 
     /// [`all_reduce`](Collective::all_reduce) on a tensor; returns a new tensor of the same shape
     /// on the same device. Backends with device memory (NCCL) implement it without host copies;
-    /// [`fallback::all_reduce_tensor`] goes through host memory.
+    /// [`fallback::all_reduce_tensor`](super::fallback::all_reduce_tensor) goes through host memory.
     fn all_reduce_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
 
     /// [`all_reduce_tensor`](Collective::all_reduce_tensor) of several tensors, in order, as one
     /// batch: backends with device memory (NCCL) queue them all back to back and wait once. Every
     /// rank must pass the same number of tensors with matching sizes and dtypes.
-    /// [`fallback::all_reduce_tensors`] reduces them one by one.
+    /// [`fallback::all_reduce_tensors`](super::fallback::all_reduce_tensors) reduces them one by one.
     fn all_reduce_tensors(&self, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>>;
 
     /// [`broadcast`](Collective::broadcast) on a tensor: returns `root`'s tensor on every rank.

@@ -467,16 +467,7 @@ fn stage3(model: &ModelSpec, plan: &Plan, lora: (u128, u128, usize, u128)) -> Re
     let (trainable, frozen, lora_layers, adapter_tokens) = lora;
     let e = compute_bytes(plan.precision);
     let n = plan.world_size as u128;
-    let mut blocks: std::collections::BTreeMap<usize, u128> = Default::default();
-    let mut all = 0u128;
-    for t in model.tensors.iter().filter(|t| t.is_float()) {
-        all += t.elem_count() as u128;
-        if let Some(b) = block_of(&t.name) {
-            *blocks.entry(b).or_default() += t.elem_count() as u128;
-        }
-    }
-    let block = blocks.values().copied().max().unwrap_or(all);
-    let held = all - blocks.values().sum::<u128>();
+    let (all, block, held) = unit_sizes(model);
     // Gathered in the compute dtype: the held units, and two blocks' worth.
     let gathered = (held + 2 * block.min(all)) * e;
     let lora_on = plan.lora.is_some();
@@ -543,6 +534,21 @@ fn stage3(model: &ModelSpec, plan: &Plan, lora: (u128, u128, usize, u128)) -> Re
         "the whole step",
     )?;
     Ok(estimate)
+}
+
+/// A model's float elements in all, in its largest block, and outside the blocks (the units
+/// stage 3 holds gathered for the whole step).
+fn unit_sizes(model: &ModelSpec) -> (u128, u128, u128) {
+    let mut blocks: std::collections::BTreeMap<usize, u128> = Default::default();
+    let mut all = 0u128;
+    for t in model.tensors.iter().filter(|t| t.is_float()) {
+        all += t.elem_count() as u128;
+        if let Some(b) = block_of(&t.name) {
+            *blocks.entry(b).or_default() += t.elem_count() as u128;
+        }
+    }
+    let block = blocks.values().copied().max().unwrap_or(all);
+    (all, block, all - blocks.values().sum::<u128>())
 }
 
 /// Elements one block keeps per token, in the compute dtype (see [the module](self)).

@@ -245,24 +245,9 @@ pub(super) fn stage_shards(
         &stage,
         made,
     )?;
-    let (rank, world) = (c.rank(), c.world_size());
+    let rank = c.rank();
     let wrote = taken.and_then(|t| {
-        for (base, shard) in t.shards(parts) {
-            let pieces: Vec<(String, Tensor)> = shard
-                .pieces
-                .iter()
-                .map(|(name, start, piece)| (format!("{name}@{start}"), piece.clone()))
-                .collect();
-            write_safetensors(&stage.join(shard_file(&base, rank, world)), &pieces)?;
-        }
-        if let Some(m) = model {
-            let pieces: Vec<(String, Tensor)> = m
-                .local_pieces()?
-                .into_iter()
-                .map(|(name, start, piece)| (format!("{name}@{start}"), piece))
-                .collect();
-            write_safetensors(&stage.join(model_shard_file(rank, world)), &pieces)?;
-        }
+        write_own_shards(&stage, &t, parts, model, rank, c.world_size())?;
         Ok(t)
     });
     let mut failed = [match &wrote {
@@ -285,6 +270,35 @@ pub(super) fn stage_shards(
         ));
     }
     Ok((t, Some(stage)))
+}
+
+/// This rank's files in the shard folder `stage`: its slices of each sharded optimizer of `t`
+/// and, at ZeRO stage 3, its pieces of the model (`<name>@<start>` tensors).
+fn write_own_shards(
+    stage: &Path,
+    t: &Taken,
+    parts: &CheckpointParts<'_>,
+    model: Option<&dyn crate::train::pieces::ShardedParameters>,
+    rank: usize,
+    world: usize,
+) -> Result<()> {
+    for (base, shard) in t.shards(parts) {
+        let pieces: Vec<(String, Tensor)> = shard
+            .pieces
+            .iter()
+            .map(|(name, start, piece)| (format!("{name}@{start}"), piece.clone()))
+            .collect();
+        write_safetensors(&stage.join(shard_file(&base, rank, world)), &pieces)?;
+    }
+    if let Some(m) = model {
+        let pieces: Vec<(String, Tensor)> = m
+            .local_pieces()?
+            .into_iter()
+            .map(|(name, start, piece)| (format!("{name}@{start}"), piece))
+            .collect();
+        write_safetensors(&stage.join(model_shard_file(rank, world)), &pieces)?;
+    }
+    Ok(())
 }
 
 /// An error unless `stage`, found in the way, is what a crashed save leaves there: a folder of

@@ -17,7 +17,6 @@ use crate::train::weights::ParamSpec;
 
 use super::layout::{ShardLayout, UnitLayout, WrapPolicy};
 use super::unit::Unit;
-use super::{Inner, ShardedModel};
 
 /// Where the values of a model made by
 /// [`Accelerator::shard_model`](crate::Accelerator::shard_model) come from.
@@ -49,6 +48,21 @@ impl std::fmt::Debug for ShardSource<'_> {
 }
 
 /// The settings every constructor shares.
+/// What a sharded model is made of, as [`from_vars`] and [`from_source`] make it (the model
+/// itself is assembled from them where it is defined).
+pub(crate) struct Parts {
+    pub(crate) collective: Arc<dyn Collective>,
+    pub(crate) layout: ShardLayout,
+    /// The units' shards (stage 3), or none.
+    pub(crate) units: Vec<Unit>,
+    /// The model's own variables (below stage 3), or none.
+    pub(crate) whole: HashMap<String, Var>,
+    pub(crate) compute: DType,
+    pub(crate) device: Device,
+    /// The whole parameters' ids, by name, when the model was made from its variables.
+    pub(crate) ids: HashMap<String, candle_core::TensorId>,
+}
+
 pub(crate) struct Build<'a> {
     pub(crate) collective: Arc<dyn Collective>,
     pub(crate) policy: &'a WrapPolicy,
@@ -124,21 +138,21 @@ pub(crate) fn agree(c: &dyn Collective, what: &str, result: Result<()>) -> Resul
 /// rank has the same parameters, cuts rank 0's values into the units' shards (one unit
 /// broadcast at a time) and keeps only this rank's chunks (drop the variables afterwards to
 /// free them).
-pub(crate) fn from_vars(b: Build<'_>, named: Vec<(String, Var)>) -> Result<ShardedModel> {
+pub(crate) fn from_vars(b: Build<'_>, named: Vec<(String, Var)>) -> Result<Parts> {
     let c = b.collective.as_ref();
     let layout = ShardLayout::new(&specs_of(&named), b.policy)?;
     let ids = named.iter().map(|(n, v)| (n.clone(), v.id())).collect();
     let vars: HashMap<String, Var> = named.into_iter().collect();
     if !b.sharded {
-        return Ok(ShardedModel::from_inner(Inner::new(
-            b.collective.clone(),
+        return Ok(Parts {
+            collective: b.collective.clone(),
             layout,
-            Vec::new(),
-            vars,
-            b.compute,
-            b.device,
+            units: Vec::new(),
+            whole: vars,
+            compute: b.compute,
+            device: b.device,
             ids,
-        )));
+        });
     }
     if c.world_size() > 1 {
         let named: Vec<(String, Var)> = vars.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
@@ -157,15 +171,15 @@ pub(crate) fn from_vars(b: Build<'_>, named: Vec<(String, Var)>) -> Result<Shard
         let shard = Var::from_tensor(&flat.narrow(0, own.start, own.len())?)?;
         units.push(b.unit(u, shard, own)?);
     }
-    Ok(ShardedModel::from_inner(Inner::new(
-        b.collective.clone(),
+    Ok(Parts {
+        collective: b.collective.clone(),
         layout,
         units,
-        HashMap::new(),
-        b.compute,
-        b.device,
+        whole: HashMap::new(),
+        compute: b.compute,
+        device: b.device,
         ids,
-    )))
+    })
 }
 
 /// At stage 3, from the parameters `build` asks a [`VarBuilder`] for (it builds the model;
@@ -177,7 +191,7 @@ pub(crate) fn from_source(
     dtype: DType,
     build: &dyn Fn(VarBuilder<'_>) -> candle_core::Result<()>,
     source: ShardSource<'_>,
-) -> Result<ShardedModel> {
+) -> Result<Parts> {
     let (vb, shapes) = crate::train::shapes::shape_only_var_builder(dtype, &b.device);
     build(vb)?;
     let specs = shapes.specs();
@@ -203,15 +217,15 @@ pub(crate) fn from_source(
     };
     let filled = filled.and_then(|()| units.iter().try_for_each(Unit::refresh));
     agree(c, "loading a ZeRO-3 model", filled)?;
-    Ok(ShardedModel::from_inner(Inner::new(
-        b.collective.clone(),
+    Ok(Parts {
+        collective: b.collective.clone(),
         layout,
         units,
-        HashMap::new(),
-        b.compute,
-        b.device,
-        HashMap::new(),
-    )))
+        whole: HashMap::new(),
+        compute: b.compute,
+        device: b.device,
+        ids: HashMap::new(),
+    })
 }
 
 /// Writes `values` (a whole parameter, any shape, or a 1-D piece starting at element

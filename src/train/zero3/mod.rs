@@ -25,8 +25,9 @@ use crate::train::weights::ParamSpec;
 
 use crate::train::params::Parameters;
 use crate::train::pieces::{ShardedParameters, UnitSpec};
+pub(crate) use fill::Build;
+use fill::Parts;
 pub use fill::ShardSource;
-pub(crate) use fill::{from_source, from_vars, Build};
 use layout::ShardLayout;
 pub use layout::WrapPolicy;
 use unit::Unit;
@@ -619,6 +620,36 @@ impl Inner {
 }
 
 /// An error for a feature ZeRO-3 does not support yet, naming it.
+/// See `fill::from_vars`: the sharded model of a model's variables.
+pub(crate) fn from_vars(b: Build<'_>, named: Vec<(String, Var)>) -> Result<ShardedModel> {
+    fill::from_vars(b, named).map(ShardedModel::from_parts)
+}
+
+/// See `fill::from_source`: the sharded model of a parameter list, filled from `source`.
+pub(crate) fn from_source(
+    b: Build<'_>,
+    dtype: DType,
+    build: &dyn Fn(VarBuilder<'_>) -> candle_core::Result<()>,
+    source: ShardSource<'_>,
+) -> Result<ShardedModel> {
+    fill::from_source(b, dtype, build, source).map(ShardedModel::from_parts)
+}
+
+impl ShardedModel {
+    /// The model made of `p`.
+    fn from_parts(p: Parts) -> Self {
+        ShardedModel::from_inner(Inner::new(
+            p.collective,
+            p.layout,
+            p.units,
+            p.whole,
+            p.compute,
+            p.device,
+            p.ids,
+        ))
+    }
+}
+
 pub(crate) fn unsupported(what: &str, how: &str) -> Error {
     Error::invalid(
         "zero_stage",
