@@ -194,7 +194,18 @@ mod settings;
 pub mod tracking;
 mod train;
 
-pub use settings::{env, gpu, limits};
+pub use settings::{gpu, limits};
+
+/// Names of the environment variables accelerate-rs reads and the launcher sets (every one of
+/// them, in this one place), and the launcher's environment contract ([`EnvSpec`](env::EnvSpec),
+/// [`CommonEnv`](env::CommonEnv)) that [`ProcessState`] reads back.
+///
+/// The torchrun names are read first, then SLURM's, then Open MPI's; see the precedence table
+/// above.
+pub mod env {
+    pub use crate::settings::env::*;
+    pub use crate::settings::worker_env::{CommonEnv, EnvSpec};
+}
 pub use train::{checkpoint, scheduler};
 
 /// Defaults of the settings, and what this build and machine offer (for the command line and
@@ -204,7 +215,9 @@ pub mod config {
         cuda_built, default_num_processes, gpus_seen, DEFAULT_COLLECTIVE_TIMEOUT_SECS,
         DEFAULT_MAIN_PROCESS_PORT,
     };
-    pub use crate::settings::state::{DEFAULT_BUCKET_CAP_MB, DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT};
+    pub use crate::settings::defaults::{
+        DEFAULT_BUCKET_CAP_MB, DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT,
+    };
 }
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};

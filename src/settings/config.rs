@@ -403,11 +403,11 @@ fn gpu_ids_ok(ids: &str) -> bool {
 }
 
 /// Default rendezvous port (`main_process_port`, `MASTER_PORT`).
-pub const DEFAULT_MAIN_PROCESS_PORT: u16 = crate::settings::state::DEFAULT_MASTER_PORT;
+pub const DEFAULT_MAIN_PROCESS_PORT: u16 = crate::settings::defaults::DEFAULT_MASTER_PORT;
 
 /// Default collective timeout in seconds (`collective_timeout_secs`).
 pub const DEFAULT_COLLECTIVE_TIMEOUT_SECS: f64 =
-    crate::settings::state::DEFAULT_TIMEOUT.as_secs() as f64;
+    crate::settings::defaults::DEFAULT_TIMEOUT.as_secs() as f64;
 
 /// Whether this build can drive CUDA GPUs (the `cuda` cargo feature).
 pub fn cuda_built() -> bool {
@@ -436,6 +436,12 @@ fn key_at(text: &str, at: usize) -> Option<String> {
     let line = text[start..].lines().next()?;
     let key = line.split('=').next()?.trim();
     (!key.is_empty() && !key.starts_with('[')).then(|| key.trim_matches('"').to_string())
+}
+
+impl crate::settings::parse::Setting for MixedPrecision {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        s.parse().map_err(|_| "expected no, bf16 or fp16".into())
+    }
 }
 
 #[cfg(test)]

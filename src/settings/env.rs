@@ -1,6 +1,5 @@
 //! Names of the environment variables accelerate-rs reads and the launcher sets (every one of
-//! them, in this one place), and the launcher's environment contract ([`EnvSpec`],
-//! [`CommonEnv`]) that [`ProcessState`](crate::ProcessState) reads back.
+//! them, in this one place).
 //!
 //! The torchrun names are read first, then SLURM's, then Open MPI's; see the precedence table in the
 //! crate documentation.
@@ -134,8 +133,6 @@ pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 pub const RAYON_NUM_THREADS: &str = "RAYON_NUM_THREADS";
 /// OpenMP's thread-count variable.
 pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
-
-pub use super::worker_env::{CommonEnv, EnvSpec};
 
 /// ` (CUDA_VISIBLE_DEVICES=...)` when the variable is set, for error messages about GPUs.
 pub(crate) fn cuda_visible_devices_note() -> String {

@@ -46,6 +46,12 @@ impl MissingGradients {
     }
 }
 
+impl crate::settings::parse::Setting for MissingGradients {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        s.parse()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

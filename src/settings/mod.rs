@@ -4,7 +4,8 @@
 //! ([`parse::env_value`]) every setting goes through. Nothing here imports the floors above.
 
 pub(crate) mod config;
-pub mod env;
+pub(crate) mod defaults;
+pub(crate) mod env;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 #[cfg(not(feature = "cuda"))]
@@ -14,18 +15,20 @@ pub mod limits;
 pub(crate) mod memory;
 mod missing_gradients;
 mod nonfinite;
+mod overrides;
 pub(crate) mod parse;
 pub(crate) mod place;
 mod processes;
 pub(crate) mod runtime;
 pub(crate) mod state;
 mod transport;
-mod worker_env;
+pub(crate) mod worker_env;
 
 pub use config::{ConfigFile, MixedPrecision};
 pub use missing_gradients::MissingGradients;
 pub use nonfinite::NonFinite;
+pub(crate) use overrides::Overrides;
+pub use place::DistributedType;
 pub(crate) use processes::{self_launch, SelfLaunch};
-pub(crate) use state::Overrides;
-pub use state::{DistributedType, ProcessState};
+pub use state::ProcessState;
 pub use transport::Transport;

@@ -54,6 +54,12 @@ impl NonFinite {
     }
 }
 
+impl crate::settings::parse::Setting for NonFinite {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        s.parse()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

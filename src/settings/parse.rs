@@ -6,7 +6,6 @@
 //! such as `ACCELERATE_RS_OVERLAP=yes-please` is an error, never a silent "on".
 
 use crate::error::{Error, Result};
-use crate::settings::{MissingGradients, MixedPrecision, NonFinite, Transport};
 
 /// A value that a setting can hold, parsed from its text form.
 pub(crate) trait Setting: Sized {
@@ -85,30 +84,6 @@ impl Setting for Count {
     }
 }
 
-impl Setting for MixedPrecision {
-    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
-        s.parse().map_err(|_| "expected no, bf16 or fp16".into())
-    }
-}
-
-impl Setting for Transport {
-    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
-        s.parse()
-    }
-}
-
-impl Setting for NonFinite {
-    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
-        s.parse()
-    }
-}
-
-impl Setting for MissingGradients {
-    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
-        s.parse()
-    }
-}
-
 /// A number of bytes: digits, optionally followed by `B`, `KiB`, `MiB`, `GiB` or `TiB` (also
 /// `K`, `M`, `G`, `T`; powers of 1024).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -174,6 +149,7 @@ pub(crate) fn pick<T>(builder: Option<T>, env: Option<T>, file: Option<T>, defau
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::settings::Transport;
 
     fn env_of(var: &'static str, value: &'static str) -> impl Fn(&str) -> Option<String> {
         move |k| (k == var).then(|| value.to_string())

@@ -5,9 +5,36 @@ use candle_core::Device;
 
 use crate::error::{Error, Result};
 
+use super::overrides::Overrides;
 use super::parse::{env_value, pick, Count};
-use super::state::{DistributedType, Overrides};
 use super::{env, limits};
+
+/// How the run is distributed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DistributedType {
+    /// One process on CPU.
+    No,
+    /// One process on one GPU.
+    SingleGpu,
+    /// One process driving several model replicas, one thread each (GPUs, or CPU replicas).
+    Dp,
+    /// One process per GPU, gradients all-reduced with NCCL.
+    Ddp,
+    /// Several CPU processes, gradients all-reduced over TCP.
+    MultiCpu,
+}
+
+impl std::fmt::Display for DistributedType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DistributedType::No => "NO (single process, CPU)",
+            DistributedType::SingleGpu => "SINGLE_GPU",
+            DistributedType::Dp => "DP (one process, one thread per model replica)",
+            DistributedType::Ddp => "DDP (one process per GPU)",
+            DistributedType::MultiCpu => "MULTI_CPU (one process per CPU worker, TCP)",
+        })
+    }
+}
 
 /// A family of launcher variables (torchrun, SLURM, Open MPI).
 pub(super) struct Family {

@@ -7,9 +7,9 @@
 //! file written for the launcher must not make a plain `./train` start several processes).
 
 use crate::error::{Error, Result};
+use crate::settings::overrides::Overrides;
 use crate::settings::parse::{env_value, pick};
 use crate::settings::place::launched_by;
-use crate::settings::state::Overrides;
 use crate::settings::{env, limits, ConfigFile};
 
 /// What a program started on its own should do: start `processes` workers of itself.

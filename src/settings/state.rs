@@ -14,74 +14,9 @@ use crate::settings::{
 
 use super::place::{check_single_process, data_parallel, place, select_device, Place};
 
-/// Default timeout of every collective.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
-/// Default gradient bucket cap, in MiB.
-pub const DEFAULT_BUCKET_CAP_MB: f64 = 25.0;
-/// Default rendezvous port (torchrun's).
-pub const DEFAULT_MASTER_PORT: u16 = 29500;
-
-/// How the run is distributed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DistributedType {
-    /// One process on CPU.
-    No,
-    /// One process on one GPU.
-    SingleGpu,
-    /// One process driving several model replicas, one thread each (GPUs, or CPU replicas).
-    Dp,
-    /// One process per GPU, gradients all-reduced with NCCL.
-    Ddp,
-    /// Several CPU processes, gradients all-reduced over TCP.
-    MultiCpu,
-}
-
-impl std::fmt::Display for DistributedType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            DistributedType::No => "NO (single process, CPU)",
-            DistributedType::SingleGpu => "SINGLE_GPU",
-            DistributedType::Dp => "DP (one process, one thread per model replica)",
-            DistributedType::Ddp => "DDP (one process per GPU)",
-            DistributedType::MultiCpu => "MULTI_CPU (one process per CPU worker, TCP)",
-        })
-    }
-}
-
-/// Values set by builder calls; `None` defers to the environment, then the config file.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Overrides {
-    pub cpu: Option<bool>,
-    pub timeout: Option<Duration>,
-    pub bucket_cap_mb: Option<f64>,
-    pub tune_malloc: Option<bool>,
-    pub transport: Option<Transport>,
-    pub missing_gradients: Option<MissingGradients>,
-    pub nonfinite: Option<NonFinite>,
-    pub zero_stage: Option<usize>,
-    pub offload_optimizer: Option<bool>,
-    pub split_batches: Option<bool>,
-    pub config_file: Option<PathBuf>,
-    pub rank: Option<usize>,
-    pub world_size: Option<usize>,
-    pub local_rank: Option<usize>,
-    pub local_world_size: Option<usize>,
-    pub master_addr: Option<String>,
-    pub master_port: Option<u16>,
-    pub secret: Option<String>,
-    pub mixed_precision: Option<MixedPrecision>,
-    pub gradient_accumulation_steps: Option<usize>,
-    /// A collective was handed in: no rendezvous address is needed.
-    pub external_collective: bool,
-    /// DP replicas asked for with `data_parallel` (`None` defers to `ACCELERATE_RS_DATA_PARALLEL`).
-    pub data_parallel: Option<usize>,
-    /// Set by `AcceleratorBuilder::run` for each DP replica: its device. The state then resolves
-    /// to [`DistributedType::Dp`] on that device.
-    pub replica_device: Option<Device>,
-    /// Worker processes a program started on its own runs as (`processes`, see
-    /// `settings/processes.rs`).
-    pub processes: Option<usize>,
-}
+use super::defaults::{DEFAULT_BUCKET_CAP_MB, DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT};
+use super::overrides::Overrides;
+use super::place::DistributedType;
 
 /// The highest ZeRO stage there is.
 const MAX_ZERO_STAGE: usize = 3;

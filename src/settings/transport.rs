@@ -61,6 +61,12 @@ impl Transport {
     }
 }
 
+impl crate::settings::parse::Setting for Transport {
+    fn parse_setting(s: &str) -> std::result::Result<Self, String> {
+        s.parse()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -25,7 +25,8 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::settings::env::{self, CommonEnv, EnvSpec};
+use crate::settings::env;
+use crate::settings::worker_env::{CommonEnv, EnvSpec};
 use crate::settings::SelfLaunch;
 
 /// Time stopped workers get between SIGTERM and SIGKILL.
