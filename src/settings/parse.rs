@@ -149,7 +149,6 @@ pub(crate) fn pick<T>(builder: Option<T>, env: Option<T>, file: Option<T>, defau
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::settings::Transport;
 
     fn env_of(var: &'static str, value: &'static str) -> impl Fn(&str) -> Option<String> {
         move |k| (k == var).then(|| value.to_string())
@@ -191,10 +190,6 @@ mod tests {
         assert_eq!(
             env_value::<usize>(&env_of("N", "12"), "N").unwrap(),
             Some(12)
-        );
-        assert_eq!(
-            env_value::<Transport>(&env_of("T", "SHM"), "T").unwrap(),
-            Some(Transport::Shm)
         );
     }
 

@@ -72,6 +72,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_transport_is_a_setting() {
+        let getenv = |k: &str| (k == "T").then(|| "SHM".to_string());
+        assert_eq!(
+            crate::settings::parse::env_value::<Transport>(&getenv, "T").unwrap(),
+            Some(Transport::Shm)
+        );
+    }
+
+    #[test]
     fn transport_values() {
         for (s, m) in [
             ("auto", Transport::Auto),
