@@ -49,8 +49,8 @@ PLAN = {
 
 # The most functions over 80 lines the workspace may have, and the most circles between files
 # (all three crates together): lowered as functions are split and circles broken, never raised.
-FUNCTION_CEILING = 56
-FILE_CIRCLE_CEILING = 7
+FUNCTION_CEILING = 55
+FILE_CIRCLE_CEILING = 6
 
 
 def top_modules() -> set[str]:
