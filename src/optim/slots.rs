@@ -267,7 +267,7 @@ impl<const K: usize> Slots<K> {
                     return Err(Error::invalid(
                         format!("{} parameter #{i}", self.spec.optimizer),
                         format!(
-                            "a {:?}{:?} variable that is not a parameter of the sharded model:                              build the optimizer over the model's variables (or over none)",
+                            "a {:?}{:?} variable that is not a parameter of the sharded model: build the optimizer over the model's variables (or over none)",
                             slot.var.dtype(),
                             slot.var.dims()
                         ),

@@ -45,6 +45,7 @@ use crate::tracking::timing::{Phase, PhaseClock};
 use crate::train::batch_size::Probe;
 use crate::train::clip;
 use crate::train::params::ParamSet;
+use crate::train::reducer::Reducer;
 use crate::train::zero3;
 
 /// What [`GradSync::registration`] gives back: the registered parameters and sharded model.
@@ -94,6 +95,9 @@ pub(crate) struct GradSync {
     /// Registered parameters averaged as wholes (every parameter below stage 3; at stage 3 the
     /// replicated ones, such as LoRA adapters over a sharded base).
     params: Mutex<Option<Arc<ParamSet>>>,
+    /// Moves the registered parameters' gradients and values across ranks (its buffers belong
+    /// to the registered set: a new registration gets a new reducer).
+    reducer: Mutex<Option<Arc<Reducer>>>,
     /// Stage 3: the sharded model, whose units reduce-scatter their own gradients.
     sharded: Mutex<Option<Arc<zero3::Inner>>>,
     accum: Mutex<Accumulation>,
@@ -144,6 +148,7 @@ impl GradSync {
             data_checked: AtomicBool::new(false),
             zero_stage: state.zero_stage(),
             params: Mutex::new(None),
+            reducer: Mutex::new(None),
             sharded: Mutex::new(None),
             accum: Mutex::new(Accumulation::default()),
             reduced: AtomicU64::new(0),
@@ -168,6 +173,7 @@ impl GradSync {
     /// pending micro-steps, and the first sync step checks for missing gradients again. A
     /// batch-size search calls it before each retry.
     pub(crate) fn restart(&self, (params, sharded): Registration) {
+        *lock(&self.reducer) = params.as_ref().map(|p| self.new_reducer(p));
         *lock(&self.params) = params;
         *lock(&self.sharded) = sharded;
         *lock(&self.accum) = Accumulation::default();
@@ -197,7 +203,7 @@ impl GradSync {
         if self.zero_stage >= 3 && self.sharded().is_none() {
             return Err(Error::invalid(
                 "zero_stage",
-                "at stage 3 the parameters are sharded: prepare the model with                  `accelerator.prepare_sharded(&model, &policy, optimizer, loader)` (or                  `shard_model`); `prepare`/`prepare_model` register only parameters replicated                  beside a sharded model, such as LoRA adapters",
+                "at stage 3 the parameters are sharded: prepare the model with `accelerator.prepare_sharded(&model, &policy, optimizer, loader)` (or `shard_model`); `prepare`/`prepare_model` register only parameters replicated beside a sharded model, such as LoRA adapters",
             ));
         }
         if named.is_empty() {
@@ -209,15 +215,29 @@ impl GradSync {
         if let Some(old) = self.params() {
             named.extend(old.named());
         }
-        let set = ParamSet::new(named, self.bucket_cap_bytes, self.overlap)?;
+        let set = ParamSet::new(named, self.bucket_cap_bytes)?;
         if !self.alone() {
             let c = self.collective.as_ref();
             set.verify(c)?;
             set.broadcast_from_main(c)?;
         }
         let set = Arc::new(set);
+        *lock(&self.reducer) = Some(self.new_reducer(&set));
         *lock(&self.params) = Some(set.clone());
         Ok(set)
+    }
+
+    /// A reducer for `set`, its buffers fresh.
+    fn new_reducer(&self, set: &ParamSet) -> Arc<Reducer> {
+        Arc::new(Reducer::new(set.buckets().len(), self.overlap))
+    }
+
+    /// The reducer of the registered parameters (there is one whenever parameters are).
+    fn reducer(&self) -> Result<Arc<Reducer>> {
+        lock(&self.reducer).clone().ok_or_else(|| Error::Internal {
+            what: "moving gradients across ranks".into(),
+            reason: "parameters are registered without a reducer".into(),
+        })
     }
 
     /// The registered parameters, if any.
@@ -422,8 +442,9 @@ impl GradSync {
             let c = self.collective.as_ref();
             self.reduced
                 .fetch_add(p.reduced_bytes_per_sync(), Ordering::Relaxed);
-            self.clock
-                .measure(Phase::Communication, || p.average_gradients(c, grads))?;
+            self.clock.measure(Phase::Communication, || {
+                self.reducer()?.average_gradients(p, c, grads)
+            })?;
         }
         self.probe.sync_step_done();
         let mut all: Vec<String> = sharded.parameter_names();
@@ -458,14 +479,15 @@ impl GradSync {
         }
         if self.zero_stage >= 2 && !self.alone() {
             let present = self.clock.measure(Phase::Communication, || {
-                params.reduce_scatter_gradients(c, grads)
+                self.reducer()?.reduce_scatter_gradients(params, c, grads)
             })?;
             self.probe.sync_step_done();
             return self.check_missing(params.names(), || params.names_where_absent(&present));
         }
         if !self.alone() {
-            self.clock
-                .measure(Phase::Communication, || params.average_gradients(c, grads))?;
+            self.clock.measure(Phase::Communication, || {
+                self.reducer()?.average_gradients(params, c, grads)
+            })?;
         }
         self.probe.sync_step_done();
         self.check_missing(params.names(), || params.without_grad(grads))
@@ -598,7 +620,8 @@ impl GradSync {
         }
         let params = self.require_params("zero_stage")?;
         self.clock.measure(Phase::Communication, || {
-            params.gather_params(self.collective.as_ref())
+            self.reducer()?
+                .gather_params(&params, self.collective.as_ref())
         })
     }
 

@@ -14,7 +14,6 @@ use crate::collective::{chunk_range, Buffer, Collective};
 use crate::error::{Error, Result};
 use crate::optim::Shard;
 use crate::train::pieces::ShardedParameters;
-use crate::train::reducer::Reducer;
 
 /// Float dtypes whose CPU gradients take the flat, in-place bucket path.
 pub(super) fn fusable_dtype(dtype: DType) -> bool {
@@ -77,20 +76,19 @@ impl Parameters for BTreeMap<String, Var> {
 
 /// A run of consecutive parameters (in name order) of one dtype, moved by one collective.
 #[derive(Clone, Debug)]
-pub(super) struct Bucket {
+pub(crate) struct Bucket {
     /// The bucket's parameters: indices into the name-ordered list.
     pub(super) members: Range<usize>,
 }
 
 /// The registered parameters of a prepared model: names and variables in name order, grouped into
-/// buckets (a clone gets a [`Reducer`] with fresh buffers: DP replicas clone the set).
+/// buckets (what the engine's [`Reducer`](crate::train::reducer::Reducer) moves, one collective
+/// per bucket).
 #[derive(Clone, Debug)]
 pub(crate) struct ParamSet {
     names: Vec<String>,
     vars: Vec<Var>,
     buckets: Vec<Bucket>,
-    /// Moves the gradients and parameters across ranks (its buffers are per set).
-    reducer: Reducer,
 }
 
 fn describe(v: &Var) -> String {
@@ -99,12 +97,8 @@ fn describe(v: &Var) -> String {
 
 impl ParamSet {
     /// Sorts by name and groups into buckets of at most `cap_bytes` (a parameter larger than the
-    /// cap gets a bucket of its own); `overlap`: see [`ParamSet::average_gradients`].
-    pub(crate) fn new(
-        mut named: Vec<(String, Var)>,
-        cap_bytes: usize,
-        overlap: bool,
-    ) -> Result<Self> {
+    /// cap gets a bucket of its own).
+    pub(crate) fn new(mut named: Vec<(String, Var)>, cap_bytes: usize) -> Result<Self> {
         named.sort_by(|a, b| a.0.cmp(&b.0));
         if let Some(w) = named.windows(2).find(|w| w[0].0 == w[1].0) {
             return Err(Error::invalid(
@@ -134,7 +128,6 @@ impl ParamSet {
         Ok(ParamSet {
             names,
             vars,
-            reducer: Reducer::new(buckets.len(), overlap),
             buckets,
         })
     }
@@ -347,31 +340,8 @@ impl ParamSet {
     }
 
     /// The buckets: runs of consecutive parameters of one dtype, moved by one collective each.
-    pub(super) fn buckets(&self) -> &[Bucket] {
+    pub(crate) fn buckets(&self) -> &[Bucket] {
         &self.buckets
-    }
-
-    /// See [`Reducer::average_gradients`].
-    pub(crate) fn average_gradients(
-        &self,
-        c: &dyn Collective,
-        grads: &mut GradStore,
-    ) -> Result<()> {
-        self.reducer.average_gradients(self, c, grads)
-    }
-
-    /// See [`Reducer::gather_params`].
-    pub(crate) fn gather_params(&self, c: &dyn Collective) -> Result<()> {
-        self.reducer.gather_params(self, c)
-    }
-
-    /// See [`Reducer::reduce_scatter_gradients`].
-    pub(crate) fn reduce_scatter_gradients(
-        &self,
-        c: &dyn Collective,
-        grads: &mut GradStore,
-    ) -> Result<Vec<bool>> {
-        self.reducer.reduce_scatter_gradients(self, c, grads)
     }
 }
 

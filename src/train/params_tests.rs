@@ -1,6 +1,7 @@
 //! Tests of `params.rs`: buckets, the CPU and device averaging paths, ZeRO's device paths.
 
 use super::*;
+use crate::train::reducer::Reducer;
 use candle_core::Device;
 
 fn var(n: usize, dtype: DType) -> Var {
@@ -16,7 +17,7 @@ fn buckets_follow_name_order_cap_and_dtype() {
         ("d".to_string(), var(100, DType::F32)),
         ("e".to_string(), var(4, DType::F64)),
     ];
-    let p = ParamSet::new(named, 80, true).unwrap();
+    let p = ParamSet::new(named, 80).unwrap();
     assert_eq!(p.names, vec!["a", "b", "c", "d", "e"]);
     let b: Vec<_> = p.buckets.iter().map(|b| b.members.clone()).collect();
     // a+b = 80 bytes fit; c starts a new bucket; d is over the cap alone; e has another dtype.
@@ -39,7 +40,7 @@ fn cpu_buckets_average_in_place_and_survive_their_own_output() {
                     .map(|(i, v)| (format!("p{i}"), v.clone()))
                     .collect();
                 // Buckets of 2 parameters and 1: both flat tensors are exercised.
-                let set = ParamSet::new(named, 40, true).unwrap();
+                let set = ParamSet::new(named, 40).unwrap();
                 let mut grads = GradStore::default();
                 for (i, v) in vars.iter().enumerate() {
                     // `p2` has a gradient on rank 1 only.
@@ -48,7 +49,9 @@ fn cpu_buckets_average_in_place_and_survive_their_own_output() {
                         grads.insert(v.as_tensor(), g);
                     }
                 }
-                set.average_gradients(&c, &mut grads).unwrap();
+                Reducer::new(set.buckets().len(), true)
+                    .average_gradients(&set, &c, &mut grads)
+                    .unwrap();
                 let got = |g: &GradStore, i: usize| {
                     g.get(vars[i].as_tensor())
                         .unwrap()
@@ -57,7 +60,9 @@ fn cpu_buckets_average_in_place_and_survive_their_own_output() {
                 };
                 let first: Vec<Vec<f32>> = (0..3).map(|i| got(&grads, i)).collect();
                 // Feed the averaged gradients (views into the flat tensors) back in.
-                set.average_gradients(&c, &mut grads).unwrap();
+                Reducer::new(set.buckets().len(), true)
+                    .average_gradients(&set, &c, &mut grads)
+                    .unwrap();
                 let second: Vec<Vec<f32>> = (0..3).map(|i| got(&grads, i)).collect();
                 (first, second)
             })
@@ -91,7 +96,7 @@ fn the_batched_device_average_equals_the_cpu_path() {
                         .map(|(i, v)| (format!("p{i}"), v.clone()))
                         .collect();
                     // A cap of 48 bytes: several buckets.
-                    let set = ParamSet::new(named, 48, false).unwrap();
+                    let set = ParamSet::new(named, 48).unwrap();
                     assert!(set.num_buckets() > 1);
                     let grads = || {
                         let mut g = GradStore::default();
@@ -114,9 +119,13 @@ fn the_batched_device_average_equals_the_cpu_path() {
                             .collect::<Vec<_>>()
                     };
                     let mut a = grads();
-                    set.average_gradients(&c, &mut a).unwrap();
+                    Reducer::new(set.buckets().len(), false)
+                        .average_gradients(&set, &c, &mut a)
+                        .unwrap();
                     let mut b = grads();
-                    set.reducer.average_device(&set, &c, &mut b).unwrap();
+                    Reducer::new(set.buckets().len(), false)
+                        .average_device(&set, &c, &mut b)
+                        .unwrap();
                     (read(&a), read(&b))
                 })
             })
@@ -158,7 +167,7 @@ fn zero_device_paths_equal_the_cpu_paths() {
                             .map(|(i, v)| (format!("p{i}"), v.clone()))
                             .collect();
                         // A cap of 48 bytes: buckets of several parameters and of one.
-                        (ParamSet::new(named, 48, true).unwrap(), vars)
+                        (ParamSet::new(named, 48).unwrap(), vars)
                     };
                     let grads_for = |vars: &[Var]| {
                         let mut g = GradStore::default();
@@ -184,12 +193,15 @@ fn zero_device_paths_equal_the_cpu_paths() {
                     };
                     let (cpu_set, cpu_vars) = make();
                     let mut g = grads_for(&cpu_vars);
-                    let cpu_present = cpu_set.reduce_scatter_gradients(&c, &mut g).unwrap();
+                    let cpu_reducer = Reducer::new(cpu_set.buckets().len(), true);
+                    let cpu_present = cpu_reducer
+                        .reduce_scatter_gradients(&cpu_set, &c, &mut g)
+                        .unwrap();
                     let cpu_grads = slices(&cpu_set, &cpu_vars, &g);
                     let (dev_set, dev_vars) = make();
                     let mut g = grads_for(&dev_vars);
-                    let dev_present = dev_set
-                        .reducer
+                    let dev_reducer = Reducer::new(dev_set.buckets().len(), true);
+                    let dev_present = dev_reducer
                         .reduce_scatter_gradients_device(&dev_set, &c, &mut g)
                         .unwrap();
                     let dev_grads = slices(&dev_set, &dev_vars, &g);
@@ -203,8 +215,8 @@ fn zero_device_paths_equal_the_cpu_paths() {
                             p.slice_set(&new, 0, s.range.start).unwrap();
                         }
                     }
-                    cpu_set.gather_params(&c).unwrap();
-                    dev_set.reducer.gather_params_device(&dev_set, &c).unwrap();
+                    cpu_reducer.gather_params(&cpu_set, &c).unwrap();
+                    dev_reducer.gather_params_device(&dev_set, &c).unwrap();
                     let values = |vars: &[Var]| {
                         vars.iter()
                             .map(|v| v.as_tensor().to_vec1::<f32>().unwrap())
@@ -237,6 +249,6 @@ fn duplicate_names_are_rejected() {
         ("w".to_string(), var(1, DType::F32)),
         ("w".to_string(), var(1, DType::F32)),
     ];
-    let err = ParamSet::new(named, 10, true).unwrap_err().to_string();
+    let err = ParamSet::new(named, 10).unwrap_err().to_string();
     assert!(err.contains("`w`"), "{err}");
 }

@@ -156,7 +156,7 @@ pub(crate) fn from_vars(b: Build<'_>, named: Vec<(String, Var)>) -> Result<Parts
     }
     if c.world_size() > 1 {
         let named: Vec<(String, Var)> = vars.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
-        ParamSet::new(named, usize::MAX, false)?.verify(c)?;
+        ParamSet::new(named, usize::MAX)?.verify(c)?;
     }
     let (n, me) = (c.world_size(), c.rank());
     let mut units = Vec::with_capacity(layout.units.len());
