@@ -62,6 +62,8 @@ mod checkpoint;
 mod cuda;
 mod dropout;
 mod elem;
+mod flash;
+mod flash_cpu;
 mod gelu;
 mod head_loss;
 mod linear;
@@ -79,6 +81,7 @@ pub use attention::{packed_self_attention, scaled_dot_product_attention, Attenti
 pub use candle_nn::LayerNormConfig;
 pub use checkpoint::{backward, checkpoint, checkpoint_fn};
 pub use dropout::{dropout, set_dropout_seed};
+pub use flash::{flash_attention, Documents, FlashAttentionOptions};
 pub use gelu::gelu;
 pub use head_loss::linear_cross_entropy;
 pub use linear::{linear, linear_no_bias, linear_relu, Linear};

@@ -13,4 +13,5 @@ pub(crate) mod params;
 pub(crate) mod reducer;
 pub mod scheduler;
 pub(crate) mod shapes;
+pub(crate) mod token_weights;
 pub(crate) mod weights;
