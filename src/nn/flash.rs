@@ -379,6 +379,8 @@ struct FlashAttention {
     scale: f32,
     vis: Arc<Visibility>,
     lse: Mutex<Option<Arc<Vec<f32>>>>,
+    /// Forces the backward pass's one-pass or two-pass schedule (tests); `None` chooses.
+    one_pass: Option<bool>,
 }
 
 impl FlashAttention {
@@ -388,6 +390,7 @@ impl FlashAttention {
             scale,
             vis: Arc::new(vis),
             lse: Mutex::new(None),
+            one_pass: None,
         }
     }
 
@@ -458,7 +461,8 @@ impl FlashAttention {
             lse: &lse,
             delta: &delta,
         };
-        let [gq, gk, gv] = flash_cpu::backward(self.dims, self.scale, &self.vis, inputs, up);
+        let [gq, gk, gv] =
+            flash_cpu::backward(self.dims, self.scale, &self.vis, inputs, up, self.one_pass);
         let Dims {
             b,
             h,

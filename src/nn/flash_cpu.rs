@@ -480,7 +480,8 @@ impl Grad<'_> {
         }
     }
 
-    /// `dQ` `[B, H, T_q, D]`: one task per query tile, over the keys it sees.
+    /// `dQ` `[B, H, T_q, D]`: one task per query tile, over the key tiles it sees (in order,
+    /// the key tiles of [`key_grads`](Self::key_grads)).
     fn query_grads(&self, gq: &mut [f32]) {
         let Dims { h, tq, d, .. } = self.dims;
         let scratch = || (vec![0f32; BQ * BK], vec![0f32; BQ * BK]);
@@ -491,49 +492,82 @@ impl Grad<'_> {
                 let (b, hh, (r0, r1)) = (bh / h, bh % h, self.dims.query_tile(t));
                 let km = self.x.mats(&self.dims, b, hh)[1];
                 let (klo, khi) = self.vis.keys_of(b, r0, r1);
-                for c0 in (klo..khi).step_by(BK) {
-                    let (c1, dst) = ((c0 + BK).min(khi), Mat::rows_mut(dq, d));
+                for c0 in (klo / BK * BK..khi).step_by(BK) {
+                    let (c1, dst) = ((c0 + BK).min(self.dims.tk), Mat::rows_mut(dq, d));
                     self.tile((b, hh), (r0, r1), (c0, c1), p, ds);
-                    let dsm = Mat::rows(ds, c1 - c0);
+                    let (n, k) = (c1 - c0, km.at(c0, 0));
                     // SAFETY: `dq` is this task's own rows of `gq`, `ds` its own buffer, k
                     // checked.
-                    unsafe {
-                        gemm(
-                            r1 - r0,
-                            d,
-                            c1 - c0,
-                            dst,
-                            dsm,
-                            km.at(c0, 0),
-                            true,
-                            self.scale,
-                        )
-                    }
+                    unsafe { gemm(r1 - r0, d, n, dst, Mat::rows(ds, n), k, true, self.scale) }
                 }
             });
     }
 
-    /// `dK` `[B, H_kv, T_k, D]` and `dV` `[B, H_kv, T_k, D_v]`: one task per key tile of a
-    /// key/value head, over the query heads sharing it and the query tiles that see it.
-    fn key_grads(&self, gk: &mut [f32], gv: &mut [f32]) {
-        let Dims {
-            b,
-            h,
-            hkv,
-            tk,
-            d,
-            dv,
-            ..
-        } = self.dims;
-        // The keys each query tile sees, per batch entry (with documents) or for all.
-        let per_batch = if self.vis.ids.is_some() { b } else { 1 };
-        let tiles: Vec<Vec<(usize, usize)>> = (0..per_batch)
+    /// The keys each query tile sees (`[(lo, hi)]` per tile), per batch entry with documents,
+    /// else once for all.
+    fn seen_by_tiles(&self) -> Vec<Vec<(usize, usize)>> {
+        let per_batch = if self.vis.ids.is_some() {
+            self.dims.b
+        } else {
+            1
+        };
+        (0..per_batch)
             .map(|bb| {
                 let tile = |t| self.dims.query_tile(t);
                 let seen = |(r0, r1)| self.vis.keys_of(bb, r0, r1);
                 (0..self.dims.query_tiles()).map(tile).map(seen).collect()
             })
-            .collect();
+            .collect()
+    }
+
+    /// Key tile `c0..c1` of key/value head `(b, g)`: adds to its `dk` and `dv` rows over the
+    /// query heads sharing it and the query tiles that see it (`seen`), and when `dq` holds the
+    /// group's query gradients (`[H / H_kv, T_q, D]`), to those too.
+    #[allow(clippy::too_many_arguments)]
+    fn key_tile(
+        &self,
+        (b, g): (usize, usize),
+        (c0, c1): (usize, usize),
+        seen: &[(usize, usize)],
+        (p, ds): (&mut [f32], &mut [f32]),
+        (dk, dvv): (&mut [f32], &mut [f32]),
+        mut dq: Option<&mut [f32]>,
+    ) {
+        let Dims { h, tq, d, dv, .. } = self.dims;
+        let (n, rep) = (c1 - c0, h / self.dims.hkv);
+        for hh in g * rep..(g + 1) * rep {
+            let [qm, km, _] = self.x.mats(&self.dims, b, hh);
+            let row0 = (b * h + hh) * tq;
+            for (t, _) in seen
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.0 < c1 && s.1 > c0)
+            {
+                let (r0, r1) = self.dims.query_tile(t);
+                self.tile((b, hh), (r0, r1), (c0, c1), p, ds);
+                let dym = Mat::rows(&self.up.dy[(row0 + r0) * dv..], dv);
+                let (pm, dsm) = (Mat::rows(p, n).t(), Mat::rows(ds, n).t());
+                let (dvm, dkm) = (Mat::rows_mut(dvv, dv), Mat::rows_mut(dk, d));
+                // SAFETY: `dk`/`dvv` are this task's own key rows, `p`/`ds` its own buffers,
+                // `dq` (if any) its own query rows; q, k and `dy` checked.
+                unsafe {
+                    gemm(n, dv, r1 - r0, dvm, pm, dym, true, 1.0);
+                    gemm(n, d, r1 - r0, dkm, dsm, qm.at(r0, 0), true, self.scale);
+                    if let Some(dq) = dq.as_deref_mut() {
+                        let rows = &mut dq[((hh - g * rep) * tq + r0) * d..];
+                        let (dqm, dsm) = (Mat::rows_mut(rows, d), Mat::rows(ds, n));
+                        gemm(r1 - r0, d, n, dqm, dsm, km.at(c0, 0), true, self.scale);
+                    }
+                }
+            }
+        }
+    }
+
+    /// `dK` `[B, H_kv, T_k, D]` and `dV` `[B, H_kv, T_k, D_v]`: one task per key tile of a
+    /// key/value head.
+    fn key_grads(&self, gk: &mut [f32], gv: &mut [f32]) {
+        let Dims { hkv, tk, d, dv, .. } = self.dims;
+        let seen = self.seen_by_tiles();
         let scratch = || (vec![0f32; BQ * BK], vec![0f32; BQ * BK]);
         gk.par_chunks_mut(tk * d)
             .zip(gv.par_chunks_mut(tk * dv))
@@ -542,30 +576,41 @@ impl Grad<'_> {
                 let tiles = k.par_chunks_mut(BK * d).zip(v.par_chunks_mut(BK * dv));
                 tiles.enumerate().map(move |t| (bg, t))
             })
-            .for_each_init(scratch, |(p, ds), (bg, (kt, (dk, dvv)))| {
-                let (bb, g, c0) = (bg / hkv, bg % hkv, kt * BK);
-                let (c1, seen) = ((c0 + BK).min(tk), &tiles[bb.min(per_batch - 1)]);
-                let n = c1 - c0;
-                for hh in (0..h).filter(|&hh| self.dims.kv_head(hh) == g) {
-                    let qm = self.x.mats(&self.dims, bb, hh)[0];
-                    let row0 = (bb * h + hh) * self.dims.tq;
-                    for (t, _) in seen
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, s)| s.0 < c1 && s.1 > c0)
-                    {
-                        let (r0, r1) = self.dims.query_tile(t);
-                        self.tile((bb, hh), (r0, r1), (c0, c1), p, ds);
-                        let dym = Mat::rows(&self.up.dy[(row0 + r0) * dv..], dv);
-                        let (pm, dsm) = (Mat::rows(p, n).t(), Mat::rows(ds, n).t());
-                        let (dvm, dkm) = (Mat::rows_mut(dvv, dv), Mat::rows_mut(dk, d));
-                        // SAFETY: `dk`/`dvv` are this task's own key rows, `p`/`ds` its own
-                        // buffers; q and `dy` checked.
-                        unsafe {
-                            gemm(n, dv, r1 - r0, dvm, pm, dym, true, 1.0);
-                            gemm(n, d, r1 - r0, dkm, dsm, qm.at(r0, 0), true, self.scale);
-                        }
-                    }
+            .for_each_init(scratch, |(p, ds), (bg, (kt, out))| {
+                let (b, c0) = (bg / hkv, kt * BK);
+                let keys = (c0, (c0 + BK).min(tk));
+                let seen = &seen[b.min(seen.len() - 1)];
+                self.key_tile((b, bg % hkv), keys, seen, (p, ds), out, None);
+            });
+    }
+
+    /// All three gradients in one pass: one task per key/value head, its key tiles in order,
+    /// each adding to the query gradients of the heads sharing it as well (no recomputation for
+    /// `dQ`). The same operations in the same order per element as
+    /// [`query_grads`](Self::query_grads) and [`key_grads`](Self::key_grads), so the same bits.
+    fn all_grads(&self, gq: &mut [f32], gk: &mut [f32], gv: &mut [f32]) {
+        let Dims {
+            h,
+            hkv,
+            tq,
+            tk,
+            d,
+            dv,
+            ..
+        } = self.dims;
+        let seen = self.seen_by_tiles();
+        let scratch = || (vec![0f32; BQ * BK], vec![0f32; BQ * BK]);
+        gq.par_chunks_mut(h / hkv * tq * d)
+            .zip(gk.par_chunks_mut(tk * d).zip(gv.par_chunks_mut(tk * dv)))
+            .enumerate()
+            .for_each_init(scratch, |(p, ds), (bg, (dq, (dk, dvv)))| {
+                let b = bg / hkv;
+                let seen = &seen[b.min(seen.len() - 1)];
+                for c0 in (0..tk).step_by(BK) {
+                    let keys = (c0, (c0 + BK).min(tk));
+                    let rows = (&mut dk[c0 * d..], &mut dvv[c0 * dv..]);
+                    let dq = Some(&mut dq[..]);
+                    self.key_tile((b, bg % hkv), keys, seen, (p, ds), rows, dq);
                 }
             });
     }
@@ -573,12 +618,19 @@ impl Grad<'_> {
 
 /// The gradients `(dq, dk, dv)`, contiguous `[B, H, T_q, D]`, `[B, H_kv, T_k, D]` and
 /// `[B, H_kv, T_k, D_v]`, from the output's gradient. Non-empty dims, inputs checked.
+///
+/// With at least one key/value head (of a batch entry) per thread, one pass: a task per
+/// key/value head computes all three ([`Grad::all_grads`]). With fewer, two passes that keep
+/// every thread busy: the query gradients per query tile, then the key and value gradients per
+/// key tile, recomputing the tiles once more. `one_pass` forces either (tests); both give the
+/// same bits.
 pub(super) fn backward(
     dims: Dims,
     scale: f32,
     vis: &Visibility,
     x: Inputs<'_>,
     up: Upstream<'_>,
+    one_pass: Option<bool>,
 ) -> [Vec<f32>; 3] {
     let Dims {
         b,
@@ -601,7 +653,11 @@ pub(super) fn backward(
         x,
         up,
     };
-    pass.query_grads(&mut gq);
-    pass.key_grads(&mut gk, &mut gv);
+    if one_pass.unwrap_or(b * hkv >= rayon::current_num_threads()) {
+        pass.all_grads(&mut gq, &mut gk, &mut gv);
+    } else {
+        pass.query_grads(&mut gq);
+        pass.key_grads(&mut gk, &mut gv);
+    }
     [gq, gk, gv]
 }

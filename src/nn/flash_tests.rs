@@ -498,3 +498,48 @@ fn strided_inputs_and_a_second_backward_pass() {
         .clone();
     assert_eq!(diff(&g1, &g2), 0.0);
 }
+
+/// The one-pass backward (a task per key/value head) and the two-pass one (per tile) give the
+/// same bits, for every mask.
+#[test]
+fn both_backward_schedules_give_the_same_bits() {
+    let cases = [
+        Case {
+            causal: true,
+            window: Some(70),
+            ..Case::new(2, 6, 2, 300, 24)
+        },
+        Case {
+            causal: true,
+            docs: Some(vec![vec![10, 150, 40], vec![1, 199]]),
+            pad: Some(vec![0, 20]),
+            ..Case::new(2, 2, 1, 200, 16)
+        },
+        Case {
+            tq: 90,
+            tk: 260,
+            ..Case::new(1, 3, 3, 0, 8)
+        },
+    ];
+    for case in cases {
+        let x = case.inputs(9);
+        let o = case.options(&Device::Cpu);
+        let dims = checked_dims(&x[0], &x[1], &x[2]).unwrap();
+        let scale = checked_options(dims, &o).unwrap();
+        let grads = |one_pass| {
+            run(&x, |q, k, v| {
+                let op = FlashAttention {
+                    one_pass: Some(one_pass),
+                    ..FlashAttention::new(dims, scale, visibility(dims, &o)?)
+                };
+                q.apply_op3(k, v, op)
+            })
+            .1
+        };
+        let (one, two) = (grads(true), grads(false));
+        for (a, b) in one.iter().zip(&two) {
+            assert_eq!(diff(a, b), 0.0, "{case:?}");
+        }
+        check(&case, 2e-5);
+    }
+}
