@@ -239,3 +239,4 @@ pub use train::optimizer::{AcceleratedOptimizer, TrainOptimizer};
 pub use train::params::Parameters;
 pub use train::shapes::{check_allocatable, shape_only_var_builder, spec_bytes, ParamShapes};
 pub use train::zero3::{ShardSource, ShardedModel, WrapPolicy};
+pub use train::token_weights::TokenLoss;

@@ -30,6 +30,7 @@ use crate::train::grad_sync::GradSync;
 use crate::train::mixed_precision::MixedPrecisionOptimizer;
 use crate::train::optimizer::AcceleratedOptimizer;
 use crate::train::params::Parameters;
+use crate::train::token_weights::TokenLoss;
 
 /// The entry point of a distributed training script.
 ///
@@ -314,6 +315,28 @@ impl Accelerator {
     /// epoch is applied rather than carried into the next epoch.
     pub fn backward_batch(&self, loss: &Tensor, batch: &Batch) -> Result<Option<GradStore>> {
         self.inner.grads.backward(loss, batch.is_last())
+    }
+
+    /// [`backward`](Self::backward) for a token-weighted loss ([`TokenLoss`]:
+    /// the micro-batch's loss summed over its target tokens, and their count): the gradients of
+    /// the sums are accumulated, and a sync step returns their total divided by the number of
+    /// target tokens of the whole step — every micro-batch on every rank, one all-reduce of the
+    /// count — so the step's gradient is the mean over its tokens, as if one process had run the
+    /// whole batch, however unevenly the tokens fall into micro-batches and ranks (Accelerate's
+    /// recipe for causal language models). The micro-steps of one optimizer step must all be
+    /// token-weighted or all not.
+    pub fn backward_tokens(&self, loss: &TokenLoss) -> Result<Option<GradStore>> {
+        self.inner.grads.backward_tokens(loss, false)
+    }
+
+    /// [`backward_tokens`](Self::backward_tokens) that also makes the micro-step a sync step
+    /// when `batch` is the loader's last.
+    pub fn backward_tokens_batch(
+        &self,
+        loss: &TokenLoss,
+        batch: &Batch,
+    ) -> Result<Option<GradStore>> {
+        self.inner.grads.backward_tokens(loss, batch.is_last())
     }
 
     /// Syncs pending micro-steps now: returns their gradients averaged across ranks (rescaled

@@ -196,17 +196,17 @@ impl Dims {
 /// Where an operand lies in its buffer: element `(b, h, t, c)` at
 /// `start + b·sb + h·sh + t·st + c·sc`.
 #[derive(Debug, Clone, Copy)]
-struct View {
-    start: usize,
-    sb: usize,
-    sh: usize,
-    st: usize,
-    sc: usize,
+pub(super) struct View {
+    pub(super) start: usize,
+    pub(super) sb: usize,
+    pub(super) sh: usize,
+    pub(super) st: usize,
+    pub(super) sc: usize,
 }
 
 impl View {
     /// A 4-dimensional layout's view.
-    fn of(l: &Layout) -> Result<View> {
+    pub(super) fn of(l: &Layout) -> Result<View> {
         match l.stride() {
             &[sb, sh, st, sc] => Ok(View {
                 start: l.start_offset(),
@@ -243,7 +243,7 @@ impl View {
     }
 
     /// The first element of head `(b, h)`.
-    fn at(&self, b: usize, h: usize) -> usize {
+    pub(super) fn at(&self, b: usize, h: usize) -> usize {
         self.start + b * self.sb + h * self.sh
     }
 
@@ -255,7 +255,7 @@ impl View {
     }
 
     /// The strided matrix of head `(b, h)` in `data` (rows `t`, columns `c`).
-    fn mat(&self, data: *const f32, b: usize, h: usize) -> Mat {
+    pub(super) fn mat(&self, data: *const f32, b: usize, h: usize) -> Mat {
         Mat {
             // `wrapping_add`: the offset is checked by `fits` before any read.
             ptr: data.wrapping_add(self.at(b, h)),
@@ -267,15 +267,15 @@ impl View {
 
 /// A strided matrix operand: the element `(i, j)` at `ptr + i·rs + j·cs`.
 #[derive(Clone, Copy)]
-struct Mat {
-    ptr: *const f32,
-    rs: isize,
-    cs: isize,
+pub(super) struct Mat {
+    pub(super) ptr: *const f32,
+    pub(super) rs: isize,
+    pub(super) cs: isize,
 }
 
 impl Mat {
     /// The transposed matrix (no copy).
-    fn t(self) -> Mat {
+    pub(super) fn t(self) -> Mat {
         Mat {
             ptr: self.ptr,
             rs: self.cs,
@@ -284,7 +284,7 @@ impl Mat {
     }
 
     /// The sub-matrix from element `(i, j)` on (no copy; the caller keeps it in bounds).
-    fn at(self, i: usize, j: usize) -> Mat {
+    pub(super) fn at(self, i: usize, j: usize) -> Mat {
         let offset = i as isize * self.rs + j as isize * self.cs;
         Mat {
             ptr: self.ptr.wrapping_offset(offset),
@@ -293,7 +293,7 @@ impl Mat {
     }
 
     /// A contiguous `cols`-wide row-major matrix in `data`, to read.
-    fn rows(data: &[f32], cols: usize) -> Mat {
+    pub(super) fn rows(data: &[f32], cols: usize) -> Mat {
         Mat {
             ptr: data.as_ptr(),
             rs: cols as isize,
@@ -303,7 +303,7 @@ impl Mat {
 
     /// A contiguous `cols`-wide row-major matrix in `data`, to write (made just before the
     /// product that writes it, with no other use of `data` in between).
-    fn rows_mut(data: &mut [f32], cols: usize) -> Mat {
+    pub(super) fn rows_mut(data: &mut [f32], cols: usize) -> Mat {
         Mat {
             ptr: data.as_mut_ptr(),
             rs: cols as isize,
@@ -314,7 +314,7 @@ impl Mat {
 
 /// A pointer that Rayon's tasks share; each writes elements no other task touches.
 #[derive(Clone, Copy)]
-struct SharedMut(*mut f32);
+pub(super) struct SharedMut(pub(super) *mut f32);
 // SAFETY: the tasks given a `SharedMut` write disjoint elements (one attention head each) of a
 // buffer that outlives them, and nothing reads those elements until every task has finished.
 unsafe impl Send for SharedMut {}

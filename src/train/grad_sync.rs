@@ -46,6 +46,7 @@ use crate::train::batch_size::Probe;
 use crate::train::clip;
 use crate::train::params::ParamSet;
 use crate::train::reducer::Reducer;
+use crate::train::token_weights::{self, TokenLoss, TokenTally};
 use crate::train::zero3;
 
 /// What [`GradSync::registration`] gives back: the registered parameters and sharded model.
@@ -60,6 +61,8 @@ struct Accumulation {
     pending: GradStore,
     /// Whether the last micro-step was a sync step.
     synced: bool,
+    /// The cycle's token count when its losses are token-weighted.
+    tokens: TokenTally,
 }
 
 impl Default for Accumulation {
@@ -68,6 +71,7 @@ impl Default for Accumulation {
             micro: 0,
             pending: GradStore::default(),
             synced: true,
+            tokens: TokenTally::default(),
         }
     }
 }
@@ -356,18 +360,44 @@ impl GradSync {
         Ok(out)
     }
 
+    /// One micro-step from a token-weighted loss ([`TokenLoss`]): the gradient of its sum,
+    /// accumulated with its token count; a sync step averages the sums over every token of the
+    /// step (see [`token_weights`]).
+    pub(crate) fn backward_tokens(&self, loss: &TokenLoss, end: bool) -> Result<Option<GradStore>> {
+        let grads = self
+            .clock
+            .measure(Phase::Backward, || crate::nn::backward(loss.sum()))?;
+        self.accumulate_weighted(grads, Some(loss.tokens()), end)
+    }
+
     /// One micro-step from gradients already computed (and divided by `N`): with `N = 1` they
     /// are averaged at once; otherwise the registered parameters' gradients are added to the
     /// local sums, and at a sync step (the `N`-th micro-step, or `end`) the sums are averaged
     /// across ranks and returned. Mixed precision feeds its f32 gradients in here.
-    pub(crate) fn accumulate(&self, mut grads: GradStore, end: bool) -> Result<Option<GradStore>> {
+    pub(crate) fn accumulate(&self, grads: GradStore, end: bool) -> Result<Option<GradStore>> {
+        self.accumulate_weighted(grads, None, end)
+    }
+
+    /// [`accumulate`](Self::accumulate) for the gradients of a loss sum over `tokens` target
+    /// tokens (`Some`, see [`token_weights`]) or of a mean loss already divided by `N` (`None`).
+    pub(crate) fn accumulate_weighted(
+        &self,
+        mut grads: GradStore,
+        tokens: Option<u64>,
+        end: bool,
+    ) -> Result<Option<GradStore>> {
         if self.steps == 1 {
             lock(&self.accum).synced = true;
+            if tokens.is_some() {
+                return self.finish_cycle(grads, 1, tokens).map(Some);
+            }
             self.average(&mut grads)?;
             return Ok(Some(grads));
         }
         let vars = Self::vars_of(&self.grad_vars("backward")?);
         let mut acc = lock(&self.accum);
+        let micro = acc.micro;
+        acc.tokens.add(tokens, micro, self.rank())?;
         let previous = std::mem::take(&mut acc.pending);
         let mut summed = GradStore::default();
         for v in &vars {
@@ -387,9 +417,10 @@ impl GradSync {
             return Ok(None);
         }
         let k = std::mem::take(&mut acc.micro);
+        let tokens = acc.tokens.take();
         acc.synced = true;
         drop(acc);
-        self.finish_cycle(summed, k).map(Some)
+        self.finish_cycle(summed, k, tokens).map(Some)
     }
 
     /// Syncs the pending micro-steps now, if any.
@@ -400,14 +431,26 @@ impl GradSync {
         }
         let k = std::mem::take(&mut acc.micro);
         let summed = std::mem::take(&mut acc.pending);
+        let tokens = acc.tokens.take();
         acc.synced = true;
         drop(acc);
-        self.finish_cycle(summed, k).map(Some)
+        self.finish_cycle(summed, k, tokens).map(Some)
     }
 
-    /// Rescales a short cycle of `k < N` micro-steps by `N/k` and averages across ranks.
-    fn finish_cycle(&self, mut grads: GradStore, k: usize) -> Result<GradStore> {
-        if k < self.steps {
+    /// Rescales a short cycle of `k < N` micro-steps by `N/k` (mean losses) or the sums of a
+    /// token-weighted cycle by `W / C` (its `tokens` on this rank, `C` on all ranks), and
+    /// averages across ranks.
+    fn finish_cycle(
+        &self,
+        mut grads: GradStore,
+        k: usize,
+        tokens: Option<u64>,
+    ) -> Result<GradStore> {
+        if let Some(t) = tokens {
+            let vars = Self::vars_of(&self.grad_vars("backward_tokens")?);
+            let factor = token_weights::global_factor(self.collective(), t, self.alone())?;
+            clip::scale_grads(&vars, &mut grads, factor)?;
+        } else if k < self.steps {
             let vars = Self::vars_of(&self.grad_vars("flush")?);
             clip::scale_grads(&vars, &mut grads, self.steps as f64 / k as f64)?;
         }

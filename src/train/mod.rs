@@ -14,5 +14,6 @@ pub(crate) mod pieces;
 pub(crate) mod reducer;
 pub mod scheduler;
 pub(crate) mod shapes;
+pub(crate) mod token_weights;
 pub(crate) mod weights;
 pub(crate) mod zero3;

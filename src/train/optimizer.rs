@@ -11,6 +11,7 @@ use candle_nn::Optimizer;
 use crate::data::Batch;
 use crate::error::Result;
 use crate::train::grad_sync::{Clipping, GradSync};
+use crate::train::token_weights::TokenLoss;
 
 /// The learning rate of an optimizer, as a schedule ([`Schedule`](crate::scheduler::Schedule))
 /// sets it: implemented by every Candle [`Optimizer`] (so by [`optim::AdamW`](crate::optim::AdamW)
@@ -202,6 +203,30 @@ impl<O: Optimizer + 'static> AcceleratedOptimizer<O> {
     /// of every epoch. The loop to write with gradient accumulation.
     pub fn backward_step_batch(&mut self, loss: &Tensor, batch: &Batch) -> Result<()> {
         self.micro_step(loss, batch.is_last()).map(drop)
+    }
+
+    /// [`backward_step`](Self::backward_step) for a token-weighted loss: the micro-batch's loss
+    /// summed over its target tokens and their count. The optimizer steps on the mean over every
+    /// target token of all the step's micro-batches on all ranks (one more all-reduce, of the
+    /// count, per step), as one process would on the whole batch; see
+    /// [`TokenLoss`]. The micro-steps of one optimizer step must all be
+    /// token-weighted or all not.
+    pub fn backward_step_tokens(&mut self, loss: &TokenLoss) -> Result<()> {
+        self.step_from(self.grads.backward_tokens(loss, false)?)
+    }
+
+    /// [`backward_step_tokens`](Self::backward_step_tokens) that also syncs and steps when
+    /// `batch` is the loader's last.
+    pub fn backward_step_tokens_batch(&mut self, loss: &TokenLoss, batch: &Batch) -> Result<()> {
+        self.step_from(self.grads.backward_tokens(loss, batch.is_last())?)
+    }
+
+    /// Steps when a micro-step handed out gradients (a sync step).
+    fn step_from(&mut self, grads: Option<GradStore>) -> Result<()> {
+        match grads {
+            Some(grads) => self.step(&grads),
+            None => Ok(()),
+        }
     }
 
     /// One micro-step; returns whether it stepped.

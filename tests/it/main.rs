@@ -41,6 +41,7 @@ mod scripts;
 mod self_launch;
 mod shm;
 mod streaming_loader;
+mod token_weights;
 mod tracking;
 mod weights;
 mod zero;
