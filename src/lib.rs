@@ -238,5 +238,5 @@ pub use train::mixed_precision::{LossScaler, MixedPrecisionOptimizer};
 pub use train::optimizer::{AcceleratedOptimizer, TrainOptimizer};
 pub use train::params::Parameters;
 pub use train::shapes::{check_allocatable, shape_only_var_builder, spec_bytes, ParamShapes};
-pub use train::zero3::{ShardSource, ShardedModel, WrapPolicy};
 pub use train::token_weights::TokenLoss;
+pub use train::zero3::{ShardSource, ShardedModel, WrapPolicy};

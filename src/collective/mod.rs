@@ -6,7 +6,7 @@
 //! | [`TcpCollective`] | several processes (one or many machines): rendezvous store + ring over TCP; `all_reduce` and `broadcast` through shared memory when all ranks share a host | `tcp/` |
 //! | [`ThreadGroup`] | several ranks as threads of one process (tests, DP over CPU replicas) | `threads.rs` |
 //! | [`MpiCollective`] | CPU clusters started by `mpirun` / `srun --mpi` (transport `mpi`, or `auto` under an MPI launcher); needs the `mpi` feature | `mpi.rs` (`mpi_stub.rs` without it) |
-//! | [`NcclCollective`] | GPU tensors: DDP (one process per GPU) and DP (one thread per GPU); needs the `cuda` feature | `nccl.rs` (`nccl_stub.rs` without it) |
+//! | [`NcclCollective`] | GPU tensors: DDP (one process per GPU) and DP (one thread per GPU); needs the `cuda` feature | `nccl/` (`nccl/stub.rs` without it) |
 //!
 //! Every operation has a timeout, and every backend fails (never hangs) when a peer disappears,
 //! naming the operation, its own rank and the peer.
@@ -85,7 +85,7 @@ macro_rules! uninhabited_collective {
             fn set_run_outcome(&self, _: bool) {
                 match self.never {}
             }
-            fn add_gate(&self, _: std::sync::Weak<dyn super::Gate>) {
+            fn add_gate(&self, _: std::sync::Weak<dyn $crate::collective::Gate>) {
                 match self.never {}
             }
             fn all_reduce_tensor(
@@ -120,23 +120,12 @@ mod base;
 mod buffer;
 pub mod fallback;
 pub mod forwarding;
-#[cfg(feature = "cuda")]
-mod nccl;
-#[cfg(not(feature = "cuda"))]
-#[path = "nccl_stub.rs"]
-mod nccl;
-// Used by nccl.rs (cuda builds only); compiled and tested in every build.
 #[cfg(feature = "mpi")]
 pub(crate) mod mpi;
 #[cfg(not(feature = "mpi"))]
 #[path = "mpi_stub.rs"]
 pub(crate) mod mpi;
-#[allow(dead_code)]
-mod nccl_dtype;
-// The watchdog and close logic of NCCL communicators: used by nccl.rs (cuda builds only);
-// compiled and tested (with fake communicators) in every build.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-mod nccl_life;
+mod nccl;
 pub(crate) mod placement;
 pub(crate) mod reduce;
 mod single;

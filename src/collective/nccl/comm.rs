@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaStream, DevicePtrMut};
 use cudarc::nccl::{result as nccl, sys};
 
-use super::super::nccl_life::{self, CommHandle, CommState, Wait};
+use super::life::{self as nccl_life, CommHandle, CommState, Wait};
 use crate::error::{Error, Result};
 
 /// One NCCL communicator, owned: aborted (never panicking) when dropped unless

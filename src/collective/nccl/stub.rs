@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use candle_core::Device;
 
-use super::{Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp, TcpOptions};
+use crate::collective::{Buffer, BufferMut, Collective, OwnedBuffer, ReduceOp, TcpOptions};
 use crate::error::{Error, Result};
 
 /// One rank of an NCCL group. This build has no CUDA: it cannot be constructed.

@@ -4,7 +4,7 @@
 
 use candle_core::DType;
 
-use super::ReduceOp;
+use crate::collective::ReduceOp;
 use crate::error::{Error, Result};
 
 /// The dtypes NCCL has an element type for.

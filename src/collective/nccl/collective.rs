@@ -51,16 +51,11 @@ use candle_core::{DType, Device, DeviceLocation, Tensor};
 use cudarc::driver::CudaStream;
 use cudarc::nccl::{result as nccl, sys};
 
-#[path = "nccl_comm.rs"]
-mod comm;
-#[path = "nccl_ops.rs"]
-mod ops;
+use super::comm::{nccl_err, warm_up, RawComm};
+use super::ops::{alloc_output, nccl_op, padded_blocks, queue, Call};
 
-use comm::{nccl_err, warm_up, RawComm};
-use ops::{alloc_output, nccl_op, padded_blocks, queue, Call};
-
-use super::nccl_life::{self, GuardedComm, StreamPlace};
-use super::{
+use super::life::{self as nccl_life, GuardedComm, StreamPlace};
+use crate::collective::{
     Buffer, BufferMut, Collective, Gate, OwnedBuffer, ReduceOp, TcpCollective, TcpOptions,
     ThreadGroup,
 };
@@ -82,9 +77,9 @@ fn nccl_dtype(dtype: DType) -> Option<sys::ncclDataType_t> {
     })
 }
 
-/// [`validate`](super::nccl_dtype::validate), then NCCL's element type.
+/// [`validate`](super::dtype::validate), then NCCL's element type.
 fn checked(op: &str, dtype: DType, reduce: Option<ReduceOp>) -> Result<sys::ncclDataType_t> {
-    let dtype = super::nccl_dtype::validate(op, dtype, reduce)?;
+    let dtype = super::dtype::validate(op, dtype, reduce)?;
     nccl_dtype(dtype).ok_or_else(|| Error::UnsupportedDType {
         op: format!("{op} over NCCL"),
         dtype: format!("{dtype:?}"),
@@ -276,7 +271,7 @@ impl NcclCollective {
             .iter()
             .map(crate::settings::gpu::pci_bus_id)
             .collect::<Result<Vec<_>>>()?;
-        if let Some((a, b)) = super::placement::first_shared(&bus_ids) {
+        if let Some((a, b)) = crate::collective::placement::first_shared(&bus_ids) {
             return Err(Error::invalid(
                 "NCCL group",
                 format!(
@@ -529,7 +524,7 @@ impl Collective for NcclCollective {
     }
 
     fn broadcast_tensor(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        super::check_root(root, self.world_size(), self.rank())?;
+        crate::collective::check_root(root, self.world_size(), self.rank())?;
         if self.skip() {
             return Ok(t.clone());
         }
@@ -555,7 +550,7 @@ impl Collective for NcclCollective {
             let padded = padded_blocks(&input.flatten_all()?, world, len.div_ceil(world))?;
             Ok((padded, ty))
         })?;
-        let own = super::chunk_range(len, world, self.rank());
+        let own = crate::collective::chunk_range(len, world, self.rank());
         Ok(out.narrow(0, 0, own.len())?)
     }
 
@@ -568,7 +563,7 @@ impl Collective for NcclCollective {
             return self.host.all_gather_into_tensor(t);
         }
         let block = len.div_ceil(world);
-        let own = super::chunk_range(len, world, self.rank());
+        let own = crate::collective::chunk_range(len, world, self.rank());
         let gathered = self.one_call(Call::AllGather, || {
             let (input, ty) = self.input("all_gather_into", t, None)?;
             let mine = input.flatten_all()?.narrow(0, own.start, own.len())?;
@@ -581,7 +576,13 @@ impl Collective for NcclCollective {
             Ok((mine.contiguous()?, ty))
         })?;
         let parts = (0..world)
-            .map(|r| gathered.narrow(0, r * block, super::chunk_range(len, world, r).len()))
+            .map(|r| {
+                gathered.narrow(
+                    0,
+                    r * block,
+                    crate::collective::chunk_range(len, world, r).len(),
+                )
+            })
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Tensor::cat(&parts, 0)?)
     }
@@ -598,7 +599,7 @@ impl Collective for NcclCollective {
         // NCCL gathers equal sizes: agree on every rank's row count (host side, which also
         // checks dtype and trailing dims), pad to the largest, gather, then drop the padding.
         let rows = t.dim(0)?;
-        let counts = super::agree_on_rows(self.host.as_ref(), t)?;
+        let counts = crate::collective::agree_on_rows(self.host.as_ref(), t)?;
         let max = counts.iter().copied().max().unwrap_or(0);
         let mut dims = t.dims().to_vec();
         let gathered = self.one_call(Call::AllGather, || {
