@@ -190,6 +190,7 @@ pub mod memory;
 pub mod nn;
 pub mod optim;
 pub mod quant;
+mod readback;
 mod settings;
 pub mod tracking;
 mod train;
@@ -228,6 +229,7 @@ pub use data::{
     TensorDataset, TextLine, TextLines, WeightedSampler,
 };
 pub use error::{Error, ReplicaCause, ReplicaFailure, Result};
+pub use readback::host_reads;
 pub use settings::{
     ConfigFile, DistributedType, MissingGradients, MixedPrecision, NonFinite, ProcessState,
     Transport,

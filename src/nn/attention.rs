@@ -395,7 +395,7 @@ impl Attention {
             None => None,
             Some(m) if m.dims() == [dims.b, dims.tk] && !host => None,
             Some(m) if m.dims() == [dims.b, dims.tk] => {
-                let flags = m.ne(0.0)?.flatten_all()?.to_vec1::<u8>()?;
+                let flags = crate::readback::counted(|| m.ne(0.0)?.flatten_all()?.to_vec1::<u8>())?;
                 Some(Arc::new(flags))
             }
             Some(m) => candle_core::bail!(

@@ -104,7 +104,8 @@ pub(super) fn checked_targets(
             "accelerate_rs::nn::cross_entropy: label_smoothing must be in [0, 1), got {eps}"
         );
     }
-    let t: Vec<i64> = targets.flatten_all()?.to_dtype(DType::I64)?.to_vec1()?;
+    let t: Vec<i64> =
+        crate::readback::counted(|| targets.flatten_all()?.to_dtype(DType::I64)?.to_vec1())?;
     if let Some((row, bad)) = t
         .iter()
         .enumerate()
@@ -140,7 +141,7 @@ pub(crate) fn composed(
     }
     let mask = keep.to_dtype(logits.dtype())?;
     let total = (per_row.neg()? * &mask)?.sum_all()?;
-    total / mask.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?
+    total / crate::readback::counted(|| mask.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>())?
 }
 
 /// The fused op; its targets are fixed (not differentiated).
@@ -206,7 +207,7 @@ impl CrossEntropy {
 
     /// The backward op for the upstream gradient `grad` (a scalar).
     pub(super) fn grad_op(&self, grad: &Tensor) -> Result<CrossEntropyGrad> {
-        let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let g = crate::readback::counted(|| grad.to_dtype(DType::F32)?.to_scalar::<f32>())?;
         Ok(CrossEntropyGrad {
             targets: Arc::clone(&self.targets),
             eps: self.eps,

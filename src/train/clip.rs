@@ -11,6 +11,8 @@ use crate::error::Result;
 /// in f32 and over the parameters in f64, and read back once: one host synchronization per
 /// call, not one per parameter.
 pub(crate) fn grad_sq_sum(vars: &[Var], grads: &GradStore) -> Result<f64> {
+    // One read per device on a GPU (the per-device sums below); the CPU's are host memory.
+    crate::readback::note();
     let mut sum = 0f64;
     // Per-parameter sums still on their device, grouped by device.
     let mut on_device: Vec<Vec<Tensor>> = Vec::new();
@@ -105,7 +107,7 @@ pub(crate) fn grads_finite(vars: &[Var], grads: &GradStore) -> Result<bool> {
         .iter()
         .all(|s| s.device().same_device(sums[0].device()));
     let total = if devices_agree {
-        Tensor::stack(&sums, 0)?.sum_all()?.to_scalar::<f32>()?
+        crate::readback::counted(|| Tensor::stack(&sums, 0)?.sum_all()?.to_scalar::<f32>())?
     } else {
         let mut t = 0f32;
         for s in &sums {
@@ -126,7 +128,8 @@ pub(crate) fn non_finite(t: &Tensor) -> Result<Option<String>> {
     }
     // x * 0 is 0 for a finite x and NaN for a NaN or an infinity.
     let zeros = t.affine(0.0, 0.0)?;
-    let probe = zeros.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    let probe =
+        crate::readback::counted(|| zeros.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>())?;
     if probe == 0.0 {
         return Ok(None);
     }

@@ -92,6 +92,9 @@ pub(crate) struct GradSync {
     nonfinite: NonFinite,
     /// Optimizer steps checked so far (for the non-finite check's messages).
     checked_steps: AtomicU64,
+    /// Whether the gradients of the coming step were already found finite (fp16 loss scaling
+    /// checks them itself): the non-finite check then reads nothing back.
+    known_finite: AtomicBool,
     /// Whether the same-data check of the first sync step has run (it runs once).
     data_checked: AtomicBool,
     /// ZeRO stage: 0, 1 (optimizer state sharded), 2 (gradients too) or 3 (parameters too).
@@ -149,6 +152,7 @@ impl GradSync {
             checked: AtomicBool::new(false),
             nonfinite: state.nonfinite(),
             checked_steps: AtomicU64::new(0),
+            known_finite: AtomicBool::new(false),
             data_checked: AtomicBool::new(false),
             zero_stage: state.zero_stage(),
             params: Mutex::new(None),
@@ -575,7 +579,8 @@ impl GradSync {
     /// (`error`), a warning on the main process and a step (`warn`) or no step (`skip-step`).
     pub(crate) fn check_finite(&self, grads: &GradStore, norm: Option<f64>) -> Result<bool> {
         let step = self.checked_steps.fetch_add(1, Ordering::Relaxed) + 1;
-        if self.nonfinite == NonFinite::Off {
+        let known = self.known_finite.swap(false, Ordering::Relaxed);
+        if self.nonfinite == NonFinite::Off || known {
             return Ok(true);
         }
         let Ok(named) = self.grad_vars("nonfinite") else {
@@ -636,6 +641,12 @@ impl GradSync {
                 detail,
             }),
         }
+    }
+
+    /// Tells the next [`check_finite`](Self::check_finite) that its gradients were found finite
+    /// already (by fp16 loss scaling, on every rank): it then reads nothing back.
+    pub(crate) fn mark_finite(&self) {
+        self.known_finite.store(true, Ordering::Relaxed);
     }
 
     /// The collective the gradients are averaged over.
@@ -701,16 +712,28 @@ impl GradSync {
     /// small all-reduce, and warns on the main process when they are all equal. Non-sync
     /// micro-steps still communicate nothing.
     fn check_same_data(&self, params: &ParamSet, grads: &GradStore) -> Result<()> {
-        let mut fp = 0f64;
+        // The weighted sums on the gradients' device, read back once (once per device).
+        let mut parts: Vec<Tensor> = Vec::new();
         for (i, v) in params.vars().iter().enumerate() {
             if let Some(g) = grads.get(v.as_tensor()) {
-                let sum = g
-                    .sum_all()?
-                    .to_dtype(candle_core::DType::F64)?
-                    .to_scalar::<f64>()?;
-                fp += (i + 1) as f64 * sum;
+                let sum = g.sum_all()?.to_dtype(candle_core::DType::F64)?;
+                parts.push(sum.affine((i + 1) as f64, 0.0)?);
             }
         }
+        let one_device = parts
+            .iter()
+            .all(|p| p.device().same_device(parts[0].device()));
+        let fp = if parts.is_empty() {
+            0.0
+        } else if one_device {
+            crate::readback::counted(|| Tensor::stack(&parts, 0)?.sum_all()?.to_scalar::<f64>())?
+        } else {
+            let mut fp = 0f64;
+            for p in &parts {
+                fp += crate::readback::counted(|| p.to_scalar::<f64>())?;
+            }
+            fp
+        };
         let finite = fp.is_finite();
         let fp = if finite { fp } else { 0.0 };
         // max(fp), max(-fp) = -min(fp), and whether any rank had a non-finite gradient.

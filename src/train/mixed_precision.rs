@@ -349,6 +349,8 @@ impl<O: Optimizer + 'static> MixedPrecisionOptimizer<O> {
                 );
                 return Ok(false);
             }
+            // Found finite on every rank: the step's own non-finite check need not read again.
+            self.inner.engine().mark_finite();
         }
         self.inner.step(&grads)?;
         self.sync_working_copies()?;
@@ -431,7 +433,8 @@ fn all_finite(pairs: &[(Var, Var)], grads: &GradStore) -> Result<bool> {
     }
     // inf - inf and NaN stay NaN, +-inf stays infinite: the total is finite iff all parts are
     // (or the f32 sum itself overflowed, which is treated as an overflow too).
-    let total = Tensor::stack(&sums, 0)?.sum_all()?.to_scalar::<f32>()?;
+    let total =
+        crate::readback::counted(|| Tensor::stack(&sums, 0)?.sum_all()?.to_scalar::<f32>())?;
     Ok(total.is_finite())
 }
 

@@ -140,7 +140,7 @@ impl Reducer {
             .iter()
             .all(|f| f.device().same_device(flag_parts[0].device()));
         let flags: Vec<f32> = if one_device && !flag_parts.is_empty() {
-            Tensor::cat(&flag_parts, 0)?.to_vec1::<f32>()?
+            crate::readback::counted(|| Tensor::cat(&flag_parts, 0)?.to_vec1::<f32>())?
         } else {
             let mut all = Vec::new();
             for f in &flag_parts {

@@ -23,6 +23,7 @@ mod examples;
 mod faults;
 mod frozen;
 mod fused_optim;
+mod host_reads;
 mod linear4bit;
 mod lora;
 mod memory;
