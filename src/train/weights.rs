@@ -368,7 +368,7 @@ fn read_range(
     let at = 8 + header.header_len + t.offsets.0 + range.start as u64 * size;
     let mut bytes = vec![0u8; range.len() * size as usize];
     file.read_exact_at(&mut bytes, at)
-        .map_err(|e| io_file_err(path, &format!("could not read `{}`", t.name), e))?;
+        .map_err(|e| io_file_err(path, format!("could not read `{}`", t.name), e))?;
     let view = safetensors::tensor::TensorView::new(st, vec![range.len()], &bytes)
         .map_err(|e| file_err(path, Some(&t.name), format!("could not read: {e}")))?;
     let out = view
