@@ -92,8 +92,8 @@ def run_torch(world: int, ckpt: bool, args) -> tuple[float, int]:
     return world * args.batch * args.seq / step, max(r[2] for r in results)
 
 
-LINE = re.compile(r"rank=\d+ world=\d+ stage=\d+ start=\d+ load_peak=\d+ train_peak=(\d+) "
-                  r"step_ms=(\d+) tokens_per_s=\d+")
+LINE = re.compile(r"rank=\d+ world=\d+ stage=\d+ start=\d+ base=\d+ load_peak=\d+ "
+                  r"train_peak=(\d+) step_ms=(\d+) tokens_per_s=\d+")
 
 
 def run_ours(world: int, args) -> tuple[float, int]:

@@ -21,8 +21,8 @@ import subprocess
 import sys
 import tempfile
 
-LINE = re.compile(r"rank=(\d+) world=(\d+) stage=(\d+) start=(\d+) load_peak=(\d+) "
-                  r"train_peak=(\d+) step_ms=(\d+) tokens_per_s=(\d+)")
+LINE = re.compile(r"rank=(\d+) world=(\d+) stage=(\d+) start=(\d+) base=(\d+) "
+                  r"load_peak=(\d+) train_peak=(\d+) step_ms=(\d+) tokens_per_s=(\d+)")
 
 
 def run(target: str, model: str, world: int, stage: int, steps: int) -> list[dict]:
@@ -34,7 +34,8 @@ def run(target: str, model: str, world: int, stage: int, steps: int) -> list[dic
         sys.exit(f"{' '.join(cmd)} failed:\n{out.stdout}\n{out.stderr}")
     rows = []
     for m in LINE.finditer(out.stdout):
-        keys = ["rank", "world", "stage", "start", "load_peak", "train_peak", "step_ms", "tps"]
+        keys = ["rank", "world", "stage", "start", "base", "load_peak", "train_peak", "step_ms",
+                "tps"]
         rows.append(dict(zip(keys, map(int, m.groups()))))
     if len(rows) != world:
         sys.exit(f"expected {world} result lines, got {len(rows)}:\n{out.stdout}\n{out.stderr}")

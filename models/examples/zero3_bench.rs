@@ -10,10 +10,11 @@
 //! (every block checkpointed below stage 3 too, so that every stage runs in the same memory
 //! regime: stage 3 always recomputes its blocks) and prints one line:
 //!
-//!     rank=R world=N stage=S start=B load_peak=B train_peak=B step_ms=T tokens_per_s=X
+//!     rank=R world=N stage=S start=B base=B load_peak=B train_peak=B step_ms=T tokens_per_s=X
 //!
-//! with `start` the resident set before the model existed, `load_peak` the peak (`VmHWM`)
-//! after loading and `train_peak` at the end, in bytes.
+//! with `start` the resident set when the program starts, `base` once the accelerator is
+//! built (the collective's buffers), `load_peak` the peak (`VmHWM`) after loading and
+//! `train_peak` at the end, in bytes.
 //!
 //!     cargo build --release -p accelerate-rs-models --example zero3_bench -p accelerate-rs-cli
 //!     target/release/examples/zero3_bench --make /tmp/llama-42m
@@ -103,6 +104,7 @@ fn main() -> Result<()> {
     let dir = args.model.clone().context("--model DIR (or --make DIR)")?;
     let start = status_bytes("VmRSS:")?;
     let acc = Accelerator::new()?;
+    let base = status_bytes("VmRSS:")?;
     let stage = acc.state().zero_stage();
     let cfg = ParamsAdamW {
         lr: 1e-4,
@@ -125,12 +127,38 @@ fn main() -> Result<()> {
         Ok(Tensor::from_vec(ids, (args.batch, args.seq), acc.device())?)
     };
     let mut times = Vec::new();
+    // ZERO3_TRACE=1: the resident set and its peak after each phase, on stderr.
+    let trace = std::env::var_os("ZERO3_TRACE").is_some();
+    let mark = |what: &str| {
+        if trace {
+            let mib = |k: &str| status_bytes(k).unwrap_or(0) >> 20;
+            let before = mib("VmRSS:");
+            // What is live: glibc's free memory given back first.
+            accelerate_rs::allocator::trim();
+            eprintln!(
+                "rank {}: {what}: rss {before} MiB (live {} MiB), peak {} MiB",
+                acc.rank(),
+                mib("VmRSS:"),
+                mib("VmHWM:")
+            );
+        }
+    };
+    mark("loaded");
     macro_rules! steps {
         ($opt:expr) => {
             for i in 0..args.warmup + args.steps {
                 let ids = batch()?;
                 let t = Instant::now();
-                $opt.backward_step(&model.loss(&ids, &ids)?)?;
+                let loss = model.loss(&ids, &ids)?;
+                mark("forward");
+                let grads = acc.backward(&loss)?;
+                mark("backward");
+                drop(loss);
+                mark("graph dropped");
+                if let Some(grads) = grads {
+                    $opt.step(&grads)?;
+                }
+                mark("step");
                 if i >= args.warmup {
                     times.push(t.elapsed().as_secs_f64());
                 }
@@ -155,7 +183,7 @@ fn main() -> Result<()> {
     let step = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
     let tokens = (args.batch * args.seq * acc.world_size()) as f64;
     println!(
-        "rank={} world={} stage={stage} start={start} load_peak={load_peak} train_peak={train_peak} step_ms={:.0} tokens_per_s={:.0}",
+        "rank={} world={} stage={stage} start={start} base={base} load_peak={load_peak} train_peak={train_peak} step_ms={:.0} tokens_per_s={:.0}",
         acc.rank(),
         acc.world_size(),
         step * 1e3,

@@ -259,11 +259,18 @@ fn zero3_llama_process_entry() {
 }
 
 /// The launcher next to this test binary (`cargo test` at the workspace root builds it), if
-/// it is there.
+/// it is there and knows `--zero-stage` (a target folder shared with older builds may hold
+/// another one).
 fn launcher() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let bin = exe.parent()?.parent()?.join("accelerate-rs");
-    bin.exists().then_some(bin)
+    let help = std::process::Command::new(&bin)
+        .args(["launch", "--help"])
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&help.stdout)
+        .contains("--zero-stage")
+        .then_some(bin)
 }
 
 /// This test binary's worker on `world` real processes at `stage`: through `accelerate-rs

@@ -226,7 +226,9 @@ impl<const K: usize> Slots<K> {
                 let mut state: [Option<Tensor>; K] = std::array::from_fn(|_| None);
                 for (cut, t) in state.iter_mut().zip(&slot.state) {
                     if let Some(t) = t {
-                        *cut = Some(t.flatten_all()?.narrow(0, r.start, r.len())?.copy()?);
+                        // Compact (`copy` of a view would clone the whole state tensor).
+                        let piece = t.flatten_all()?.narrow(0, r.start, r.len())?;
+                        *cut = Some(piece.force_contiguous()?);
                     }
                 }
                 slots.push(Slot {
@@ -289,7 +291,7 @@ impl<const K: usize> Slots<K> {
                 for (c, t) in cut.iter_mut().zip(&state) {
                     if let Some(t) = t {
                         let n = in_shard.len();
-                        *c = Some(t.flatten_all()?.narrow(0, *start, n)?.copy()?);
+                        *c = Some(t.flatten_all()?.narrow(0, *start, n)?.force_contiguous()?);
                     }
                 }
                 self.slots.push(Slot {
@@ -521,7 +523,10 @@ impl<const K: usize> Slots<K> {
             for (c, kind) in cut.iter_mut().zip(kinds) {
                 let key = format!("{i}.{kind}");
                 if let Some(t) = by_name.get(key.as_str()) {
-                    let piece = t.flatten_all()?.narrow(0, start, r.len())?;
+                    let piece = t
+                        .flatten_all()?
+                        .narrow(0, start, r.len())?
+                        .force_contiguous()?;
                     *c = Some(fit_tensor(
                         name,
                         &key,

@@ -335,31 +335,86 @@ pub fn load_weights_mapped(
     Ok(())
 }
 
+/// The float dtypes a ZeRO-3 slice is read in, from a header's dtype string.
+fn slice_dtype(path: &Path, tensor: &str, dtype: &str) -> Result<safetensors::Dtype> {
+    Ok(match dtype {
+        "F32" => safetensors::Dtype::F32,
+        "F64" => safetensors::Dtype::F64,
+        "BF16" => safetensors::Dtype::BF16,
+        "F16" => safetensors::Dtype::F16,
+        d => {
+            return Err(file_err(
+                path,
+                Some(tensor),
+                format!("dtype {d}: a sharded model is read from float tensors"),
+            ))
+        }
+    })
+}
+
+/// Elements `range` of the tensor `t` of the file `file` (whose header is `header`), read with
+/// one positioned read (no memory map: only the slice is ever resident), as a 1-D CPU tensor
+/// in `dtype`, checked finite.
+fn read_range(
+    file: &std::fs::File,
+    header: &SafetensorsHeader,
+    t: &crate::files::HeaderTensor,
+    range: std::ops::Range<usize>,
+    dtype: DType,
+) -> Result<Tensor> {
+    use std::os::unix::fs::FileExt;
+    let path = &header.path;
+    let st = slice_dtype(path, &t.name, &t.dtype)?;
+    let size = (st.bitsize() / 8) as u64;
+    let at = 8 + header.header_len + t.offsets.0 + range.start as u64 * size;
+    let mut bytes = vec![0u8; range.len() * size as usize];
+    file.read_exact_at(&mut bytes, at)
+        .map_err(|e| io_file_err(path, format!("could not read `{}`", t.name), e))?;
+    let view = safetensors::tensor::TensorView::new(st, vec![range.len()], &bytes)
+        .map_err(|e| file_err(path, Some(&t.name), format!("could not read: {e}")))?;
+    let out = view
+        .load(&candle_core::Device::Cpu)
+        .and_then(|v| v.to_dtype(dtype))
+        .map_err(|e| file_err(path, Some(&t.name), format!("could not read: {e}")))?;
+    if let Some(what) = crate::train::clip::non_finite(&out)? {
+        return Err(file_err(
+            path,
+            Some(&t.name),
+            format!("it holds {what}: a model is never loaded with non-finite weights"),
+        ));
+    }
+    Ok(out)
+}
+
 /// ZeRO-3: reads only `wanted` elements of parameters from the weight files at `path` (the
-/// checks of [`check_weights_mapped`] first, on the headers): for each `(parameter, elements of
-/// the flattened parameter)`, those values as a 1-D CPU tensor in the parameter's dtype of
-/// `params`. Only the bytes of the slices are read from the memory-mapped files. A slice
-/// holding a NaN or an infinity is an error naming the file and tensor.
+/// checks of [`check_weights_mapped`] first, on the headers) and hands each slice to `sink`
+/// (its index in `wanted`, and the values as a 1-D CPU tensor in the parameter's dtype of
+/// `params`) as soon as it is read: only one slice is held at a time. A slice holding a NaN
+/// or an infinity is an error naming the file and tensor.
 pub(crate) fn read_slices(
     path: &Path,
     params: &[ParamSpec],
     map: &dyn Fn(&str) -> Option<String>,
     wanted: &[(String, std::ops::Range<usize>)],
-) -> Result<Vec<Tensor>> {
+    sink: &mut dyn FnMut(usize, Tensor) -> Result<()>,
+) -> Result<()> {
     let (found, plan) = plan_load(path, params, map)?;
     let sources: HashMap<&str, (usize, &str)> = plan
         .iter()
         .map(|(p, i, t)| (p.as_str(), (*i, t.as_str())))
         .collect();
     let dtypes: HashMap<&str, DType> = params.iter().map(|p| (p.name.as_str(), p.dtype)).collect();
-    let mapped: Vec<Mapped> = found
+    let headers: Vec<SafetensorsHeader> = found
         .files
         .iter()
-        .map(|p| Mapped::open(p))
+        .map(|p| complete_header(p))
         .collect::<Result<_>>()?;
-    let views: Vec<SafeTensors<'_>> = mapped.iter().map(|m| m.tensors()).collect::<Result<_>>()?;
-    let mut out = Vec::with_capacity(wanted.len());
-    for (param, range) in wanted {
+    let files: Vec<std::fs::File> = found
+        .files
+        .iter()
+        .map(|p| crate::files::open_regular(p).map(|(f, _)| f))
+        .collect::<Result<_>>()?;
+    for (k, (param, range)) in wanted.iter().enumerate() {
         let (Some(&(i, tensor)), Some(&dtype)) =
             (sources.get(param.as_str()), dtypes.get(param.as_str()))
         else {
@@ -368,74 +423,68 @@ pub(crate) fn read_slices(
                 "is not among the parameters to load",
             ));
         };
-        let file = &found.files[i];
-        let read = || -> candle_core::Result<Tensor> {
-            let view = views[i]
-                .tensor(tensor)
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-            let size = view.dtype().bitsize() / 8;
-            let bytes = view
-                .data()
-                .get(range.start * size..range.end * size)
-                .ok_or_else(|| {
-                    candle_core::Error::Msg(format!("elements {range:?} are outside it"))
-                })?;
-            let piece =
-                safetensors::tensor::TensorView::new(view.dtype(), vec![range.len()], bytes)
-                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-            piece.load(&candle_core::Device::Cpu)?.to_dtype(dtype)
-        };
-        let t = read().map_err(|e| file_err(file, Some(tensor), format!("could not read: {e}")))?;
-        if let Some(what) = crate::train::clip::non_finite(&t)? {
+        let Some(t) = headers[i].get(tensor) else {
             return Err(file_err(
-                file,
+                &found.files[i],
                 Some(tensor),
-                format!("it holds {what}: a model is never loaded with non-finite weights"),
+                "not in the file's header",
+            ));
+        };
+        let len: usize = t.shape.iter().product();
+        if range.end > len {
+            return Err(file_err(
+                &found.files[i],
+                Some(tensor),
+                format!("elements {range:?} are outside its {len}"),
             ));
         }
-        out.push(t);
+        sink(
+            k,
+            read_range(&files[i], &headers[i], t, range.clone(), dtype)?,
+        )?;
     }
-    Ok(out)
+    Ok(())
 }
 
 /// ZeRO-3 checkpoints: from the safetensors file `path` of one rank's pieces (tensors named
 /// `<parameter>@<first element>`, 1-D), the elements of each piece that fall in `want`
-/// (parameter → element ranges), read from the memory-mapped file: `(parameter, first
+/// (parameter → element ranges), each read with one positioned read: `(parameter, first
 /// element, values)`. A tensor name that is not `<name>@<number>` is an error naming the file.
 pub(crate) fn read_piece_overlaps(
     path: &Path,
     want: &HashMap<String, Vec<std::ops::Range<usize>>>,
 ) -> Result<Vec<(String, usize, Tensor)>> {
-    let mapped = Mapped::open(path)?;
-    let view = mapped.tensors()?;
+    let header = complete_header(path)?;
+    let (file, _) = crate::files::open_regular(path)?;
     let mut out = Vec::new();
-    for (key, t) in view.tensors() {
-        let parsed = key
+    for t in &header.tensors {
+        let parsed = t
+            .name
             .rsplit_once('@')
             .and_then(|(name, start)| Some((name, start.parse::<usize>().ok()?)));
-        let Some((name, start)) = parsed else {
+        let Some((name, start)) = parsed.filter(|_| t.shape.len() == 1) else {
             return Err(file_err(
                 path,
-                Some(&key),
-                "not `<parameter>@<first element>` (a ZeRO-3 model shard)",
+                Some(&t.name),
+                "not a 1-D `<parameter>@<first element>` (a ZeRO-3 model shard)",
             ));
         };
         let Some(ranges) = want.get(name) else {
             continue;
         };
-        let len: usize = t.shape().iter().product();
-        let size = t.dtype().bitsize() / 8;
+        let len = t.shape[0];
         for r in ranges {
             let (lo, hi) = (r.start.max(start), r.end.min(start + len));
-            if lo >= hi {
-                continue;
+            if lo < hi {
+                let dtype = match slice_dtype(path, &t.name, &t.dtype)? {
+                    safetensors::Dtype::F64 => DType::F64,
+                    safetensors::Dtype::BF16 => DType::BF16,
+                    safetensors::Dtype::F16 => DType::F16,
+                    _ => DType::F32,
+                };
+                let piece = read_range(&file, &header, t, lo - start..hi - start, dtype)?;
+                out.push((name.to_string(), lo, piece));
             }
-            let bytes = &t.data()[(lo - start) * size..(hi - start) * size];
-            let piece = safetensors::tensor::TensorView::new(t.dtype(), vec![hi - lo], bytes)
-                .map(|v| v.load(&candle_core::Device::Cpu))
-                .map_err(|e| file_err(path, Some(&key), format!("could not read: {e}")))?
-                .map_err(|e| file_err(path, Some(&key), format!("could not read: {e}")))?;
-            out.push((name.to_string(), lo, piece));
         }
     }
     Ok(out)

@@ -15,6 +15,7 @@ use accelerate_rs::optim::{Sgd, SgdConfig};
 use accelerate_rs::ReduceOp;
 use accelerate_rs::{
     Accelerator, ConfigFile, DataLoader, DistributedSampler, Error, Result, TensorDataset,
+    WrapPolicy,
 };
 
 use crate::launch::{launch, LaunchOptions};
@@ -657,7 +658,9 @@ fn params_of(p: &[(String, Var)]) -> Result<Vec<f32>> {
 
 /// DDP with per-rank batch B must equal plain SGD (momentum 0.9) with batch world × B, under
 /// every ZeRO stage (`ACCELERATE_RS_ZERO_STAGE`: the optimizer then holds only this rank's slices
-/// of the momentum and the parameters are gathered after each step).
+/// of the momentum and the parameters are gathered after each step; at stage 3 each rank holds
+/// only its slices of the parameters too, gathered for the forward and its recomputation). The
+/// model goes through `prepare_sharded` as one unit, which below stage 3 is `prepare`.
 fn check_ddp(acc: &Accelerator) -> Result<Outcome> {
     let world = acc.world_size();
     let device = acc.device();
@@ -666,12 +669,20 @@ fn check_ddp(acc: &Accelerator) -> Result<Outcome> {
     let p = weights(acc.rank() as f32, device)?;
     let config = SgdConfig::new(LR).momentum(0.9);
     let opt = Sgd::new(p.iter().map(|(_, v)| v.clone()).collect(), config.clone())?;
-    let (mut opt, loader) = acc.prepare(&p, opt, DataLoader::new(data.clone(), B))?;
+    let loader = DataLoader::new(data.clone(), B);
+    let (mut opt, loader, model) = acc.prepare_sharded(&p, &WrapPolicy::one_unit(), opt, loader)?;
     for batch in loader.iter()? {
         let batch = batch?;
-        opt.backward_step(&mse(&p, &batch[0], &batch[1])?)?;
+        let pred = model.run("", &batch[0], |vb, x| {
+            x.matmul(&vb.get((3, 1), "w")?)?
+                .broadcast_add(&vb.get(1, "b")?)
+        })?;
+        opt.backward_step(&candle_nn::loss::mse(&pred, &batch[1])?)?;
     }
-    let got = params_of(&p)?;
+    let full: std::collections::HashMap<String, Tensor> =
+        model.full_parameters()?.into_iter().collect();
+    let mut got = full["w"].flatten_all()?.to_vec1::<f32>()?;
+    got.extend(full["b"].to_vec1::<f32>()?);
 
     let r = weights(0.0, device)?;
     let mut sgd = Sgd::new(r.iter().map(|(_, v)| v.clone()).collect(), config)?;

@@ -14,10 +14,11 @@ fn bin() -> Command {
 }
 
 /// With `ACCELERATE_RS_ZERO_STAGE`, the DDP check runs sharded (momentum SGD, each rank keeping
-/// its slice) and still equals the single-process reference, on 3 processes (uneven slices).
+/// its slice; at stage 3 of the parameters too) and still equals the single-process reference,
+/// on 3 processes (uneven slices).
 #[test]
 fn zero_stages_pass_the_ddp_check_against_the_reference() {
-    for stage in ["1", "2"] {
+    for stage in ["1", "2", "3"] {
         let out = bin()
             .args(["test", "-n", "3", "--cpu"])
             .env("ACCELERATE_RS_ZERO_STAGE", stage)

@@ -101,12 +101,12 @@ pub(super) fn read_local(
     let Some(n) = manifest.model_shards else {
         let path = dir.join(MODEL_FILE);
         let keep = |name: &str| Some(name.to_string());
-        let values = read_slices(&path, &specs, &keep, &ranges)?;
-        return Ok(ranges
-            .into_iter()
-            .zip(values)
-            .map(|((name, r), t)| (name, r.start, t))
-            .collect());
+        let mut values = Vec::with_capacity(ranges.len());
+        read_slices(&path, &specs, &keep, &ranges, &mut |k, t| {
+            values.push((ranges[k].0.clone(), ranges[k].1.start, t));
+            Ok(())
+        })?;
+        return Ok(values);
     };
     check_parameters(dir, manifest, &specs)?;
     let mut want: HashMap<String, Vec<Range<usize>>> = HashMap::new();

@@ -356,9 +356,9 @@ fn fill_files(
             wanted.push((u.members[p.member].name.clone(), p.in_param));
         }
     }
-    let values = crate::train::weights::read_slices(path, specs, map, &wanted)?;
-    for ((name, range), t) in wanted.iter().zip(values) {
-        write_pieces(layout, units, name, &t, range.start, world, rank)?;
-    }
+    crate::train::weights::read_slices(path, specs, map, &wanted, &mut |k, t| {
+        let (name, range) = &wanted[k];
+        write_pieces(layout, units, name, &t, range.start, world, rank)
+    })?;
     Ok(())
 }

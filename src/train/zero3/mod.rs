@@ -363,7 +363,7 @@ impl ShardedParameters for ShardedModel {
                 out.push((
                     u.layout.members[p.member].name.clone(),
                     p.in_param.start,
-                    t.copy()?,
+                    t.force_contiguous()?,
                 ));
             }
         }
@@ -602,7 +602,7 @@ impl Inner {
             let t = flat
                 .narrow(0, m.offset, m.len)?
                 .reshape(m.shape.as_slice())?;
-            out.push((m.name.clone(), t.copy()?));
+            out.push((m.name.clone(), t.force_contiguous()?));
         }
         Ok(out)
     }

@@ -251,7 +251,10 @@ impl Unit {
             flags = read_f64(dst, fl)?;
             Ok(())
         })?;
-        let chunk = flat.narrow(0, self.own.start, self.own.len())?.copy()?;
+        // A compact copy: `Tensor::copy` of a view would clone the whole flat buffer.
+        let chunk = flat
+            .narrow(0, self.own.start, self.own.len())?
+            .force_contiguous()?;
         Ok((chunk, flags))
     }
 
@@ -278,7 +281,10 @@ impl Unit {
             }
         }
         let flat = Tensor::cat(&flat, 0)?;
-        let chunk = c.reduce_scatter_tensor(&flat, ReduceOp::Mean)?;
+        // Compact: a backend may hand back a view of the whole reduced buffer.
+        let chunk = c
+            .reduce_scatter_tensor(&flat, ReduceOp::Mean)?
+            .force_contiguous()?;
         c.all_reduce((&mut flags[..]).into(), ReduceOp::Mean)?;
         Ok((chunk, flags))
     }
@@ -289,5 +295,74 @@ impl Unit {
         let out = p.clone();
         p.iter_mut().for_each(|x| *x = false);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use candle_core::{DType, Device, Storage, Tensor, Var};
+
+    use super::Unit;
+    use crate::collective::{Collective, ThreadGroup};
+    use crate::train::weights::ParamSpec;
+    use crate::train::zero3::layout::{ShardLayout, WrapPolicy};
+
+    /// Elements in the storage behind `t` (not just its view).
+    fn storage_len(t: &Tensor) -> usize {
+        let (s, _) = t.storage_and_layout();
+        match &*s {
+            Storage::Cpu(c) => c.as_slice::<f32>().map_or(0, |v| v.len()),
+            _ => 0,
+        }
+    }
+
+    /// A reduced gradient keeps only this rank's chunk in memory (a view of the whole flat
+    /// buffer would keep every unit's whole gradient alive on every rank), and every rank's
+    /// chunk is the mean over the ranks.
+    #[test]
+    fn reduced_chunks_are_compact_means() {
+        let spec = |n: &str, s: &[usize]| ParamSpec {
+            name: n.into(),
+            shape: s.to_vec(),
+            dtype: DType::F32,
+        };
+        let layout = ShardLayout::new(
+            &[spec("a", &[5, 3]), spec("b", &[4])],
+            &WrapPolicy::one_unit(),
+        )
+        .unwrap()
+        .units
+        .remove(0);
+        let handles: Vec<_> = ThreadGroup::new(3, Duration::from_secs(20))
+            .unwrap()
+            .into_iter()
+            .map(|c| {
+                let layout = layout.clone();
+                std::thread::spawn(move || {
+                    let c: Arc<dyn Collective> = Arc::new(c);
+                    let own = layout.own(3, c.rank());
+                    let shard = Var::zeros(own.len(), DType::F32, &Device::Cpu).unwrap();
+                    let unit = Unit::new(layout, shard, own.clone(), true, None);
+                    let r = c.rank() as f64;
+                    let g = |s: &[usize]| {
+                        (Tensor::ones(s, DType::F32, &Device::Cpu).unwrap() * r).unwrap()
+                    };
+                    let chunk = unit
+                        .reduce(c.as_ref(), vec![Some(g(&[5, 3])), None], 1.0)
+                        .unwrap();
+                    assert_eq!(storage_len(&chunk), own.len());
+                    // Mean of 0, 1, 2 for `a`'s 15 elements; `b` had no gradient: zeros.
+                    let want: Vec<f32> = own.map(|i| if i < 15 { 1.0 } else { 0.0 }).collect();
+                    assert_eq!(chunk.to_vec1::<f32>().unwrap(), want);
+                    unit.take_present()
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), vec![true, false]);
+        }
     }
 }
