@@ -6,8 +6,8 @@
 //!
 //! For every op (LayerNorm with and without bias, RMSNorm, softmax, causal softmax, causal
 //! attention, cross-entropy with label smoothing and an ignored index, linear_cross_entropy,
-//! GELU, ReLU; SiLU, SwiGLU and RoPE (`rope`, `rope_i`, `rope_thd`, the tables' gradients too)
-//! with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1`) and dtype (f32, bf16, f16): the same inputs through the CPU path and through the
+//! GELU, ReLU; SiLU, SwiGLU, RoPE (`rope`, `rope_i`, `rope_thd`, the tables' gradients too) and
+//! flash attention with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1`) and dtype (f32, bf16, f16): the same inputs through the CPU path and through the
 //! kernels on GPU 0, forward output and every input's gradient (of `sum(out * r)` for a fixed
 //! random `r`) compared within a tolerance per dtype, relative to the CPU values' largest
 //! magnitude; the kernel launch count must grow (the kernels ran, not the composed ops). One
@@ -183,6 +183,33 @@ fn cases() -> Vec<Case> {
             unproven: true,
             targets: None,
             op: |x, _| nn::rope_thd(&x[0], &x[1], &x[2]),
+        },
+        Case {
+            name: "flash attention (causal, window 9, GQA 4/2, head 40)",
+            shapes: vec![vec![2, 4, 37, 40], vec![2, 2, 37, 40], vec![2, 2, 37, 40]],
+            kernels: true,
+            unproven: true,
+            targets: None,
+            op: |x, _| {
+                let o = nn::FlashAttentionOptions::default().causal(true).window(9);
+                nn::flash_attention(&x[0], &x[1], &x[2], &o)
+            },
+        },
+        Case {
+            name: "flash attention (packed documents 12+1+20, padding, T_q < T_k)",
+            shapes: vec![vec![2, 2, 30, 16], vec![2, 2, 33, 16], vec![2, 2, 33, 16]],
+            kernels: true,
+            unproven: true,
+            targets: None,
+            op: |x, _| {
+                let pad: Vec<u8> = (0..66).map(|i| u8::from(i >= 62)).collect();
+                let pad = Tensor::from_vec(pad, (2, 33), x[0].device())?;
+                let o = nn::FlashAttentionOptions::default()
+                    .causal(true)
+                    .cu_seqlens(vec![0, 12, 13, 33, 66])
+                    .key_padding_mask(pad);
+                nn::flash_attention(&x[0], &x[1], &x[2], &o)
+            },
         },
         Case {
             name: "relu",

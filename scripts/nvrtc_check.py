@@ -2,8 +2,8 @@
 """Compiles the crate's run-time CUDA sources with the real NVRTC, on a machine WITHOUT a GPU.
 
 accelerate-rs compiles its CUDA kernels at run time with NVRTC (src/optim/fused_optim.cu for the
-fused optimizers, src/nn/kernels.cu for the `nn-cuda` feature, src/quant/dequant4.cu not yet
-launched; each behind src/cuda_prelude.cu).
+fused optimizers, src/nn/kernels.cu for the `nn-cuda` feature, src/nn/flash.cu for flash
+attention, src/quant/dequant4.cu not yet launched; each behind src/cuda_prelude.cu).
 `cargo build` never sees that code, so a syntax error would only show on a GPU. This script loads libnvrtc.so.13 (NVIDIA's
 `nvidia-cuda-nvrtc` wheel from PyPI, downloaded into ~/.cache/accel-nvrtc the first time, or
 $ACCEL_NVRTC_LIB), compiles each source with the options the crate uses, for the architectures
@@ -60,6 +60,13 @@ SOURCES = [
             )
             for t in ("f32", "bf16", "f16")
         ],
+    ),
+    # Flash attention (src/nn/flash_cuda.rs): launched only with ACCELERATE_RS_NN_CUDA_UNPROVEN=1
+    # until a GPU has run it.
+    (
+        "src/nn/flash.cu",
+        [],
+        [f"{op}_{t}" for op in ("flash_fwd", "flash_bwd_dq", "flash_bwd_dkv") for t in ("f32", "bf16", "f16")],
     ),
     # Not launched yet (no GPU has run it): the 4-bit dequantization, compiled here so that it
     # stays valid CUDA until it is wired in.

@@ -1,7 +1,8 @@
 //! CUDA kernels for `accelerate_rs::nn` (the `cuda` feature): LayerNorm and RMSNorm,
 //! softmax and causal softmax, cross-entropy (also `linear_cross_entropy`'s row pass after the
 //! product), GELU and ReLU, forward and backward, in f32, bf16 and f16 (computed in f32). SiLU,
-//! the SwiGLU gate and RoPE (with its tables' gradients) have kernels too, checked on the CPU's
+//! the SwiGLU gate, RoPE (with its tables' gradients) and flash attention (`flash_cuda.rs`, a
+//! module of its own) have kernels too, checked on the CPU's
 //! emulation of CUDA but not yet on a GPU: they run only with
 //! `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` ([`use_unproven_kernels`]) until a device run
 //! (`scripts/gpu-smoke.sh`, step 8) has proven them.
@@ -168,7 +169,8 @@ fn as_i32(v: usize, what: &str) -> Result<i32> {
         .map_err(|_| candle_core::Error::Msg(format!("{what} {v} is too large for the kernels")))
 }
 
-fn counted() {
+/// Counts one launch of an `nn` kernel (also the flash-attention module's, `flash_cuda.rs`).
+pub(super) fn counted() {
     LAUNCHES.fetch_add(1, Ordering::Relaxed);
 }
 

@@ -148,6 +148,13 @@ pub fn flash_attention(
         let y = f32_of(q)?.apply_op3(&f32_of(k)?, &f32_of(v)?, op)?;
         return y.to_dtype(q.dtype());
     }
+    #[cfg(feature = "cuda")]
+    {
+        use super::flash_cuda::{forward, MAX_WIDTH};
+        if dims.d.max(dims.dv) <= MAX_WIDTH && super::cuda::use_unproven_kernels(q)? {
+            return forward(q, k, v, dims, scale, &visibility(dims, options)?);
+        }
+    }
     composed(q, k, v, dims, scale, options)
 }
 

@@ -122,6 +122,20 @@ impl Visibility {
         }
     }
 
+    /// The masks as the CUDA kernels take them: the key range of every query row (`[B, T_q]`
+    /// when `per_batch`, else `[T_q]`), the document ids and the padding (`[B, T_k]`), and
+    /// `T_k - T_q` when rows sit at the end of the keys.
+    #[cfg(feature = "cuda")]
+    pub(super) fn parts(&self) -> HostMasks<'_> {
+        HostMasks {
+            ranges: &self.ranges,
+            per_batch: self.ids.is_some(),
+            ids: self.ids.as_deref(),
+            pad: self.pad.as_deref(),
+            off: self.off,
+        }
+    }
+
     /// The key range of query row `i` of batch entry `b`.
     fn range(&self, b: usize, i: usize) -> (usize, usize) {
         let at = if self.ids.is_some() {
@@ -181,6 +195,16 @@ impl Visibility {
             }
         }
     }
+}
+
+/// What [`Visibility::parts`] shows of the masks.
+#[cfg(feature = "cuda")]
+pub(super) struct HostMasks<'a> {
+    pub(super) ranges: &'a [(usize, usize)],
+    pub(super) per_batch: bool,
+    pub(super) ids: Option<&'a [i64]>,
+    pub(super) pad: Option<&'a [u8]>,
+    pub(super) off: usize,
 }
 
 /// The inputs of one call: q, k and v (f32) where their views place them, checked to fit.

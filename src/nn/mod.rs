@@ -1,7 +1,9 @@
 //! Differentiable fused layers for Candle: [`LayerNorm`] / [`layer_norm`], [`RmsNorm`] /
 //! [`rms_norm`], [`softmax_last_dim`], [`causal_softmax`] (attention's scale and
 //! causal mask in the same pass), [`scaled_dot_product_attention`] and [`packed_self_attention`]
-//! (the whole attention, causal or with a key padding mask, as one op), [`cross_entropy`] (with label smoothing and an ignored
+//! (the whole attention, causal or with a key padding mask, as one op), [`flash_attention`]
+//! (attention whose memory grows linearly with the sequence: tiled, with sliding windows, GQA and
+//! packed documents), [`cross_entropy`] (with label smoothing and an ignored
 //! index through [`cross_entropy_with`]; [`linear_cross_entropy`] fuses it with the output layer),
 //! [`gelu`], [`relu`], [`silu`], [`swiglu`] (Llama's MLP gate, `silu(gate) * up`), rotary
 //! embeddings [`rope`] / [`rope_i`] / [`rope_thd`] and [`Linear`] / [`linear`] (its bias
@@ -37,9 +39,10 @@
 //! [`set_cuda_kernels`]); if they cannot be compiled or loaded, one warning and the composed ops.
 //! They are proven against the CPU path on a GPU by `examples/nn_kernels.rs` (step 8 of
 //! `scripts/gpu-smoke.sh`: every op, f32/bf16/f16, forward and backward; passed on an H200).
-//! SiLU, SwiGLU and RoPE (`rope`, `rope_i`, `rope_thd`) have kernels too that no GPU has run
-//! yet: they are used only with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` (step 8 sets it to prove
-//! them); otherwise they run as Candle's composed ops on a GPU.
+//! SiLU, SwiGLU, RoPE (`rope`, `rope_i`, `rope_thd`) and [`flash_attention`] (forward and
+//! backward) have kernels too that no GPU has run yet: they are used only with
+//! `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` (step 8 sets it to prove them); otherwise they run as
+//! Candle's composed ops on a GPU.
 //!
 //! ```
 //! use accelerate_rs::nn::{layer_norm, LayerNormConfig};
@@ -64,6 +67,8 @@ mod dropout;
 mod elem;
 mod flash;
 mod flash_cpu;
+#[cfg(feature = "cuda")]
+mod flash_cuda;
 mod gelu;
 mod head_loss;
 mod linear;

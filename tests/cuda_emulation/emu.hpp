@@ -1,4 +1,4 @@
-// Just enough of CUDA to run src/nn/kernels.cu on the CPU: every CUDA thread of a block is an OS
+// Just enough of CUDA to run src/nn/kernels.cu (and flash.cu) on the CPU: every CUDA thread of a block is an OS
 // thread, `__syncthreads` is a barrier of the block, a warp shuffle exchanges values through a
 // per-warp buffer between two barriers of the warp, `__shared__` arrays are statics (blocks run one
 // after another), and the PTX half-precision conversions are done in software (round to nearest
@@ -55,6 +55,16 @@ inline double __shfl_xor_sync(unsigned, double v, int o) {
     emu_warp->bar.arrive_and_wait();
     return emu_warp->d[lane ^ o];
 }
+
+inline float __shfl_sync(unsigned, float v, int src) {
+    int lane = threadIdx.x & 31;
+    emu_warp->bar.arrive_and_wait();
+    emu_warp->f[lane] = v;
+    emu_warp->bar.arrive_and_wait();
+    return emu_warp->f[src & 31];
+}
+
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp->bar.arrive_and_wait(); }
 
 inline float __uint_as_float(unsigned int u) {
     float f;

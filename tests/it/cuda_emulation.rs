@@ -1,5 +1,5 @@
-//! The run-time compiled CUDA kernels (`src/nn/kernels.cu`, `src/optim/fused_optim.cu`,
-//! `src/quant/dequant4.cu`) run on
+//! The run-time compiled CUDA kernels (`src/nn/kernels.cu`, `src/nn/flash.cu`,
+//! `src/optim/fused_optim.cu`, `src/quant/dequant4.cu`) run on
 //! the CPU: `tests/cuda_emulation/emu.hpp` gives them one OS thread per CUDA thread, barriers for
 //! `__syncthreads` and the warp shuffles, and software half-precision conversions; the checks
 //! compare every kernel with references written from the formulas (and the optimizer kernels bit
@@ -73,4 +73,30 @@ fn dequant4_kernel_matches_the_format_bit_for_bit() {
         "{text}"
     );
     assert_eq!(text.matches("bit for bit").count(), 40, "{text}");
+}
+
+#[test]
+fn flash_attention_kernels_match_their_references_on_the_cpu() {
+    let text = build_and_run("tests/cuda_emulation/check_flash.cpp");
+    assert!(
+        text.contains("cuda_emulation (flash): 0 failure(s)"),
+        "{text}"
+    );
+    // Every mask, both half types, and the NaN row were checked, forward and all gradients.
+    for what in [
+        "causal [1,2,40,40,16] f32 dk",
+        "window 6, GQA 4/2 [1,4,30,30,8] f32 dq",
+        "documents 10+1+13 causal, padding [2,2,24,24,8] f32 dv",
+        "every key of a row padded [2,1,9,9,8] f32 log-sum-exp",
+        "head width 256 [1,1,6,6,256] f32 forward",
+        "window 6, GQA 4/2 [1,4,30,30,8] bf16 dv",
+        "documents 10+1+13 causal, padding [2,2,24,24,8] f16 dk",
+        "NaN query row gives NaN",
+    ] {
+        assert!(
+            text.contains(&format!("PASS flash {what}")),
+            "{what}:\n{text}"
+        );
+    }
+    assert_eq!(text.matches("PASS").count(), 51, "{text}");
 }
