@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::settings::MixedPrecision;
 use crate::train::optimizer::{AcceleratedOptimizer, TrainOptimizer};
 use crate::train::params::Parameters;
+use crate::train::token_weights::TokenLoss;
 
 /// Dynamic loss scaling for f16 (like PyTorch's `GradScaler`).
 #[derive(Clone, Debug, PartialEq)]
@@ -285,6 +286,42 @@ impl<O: Optimizer + 'static> MixedPrecisionOptimizer<O> {
         self.micro_step(loss, batch.is_last())
     }
 
+    /// [`backward_step`](Self::backward_step) for a token-weighted loss ([`TokenLoss`]: the
+    /// micro-batch's loss summed over its target tokens, and their count): the step's gradient is
+    /// the mean over every target token of the step on every rank, as
+    /// [`AcceleratedOptimizer::backward_step_tokens`] gives. The half-precision backward pass
+    /// runs on the sum divided by this micro-batch's own count (a mean's magnitude, for f16's
+    /// range), undone on the f32 gradients.
+    pub fn backward_step_tokens(&mut self, loss: &TokenLoss) -> Result<bool> {
+        self.micro_step_tokens(loss, false)
+    }
+
+    /// [`backward_step_tokens`](Self::backward_step_tokens) that also syncs on the loader's last
+    /// batch.
+    pub fn backward_step_tokens_batch(&mut self, loss: &TokenLoss, batch: &Batch) -> Result<bool> {
+        self.micro_step_tokens(loss, batch.is_last())
+    }
+
+    /// One token-weighted micro-step (see [`backward_step_tokens`](Self::backward_step_tokens)).
+    fn micro_step_tokens(&mut self, loss: &TokenLoss, end: bool) -> Result<bool> {
+        if self.mode == MixedPrecision::No {
+            return self.inner.micro_step_tokens(loss, end);
+        }
+        let per = loss.tokens().max(1) as f64;
+        let grads = self.master_grads(loss.sum(), 1.0 / per)?;
+        let mut scaled = GradStore::default();
+        for (master, _) in &self.pairs {
+            if let Some(g) = grads.get(master.as_tensor()) {
+                scaled.insert(master.as_tensor(), g.affine(per, 0.0)?);
+            }
+        }
+        let engine = self.inner.engine();
+        match engine.accumulate_weighted(scaled, Some(loss.tokens()), end)? {
+            Some(averaged) => self.apply(averaged),
+            None => Ok(false),
+        }
+    }
+
     /// Steps with the micro-steps accumulated so far, if any (the end of a loader that was not
     /// iterated with [`backward_step_batch`](Self::backward_step_batch)). Returns whether it
     /// stepped.
@@ -306,9 +343,19 @@ impl<O: Optimizer + 'static> MixedPrecisionOptimizer<O> {
             return self.inner.micro_step(loss, end);
         }
         let n = self.inner.engine().steps();
+        let grads = self.master_grads(loss, 1.0 / n as f64)?;
+        match self.inner.engine().accumulate(grads, end)? {
+            Some(averaged) => self.apply(averaged),
+            None => Ok(false),
+        }
+    }
+
+    /// The f32 gradients of the masters for `factor · loss`: backward through the working copies
+    /// with the loss scale folded into the factor, the scale undone in f32.
+    fn master_grads(&self, loss: &Tensor, factor: f64) -> Result<GradStore> {
         let scale = self.loss_scale();
-        // The loss scale (f16) and the 1/N of accumulation folded into one multiplication.
-        let factor = scale / n as f64;
+        // The loss scale (f16) and the factor folded into one multiplication.
+        let factor = scale * factor;
         let scaled = if factor == 1.0 {
             loss.clone()
         } else {
@@ -325,10 +372,7 @@ impl<O: Optimizer + 'static> MixedPrecisionOptimizer<O> {
                 grads.insert(master.as_tensor(), g);
             }
         }
-        match self.inner.engine().accumulate(grads, end)? {
-            Some(averaged) => self.apply(averaged),
-            None => Ok(false),
-        }
+        Ok(grads)
     }
 
     /// The sync step on gradients already averaged across ranks: overflow check (f16), step of

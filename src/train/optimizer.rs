@@ -212,20 +212,20 @@ impl<O: Optimizer + 'static> AcceleratedOptimizer<O> {
     /// [`TokenLoss`]. The micro-steps of one optimizer step must all be
     /// token-weighted or all not.
     pub fn backward_step_tokens(&mut self, loss: &TokenLoss) -> Result<()> {
-        self.step_from(self.grads.backward_tokens(loss, false)?)
+        self.micro_step_tokens(loss, false).map(drop)
     }
 
     /// [`backward_step_tokens`](Self::backward_step_tokens) that also syncs and steps when
     /// `batch` is the loader's last.
     pub fn backward_step_tokens_batch(&mut self, loss: &TokenLoss, batch: &Batch) -> Result<()> {
-        self.step_from(self.grads.backward_tokens(loss, batch.is_last())?)
+        self.micro_step_tokens(loss, batch.is_last()).map(drop)
     }
 
-    /// Steps when a micro-step handed out gradients (a sync step).
-    fn step_from(&mut self, grads: Option<GradStore>) -> Result<()> {
-        match grads {
-            Some(grads) => self.step(&grads),
-            None => Ok(()),
+    /// One token-weighted micro-step; returns whether it stepped.
+    pub(crate) fn micro_step_tokens(&mut self, loss: &TokenLoss, end: bool) -> Result<bool> {
+        match self.grads.backward_tokens(loss, end)? {
+            Some(grads) => self.step(&grads).map(|()| true),
+            None => Ok(false),
         }
     }
 

@@ -12,11 +12,13 @@ use std::collections::HashMap;
 use std::process::Command;
 use std::time::Duration;
 
-use accelerate_rs::{Accelerator, Batch, Error, TokenLoss};
+use accelerate_rs::{
+    Accelerator, Batch, DataLoader, Error, MixedPrecision, TensorDataset, TokenLoss,
+};
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{Optimizer, SGD};
+use candle_nn::{Optimizer, VarMap, SGD};
 
-use crate::common::exit_worker;
+use crate::common::{exit_worker, in_process_with};
 
 const IN: usize = 6;
 const CLASSES: usize = 5;
@@ -251,5 +253,121 @@ fn token_weighted_accumulation_on_1_2_and_4_processes_equals_one_big_batch() {
             );
         }
         assert_eq!(got[&"token.w".to_string()].dtype(), DType::F32);
+    }
+}
+
+/// The parameters after one SGD step (lr 1) from the reference gradient.
+fn stepped() -> HashMap<String, Tensor> {
+    let want = reference();
+    params()
+        .into_iter()
+        .map(|(k, v)| {
+            let moved = (v.as_tensor() - &want[&k]).unwrap();
+            (k, moved)
+        })
+        .collect()
+}
+
+/// ZeRO stage 2 (each rank keeps a slice of the averaged gradients) on 2 in-process ranks: the
+/// token weighting happens before the reduce-scatter, so the step is still one big batch's.
+#[test]
+fn token_weighting_holds_under_zero_stage_2() {
+    let want = stepped();
+    let results = in_process_with(
+        2,
+        |c| {
+            Accelerator::builder()
+                .collective(c)
+                .gradient_accumulation_steps(SEQS / 4)
+                .zero_stage(2)
+        },
+        |acc| {
+            let p = params();
+            let vars = p.iter().map(|(_, v)| v.clone()).collect();
+            acc.prepare_model(&p).unwrap();
+            let sgd = accelerate_rs::optim::Sgd::new(vars, 1.0.into()).unwrap();
+            let mut opt = acc.prepare_optimizer(sgd);
+            for g in mine(&acc) {
+                let (x, y) = micro_batch(g);
+                let loss = TokenLoss::cross_entropy(&logits(&p, &x).unwrap(), &y, Some(IGNORE));
+                opt.backward_step_tokens(&loss.unwrap()).unwrap();
+            }
+            assert!(opt.is_sync_step() && opt.is_sharded());
+            p.iter()
+                .map(|(k, v)| (k.clone(), v.as_tensor().copy().unwrap()))
+                .collect::<HashMap<_, _>>()
+        },
+    );
+    for got in results {
+        for k in ["w", "b"] {
+            let d = max_diff(&got[k], &want[k]);
+            assert!(d < 1e-6, "{k}: off by {d}");
+        }
+    }
+}
+
+/// Mixed precision (bf16 and f16 working copies, f32 masters) on 2 in-process ranks: the masters
+/// take one big batch's step, within the half types' rounding.
+#[test]
+fn token_weighting_holds_under_mixed_precision() {
+    let want = stepped();
+    for mode in [MixedPrecision::Bf16, MixedPrecision::Fp16] {
+        let results = in_process_with(
+            2,
+            move |c| {
+                Accelerator::builder()
+                    .collective(c)
+                    .gradient_accumulation_steps(SEQS / 4)
+                    .mixed_precision(mode)
+            },
+            |acc| {
+                let master = VarMap::new();
+                for (k, v) in params() {
+                    master
+                        .get(
+                            v.dims(),
+                            &k,
+                            candle_nn::Init::Const(0.0),
+                            DType::F32,
+                            &Device::Cpu,
+                        )
+                        .unwrap();
+                    master.data().lock().unwrap()[&k]
+                        .set(v.as_tensor())
+                        .unwrap();
+                }
+                let sgd = SGD::new(master.all_vars(), 1.0).unwrap();
+                let data =
+                    TensorDataset::new(vec![Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap()]);
+                let loader = DataLoader::new(data.unwrap(), 1);
+                let (mut opt, _, work) = acc.prepare_mixed(&master, sgd, loader).unwrap();
+                let dtype = opt.compute_dtype();
+                let named = |m: &VarMap| {
+                    let data = m.data().lock().unwrap();
+                    ["w", "b"]
+                        .map(|k| (k.to_string(), data[k].clone()))
+                        .to_vec()
+                };
+                let p = named(&work);
+                for g in mine(&acc) {
+                    let (x, y) = micro_batch(g);
+                    let out = logits(&p, &x.to_dtype(dtype).unwrap()).unwrap();
+                    let out = out.to_dtype(DType::F32).unwrap();
+                    let loss = TokenLoss::cross_entropy(&out, &y, Some(IGNORE)).unwrap();
+                    opt.backward_step_tokens(&loss).unwrap();
+                }
+                assert!(opt.is_sync_step());
+                named(&master)
+                    .into_iter()
+                    .map(|(k, v)| (k, v.as_tensor().copy().unwrap()))
+                    .collect::<HashMap<_, _>>()
+            },
+        );
+        for got in results {
+            for k in ["w", "b"] {
+                let d = max_diff(&got[k], &want[k]);
+                assert!(d < 2e-2, "{mode:?} {k}: off by {d}");
+            }
+        }
     }
 }
