@@ -96,6 +96,22 @@ fn make(args: &Args, dir: &PathBuf) -> Result<()> {
     Ok(())
 }
 
+/// ZERO3_TRACE=1: the resident set and its peak after each phase, on stderr.
+fn mark(rank: usize, what: &str) {
+    if std::env::var_os("ZERO3_TRACE").is_none() {
+        return;
+    }
+    let mib = |k: &str| status_bytes(k).unwrap_or(0) >> 20;
+    let before = mib("VmRSS:");
+    // What is live: glibc's free memory given back first.
+    accelerate_rs::allocator::trim();
+    eprintln!(
+        "rank {rank}: {what}: rss {before} MiB (live {} MiB), peak {} MiB",
+        mib("VmRSS:"),
+        mib("VmHWM:")
+    );
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     if let Some(dir) = &args.make {
@@ -127,22 +143,8 @@ fn main() -> Result<()> {
         Ok(Tensor::from_vec(ids, (args.batch, args.seq), acc.device())?)
     };
     let mut times = Vec::new();
-    // ZERO3_TRACE=1: the resident set and its peak after each phase, on stderr.
-    let trace = std::env::var_os("ZERO3_TRACE").is_some();
-    let mark = |what: &str| {
-        if trace {
-            let mib = |k: &str| status_bytes(k).unwrap_or(0) >> 20;
-            let before = mib("VmRSS:");
-            // What is live: glibc's free memory given back first.
-            accelerate_rs::allocator::trim();
-            eprintln!(
-                "rank {}: {what}: rss {before} MiB (live {} MiB), peak {} MiB",
-                acc.rank(),
-                mib("VmRSS:"),
-                mib("VmHWM:")
-            );
-        }
-    };
+    let rank = acc.rank();
+    let mark = |what: &str| mark(rank, what);
     mark("loaded");
     macro_rules! steps {
         ($opt:expr) => {
@@ -178,10 +180,23 @@ fn main() -> Result<()> {
         let mut opt = acc.prepare_optimizer(opt);
         steps!(opt);
     }
+    let tokens = args.batch * args.seq * acc.world_size();
+    report(&acc, stage, tokens, [start, base, load_peak], times)
+}
+
+/// One line per rank: the memory figures and the median step.
+fn report(
+    acc: &Accelerator,
+    stage: usize,
+    tokens: usize,
+    memory: [u64; 3],
+    mut times: Vec<f64>,
+) -> Result<()> {
+    let [start, base, load_peak] = memory;
     let train_peak = status_bytes("VmHWM:")?;
     times.sort_by(f64::total_cmp);
     let step = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
-    let tokens = (args.batch * args.seq * acc.world_size()) as f64;
+    let tokens = tokens as f64;
     println!(
         "rank={} world={} stage={stage} start={start} base={base} load_peak={load_peak} train_peak={train_peak} step_ms={:.0} tokens_per_s={:.0}",
         acc.rank(),
