@@ -37,6 +37,12 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Every architecture is one type implementing [`Architecture`] (its layers, how they are
+//! assembled, its class names and default LoRA targets, its memory profile), and its model is
+//! [`Pretrained<A>`](Pretrained), which holds what every architecture shares once:
+//! [`LlamaForCausalLm`] is `Pretrained<Llama>`, and so on. [`AutoModel`] picks the architecture
+//! of a folder from the registry (one line per architecture).
+//!
 //! Each model owns its parameters ([`LlamaForCausalLm::varmap`]), under the Hugging Face names
 //! (`model.layers.0.self_attn.q_proj.weight`, `transformer.h.0.attn.c_attn.weight`,
 //! `bert.encoder.layer.0.attention.self.query.weight`), so a folder `save_pretrained` wrote in
@@ -104,11 +110,14 @@
 #![deny(missing_docs)]
 #![deny(rustdoc::broken_intra_doc_links)]
 
+pub mod arch;
 mod auto;
 mod bert;
 pub mod chat;
 mod config;
+mod decoder;
 mod error;
+mod estimate;
 mod gpt2;
 #[cfg(feature = "hub")]
 pub mod hub;
@@ -116,19 +125,27 @@ mod layers;
 mod llama;
 mod lora;
 mod pretrained;
+mod registry;
 mod rope;
 mod tokenizer;
+mod weights;
 
-pub use auto::{AutoModel, Task, ARCHITECTURES};
-pub use bert::{BertConfig, BertForMaskedLm, BertForSequenceClassification};
+pub use arch::{Architecture, Inputs, ModelConfig, Task};
+pub use auto::AutoModel;
+pub use bert::{
+    BertClassifier, BertConfig, BertForMaskedLm, BertForSequenceClassification, BertMlm,
+};
 pub use chat::{
     ChatDataset, ChatEncoder, ChatExample, ChatTemplate, Conversation, ConversationReader,
 };
-pub use config::{Activation, Config, MODEL_TYPES};
+pub use config::Activation;
 pub use error::{ChatErrorKind, Error, Result};
-pub use gpt2::{Gpt2Config, Gpt2LmHeadModel};
+pub use estimate::model_spec;
+pub use gpt2::{Gpt2, Gpt2Config, Gpt2LmHeadModel};
 pub use layers::IGNORE_INDEX;
-pub use llama::{LlamaConfig, LlamaForCausalLm};
-pub use pretrained::DEFAULT_MAX_SHARD_BYTES;
+pub use llama::{Llama, LlamaConfig, LlamaForCausalLm};
+pub use pretrained::Pretrained;
+pub use registry::{architectures, model_types, Config};
 pub use rope::{RopeConfig, RopeScaling};
 pub use tokenizer::{encode_corpus, load_tokenizer, Tokenizer, TOKENIZER_FILE};
+pub use weights::DEFAULT_MAX_SHARD_BYTES;
