@@ -61,6 +61,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
+    Qwen3Config,
 )
 
 # accelerate_rs::optim::AdamW's hyper-parameters (src/optim/adamw.rs: lr, betas, eps,
@@ -176,6 +177,25 @@ def configs():
             ),
             AutoModelForSequenceClassification,
             "cls",
+        ),
+        # The architectures added later, at the end so that the seeds above stay.
+        # q/k norms, head_dim 6 apart from hidden / heads = 4, GQA (4 query heads, 2 key/value),
+        # biases on q, k, v and o, tied embeddings, and a window of 4 over 8 tokens on layer 1.
+        "qwen3": (
+            Qwen3Config(
+                **tiny,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=6,
+                max_position_embeddings=64,
+                attention_bias=True,
+                tie_word_embeddings=True,
+                use_sliding_window=True,
+                sliding_window=4,
+                max_window_layers=1,
+            ),
+            AutoModelForCausalLM,
+            "causal",
         ),
     }
 

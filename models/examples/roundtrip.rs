@@ -26,6 +26,7 @@ const ARCHS: &[&str] = &[
     "gpt2",
     "bert_mlm",
     "bert_cls",
+    "qwen3",
 ];
 
 #[derive(clap::Parser)]

@@ -285,6 +285,35 @@ pub(crate) fn ensure_multiple(
     )
 }
 
+/// `layer_types`, when given: one entry per layer, each `full_attention` or
+/// `sliding_attention`.
+pub(crate) fn ensure_layer_types(
+    path: &Path,
+    types: Option<&[String]>,
+    layers: usize,
+) -> Result<()> {
+    let Some(types) = types else {
+        return Ok(());
+    };
+    ensure(
+        types.len() == layers,
+        path,
+        "layer_types",
+        format!("{} entries for {layers} layers", types.len()),
+    )?;
+    match types
+        .iter()
+        .find(|t| !matches!(t.as_str(), "full_attention" | "sliding_attention"))
+    {
+        Some(bad) => Err(Error::config(
+            path,
+            Some("layer_types"),
+            format!("`{bad}` is not full_attention or sliding_attention"),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Each dropout probability is in [0, 1).
 pub(crate) fn ensure_probabilities(path: &Path, probabilities: &[(&str, f64)]) -> Result<()> {
     for &(key, p) in probabilities {

@@ -12,8 +12,8 @@ use crate::error::{Error, Result};
 use crate::registry::{model_types, Config};
 
 /// The model at `path` as the memory estimate sees it: a Hugging Face folder (its `config.json`
-/// and its safetensors: `model.safetensors.index.json` with its shards, else every
-/// `*.safetensors` file), a `config.json`, a safetensors file, or a sharded index
+/// and its safetensors: `model.safetensors.index.json` with its shards, else `model.safetensors`,
+/// else every `*.safetensors` file), a `config.json`, a safetensors file, or a sharded index
 /// (`*.safetensors.index.json`). The tensors come from the safetensors headers when there are
 /// any (a header-only file is enough), else from the architecture; the architecture from
 /// `config.json` when one is read and its `model_type` is known (else the estimate reports it

@@ -12,9 +12,9 @@ use serde_json::Value;
 
 use crate::arch::{Architecture, Hidden, Inputs, MemoryProfile, Mode, ModelConfig, Proj, Task};
 use crate::config::{
-    config_value, ensure, ensure_init_range, ensure_layers, ensure_multiple, ensure_positive,
-    ensure_probabilities, ensure_sizes, max_position_embeddings, parse, read_json, Activation,
-    Origin,
+    config_value, ensure, ensure_init_range, ensure_layer_types, ensure_layers, ensure_multiple,
+    ensure_positive, ensure_probabilities, ensure_sizes, max_position_embeddings, parse, read_json,
+    Activation, Origin,
 };
 use crate::decoder::{
     AttentionOptions, AttentionShape, Block, BlockOutput, CausalDecoder, Context, GatedMlp, LmHead,
@@ -229,28 +229,7 @@ impl LlamaConfig {
         }
         self.rope()?
             .check_head_dim(p, "head_dim", self.head_dim())?;
-        if let Some(types) = &self.layer_types {
-            ensure(
-                types.len() == self.num_hidden_layers,
-                p,
-                "layer_types",
-                format!(
-                    "{} entries for {} layers",
-                    types.len(),
-                    self.num_hidden_layers
-                ),
-            )?;
-            if let Some(bad) = types
-                .iter()
-                .find(|t| !matches!(t.as_str(), "full_attention" | "sliding_attention"))
-            {
-                return Err(crate::Error::config(
-                    p,
-                    Some("layer_types"),
-                    format!("`{bad}` is not full_attention or sliding_attention"),
-                ));
-            }
-        }
+        ensure_layer_types(p, self.layer_types.as_deref(), self.num_hidden_layers)?;
         ensure(
             self.sliding_window.is_none_or(|w| w > 0),
             p,

@@ -178,13 +178,26 @@ pub(crate) fn add_lora<M: Adaptable>(model: &mut M, config: &LoraConfig) -> Crat
     }
     let mut config = config.clone();
     if matches!(&config.target_modules, TargetModules::Names(n) if n.is_empty()) {
-        config.target_modules = TargetModules::Names(
-            model
-                .default_targets()
-                .iter()
-                .map(|s| s.to_string())
-                .collect(),
-        );
+        let defaults = model.default_targets();
+        if defaults.is_empty() {
+            let mut names: Vec<String> = Vec::new();
+            for p in model.clone().projections_mut() {
+                let last = p.path.rsplit('.').next().unwrap_or(&p.path).to_string();
+                if !names.contains(&last) {
+                    names.push(last);
+                }
+            }
+            return Err(Error::Accelerate(accelerate_rs::Error::invalid(
+                "LoRA target_modules",
+                format!(
+                    "this architecture has no default target modules (peft has none for it \
+                     either): name them; its linear layers are {}",
+                    names.join(", ")
+                ),
+            )));
+        }
+        config.target_modules =
+            TargetModules::Names(defaults.iter().map(|s| s.to_string()).collect());
     }
     config.check()?;
     let mut frozen = model.rebuild(true)?;

@@ -17,11 +17,13 @@ use crate::error::{Error, Result};
 use crate::gpt2::Gpt2;
 use crate::llama::Llama;
 use crate::pretrained::{DynModel, Pretrained};
+use crate::qwen3::Qwen3;
 
 /// Every architecture, one line each. Entries that share a `model_type` share its configuration
 /// type (BERT's two heads); the first of them is what a folder without `architectures` loads.
 pub(crate) const REGISTRY: &[Entry] = &[
     Entry::of::<Llama>(),
+    Entry::of::<Qwen3>(),
     Entry::of::<Gpt2>(),
     Entry::of::<BertMlm>(),
     Entry::of::<BertClassifier>(),

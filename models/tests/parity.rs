@@ -162,6 +162,11 @@ fn qwen2_matches_transformers() {
 }
 
 #[test]
+fn qwen3_qk_norms_head_dim_window_matches_transformers() {
+    parity("qwen3");
+}
+
+#[test]
 fn gpt2_matches_transformers() {
     parity("gpt2");
 }

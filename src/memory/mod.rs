@@ -314,6 +314,16 @@ pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
                         "the architecture is unknown (no config.json read): name the target modules",
                     )
                 })?;
+                if arch.default_lora_targets.is_empty() {
+                    return Err(Error::invalid(
+                        "lora targets",
+                        format!(
+                            "`{}` has no default LoRA targets (peft has none for it): name the \
+                             target modules",
+                            arch.name
+                        ),
+                    ));
+                }
                 arch.default_lora_targets.clone()
             } else {
                 lora.targets.clone()

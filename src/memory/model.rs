@@ -151,7 +151,8 @@ impl ModelSpec {
     }
 
     /// Reads a model's tensors (headers only): a folder's safetensors
-    /// (`model.safetensors.index.json` with its shards, else every `*.safetensors` file), a
+    /// (`model.safetensors.index.json` with its shards, else `model.safetensors`, else every
+    /// `*.safetensors` file), a
     /// safetensors file, or a sharded index (`*.safetensors.index.json`). Its architecture is
     /// unknown (`None`): `config.json` is read by whoever knows architectures
     /// (`accelerate_rs_models::model_spec` reads both).
@@ -245,11 +246,17 @@ fn read_folder(dir: &Path) -> Result<ModelSpec> {
             unknown_model_type: None,
         });
     }
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| io_error("could not list", dir, e))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
+    // A Hugging Face folder's single file, else every safetensors file there.
+    let single = dir.join("model.safetensors");
+    let mut files: Vec<PathBuf> = if single.exists() {
+        vec![single]
+    } else {
+        std::fs::read_dir(dir)
+            .map_err(|e| io_error("could not list", dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect()
+    };
     files.sort();
     if files.is_empty() {
         return Err(model_error(dir, None, "no safetensors file in this folder"));

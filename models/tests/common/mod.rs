@@ -17,6 +17,7 @@ pub const ARCHS: &[&str] = &[
     "gpt2",
     "bert_mlm",
     "bert_cls",
+    "qwen3",
 ];
 
 /// The folder of fixture `name`: under `ACCELERATE_RS_MODELS_FIXTURES` when set (a test binary
