@@ -178,26 +178,7 @@ pub(crate) fn add_lora<M: Adaptable>(model: &mut M, config: &LoraConfig) -> Crat
     }
     let mut config = config.clone();
     if matches!(&config.target_modules, TargetModules::Names(n) if n.is_empty()) {
-        let defaults = model.default_targets();
-        if defaults.is_empty() {
-            let mut names: Vec<String> = Vec::new();
-            for p in model.clone().projections_mut() {
-                let last = p.path.rsplit('.').next().unwrap_or(&p.path).to_string();
-                if !names.contains(&last) {
-                    names.push(last);
-                }
-            }
-            return Err(Error::Accelerate(accelerate_rs::Error::invalid(
-                "LoRA target_modules",
-                format!(
-                    "this architecture has no default target modules (peft has none for it \
-                     either): name them; its linear layers are {}",
-                    names.join(", ")
-                ),
-            )));
-        }
-        config.target_modules =
-            TargetModules::Names(defaults.iter().map(|s| s.to_string()).collect());
+        config.target_modules = TargetModules::Names(default_targets(model)?);
     }
     config.check()?;
     let mut frozen = model.rebuild(true)?;
@@ -256,6 +237,30 @@ pub(crate) fn add_lora<M: Adaptable>(model: &mut M, config: &LoraConfig) -> Crat
     frozen.weights_mut().adapters = Some(Adapters { config, varmap });
     *model = frozen;
     Ok(())
+}
+
+/// PEFT's default target modules of `model`'s architecture, or an error naming its linear layers
+/// where there are none (as `peft` refuses).
+fn default_targets<M: Adaptable>(model: &M) -> CrateResult<Vec<String>> {
+    let defaults = model.default_targets();
+    if !defaults.is_empty() {
+        return Ok(defaults.iter().map(|s| s.to_string()).collect());
+    }
+    let mut names: Vec<String> = Vec::new();
+    for p in model.clone().projections_mut() {
+        let last = p.path.rsplit('.').next().unwrap_or(&p.path).to_string();
+        if !names.contains(&last) {
+            names.push(last);
+        }
+    }
+    Err(Error::Accelerate(accelerate_rs::Error::invalid(
+        "LoRA target_modules",
+        format!(
+            "this architecture has no default target modules (peft has none for it either): \
+             name them; its linear layers are {}",
+            names.join(", ")
+        ),
+    )))
 }
 
 /// The model's adapters, or an error naming `what` needs them.

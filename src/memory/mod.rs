@@ -285,6 +285,29 @@ fn check_plan(plan: &Plan) -> Result<()> {
     Ok(())
 }
 
+/// The Linear layers `lora` adapts: the ones it names, else the architecture's defaults.
+fn lora_targets(model: &ModelSpec, lora: &Lora) -> Result<Vec<String>> {
+    if !lora.targets.is_empty() {
+        return Ok(lora.targets.clone());
+    }
+    let arch = model.architecture.as_ref().ok_or_else(|| {
+        Error::invalid(
+            "lora targets",
+            "the architecture is unknown (no config.json read): name the target modules",
+        )
+    })?;
+    if arch.default_lora_targets.is_empty() {
+        return Err(Error::invalid(
+            "lora targets",
+            format!(
+                "`{}` has no default LoRA targets (peft has none for it): name the target modules",
+                arch.name
+            ),
+        ));
+    }
+    Ok(arch.default_lora_targets.clone())
+}
+
 /// The memory of one rank training `model` as `plan` says (see [the module](self)).
 pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
     check_plan(plan)?;
@@ -307,27 +330,7 @@ pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
     let (trainable, frozen, lora_layers, adapter_tokens) = match &plan.lora {
         None => (params, 0, 0, 0),
         Some(lora) => {
-            let targets: Vec<String> = if lora.targets.is_empty() {
-                let arch = model.architecture.as_ref().ok_or_else(|| {
-                    Error::invalid(
-                        "lora targets",
-                        "the architecture is unknown (no config.json read): name the target modules",
-                    )
-                })?;
-                if arch.default_lora_targets.is_empty() {
-                    return Err(Error::invalid(
-                        "lora targets",
-                        format!(
-                            "`{}` has no default LoRA targets (peft has none for it): name the \
-                             target modules",
-                            arch.name
-                        ),
-                    ));
-                }
-                arch.default_lora_targets.clone()
-            } else {
-                lora.targets.clone()
-            };
+            let targets = lora_targets(model, lora)?;
             let r = lora.r as u128;
             let (mut adapters, mut layers, mut per_token) = (0u128, 0usize, 0u128);
             for t in &model.tensors {
