@@ -57,6 +57,8 @@ from transformers import (
     AutoModelForMaskedLM,
     AutoModelForSequenceClassification,
     BertConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
@@ -193,6 +195,48 @@ def configs():
                 use_sliding_window=True,
                 sliding_window=4,
                 max_window_layers=1,
+            ),
+            AutoModelForCausalLM,
+            "causal",
+        ),
+        # (1 + w) RMSNorms, scaled embeddings, GeGLU, a sliding layer (window 4 over 8 tokens)
+        # then a global one, pre/post feed-forward norms, the scores scaled by
+        # query_pre_attn_scalar 10 (not head_dim 8) and soft-capped at 2, the logits at 3 (both
+        # really bend at these sizes), GQA, tied embeddings.
+        "gemma2": (
+            Gemma2Config(
+                **tiny,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=8,
+                max_position_embeddings=64,
+                sliding_window=4,
+                query_pre_attn_scalar=10,
+                attn_logit_softcapping=2.0,
+                final_logit_softcapping=3.0,
+                pad_token_id=0,
+            ),
+            AutoModelForCausalLM,
+            "causal",
+        ),
+        # Gemma 3 text: q/k norms, one global layer in 2 (pattern 2), RoPE bases per kind (the
+        # global one linearly scaled), no soft-capping, untied embeddings, 4 heads over 2.
+        "gemma3": (
+            Gemma3TextConfig(
+                **tiny,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=4,
+                max_position_embeddings=64,
+                sliding_window=4,
+                sliding_window_pattern=2,
+                query_pre_attn_scalar=6,
+                rope_parameters={
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                },
+                tie_word_embeddings=False,
+                pad_token_id=0,
             ),
             AutoModelForCausalLM,
             "causal",

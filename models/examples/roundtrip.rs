@@ -27,6 +27,8 @@ const ARCHS: &[&str] = &[
     "bert_mlm",
     "bert_cls",
     "qwen3",
+    "gemma2",
+    "gemma3",
 ];
 
 #[derive(clap::Parser)]

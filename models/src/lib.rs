@@ -118,6 +118,7 @@ mod config;
 mod decoder;
 mod error;
 mod estimate;
+mod gemma;
 mod gpt2;
 #[cfg(feature = "hub")]
 pub mod hub;
@@ -142,6 +143,7 @@ pub use chat::{
 pub use config::Activation;
 pub use error::{ChatErrorKind, Error, Result};
 pub use estimate::model_spec;
+pub use gemma::{Gemma, GemmaConfig, GemmaForCausalLm};
 pub use gpt2::{Gpt2, Gpt2Config, Gpt2LmHeadModel};
 pub use layers::IGNORE_INDEX;
 pub use llama::{Llama, LlamaConfig, LlamaForCausalLm};

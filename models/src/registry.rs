@@ -14,6 +14,7 @@ use crate::arch::{Architecture, ModelConfig, Task};
 use crate::bert::{BertClassifier, BertMlm};
 use crate::config::read_json;
 use crate::error::{Error, Result};
+use crate::gemma::Gemma;
 use crate::gpt2::Gpt2;
 use crate::llama::Llama;
 use crate::pretrained::{DynModel, Pretrained};
@@ -24,6 +25,7 @@ use crate::qwen3::Qwen3;
 pub(crate) const REGISTRY: &[Entry] = &[
     Entry::of::<Llama>(),
     Entry::of::<Qwen3>(),
+    Entry::of::<Gemma>(),
     Entry::of::<Gpt2>(),
     Entry::of::<BertMlm>(),
     Entry::of::<BertClassifier>(),

@@ -167,6 +167,16 @@ fn qwen3_qk_norms_head_dim_window_matches_transformers() {
 }
 
 #[test]
+fn gemma2_softcapping_window_scaled_embeddings_matches_transformers() {
+    parity("gemma2");
+}
+
+#[test]
+fn gemma3_qk_norms_local_global_rope_matches_transformers() {
+    parity("gemma3");
+}
+
+#[test]
 fn gpt2_matches_transformers() {
     parity("gpt2");
 }

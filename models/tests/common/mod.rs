@@ -18,6 +18,8 @@ pub const ARCHS: &[&str] = &[
     "bert_mlm",
     "bert_cls",
     "qwen3",
+    "gemma2",
+    "gemma3",
 ];
 
 /// The folder of fixture `name`: under `ACCELERATE_RS_MODELS_FIXTURES` when set (a test binary
