@@ -29,6 +29,9 @@ const ARCHS: &[&str] = &[
     "qwen3",
     "gemma2",
     "gemma3",
+    "mixtral",
+    "qwen3_moe",
+    "qwen2_moe",
 ];
 
 #[derive(clap::Parser)]

@@ -195,6 +195,14 @@ pub trait Architecture: Clone + std::fmt::Debug + Send + Sync + Sized + 'static 
         Self::CLASSES[0]
     }
 
+    /// `peft`'s default LoRA target modules for `config` (by default [`LORA_TARGETS`](Self::LORA_TARGETS);
+    /// a family whose members `peft` treats apart says so here). Empty: `peft` has none, and
+    /// `add_lora` asks for target modules.
+    fn lora_targets(config: &Self::Config) -> &'static [&'static str] {
+        let _ = config;
+        Self::LORA_TARGETS
+    }
+
     /// The parameter a tensor of a checkpoint's weight files is loaded into (its name, or
     /// another for older layouts), or `None` to skip it (buffers, tied copies, heads this class
     /// has not).

@@ -323,6 +323,15 @@ impl GatedMlp {
         self.down.forward(&gated, train)
     }
 
+    /// A scalar zero that depends on every parameter (see [`Proj::zero_contribution`]).
+    pub(crate) fn zero_contribution(&self) -> Result<Tensor> {
+        let mut sum = self.gate.zero_contribution()?;
+        if let Some(up) = &self.up {
+            sum = (sum + up.zero_contribution()?)?;
+        }
+        sum + self.down.zero_contribution()?
+    }
+
     pub(crate) fn projections_mut(&mut self) -> Vec<&mut Proj> {
         let mut out = vec![&mut self.gate];
         if let Some(up) = self.up.as_mut() {
@@ -417,7 +426,6 @@ pub(crate) struct CausalDecoder<B: Block> {
 /// The outputs of [`CausalDecoder::run`]: the final hidden states and every router's logits.
 pub(crate) struct DecoderOutput {
     pub(crate) hidden: Tensor,
-    #[allow(dead_code)] // read by the mixtures of experts
     pub(crate) router_logits: Vec<Tensor>,
 }
 

@@ -60,6 +60,25 @@ impl Proj {
         })
     }
 
+    /// A scalar zero that depends on every tensor of the layer (weight, bias, adapter): added to
+    /// a mixture of experts' output for an expert no token chose, so that its parameters get a
+    /// zero gradient rather than none.
+    pub fn zero_contribution(&self) -> Result<Tensor> {
+        let mut parts = vec![&self.weight];
+        parts.extend(self.bias.as_ref());
+        if let Some(lora) = &self.lora {
+            parts.push(lora.a());
+            parts.push(lora.b());
+        }
+        let zero = Tensor::zeros((), self.weight.dtype(), self.weight.device())?;
+        let mut sum = zero.clone();
+        for p in parts {
+            sum = (sum + p.sum_all()?.to_dtype(self.weight.dtype())?)?;
+        }
+        // Times a zero tensor, not `* 0.0`: Candle's backward prunes an affine op by 0.
+        sum.mul(&zero)
+    }
+
     /// Its module path (`model.layers.0.self_attn.q_proj`): what LoRA's `target_modules` match.
     pub fn path(&self) -> &str {
         &self.path

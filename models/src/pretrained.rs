@@ -397,7 +397,10 @@ impl<A: Architecture> Pretrained<A> {
             block_elements: p.block_elements,
             outer_elements: p.outer_elements,
             lm_head: p.lm_head,
-            default_lora_targets: A::LORA_TARGETS.iter().map(|s| s.to_string()).collect(),
+            default_lora_targets: A::lora_targets(config)
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
             parameters,
         })
     }
@@ -421,7 +424,7 @@ impl<A: Architecture> Adaptable for Pretrained<A> {
     }
 
     fn default_targets(&self) -> &'static [&'static str] {
-        A::LORA_TARGETS
+        A::lora_targets(&self.config)
     }
 
     fn task_type(&self) -> Option<&'static str> {

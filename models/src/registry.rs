@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::gemma::Gemma;
 use crate::gpt2::Gpt2;
 use crate::llama::Llama;
+use crate::mixtral::Mixtral;
 use crate::pretrained::{DynModel, Pretrained};
 use crate::qwen3::Qwen3;
 
@@ -26,6 +27,7 @@ pub(crate) const REGISTRY: &[Entry] = &[
     Entry::of::<Llama>(),
     Entry::of::<Qwen3>(),
     Entry::of::<Gemma>(),
+    Entry::of::<Mixtral>(),
     Entry::of::<Gpt2>(),
     Entry::of::<BertMlm>(),
     Entry::of::<BertClassifier>(),

@@ -20,6 +20,9 @@ pub const ARCHS: &[&str] = &[
     "qwen3",
     "gemma2",
     "gemma3",
+    "mixtral",
+    "qwen3_moe",
+    "qwen2_moe",
 ];
 
 /// The folder of fixture `name`: under `ACCELERATE_RS_MODELS_FIXTURES` when set (a test binary
