@@ -32,6 +32,7 @@ const ARCHS: &[&str] = &[
     "mixtral",
     "qwen3_moe",
     "qwen2_moe",
+    "phi3",
 ];
 
 #[derive(clap::Parser)]

@@ -18,6 +18,7 @@ use crate::gemma::Gemma;
 use crate::gpt2::Gpt2;
 use crate::llama::Llama;
 use crate::mixtral::Mixtral;
+use crate::phi3::Phi3;
 use crate::pretrained::{DynModel, Pretrained};
 use crate::qwen3::Qwen3;
 
@@ -28,6 +29,7 @@ pub(crate) const REGISTRY: &[Entry] = &[
     Entry::of::<Qwen3>(),
     Entry::of::<Gemma>(),
     Entry::of::<Mixtral>(),
+    Entry::of::<Phi3>(),
     Entry::of::<Gpt2>(),
     Entry::of::<BertMlm>(),
     Entry::of::<BertClassifier>(),

@@ -427,3 +427,40 @@ fn long_rope(
         attention_factor,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `longrope`: the short factors up to the original length, the long ones beyond, the
+    /// default attention factor `sqrt(1 + ln(factor) / ln(original))`, partial rotation.
+    #[test]
+    fn longrope_picks_its_factors_by_length() {
+        let params = serde_json::json!({
+            "rope_type": "su", "rope_theta": 100.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0],
+            "original_max_position_embeddings": 4, "max_position_embeddings": 64,
+        });
+        let c = RopeConfig::from_json(Path::new("c"), None, None, Some(&params)).unwrap();
+        assert_eq!(c.rotary_dim(8), 4);
+        let base = |i: usize| 100f32.powf((2 * i) as f32 / 4.0);
+        let short: Vec<f32> = (0..2).map(|i| 1.0 / ([1.0, 2.0][i] * base(i))).collect();
+        let long: Vec<f32> = (0..2).map(|i| 1.0 / ([3.0, 4.0][i] * base(i))).collect();
+        assert_eq!(c.inv_freq_for(8, 4), short);
+        assert_eq!(c.inv_freq_for(8, 5), long);
+        let want = (1.0 + 16f64.ln() / 4f64.ln()).sqrt();
+        assert!((c.attention_factor() - want).abs() < 1e-12);
+        // One factor too few for the rotated width is named.
+        let e = c
+            .check_head_dim(Path::new("c"), "head_dim", 16)
+            .unwrap_err();
+        assert!(e.to_string().contains("longrope"), "{e}");
+        // No extension factor and no max_position_embeddings: the key is named.
+        let mut bad = params.clone();
+        bad.as_object_mut()
+            .unwrap()
+            .remove("max_position_embeddings");
+        let e = RopeConfig::from_json(Path::new("c"), None, None, Some(&bad)).unwrap_err();
+        assert!(e.to_string().contains("factor"), "{e}");
+    }
+}

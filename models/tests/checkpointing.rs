@@ -118,10 +118,11 @@ fn training_mode_and_checkpointing_survive_lora_merging_and_working_copies() {
             let modes = |m: &AutoModel| (m.is_training(), m.is_gradient_checkpointing());
             let copy = model.with_parameters(model.varmap()).unwrap();
             assert_eq!(modes(&copy), (train, ckpt), "{what}: with_parameters");
-            // peft's default targets, or attention's where peft has none (the Qwen MoEs).
+            // peft's default targets, or every linear layer where peft has none (Phi-3, the
+            // Qwen MoEs).
             let defaults = model.memory_architecture().unwrap().default_lora_targets;
             let lora = if defaults.is_empty() {
-                LoraConfig::new(2, 4.0).target_modules(["q_proj", "v_proj"])
+                LoraConfig::new(1, 2.0).all_linear()
             } else {
                 LoraConfig::new(2, 4.0)
             };

@@ -195,6 +195,11 @@ fn qwen2_moe_shared_expert_matches_transformers() {
 }
 
 #[test]
+fn phi3_fused_projections_longrope_matches_transformers() {
+    parity("phi3");
+}
+
+#[test]
 fn gpt2_matches_transformers() {
     parity("gpt2");
 }

@@ -23,6 +23,7 @@ pub const ARCHS: &[&str] = &[
     "mixtral",
     "qwen3_moe",
     "qwen2_moe",
+    "phi3",
 ];
 
 /// The folder of fixture `name`: under `ACCELERATE_RS_MODELS_FIXTURES` when set (a test binary
