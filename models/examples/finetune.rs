@@ -2,8 +2,12 @@
 //! accelerate-rs, and saves a folder `transformers` loads.
 //!
 //! Any folder of a supported architecture that `save_pretrained` wrote, with its
-//! `tokenizer.json`: Llama, Mistral, Qwen2 and GPT-2 learn the next token; BERT (masked-LM) learns
-//! masked tokens (15% of the tokens replaced by the tokenizer's mask token). The text is
+//! `tokenizer.json`: the decoders (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3, Mixtral and the
+//! Qwen MoEs, GPT-2) learn the next token; BERT (masked-LM) learns masked tokens (15% of the
+//! tokens replaced by the tokenizer's mask token). `--init-seed N` trains from scratch instead:
+//! fresh weights drawn from the seed (the folder needs only `config.json` and the tokenizer). For
+//! a mixture of experts the tokens each expert takes on the held-out text are printed before and
+//! after training. The text is
 //! tokenized once, cut into windows of `--seq-len` tokens, the last `--eval-fraction` of it held
 //! out; the held-out loss is printed before and after training.
 //!
@@ -51,7 +55,9 @@ use accelerate_rs::{
     AcceleratedOptimizer, Accelerator, DataLoader, MixedPrecision, MixedPrecisionOptimizer,
     ReduceOp, TensorDataset,
 };
-use accelerate_rs_models::{encode_corpus, load_tokenizer, AutoModel, Task, IGNORE_INDEX};
+use accelerate_rs_models::{
+    encode_corpus, load_tokenizer, AutoModel, Config, Inputs, Mixtral, Task, IGNORE_INDEX,
+};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Optimizer;
@@ -140,6 +146,11 @@ struct Args {
     /// Also write held-out inputs and the trained model's logits to this file.
     #[arg(long)]
     probe: Option<PathBuf>,
+    /// Train from scratch: fresh weights drawn from this seed (each from `(seed, parameter
+    /// name)`: the same on every process) instead of the folder's; the folder then needs only
+    /// its `config.json` and tokenizer.
+    #[arg(long, conflicts_with = "adapter")]
+    init_seed: Option<u64>,
     /// Where the main process writes `metrics.jsonl` and TensorBoard event files: the run's
     /// settings and hyperparameters once, then every step's loss, time by phase, tokens/s and
     /// FLOP/s. None: printed only.
@@ -302,7 +313,7 @@ fn main() -> Result<()> {
              --lora-r with an f16 base"
         );
     }
-    let mut model = AutoModel::from_pretrained(&args.model, &device, dtype)?;
+    let mut model = load_model(&args, &device, dtype)?;
     if let Some(r) = args.lora_r {
         let mut config = LoraConfig::new(r, args.lora_alpha.unwrap_or(2.0 * r as f64))
             .dropout(args.lora_dropout)
@@ -388,6 +399,7 @@ fn main() -> Result<()> {
 
     let before = evaluate(&accelerator, &model, task, &val, &args, mask_id)?;
     accelerator.print(format!("held-out loss before: {before:.4}"));
+    print_expert_load(&accelerator, &model, &val, "before")?;
 
     // With LoRA, the adapters only: the frozen base is neither stepped nor all-reduced.
     let opt = AdamW::new(
@@ -519,6 +531,7 @@ fn main() -> Result<()> {
     accelerator.print(format!(
         "trained {step} steps in {secs:.1} s; held-out loss {before:.4} -> {after:.4}"
     ));
+    print_expert_load(&accelerator, &model, &val, "after")?;
     if accelerator.world_size() > 1 && step > 0 {
         // With LoRA only the adapters' gradients travel (the frozen base has none).
         accelerator.print(format!(
@@ -549,6 +562,48 @@ fn main() -> Result<()> {
         bail!("the main process could not save {}", args.output.display());
     }
     accelerator.wait_for_everyone()?;
+    Ok(())
+}
+
+/// The model: the folder's weights, or with `--init-seed` fresh ones drawn from the seed.
+fn load_model(args: &Args, device: &Device, dtype: DType) -> Result<AutoModel> {
+    Ok(match args.init_seed {
+        Some(seed) => {
+            let config = Config::from_file(&args.model)?;
+            AutoModel::from_config_seeded(&config, seed, device, dtype)?
+        }
+        None => AutoModel::from_pretrained(&args.model, device, dtype)?,
+    })
+}
+
+/// For a mixture of experts, the tokens each expert of each sparse layer takes on the held-out
+/// windows (printed by the main process): the balance the load-balancing loss keeps.
+fn print_expert_load(
+    accelerator: &Accelerator,
+    model: &AutoModel,
+    val: &(Tensor, Tensor),
+    when: &str,
+) -> Result<()> {
+    let Some(moe) = model.downcast_ref::<Mixtral>() else {
+        return Ok(());
+    };
+    let ids = val.0.to_device(accelerator.device())?;
+    for (layer, load) in moe
+        .layers()
+        .expert_load(&Inputs::new(&ids))?
+        .iter()
+        .enumerate()
+    {
+        let total: usize = load.iter().sum();
+        let fair = (total as f64 / load.len().max(1) as f64).max(1.0);
+        let share = |n: Option<&usize>| n.copied().unwrap_or(0) as f64 / fair;
+        accelerator.print(format!(
+            "expert load {when} (held-out, sparse layer {layer}): {load:?} tokens; the busiest \
+             expert takes {:.2}x its fair share, the idlest {:.2}x",
+            share(load.iter().max()),
+            share(load.iter().min())
+        ));
+    }
     Ok(())
 }
 

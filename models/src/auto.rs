@@ -63,7 +63,18 @@ impl AutoModel {
     /// [`from_pretrained`](Self::from_pretrained) picks it), drawn as `transformers`
     /// initializes them.
     pub fn from_config(config: &Config, device: &Device, dtype: DType) -> CrateResult<Self> {
-        Ok(AutoModel(config.fresh(device, dtype)?))
+        Ok(AutoModel(config.fresh(None, device, dtype)?))
+    }
+
+    /// [`from_config`](Self::from_config) with the values drawn from `(seed, parameter name)`:
+    /// the same model on every process (see [`Pretrained::from_config_seeded`]).
+    pub fn from_config_seeded(
+        config: &Config,
+        seed: u64,
+        device: &Device,
+        dtype: DType,
+    ) -> CrateResult<Self> {
+        Ok(AutoModel(config.fresh(Some(seed), device, dtype)?))
     }
 
     /// The model inside, if it is a `Pretrained<A>` (`model.downcast_ref::<Llama>()`, or with the

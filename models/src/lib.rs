@@ -1,9 +1,11 @@
 //! # accelerate-rs-models
 //!
 //! Hugging Face architectures that **train** with [accelerate-rs](accelerate_rs): Llama 2/3,
-//! Mistral and Qwen2 (one implementation), GPT-2, and BERT (masked-LM and
-//! sequence-classification heads), loaded from and saved to Hugging Face model folders, with
-//! `tokenizer.json` through the `tokenizers` crate.
+//! Mistral and Qwen2 (one implementation), Qwen3, Gemma 2 and 3 (text), Phi-3, the mixtures of
+//! experts Mixtral, Qwen2-MoE and Qwen3-MoE (routers that learn, `transformers`'
+//! load-balancing loss), GPT-2, and BERT (masked-LM and sequence-classification heads), loaded
+//! from and saved to Hugging Face model folders, with `tokenizer.json` through the `tokenizers`
+//! crate.
 //!
 //! Built on `accelerate_rs::nn`'s differentiable fused layers (RMSNorm, LayerNorm, attention,
 //! `Linear`, GELU, the head fused with the cross-entropy) and differentiable RoPE, so that

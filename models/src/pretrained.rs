@@ -47,12 +47,11 @@ impl<A: Architecture> Pretrained<A> {
     fn build(
         config: &A::Config,
         varmap: VarMap,
-        device: &Device,
-        dtype: DType,
+        (device, dtype): (&Device, DType),
         std: f64,
-        source: Option<Source<'_>>,
+        origin: (Option<Source<'_>>, Option<u64>),
     ) -> Result<Self> {
-        let (layers, weights) = Weights::build(varmap, device, dtype, source, |vb| {
+        let (layers, weights) = Weights::build(varmap, device, dtype, origin, |vb| {
             Ok(A::assemble(config, vb, std)?)
         })?;
         Ok(Pretrained {
@@ -76,7 +75,26 @@ impl<A: Architecture> Pretrained<A> {
     /// initializes them (N(0, `initializer_range`²) weights, zero biases, unit norms).
     pub fn from_config(config: &A::Config, device: &Device, dtype: DType) -> Result<Self> {
         let std = config.initializer_range();
-        Self::build(config, VarMap::new(), device, dtype, std, None)
+        Self::build(config, VarMap::new(), (device, dtype), std, (None, None))
+    }
+
+    /// [`from_config`](Self::from_config) with the values drawn from `(seed, parameter name)`
+    /// (`accelerate_rs::seeded_var_builder`): the same model on every process and in every run
+    /// with the same seed (training from scratch on several processes).
+    pub fn from_config_seeded(
+        config: &A::Config,
+        seed: u64,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self> {
+        let std = config.initializer_range();
+        Self::build(
+            config,
+            VarMap::new(),
+            (device, dtype),
+            std,
+            (None, Some(seed)),
+        )
     }
 
     /// Loads a Hugging Face folder (`config.json` and `model.safetensors` or a sharded index)
@@ -113,14 +131,8 @@ impl<A: Architecture> Pretrained<A> {
         dtype: DType,
     ) -> Result<Self> {
         let map = |name: &str| A::parameter_name(&config, name);
-        let model = Self::build(
-            &config,
-            VarMap::new(),
-            device,
-            dtype,
-            0.0,
-            Some((dir, &map)),
-        )?;
+        let source = (Some((dir, &map as &dyn Fn(&str) -> Option<String>)), None);
+        let model = Self::build(&config, VarMap::new(), (device, dtype), 0.0, source)?;
         model.weights.load(dir, map)?;
         Ok(model)
     }
@@ -157,7 +169,13 @@ impl<A: Architecture> Pretrained<A> {
     pub fn with_parameters(&self, varmap: &VarMap) -> Result<Self> {
         let dtype = parameters_dtype(varmap, self.weights.adapters.is_some())?;
         let device = self.weights.device.clone();
-        let mut model = Self::build(&self.config, varmap.clone(), &device, dtype, 0.0, None)?;
+        let mut model = Self::build(
+            &self.config,
+            varmap.clone(),
+            (&device, dtype),
+            0.0,
+            (None, None),
+        )?;
         model.weights.training = self.weights.training;
         model.weights.checkpointing = self.weights.checkpointing;
         Ok(model)

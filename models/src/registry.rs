@@ -59,7 +59,7 @@ pub(crate) struct Entry {
     pub(crate) task: Task,
     parse: fn(&Path, &Value) -> Result<Parsed>,
     load: fn(&Parsed, &Path, &Device, DType) -> Model,
-    fresh: fn(&Parsed, &Device, DType) -> Model,
+    fresh: fn(&Parsed, Option<u64>, &Device, DType) -> Model,
     memory: fn(&Parsed) -> Result<accelerate_rs::memory::Architecture>,
 }
 
@@ -106,13 +106,15 @@ fn load<A: Architecture>(
 
 fn fresh<A: Architecture>(
     parsed: &Parsed,
+    seed: Option<u64>,
     device: &Device,
     dtype: DType,
-) -> Result<Box<dyn DynModel>> {
+) -> Model {
     let config = config_of::<A>(parsed)?;
-    Ok(Box::new(Pretrained::<A>::from_config(
-        config, device, dtype,
-    )?))
+    Ok(Box::new(match seed {
+        Some(seed) => Pretrained::<A>::from_config_seeded(config, seed, device, dtype)?,
+        None => Pretrained::<A>::from_config(config, device, dtype)?,
+    }))
 }
 
 fn memory<A: Architecture>(parsed: &Parsed) -> Result<accelerate_rs::memory::Architecture> {
@@ -262,9 +264,10 @@ impl Config {
         (self.entry()?.load)(&self.parsed, dir, device, dtype)
     }
 
-    /// The model of this configuration with fresh parameters.
-    pub(crate) fn fresh(&self, device: &Device, dtype: DType) -> Result<Box<dyn DynModel>> {
-        (self.entry()?.fresh)(&self.parsed, device, dtype)
+    /// The model of this configuration with fresh parameters (drawn from `(seed, name)` when
+    /// a seed is given).
+    pub(crate) fn fresh(&self, seed: Option<u64>, device: &Device, dtype: DType) -> Model {
+        (self.entry()?.fresh)(&self.parsed, seed, device, dtype)
     }
 
     /// The architecture as `estimate-memory` sees it (`accelerate_rs::memory::estimate`): its

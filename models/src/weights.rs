@@ -62,11 +62,13 @@ impl Weights {
     /// hold is an error naming the tensor) and checked to be allocatable on `device` (an error
     /// naming the tensor and the bytes, rather than a failed allocation aborting the process);
     /// only then is it allocated.
+    /// `seed`, for a fresh model: its values are drawn from `(seed, name)`
+    /// (`accelerate_rs::seeded_var_builder`), the same on every process and in any order.
     pub(crate) fn build<M>(
         varmap: VarMap,
         device: &Device,
         dtype: DType,
-        source: Option<Source<'_>>,
+        (source, seed): (Option<Source<'_>>, Option<u64>),
         build: impl Fn(VarBuilder) -> Result<M>,
     ) -> Result<(M, Weights)> {
         if !dtype.is_float() {
@@ -89,7 +91,13 @@ impl Weights {
             }
             accelerate_rs::check_allocatable(&specs, device)?;
         }
-        let model = build(VarBuilder::from_varmap(&varmap, dtype, device))?;
+        let vb = match seed {
+            Some(seed) if given.is_empty() => {
+                accelerate_rs::seeded_var_builder(&varmap, seed, dtype, device)
+            }
+            _ => VarBuilder::from_varmap(&varmap, dtype, device),
+        };
+        let model = build(vb)?;
         if !given.is_empty() {
             let mut missing: Vec<String> = names(&varmap)
                 .into_iter()
