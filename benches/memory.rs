@@ -159,7 +159,7 @@ fn main() -> Result<()> {
             .find_map(|l| l.strip_prefix("live "))
             .and_then(|v| v.parse().ok())
             .context("no allocation count")?;
-        let spec = ModelSpec::from_config(&r.config_json(), "config.json".as_ref())?;
+        let spec = ModelSpec::from_architecture(r.architecture());
         let plan = Plan {
             precision: if r.bf16 {
                 MixedPrecision::Bf16

@@ -11,9 +11,16 @@
    bit with and without checkpointing), a PEFT adapter folder and a merged Hugging Face folder
    written; the gradient all-reduce carries the adapters' gradients only (the bytes per step the
    example prints equal the adapters' size plus one flag per tensor, in f32).
-3. With `--python PY` (an interpreter that has torch, transformers and peft): the saved folders
+3. Every family added after Llama (Qwen3, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE, Phi-3): a tiny
+   model of each over the shipped tokenizer, trained from the same seeded initial weights
+   (`--init-seed`) on 1 and on 2 processes with split batches: the same losses, the held-out loss
+   falling, the saved weights agreeing within 1e-5; for the mixtures of experts, the tokens each
+   expert takes on the held-out text (printed) after 200 steps with and without the
+   load-balancing loss; with it (coefficient 0.1) every expert keeps at least 0.15x its fair
+   share.
+4. With `--python PY` (an interpreter that has torch, transformers and peft): the saved folders
    load in `transformers` / `peft` with the logits the example computed
-   (`scripts/hf_reference.py check` / `check-adapter`).
+   (`scripts/hf_reference.py check` / `check-adapter`), every family's too.
 
 Usage: python3 scripts/finetune_check.py [--no-build] [--python PY] [--keep DIR]
 Stdlib only (the safetensors files are read by hand). Exits non-zero on the first failure.
@@ -54,10 +61,12 @@ def run(cmd: list[str], env: dict[str, str] | None = None) -> str:
     return p.stdout
 
 
-def finetune(n: int, out: str, extra: list[str]) -> dict:
-    """Runs the example on `n` processes with split batches; returns what it printed."""
-    cmd = [LAUNCHER, "launch", "--cpu", "-n", str(n), FINETUNE, "--model", MODEL,
-           "--train", TRAIN, "--max-steps", str(STEPS), "--seq-len", "64", "--batch-size", "8",
+def finetune(n: int, out: str, extra: list[str], model: str = MODEL, steps: int = STEPS,
+             launch: list[str] | None = None) -> dict:
+    """Runs the example on `n` processes with split batches (`launch`: more launcher flags);
+    returns what it printed."""
+    cmd = [LAUNCHER, "launch", "--cpu", "-n", str(n)] + (launch or []) + [FINETUNE, "--model", model,
+           "--train", TRAIN, "--max-steps", str(steps), "--seq-len", "64", "--batch-size", "8",
            "--log-every", "1", "--output", out] + extra
     text = run(cmd, {"ACCELERATE_RS_SPLIT_BATCHES": "1"})
     rank0 = [line.split("] ", 1)[1] for line in text.splitlines()
@@ -68,10 +77,120 @@ def finetune(n: int, out: str, extra: list[str]) -> dict:
             if (m := re.search(r"held-out loss (\S+) -> (\S+)$", line))]
     reduced = [int(m.group(1)) for line in rank0
                if (m := re.search(r"gradient all-reduce: (\d+) bytes per step", line))]
-    if len(losses) != STEPS or len(held) != 1:
-        fail(f"{n} processes, {extra}: expected {STEPS} losses and one held-out line:\n{text}")
+    if len(losses) != steps or len(held) != 1:
+        fail(f"{n} processes, {extra}: expected {steps} losses and one held-out line:\n{text}")
+    loads = [(m.group(1), json.loads(m.group(2)), float(m.group(3)), float(m.group(4)))
+             for line in rank0
+             if (m := re.search(r"expert load (\w+) .*: (\[[0-9, ]*\]) tokens; the busiest expert "
+                                r"takes ([0-9.]+)x its fair share, the idlest ([0-9.]+)x", line))]
     return {"losses": losses, "before": float(held[0][0]), "after": float(held[0][1]),
-            "reduced": reduced[0] if reduced else None, "text": text}
+            "reduced": reduced[0] if reduced else None, "loads": loads, "text": text}
+
+
+# Tiny models of the families added after Llama (the vocabulary is the shipped tokenizer's):
+# windows and soft-capping that act on 64-token windows, grouped-query attention, tied and untied
+# heads, 2 of 4 experts with the load-balancing loss, LongRoPE past its original length.
+FAMILIES = {
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+              "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True},
+    "gemma2": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
+               "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "head_dim": 16, "query_pre_attn_scalar": 16,
+               "sliding_window": 32, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0},
+    "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+               "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 8, "query_pre_attn_scalar": 8,
+               "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"],
+               "tie_word_embeddings": False},
+    "mixtral": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                "hidden_size": 32, "intermediate_size": 32, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "output_router_logits": True, "router_aux_loss_coef": 0.02,
+                "rope_theta": 10000.0, "tie_word_embeddings": False},
+    "qwen3_moe": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                  "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                  "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                  "output_router_logits": True, "router_aux_loss_coef": 0.02,
+                  "tie_word_embeddings": True},
+    "phi3": {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"],
+             "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "original_max_position_embeddings": 32,
+             "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.2],
+                              "long_factor": [1.5, 3.0]},
+             "partial_rotary_factor": 0.5, "tie_word_embeddings": False},
+}
+
+
+def family_folder(work: str, name: str, **overrides) -> str:
+    """A model folder of family `name`: its config.json (tiny, the shipped tokenizer's
+    vocabulary, `overrides` applied) and the shipped tokenizer's files, no weights
+    (`--init-seed` draws them)."""
+    with open(os.path.join(MODEL, "config.json")) as f:
+        base = json.load(f)
+    config = {"vocab_size": base["vocab_size"], "num_hidden_layers": 2,
+              "max_position_embeddings": 256, "pad_token_id": base.get("pad_token_id", 0),
+              "bos_token_id": base.get("bos_token_id"), "eos_token_id": base.get("eos_token_id"),
+              "initializer_range": 0.02}
+    config.update(FAMILIES[name])
+    config.update(overrides)
+    tag = "".join(f"-{k}-{v}" for k, v in overrides.items())
+    folder = os.path.join(work, f"family-{name}{tag}", "model")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for file in os.listdir(MODEL):
+        if file.startswith("tokenizer") or file == "special_tokens_map.json":
+            shutil.copy(os.path.join(MODEL, file), folder)
+    return folder
+
+
+def check_family(work: str, name: str) -> str:
+    """Family `name` trained on 1 and 2 processes: the same losses and weights; returns the
+    2-process run's output folder (with its probe beside). A mixture of experts is compared
+    without its load-balancing loss (a function of each process's whole batch, so 2 halves are
+    not 1 batch; the routers still train through the routing weights), then trained with it on 2
+    processes, its expert load reported and bounded."""
+    moe = FAMILIES[name].get("output_router_logits", False)
+    model = family_folder(work, name, output_router_logits=False) if moe else \
+        family_folder(work, name)
+    root = os.path.dirname(model)
+    seed = ["--init-seed", "7"]
+    one = finetune(1, os.path.join(root, "out-1"), seed, model)
+    two = finetune(2, os.path.join(root, "out-2"),
+                   seed + ["--probe", os.path.join(root, "out-2.probe.safetensors")], model)
+    if one["losses"] != two["losses"]:
+        fail(f"{name}: 1 and 2 processes print different losses:\n{one['losses']}\n"
+             f"{two['losses']}")
+    if not two["after"] < two["before"]:
+        fail(f"{name}: held-out loss did not fall ({two['before']} -> {two['after']})")
+    worst = compare(os.path.join(root, "out-1", "model.safetensors"),
+                    os.path.join(root, "out-2", "model.safetensors"), 1e-5, f"{name} 1 vs 2")
+    line = (f"{name}: {STEPS} losses equal on 1 and 2 processes ({one['losses'][0]} -> "
+            f"{one['losses'][-1]}), held-out {two['before']} -> {two['after']}, weights within "
+            f"{worst:.2g}")
+    if moe:
+        # The load-balancing loss at work: 200 steps on 2 processes with it (coefficient 0.1)
+        # and without; with it, every expert keeps at least 0.15x its fair share of the
+        # held-out tokens (without it, experts starve).
+        for coef in (0.1, 0.0):
+            folder = family_folder(work, name, router_aux_loss_coef=coef)
+            out = finetune(2, os.path.join(os.path.dirname(folder), "out-2"), seed, folder,
+                           steps=200)
+            line += f"\n  200 steps, router_aux_loss_coef {coef}: held-out {out['before']} -> " \
+                    f"{out['after']}"
+            for when, load, busiest, idlest in out["loads"]:
+                line += f"\n    expert load {when}: {load} (busiest {busiest:.2f}x, idlest " \
+                        f"{idlest:.2f}x its fair share)"
+                if coef > 0 and when == "after" and idlest < 0.15:
+                    fail(f"{name}: with the load-balancing loss an expert fell to {idlest}x its "
+                         f"fair share")
+            if not out["loads"]:
+                fail(f"{name}: no expert load printed")
+    print(line)
+    return os.path.join(root, "out-2")
 
 
 def tensors(path: str) -> dict[str, tuple[str, list[int], list[float]]]:
@@ -178,7 +297,29 @@ def main() -> int:
               f"= {len(sizes)} adapter tensors ({adapter_values} values) + flags, against "
               f"{two['reduced']} for full fine-tuning")
 
-        # 3. transformers / peft load what was saved, with the same logits.
+        # 3. ZeRO-3 with the launcher's flag alone: the same run, parameters sharded.
+        z3 = finetune(2, os.path.join(work, "full-2-z3"),
+                      ["--probe", os.path.join(work, "full-2-z3.probe.safetensors")],
+                      launch=["--zero-stage", "3"])
+        if z3["losses"] != two["losses"]:
+            fail(f"ZeRO-3: 2 processes at stage 3 print other losses than at stage 0:\n"
+                 f"{two['losses']}\n{z3['losses']}")
+        if "sharded over the processes (ZeRO-3)" not in z3["text"]:
+            fail(f"ZeRO-3: the run does not say the parameters are sharded:\n{z3['text']}")
+        need(os.path.join(work, "full-2-z3"), ["config.json", "model.safetensors", "tokenizer.json"])
+        worst_z = compare(os.path.join(work, "full-2", "model.safetensors"),
+                          os.path.join(work, "full-2-z3", "model.safetensors"), 1e-6, "stage 0 vs 3")
+        z3l = finetune(2, os.path.join(work, "lora-2-z3"), lora, launch=["--zero-stage", "3"])
+        if z3l["losses"] != l2p["losses"]:
+            fail(f"ZeRO-3 LoRA: other losses than at stage 0:\n{l2p['losses']}\n{z3l['losses']}")
+        worst_zl = compare(adapter("lora-2-plain"), adapter("lora-2-z3"), 1e-6, "LoRA stage 0 vs 3")
+        print(f"ZeRO-3 (launch --zero-stage 3): full and LoRA losses equal to stage 0 on 2 "
+              f"processes, weights within {worst_z:.2g}, adapters within {worst_zl:.2g}")
+
+        # 4. The families added after Llama.
+        families = [check_family(work, name) for name in FAMILIES]
+
+        # 5. transformers / peft load what was saved, with the same logits.
         if args.python:
             ref = os.path.join(ROOT, "scripts", "hf_reference.py")
             for sub in (["check", os.path.join(work, "full-2"), "--probe",
@@ -186,8 +327,13 @@ def main() -> int:
                         ["check-adapter", os.path.join(work, "lora-2"), "--base", MODEL,
                          "--probe", os.path.join(work, "lora-2.probe.safetensors")],
                         ["check", os.path.join(work, "lora-2-merged"), "--probe",
-                         os.path.join(work, "lora-2.probe.safetensors")]):
+                         os.path.join(work, "lora-2.probe.safetensors")],
+                        ["check", os.path.join(work, "full-2-z3"), "--probe",
+                         os.path.join(work, "full-2-z3.probe.safetensors")]):
                 print(run([args.python, ref] + sub).strip())
+            for out in families:
+                print(run([args.python, ref, "check", out, "--probe",
+                           out + ".probe.safetensors"]).strip())
         else:
             print("transformers/peft checks skipped (no --python given)")
         print("finetune_check: PASS")

@@ -57,10 +57,17 @@ from transformers import (
     AutoModelForMaskedLM,
     AutoModelForSequenceClassification,
     BertConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 # accelerate_rs::optim::AdamW's hyper-parameters (src/optim/adamw.rs: lr, betas, eps,
@@ -177,6 +184,166 @@ def configs():
             AutoModelForSequenceClassification,
             "cls",
         ),
+        # The architectures added later, at the end so that the seeds above stay.
+        # q/k norms, head_dim 6 apart from hidden / heads = 4, GQA (4 query heads, 2 key/value),
+        # biases on q, k, v and o, tied embeddings, and a window of 4 over 8 tokens on layer 1.
+        "qwen3": (
+            Qwen3Config(
+                **tiny,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=6,
+                max_position_embeddings=64,
+                attention_bias=True,
+                tie_word_embeddings=True,
+                use_sliding_window=True,
+                sliding_window=4,
+                max_window_layers=1,
+            ),
+            AutoModelForCausalLM,
+            "causal",
+        ),
+        # (1 + w) RMSNorms, scaled embeddings, GeGLU, a sliding layer (window 4 over 8 tokens)
+        # then a global one, pre/post feed-forward norms, the scores scaled by
+        # query_pre_attn_scalar 10 (not head_dim 8) and soft-capped at 2, the logits at 3 (both
+        # really bend at these sizes), GQA, tied embeddings.
+        "gemma2": (
+            Gemma2Config(
+                **tiny,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=8,
+                max_position_embeddings=64,
+                sliding_window=4,
+                query_pre_attn_scalar=10,
+                attn_logit_softcapping=2.0,
+                final_logit_softcapping=3.0,
+                pad_token_id=0,
+            ),
+            AutoModelForCausalLM,
+            "causal",
+        ),
+        # Gemma 3 text: q/k norms, one global layer in 2 (pattern 2), RoPE bases per kind (the
+        # global one linearly scaled), no soft-capping, untied embeddings, 4 heads over 2.
+        "gemma3": (
+            Gemma3TextConfig(
+                **tiny,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=4,
+                max_position_embeddings=64,
+                sliding_window=4,
+                sliding_window_pattern=2,
+                query_pre_attn_scalar=6,
+                rope_parameters={
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                },
+                tie_word_embeddings=False,
+                pad_token_id=0,
+            ),
+            AutoModelForCausalLM,
+            "causal",
+        ),
+        # Mixtral: 4 experts, 2 per token (renormalized), the router's load-balancing loss in the
+        # loss (output_router_logits, coefficient 0.1 so that it weighs), a window of 4 over 8
+        # tokens, GQA, untied.
+        "mixtral": (
+            MixtralConfig(
+                vocab_size=VOCAB,
+                hidden_size=16,
+                intermediate_size=12,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=64,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                output_router_logits=True,
+                router_aux_loss_coef=0.1,
+                sliding_window=4,
+                tie_word_embeddings=False,
+            ),
+            AutoModelForCausalLM,
+            "causal",
+        ),
+        # Qwen3-MoE: q/k norms, a dense first layer (mlp_only_layers) then a sparse one with 4
+        # experts, 2 per token, not renormalized (norm_topk_prob false), the aux loss, tied.
+        "qwen3_moe": (
+            Qwen3MoeConfig(
+                vocab_size=VOCAB,
+                hidden_size=16,
+                intermediate_size=24,
+                moe_intermediate_size=8,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=4,
+                max_position_embeddings=64,
+                num_experts=4,
+                num_experts_per_tok=2,
+                norm_topk_prob=False,
+                mlp_only_layers=[0],
+                output_router_logits=True,
+                router_aux_loss_coef=0.1,
+                tie_word_embeddings=True,
+            ),
+            AutoModelForCausalLM,
+            "causal",
+        ),
+        # Qwen2-MoE: a shared expert behind a sigmoid gate, biases on q, k and v, 4 experts, 2
+        # per token renormalized (norm_topk_prob), the aux loss, untied.
+        "qwen2_moe": (
+            Qwen2MoeConfig(
+                vocab_size=VOCAB,
+                hidden_size=16,
+                intermediate_size=24,
+                moe_intermediate_size=8,
+                shared_expert_intermediate_size=12,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+                num_experts=4,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+                output_router_logits=True,
+                router_aux_loss_coef=0.1,
+                tie_word_embeddings=False,
+            ),
+            AutoModelForCausalLM,
+            "causal",
+        ),
+        # Phi-3: fused qkv_proj and gate_up_proj, LongRoPE over half of each head
+        # (partial_rotary_factor 0.5: 2 short and 2 long factors) with an original length of 4,
+        # so that 8 tokens take the long factors and the attention factor (extension 64 / 4), a
+        # window of 6 over 8 tokens, GQA, untied.
+        "phi3": (
+            Phi3Config(
+                **tiny,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=64,
+                original_max_position_embeddings=4,
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.5,
+                    "short_factor": [1.0, 1.5],
+                    "long_factor": [2.0, 3.5],
+                },
+                sliding_window=6,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attention_dropout=0.0,
+                tie_word_embeddings=False,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+            AutoModelForCausalLM,
+            "causal",
+        ),
     }
 
 
@@ -211,12 +378,45 @@ def inputs(task, gen):
     return ids, mask, labels
 
 
+def checkpoint_views(name, t, model_type):
+    """A parameter as the checkpoint names it: `transformers` 5 holds a mixture's experts as
+    3-D tensors (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) and
+    Mixtral's router under `mlp.gate`, but saves them per expert as before (Mixtral:
+    `block_sparse_moe.experts.{e}.w1/w3/w2.weight`; the Qwen MoEs: `mlp.experts.{e}.gate_proj/
+    up_proj/down_proj.weight`). Returns [(checkpoint name, tensor view)]."""
+    mixtral = model_type == "mixtral"
+    prefix = name.rsplit(".mlp.", 1)[0] if ".mlp." in name else None
+    block = f"{prefix}.block_sparse_moe" if mixtral else f"{prefix}.mlp"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    if name.endswith(".mlp.experts.gate_up_proj"):
+        half = t.shape[1] // 2
+        out = []
+        for e in range(t.shape[0]):
+            out.append((f"{block}.experts.{e}.{gate}.weight", t[e, :half]))
+            out.append((f"{block}.experts.{e}.{up}.weight", t[e, half:]))
+        return out
+    if name.endswith(".mlp.experts.down_proj"):
+        return [(f"{block}.experts.{e}.{down}.weight", t[e]) for e in range(t.shape[0])]
+    if mixtral and name.endswith(".mlp.gate.weight"):
+        return [(f"{block}.gate.weight", t)]
+    return [(name, t)]
+
+
 def state_names(model):
     """Parameter name -> tensor, as save_pretrained writes them (tied copies once)."""
     seen = {}
     for name, p in model.named_parameters():  # named_parameters skips tied duplicates
         seen[name] = p
     return seen
+
+
+def as_saved(named, model_type):
+    """{name: tensor} of parameters (or their gradients) under the checkpoint's names."""
+    out = {}
+    for name, t in named.items():
+        for saved, view in checkpoint_views(name, t, model_type):
+            out[saved] = view.detach().clone().contiguous()
+    return out
 
 
 def forward_backward(name, model, params, ids, mask, labels):
@@ -231,10 +431,16 @@ def forward_backward(name, model, params, ids, mask, labels):
         "logits": out_.logits.detach().contiguous(),
         "loss": out_.loss.detach().reshape(1),
     }
+    if getattr(out_, "aux_loss", None) is not None:
+        golden["aux_loss"] = out_.aux_loss.detach().reshape(1)
+    grads = {}
     for pname, p in params.items():
         if p.grad is None:
             sys.exit(f"{name}: {pname} got no gradient in transformers")
-        golden[f"grad.{pname}"] = p.grad.detach().clone().contiguous()
+        grads[pname] = p.grad
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    for pname, g in as_saved(grads, model_type).items():
+        golden[f"grad.{pname}"] = g
     return golden
 
 
@@ -252,7 +458,8 @@ def make_fixture(name, out, seed):
         os.remove(gen_config)
     saved = load_file(os.path.join(folder, "model.safetensors"))
     params = state_names(model)
-    missing = set(params) - set(saved)
+    model_type = config.model_type
+    missing = set(as_saved(params, model_type)) - set(saved)
     if missing:
         sys.exit(f"{name}: parameters not in the saved file: {sorted(missing)}")
 
@@ -270,8 +477,8 @@ def make_fixture(name, out, seed):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    for pname, p in params.items():
-        golden[f"step{STEPS}.{pname}"] = p.detach().clone().contiguous()
+    for pname, t in as_saved(params, model_type).items():
+        golden[f"step{STEPS}.{pname}"] = t
     golden["step_losses"] = torch.tensor(losses)
     save_file(golden, os.path.join(folder, "golden.safetensors"))
     size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))

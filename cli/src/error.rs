@@ -1,4 +1,5 @@
-//! The command line's error: the library's [`accelerate_rs::Error`], and the two ways a launch
+//! The command line's error: the library's [`accelerate_rs::Error`], the models crate's, and the
+//! two ways a launch
 //! ends that only the launcher has (a worker failed, a signal stopped the run), each with the
 //! exit code the launcher passes on.
 
@@ -14,6 +15,11 @@ pub enum Error {
     /// started ([`accelerate_rs::Error::Spawn`]), a failed check, ...
     #[error(transparent)]
     Library(#[from] accelerate_rs::Error),
+
+    /// An error of the models crate: a `config.json` `estimate-memory` cannot read (naming the
+    /// file and the key), an architecture it does not know.
+    #[error(transparent)]
+    Models(#[from] accelerate_rs_models::Error),
 
     /// A launcher worker failed.
     #[error("launch: rank {rank} (pid {pid}) failed: {status}")]

@@ -90,7 +90,8 @@ const TARGETS: [&str; 7] = [
 /// What `accelerate-rs estimate-memory` predicts for `config`, in bytes.
 fn predicted(args: &Args, config: &str) -> Result<u64> {
     let path = std::path::Path::new("<memory_bench>");
-    let spec = ModelSpec::from_config(&args.model.config_json(args.seq), path)?;
+    let llama = LlamaConfig::from_json(path, &args.model.config_json(args.seq))?;
+    let spec = ModelSpec::from_architecture(LlamaForCausalLm::memory_architecture(&llama)?);
     let plan = Plan {
         lora: config.starts_with("lora").then(|| Lora {
             r: args.lora_r,

@@ -26,6 +26,13 @@ const ARCHS: &[&str] = &[
     "gpt2",
     "bert_mlm",
     "bert_cls",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen3_moe",
+    "qwen2_moe",
+    "phi3",
 ];
 
 #[derive(clap::Parser)]
@@ -64,11 +71,10 @@ fn main() -> Result<()> {
         }
         model.train(false);
         let target = out.join(name);
-        match &model {
-            AutoModel::Llama(m) if *name == "llama" => {
-                m.save_pretrained_sharded(&target, 8 << 10)?
-            }
-            m => m.save_pretrained(&target)?,
+        if *name == "llama" {
+            model.save_pretrained_sharded(&target, 8 << 10)?;
+        } else {
+            model.save_pretrained(&target)?;
         }
         let logits = model.forward(ids, Some(mask))?;
         let probe: HashMap<String, Tensor> = [

@@ -1,157 +1,154 @@
-//! [`AutoModel`]: whichever supported architecture a Hugging Face folder holds, picked from its
-//! `config.json` (`architectures`, else `model_type`), behind one interface.
+//! [`AutoModel`]: whichever architecture a Hugging Face folder holds, picked from its
+//! `config.json` (`architectures`, else `model_type`) through the registry, behind one interface.
 
 use std::path::Path;
 
+use accelerate_rs::nn::LoraConfig;
+use accelerate_rs::{Accelerator, ShardedModel};
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarMap;
 
-use crate::bert::{BertForMaskedLm, BertForSequenceClassification};
-use crate::config::{read_json, Config};
-use crate::error::{Error, Result as CrateResult};
-use crate::gpt2::Gpt2LmHeadModel;
-use crate::llama::LlamaForCausalLm;
-
-/// What a model is trained to do (which loss `loss` computes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Task {
-    /// Next-token prediction (labels shifted inside `loss`).
-    CausalLm,
-    /// Masked tokens (labels -100 except at masked positions; no shift).
-    MaskedLm,
-    /// One label per sequence.
-    SequenceClassification,
-}
+use crate::arch::{Architecture, Inputs, Task};
+use crate::config::{model_folder, read_json};
+use crate::error::Result as CrateResult;
+use crate::pretrained::{DynModel, Pretrained};
+use crate::registry::Config;
+use crate::weights::DEFAULT_MAX_SHARD_BYTES;
 
 /// Any architecture of this crate, loaded from a folder without naming its type: the
-/// counterpart of `transformers`' `AutoModelFor*` classes.
+/// counterpart of `transformers`' `AutoModelFor*` classes. The model inside is a
+/// [`Pretrained<A>`]; [`downcast_ref`](Self::downcast_ref) reaches it.
 ///
 /// ```no_run
 /// # fn main() -> accelerate_rs_models::Result<()> {
-/// use accelerate_rs_models::{AutoModel, Task};
+/// use accelerate_rs_models::{AutoModel, LlamaForCausalLm, Task};
 /// use candle_core::{DType, Device};
 /// let model = AutoModel::from_pretrained("models/tests/fixtures/llama", &Device::Cpu, DType::F32)?;
 /// assert_eq!(model.task(), Task::CausalLm);
 /// let varmap = model.varmap(); // for `accelerator.prepare(varmap, opt, loader)`
+/// let llama: &LlamaForCausalLm = model.downcast_ref().expect("a Llama");
 /// # Ok(()) }
 /// ```
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub enum AutoModel {
-    /// Llama, Mistral, Qwen2.
-    Llama(LlamaForCausalLm),
-    /// GPT-2.
-    Gpt2(Gpt2LmHeadModel),
-    /// BERT, masked-LM head.
-    BertMaskedLm(BertForMaskedLm),
-    /// BERT, sequence-classification head.
-    BertSequenceClassification(BertForSequenceClassification),
+#[derive(Debug)]
+pub struct AutoModel(Box<dyn DynModel>);
+
+impl Clone for AutoModel {
+    fn clone(&self) -> Self {
+        AutoModel(self.0.clone_box())
+    }
 }
 
-macro_rules! each {
-    ($self:expr, $m:ident => $e:expr) => {
-        match $self {
-            AutoModel::Llama($m) => $e,
-            AutoModel::Gpt2($m) => $e,
-            AutoModel::BertMaskedLm($m) => $e,
-            AutoModel::BertSequenceClassification($m) => $e,
-        }
-    };
+impl<A: Architecture> From<Pretrained<A>> for AutoModel {
+    fn from(model: Pretrained<A>) -> Self {
+        AutoModel(Box::new(model))
+    }
 }
-
-/// The classes [`AutoModel`] loads, by `architectures[0]`.
-pub const ARCHITECTURES: &[&str] = &[
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "GPT2LMHeadModel",
-    "GPT2Model",
-    "BertForMaskedLM",
-    "BertForPreTraining",
-    "BertForSequenceClassification",
-];
 
 impl AutoModel {
     /// Loads the folder `dir` on `device` in `dtype`: the class its `config.json` names in
-    /// `architectures` (one of [`ARCHITECTURES`]), else the `model_type`'s language model
-    /// (causal for Llama, Mistral, Qwen2 and GPT-2, masked for BERT). An unknown `model_type` or
+    /// `architectures` (one of [`architectures`](crate::architectures)), else the `model_type`'s
+    /// language model (causal for the decoders, masked for BERT). An unknown `model_type` or
     /// class is an error naming the file and the value.
     pub fn from_pretrained(
         dir: impl AsRef<Path>,
         device: &Device,
         dtype: DType,
     ) -> CrateResult<Self> {
-        let dir = crate::config::model_folder(dir.as_ref())?;
+        let dir = model_folder(dir.as_ref())?;
         let (path, json) = read_json(dir)?;
         let config = Config::from_json(&path, &json)?;
-        let arch = config.architecture().map(str::to_string);
-        let model_type = config.model_type().to_string();
-        let wrong = |arch: &str| {
-            Error::config(
-                &path,
-                Some("architectures"),
-                format!(
-                    "`{arch}` with model_type `{}` is not implemented (supported: {})",
-                    model_type,
-                    ARCHITECTURES.join(", ")
-                ),
-            )
-        };
-        Ok(match config {
-            Config::Llama(c) => {
-                if let Some(a) = arch.as_deref() {
-                    if !a.ends_with("ForCausalLM") {
-                        return Err(wrong(a));
-                    }
-                }
-                AutoModel::Llama(LlamaForCausalLm::load(c, dir, device, dtype)?)
-            }
-            Config::Gpt2(c) => {
-                if let Some(a) = arch.as_deref() {
-                    if !matches!(a, "GPT2LMHeadModel" | "GPT2Model") {
-                        return Err(wrong(a));
-                    }
-                }
-                AutoModel::Gpt2(Gpt2LmHeadModel::load(c, dir, device, dtype)?)
-            }
-            Config::Bert(c) => match arch.as_deref() {
-                None | Some("BertForMaskedLM" | "BertForPreTraining") => {
-                    AutoModel::BertMaskedLm(BertForMaskedLm::load(c, dir, device, dtype)?)
-                }
-                Some("BertForSequenceClassification") => AutoModel::BertSequenceClassification(
-                    BertForSequenceClassification::load(c, dir, device, dtype)?,
-                ),
-                Some(a) => return Err(wrong(a)),
-            },
-        })
+        Ok(AutoModel(config.load(dir, device, dtype)?))
+    }
+
+    /// A model with fresh parameters for `config` (the class it names, as
+    /// [`from_pretrained`](Self::from_pretrained) picks it), drawn as `transformers`
+    /// initializes them.
+    pub fn from_config(config: &Config, device: &Device, dtype: DType) -> CrateResult<Self> {
+        Ok(AutoModel(config.fresh(None, device, dtype)?))
+    }
+
+    /// [`from_config`](Self::from_config) with the values drawn from `(seed, parameter name)`:
+    /// the same model on every process (see [`Pretrained::from_config_seeded`]).
+    pub fn from_config_seeded(
+        config: &Config,
+        seed: u64,
+        device: &Device,
+        dtype: DType,
+    ) -> CrateResult<Self> {
+        Ok(AutoModel(config.fresh(Some(seed), device, dtype)?))
+    }
+
+    /// [`from_pretrained`](Self::from_pretrained) at `zero_stage = 3`: every rank calls it and
+    /// reads only its slices of each unit (see [`Pretrained::from_pretrained_sharded`]).
+    pub fn from_pretrained_sharded(
+        dir: impl AsRef<Path>,
+        accelerator: &Accelerator,
+        dtype: DType,
+    ) -> CrateResult<Self> {
+        let dir = model_folder(dir.as_ref())?;
+        let (path, json) = read_json(dir)?;
+        let config = Config::from_json(&path, &json)?;
+        Ok(AutoModel(config.sharded(Ok(dir), accelerator, dtype)?))
+    }
+
+    /// [`from_config_seeded`](Self::from_config_seeded) at `zero_stage = 3` (see
+    /// [`Pretrained::from_config_sharded`]).
+    pub fn from_config_sharded(
+        config: &Config,
+        accelerator: &Accelerator,
+        dtype: DType,
+        seed: u64,
+    ) -> CrateResult<Self> {
+        Ok(AutoModel(config.sharded(Err(seed), accelerator, dtype)?))
+    }
+
+    /// ZeRO-3: the sharded parameters of a model made by
+    /// [`from_pretrained_sharded`](Self::from_pretrained_sharded) (see
+    /// [`Pretrained::sharded_parameters`]).
+    pub fn sharded_parameters(&self) -> Option<&ShardedModel> {
+        self.0.sharded_parameters()
+    }
+
+    /// The model inside, if it is a `Pretrained<A>` (`model.downcast_ref::<Llama>()`, or with the
+    /// alias's type: `let m: &LlamaForCausalLm = model.downcast_ref()?`).
+    pub fn downcast_ref<A: Architecture>(&self) -> Option<&Pretrained<A>> {
+        self.0.as_any().downcast_ref()
+    }
+
+    /// [`downcast_ref`](Self::downcast_ref), to change.
+    pub fn downcast_mut<A: Architecture>(&mut self) -> Option<&mut Pretrained<A>> {
+        self.0.as_any_mut().downcast_mut()
     }
 
     /// What `loss` computes.
     pub fn task(&self) -> Task {
-        match self {
-            AutoModel::Llama(_) | AutoModel::Gpt2(_) => Task::CausalLm,
-            AutoModel::BertMaskedLm(_) => Task::MaskedLm,
-            AutoModel::BertSequenceClassification(_) => Task::SequenceClassification,
-        }
+        self.0.task()
     }
 
     /// The `model_type`.
     pub fn model_type(&self) -> &str {
-        match self {
-            AutoModel::Llama(m) => &m.config().model_type,
-            AutoModel::Gpt2(_) => "gpt2",
-            AutoModel::BertMaskedLm(_) | AutoModel::BertSequenceClassification(_) => "bert",
-        }
+        self.0.model_type()
+    }
+
+    /// The dtype of the parameters.
+    pub fn dtype(&self) -> DType {
+        self.0.dtype()
     }
 
     /// The logits: `[B, T, vocab]` for the language models, `[B, num_labels]` for a classifier.
     pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
-        each!(self, m => m.forward(input_ids, attention_mask))
+        self.0
+            .forward_with(&Inputs::new(input_ids).attention_mask(attention_mask))
     }
 
-    /// The task's loss (see [`Task`]).
+    /// [`forward`](Self::forward) with every input the architecture takes.
+    pub fn forward_with(&self, inputs: &Inputs<'_>) -> Result<Tensor> {
+        self.0.forward_with(inputs)
+    }
+
+    /// The task's loss (see [`Task`] and [`Pretrained::loss`]).
     pub fn loss(&self, input_ids: &Tensor, labels: &Tensor) -> Result<Tensor> {
-        each!(self, m => m.loss(input_ids, labels))
+        self.loss_with_mask(input_ids, None, labels)
     }
 
     /// [`loss`](Self::loss) with an attention mask `[B, T]` (1 token, 0 padding).
@@ -161,116 +158,109 @@ impl AutoModel {
         attention_mask: Option<&Tensor>,
         labels: &Tensor,
     ) -> Result<Tensor> {
-        each!(self, m => m.loss_with_mask(input_ids, attention_mask, labels))
+        self.0.loss_with(
+            &Inputs::new(input_ids).attention_mask(attention_mask),
+            labels,
+        )
+    }
+
+    /// [`loss`](Self::loss) with every input the architecture takes.
+    pub fn loss_with(&self, inputs: &Inputs<'_>, labels: &Tensor) -> Result<Tensor> {
+        self.0.loss_with(inputs, labels)
     }
 
     /// The parameters, for `accelerate_rs::Accelerator::prepare` and the optimizer.
     pub fn varmap(&self) -> &VarMap {
-        each!(self, m => m.varmap())
+        self.0.varmap()
     }
 
     /// The same model over the working copies of mixed precision (see
-    /// [`LlamaForCausalLm::with_parameters`]).
+    /// [`Pretrained::with_parameters`]).
     pub fn with_parameters(&self, varmap: &VarMap) -> CrateResult<Self> {
-        Ok(match self {
-            AutoModel::Llama(m) => AutoModel::Llama(m.with_parameters(varmap)?),
-            AutoModel::Gpt2(m) => AutoModel::Gpt2(m.with_parameters(varmap)?),
-            AutoModel::BertMaskedLm(m) => AutoModel::BertMaskedLm(m.with_parameters(varmap)?),
-            AutoModel::BertSequenceClassification(m) => {
-                AutoModel::BertSequenceClassification(m.with_parameters(varmap)?)
-            }
-        })
+        Ok(AutoModel(self.0.with_parameters(varmap)?))
     }
 
     /// The configuration as `config.json`.
     pub fn config_json(&self) -> serde_json::Value {
-        each!(self, m => m.config_json())
+        self.0.config_json()
     }
 
-    /// Writes a folder `transformers` loads (one process; see
-    /// [`LlamaForCausalLm::save_pretrained`]).
+    /// Writes a folder `transformers` loads (one process; see [`Pretrained::save_pretrained`]).
     pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> CrateResult<()> {
-        each!(self, m => m.save_pretrained(dir))
+        self.0
+            .save_pretrained_sharded(dir.as_ref(), DEFAULT_MAX_SHARD_BYTES)
+    }
+
+    /// [`save_pretrained`](Self::save_pretrained) with shards of at most `max_shard_bytes`.
+    pub fn save_pretrained_sharded(
+        &self,
+        dir: impl AsRef<Path>,
+        max_shard_bytes: usize,
+    ) -> CrateResult<()> {
+        self.0
+            .save_pretrained_sharded(dir.as_ref(), max_shard_bytes)
     }
 
     /// Training mode (dropout) on or off.
     pub fn train(&mut self, on: bool) {
-        each!(self, m => m.train(on))
+        self.0.train(on)
     }
 
     /// Whether training mode (dropout) is on.
     pub fn is_training(&self) -> bool {
-        each!(self, m => m.is_training())
+        self.0.is_training()
     }
 
     /// Activation checkpointing of every block on or off (see
-    /// [`LlamaForCausalLm::set_gradient_checkpointing`]).
+    /// [`Pretrained::set_gradient_checkpointing`]).
     pub fn set_gradient_checkpointing(&mut self, on: bool) {
-        each!(self, m => m.set_gradient_checkpointing(on))
+        self.0.set_gradient_checkpointing(on)
     }
 
     /// Whether activation checkpointing is on.
     pub fn is_gradient_checkpointing(&self) -> bool {
-        each!(self, m => m.is_gradient_checkpointing())
+        self.0.is_gradient_checkpointing()
     }
 
-    /// Adds LoRA adapters (see [`LlamaForCausalLm::add_lora`]).
-    pub fn add_lora(&mut self, config: &accelerate_rs::nn::LoraConfig) -> CrateResult<()> {
-        each!(self, m => m.add_lora(config))
+    /// Adds LoRA adapters (see [`Pretrained::add_lora`]).
+    pub fn add_lora(&mut self, config: &LoraConfig) -> CrateResult<()> {
+        self.0.add_lora(config)
     }
 
-    /// Loads a PEFT adapter folder (see [`LlamaForCausalLm::load_adapter`]).
+    /// Loads a PEFT adapter folder (see [`Pretrained::load_adapter`]).
     pub fn load_adapter(&mut self, dir: impl AsRef<Path>) -> CrateResult<()> {
-        each!(self, m => m.load_adapter(dir))
+        self.0.load_adapter(dir.as_ref())
     }
 
-    /// Writes the adapters as a PEFT adapter folder (see [`LlamaForCausalLm::save_adapter`]).
+    /// Writes the adapters as a PEFT adapter folder (see [`Pretrained::save_adapter`]).
     pub fn save_adapter(&self, dir: impl AsRef<Path>) -> CrateResult<()> {
-        each!(self, m => m.save_adapter(dir))
+        self.0.save_adapter(dir.as_ref())
     }
 
-    /// Merges the adapters into the base weights (see [`LlamaForCausalLm::merge_lora`]).
+    /// Merges the adapters into the base weights (see [`Pretrained::merge_lora`]).
     pub fn merge_lora(&mut self) -> CrateResult<()> {
-        each!(self, m => m.merge_lora())
+        self.0.merge_lora()
     }
 
     /// The adapters' settings, when the model has adapters.
-    pub fn lora_config(&self) -> Option<&accelerate_rs::nn::LoraConfig> {
-        each!(self, m => m.lora_config())
+    pub fn lora_config(&self) -> Option<&LoraConfig> {
+        self.0.lora_config()
     }
 
     /// What trains: the adapters when the model has them, else every parameter (see
-    /// [`LlamaForCausalLm::trainable_parameters`]).
+    /// [`Pretrained::trainable_parameters`]).
     pub fn trainable_parameters(&self) -> &VarMap {
-        each!(self, m => m.trainable_parameters())
+        self.0.trainable_parameters()
     }
 
-    /// Floating-point operations per trained token of a forward and backward pass over windows of
-    /// `seq_len` tokens (model FLOPs, the PaLM paper's convention, for `StepTimer::flops_per_step`
-    /// and a FLOP/s or MFU figure): 2 per parameter forward, 2 per parameter for the gradient of
-    /// the activations, 2 per *trained* parameter for the weight gradients (6 per parameter
-    /// when every parameter trains; about 4 with LoRA, whose frozen base gets no weight
-    /// gradient), plus attention's score and value products, `12 x layers x seq_len x hidden`
-    /// (all of them, although a causal mask makes half unnecessary). Embedding lookups count as
-    /// products (a small overestimate); activation checkpointing's recomputation is not counted.
+    /// Floating-point operations per trained token (see [`Pretrained::flops_per_token`]).
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
-        let count =
-            |m: &VarMap| -> f64 { m.all_vars().iter().map(|v| v.elem_count() as f64).sum() };
-        let trained = count(self.trainable_parameters());
-        let all = if self.lora_config().is_some() {
-            count(self.varmap()) + trained
-        } else {
-            trained
-        };
-        let config = self.config_json();
-        let key = |names: [&str; 2]| -> f64 {
-            names
-                .iter()
-                .find_map(|k| config.get(*k).and_then(serde_json::Value::as_u64))
-                .unwrap_or(0) as f64
-        };
-        let layers = key(["num_hidden_layers", "n_layer"]);
-        let hidden = key(["hidden_size", "n_embd"]);
-        4.0 * all + 2.0 * trained + 12.0 * layers * seq_len as f64 * hidden
+        self.0.flops_per_token(seq_len)
+    }
+
+    /// The architecture as `estimate-memory` sees it (see
+    /// [`Pretrained::memory_architecture`]).
+    pub fn memory_architecture(&self) -> CrateResult<accelerate_rs::memory::Architecture> {
+        self.0.memory_architecture()
     }
 }

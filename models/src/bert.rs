@@ -5,22 +5,21 @@
 use std::path::Path;
 
 use accelerate_rs::nn::{checkpoint_fn, LayerNorm, Linear};
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::arch::{Architecture, Hidden, Inputs, MemoryProfile, Mode, ModelConfig, Proj, Task};
 use crate::config::{
-    config_readers, ensure, ensure_init_range, ensure_layers, ensure_multiple, ensure_positive,
-    ensure_probabilities, ensure_sizes, Activation, Origin,
+    config_value, ensure, ensure_init_range, ensure_layers, ensure_multiple, ensure_positive,
+    ensure_probabilities, ensure_sizes, parse, read_json, Activation, Origin,
 };
 use crate::error::Result as CrateResult;
 use crate::layers::{
     attention, bce_with_logits, check_mask, classification_loss, dropout, embedding, linear,
     lookup, masked_lm_loss, mse, norm_params, padding_idx, AttentionSpec,
 };
-use crate::lora::{adaptable, Proj};
-use crate::pretrained::{pretrained_methods, Weights};
 
 fn default_act() -> Activation {
     Activation::Gelu
@@ -100,9 +99,43 @@ pub struct BertConfig {
     origin: Origin,
 }
 
-config_readers!(BertConfig);
+impl ModelConfig for BertConfig {
+    fn from_json(path: &Path, json: &Value) -> CrateResult<Self> {
+        let mut c: Self = parse(path, json)?;
+        c.origin = Origin::of(path, json);
+        c.check()?;
+        Ok(c)
+    }
+
+    fn to_json(&self) -> Value {
+        config_value(self, &self.origin.present, "bert")
+    }
+
+    fn path(&self) -> &Path {
+        &self.origin.path
+    }
+
+    fn model_type(&self) -> &str {
+        "bert"
+    }
+
+    fn initializer_range(&self) -> f64 {
+        self.initializer_range
+    }
+}
 
 impl BertConfig {
+    /// Reads a `config.json` (or the one in a model folder).
+    pub fn from_file(path: impl AsRef<Path>) -> CrateResult<Self> {
+        let (path, json) = read_json(path.as_ref())?;
+        <Self as ModelConfig>::from_json(&path, &json)
+    }
+
+    /// Parses and checks a configuration; `path` is named in errors.
+    pub fn from_json(path: &Path, json: &Value) -> CrateResult<Self> {
+        <Self as ModelConfig>::from_json(path, json)
+    }
+
     fn check(&self) -> CrateResult<()> {
         let p = &self.origin.path;
         ensure_sizes(
@@ -250,6 +283,7 @@ impl EncoderLayer {
             window: None,
             scale: 1.0 / (d as f64).sqrt(),
             dropout: self.attn_dropout,
+            softcap: None,
         };
         let y = attention(&q, &k, &v, &spec, train)?
             .transpose(1, 2)?
@@ -301,14 +335,13 @@ impl Encoder {
         })
     }
 
-    fn forward(
-        &self,
-        input_ids: &Tensor,
-        token_type_ids: Option<&Tensor>,
-        mask: Option<&Tensor>,
-        train: bool,
-        checkpointing: bool,
-    ) -> Result<Tensor> {
+    fn forward(&self, inputs: &Inputs<'_>, mode: Mode) -> Result<Tensor> {
+        let (input_ids, token_type_ids, mask) = (
+            inputs.input_ids,
+            inputs.token_type_ids,
+            inputs.attention_mask,
+        );
+        let (train, checkpointing) = (mode.training, mode.checkpointing);
         let (b, t) = input_ids.dims2()?;
         check_mask(mask, b, t)?;
         if t > self.max_positions {
@@ -380,311 +413,197 @@ fn bert_name(name: &str) -> Option<String> {
     Some(name)
 }
 
-/// BERT with its masked-language-model head (`BertForMaskedLM`), trainable: every parameter
-/// gets a gradient. The decoder shares the word embeddings (unless `tie_word_embeddings` is
-/// false) and has its own bias, `cls.predictions.bias`.
+/// The sizes and per-token activations of a BERT encoder (either head).
+fn bert_profile(c: &BertConfig) -> MemoryProfile {
+    let (h, i) = (c.hidden_size as u64, c.intermediate_size as u64);
+    MemoryProfile {
+        hidden: c.hidden_size,
+        intermediate: c.intermediate_size,
+        layers: c.num_hidden_layers,
+        heads: c.num_attention_heads,
+        kv_heads: c.num_attention_heads,
+        head_dim: c.hidden_size / c.num_attention_heads.max(1),
+        vocab: c.vocab_size,
+        max_positions: c.max_position_embeddings,
+        // query, key, value, attention, merged heads, dense, add, LayerNorm, output dense, add,
+        // LayerNorm; intermediate and GELU.
+        block_elements: 11 * h + 2 * i,
+        // Word, position and token-type embeddings, two sums, LayerNorm.
+        outer_elements: 6 * h,
+        // The task head is not counted.
+        lm_head: false,
+    }
+}
+
+/// The layers of BERT with its masked-language-model head ([`BertForMaskedLm`]).
 #[derive(Debug, Clone)]
-pub struct BertForMaskedLm {
-    config: BertConfig,
+pub struct BertMlm {
     encoder: Encoder,
     transform: Proj,
     transform_norm: LayerNorm,
     decoder: Linear,
-    weights: Weights,
+    act: Activation,
 }
 
-/// The parts of a masked LM: encoder, head transform and its norm, decoder.
-type MlmParts = (Encoder, Proj, LayerNorm, Linear);
+/// BERT with its masked-language-model head (`BertForMaskedLM`), trainable: every parameter
+/// gets a gradient. The decoder shares the word embeddings (unless `tie_word_embeddings` is
+/// false) and has its own bias, `cls.predictions.bias`. A pre-training checkpoint
+/// (`BertForPreTraining`, `bert-base-uncased`) loads too: its pooler and next-sentence head are
+/// skipped. Segment ids go through [`forward_with`](crate::Pretrained::forward_with).
+pub type BertForMaskedLm = crate::Pretrained<BertMlm>;
 
-pretrained_methods!(
-    BertForMaskedLm,
-    config = BertConfig,
-    architectures = ["BertForMaskedLM", "BertForPreTraining"],
-    ///
-    /// A pre-training checkpoint (`BertForPreTraining`, `bert-base-uncased`) loads too: its pooler
-    /// and next-sentence head are skipped.
-);
+impl BertMlm {
+    fn transformed(&self, hidden: &Tensor, train: bool) -> Result<Tensor> {
+        let x = self.act.apply(&self.transform.forward(hidden, train)?)?;
+        self.transform_norm.forward(&x)
+    }
+}
 
-impl BertForMaskedLm {
-    pub(crate) fn load(
-        config: BertConfig,
-        dir: &Path,
-        device: &Device,
-        dtype: DType,
-    ) -> CrateResult<Self> {
-        let tied = config.tie_word_embeddings;
-        let map = |name: &str| {
-            let name = bert_name(name)?;
-            let skip = name.starts_with("bert.pooler.")
-                || name.starts_with("cls.seq_relationship.")
-                || name == "cls.predictions.decoder.bias"
-                || (tied && name == "cls.predictions.decoder.weight");
-            (!skip).then_some(name)
-        };
-        let model = Self::build(
-            &config,
-            candle_nn::VarMap::new(),
-            device,
-            dtype,
-            0.0,
-            Some((dir, &map)),
-        )?;
-        model.weights.load(dir, map)?;
-        Ok(model)
+impl Architecture for BertMlm {
+    type Config = BertConfig;
+    const MODEL_TYPES: &'static [&'static str] = &["bert"];
+    const CLASSES: &'static [&'static str] = &["BertForMaskedLM", "BertForPreTraining"];
+    const TASK: Task = Task::MaskedLm;
+    const LORA_TARGETS: &'static [&'static str] = &["query", "value"];
+    /// None: `peft`'s SEQ_CLS would add the classifier as a module to save; the adapters here
+    /// cover the encoder's linear layers only.
+    const PEFT_TASK_TYPE: Option<&'static str> = None;
+
+    fn parameter_name(config: &BertConfig, name: &str) -> Option<String> {
+        let name = bert_name(name)?;
+        let skip = name.starts_with("bert.pooler.")
+            || name.starts_with("cls.seq_relationship.")
+            || name == "cls.predictions.decoder.bias"
+            || (config.tie_word_embeddings && name == "cls.predictions.decoder.weight");
+        (!skip).then_some(name)
     }
 
-    /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
-    fn from_parts(config: &BertConfig, parts: MlmParts, weights: Weights) -> CrateResult<Self> {
-        let (encoder, transform, transform_norm, decoder) = parts;
-        Ok(BertForMaskedLm {
-            config: config.clone(),
+    fn assemble(config: &BertConfig, vb: VarBuilder, std: f64) -> Result<Self> {
+        let encoder = Encoder::new(config, false, std, vb.pp("bert"))?;
+        let p = vb.pp("cls.predictions");
+        let h = config.hidden_size;
+        let transform = Proj::linear(h, h, true, std, p.pp("transform.dense"))?;
+        let transform_norm = layer_norm(h, config.layer_norm_eps, p.pp("transform.LayerNorm"))?;
+        let bias = p.get_with_hints(config.vocab_size, "bias", candle_nn::Init::Const(0.0))?;
+        let weight = if config.tie_word_embeddings {
+            encoder.word.clone()
+        } else {
+            p.pp("decoder").get_with_hints(
+                (config.vocab_size, h),
+                "weight",
+                crate::layers::normal(std),
+            )?
+        };
+        Ok(BertMlm {
             encoder,
             transform,
             transform_norm,
-            decoder,
-            weights,
+            decoder: Linear::new(weight, Some(bias)),
+            act: config.hidden_act,
         })
     }
 
-    /// The layers, their parameters fetched from `vb`.
-    fn assemble(config: &BertConfig, vb: VarBuilder, std: f64) -> CrateResult<MlmParts> {
-        {
-            let encoder = Encoder::new(config, false, std, vb.pp("bert"))?;
-            let p = vb.pp("cls.predictions");
-            let h = config.hidden_size;
-            let transform = Proj::linear(h, h, true, std, p.pp("transform.dense"))?;
-            let transform_norm = layer_norm(h, config.layer_norm_eps, p.pp("transform.LayerNorm"))?;
-            let bias = p.get_with_hints(config.vocab_size, "bias", candle_nn::Init::Const(0.0))?;
-            let weight = if config.tie_word_embeddings {
-                encoder.word.clone()
-            } else {
-                p.pp("decoder").get_with_hints(
-                    (config.vocab_size, h),
-                    "weight",
-                    crate::layers::normal(std),
-                )?
-            };
-            Ok((
-                encoder,
-                transform,
-                transform_norm,
-                Linear::new(weight, Some(bias)),
-            ))
-        }
+    fn projections_mut(&mut self) -> Vec<&mut Proj> {
+        let mut out = self.encoder.projections_mut();
+        out.push(&mut self.transform);
+        out
     }
 
-    /// The configuration.
-    pub fn config(&self) -> &BertConfig {
-        &self.config
+    /// The encoder's hidden states `[B, T, hidden]` (before the head).
+    fn hidden_states(&self, inputs: &Inputs<'_>, mode: Mode) -> Result<Hidden> {
+        Ok(Hidden::new(self.encoder.forward(inputs, mode)?))
     }
 
-    fn config_value(&self) -> Value {
-        bert_config_value(&self.config)
-    }
-
-    fn class_name(&self) -> &'static str {
-        "BertForMaskedLM"
-    }
-
-    /// The encoder's hidden states `[B, T, hidden]` (before the head), with optional segment
-    /// ids `token_type_ids` `[B, T]` (default 0) and `attention_mask` `[B, T]` (1 token, 0
-    /// padding).
-    pub fn hidden_states(
-        &self,
-        input_ids: &Tensor,
-        token_type_ids: Option<&Tensor>,
-        attention_mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        self.encoder.forward(
-            input_ids,
-            token_type_ids,
-            attention_mask,
-            self.weights.training,
-            self.weights.checkpointing,
-        )
-    }
-
-    fn transformed(&self, hidden: &Tensor) -> Result<Tensor> {
-        let x = self
-            .config
-            .hidden_act
-            .apply(&self.transform.forward(hidden, self.weights.training)?)?;
-        self.transform_norm.forward(&x)
-    }
-
-    /// The logits `[B, T, vocab]` of every position.
-    pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
-        self.forward_with_token_types(input_ids, None, attention_mask)
-    }
-
-    /// [`forward`](Self::forward) with segment ids.
-    pub fn forward_with_token_types(
-        &self,
-        input_ids: &Tensor,
-        token_type_ids: Option<&Tensor>,
-        attention_mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let h = self.hidden_states(input_ids, token_type_ids, attention_mask)?;
-        self.decoder.forward(&self.transformed(&h)?)
+    fn logits(&self, hidden: &Hidden, mode: Mode) -> Result<Tensor> {
+        self.decoder
+            .forward(&self.transformed(&hidden.states, mode.training)?)
     }
 
     /// The masked-LM loss: `labels` `[B, T]` hold the original token at masked positions and
     /// -100 elsewhere (no shift); the mean over the labelled positions.
-    pub fn loss(&self, input_ids: &Tensor, labels: &Tensor) -> Result<Tensor> {
-        self.loss_with_mask(input_ids, None, labels)
+    fn loss(&self, hidden: &Hidden, labels: &Tensor, mode: Mode) -> Result<Tensor> {
+        let x = self.transformed(&hidden.states, mode.training)?;
+        hidden.with_aux(masked_lm_loss(&x, &self.decoder, labels)?)
     }
 
-    /// [`loss`](Self::loss) with an attention mask.
-    pub fn loss_with_mask(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: Option<&Tensor>,
-        labels: &Tensor,
-    ) -> Result<Tensor> {
-        let h = self.hidden_states(input_ids, None, attention_mask)?;
-        masked_lm_loss(&self.transformed(&h)?, &self.decoder, labels)
+    fn memory_profile(c: &BertConfig) -> MemoryProfile {
+        bert_profile(c)
     }
 }
 
-fn bert_config_value(c: &BertConfig) -> Value {
-    crate::config::config_value(c, &c.origin.present, "bert")
+/// The layers of BERT with a sequence-classification head ([`BertForSequenceClassification`]).
+#[derive(Debug, Clone)]
+pub struct BertClassifier {
+    encoder: Encoder,
+    classifier: Linear,
+    classifier_dropout: f64,
+    problem_type: Option<String>,
 }
 
 /// BERT with a sequence-classification head (`BertForSequenceClassification`): the pooled first
-/// token (`tanh(dense(h₀))`), dropout, and `classifier` to `num_labels` logits. Trainable:
-/// every parameter gets a gradient.
-#[derive(Debug, Clone)]
-pub struct BertForSequenceClassification {
-    config: BertConfig,
-    encoder: Encoder,
-    classifier: Linear,
-    weights: Weights,
-}
+/// token (`tanh(dense(h₀))`), dropout, and `classifier` to `num_labels` logits. Trainable: every
+/// parameter gets a gradient. Its loss is `transformers`': with `problem_type` unset, mean
+/// squared error for one label (float `labels` `[B]`), cross-entropy for integer class ids `[B]`
+/// (-100 ignored), binary cross-entropy with logits for float `[B, num_labels]` targets.
+pub type BertForSequenceClassification = crate::Pretrained<BertClassifier>;
 
-pretrained_methods!(
-    BertForSequenceClassification,
-    config = BertConfig,
-    architectures = ["BertForSequenceClassification"],
-);
+impl Architecture for BertClassifier {
+    type Config = BertConfig;
+    const MODEL_TYPES: &'static [&'static str] = &["bert"];
+    const CLASSES: &'static [&'static str] = &["BertForSequenceClassification"];
+    const TASK: Task = Task::SequenceClassification;
+    const LORA_TARGETS: &'static [&'static str] = &["query", "value"];
+    const PEFT_TASK_TYPE: Option<&'static str> = None;
 
-impl BertForSequenceClassification {
-    pub(crate) fn load(
-        config: BertConfig,
-        dir: &Path,
-        device: &Device,
-        dtype: DType,
-    ) -> CrateResult<Self> {
-        let map = |name: &str| {
-            let name = bert_name(name)?;
-            (!name.starts_with("cls.")).then_some(name)
-        };
-        let model = Self::build(
-            &config,
-            candle_nn::VarMap::new(),
-            device,
-            dtype,
-            0.0,
-            Some((dir, &map)),
-        )?;
-        model.weights.load(dir, map)?;
-        Ok(model)
+    fn parameter_name(_config: &BertConfig, name: &str) -> Option<String> {
+        let name = bert_name(name)?;
+        (!name.starts_with("cls.")).then_some(name)
     }
 
-    /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
-    fn from_parts(
-        config: &BertConfig,
-        parts: (Encoder, Linear),
-        weights: Weights,
-    ) -> CrateResult<Self> {
-        let (encoder, classifier) = parts;
-        Ok(BertForSequenceClassification {
-            config: config.clone(),
+    fn assemble(config: &BertConfig, vb: VarBuilder, std: f64) -> Result<Self> {
+        let encoder = Encoder::new(config, true, std, vb.pp("bert"))?;
+        let classifier = linear(
+            config.hidden_size,
+            config.num_labels(),
+            true,
+            std,
+            vb.pp("classifier"),
+        )?;
+        Ok(BertClassifier {
             encoder,
             classifier,
-            weights,
+            classifier_dropout: config
+                .classifier_dropout
+                .unwrap_or(config.hidden_dropout_prob),
+            problem_type: config.problem_type.clone(),
         })
     }
 
-    /// The layers, their parameters fetched from `vb`.
-    fn assemble(config: &BertConfig, vb: VarBuilder, std: f64) -> CrateResult<(Encoder, Linear)> {
-        {
-            let encoder = Encoder::new(config, true, std, vb.pp("bert"))?;
-            let classifier = linear(
-                config.hidden_size,
-                config.num_labels(),
-                true,
-                std,
-                vb.pp("classifier"),
-            )?;
-            Ok((encoder, classifier))
-        }
+    fn projections_mut(&mut self) -> Vec<&mut Proj> {
+        self.encoder.projections_mut()
     }
 
-    /// The configuration.
-    pub fn config(&self) -> &BertConfig {
-        &self.config
-    }
-
-    fn config_value(&self) -> Value {
-        bert_config_value(&self.config)
-    }
-
-    fn class_name(&self) -> &'static str {
-        "BertForSequenceClassification"
+    fn hidden_states(&self, inputs: &Inputs<'_>, mode: Mode) -> Result<Hidden> {
+        Ok(Hidden::new(self.encoder.forward(inputs, mode)?))
     }
 
     /// The logits `[B, num_labels]`.
-    pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
-        self.forward_with_token_types(input_ids, None, attention_mask)
-    }
-
-    /// [`forward`](Self::forward) with segment ids.
-    pub fn forward_with_token_types(
-        &self,
-        input_ids: &Tensor,
-        token_type_ids: Option<&Tensor>,
-        attention_mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let h = self.encoder.forward(
-            input_ids,
-            token_type_ids,
-            attention_mask,
-            self.weights.training,
-            self.weights.checkpointing,
-        )?;
-        let first = h.narrow(1, 0, 1)?.squeeze(1)?;
+    fn logits(&self, hidden: &Hidden, mode: Mode) -> Result<Tensor> {
+        let first = hidden.states.narrow(1, 0, 1)?.squeeze(1)?;
         let pooler = self
             .encoder
             .pooler
             .as_ref()
             .ok_or_else(|| candle_core::Error::Msg("the classifier has no pooler".into()))?;
-        let pooled = pooler.forward(&first, self.weights.training)?.tanh()?;
-        let p = self
-            .config
-            .classifier_dropout
-            .unwrap_or(self.config.hidden_dropout_prob);
+        let pooled = pooler.forward(&first, mode.training)?.tanh()?;
         self.classifier
-            .forward(&dropout(&pooled, p, self.weights.training)?)
+            .forward(&dropout(&pooled, self.classifier_dropout, mode.training)?)
     }
 
-    /// The loss of `transformers`' `BertForSequenceClassification`: with `problem_type` unset,
-    /// mean squared error for one label (float `labels` `[B]`), cross-entropy for integer class
-    /// ids `[B]` (-100 ignored), binary cross-entropy with logits for float `[B, num_labels]`
-    /// targets.
-    pub fn loss(&self, input_ids: &Tensor, labels: &Tensor) -> Result<Tensor> {
-        self.loss_with_mask(input_ids, None, labels)
-    }
-
-    /// [`loss`](Self::loss) with an attention mask.
-    pub fn loss_with_mask(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: Option<&Tensor>,
-        labels: &Tensor,
-    ) -> Result<Tensor> {
-        let logits = self.forward(input_ids, attention_mask)?;
+    fn loss(&self, hidden: &Hidden, labels: &Tensor, mode: Mode) -> Result<Tensor> {
+        let logits = self.logits(hidden, mode)?;
         let (b, n) = logits.dims2()?;
-        let problem = match self.config.problem_type.as_deref() {
+        let problem = match self.problem_type.as_deref() {
             Some(p) => p,
             None if n == 1 => "regression",
             None if !labels.dtype().is_float() => "single_label_classification",
@@ -724,21 +643,8 @@ impl BertForSequenceClassification {
             }
         }
     }
-}
 
-adaptable!(
-    BertForMaskedLm,
-    targets = ["query", "value"],
-    task_type = None,
-    |m| {
-        let mut out = m.encoder.projections_mut();
-        out.push(&mut m.transform);
-        out
-    },
-);
-adaptable!(
-    BertForSequenceClassification,
-    targets = ["query", "value"],
-    task_type = None,
-    |m| m.encoder.projections_mut(),
-);
+    fn memory_profile(c: &BertConfig) -> MemoryProfile {
+        bert_profile(c)
+    }
+}

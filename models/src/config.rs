@@ -1,6 +1,6 @@
-//! Hugging Face `config.json` files: which architecture a folder holds, and the parsing shared
-//! by the architectures' configurations (a missing key or a value of the wrong type is an error
-//! naming the file and the key).
+//! Hugging Face `config.json` files: the reading and parsing the architectures' configurations
+//! share (a missing key or a value of the wrong type is an error naming the file and the key),
+//! and the checks of their values.
 
 use std::path::{Path, PathBuf};
 
@@ -8,88 +8,7 @@ use candle_core::DType;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::bert::BertConfig;
 use crate::error::{Error, Result};
-use crate::gpt2::Gpt2Config;
-use crate::llama::LlamaConfig;
-
-/// The `model_type` values this crate implements.
-pub const MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "gpt2", "bert"];
-
-/// A model folder's configuration, by family: what `config.json` says, parsed.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub enum Config {
-    /// `model_type` `llama`, `mistral` or `qwen2`.
-    Llama(LlamaConfig),
-    /// `model_type` `gpt2`.
-    Gpt2(Gpt2Config),
-    /// `model_type` `bert`.
-    Bert(BertConfig),
-}
-
-impl Config {
-    /// Reads `path`: a `config.json`, or a model folder holding one. An unknown `model_type` is
-    /// an error naming the file and the value; a missing required key (`hidden_size`, ...) or a
-    /// value of the wrong type names the key.
-    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
-        let (path, json) = read_json(path.as_ref())?;
-        Self::from_json(&path, &json)
-    }
-
-    /// Parses a configuration already read; `path` is named in errors.
-    pub fn from_json(path: &Path, json: &serde_json::Value) -> Result<Self> {
-        let model_type = json
-            .get("model_type")
-            .ok_or_else(|| {
-                Error::config(
-                    path,
-                    Some("model_type"),
-                    format!("missing (one of {} expected)", MODEL_TYPES.join(", ")),
-                )
-            })?
-            .as_str()
-            .ok_or_else(|| {
-                Error::config(path, Some("model_type"), "expected a string".to_string())
-            })?;
-        match model_type {
-            "llama" | "mistral" | "qwen2" => Ok(Config::Llama(LlamaConfig::from_json(path, json)?)),
-            "gpt2" => Ok(Config::Gpt2(Gpt2Config::from_json(path, json)?)),
-            "bert" => Ok(Config::Bert(BertConfig::from_json(path, json)?)),
-            other => Err(Error::config(
-                path,
-                Some("model_type"),
-                format!(
-                    "unknown value `{other}`: this crate implements {}",
-                    MODEL_TYPES.join(", ")
-                ),
-            )),
-        }
-    }
-
-    /// The `model_type`.
-    pub fn model_type(&self) -> &str {
-        match self {
-            Config::Llama(c) => &c.model_type,
-            Config::Gpt2(_) => "gpt2",
-            Config::Bert(_) => "bert",
-        }
-    }
-
-    /// The first entry of `architectures` (the class `save_pretrained` was called on), if any.
-    pub fn architecture(&self) -> Option<&str> {
-        let extra = match self {
-            Config::Llama(c) => &c.extra,
-            Config::Gpt2(c) => &c.extra,
-            Config::Bert(c) => &c.extra,
-        };
-        extra
-            .get("architectures")
-            .and_then(|a| a.as_array())
-            .and_then(|a| a.first())
-            .and_then(|a| a.as_str())
-    }
-}
 
 /// Where a configuration was read from: the file (named in errors) and the keys it had (a
 /// `null` is written back only where the file had one).
@@ -111,33 +30,6 @@ impl Origin {
         }
     }
 }
-
-/// `from_file` and `from_json` for an architecture's configuration type, which has a field
-/// `origin: Origin` and a method `check(&self) -> Result<()>`.
-macro_rules! config_readers {
-    ($ty:ident) => {
-        impl $ty {
-            /// Reads a `config.json` (or the one in a model folder).
-            pub fn from_file(path: impl AsRef<std::path::Path>) -> $crate::error::Result<Self> {
-                let (path, json) = $crate::config::read_json(path.as_ref())?;
-                Self::from_json(&path, &json)
-            }
-
-            /// Parses and checks a configuration; `path` is named in errors.
-            pub fn from_json(
-                path: &std::path::Path,
-                json: &serde_json::Value,
-            ) -> $crate::error::Result<Self> {
-                let mut c: Self = $crate::config::parse(path, json)?;
-                c.origin = $crate::config::Origin::of(path, json);
-                c.check()?;
-                Ok(c)
-            }
-        }
-    };
-}
-
-pub(crate) use config_readers;
 
 /// What to do about a model path that does not exist: a Hub id (`owner/name`) is downloaded
 /// first; otherwise nothing to add.
@@ -300,6 +192,15 @@ pub(crate) fn to_config_json(
     value
 }
 
+/// `max_position_embeddings` among a configuration's other keys (2048 when absent): the
+/// default sequence length of a memory estimate.
+pub(crate) fn max_position_embeddings(extra: &serde_json::Map<String, serde_json::Value>) -> usize {
+    extra
+        .get("max_position_embeddings")
+        .and_then(serde_json::Value::as_u64)
+        .map_or(2048, |n| n as usize)
+}
+
 /// A configuration's JSON form: its serialization with `model_type` set, without the `null`s of
 /// optional keys the original file did not have.
 pub(crate) fn config_value<T: Serialize>(
@@ -382,6 +283,35 @@ pub(crate) fn ensure_multiple(
         key,
         format!("{v} is not a multiple of {of} = {n}{note}"),
     )
+}
+
+/// `layer_types`, when given: one entry per layer, each `full_attention` or
+/// `sliding_attention`.
+pub(crate) fn ensure_layer_types(
+    path: &Path,
+    types: Option<&[String]>,
+    layers: usize,
+) -> Result<()> {
+    let Some(types) = types else {
+        return Ok(());
+    };
+    ensure(
+        types.len() == layers,
+        path,
+        "layer_types",
+        format!("{} entries for {layers} layers", types.len()),
+    )?;
+    match types
+        .iter()
+        .find(|t| !matches!(t.as_str(), "full_attention" | "sliding_attention"))
+    {
+        Some(bad) => Err(Error::config(
+            path,
+            Some("layer_types"),
+            format!("`{bad}` is not full_attention or sliding_attention"),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Each dropout probability is in [0, 1).

@@ -7,22 +7,21 @@ use std::path::Path;
 use accelerate_rs::nn::{
     checkpoint_fn, packed_self_attention, AttentionOptions, LayerNorm, Linear,
 };
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::arch::{Architecture, Hidden, Inputs, MemoryProfile, Mode, ModelConfig, Proj, Task};
 use crate::config::{
-    config_readers, ensure_init_range, ensure_layers, ensure_multiple, ensure_positive,
-    ensure_probabilities, ensure_sizes, Activation, Origin,
+    config_value, ensure_init_range, ensure_layers, ensure_multiple, ensure_positive,
+    ensure_probabilities, ensure_sizes, parse, read_json, Activation, Origin,
 };
 use crate::error::Result as CrateResult;
 use crate::layers::{
-    attention, causal_lm_methods, check_mask, dropout, embedding, linear, lookup, norm_params,
+    attention, causal_lm_loss, check_mask, dropout, embedding, linear, lookup, norm_params,
     AttentionSpec,
 };
-use crate::lora::{adaptable, Proj};
-use crate::pretrained::{pretrained_methods, Weights};
 
 fn default_act() -> Activation {
     Activation::GeluNew
@@ -92,9 +91,43 @@ pub struct Gpt2Config {
     origin: Origin,
 }
 
-config_readers!(Gpt2Config);
+impl ModelConfig for Gpt2Config {
+    fn from_json(path: &Path, json: &Value) -> CrateResult<Self> {
+        let mut c: Self = parse(path, json)?;
+        c.origin = Origin::of(path, json);
+        c.check()?;
+        Ok(c)
+    }
+
+    fn to_json(&self) -> Value {
+        config_value(self, &self.origin.present, "gpt2")
+    }
+
+    fn path(&self) -> &Path {
+        &self.origin.path
+    }
+
+    fn model_type(&self) -> &str {
+        "gpt2"
+    }
+
+    fn initializer_range(&self) -> f64 {
+        self.initializer_range
+    }
+}
 
 impl Gpt2Config {
+    /// Reads a `config.json` (or the one in a model folder).
+    pub fn from_file(path: impl AsRef<Path>) -> CrateResult<Self> {
+        let (path, json) = read_json(path.as_ref())?;
+        <Self as ModelConfig>::from_json(&path, &json)
+    }
+
+    /// Parses and checks a configuration; `path` is named in errors.
+    pub fn from_json(path: &Path, json: &Value) -> CrateResult<Self> {
+        <Self as ModelConfig>::from_json(path, json)
+    }
+
     fn check(&self) -> CrateResult<()> {
         let p = &self.origin.path;
         ensure_sizes(
@@ -190,6 +223,7 @@ impl Block {
                 window: None,
                 scale: self.scale,
                 dropout: self.attn_pdrop,
+                softcap: None,
             };
             let y = attention(&split.get(0)?, &split.get(1)?, &split.get(2)?, &spec, train)?;
             return y.transpose(1, 2)?.reshape((b, t, h * d));
@@ -225,178 +259,137 @@ impl Block {
     }
 }
 
-/// GPT-2 with its language-model head (`GPT2LMHeadModel`), trainable: every parameter gets a
-/// gradient. It owns its parameters ([`varmap`](Self::varmap)), under the checkpoints' names.
+/// The layers of GPT-2 with its language-model head ([`Gpt2LmHeadModel`]).
 #[derive(Debug, Clone)]
-pub struct Gpt2LmHeadModel {
-    config: Gpt2Config,
+pub struct Gpt2 {
     wte: Tensor,
     wpe: Tensor,
     blocks: Vec<Block>,
     ln_f: LayerNorm,
     lm_head: Linear,
-    weights: Weights,
+    n_positions: usize,
+    embd_pdrop: f64,
 }
 
-/// The parts of a model: token and position embeddings, blocks, final norm, output layer.
-type Parts = (Tensor, Tensor, Vec<Block>, LayerNorm, Linear);
+/// GPT-2 with its language-model head (`GPT2LMHeadModel`), trainable: every parameter gets a
+/// gradient. It owns its parameters ([`varmap`](crate::Pretrained::varmap)), under the
+/// checkpoints' names. Checkpoints of the bare `GPT2Model` (names without `transformer.`, such
+/// as the original `gpt2`) load too.
+pub type Gpt2LmHeadModel = crate::Pretrained<Gpt2>;
 
-pretrained_methods!(
-    Gpt2LmHeadModel,
-    config = Gpt2Config,
-    architectures = ["GPT2LMHeadModel", "GPT2Model"],
-    ///
-    /// Checkpoints of the bare `GPT2Model` (names without `transformer.`, such as the original
-    /// `gpt2`) load too.
-);
+impl Architecture for Gpt2 {
+    type Config = Gpt2Config;
+    const MODEL_TYPES: &'static [&'static str] = &["gpt2"];
+    const CLASSES: &'static [&'static str] = &["GPT2LMHeadModel", "GPT2Model"];
+    const TASK: Task = Task::CausalLm;
+    const LORA_TARGETS: &'static [&'static str] = &["c_attn"];
+    const PEFT_TASK_TYPE: Option<&'static str> = Some("CAUSAL_LM");
 
-impl Gpt2LmHeadModel {
-    pub(crate) fn load(
-        config: Gpt2Config,
-        dir: &Path,
-        device: &Device,
-        dtype: DType,
-    ) -> CrateResult<Self> {
-        let tied = config.tie_word_embeddings;
-        let map = |name: &str| {
-            // The causal-mask buffers of older checkpoints.
-            if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") {
-                return None;
-            }
-            if name == "lm_head.weight" {
-                return (!tied).then(|| name.to_string());
-            }
-            if name.starts_with("transformer.") {
-                Some(name.to_string())
-            } else {
-                Some(format!("transformer.{name}"))
-            }
-        };
-        let model = Self::build(
-            &config,
-            candle_nn::VarMap::new(),
-            device,
-            dtype,
-            0.0,
-            Some((dir, &map)),
-        )?;
-        model.weights.load(dir, map)?;
-        Ok(model)
+    fn parameter_name(config: &Gpt2Config, name: &str) -> Option<String> {
+        // The causal-mask buffers of older checkpoints.
+        if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") {
+            return None;
+        }
+        if name == "lm_head.weight" {
+            return (!config.tie_word_embeddings).then(|| name.to_string());
+        }
+        if name.starts_with("transformer.") {
+            Some(name.to_string())
+        } else {
+            Some(format!("transformer.{name}"))
+        }
     }
 
-    /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
-    fn from_parts(config: &Gpt2Config, parts: Parts, weights: Weights) -> CrateResult<Self> {
-        let (wte, wpe, blocks, ln_f, lm_head) = parts;
-        Ok(Gpt2LmHeadModel {
-            config: config.clone(),
+    fn assemble(config: &Gpt2Config, vb: VarBuilder, std: f64) -> Result<Self> {
+        let t = vb.pp("transformer");
+        let wte = embedding(config.vocab_size, config.n_embd, std, t.pp("wte"))?;
+        let wpe = embedding(config.n_positions, config.n_embd, std, t.pp("wpe"))?;
+        let blocks = (0..config.n_layer)
+            .map(|i| Block::new(config, i, std, t.pp(format!("h.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let ln_f = layer_norm(config.n_embd, config.layer_norm_epsilon, t.pp("ln_f"))?;
+        let lm_head = if config.tie_word_embeddings {
+            Linear::new(wte.clone(), None)
+        } else {
+            linear(
+                config.n_embd,
+                config.vocab_size,
+                false,
+                std,
+                vb.pp("lm_head"),
+            )?
+        };
+        Ok(Gpt2 {
             wte,
             wpe,
             blocks,
             ln_f,
             lm_head,
-            weights,
+            n_positions: config.n_positions,
+            embd_pdrop: config.embd_pdrop,
         })
     }
 
-    /// The layers, their parameters fetched from `vb`.
-    fn assemble(config: &Gpt2Config, vb: VarBuilder, std: f64) -> CrateResult<Parts> {
-        {
-            let t = vb.pp("transformer");
-            let wte = embedding(config.vocab_size, config.n_embd, std, t.pp("wte"))?;
-            let wpe = embedding(config.n_positions, config.n_embd, std, t.pp("wpe"))?;
-            let blocks = (0..config.n_layer)
-                .map(|i| Block::new(config, i, std, t.pp(format!("h.{i}"))))
-                .collect::<Result<Vec<_>>>()?;
-            let ln_f = layer_norm(config.n_embd, config.layer_norm_epsilon, t.pp("ln_f"))?;
-            let lm_head = if config.tie_word_embeddings {
-                Linear::new(wte.clone(), None)
-            } else {
-                linear(
-                    config.n_embd,
-                    config.vocab_size,
-                    false,
-                    std,
-                    vb.pp("lm_head"),
-                )?
-            };
-            Ok((wte, wpe, blocks, ln_f, lm_head))
-        }
+    fn projections_mut(&mut self) -> Vec<&mut Proj> {
+        self.blocks
+            .iter_mut()
+            .flat_map(Block::projections_mut)
+            .collect()
     }
 
-    /// The configuration.
-    pub fn config(&self) -> &Gpt2Config {
-        &self.config
-    }
-
-    fn config_value(&self) -> Value {
-        crate::config::config_value(&self.config, &self.config.origin.present, "gpt2")
-    }
-
-    fn class_name(&self) -> &'static str {
-        "GPT2LMHeadModel"
-    }
-
-    /// The final hidden states `[B, T, n_embd]` (after `ln_f`) of `input_ids` `[B, T]`, with an
-    /// optional `attention_mask` `[B, T]` (1 token, 0 padding). Positions are `0..T`; a
+    /// The final hidden states `[B, T, n_embd]` (after `ln_f`). Positions are `0..T`; a
     /// sequence longer than `n_positions` is an error.
-    pub fn hidden_states(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    fn hidden_states(&self, inputs: &Inputs<'_>, mode: Mode) -> Result<Hidden> {
+        let (input_ids, attention_mask) = (inputs.input_ids, inputs.attention_mask);
         let (b, t) = input_ids.dims2()?;
         check_mask(attention_mask, b, t)?;
-        if t > self.config.n_positions {
+        if t > self.n_positions {
             candle_core::bail!(
                 "input_ids: {t} tokens, but GPT-2 has positions for n_positions = {} only",
-                self.config.n_positions
+                self.n_positions
             );
         }
         // GPT-2's embedding has no padding index.
         let tok = lookup(&self.wte, input_ids, None, "input_ids")?;
         let pos = self.wpe.narrow(0, 0, t)?.unsqueeze(0)?;
-        let mut h = dropout(
-            &tok.broadcast_add(&pos)?,
-            self.config.embd_pdrop,
-            self.weights.training,
-        )?;
+        let train = mode.training;
+        let mut h = dropout(&tok.broadcast_add(&pos)?, self.embd_pdrop, train)?;
         for block in &self.blocks {
-            h = if self.weights.checkpointing {
-                let (block, mask, train) = (
-                    block.clone(),
-                    attention_mask.cloned(),
-                    self.weights.training,
-                );
+            h = if mode.checkpointing {
+                let (block, mask) = (block.clone(), attention_mask.cloned());
                 checkpoint_fn(move |x| block.forward(x, mask.as_ref(), train), &h)?
             } else {
-                block.forward(&h, attention_mask, self.weights.training)?
+                block.forward(&h, attention_mask, train)?
             };
         }
-        self.ln_f.forward(&h)
+        Ok(Hidden::new(self.ln_f.forward(&h)?))
     }
 
-    /// The final hidden states and the output layer.
-    fn hidden_and_head(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: Option<&Tensor>,
-    ) -> Result<(Tensor, Linear)> {
-        Ok((
-            self.hidden_states(input_ids, attention_mask)?,
-            self.lm_head.clone(),
-        ))
+    fn logits(&self, hidden: &Hidden, _mode: Mode) -> Result<Tensor> {
+        self.lm_head.forward(&hidden.states)
     }
 
-    causal_lm_methods!();
+    fn loss(&self, hidden: &Hidden, labels: &Tensor, _mode: Mode) -> Result<Tensor> {
+        hidden.with_aux(causal_lm_loss(&hidden.states, &self.lm_head, labels)?)
+    }
+
+    fn memory_profile(c: &Gpt2Config) -> MemoryProfile {
+        let (h, i) = (c.n_embd as u64, c.inner() as u64);
+        MemoryProfile {
+            hidden: c.n_embd,
+            intermediate: c.inner(),
+            layers: c.n_layer,
+            heads: c.n_head,
+            kv_heads: c.n_head,
+            head_dim: c.n_embd / c.n_head.max(1),
+            vocab: c.vocab_size,
+            max_positions: c.n_positions,
+            // ln_1, c_attn (3h), attention, c_proj, add, ln_2, mlp c_proj, add; c_fc and GELU
+            // (packed attention: no head copies).
+            block_elements: 9 * h + 2 * i,
+            // Token and position embeddings, their sum, ln_f.
+            outer_elements: 4 * h,
+            lm_head: true,
+        }
+    }
 }
-
-adaptable!(
-    Gpt2LmHeadModel,
-    targets = ["c_attn"],
-    task_type = Some("CAUSAL_LM"),
-    |m| m
-        .blocks
-        .iter_mut()
-        .flat_map(Block::projections_mut)
-        .collect(),
-);

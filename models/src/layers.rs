@@ -169,6 +169,8 @@ pub(crate) struct AttentionSpec<'a> {
     pub scale: f64,
     /// Dropout on the attention probabilities (training only).
     pub dropout: f64,
+    /// Gemma 2's soft-capping of the scores: `cap · tanh(scores / cap)` before the mask.
+    pub softcap: Option<f64>,
 }
 
 /// `softmax(scale q kᵀ + mask) v` for `q`, `k`, `v` `[B, H, T, D]` (as many heads in each):
@@ -184,7 +186,7 @@ pub(crate) fn attention(
     let t = q.dim(2)?;
     let window_cuts = spec.window.is_some_and(|w| w < t);
     let drops = train && spec.dropout > 0.0;
-    if !window_cuts && !drops {
+    if !window_cuts && !drops && spec.softcap.is_none() {
         let mut options = AttentionOptions::default()
             .causal(spec.causal)
             .scale(spec.scale);
@@ -224,6 +226,10 @@ fn composed_attention(
     }
     let visible = Tensor::from_vec(visible, (b, 1, tq, tk), dev)?.broadcast_as((b, h, tq, tk))?;
     let scores = (q.contiguous()?.matmul(&k.contiguous()?.t()?)? * spec.scale)?;
+    let scores = match spec.softcap {
+        Some(cap) => softcap(&scores, cap)?,
+        None => scores,
+    };
     let neg = Tensor::new(f32::NEG_INFINITY, dev)?
         .to_dtype(scores.dtype())?
         .broadcast_as(scores.shape())?;
@@ -285,43 +291,29 @@ pub(crate) fn causal_lm_loss(hidden: &Tensor, head: &Linear, labels: &Tensor) ->
     )
 }
 
-/// `forward`, `loss` and `loss_with_mask` of a causal language model (inside its `impl`
-/// block): the type needs `hidden_and_head(&self, &Tensor, Option<&Tensor>) -> Result<(Tensor,
-/// Linear)>` (the final hidden states and the output layer).
-macro_rules! causal_lm_methods {
-    () => {
-        /// The logits `[B, T, vocab]` of every position.
-        pub fn forward(
-            &self,
-            input_ids: &Tensor,
-            attention_mask: Option<&Tensor>,
-        ) -> Result<Tensor> {
-            let (hidden, head) = self.hidden_and_head(input_ids, attention_mask)?;
-            head.forward(&hidden)
-        }
-
-        /// The next-token loss: `labels` `[B, T]` (usually the input ids; -100 where nothing
-        /// is to be predicted) are shifted here, as `transformers` does; the mean over the
-        /// labels that are not -100. The output layer and the cross-entropy are one fused op.
-        pub fn loss(&self, input_ids: &Tensor, labels: &Tensor) -> Result<Tensor> {
-            self.loss_with_mask(input_ids, None, labels)
-        }
-
-        /// [`loss`](Self::loss) with an attention mask (give padding positions the label
-        /// -100).
-        pub fn loss_with_mask(
-            &self,
-            input_ids: &Tensor,
-            attention_mask: Option<&Tensor>,
-            labels: &Tensor,
-        ) -> Result<Tensor> {
-            let (hidden, head) = self.hidden_and_head(input_ids, attention_mask)?;
-            $crate::layers::causal_lm_loss(&hidden, &head, labels)
-        }
-    };
+/// `cap · tanh(x / cap)`: Gemma 2's soft-capping of attention scores and logits.
+pub(crate) fn softcap(x: &Tensor, cap: f64) -> Result<Tensor> {
+    (x / cap)?.tanh()? * cap
 }
 
-pub(crate) use causal_lm_methods;
+/// The causal language-model loss of [`causal_lm_loss`] from logits already computed
+/// (`[B, T, vocab]`, soft-capped): the shift, -100 ignored, the mean over the others.
+pub(crate) fn causal_lm_loss_from_logits(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    let labels = labels_i64(labels, b, t)?;
+    if t < 2 {
+        candle_core::bail!(
+            "a causal language-model loss needs sequences of at least 2 tokens, got {t}"
+        );
+    }
+    let x = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?;
+    let targets = labels.narrow(1, 1, t - 1)?.flatten_all()?;
+    cross_entropy_with(
+        &x,
+        &targets,
+        CrossEntropyOptions::default().ignore_index(IGNORE_INDEX),
+    )
+}
 
 /// The masked language-model loss (`*ForMaskedLM`): no shift, -100 ignored.
 pub(crate) fn masked_lm_loss(hidden: &Tensor, head: &Linear, labels: &Tensor) -> Result<Tensor> {

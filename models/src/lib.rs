@@ -1,9 +1,11 @@
 //! # accelerate-rs-models
 //!
 //! Hugging Face architectures that **train** with [accelerate-rs](accelerate_rs): Llama 2/3,
-//! Mistral and Qwen2 (one implementation), GPT-2, and BERT (masked-LM and
-//! sequence-classification heads), loaded from and saved to Hugging Face model folders, with
-//! `tokenizer.json` through the `tokenizers` crate.
+//! Mistral and Qwen2 (one implementation), Qwen3, Gemma 2 and 3 (text), Phi-3, the mixtures of
+//! experts Mixtral, Qwen2-MoE and Qwen3-MoE (routers that learn, `transformers`'
+//! load-balancing loss), GPT-2, and BERT (masked-LM and sequence-classification heads), loaded
+//! from and saved to Hugging Face model folders, with `tokenizer.json` through the `tokenizers`
+//! crate.
 //!
 //! Built on `accelerate_rs::nn`'s differentiable fused layers (RMSNorm, LayerNorm, attention,
 //! `Linear`, GELU, the head fused with the cross-entropy) and differentiable RoPE, so that
@@ -36,6 +38,12 @@
 //! }
 //! # Ok(()) }
 //! ```
+//!
+//! Every architecture is one type implementing [`Architecture`] (its layers, how they are
+//! assembled, its class names and default LoRA targets, its memory profile), and its model is
+//! [`Pretrained<A>`](Pretrained), which holds what every architecture shares once:
+//! [`LlamaForCausalLm`] is `Pretrained<Llama>`, and so on. [`AutoModel`] picks the architecture
+//! of a folder from the registry (one line per architecture).
 //!
 //! Each model owns its parameters ([`LlamaForCausalLm::varmap`]), under the Hugging Face names
 //! (`model.layers.0.self_attn.q_proj.weight`, `transformer.h.0.attn.c_attn.weight`,
@@ -104,31 +112,51 @@
 #![deny(missing_docs)]
 #![deny(rustdoc::broken_intra_doc_links)]
 
+pub mod arch;
 mod auto;
 mod bert;
 pub mod chat;
 mod config;
+mod decoder;
 mod error;
+mod estimate;
+mod gemma;
 mod gpt2;
 #[cfg(feature = "hub")]
 pub mod hub;
 mod layers;
 mod llama;
 mod lora;
+mod mixtral;
+mod moe;
+mod phi3;
 mod pretrained;
+mod qwen3;
+mod registry;
 mod rope;
 mod tokenizer;
+mod weights;
 
-pub use auto::{AutoModel, Task, ARCHITECTURES};
-pub use bert::{BertConfig, BertForMaskedLm, BertForSequenceClassification};
+pub use arch::{Architecture, Inputs, ModelConfig, Task};
+pub use auto::AutoModel;
+pub use bert::{
+    BertClassifier, BertConfig, BertForMaskedLm, BertForSequenceClassification, BertMlm,
+};
 pub use chat::{
     ChatDataset, ChatEncoder, ChatExample, ChatTemplate, Conversation, ConversationReader,
 };
-pub use config::{Activation, Config, MODEL_TYPES};
+pub use config::Activation;
 pub use error::{ChatErrorKind, Error, Result};
-pub use gpt2::{Gpt2Config, Gpt2LmHeadModel};
+pub use estimate::model_spec;
+pub use gemma::{Gemma, GemmaConfig, GemmaForCausalLm};
+pub use gpt2::{Gpt2, Gpt2Config, Gpt2LmHeadModel};
 pub use layers::IGNORE_INDEX;
-pub use llama::{LlamaConfig, LlamaForCausalLm};
-pub use pretrained::DEFAULT_MAX_SHARD_BYTES;
+pub use llama::{Llama, LlamaConfig, LlamaForCausalLm};
+pub use mixtral::{Mixtral, MixtralForCausalLm, MoeConfig};
+pub use phi3::{Phi3, Phi3Config, Phi3ForCausalLm};
+pub use pretrained::Pretrained;
+pub use qwen3::{Qwen3, Qwen3Config, Qwen3ForCausalLm};
+pub use registry::{architectures, model_types, Config};
 pub use rope::{RopeConfig, RopeScaling};
 pub use tokenizer::{encode_corpus, load_tokenizer, Tokenizer, TOKENIZER_FILE};
+pub use weights::DEFAULT_MAX_SHARD_BYTES;

@@ -5,25 +5,27 @@
 
 use std::path::Path;
 
-use accelerate_rs::nn::{checkpoint_fn, Linear, RmsNorm};
-use accelerate_rs::{Accelerator, ShardSource, ShardedModel, WrapPolicy};
-use candle_core::{DType, Device, Module, Result, Tensor};
-use candle_nn::{Init, VarBuilder};
+use accelerate_rs::WrapPolicy;
+use candle_core::{Result, Tensor};
+use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::arch::{
+    Architecture, Hidden, Inputs, MemoryProfile, Mode, ModelConfig, Proj, ShardedRun, Task,
+};
 use crate::config::{
-    config_readers, ensure, ensure_init_range, ensure_layers, ensure_multiple, ensure_positive,
-    ensure_probabilities, ensure_sizes, Activation, Origin,
+    config_value, ensure, ensure_init_range, ensure_layer_types, ensure_layers, ensure_multiple,
+    ensure_positive, ensure_probabilities, ensure_sizes, max_position_embeddings, parse, read_json,
+    Activation, Origin,
+};
+use crate::decoder::{
+    self, AttentionOptions, AttentionShape, Block, BlockBuilder, BlockOutput, CausalDecoder,
+    Context, GatedMlp, LmHead, MlpNames, Norm, Rope, SelfAttention,
 };
 use crate::error::Result as CrateResult;
-use crate::layers::{
-    attention, causal_lm_methods, check_mask, embedding, linear, lookup, padding_idx, repeat_kv,
-    AttentionSpec,
-};
-use crate::lora::{adaptable, Proj};
-use crate::pretrained::{pretrained_methods, Weights};
-use crate::rope::{self, apply_rope, RopeConfig};
+use crate::layers::padding_idx;
+use crate::rope::RopeConfig;
 
 fn default_act() -> Activation {
     Activation::Silu
@@ -114,13 +116,80 @@ pub struct LlamaConfig {
     origin: Origin,
 }
 
-config_readers!(LlamaConfig);
+/// The members of the family, each with its own facts (its class, its biases, where its sliding
+/// window applies): `model_type` read once into this.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    Llama,
+    Mistral,
+    Qwen2,
+}
+
+impl Family {
+    fn of(model_type: &str) -> Option<Family> {
+        match model_type {
+            "llama" => Some(Family::Llama),
+            "mistral" => Some(Family::Mistral),
+            "qwen2" => Some(Family::Qwen2),
+            _ => None,
+        }
+    }
+
+    /// The `transformers` class of a causal LM.
+    fn class(self) -> &'static str {
+        match self {
+            Family::Llama => "LlamaForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+}
+
+impl ModelConfig for LlamaConfig {
+    fn from_json(path: &Path, json: &Value) -> CrateResult<Self> {
+        let mut c: Self = parse(path, json)?;
+        c.origin = Origin::of(path, json);
+        c.check()?;
+        Ok(c)
+    }
+
+    fn to_json(&self) -> Value {
+        config_value(self, &self.origin.present, &self.model_type)
+    }
+
+    fn path(&self) -> &Path {
+        &self.origin.path
+    }
+
+    fn model_type(&self) -> &str {
+        &self.model_type
+    }
+
+    fn initializer_range(&self) -> f64 {
+        self.initializer_range
+    }
+}
 
 impl LlamaConfig {
+    /// Reads a `config.json` (or the one in a model folder).
+    pub fn from_file(path: impl AsRef<Path>) -> CrateResult<Self> {
+        let (path, json) = read_json(path.as_ref())?;
+        <Self as ModelConfig>::from_json(&path, &json)
+    }
+
+    /// Parses and checks a configuration; `path` is named in errors.
+    pub fn from_json(path: &Path, json: &Value) -> CrateResult<Self> {
+        <Self as ModelConfig>::from_json(path, json)
+    }
+
+    fn family(&self) -> Family {
+        Family::of(&self.model_type).unwrap_or(Family::Llama)
+    }
+
     fn check(&self) -> CrateResult<()> {
         let p = &self.origin.path;
         ensure(
-            matches!(self.model_type.as_str(), "llama" | "mistral" | "qwen2"),
+            Family::of(&self.model_type).is_some(),
             p,
             "model_type",
             format!("`{}` is not llama, mistral or qwen2", self.model_type),
@@ -161,35 +230,9 @@ impl LlamaConfig {
                 " (and no head_dim is given)",
             )?;
         }
-        let d = self.head_dim();
-        ensure(
-            d > 0 && d.is_multiple_of(2),
-            p,
-            "head_dim",
-            format!("{d}: RoPE needs an even head width"),
-        )?;
-        if let Some(types) = &self.layer_types {
-            ensure(
-                types.len() == self.num_hidden_layers,
-                p,
-                "layer_types",
-                format!(
-                    "{} entries for {} layers",
-                    types.len(),
-                    self.num_hidden_layers
-                ),
-            )?;
-            if let Some(bad) = types
-                .iter()
-                .find(|t| !matches!(t.as_str(), "full_attention" | "sliding_attention"))
-            {
-                return Err(crate::Error::config(
-                    p,
-                    Some("layer_types"),
-                    format!("`{bad}` is not full_attention or sliding_attention"),
-                ));
-            }
-        }
+        self.rope()?
+            .check_head_dim(p, "head_dim", self.head_dim())?;
+        ensure_layer_types(p, self.layer_types.as_deref(), self.num_hidden_layers)?;
         ensure(
             self.sliding_window.is_none_or(|w| w > 0),
             p,
@@ -226,9 +269,9 @@ impl LlamaConfig {
     /// the layers `layer_types` (or `use_sliding_window` and `max_window_layers`) give one.
     pub fn layer_window(&self, i: usize) -> Option<usize> {
         let window = self.sliding_window?;
-        match self.model_type.as_str() {
-            "mistral" => Some(window),
-            "qwen2" => {
+        match self.family() {
+            Family::Mistral => Some(window),
+            Family::Qwen2 => {
                 let sliding = match &self.layer_types {
                     Some(types) => types.get(i).is_some_and(|t| t == "sliding_attention"),
                     None => {
@@ -238,488 +281,207 @@ impl LlamaConfig {
                 };
                 sliding.then_some(window)
             }
-            _ => None,
+            Family::Llama => None,
         }
     }
 
     /// Whether q, k and v have biases (Qwen2: always; Llama: `attention_bias`).
     fn qkv_bias(&self) -> bool {
-        self.model_type == "qwen2" || self.attention_bias.unwrap_or(false)
+        self.family() == Family::Qwen2 || self.attention_bias.unwrap_or(false)
     }
 
     /// Whether the output projection has a bias (Llama's `attention_bias`).
     fn o_bias(&self) -> bool {
-        self.model_type != "qwen2" && self.attention_bias.unwrap_or(false)
+        self.family() != Family::Qwen2 && self.attention_bias.unwrap_or(false)
     }
 
     /// The `transformers` class of a causal LM of this type.
     pub fn causal_lm_class(&self) -> &'static str {
-        match self.model_type.as_str() {
-            "mistral" => "MistralForCausalLM",
-            "qwen2" => "Qwen2ForCausalLM",
-            _ => "LlamaForCausalLM",
-        }
+        self.family().class()
     }
 }
 
-/// The parts of a model: embeddings, layers, final norm, output layer.
-type Parts = (Tensor, Vec<DecoderLayer>, RmsNorm, Linear);
-
+/// One decoder layer: pre-norm attention and SwiGLU MLP.
 #[derive(Debug, Clone)]
-struct SelfAttention {
-    q: Proj,
-    k: Proj,
-    v: Proj,
-    o: Proj,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    window: Option<usize>,
-    dropout: f64,
-}
-
-impl SelfAttention {
-    fn new(c: &LlamaConfig, layer: usize, std: f64, vb: VarBuilder) -> Result<Self> {
-        let (h, kv, d) = (c.num_attention_heads, c.kv_heads(), c.head_dim());
-        let bias = c.qkv_bias();
-        Ok(SelfAttention {
-            q: Proj::linear(c.hidden_size, h * d, bias, std, vb.pp("q_proj"))?,
-            k: Proj::linear(c.hidden_size, kv * d, bias, std, vb.pp("k_proj"))?,
-            v: Proj::linear(c.hidden_size, kv * d, bias, std, vb.pp("v_proj"))?,
-            o: Proj::linear(h * d, c.hidden_size, c.o_bias(), std, vb.pp("o_proj"))?,
-            heads: h,
-            kv_heads: kv,
-            head_dim: d,
-            window: c.layer_window(layer),
-            dropout: c.attention_dropout,
-        })
-    }
-
-    fn forward(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: Option<&Tensor>,
-        train: bool,
-    ) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
-        let d = self.head_dim;
-        let split = |y: Tensor, n: usize| y.reshape((b, t, n, d))?.transpose(1, 2);
-        let q = split(self.q.forward(x, train)?, self.heads)?;
-        let k = split(self.k.forward(x, train)?, self.kv_heads)?;
-        let v = split(self.v.forward(x, train)?, self.kv_heads)?;
-        let q = apply_rope(&q, cos, sin)?;
-        let k = apply_rope(&k, cos, sin)?;
-        let rep = self.heads / self.kv_heads;
-        let (k, v) = (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?);
-        let spec = AttentionSpec {
-            causal: true,
-            mask,
-            window: self.window,
-            scale: 1.0 / (d as f64).sqrt(),
-            dropout: self.dropout,
-        };
-        let y = attention(&q, &k, &v, &spec, train)?;
-        let y = y.transpose(1, 2)?.reshape((b, t, self.heads * d))?;
-        self.o.forward(&y, train)
-    }
-}
-
-#[derive(Debug, Clone)]
-struct Mlp {
-    gate: Proj,
-    up: Proj,
-    down: Proj,
-    act: Activation,
-}
-
-impl Mlp {
-    fn new(c: &LlamaConfig, std: f64, vb: VarBuilder) -> Result<Self> {
-        let bias = c.mlp_bias.unwrap_or(false);
-        let (h, i) = (c.hidden_size, c.intermediate_size);
-        Ok(Mlp {
-            gate: Proj::linear(h, i, bias, std, vb.pp("gate_proj"))?,
-            up: Proj::linear(h, i, bias, std, vb.pp("up_proj"))?,
-            down: Proj::linear(i, h, bias, std, vb.pp("down_proj"))?,
-            act: c.hidden_act,
-        })
-    }
-
-    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let (gate, up) = (self.gate.forward(x, train)?, self.up.forward(x, train)?);
-        // SwiGLU as one fused op (`silu(gate) * up`, both gradients in one pass).
-        let gated = match self.act {
-            Activation::Silu | Activation::Swish => accelerate_rs::nn::swiglu(&gate, &up)?,
-            act => (act.apply(&gate)? * up)?,
-        };
-        self.down.forward(&gated, train)
-    }
-}
-
-#[derive(Debug, Clone)]
-struct DecoderLayer {
-    input_norm: RmsNorm,
+pub(crate) struct LlamaBlock {
+    input_norm: Norm,
     attn: SelfAttention,
-    post_norm: RmsNorm,
-    mlp: Mlp,
+    post_norm: Norm,
+    mlp: GatedMlp,
 }
 
-fn rms_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<RmsNorm> {
-    let w = vb.get_with_hints(size, "weight", Init::Const(1.0))?;
-    Ok(RmsNorm::new(w, eps))
-}
-
-impl DecoderLayer {
+impl LlamaBlock {
     fn new(c: &LlamaConfig, layer: usize, std: f64, vb: VarBuilder) -> Result<Self> {
-        Ok(DecoderLayer {
-            input_norm: rms_norm(c.hidden_size, c.rms_norm_eps, vb.pp("input_layernorm"))?,
-            attn: SelfAttention::new(c, layer, std, vb.pp("self_attn"))?,
-            post_norm: rms_norm(
-                c.hidden_size,
-                c.rms_norm_eps,
-                vb.pp("post_attention_layernorm"),
+        let shape = AttentionShape {
+            hidden: c.hidden_size,
+            heads: c.num_attention_heads,
+            kv_heads: c.kv_heads(),
+            head_dim: c.head_dim(),
+        };
+        let options = AttentionOptions {
+            qkv_bias: c.qkv_bias(),
+            o_bias: c.o_bias(),
+            fused_qkv: false,
+            qk_norm: None,
+            eps: c.rms_norm_eps,
+            window: c.layer_window(layer),
+            scale: 1.0 / (c.head_dim() as f64).sqrt(),
+            softcap: None,
+            dropout: c.attention_dropout,
+            rope: 0,
+        };
+        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
+        Ok(LlamaBlock {
+            input_norm: Norm::new(h, eps, false, vb.pp("input_layernorm"))?,
+            attn: SelfAttention::new(shape, options, std, vb.pp("self_attn"))?,
+            post_norm: Norm::new(h, eps, false, vb.pp("post_attention_layernorm"))?,
+            mlp: GatedMlp::new(
+                (h, c.intermediate_size),
+                c.mlp_bias.unwrap_or(false),
+                c.hidden_act,
+                MlpNames::LLAMA,
+                std,
+                vb.pp("mlp"),
             )?,
-            mlp: Mlp::new(c, std, vb.pp("mlp"))?,
+        })
+    }
+}
+
+impl Block for LlamaBlock {
+    fn forward(&self, x: &Tensor, ctx: &Context, train: bool) -> Result<BlockOutput> {
+        let a = self
+            .attn
+            .forward(&self.input_norm.forward(x)?, ctx, train)?;
+        let h = (x + a)?;
+        let m = self.mlp.forward(&self.post_norm.forward(&h)?, train)?;
+        Ok(BlockOutput {
+            hidden: (&h + m)?,
+            router_logits: None,
         })
     }
 
-    fn forward(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: Option<&Tensor>,
-        train: bool,
-    ) -> Result<Tensor> {
-        let h = (x + self
-            .attn
-            .forward(&self.input_norm.forward(x)?, cos, sin, mask, train)?)?;
-        &h + self.mlp.forward(&self.post_norm.forward(&h)?, train)?
+    fn projections_mut(&mut self) -> Vec<&mut Proj> {
+        let mut out = self.attn.projections_mut();
+        out.extend(self.mlp.projections_mut());
+        out
     }
+}
 
-    fn projections_mut(&mut self) -> [&mut Proj; 7] {
-        let (a, m) = (&mut self.attn, &mut self.mlp);
-        [
-            &mut a.q,
-            &mut a.k,
-            &mut a.v,
-            &mut a.o,
-            &mut m.gate,
-            &mut m.up,
-            &mut m.down,
-        ]
-    }
+/// The layers of a Llama, Mistral or Qwen2 causal language model ([`LlamaForCausalLm`]).
+#[derive(Debug, Clone)]
+pub struct Llama {
+    decoder: CausalDecoder<LlamaBlock>,
 }
 
 /// A Llama, Mistral or Qwen2 causal language model (`LlamaForCausalLM`, `MistralForCausalLM`,
 /// `Qwen2ForCausalLM`), trainable: every parameter gets a gradient. It owns its parameters
-/// ([`varmap`](Self::varmap)), under the checkpoints' names.
-///
-/// ```no_run
-/// # fn main() -> accelerate_rs_models::Result<()> {
-/// use accelerate_rs_models::LlamaForCausalLm;
-/// use candle_core::{DType, Device, Tensor};
-///
-/// let model = LlamaForCausalLm::from_pretrained("TinyLlama", &Device::Cpu, DType::F32)?;
-/// let ids = Tensor::new(&[[1u32, 15043, 3186]], &Device::Cpu)?;
-/// let logits = model.forward(&ids, None)?; // [1, 3, vocab]
-/// let loss = model.loss(&ids, &ids.to_dtype(DType::I64)?)?; // shifted inside
-/// # Ok(()) }
-/// ```
-#[derive(Debug, Clone)]
-pub struct LlamaForCausalLm {
-    config: LlamaConfig,
-    embed_tokens: Tensor,
-    layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
-    lm_head: Linear,
-    inv_freq: Vec<f32>,
-    weights: Weights,
-}
+/// ([`varmap`](crate::Pretrained::varmap)), under the checkpoints' names.
+pub type LlamaForCausalLm = crate::Pretrained<Llama>;
 
-pretrained_methods!(
-    LlamaForCausalLm,
-    config = LlamaConfig,
-    architectures = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"],
-);
+impl Architecture for Llama {
+    type Config = LlamaConfig;
+    const MODEL_TYPES: &'static [&'static str] = &["llama", "mistral", "qwen2"];
+    const CLASSES: &'static [&'static str] =
+        &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+    const TASK: Task = Task::CausalLm;
+    const LORA_TARGETS: &'static [&'static str] = &["q_proj", "v_proj"];
+    const PEFT_TASK_TYPE: Option<&'static str> = Some("CAUSAL_LM");
 
-impl LlamaForCausalLm {
-    /// Builds from `config` (parameters zeroed) and loads the weights at `dir` into it.
-    pub(crate) fn load(
-        config: LlamaConfig,
-        dir: &Path,
-        device: &Device,
-        dtype: DType,
-    ) -> CrateResult<Self> {
-        let tied = config.tie_word_embeddings;
-        let map = |name: &str| {
-            let skip = name.ends_with(".rotary_emb.inv_freq") || (tied && name == "lm_head.weight");
-            (!skip).then(|| name.to_string())
-        };
-        let model = Self::build(
-            &config,
-            candle_nn::VarMap::new(),
-            device,
-            dtype,
-            0.0,
-            Some((dir, &map)),
-        )?;
-        model.weights.load(dir, map)?;
-        Ok(model)
+    fn class_name(config: &LlamaConfig) -> &'static str {
+        config.causal_lm_class()
     }
 
-    /// The model around `parts` (built by [`assemble`](Self::assemble) over `weights`).
-    fn from_parts(config: &LlamaConfig, parts: Parts, weights: Weights) -> CrateResult<Self> {
-        let (embed_tokens, layers, norm, lm_head) = parts;
-        Ok(LlamaForCausalLm {
-            config: config.clone(),
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-            inv_freq: config.rope()?.inv_freq(config.head_dim()),
-            weights,
+    fn parameter_name(config: &LlamaConfig, name: &str) -> Option<String> {
+        let skip = name.ends_with(".rotary_emb.inv_freq")
+            || (config.tie_word_embeddings && name == "lm_head.weight");
+        (!skip).then(|| name.to_string())
+    }
+
+    fn assemble(config: &LlamaConfig, vb: VarBuilder, std: f64) -> Result<Self> {
+        let c = config;
+        let embed_tokens =
+            CausalDecoder::<LlamaBlock>::embedding(c.vocab_size, c.hidden_size, std, &vb)?;
+        let m = vb.pp("model");
+        let build = {
+            let c = c.clone();
+            BlockBuilder::new(move |i, vb: VarBuilder| {
+                LlamaBlock::new(&c, i, std, vb.pp(format!("model.layers.{i}")))
+            })
+        };
+        let layers = build.blocks(c.num_hidden_layers, &vb)?;
+        let head = LmHead::new(&embed_tokens, c.tie_word_embeddings, None, std, vb.clone())?;
+        Ok(Llama {
+            decoder: CausalDecoder {
+                build,
+                embed_tokens,
+                layers,
+                norm: Norm::new(c.hidden_size, c.rms_norm_eps, false, m.pp("norm"))?,
+                head,
+                ropes: vec![Rope::new(c.rope()?, c.head_dim())],
+                pad: padding_idx(&c.extra, c.vocab_size),
+                embed_scale: None,
+            },
         })
     }
 
-    /// The layers, their parameters fetched from `vb`.
-    fn assemble(config: &LlamaConfig, vb: VarBuilder, std: f64) -> CrateResult<Parts> {
-        {
-            let m = vb.pp("model");
-            let embed_tokens = embedding(
-                config.vocab_size,
-                config.hidden_size,
-                std,
-                m.pp("embed_tokens"),
-            )?;
-            let layers = (0..config.num_hidden_layers)
-                .map(|i| DecoderLayer::new(config, i, std, m.pp(format!("layers.{i}"))))
-                .collect::<Result<Vec<_>>>()?;
-            let norm = rms_norm(config.hidden_size, config.rms_norm_eps, m.pp("norm"))?;
-            let lm_head = if config.tie_word_embeddings {
-                Linear::new(embed_tokens.clone(), None)
-            } else {
-                linear(
-                    config.hidden_size,
-                    config.vocab_size,
-                    false,
-                    std,
-                    vb.pp("lm_head"),
-                )?
-            };
-            Ok((embed_tokens, layers, norm, lm_head))
-        }
+    fn projections_mut(&mut self) -> Vec<&mut Proj> {
+        self.decoder.projections_mut()
     }
 
-    /// The configuration.
-    pub fn config(&self) -> &LlamaConfig {
-        &self.config
+    fn hidden_states(&self, inputs: &Inputs<'_>, mode: Mode) -> Result<Hidden> {
+        Ok(self.decoder.run(inputs, mode)?.into_hidden())
     }
 
-    fn config_value(&self) -> Value {
-        crate::config::config_value(
-            &self.config,
-            &self.config.origin.present,
-            &self.config.model_type,
-        )
-    }
-
-    fn class_name(&self) -> &'static str {
-        self.config.causal_lm_class()
-    }
-
-    /// The final hidden states `[B, T, hidden]` (after the last norm) of `input_ids` `[B, T]`
-    /// (integer ids), with an optional `attention_mask` `[B, T]` (1 for a token, 0 for padding:
-    /// no query sees a padding key). Positions are `0..T` whatever the mask, as in
-    /// `transformers`' forward.
-    pub fn hidden_states(
+    fn hidden_states_sharded(
         &self,
-        input_ids: &Tensor,
-        attention_mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        Ok(self.hidden_and_head(input_ids, attention_mask)?.0)
+        inputs: &Inputs<'_>,
+        mode: Mode,
+        sharded: &ShardedRun,
+    ) -> Result<Hidden> {
+        Ok(self
+            .decoder
+            .run_sharded(inputs, mode, sharded)?
+            .into_hidden())
     }
 
-    /// The final hidden states and the output layer.
-    fn hidden_and_head(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: Option<&Tensor>,
-    ) -> Result<(Tensor, Linear)> {
-        match &self.weights.sharded {
-            Some(s) => self.sharded_hidden_and_head(s, input_ids, attention_mask),
-            None => Ok((
-                self.dense_hidden_states(input_ids, attention_mask)?,
-                self.lm_head.clone(),
-            )),
-        }
+    fn wrap_policy(config: &Self::Config) -> Option<WrapPolicy> {
+        Some(decoder::wrap_policy(config.num_hidden_layers))
     }
 
-    /// [`hidden_states`](Self::hidden_states) over the whole parameters.
-    fn dense_hidden_states(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let (b, t) = input_ids.dims2()?;
-        check_mask(attention_mask, b, t)?;
-        let pad = padding_idx(&self.config.extra, self.config.vocab_size);
-        let mut h = lookup(&self.embed_tokens, input_ids, pad, "input_ids")?;
-        let (cos, sin) = rope::tables(&self.inv_freq, t, h.dtype(), h.device())?;
-        for layer in &self.layers {
-            h = if self.weights.checkpointing {
-                let (layer, cos, sin) = (layer.clone(), cos.clone(), sin.clone());
-                let (mask, train) = (attention_mask.cloned(), self.weights.training);
-                checkpoint_fn(
-                    move |x| layer.forward(x, &cos, &sin, mask.as_ref(), train),
-                    &h,
-                )?
-            } else {
-                layer.forward(&h, &cos, &sin, attention_mask, self.weights.training)?
-            };
-        }
-        self.norm.forward(&h)
+    fn logits(&self, hidden: &Hidden, _mode: Mode) -> Result<Tensor> {
+        self.decoder.logits(hidden)
     }
 
-    /// ZeRO-3: the embeddings and the root unit (final norm, output layer) gathered and held
-    /// until the backward pass ends; each decoder layer built from its gathered unit, run and
-    /// recomputed in the backward pass, its gradients reduce-scattered right after.
-    fn sharded_hidden_and_head(
-        &self,
-        s: &ShardedModel,
-        input_ids: &Tensor,
-        attention_mask: Option<&Tensor>,
-    ) -> Result<(Tensor, Linear)> {
-        let c = &self.config;
-        let (b, t) = input_ids.dims2()?;
-        check_mask(attention_mask, b, t)?;
-        let pad = padding_idx(&c.extra, c.vocab_size);
-        let emb = s
-            .gather(EMBED_UNIT)?
-            .get((c.vocab_size, c.hidden_size), "model.embed_tokens.weight")?;
-        let mut h = lookup(&emb, input_ids, pad, "input_ids")?;
-        let (cos, sin) = rope::tables(&self.inv_freq, t, h.dtype(), h.device())?;
-        let config = std::sync::Arc::new(c.clone());
-        for i in 0..c.num_hidden_layers {
-            let unit = format!("model.layers.{i}");
-            let (config, cos, sin) = (config.clone(), cos.clone(), sin.clone());
-            let (mask, train) = (attention_mask.cloned(), self.weights.training);
-            let (adapters, dtype) = (self.weights.adapters.clone(), self.weights.dtype);
-            let prefix = unit.clone();
-            h = s.run(&unit, &h, move |vb, x| {
-                let mut layer = DecoderLayer::new(&config, i, 0.0, vb.pp(&prefix))?;
-                if let Some(a) = &adapters {
-                    crate::lora::attach(layer.projections_mut().into(), a, dtype, x.device())?;
-                }
-                layer.forward(x, &cos, &sin, mask.as_ref(), train)
-            })?;
-        }
-        let root = s.gather("")?;
-        let norm = rms_norm(c.hidden_size, c.rms_norm_eps, root.pp("model.norm"))?;
-        let head = if c.tie_word_embeddings {
-            Linear::new(emb, None)
+    fn loss(&self, hidden: &Hidden, labels: &Tensor, _mode: Mode) -> Result<Tensor> {
+        self.decoder.loss(hidden, labels)
+    }
+
+    fn memory_profile(c: &LlamaConfig) -> MemoryProfile {
+        let (h, i) = (c.hidden_size as u64, c.intermediate_size as u64);
+        let q = (c.num_attention_heads * c.head_dim()) as u64;
+        let kv = (c.kv_heads() * c.head_dim()) as u64;
+        let gqa = if c.kv_heads() < c.num_attention_heads {
+            2 * q
         } else {
-            linear(c.hidden_size, c.vocab_size, false, 0.0, root.pp("lm_head"))?
+            0
         };
-        Ok((norm.forward(&h)?, head))
+        MemoryProfile {
+            hidden: c.hidden_size,
+            intermediate: c.intermediate_size,
+            layers: c.num_hidden_layers,
+            heads: c.num_attention_heads,
+            kv_heads: c.kv_heads(),
+            head_dim: c.head_dim(),
+            vocab: c.vocab_size,
+            max_positions: max_position_embeddings(&c.extra),
+            // norm, o_proj, two residual adds, norm, down_proj: 6h; q_proj, its contiguous head
+            // layout, RoPE, the attention output and its merged copy: 5q; k_proj, v_proj, the
+            // contiguous keys and their RoPE: 4kv; gate, up and SwiGLU: 3i; with grouped-query
+            // attention the keys and values repeated to every head: 2q.
+            block_elements: 6 * h + 5 * q + 4 * kv + 3 * i + gqa,
+            // The embedding lookup and the final norm.
+            outer_elements: 2 * h,
+            lm_head: true,
+        }
     }
-
-    /// The ZeRO-3 units of a Llama: the embeddings, each decoder layer, and the root unit
-    /// (the final norm and the output layer).
-    pub fn wrap_policy(config: &LlamaConfig) -> WrapPolicy {
-        let layers = (0..config.num_hidden_layers).map(|i| format!("model.layers.{i}"));
-        WrapPolicy::prefixes(std::iter::once(EMBED_UNIT.to_string()).chain(layers))
-    }
-
-    /// [`from_pretrained`](Self::from_pretrained) at `zero_stage = 3`: the parameters are
-    /// sharded over the ranks of `accelerator` by [`wrap_policy`](Self::wrap_policy), and each
-    /// rank reads only its 1/N of every unit from the memory-mapped files (no rank holds the
-    /// whole model). Every rank calls it. Forward and backward then gather each unit for the
-    /// time it runs (decoder layers are recomputed in the backward pass); train it with the
-    /// optimizer of `accelerator.prepare_sharded_optimizer(model.sharded_parameters(), opt)`.
-    /// `dtype` is the parameters' (f32 under mixed precision, where the units are gathered in
-    /// bf16). Below stage 3 an error naming `from_pretrained`.
-    pub fn from_pretrained_sharded(
-        dir: impl AsRef<Path>,
-        accelerator: &Accelerator,
-        dtype: DType,
-    ) -> CrateResult<Self> {
-        let dir = crate::config::model_folder(dir.as_ref())?;
-        let (path, json) = crate::config::read_json(dir)?;
-        crate::pretrained::check_architecture(
-            &path,
-            &json,
-            &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"],
-        )?;
-        let config = LlamaConfig::from_json(&path, &json)?;
-        let tied = config.tie_word_embeddings;
-        let map = |name: &str| {
-            let skip = name.ends_with(".rotary_emb.inv_freq") || (tied && name == "lm_head.weight");
-            (!skip).then(|| name.to_string())
-        };
-        Self::sharded(
-            config,
-            accelerator,
-            dtype,
-            ShardSource::Files {
-                path: dir,
-                map: &map,
-            },
-        )
-    }
-
-    /// [`from_config`](Self::from_config) at `zero_stage = 3`, the values drawn as
-    /// `accelerate_rs::seeded_var_builder` draws them with `seed` (each rank draws one
-    /// parameter at a time and keeps its pieces: the same model at any world size).
-    pub fn from_config_sharded(
-        config: &LlamaConfig,
-        accelerator: &Accelerator,
-        dtype: DType,
-        seed: u64,
-    ) -> CrateResult<Self> {
-        Self::sharded(
-            config.clone(),
-            accelerator,
-            dtype,
-            ShardSource::Seeded(seed),
-        )
-    }
-
-    fn sharded(
-        config: LlamaConfig,
-        accelerator: &Accelerator,
-        dtype: DType,
-        source: ShardSource<'_>,
-    ) -> CrateResult<Self> {
-        config.check()?;
-        let std = config.initializer_range;
-        let build = |vb: VarBuilder<'_>| -> Result<()> {
-            Self::assemble(&config, vb, std)
-                .map(drop)
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))
-        };
-        let policy = Self::wrap_policy(&config);
-        let model = accelerator.shard_model(&policy, dtype, &build, source)?;
-        let device = accelerator.device();
-        let (vb, _) = accelerate_rs::shape_only_var_builder(dtype, device);
-        let parts = Self::assemble(&config, vb, 0.0)?;
-        Self::from_parts(&config, parts, Weights::sharded(model, dtype, device))
-    }
-
-    causal_lm_methods!();
 }
-
-/// The ZeRO-3 unit of the embeddings.
-const EMBED_UNIT: &str = "model.embed_tokens";
-
-adaptable!(
-    LlamaForCausalLm,
-    targets = ["q_proj", "v_proj"],
-    task_type = Some("CAUSAL_LM"),
-    |m| m
-        .layers
-        .iter_mut()
-        .flat_map(DecoderLayer::projections_mut)
-        .collect(),
-);

@@ -13,13 +13,14 @@ use candle_nn::{Init, VarBuilder, VarMap};
 use serde_json::{json, Value};
 
 use crate::error::{Error, Result as CrateResult};
-use crate::pretrained::Weights;
+use crate::weights::{Adapters, Weights};
 
 /// A linear layer of a model: `y = x Wᵀ + b`, its weight stored `[out, in]` (or `[in, out]`
 /// for GPT-2's `Conv1D`, `fan_in_fan_out`), its module path (`model.layers.0.self_attn.q_proj`)
-/// and its LoRA adapter once [`add_lora`] targeted it.
+/// and its LoRA adapter once `add_lora` targeted it. Architectures build their linear layers as
+/// `Proj`s so that LoRA can adapt them ([`Architecture::projections_mut`](crate::Architecture::projections_mut)).
 #[derive(Debug, Clone)]
-pub(crate) struct Proj {
+pub struct Proj {
     path: String,
     weight: Tensor,
     bias: Option<Tensor>,
@@ -31,7 +32,7 @@ pub(crate) struct Proj {
 impl Proj {
     /// A `[out, in]` layer named `weight` (and `bias`) under `vb`, initialized as
     /// `transformers` does: weights from N(0, `std`²), biases zero.
-    pub(crate) fn linear(
+    pub fn linear(
         in_dim: usize,
         out_dim: usize,
         bias: bool,
@@ -49,7 +50,7 @@ impl Proj {
     }
 
     /// GPT-2's `Conv1D`: `y = x W + b`, `W` stored `[in, out]`, with a bias.
-    pub(crate) fn conv1d(in_dim: usize, out_dim: usize, std: f64, vb: VarBuilder) -> Result<Self> {
+    pub fn conv1d(in_dim: usize, out_dim: usize, std: f64, vb: VarBuilder) -> Result<Self> {
         Ok(Proj {
             path: vb.prefix(),
             weight: vb.get_with_hints((in_dim, out_dim), "weight", crate::layers::normal(std))?,
@@ -59,15 +60,44 @@ impl Proj {
         })
     }
 
+    /// A scalar zero that depends on every tensor of the layer (weight, bias, adapter): added to
+    /// a mixture of experts' output for an expert no token chose, so that its parameters get a
+    /// zero gradient rather than none.
+    pub fn zero_contribution(&self) -> Result<Tensor> {
+        let mut parts = vec![&self.weight];
+        parts.extend(self.bias.as_ref());
+        if let Some(lora) = &self.lora {
+            parts.push(lora.a());
+            parts.push(lora.b());
+        }
+        let zero = Tensor::zeros((), self.weight.dtype(), self.weight.device())?;
+        let mut sum = zero.clone();
+        for p in parts {
+            sum = (sum + p.sum_all()?.to_dtype(self.weight.dtype())?)?;
+        }
+        // Times a zero tensor, not `* 0.0`: Candle's backward prunes an affine op by 0.
+        sum.mul(&zero)
+    }
+
+    /// Its module path (`model.layers.0.self_attn.q_proj`): what LoRA's `target_modules` match.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The weight as stored (`[out, in]`, or `[in, out]` for `Conv1D`).
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
     /// `(in, out)` features.
-    fn dims(&self) -> Result<(usize, usize)> {
+    pub fn dims(&self) -> Result<(usize, usize)> {
         let (a, b) = self.weight.dims2()?;
         Ok(if self.fan_in_fan_out { (a, b) } else { (b, a) })
     }
 
     /// The output for `x` `[.., in]`: the base layer (one fused op), plus the adapter's update
     /// if there is one (its dropout only if `train`).
-    pub(crate) fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         // The fused ops take `[out, in]`: for `Conv1D`, one transposed copy of the weight per
         // call (its gradient, when the weight trains, flows back through the copy).
         let w = if self.fan_in_fan_out {
@@ -126,23 +156,6 @@ pub(crate) fn rebuild_vb(weights: &Weights, frozen: bool) -> VarBuilder<'static>
     }
 }
 
-/// A model's adapters: the settings and the `VarMap` of the `lora_A` / `lora_B` tensors (named
-/// `<module path>.lora_A.weight`, ...).
-#[derive(Clone)]
-pub(crate) struct Adapters {
-    pub(crate) config: LoraConfig,
-    pub(crate) varmap: VarMap,
-}
-
-impl std::fmt::Debug for Adapters {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Adapters")
-            .field("config", &self.config)
-            .field("tensors", &self.varmap.all_vars().len())
-            .finish()
-    }
-}
-
 /// What the shared LoRA code needs from an architecture.
 pub(crate) trait Adaptable: Clone {
     /// The parameters and adapters.
@@ -173,52 +186,6 @@ pub(crate) trait Adaptable: Clone {
     }
 }
 
-/// `impl Adaptable` for a model type with the fields `weights` and `config` (whose
-/// `origin.path` is its `config.json`) and the `rebuilt` of `pretrained_methods!`: PEFT's
-/// default `targets`, its `task_type`, and the projections LoRA may target, `|m| expr` with `m`
-/// the model (`&mut`) and `expr` a `Vec<&mut Proj>`.
-macro_rules! adaptable {
-    (
-        $ty:ty,
-        targets = [$($target:literal),+ $(,)?],
-        task_type = $task:expr,
-        |$m:ident| $projections:expr $(,)?
-    ) => {
-        impl $crate::lora::Adaptable for $ty {
-            fn weights(&self) -> &$crate::pretrained::Weights {
-                &self.weights
-            }
-
-            fn weights_mut(&mut self) -> &mut $crate::pretrained::Weights {
-                &mut self.weights
-            }
-
-            fn projections_mut(&mut self) -> Vec<&mut $crate::lora::Proj> {
-                let $m = self;
-                $projections
-            }
-
-            fn rebuild(&self, frozen: bool) -> $crate::error::Result<Self> {
-                self.rebuilt(frozen)
-            }
-
-            fn default_targets(&self) -> &'static [&'static str] {
-                &[$($target),+]
-            }
-
-            fn task_type(&self) -> Option<&'static str> {
-                $task
-            }
-
-            fn config_path(&self) -> &std::path::Path {
-                &self.config.origin.path
-            }
-        }
-    };
-}
-
-pub(crate) use adaptable;
-
 /// Adds adapters to `model`'s layers that `config` targets: see
 /// `LlamaForCausalLm::add_lora`.
 pub(crate) fn add_lora<M: Adaptable>(model: &mut M, config: &LoraConfig) -> CrateResult<()> {
@@ -230,13 +197,7 @@ pub(crate) fn add_lora<M: Adaptable>(model: &mut M, config: &LoraConfig) -> Crat
     }
     let mut config = config.clone();
     if matches!(&config.target_modules, TargetModules::Names(n) if n.is_empty()) {
-        config.target_modules = TargetModules::Names(
-            model
-                .default_targets()
-                .iter()
-                .map(|s| s.to_string())
-                .collect(),
-        );
+        config.target_modules = TargetModules::Names(default_targets(model)?);
     }
     config.check()?;
     let mut frozen = model.rebuild(true)?;
@@ -322,6 +283,30 @@ pub(crate) fn attach(
         }
     }
     Ok(())
+}
+
+/// PEFT's default target modules of `model`'s architecture, or an error naming its linear layers
+/// where there are none (as `peft` refuses).
+fn default_targets<M: Adaptable>(model: &M) -> CrateResult<Vec<String>> {
+    let defaults = model.default_targets();
+    if !defaults.is_empty() {
+        return Ok(defaults.iter().map(|s| s.to_string()).collect());
+    }
+    let mut names: Vec<String> = Vec::new();
+    for p in model.clone().projections_mut() {
+        let last = p.path.rsplit('.').next().unwrap_or(&p.path).to_string();
+        if !names.contains(&last) {
+            names.push(last);
+        }
+    }
+    Err(Error::Accelerate(accelerate_rs::Error::invalid(
+        "LoRA target_modules",
+        format!(
+            "this architecture has no default target modules (peft has none for it either): \
+             name them; its linear layers are {}",
+            names.join(", ")
+        ),
+    )))
 }
 
 /// The model's adapters, or an error naming `what` needs them.

@@ -1,457 +1,669 @@
-//! What every architecture shares around its parameters: the `VarMap` it owns, building it on a
-//! device in a dtype, loading a folder's weights into it, and writing a folder `transformers`
-//! loads.
+//! [`Pretrained<A>`]: one architecture's layers with everything every architecture shares around
+//! them, written once: the parameters it owns (built safely, loaded from and saved to Hugging
+//! Face folders), training mode, activation checkpointing, LoRA adapters (PEFT's format), mixed
+//! precision's working copies, and the forward pass and loss through the architecture.
 
+use std::any::Any;
 use std::path::Path;
 
-use accelerate_rs::checkpoint::{load_weights_mapped, write_model_folder};
-use candle_core::{DType, Device};
+use accelerate_rs::nn::LoraConfig;
+use accelerate_rs::{Accelerator, ShardSource, ShardedModel};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 
+use crate::arch::{Architecture, Hidden, Inputs, Mode, ModelConfig, Proj, ShardedRun, Task};
+use crate::config::{model_folder, read_json, to_config_json};
 use crate::error::{Error, Result};
-use crate::lora::Adapters;
+use crate::lora::{self, Adaptable};
+use crate::weights::{parameters_dtype, Source, Weights, DEFAULT_MAX_SHARD_BYTES};
 
-/// The weight files a fresh model is checked against before it is allocated: the folder (or
-/// file) and the map from the files' tensor names to parameter names (see
-/// `accelerate_rs::checkpoint::load_weights_mapped`).
-pub(crate) type Source<'a> = (&'a Path, &'a dyn Fn(&str) -> Option<String>);
-
-/// `save_pretrained`'s shard size: 5 GB, `transformers`' `max_shard_size="5GB"`.
-pub const DEFAULT_MAX_SHARD_BYTES: usize = 5_000_000_000;
-
-/// A model's parameters: the map `accelerate_rs::Accelerator::prepare` takes, with the dtype
-/// they were made in, and how the model uses them (training mode, activation checkpointing),
-/// which a model built again over the same parameters keeps.
-#[derive(Clone)]
-pub(crate) struct Weights {
-    pub(crate) varmap: VarMap,
-    pub(crate) dtype: DType,
-    pub(crate) device: Device,
-    /// The LoRA adapters, when the model has them (then the parameters above are frozen).
-    pub(crate) adapters: Option<Adapters>,
-    /// Training mode: dropout applies.
-    pub(crate) training: bool,
-    /// Every block runs through `accelerate_rs::nn::checkpoint_fn`.
-    pub(crate) checkpointing: bool,
-    /// ZeRO-3: the parameters, sharded over the ranks (then `varmap` is empty and the model's
-    /// layers hold shape-only placeholders: every forward builds them from the gathered units).
-    pub(crate) sharded: Option<accelerate_rs::ShardedModel>,
+/// A model of architecture `A` (its layers, see [`Architecture`]) with its configuration and
+/// the parameters it owns ([`varmap`](Self::varmap)), under the checkpoints' names. Trainable:
+/// every parameter gets a gradient. The public names are aliases of it:
+/// [`LlamaForCausalLm`](crate::LlamaForCausalLm) is `Pretrained<Llama>`, and so on; every
+/// method here is inherent (no trait to import).
+///
+/// ```no_run
+/// # fn main() -> accelerate_rs_models::Result<()> {
+/// use accelerate_rs_models::LlamaForCausalLm;
+/// use candle_core::{DType, Device, Tensor};
+///
+/// let model = LlamaForCausalLm::from_pretrained("TinyLlama", &Device::Cpu, DType::F32)?;
+/// let ids = Tensor::new(&[[1u32, 15043, 3186]], &Device::Cpu)?;
+/// let logits = model.forward(&ids, None)?; // [1, 3, vocab]
+/// let loss = model.loss(&ids, &ids.to_dtype(DType::I64)?)?; // shifted inside
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Pretrained<A: Architecture> {
+    config: A::Config,
+    layers: A,
+    weights: Weights,
 }
 
-impl std::fmt::Debug for Weights {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let vars = self.varmap.all_vars();
-        let elems: usize = vars.iter().map(|v| v.elem_count()).sum();
-        write!(
-            f,
-            "Weights {{ tensors: {}, elements: {elems}, dtype: {:?}, adapters: {:?} }}",
-            vars.len(),
-            self.dtype,
-            self.adapters
+impl<A: Architecture> Pretrained<A> {
+    /// The model over `varmap` (fresh, or holding every parameter, see `Weights::build`), with
+    /// `std` the initializer's standard deviation, checked against the weight files of `source`
+    /// before anything is allocated.
+    fn build(
+        config: &A::Config,
+        varmap: VarMap,
+        (device, dtype): (&Device, DType),
+        std: f64,
+        origin: (Option<Source<'_>>, Option<u64>),
+    ) -> Result<Self> {
+        let (layers, weights) = Weights::build(varmap, device, dtype, origin, |vb| {
+            Ok(A::assemble(config, vb, std)?)
+        })?;
+        Ok(Pretrained {
+            config: config.clone(),
+            layers,
+            weights,
+        })
+    }
+
+    /// The layers again over the same parameters (frozen or not), for LoRA.
+    fn rebuilt(&self, frozen: bool) -> Result<Self> {
+        let vb = match &self.weights.sharded {
+            // ZeRO-3: placeholders again; the forward pass builds from the gathered units.
+            Some(_) => {
+                accelerate_rs::shape_only_var_builder(self.weights.dtype, &self.weights.device).0
+            }
+            None => lora::rebuild_vb(&self.weights, frozen),
+        };
+        Ok(Pretrained {
+            config: self.config.clone(),
+            layers: A::assemble(&self.config, vb, 0.0)?,
+            weights: self.weights.clone(),
+        })
+    }
+
+    /// A model with fresh parameters on `device` in `dtype`, drawn as `transformers`
+    /// initializes them (N(0, `initializer_range`²) weights, zero biases, unit norms).
+    pub fn from_config(config: &A::Config, device: &Device, dtype: DType) -> Result<Self> {
+        let std = config.initializer_range();
+        Self::build(config, VarMap::new(), (device, dtype), std, (None, None))
+    }
+
+    /// [`from_config`](Self::from_config) with the values drawn from `(seed, parameter name)`
+    /// (`accelerate_rs::seeded_var_builder`): the same model on every process and in every run
+    /// with the same seed (training from scratch on several processes).
+    pub fn from_config_seeded(
+        config: &A::Config,
+        seed: u64,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self> {
+        let std = config.initializer_range();
+        Self::build(
+            config,
+            VarMap::new(),
+            (device, dtype),
+            std,
+            (None, Some(seed)),
         )
     }
-}
 
-impl Weights {
-    /// Builds a model with `build` on `varmap`: a fresh one (the parameters created by it), or
-    /// one that already holds every parameter the model asks for, under its name and in
-    /// `dtype` (the model then uses them; a parameter it lacks is an error naming it).
-    ///
-    /// A fresh model is first built without allocating anything
-    /// (`accelerate_rs::shape_only_var_builder`), its parameters compared with the weight files
-    /// of `source` when given (headers only: a `config.json` claiming sizes the files do not
-    /// hold is an error naming the tensor) and checked to be allocatable on `device` (an error
-    /// naming the tensor and the bytes, rather than a failed allocation aborting the process);
-    /// only then is it allocated.
-    pub(crate) fn build<M>(
-        varmap: VarMap,
+    /// Loads a Hugging Face folder (`config.json` and `model.safetensors` or a sharded index)
+    /// on `device` in `dtype` (a bf16 checkpoint into f32 parameters, or the reverse). All or
+    /// nothing; errors name the file and the key or tensor. The folder's `architectures` must be
+    /// one of the architecture's classes ([`Architecture::CLASSES`]) or absent, its
+    /// `model_type` one of [`Architecture::MODEL_TYPES`].
+    pub fn from_pretrained(dir: impl AsRef<Path>, device: &Device, dtype: DType) -> Result<Self> {
+        let dir = model_folder(dir.as_ref())?;
+        Self::load(Self::read_config(dir)?, dir, device, dtype)
+    }
+
+    /// The configuration of the folder `dir`, whose `architectures` and `model_type` must be
+    /// this architecture's.
+    fn read_config(dir: &Path) -> Result<A::Config> {
+        let (path, json) = read_json(dir)?;
+        check_architecture(&path, &json, A::CLASSES)?;
+        if let Some(t) = json.get("model_type").and_then(|t| t.as_str()) {
+            if !A::MODEL_TYPES.contains(&t) {
+                return Err(Error::config(
+                    &path,
+                    Some("model_type"),
+                    format!(
+                        "the folder holds a `{t}`; this type loads {}",
+                        A::MODEL_TYPES.join(", ")
+                    ),
+                ));
+            }
+        }
+        A::Config::from_json(&path, &json)
+    }
+
+    /// [`from_pretrained`](Self::from_pretrained) at `zero_stage = 3`: the parameters are
+    /// sharded over the ranks of `accelerator` by the architecture's units
+    /// ([`Architecture::wrap_policy`]: the embeddings, each block, the rest), and each rank
+    /// reads only its 1/N of every unit from the memory-mapped files (no rank holds the whole
+    /// model). Every rank calls it. Forward and backward then gather each unit for the time it
+    /// runs (blocks are recomputed in the backward pass); train it with the optimizer of
+    /// `accelerator.prepare_sharded_optimizer(model.sharded_parameters(), opt)`, or add LoRA
+    /// adapters (the base stays sharded and frozen; the adapters train replicated, prepared as
+    /// usual). `dtype` is the parameters' (f32 under mixed precision, where the units are
+    /// gathered in the compute dtype). Below stage 3 an error naming `from_pretrained`.
+    pub fn from_pretrained_sharded(
+        dir: impl AsRef<Path>,
+        accelerator: &Accelerator,
+        dtype: DType,
+    ) -> Result<Self> {
+        let dir = model_folder(dir.as_ref())?;
+        Self::load_sharded(Self::read_config(dir)?, dir, accelerator, dtype)
+    }
+
+    /// [`from_pretrained_sharded`](Self::from_pretrained_sharded) of a configuration already
+    /// read from `dir`.
+    pub(crate) fn load_sharded(
+        config: A::Config,
+        dir: &Path,
+        accelerator: &Accelerator,
+        dtype: DType,
+    ) -> Result<Self> {
+        let map = |name: &str| A::parameter_name(&config, name);
+        let source = ShardSource::Files {
+            path: dir,
+            map: &map,
+        };
+        Self::sharded(&config, accelerator, dtype, source)
+    }
+
+    /// [`from_config_seeded`](Self::from_config_seeded) at `zero_stage = 3`: each rank draws
+    /// one parameter at a time from `(seed, name)` and keeps its pieces (the same model at any
+    /// world size).
+    pub fn from_config_sharded(
+        config: &A::Config,
+        accelerator: &Accelerator,
+        dtype: DType,
+        seed: u64,
+    ) -> Result<Self> {
+        Self::sharded(config, accelerator, dtype, ShardSource::Seeded(seed))
+    }
+
+    fn sharded(
+        config: &A::Config,
+        accelerator: &Accelerator,
+        dtype: DType,
+        source: ShardSource<'_>,
+    ) -> Result<Self> {
+        let policy = A::wrap_policy(config).ok_or_else(|| {
+            Error::Accelerate(accelerate_rs::Error::invalid(
+                "zero_stage",
+                format!(
+                    "{} does not run at ZeRO stage 3 yet: use stage 0-2",
+                    A::CLASSES[0]
+                ),
+            ))
+        })?;
+        let std = config.initializer_range();
+        let build = |vb: VarBuilder<'_>| A::assemble(config, vb, std).map(drop);
+        let model = accelerator.shard_model(&policy, dtype, &build, source)?;
+        let device = accelerator.device();
+        let (vb, _) = accelerate_rs::shape_only_var_builder(dtype, device);
+        Ok(Pretrained {
+            config: config.clone(),
+            layers: A::assemble(config, vb, 0.0)?,
+            weights: Weights::sharded(model, dtype, device),
+        })
+    }
+
+    /// ZeRO-3: the sharded parameters, when the model was made sharded
+    /// ([`from_pretrained_sharded`](Self::from_pretrained_sharded)); give them to
+    /// `accelerator.prepare_sharded_optimizer`, `save_state` and `save_model_with_config`.
+    pub fn sharded_parameters(&self) -> Option<&ShardedModel> {
+        self.weights.sharded.as_ref()
+    }
+
+    /// Builds from `config` (nothing allocated until the weight files' headers and the machine
+    /// are checked) and loads the weights at `dir` into it.
+    pub(crate) fn load(
+        config: A::Config,
+        dir: &Path,
         device: &Device,
         dtype: DType,
-        source: Option<Source<'_>>,
-        build: impl Fn(VarBuilder) -> Result<M>,
-    ) -> Result<(M, Weights)> {
-        if !dtype.is_float() {
-            return Err(Error::Accelerate(accelerate_rs::Error::invalid(
-                "dtype",
-                format!("model parameters must be a float dtype, got {dtype:?}"),
-            )));
-        }
-        let names = |m: &VarMap| -> Vec<String> {
-            let data = m.data().lock().unwrap_or_else(|p| p.into_inner());
-            data.keys().cloned().collect()
-        };
-        let given = names(&varmap);
-        if given.is_empty() {
-            let (vb, shapes) = accelerate_rs::shape_only_var_builder(dtype, device);
-            build(vb)?;
-            let specs = shapes.specs();
-            if let Some((dir, map)) = source {
-                accelerate_rs::checkpoint::check_weights_mapped(dir, &specs, map)?;
-            }
-            accelerate_rs::check_allocatable(&specs, device)?;
-        }
-        let model = build(VarBuilder::from_varmap(&varmap, dtype, device))?;
-        if !given.is_empty() {
-            let mut missing: Vec<String> = names(&varmap)
-                .into_iter()
-                .filter(|n| !given.contains(n))
-                .collect();
-            if !missing.is_empty() {
-                missing.sort();
-                // Leave the caller's map as it was given.
-                let mut data = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
-                for n in &missing {
-                    data.remove(n);
-                }
-                return Err(Error::Accelerate(accelerate_rs::Error::invalid(
-                    "parameters",
-                    format!(
-                        "the parameters given lack {} of the model's: {}",
-                        missing.len(),
-                        missing.join(", ")
-                    ),
-                )));
-            }
-        }
-        let weights = Weights {
-            varmap,
-            dtype,
-            device: device.clone(),
-            adapters: None,
-            training: false,
-            checkpointing: false,
-            sharded: None,
-        };
-        Ok((model, weights))
+    ) -> Result<Self> {
+        let map = |name: &str| A::parameter_name(&config, name);
+        let source = (Some((dir, &map as &dyn Fn(&str) -> Option<String>)), None);
+        let model = Self::build(&config, VarMap::new(), (device, dtype), 0.0, source)?;
+        model.weights.load(dir, map)?;
+        Ok(model)
     }
 
-    /// Loads the weights of the folder (or file) `dir` into these parameters, all or nothing;
-    /// `map` gives a checkpoint tensor's parameter name, or `None` to skip it.
-    pub(crate) fn load(&self, dir: &Path, map: impl Fn(&str) -> Option<String>) -> Result<()> {
-        load_weights_mapped(dir, &self.varmap, map)?;
-        Ok(())
+    /// The configuration.
+    pub fn config(&self) -> &A::Config {
+        &self.config
     }
 
-    /// Writes `dir`: `config.json` and the weights (`model.safetensors`, or shards of at most
-    /// `max_shard_bytes` and their index).
-    pub(crate) fn save(
+    /// The layers (the architecture's own methods, such as a mixture of experts' routing
+    /// statistics).
+    pub fn layers(&self) -> &A {
+        &self.layers
+    }
+
+    /// What `loss` computes.
+    pub fn task(&self) -> Task {
+        A::TASK
+    }
+
+    /// The parameters, by their Hugging Face names: what
+    /// `accelerate_rs::Accelerator::prepare` (or `prepare_model`) and the optimizer take.
+    pub fn varmap(&self) -> &VarMap {
+        &self.weights.varmap
+    }
+
+    /// The same model over `varmap`, which holds every parameter of this one under its name,
+    /// all in one float dtype: the working copies that `accelerate_rs::Accelerator::prepare_mixed`
+    /// returns. For mixed precision this model keeps the f32 masters (prepared, stepped, saved)
+    /// and the returned one, in the compute dtype, runs forward and backward; training mode and
+    /// activation checkpointing are carried over. A parameter `varmap` lacks is an error naming
+    /// it. Not for a model with LoRA adapters (train the adapters in f32 over a bf16 base
+    /// instead).
+    pub fn with_parameters(&self, varmap: &VarMap) -> Result<Self> {
+        let dtype = parameters_dtype(varmap, self.weights.adapters.is_some())?;
+        let device = self.weights.device.clone();
+        let mut model = Self::build(
+            &self.config,
+            varmap.clone(),
+            (&device, dtype),
+            0.0,
+            (None, None),
+        )?;
+        model.weights.training = self.weights.training;
+        model.weights.checkpointing = self.weights.checkpointing;
+        Ok(model)
+    }
+
+    /// The dtype of the parameters.
+    pub fn dtype(&self) -> DType {
+        self.weights.dtype
+    }
+
+    /// The configuration as `config.json` (unknown keys of the loaded file kept,
+    /// `architectures` and `dtype` set).
+    pub fn config_json(&self) -> serde_json::Value {
+        to_config_json(
+            self.config.to_json(),
+            A::class_name(&self.config),
+            self.weights.dtype,
+        )
+    }
+
+    /// Writes a folder `transformers`' `from_pretrained` loads: `config.json` and
+    /// `model.safetensors` (sharded above 5 GB), written into `<dir>.tmp-<pid>` and then moved
+    /// into `dir`, whose other files (a tokenizer, a README) stay. With LoRA adapters it writes
+    /// the base weights as they are (call [`merge_lora`](Self::merge_lora) first for merged
+    /// weights, or [`save_adapter`](Self::save_adapter) for the adapters). Call it on one
+    /// process (`accelerator.is_main_process()`), or on every rank use
+    /// `accelerator.save_model_with_config(dir, model.varmap(), &model.config_json(), max)`.
+    pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
+        self.save_pretrained_sharded(dir, DEFAULT_MAX_SHARD_BYTES)
+    }
+
+    /// [`save_pretrained`](Self::save_pretrained) with shards of at most `max_shard_bytes`
+    /// (`model-0000i-of-0000n.safetensors` and `model.safetensors.index.json` when the weights
+    /// do not fit in one).
+    pub fn save_pretrained_sharded(
         &self,
-        dir: &Path,
-        config: &serde_json::Value,
+        dir: impl AsRef<Path>,
         max_shard_bytes: usize,
     ) -> Result<()> {
-        if self.sharded.is_some() {
-            return Err(Error::Accelerate(accelerate_rs::Error::invalid(
-                "save_pretrained",
-                "the model is sharded (ZeRO-3): every rank calls \
-                 `accelerator.save_model_with_config(dir, model.sharded_parameters().unwrap(), &model.config_json(), max_shard_bytes)`, \
-                 which streams one unit at a time through rank 0",
-            )));
+        self.weights
+            .save(dir.as_ref(), &self.config_json(), max_shard_bytes)
+    }
+
+    /// Training mode on or off (PyTorch's `model.train()` / `model.eval()`): dropout applies in
+    /// training mode only. Off after loading, as in `transformers`.
+    pub fn train(&mut self, on: bool) {
+        self.weights.training = on;
+    }
+
+    /// Whether dropout applies ([`train`](Self::train)).
+    pub fn is_training(&self) -> bool {
+        self.weights.training
+    }
+
+    /// Activation checkpointing on or off (`transformers`' `gradient_checkpointing_enable()`):
+    /// every block runs through `accelerate_rs::nn::checkpoint_fn`, so its activations are
+    /// recomputed in the backward pass instead of kept (about one more forward pass per step,
+    /// for the memory of all but the blocks' inputs). The gradients are the same as without,
+    /// bit for bit on the CPU (dropout included: the recomputation replays the masks). Compute
+    /// them through the accelerator (`backward_step`, `accelerator.backward`) or
+    /// `accelerate_rs::nn::backward`, not `loss.backward()`.
+    pub fn set_gradient_checkpointing(&mut self, on: bool) {
+        self.weights.checkpointing = on;
+    }
+
+    /// Whether activation checkpointing is on.
+    pub fn is_gradient_checkpointing(&self) -> bool {
+        self.weights.checkpointing
+    }
+
+    /// Adds LoRA adapters (PEFT's `get_peft_model`) to the linear layers `config` targets (by
+    /// module path, PEFT's rules; no targets given: PEFT's default for the architecture,
+    /// [`Architecture::LORA_TARGETS`]). The output layer is never targeted. From then on the
+    /// base parameters are frozen (no gradient is computed for them) and
+    /// [`trainable_parameters`](Self::trainable_parameters) is the adapters: give that to the
+    /// optimizer and to `Accelerator::prepare`, so that only the adapters are stepped and
+    /// all-reduced. Adapters are f32 on an f16/bf16 base unless `config` says otherwise. An
+    /// error if the model already has adapters or nothing matches.
+    pub fn add_lora(&mut self, config: &LoraConfig) -> Result<()> {
+        lora::add_lora(self, config)
+    }
+
+    /// Loads a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`, as
+    /// `peft`'s `save_pretrained` writes it) onto the model: [`add_lora`](Self::add_lora) with
+    /// its settings, then its tensors, all or nothing.
+    pub fn load_adapter(&mut self, dir: impl AsRef<Path>) -> Result<()> {
+        lora::load(self, dir.as_ref())
+    }
+
+    /// Writes the adapters as a PEFT adapter folder that `peft`'s
+    /// `PeftModel.from_pretrained(base, dir)` loads (one process;
+    /// `accelerator.is_main_process()`).
+    pub fn save_adapter(&self, dir: impl AsRef<Path>) -> Result<()> {
+        lora::save(self, dir.as_ref())
+    }
+
+    /// Merges the adapters into the base weights (`W + s · B A`, PEFT's `merge_and_unload`) and
+    /// drops them: [`save_pretrained`](Self::save_pretrained) then writes a plain Hugging Face
+    /// folder, and every parameter trains again.
+    pub fn merge_lora(&mut self) -> Result<()> {
+        lora::merge(self)
+    }
+
+    /// The adapters' settings, when the model has adapters.
+    pub fn lora_config(&self) -> Option<&LoraConfig> {
+        self.weights.adapters.as_ref().map(|a| &a.config)
+    }
+
+    /// What trains: the adapters (`<module path>.lora_A.weight`, ...) when the model has them,
+    /// else every parameter ([`varmap`](Self::varmap)). Give it to the optimizer and to
+    /// `Accelerator::prepare`.
+    pub fn trainable_parameters(&self) -> &VarMap {
+        lora::trainable(&self.weights)
+    }
+
+    /// How the forward pass runs now (training mode, activation checkpointing).
+    pub fn mode(&self) -> Mode {
+        Mode {
+            training: self.weights.training,
+            checkpointing: self.weights.checkpointing,
         }
-        write_model_folder(dir, &self.varmap, max_shard_bytes, Some(config))?;
-        Ok(())
     }
 
-    /// ZeRO-3 weights: nothing in `varmap`, the parameters in `sharded`.
-    pub(crate) fn sharded(
-        sharded: accelerate_rs::ShardedModel,
-        dtype: DType,
-        device: &Device,
-    ) -> Self {
-        Weights {
-            varmap: VarMap::new(),
-            dtype,
-            device: device.clone(),
-            adapters: None,
-            training: false,
-            checkpointing: false,
-            sharded: Some(sharded),
-        }
-    }
-}
-
-/// The one float dtype of the parameters in `varmap`, for `with_parameters`.
-pub(crate) fn parameters_dtype(varmap: &VarMap, has_adapters: bool) -> Result<DType> {
-    let invalid = |reason: String| {
-        Error::Accelerate(accelerate_rs::Error::invalid("with_parameters", reason))
-    };
-    if has_adapters {
-        return Err(invalid(
-            "the model has LoRA adapters: train the adapters (in f32) over a base loaded in the \
-             compute dtype instead of mixed-precision working copies"
-                .into(),
-        ));
-    }
-    let data = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
-    let mut dtypes: Vec<(DType, &String)> = data.iter().map(|(n, v)| (v.dtype(), n)).collect();
-    dtypes.sort_by_key(|(_, n)| n.as_str());
-    let Some(&(first, first_name)) = dtypes.first() else {
-        return Err(invalid("the parameters given are empty".into()));
-    };
-    if let Some((other, name)) = dtypes.iter().find(|(d, _)| *d != first) {
-        return Err(invalid(format!(
-            "the parameters given mix dtypes: `{first_name}` is {first:?}, `{name}` {other:?}"
-        )));
-    }
-    if !first.is_float() {
-        return Err(invalid(format!(
-            "the parameters given are {first:?}, not a float dtype"
-        )));
-    }
-    Ok(first)
-}
-
-/// The methods every architecture has around its parameters (inherent, so no trait import is
-/// needed): `varmap`, `dtype`, `config_json`, `save_pretrained`, `save_pretrained_sharded`,
-/// `train`/`is_training`, activation checkpointing and LoRA, `with_parameters`, and the
-/// constructors `from_config` and `from_pretrained` (for the `architectures` given). The type
-/// needs fields `config` and `weights: Weights`, a method `config_value(&self) ->
-/// serde_json::Value`, `config.check()`, the constructors `assemble(config, vb, init_std)` (the
-/// layers), `from_parts(config, parts, weights)` and `load(config, dir, device, dtype)`, and to
-/// implement `lora::Adaptable` (whose `rebuild` is the generated `rebuilt`). It generates
-/// `build(config, varmap, device, dtype, init_std)` from them.
-macro_rules! pretrained_methods {
-    (
-        $ty:ty,
-        config = $config:ty,
-        architectures = [$($arch:literal),+ $(,)?]
-        $(, $(#[$doc:meta])+)? $(,)?
-    ) => {
-        impl $ty {
-            /// The model over `varmap` (fresh, or holding every parameter, see
-            /// `Weights::build`), with `std` the initializer's standard deviation.
-            fn build(
-                config: &$config,
-                varmap: candle_nn::VarMap,
-                device: &candle_core::Device,
-                dtype: candle_core::DType,
-                std: f64,
-                source: Option<$crate::pretrained::Source<'_>>,
-            ) -> $crate::error::Result<Self> {
-                config.check()?;
-                let (parts, weights) = $crate::pretrained::Weights::build(
-                    varmap,
-                    device,
-                    dtype,
-                    source,
-                    |vb| Self::assemble(config, vb, std),
-                )?;
-                Self::from_parts(config, parts, weights)
-            }
-
-            /// The layers again over the same parameters (frozen or not), for LoRA.
-            fn rebuilt(&self, frozen: bool) -> $crate::error::Result<Self> {
-                let vb = match &self.weights.sharded {
-                    // ZeRO-3: placeholders again; the forward builds from the gathered units.
-                    Some(_) => {
-                        accelerate_rs::shape_only_var_builder(
-                            self.weights.dtype,
-                            &self.weights.device,
-                        )
-                        .0
-                    }
-                    None => $crate::lora::rebuild_vb(&self.weights, frozen),
+    /// The layers' output for `inputs` (see [`Architecture::hidden_states`]).
+    pub fn hidden(&self, inputs: &Inputs<'_>) -> candle_core::Result<Hidden> {
+        match &self.weights.sharded {
+            Some(model) => {
+                let run = ShardedRun {
+                    model: model.clone(),
+                    adapters: self.weights.adapters.clone(),
+                    dtype: self.weights.dtype,
                 };
-                let parts = Self::assemble(&self.config, vb, 0.0)?;
-                Self::from_parts(&self.config, parts, self.weights.clone())
+                self.layers.hidden_states_sharded(inputs, self.mode(), &run)
             }
-
-            /// A model with fresh parameters on `device` in `dtype`, drawn as `transformers`
-            /// initializes them (N(0, `initializer_range`²) weights, zero biases, unit norms).
-            pub fn from_config(
-                config: &$config,
-                device: &candle_core::Device,
-                dtype: candle_core::DType,
-            ) -> $crate::error::Result<Self> {
-                Self::build(
-                    config,
-                    candle_nn::VarMap::new(),
-                    device,
-                    dtype,
-                    config.initializer_range,
-                    None,
-                )
-            }
-
-            /// Loads a Hugging Face folder (`config.json` and `model.safetensors` or a sharded
-            /// index) on `device` in `dtype` (a bf16 checkpoint into f32 parameters, or the
-            /// reverse). All or nothing; errors name the file and the key or tensor. The
-            /// folder's `architectures` must be one of
-            #[doc = concat!($("`", $arch, "` "),+)]
-            /// (or absent).
-            $($(#[$doc])+)?
-            pub fn from_pretrained(
-                dir: impl AsRef<std::path::Path>,
-                device: &candle_core::Device,
-                dtype: candle_core::DType,
-            ) -> $crate::error::Result<Self> {
-                let dir = $crate::config::model_folder(dir.as_ref())?;
-                let (path, json) = $crate::config::read_json(dir)?;
-                $crate::pretrained::check_architecture(&path, &json, &[$($arch),+])?;
-                let config = <$config>::from_json(&path, &json)?;
-                Self::load(config, dir, device, dtype)
-            }
-
-            /// The parameters, by their Hugging Face names: what
-            /// `accelerate_rs::Accelerator::prepare` (or `prepare_model`) and the optimizer take.
-            pub fn varmap(&self) -> &candle_nn::VarMap {
-                &self.weights.varmap
-            }
-
-            /// The same model over `varmap`, which holds every parameter of this one under its
-            /// name, all in one float dtype: the working copies that
-            /// `accelerate_rs::Accelerator::prepare_mixed` returns. For mixed precision this
-            /// model keeps the f32 masters (prepared, stepped, saved) and the returned one, in
-            /// the compute dtype, runs forward and backward; training mode and activation
-            /// checkpointing are carried over. A parameter `varmap` lacks is an error naming it.
-            /// Not for a model with LoRA adapters (train the adapters in f32 over a bf16 base
-            /// instead).
-            pub fn with_parameters(
-                &self,
-                varmap: &candle_nn::VarMap,
-            ) -> $crate::error::Result<Self> {
-                let dtype = $crate::pretrained::parameters_dtype(
-                    varmap,
-                    self.weights.adapters.is_some(),
-                )?;
-                let mut model = Self::build(
-                    &self.config,
-                    varmap.clone(),
-                    &self.weights.device,
-                    dtype,
-                    0.0,
-                    None,
-                )?;
-                model.weights.training = self.weights.training;
-                model.weights.checkpointing = self.weights.checkpointing;
-                Ok(model)
-            }
-
-            /// The dtype of the parameters.
-            pub fn dtype(&self) -> candle_core::DType {
-                self.weights.dtype
-            }
-
-            /// The configuration as `config.json` (unknown keys of the loaded file kept,
-            /// `architectures` and `dtype` set).
-            pub fn config_json(&self) -> serde_json::Value {
-                crate::config::to_config_json(
-                    self.config_value(),
-                    self.class_name(),
-                    self.weights.dtype,
-                )
-            }
-
-            /// Writes a folder `transformers`' `from_pretrained` loads: `config.json` and
-            /// `model.safetensors` (sharded above 5 GB), written into `<dir>.tmp-<pid>` and
-            /// then moved into `dir`, whose other files (a tokenizer, a README) stay. With LoRA adapters it writes the base weights as they are
-            /// (call [`merge_lora`](Self::merge_lora) first for merged weights, or
-            /// [`save_adapter`](Self::save_adapter) for the adapters). Call it on one process
-            /// (`accelerator.is_main_process()`), or on every rank use
-            /// `accelerator.save_model_with_config(dir, model.varmap(), &model.config_json(), max)`.
-            pub fn save_pretrained(&self, dir: impl AsRef<std::path::Path>) -> crate::Result<()> {
-                self.save_pretrained_sharded(dir, crate::pretrained::DEFAULT_MAX_SHARD_BYTES)
-            }
-
-            /// [`save_pretrained`](Self::save_pretrained) with shards of at most
-            /// `max_shard_bytes` (`model-0000i-of-0000n.safetensors` and
-            /// `model.safetensors.index.json` when the weights do not fit in one).
-            pub fn save_pretrained_sharded(
-                &self,
-                dir: impl AsRef<std::path::Path>,
-                max_shard_bytes: usize,
-            ) -> crate::Result<()> {
-                self.weights
-                    .save(dir.as_ref(), &self.config_json(), max_shard_bytes)
-            }
-
-            /// Training mode on or off (PyTorch's `model.train()` / `model.eval()`): dropout
-            /// applies in training mode only. Off after loading, as in `transformers`.
-            pub fn train(&mut self, on: bool) {
-                self.weights.training = on;
-            }
-
-            /// Whether dropout applies ([`train`](Self::train)).
-            pub fn is_training(&self) -> bool {
-                self.weights.training
-            }
-
-            /// Activation checkpointing on or off (`transformers`'
-            /// `gradient_checkpointing_enable()`): every block runs through
-            /// `accelerate_rs::nn::checkpoint_fn`, so its activations are recomputed in the
-            /// backward pass instead of kept (about one more forward pass per step, for the
-            /// memory of all but the blocks' inputs). The gradients are the same as without,
-            /// bit for bit on the CPU (dropout included: the recomputation replays the masks).
-            /// Compute them through the accelerator (`backward_step`, `accelerator.backward`)
-            /// or `accelerate_rs::nn::backward`, not `loss.backward()`.
-            pub fn set_gradient_checkpointing(&mut self, on: bool) {
-                self.weights.checkpointing = on;
-            }
-
-            /// Whether activation checkpointing is on.
-            pub fn is_gradient_checkpointing(&self) -> bool {
-                self.weights.checkpointing
-            }
-
-            /// Adds LoRA adapters (PEFT's `get_peft_model`) to the linear layers `config`
-            /// targets (by module path, PEFT's rules; no targets given: PEFT's default for the
-            /// architecture). The output layer is never targeted. From then on the base
-            /// parameters are frozen (no gradient is computed for them) and
-            /// [`trainable_parameters`](Self::trainable_parameters) is the adapters: give that
-            /// to the optimizer and to `Accelerator::prepare`, so that only the adapters are
-            /// stepped and all-reduced. Adapters are f32 on an f16/bf16 base unless `config`
-            /// says otherwise. An error if the model already has adapters or nothing matches.
-            pub fn add_lora(
-                &mut self,
-                config: &accelerate_rs::nn::LoraConfig,
-            ) -> crate::Result<()> {
-                crate::lora::add_lora(self, config)
-            }
-
-            /// Loads a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`,
-            /// as `peft`'s `save_pretrained` writes it) onto the model:
-            /// [`add_lora`](Self::add_lora) with its settings, then its tensors, all or nothing.
-            pub fn load_adapter(&mut self, dir: impl AsRef<std::path::Path>) -> crate::Result<()> {
-                crate::lora::load(self, dir.as_ref())
-            }
-
-            /// Writes the adapters as a PEFT adapter folder that `peft`'s
-            /// `PeftModel.from_pretrained(base, dir)` loads (one process;
-            /// `accelerator.is_main_process()`).
-            pub fn save_adapter(&self, dir: impl AsRef<std::path::Path>) -> crate::Result<()> {
-                crate::lora::save(self, dir.as_ref())
-            }
-
-            /// Merges the adapters into the base weights (`W + s · B A`, PEFT's
-            /// `merge_and_unload`) and drops them: [`save_pretrained`](Self::save_pretrained)
-            /// then writes a plain Hugging Face folder, and every parameter trains again.
-            pub fn merge_lora(&mut self) -> crate::Result<()> {
-                crate::lora::merge(self)
-            }
-
-            /// The adapters' settings, when the model has adapters.
-            pub fn lora_config(&self) -> Option<&accelerate_rs::nn::LoraConfig> {
-                self.weights.adapters.as_ref().map(|a| &a.config)
-            }
-
-            /// ZeRO-3: the sharded parameters, when the model was made sharded
-            /// (`from_pretrained_sharded`); give them to
-            /// `accelerator.prepare_sharded_optimizer`, `save_state` and `save_model_with_config`.
-            pub fn sharded_parameters(&self) -> Option<&accelerate_rs::ShardedModel> {
-                self.weights.sharded.as_ref()
-            }
-
-            /// What trains: the adapters (`<module path>.lora_A.weight`, ...) when the model
-            /// has them, else every parameter ([`varmap`](Self::varmap)). Give it to the
-            /// optimizer and to `Accelerator::prepare`.
-            pub fn trainable_parameters(&self) -> &candle_nn::VarMap {
-                crate::lora::trainable(&self.weights)
-            }
+            None => self.layers.hidden_states(inputs, self.mode()),
         }
-    };
+    }
+
+    /// The final hidden states `[B, T, hidden]` (after the last norm, before the head) of
+    /// `input_ids` `[B, T]` (integer ids), with an optional `attention_mask` `[B, T]` (1 for a
+    /// token, 0 for padding: no query sees a padding key). Positions are `0..T` whatever the
+    /// mask, as in `transformers`' forward.
+    pub fn hidden_states(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        let inputs = Inputs::new(input_ids).attention_mask(attention_mask);
+        Ok(self.hidden(&inputs)?.states)
+    }
+
+    /// The logits: `[B, T, vocab]` for a language model (every position), `[B, num_labels]` for
+    /// a sequence classifier.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        self.forward_with(&Inputs::new(input_ids).attention_mask(attention_mask))
+    }
+
+    /// [`forward`](Self::forward) with every input the architecture takes (segment ids for
+    /// BERT).
+    pub fn forward_with(&self, inputs: &Inputs<'_>) -> candle_core::Result<Tensor> {
+        let hidden = self.hidden(inputs)?;
+        self.layers.logits(&hidden, self.mode())
+    }
+
+    /// The task's loss (see [`Task`]): for a causal language model, `labels` `[B, T]` (usually
+    /// the input ids; -100 where nothing is to be predicted) are shifted here, as `transformers`
+    /// does, and the mean is over the labels that are not -100 (the output layer and the
+    /// cross-entropy one fused op); a mixture of experts adds its load-balancing loss when its
+    /// configuration asks for it (`output_router_logits`).
+    pub fn loss(&self, input_ids: &Tensor, labels: &Tensor) -> candle_core::Result<Tensor> {
+        self.loss_with_mask(input_ids, None, labels)
+    }
+
+    /// [`loss`](Self::loss) with an attention mask (give padding positions the label -100).
+    pub fn loss_with_mask(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        labels: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        self.loss_with(
+            &Inputs::new(input_ids).attention_mask(attention_mask),
+            labels,
+        )
+    }
+
+    /// [`loss`](Self::loss) with every input the architecture takes.
+    pub fn loss_with(&self, inputs: &Inputs<'_>, labels: &Tensor) -> candle_core::Result<Tensor> {
+        let hidden = self.hidden(inputs)?;
+        self.layers.loss(&hidden, labels, self.mode())
+    }
+
+    /// Floating-point operations per trained token of a forward and backward pass over windows
+    /// of `seq_len` tokens (model FLOPs, the PaLM paper's convention, for
+    /// `StepTimer::flops_per_step` and a FLOP/s or MFU figure): 2 per parameter forward, 2 per
+    /// parameter for the gradient of the activations, 2 per *trained* parameter for the weight
+    /// gradients (6 per parameter when every parameter trains; about 4 with LoRA, whose frozen
+    /// base gets no weight gradient), plus attention's score and value products,
+    /// `12 x layers x seq_len x hidden` (all of them, although a causal mask makes half
+    /// unnecessary). Embedding lookups count as products (a small overestimate); activation
+    /// checkpointing's recomputation is not counted; a mixture of experts counts every
+    /// expert's parameters (an overestimate: each token runs `top_k` of them).
+    pub fn flops_per_token(&self, seq_len: usize) -> f64 {
+        let count =
+            |m: &VarMap| -> f64 { m.all_vars().iter().map(|v| v.elem_count() as f64).sum() };
+        let trained = count(self.trainable_parameters());
+        let all = if self.lora_config().is_some() {
+            count(self.varmap()) + trained
+        } else {
+            trained
+        };
+        let p = A::memory_profile(&self.config);
+        4.0 * all + 2.0 * trained + 12.0 * p.layers as f64 * seq_len as f64 * p.hidden as f64
+    }
+
+    /// The architecture of `config` as `estimate-memory` sees it
+    /// (`accelerate_rs::memory::estimate`): its sizes and activations per token
+    /// ([`Architecture::memory_profile`]), its parameters (names and shapes, from a dry run of
+    /// the layers' constructor: nothing is allocated) and `peft`'s default LoRA targets.
+    pub fn memory_architecture(config: &A::Config) -> Result<accelerate_rs::memory::Architecture> {
+        let (vb, shapes) = accelerate_rs::shape_only_var_builder(DType::F32, &Device::Cpu);
+        A::assemble(config, vb, 0.0)?;
+        let p = A::memory_profile(config);
+        let parameters = shapes
+            .specs()
+            .into_iter()
+            .map(|s| accelerate_rs::memory::TensorInfo {
+                name: s.name,
+                shape: s.shape,
+                dtype: "F32".into(),
+            })
+            .collect();
+        Ok(accelerate_rs::memory::Architecture {
+            name: config.model_type().to_string(),
+            hidden: p.hidden,
+            intermediate: p.intermediate,
+            layers: p.layers,
+            heads: p.heads,
+            kv_heads: p.kv_heads,
+            head_dim: p.head_dim,
+            vocab: p.vocab,
+            max_positions: p.max_positions,
+            block_elements: p.block_elements,
+            outer_elements: p.outer_elements,
+            lm_head: p.lm_head,
+            default_lora_targets: A::lora_targets(config)
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            parameters,
+        })
+    }
 }
 
-pub(crate) use pretrained_methods;
+impl<A: Architecture> Adaptable for Pretrained<A> {
+    fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    fn weights_mut(&mut self) -> &mut Weights {
+        &mut self.weights
+    }
+
+    fn projections_mut(&mut self) -> Vec<&mut Proj> {
+        self.layers.projections_mut()
+    }
+
+    fn rebuild(&self, frozen: bool) -> Result<Self> {
+        self.rebuilt(frozen)
+    }
+
+    fn default_targets(&self) -> &'static [&'static str] {
+        A::lora_targets(&self.config)
+    }
+
+    fn task_type(&self) -> Option<&'static str> {
+        A::PEFT_TASK_TYPE
+    }
+
+    fn config_path(&self) -> &Path {
+        self.config.path()
+    }
+}
+
+/// Any [`Pretrained<A>`] behind one object-safe interface: what `AutoModel` holds, so that
+/// adding an architecture adds no match arm anywhere.
+pub(crate) trait DynModel: std::fmt::Debug + Send + Sync {
+    fn clone_box(&self) -> Box<dyn DynModel>;
+    fn as_any(&self) -> &dyn Any;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+    fn task(&self) -> Task;
+    fn model_type(&self) -> &str;
+    fn dtype(&self) -> DType;
+    fn forward_with(&self, inputs: &Inputs<'_>) -> candle_core::Result<Tensor>;
+    fn loss_with(&self, inputs: &Inputs<'_>, labels: &Tensor) -> candle_core::Result<Tensor>;
+    fn varmap(&self) -> &VarMap;
+    fn with_parameters(&self, varmap: &VarMap) -> Result<Box<dyn DynModel>>;
+    fn config_json(&self) -> serde_json::Value;
+    fn save_pretrained_sharded(&self, dir: &Path, max_shard_bytes: usize) -> Result<()>;
+    fn train(&mut self, on: bool);
+    fn is_training(&self) -> bool;
+    fn set_gradient_checkpointing(&mut self, on: bool);
+    fn is_gradient_checkpointing(&self) -> bool;
+    fn add_lora(&mut self, config: &LoraConfig) -> Result<()>;
+    fn load_adapter(&mut self, dir: &Path) -> Result<()>;
+    fn save_adapter(&self, dir: &Path) -> Result<()>;
+    fn merge_lora(&mut self) -> Result<()>;
+    fn lora_config(&self) -> Option<&LoraConfig>;
+    fn trainable_parameters(&self) -> &VarMap;
+    fn flops_per_token(&self, seq_len: usize) -> f64;
+    fn memory_architecture(&self) -> Result<accelerate_rs::memory::Architecture>;
+    fn sharded_parameters(&self) -> Option<&ShardedModel>;
+}
+
+impl<A: Architecture> DynModel for Pretrained<A> {
+    fn clone_box(&self) -> Box<dyn DynModel> {
+        Box::new(self.clone())
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+    fn task(&self) -> Task {
+        A::TASK
+    }
+    fn model_type(&self) -> &str {
+        self.config.model_type()
+    }
+    fn dtype(&self) -> DType {
+        self.weights.dtype
+    }
+    fn forward_with(&self, inputs: &Inputs<'_>) -> candle_core::Result<Tensor> {
+        Pretrained::forward_with(self, inputs)
+    }
+    fn loss_with(&self, inputs: &Inputs<'_>, labels: &Tensor) -> candle_core::Result<Tensor> {
+        Pretrained::loss_with(self, inputs, labels)
+    }
+    fn varmap(&self) -> &VarMap {
+        Pretrained::varmap(self)
+    }
+    fn with_parameters(&self, varmap: &VarMap) -> Result<Box<dyn DynModel>> {
+        Ok(Box::new(Pretrained::with_parameters(self, varmap)?))
+    }
+    fn config_json(&self) -> serde_json::Value {
+        Pretrained::config_json(self)
+    }
+    fn save_pretrained_sharded(&self, dir: &Path, max_shard_bytes: usize) -> Result<()> {
+        Pretrained::save_pretrained_sharded(self, dir, max_shard_bytes)
+    }
+    fn train(&mut self, on: bool) {
+        Pretrained::train(self, on)
+    }
+    fn is_training(&self) -> bool {
+        Pretrained::is_training(self)
+    }
+    fn set_gradient_checkpointing(&mut self, on: bool) {
+        Pretrained::set_gradient_checkpointing(self, on)
+    }
+    fn is_gradient_checkpointing(&self) -> bool {
+        Pretrained::is_gradient_checkpointing(self)
+    }
+    fn add_lora(&mut self, config: &LoraConfig) -> Result<()> {
+        Pretrained::add_lora(self, config)
+    }
+    fn load_adapter(&mut self, dir: &Path) -> Result<()> {
+        Pretrained::load_adapter(self, dir)
+    }
+    fn save_adapter(&self, dir: &Path) -> Result<()> {
+        Pretrained::save_adapter(self, dir)
+    }
+    fn merge_lora(&mut self) -> Result<()> {
+        Pretrained::merge_lora(self)
+    }
+    fn lora_config(&self) -> Option<&LoraConfig> {
+        Pretrained::lora_config(self)
+    }
+    fn trainable_parameters(&self) -> &VarMap {
+        Pretrained::trainable_parameters(self)
+    }
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        Pretrained::flops_per_token(self, seq_len)
+    }
+    fn memory_architecture(&self) -> Result<accelerate_rs::memory::Architecture> {
+        Self::memory_architecture(&self.config)
+    }
+    fn sharded_parameters(&self) -> Option<&ShardedModel> {
+        Pretrained::sharded_parameters(self)
+    }
+}
 
 /// Checks `config.json`'s `architectures` against the classes a type implements: absent, or
 /// one of `accepted`.

@@ -118,7 +118,15 @@ fn training_mode_and_checkpointing_survive_lora_merging_and_working_copies() {
             let modes = |m: &AutoModel| (m.is_training(), m.is_gradient_checkpointing());
             let copy = model.with_parameters(model.varmap()).unwrap();
             assert_eq!(modes(&copy), (train, ckpt), "{what}: with_parameters");
-            model.add_lora(&LoraConfig::new(2, 4.0)).unwrap();
+            // peft's default targets, or every linear layer where peft has none (Phi-3, the
+            // Qwen MoEs).
+            let defaults = model.memory_architecture().unwrap().default_lora_targets;
+            let lora = if defaults.is_empty() {
+                LoraConfig::new(1, 2.0).all_linear()
+            } else {
+                LoraConfig::new(2, 4.0)
+            };
+            model.add_lora(&lora).unwrap();
             assert_eq!(modes(&model), (train, ckpt), "{what}: add_lora");
             model.merge_lora().unwrap();
             assert_eq!(modes(&model), (train, ckpt), "{what}: merge_lora");

@@ -5,7 +5,7 @@
 mod common;
 
 use accelerate_rs::Parameters;
-use accelerate_rs_models::{AutoModel, Config, LlamaForCausalLm};
+use accelerate_rs_models::{AutoModel, Config, LlamaConfig, LlamaForCausalLm};
 use candle_core::{DType, Device};
 use common::{fixture, golden, rel_diff, ARCHS};
 
@@ -91,45 +91,20 @@ fn from_config_builds_the_checkpoint_names_with_fresh_weights() {
     for name in ["llama", "gpt2", "bert_mlm", "bert_cls"] {
         let config = Config::from_file(fixture(name)).unwrap();
         let trained = AutoModel::from_pretrained(fixture(name), &Device::Cpu, DType::F32).unwrap();
-        let fresh_names: Vec<(String, Vec<usize>)> = match &config {
-            Config::Llama(c) => LlamaForCausalLm::from_config(c, &Device::Cpu, DType::F32)
+        let fresh_names: Vec<(String, Vec<usize>)> =
+            AutoModel::from_config(&config, &Device::Cpu, DType::F32)
                 .unwrap()
                 .varmap()
                 .named_parameters()
                 .into_iter()
                 .map(|(n, v)| (n, v.dims().to_vec()))
-                .collect(),
-            Config::Gpt2(c) => {
-                accelerate_rs_models::Gpt2LmHeadModel::from_config(c, &Device::Cpu, DType::F32)
-                    .unwrap()
-                    .varmap()
-                    .named_parameters()
-                    .into_iter()
-                    .map(|(n, v)| (n, v.dims().to_vec()))
-                    .collect()
-            }
-            Config::Bert(c) if name == "bert_mlm" => {
-                accelerate_rs_models::BertForMaskedLm::from_config(c, &Device::Cpu, DType::F32)
-                    .unwrap()
-                    .varmap()
-                    .named_parameters()
-                    .into_iter()
-                    .map(|(n, v)| (n, v.dims().to_vec()))
-                    .collect()
-            }
-            Config::Bert(c) => accelerate_rs_models::BertForSequenceClassification::from_config(
-                c,
-                &Device::Cpu,
-                DType::F32,
-            )
-            .unwrap()
-            .varmap()
-            .named_parameters()
-            .into_iter()
-            .map(|(n, v)| (n, v.dims().to_vec()))
-            .collect(),
-            _ => unreachable!(),
-        };
+                .collect();
+        if name == "llama" {
+            // The typed configuration, and the typed model from it.
+            let c: &LlamaConfig = config.get().unwrap();
+            let typed = LlamaForCausalLm::from_config(c, &Device::Cpu, DType::F32).unwrap();
+            assert_eq!(typed.varmap().all_vars().len(), fresh_names.len());
+        }
         let want: Vec<(String, Vec<usize>)> = trained
             .varmap()
             .named_parameters()

@@ -114,7 +114,12 @@ fn measure(lora: bool, ckpt: bool) -> f64 {
 
 #[test]
 fn lora_and_checkpointing_peaks_are_within_20_percent_of_the_estimate() {
-    let spec = ModelSpec::from_config(&config_json(), "config.json".as_ref()).unwrap();
+    let spec = ModelSpec::from_architecture(
+        LlamaForCausalLm::memory_architecture(
+            &LlamaConfig::from_json(Path::new("<memory test>"), &config_json()).unwrap(),
+        )
+        .unwrap(),
+    );
     let mut report = Vec::new();
     for (lora, ckpt) in [(true, false), (true, true), (false, false)] {
         let plan = Plan {

@@ -1,6 +1,9 @@
-//! Memory planning: what training a model takes on each rank, from its `config.json` and the
-//! headers of its safetensors files (never the weights). The numbers behind
-//! `accelerate-rs estimate-memory`.
+//! Memory planning: what training a model takes on each rank, from the description of its
+//! architecture ([`Architecture`]: sizes, activations per token, parameters) and the headers of
+//! its safetensors files (never the weights). The numbers behind `accelerate-rs
+//! estimate-memory`. This module knows no architecture: `accelerate-rs-models` describes its
+//! own from a `config.json` (`accelerate_rs_models::model_spec`), as Accelerate's estimate asks
+//! `transformers`.
 //!
 //! Per rank, for a [`Plan`] (precision, ZeRO stage and world size, optimizer, LoRA, batch and
 //! sequence length, activation checkpointing), [`estimate`] counts:
@@ -23,42 +26,43 @@
 //! [`Plan::offload_optimizer`] the shards' optimizer state, masters and f32 gradients are host
 //! memory ([`Estimate::offloaded`]). What is not counted is listed in [`NOT_COUNTED`].
 //!
-//! Activations per block and token, in elements of the compute dtype (`h` hidden size, `q`
-//! the query width heads × head size, `kv` the key/value width, `i` the MLP width), plus the
-//! attention weights (heads × sequence length, kept in f32 by `nn`'s fused attention; Candle's
-//! composed attention on a GPU keeps the scores and their softmax, about as many bytes in bf16):
-//!
-//! | architecture | elements |
-//! |---|---|
-//! | llama, mistral, qwen2 | `6h + 5q + 4kv + 3i`, and `2q` more with grouped-query attention (keys and values repeated to every head) |
-//! | gpt2 | `9h + 2i` (packed attention: no head copies) |
-//! | bert | `11h + 2i` |
-//!
-//! The output layer keeps the logits (vocabulary × tokens in the compute dtype, plus an f32
-//! copy for the loss under mixed precision); BERT's task head is not counted.
+//! Activations per block and token are the architecture's
+//! ([`Architecture::block_elements`], in elements of the compute dtype, as `nn`'s layers keep
+//! them), plus the attention weights (heads × sequence length, kept in f32 by `nn`'s fused
+//! attention; Candle's composed attention on a GPU keeps the scores and their softmax, about as
+//! many bytes in bf16). A language model's output layer keeps the logits (vocabulary × tokens in
+//! the compute dtype, plus an f32 copy for the loss under mixed precision); an encoder's task
+//! head is not counted.
 //!
 //! ```
-//! use accelerate_rs::memory::{estimate, ModelSpec, Plan};
+//! use accelerate_rs::memory::{estimate, Architecture, ModelSpec, Plan, TensorInfo};
 //! use accelerate_rs::MixedPrecision;
 //! # fn main() -> accelerate_rs::Result<()> {
-//! let config = serde_json::json!({
-//!     "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
-//!     "num_hidden_layers": 32, "num_attention_heads": 32, "vocab_size": 32000,
+//! // A one-layer MLP "architecture", described by hand.
+//! let tensor = |name: &str, shape: Vec<usize>| TensorInfo {
+//!     name: name.into(),
+//!     shape,
+//!     dtype: "F32".into(),
+//! };
+//! let model = ModelSpec::from_architecture(Architecture {
+//!     name: "mlp".into(),
+//!     hidden: 1024, intermediate: 4096, layers: 1, heads: 1, kv_heads: 1, head_dim: 1024,
+//!     vocab: 1000, max_positions: 512,
+//!     block_elements: 3 * 1024 + 2 * 4096, outer_elements: 1024, lm_head: true,
+//!     default_lora_targets: vec!["up".into()],
+//!     parameters: vec![tensor("up.weight", vec![4096, 1024]), tensor("down.weight", vec![1024, 4096])],
 //! });
-//! let model = ModelSpec::from_config(&config, "config.json".as_ref())?;
-//! assert_eq!(model.parameter_count(), 6_738_415_616); // Llama-2-7B
+//! assert_eq!(model.parameter_count(), 2 * 4096 * 1024);
 //! let plan = Plan { precision: MixedPrecision::Bf16, ..Plan::default() };
 //! let e = estimate(&model, &plan)?;
 //! // 2 (bf16 weights) + 6 (gradients) + 8 (AdamW) + 4 (f32 masters) bytes per parameter.
-//! assert_eq!(e.states(), 20 * 6_738_415_616);
+//! assert_eq!(e.states(), 20 * 2 * 4096 * 1024);
 //! # Ok(()) }
 //! ```
 
 mod model;
 
-pub use model::{
-    read_safetensors_header, ArchKind, Architecture, ModelSpec, TensorInfo, TensorSource,
-};
+pub use model::{read_safetensors_header, Architecture, ModelSpec, TensorInfo, TensorSource};
 
 use crate::error::{Error, Result};
 use crate::settings::MixedPrecision;
@@ -111,7 +115,7 @@ pub struct Lora {
     pub r: usize,
     /// Module names (the part of a weight's name before `.weight`, matched at its end, as
     /// `peft`'s `target_modules`), or `all-linear`; empty: the architecture's defaults
-    /// ([`ArchKind::default_lora_targets`]).
+    /// ([`Architecture::default_lora_targets`]).
     pub targets: Vec<String>,
 }
 
@@ -303,6 +307,29 @@ fn check_plan(plan: &Plan) -> Result<()> {
     Ok(())
 }
 
+/// The Linear layers `lora` adapts: the ones it names, else the architecture's defaults.
+fn lora_targets(model: &ModelSpec, lora: &Lora) -> Result<Vec<String>> {
+    if !lora.targets.is_empty() {
+        return Ok(lora.targets.clone());
+    }
+    let arch = model.architecture.as_ref().ok_or_else(|| {
+        Error::invalid(
+            "lora targets",
+            "the architecture is unknown (no config.json read): name the target modules",
+        )
+    })?;
+    if arch.default_lora_targets.is_empty() {
+        return Err(Error::invalid(
+            "lora targets",
+            format!(
+                "`{}` has no default LoRA targets (peft has none for it): name the target modules",
+                arch.name
+            ),
+        ));
+    }
+    Ok(arch.default_lora_targets.clone())
+}
+
 /// The memory of one rank training `model` as `plan` says (see [the module](self)).
 pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
     check_plan(plan)?;
@@ -325,21 +352,7 @@ pub fn estimate(model: &ModelSpec, plan: &Plan) -> Result<Estimate> {
     let (trainable, frozen, lora_layers, adapter_tokens) = match &plan.lora {
         None => (params, 0, 0, 0),
         Some(lora) => {
-            let targets: Vec<String> = if lora.targets.is_empty() {
-                let arch = model.architecture.as_ref().ok_or_else(|| {
-                    Error::invalid(
-                        "lora targets",
-                        "the architecture is unknown (no config.json read): name the target modules",
-                    )
-                })?;
-                arch.kind
-                    .default_lora_targets()
-                    .iter()
-                    .map(|s| s.to_string())
-                    .collect()
-            } else {
-                lora.targets.clone()
-            };
+            let targets = lora_targets(model, lora)?;
             let r = lora.r as u128;
             let (mut adapters, mut layers, mut per_token) = (0u128, 0usize, 0u128);
             for t in &model.tensors {
@@ -550,40 +563,6 @@ fn unit_sizes(model: &ModelSpec) -> (u128, u128, u128) {
     let block = blocks.values().copied().max().unwrap_or(all);
     (all, block, all - blocks.values().sum::<u128>())
 }
-
-/// Elements one block keeps per token, in the compute dtype (see [the module](self)).
-fn block_elements(a: &Architecture) -> u128 {
-    let (h, i) = (a.hidden as u128, a.intermediate as u128);
-    let q = (a.heads * a.head_dim) as u128;
-    let kv = (a.kv_heads * a.head_dim) as u128;
-    match a.kind {
-        ArchKind::Llama | ArchKind::Mistral | ArchKind::Qwen2 => {
-            // norm, o_proj, two residual adds, norm, down_proj: 6h; q_proj, its contiguous
-            // head layout, RoPE, the attention output and its merged copy: 5q; k_proj, v_proj,
-            // the contiguous keys and their RoPE: 4kv; gate, up and SwiGLU: 3i.
-            6 * h + 5 * q + 4 * kv + 3 * i + if a.kv_heads < a.heads { 2 * q } else { 0 }
-        }
-        // ln_1, c_attn (3h), attention, c_proj, add, ln_2, mlp c_proj, add; c_fc and GELU.
-        ArchKind::Gpt2 => 9 * h + 2 * i,
-        // query, key, value, attention, merged heads, dense, add, LayerNorm, output dense, add,
-        // LayerNorm; intermediate and GELU.
-        ArchKind::Bert => 11 * h + 2 * i,
-    }
-}
-
-/// Elements per token outside the blocks (embeddings, final norm), in the compute dtype.
-fn outer_elements(a: &Architecture) -> u128 {
-    let h = a.hidden as u128;
-    match a.kind {
-        // The embedding lookup and the final norm.
-        ArchKind::Llama | ArchKind::Mistral | ArchKind::Qwen2 => 2 * h,
-        // Token and position embeddings, their sum, ln_f.
-        ArchKind::Gpt2 => 4 * h,
-        // Word, position and token-type embeddings, two sums, LayerNorm.
-        ArchKind::Bert => 6 * h,
-    }
-}
-
 /// The activations of `plan`'s step; `gradients`: the gradient bytes of the whole model (the
 /// backward pass's peak is either at its start, with the logits' gradient and no parameter
 /// gradient yet, or at its end, with every parameter gradient).
@@ -599,10 +578,11 @@ fn activations(
     let layers = a.layers as u128;
     // Attention weights: heads x keys per query, f32.
     let attention = (a.heads * plan.seq_len) as u128 * 4;
-    let block = tokens * ((block_elements(a) + adapter_per_block) * e + attention);
-    let outer = tokens * outer_elements(a) * e;
-    // The logits (and an f32 copy for the loss under mixed precision); BERT: no head counted.
-    let head = a.kind != ArchKind::Bert;
+    let block = tokens * ((a.block_elements as u128 + adapter_per_block) * e + attention);
+    let outer = tokens * a.outer_elements as u128 * e;
+    // The logits (and an f32 copy for the loss under mixed precision); an encoder's task head
+    // is not counted.
+    let head = a.lm_head;
     let logits = if head {
         tokens * v * (e + if e < 4 { 4 } else { 0 })
     } else {
@@ -653,22 +633,56 @@ fn fit(bytes: u128, what: &str) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::Path;
 
-    fn llama(extra: serde_json::Value) -> ModelSpec {
-        let mut cfg = serde_json::json!({
-            "model_type": "llama", "hidden_size": 64, "intermediate_size": 176,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
-        });
-        for (k, v) in extra.as_object().unwrap() {
-            cfg[k] = v.clone();
+    /// A Llama of hidden 64, MLP 176, 2 layers, 4 heads (`kv` key/value heads), vocabulary 100,
+    /// untied, described as `accelerate-rs-models` describes Llama.
+    fn llama(kv: usize) -> ModelSpec {
+        let (h, i, v, d) = (64usize, 176usize, 100usize, 16usize);
+        let mut parameters = Vec::new();
+        let mut add = |name: String, shape: Vec<usize>| {
+            parameters.push(TensorInfo {
+                name,
+                shape,
+                dtype: "F32".into(),
+            })
+        };
+        add("model.embed_tokens.weight".into(), vec![v, h]);
+        for l in 0..2 {
+            let p = format!("model.layers.{l}");
+            add(format!("{p}.input_layernorm.weight"), vec![h]);
+            add(format!("{p}.self_attn.q_proj.weight"), vec![h, h]);
+            add(format!("{p}.self_attn.k_proj.weight"), vec![kv * d, h]);
+            add(format!("{p}.self_attn.v_proj.weight"), vec![kv * d, h]);
+            add(format!("{p}.self_attn.o_proj.weight"), vec![h, h]);
+            add(format!("{p}.post_attention_layernorm.weight"), vec![h]);
+            add(format!("{p}.mlp.gate_proj.weight"), vec![i, h]);
+            add(format!("{p}.mlp.up_proj.weight"), vec![i, h]);
+            add(format!("{p}.mlp.down_proj.weight"), vec![h, i]);
         }
-        ModelSpec::from_config(&cfg, Path::new("config.json")).unwrap()
+        add("model.norm.weight".into(), vec![h]);
+        add("lm_head.weight".into(), vec![v, h]);
+        let gqa = if kv < 4 { 2 * h } else { 0 };
+        ModelSpec::from_architecture(Architecture {
+            name: "llama".into(),
+            hidden: h,
+            intermediate: i,
+            layers: 2,
+            heads: 4,
+            kv_heads: kv,
+            head_dim: d,
+            vocab: v,
+            max_positions: 2048,
+            block_elements: (6 * h + 5 * h + 4 * kv * d + 3 * i + gqa) as u64,
+            outer_elements: 2 * h as u64,
+            lm_head: true,
+            default_lora_targets: vec!["q_proj".into(), "v_proj".into()],
+            parameters,
+        })
     }
 
     #[test]
     fn states_follow_precision_zero_and_optimizer() {
-        let m = llama(serde_json::json!({}));
+        let m = llama(4);
         let p = m.parameter_count();
         // embed + 2 x (2 norms + 4 attention + 3 MLP) + norm + head.
         let want = 100 * 64 + 2 * (2 * 64 + 4 * 64 * 64 + 3 * 64 * 176) + 64 + 100 * 64;
@@ -722,7 +736,7 @@ mod tests {
 
     #[test]
     fn lora_trains_adapters_on_the_targets_only() {
-        let m = llama(serde_json::json!({}));
+        let m = llama(4);
         let p = m.parameter_count();
         let plan = Plan {
             precision: MixedPrecision::Bf16,
@@ -765,7 +779,7 @@ mod tests {
 
     #[test]
     fn activations_grow_with_the_batch_and_shrink_with_checkpointing() {
-        let m = llama(serde_json::json!({ "num_key_value_heads": 2 }));
+        let m = llama(2);
         let a = |batch, ckpt| {
             estimate(
                 &m,
@@ -794,7 +808,7 @@ mod tests {
 
     #[test]
     fn bad_plans_are_refused() {
-        let m = llama(serde_json::json!({}));
+        let m = llama(4);
         for plan in [
             Plan {
                 zero_stage: 4,
@@ -827,7 +841,7 @@ mod tests {
 
     #[test]
     fn stage_3_shards_parameters_masters_and_gradients() {
-        let m = llama(serde_json::json!({}));
+        let m = llama(4);
         let p = m.parameter_count();
         // Two blocks of 2 x 64 + 4 x 64 x 64 + 3 x 64 x 176; the rest (embeddings, norm, head)
         // held for the step.

@@ -63,7 +63,7 @@ fn predicted_peaks_are_within_20_percent_of_measured_ones() {
     let mut report = Vec::new();
     for r in runs {
         let m = measure(&r);
-        let spec = ModelSpec::from_config(&r.config_json(), "config.json".as_ref()).unwrap();
+        let spec = ModelSpec::from_architecture(r.architecture());
         let plan = Plan {
             precision: if r.bf16 {
                 MixedPrecision::Bf16

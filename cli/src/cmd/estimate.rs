@@ -1,7 +1,8 @@
 //! `accelerate-rs estimate-memory MODEL`: what training a model takes on each rank, from its
 //! `config.json` and safetensors headers (never the weights), for each precision and ZeRO stage,
 //! with and without activation checkpointing. The numbers come from
-//! [`accelerate_rs::memory`]; this module reads the flags and prints the table.
+//! [`accelerate_rs::memory`], the architecture from `accelerate_rs_models` (which knows them);
+//! this module reads the flags and prints the table.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -88,8 +89,8 @@ enum Opt {
     Sgd,
 }
 
-pub(crate) fn run(args: EstimateArgs) -> accelerate_rs::Result<()> {
-    let model = ModelSpec::read(&args.model)?;
+pub(crate) fn run(args: EstimateArgs) -> crate::error::Result<()> {
+    let model = accelerate_rs_models::model_spec(&args.model)?;
     print!("{}", report(&args, &model)?);
     Ok(())
 }
@@ -156,7 +157,7 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
             let _ = writeln!(
                 w,
                 "  {} (config.json): hidden {}, intermediate {}, {} layers, {} heads ({} key/value, {} wide), vocab {}",
-                a.kind.name(),
+                a.name,
                 a.hidden,
                 a.intermediate,
                 a.layers,
@@ -168,8 +169,13 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
         }
         None => {
             let why = match &model.unknown_model_type {
-                Some(t) => format!("its model_type {t} is not one the estimate knows (llama, mistral, qwen2, gpt2, bert)"),
-                None => "no config.json was read (give the model's folder or its config.json)".into(),
+                Some(t) => format!(
+                    "its model_type {t} is not one the estimate knows ({})",
+                    accelerate_rs_models::model_types().join(", ")
+                ),
+                None => {
+                    "no config.json was read (give the model's folder or its config.json)".into()
+                }
             };
             let _ = writeln!(
                 w,

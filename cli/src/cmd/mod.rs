@@ -52,7 +52,7 @@ pub fn main() -> ExitCode {
         Command::Config(args) => config::run(*args).map_err(Error::from),
         Command::Env(args) => env::run(args).map_err(Error::from),
         Command::Test(args) => test::run(args),
-        Command::EstimateMemory(args) => estimate::run(*args).map_err(Error::from),
+        Command::EstimateMemory(args) => estimate::run(*args),
         Command::TestWorker => test::worker().map_err(Error::from),
     };
     exit_code(result)

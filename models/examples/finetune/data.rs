@@ -144,7 +144,20 @@ pub(crate) fn evaluate(
         .map(|i| i as u32)
         .collect();
     let (mut sum, mut count) = (0f64, 0f64);
-    for chunk in mine.chunks(args.batch_size.max(1)) {
+    let batch = args.batch_size.max(1);
+    let mut chunks: Vec<&[u32]> = mine.chunks(batch).collect();
+    if model.sharded_parameters().is_some() {
+        // ZeRO-3: every rank runs the same units in the same order, so every rank makes as many
+        // forward passes as the rank with the most windows (an empty chunk: window 0, counted
+        // for nothing).
+        let most = n.div_ceil(accelerator.world_size()).div_ceil(batch);
+        chunks.resize(most, &[]);
+    }
+    for chunk in chunks {
+        let (chunk, weight) = match chunk {
+            [] => (&[0u32][..], 0.0),
+            c => (c, 1.0),
+        };
         let idx = Tensor::new(chunk, &Device::Cpu)?;
         let ids = val.0.index_select(&idx, 0)?;
         let index = val.1.index_select(&idx, 0)?;
@@ -165,7 +178,8 @@ pub(crate) fn evaluate(
                 .sum_all()?
                 .to_scalar::<f32>()? as f64,
         };
-        if predicted == 0.0 {
+        let predicted = predicted * weight;
+        if predicted == 0.0 && model.sharded_parameters().is_none() {
             continue;
         }
         let loss = model.loss(&x.to_device(device)?, &y.to_device(device)?)?;

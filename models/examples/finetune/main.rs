@@ -2,8 +2,12 @@
 //! accelerate-rs, and saves a folder `transformers` loads.
 //!
 //! Any folder of a supported architecture that `save_pretrained` wrote, with its
-//! `tokenizer.json`: Llama, Mistral, Qwen2 and GPT-2 learn the next token; BERT (masked-LM) learns
-//! masked tokens (15% of the tokens replaced by the tokenizer's mask token). The text is
+//! `tokenizer.json`: the decoders (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3, Mixtral and the
+//! Qwen MoEs, GPT-2) learn the next token; BERT (masked-LM) learns masked tokens (15% of the
+//! tokens replaced by the tokenizer's mask token). `--init-seed N` trains from scratch instead:
+//! fresh weights drawn from the seed (the folder needs only `config.json` and the tokenizer). For
+//! a mixture of experts the tokens each expert takes on the held-out text are printed before and
+//! after training. The text is
 //! tokenized once, cut into windows of `--seq-len` tokens, the last `--eval-fraction` of it held
 //! out; the held-out loss is printed before and after training.
 //!
@@ -48,9 +52,9 @@ use std::path::PathBuf;
 
 use accelerate_rs::nn::LoraConfig;
 use accelerate_rs::{Accelerator, MixedPrecision};
-use accelerate_rs_models::AutoModel;
+use accelerate_rs_models::{AutoModel, Config, Inputs, Mixtral};
 use anyhow::{bail, Result};
-use candle_core::{DType, Device};
+use candle_core::{DType, Tensor};
 use clap::Parser;
 
 use data::{evaluate, Data};
@@ -137,6 +141,11 @@ pub(crate) struct Args {
     /// Also write held-out inputs and the trained model's logits to this file.
     #[arg(long)]
     probe: Option<PathBuf>,
+    /// Train from scratch: fresh weights drawn from this seed (each from `(seed, parameter
+    /// name)`: the same on every process) instead of the folder's; the folder then needs only
+    /// its `config.json` and tokenizer.
+    #[arg(long, conflicts_with = "adapter")]
+    init_seed: Option<u64>,
     /// Where the main process writes `metrics.jsonl` and TensorBoard event files: the run's
     /// settings and hyperparameters once, then every step's loss, time by phase, tokens/s and
     /// FLOP/s. None: printed only.
@@ -159,12 +168,13 @@ fn main() -> Result<()> {
     accelerator.set_seed(args.seed)?;
     let dtype = compute_dtype(&args, &accelerator)?;
     outputs::check_outputs(&args)?;
-    let mut model = load_model(&args, accelerator.device(), dtype)?;
+    let mut model = load_model(&args, &accelerator, dtype)?;
     let data = Data::load(&args, &model)?;
     describe(&accelerator, &args, &model, &data)?;
 
     let before = evaluate(&accelerator, &model, &data, &args)?;
     accelerator.print(format!("held-out loss before: {before:.4}"));
+    print_expert_load(&accelerator, &model, &data.val, "before")?;
     let run = Run::prepare(&accelerator, &args, &mut model, &data)?;
     let (steps, secs) = run.train(&accelerator, &args, &model, &data)?;
     model.train(false);
@@ -172,6 +182,7 @@ fn main() -> Result<()> {
     accelerator.print(format!(
         "trained {steps} steps in {secs:.1} s; held-out loss {before:.4} -> {after:.4}"
     ));
+    print_expert_load(&accelerator, &model, &data.val, "after")?;
     if accelerator.world_size() > 1 && steps > 0 {
         // With LoRA only the adapters' gradients travel (the frozen base has none).
         accelerator.print(format!(
@@ -194,6 +205,13 @@ fn compute_dtype(args: &Args, accelerator: &Accelerator) -> Result<DType> {
     let lora = args.lora_r.is_some() || args.adapter.is_some();
     if args.merge.is_some() && !lora {
         bail!("--merge writes merged LoRA adapters: it needs --lora-r or --adapter");
+    }
+    if args.merge.is_some() && accelerator.state().zero_stage() == 3 {
+        bail!(
+            "--merge at ZeRO stage 3: the base is sharded over the processes; save the adapters \
+             (--output) and merge them on one process (--adapter OUTPUT --merge DIR without \
+             --zero-stage 3)"
+        );
     }
     let mixed = accelerator.state().mixed_precision();
     if mixed != MixedPrecision::No {
@@ -220,8 +238,23 @@ fn compute_dtype(args: &Args, accelerator: &Accelerator) -> Result<DType> {
 
 /// The model of `--model` in `dtype`, with new LoRA adapters (`--lora-r`) or the PEFT adapter
 /// of `--adapter`, and activation checkpointing as asked.
-fn load_model(args: &Args, device: &Device, dtype: DType) -> Result<AutoModel> {
-    let mut model = AutoModel::from_pretrained(&args.model, device, dtype)?;
+/// At ZeRO stage 3 (`launch --zero-stage 3`) the parameters are sharded over the processes
+/// from the start: each reads only its slices of the folder (or draws them from the seed).
+fn load_model(args: &Args, accelerator: &Accelerator, dtype: DType) -> Result<AutoModel> {
+    let device = accelerator.device();
+    let sharded = accelerator.state().zero_stage() == 3;
+    let mut model = match (args.init_seed, sharded) {
+        (Some(seed), false) => {
+            let config = Config::from_file(&args.model)?;
+            AutoModel::from_config_seeded(&config, seed, device, dtype)?
+        }
+        (Some(seed), true) => {
+            let config = Config::from_file(&args.model)?;
+            AutoModel::from_config_sharded(&config, accelerator, dtype, seed)?
+        }
+        (None, false) => AutoModel::from_pretrained(&args.model, device, dtype)?,
+        (None, true) => AutoModel::from_pretrained_sharded(&args.model, accelerator, dtype)?,
+    };
     if let Some(r) = args.lora_r {
         let mut config = LoraConfig::new(r, args.lora_alpha.unwrap_or(2.0 * r as f64))
             .dropout(args.lora_dropout)
@@ -245,6 +278,16 @@ fn load_model(args: &Args, device: &Device, dtype: DType) -> Result<AutoModel> {
 fn describe(accelerator: &Accelerator, args: &Args, model: &AutoModel, data: &Data) -> Result<()> {
     let count =
         |m: &candle_nn::VarMap| -> usize { m.all_vars().iter().map(|v| v.elem_count()).sum() };
+    let parameters = match model.sharded_parameters() {
+        Some(s) => format!(
+            "{} parameters, sharded over the processes (ZeRO-3)",
+            s.parameter_specs()
+                .iter()
+                .map(|p| p.shape.iter().product::<usize>())
+                .sum::<usize>()
+        ),
+        None => format!("{} parameters", count(model.varmap())),
+    };
     let trained = match model.lora_config() {
         Some(c) => format!(
             "LoRA r={} alpha={} on {:?}: {} trainable",
@@ -256,11 +299,10 @@ fn describe(accelerator: &Accelerator, args: &Args, model: &AutoModel, data: &Da
         None => "all trainable".to_string(),
     };
     accelerator.print(format!(
-        "{}: {} ({} parameters, {trained}{}), {} processes; {} tokens: {} training windows, \
+        "{}: {} ({parameters}, {trained}{}), {} processes; {} tokens: {} training windows, \
          {} held out, {} tokens each",
         args.model.display(),
         model.model_type(),
-        count(model.varmap()),
         if args.checkpoint_activations {
             ", activation checkpointing"
         } else {
@@ -272,5 +314,40 @@ fn describe(accelerator: &Accelerator, args: &Args, model: &AutoModel, data: &Da
         data.val.0.dim(0)?,
         args.seq_len
     ));
+    Ok(())
+}
+
+/// For a mixture of experts, the tokens each expert of each sparse layer takes on the held-out
+/// windows (printed by the main process): the balance the load-balancing loss keeps.
+fn print_expert_load(
+    accelerator: &Accelerator,
+    model: &AutoModel,
+    val: &(Tensor, Tensor),
+    when: &str,
+) -> Result<()> {
+    let Some(moe) = model.downcast_ref::<Mixtral>() else {
+        return Ok(());
+    };
+    if model.sharded_parameters().is_some() {
+        // The routers' statistics read the layers whole; at ZeRO stage 3 they are sharded.
+        return Ok(());
+    }
+    let ids = val.0.to_device(accelerator.device())?;
+    for (layer, load) in moe
+        .layers()
+        .expert_load(&Inputs::new(&ids))?
+        .iter()
+        .enumerate()
+    {
+        let total: usize = load.iter().sum();
+        let fair = (total as f64 / load.len().max(1) as f64).max(1.0);
+        let share = |n: Option<&usize>| n.copied().unwrap_or(0) as f64 / fair;
+        accelerator.print(format!(
+            "expert load {when} (held-out, sparse layer {layer}): {load:?} tokens; the busiest \
+             expert takes {:.2}x its fair share, the idlest {:.2}x",
+            share(load.iter().max()),
+            share(load.iter().min())
+        ));
+    }
     Ok(())
 }

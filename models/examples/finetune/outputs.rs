@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use accelerate_rs::{Accelerator, ReduceOp};
-use accelerate_rs_models::{AutoModel, Task};
+use accelerate_rs_models::AutoModel;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 
@@ -22,15 +22,29 @@ pub(crate) fn save(
 ) -> Result<()> {
     let device = accelerator.device();
     if model.lora_config().is_none() {
+        // At ZeRO stage 3 the weights stream through the main process one unit at a time.
+        let parameters: &dyn accelerate_rs::Parameters = match model.sharded_parameters() {
+            Some(s) => s,
+            None => model.varmap(),
+        };
         accelerator.save_model_with_config(
             &args.output,
-            model.varmap(),
+            parameters,
             &model.config_json(),
             accelerate_rs_models::DEFAULT_MAX_SHARD_BYTES,
         )?;
     }
+    // The probe's logits: on the main process, or at ZeRO stage 3 on every rank (each runs
+    // every unit).
+    let sharded = model.sharded_parameters().is_some();
+    let probe = match &args.probe {
+        Some(_) if sharded || accelerator.is_main_process() => {
+            Some(probe(args, model, data, device)?)
+        }
+        _ => None,
+    };
     let saved = if accelerator.is_main_process() {
-        save_main(args, model, data.task, &data.val, data.mask_id, device)
+        save_main(args, model, probe)
     } else {
         Ok(())
     };
@@ -44,35 +58,42 @@ pub(crate) fn save(
     Ok(())
 }
 
+/// The probe: the inputs of the first held-out windows and the trained model's logits.
+fn probe(
+    args: &Args,
+    model: &AutoModel,
+    data: &Data,
+    device: &Device,
+) -> Result<HashMap<String, Tensor>> {
+    let val = &data.val;
+    let rows = val.0.dim(0)?.min(2);
+    let ids = val.0.narrow(0, 0, rows)?;
+    let index = val.1.narrow(0, 0, rows)?;
+    let (task, mask_id) = (data.task, data.mask_id);
+    let (x, _) = inputs_and_labels(task, &ids, &index, mask_id, args.mlm_probability, args.seed)?;
+    let logits = model.forward(&x.to_device(device)?, None)?;
+    Ok([
+        ("input_ids".to_string(), x.to_dtype(DType::I64)?),
+        ("logits".to_string(), logits.to_device(&Device::Cpu)?),
+    ]
+    .into_iter()
+    .collect())
+}
+
 /// What the main process writes after training: the PEFT adapter folder (with LoRA; the
 /// weights are written by every rank's `save_model_with_config` otherwise), the tokenizer files,
 /// the probe, and the merged folder.
 fn save_main(
     args: &Args,
     model: &mut AutoModel,
-    task: Task,
-    val: &(Tensor, Tensor),
-    mask_id: Option<u32>,
-    device: &Device,
+    probe: Option<HashMap<String, Tensor>>,
 ) -> Result<()> {
     if model.lora_config().is_some() {
         model.save_adapter(&args.output)?;
     } else {
         copy_tokenizer(&args.model, &args.output)?;
     }
-    if let Some(path) = &args.probe {
-        let rows = val.0.dim(0)?.min(2);
-        let ids = val.0.narrow(0, 0, rows)?;
-        let index = val.1.narrow(0, 0, rows)?;
-        let (x, _) =
-            inputs_and_labels(task, &ids, &index, mask_id, args.mlm_probability, args.seed)?;
-        let logits = model.forward(&x.to_device(device)?, None)?;
-        let probe: HashMap<String, Tensor> = [
-            ("input_ids".to_string(), x.to_dtype(DType::I64)?),
-            ("logits".to_string(), logits.to_device(&Device::Cpu)?),
-        ]
-        .into_iter()
-        .collect();
+    if let (Some(path), Some(probe)) = (&args.probe, probe) {
         candle_core::safetensors::save(&probe, path)?;
     }
     println!("saved {}", args.output.display());

@@ -51,8 +51,14 @@ impl Run {
         model: &mut AutoModel,
         data: &Data,
     ) -> Result<Self> {
+        // At ZeRO stage 3 without LoRA, an optimizer over no variables: it is moved onto the
+        // shards by `prepare_sharded_optimizer`.
+        let vars = match model.sharded_parameters() {
+            Some(_) if model.lora_config().is_none() => Vec::new(),
+            _ => model.trainable_parameters().all_vars(),
+        };
         let opt = AdamW::new(
-            model.trainable_parameters().all_vars(),
+            vars,
             ParamsAdamW {
                 lr: args.lr,
                 weight_decay: args.weight_decay,
@@ -66,8 +72,19 @@ impl Run {
             .drop_last(true);
         model.train(true);
         let mixed = accelerator.state().mixed_precision();
-        let full_mixed = mixed != MixedPrecision::No && model.lora_config().is_none();
-        let (opt, loader, working) = if full_mixed {
+        let lora = model.lora_config().is_some();
+        let sharded = model.sharded_parameters().cloned();
+        let full_mixed = mixed != MixedPrecision::No && !lora && sharded.is_none();
+        let (opt, loader, working) = if let (Some(s), false) = (&sharded, lora) {
+            // ZeRO-3: the optimizer steps this rank's shards (under mixed precision they are the
+            // f32 masters; the units are gathered in the compute dtype).
+            let opt = accelerator.prepare_sharded_optimizer(s, opt)?;
+            (
+                Opt::Plain(opt),
+                accelerator.prepare_data_loader(loader)?,
+                None,
+            )
+        } else if full_mixed {
             let (opt, loader, work) = accelerator.prepare_mixed(model.varmap(), opt, loader)?;
             (Opt::Mixed(opt), loader, Some(model.with_parameters(&work)?))
         } else {
@@ -82,6 +99,8 @@ impl Run {
                 "mixed precision {mixed}: {}",
                 if full_mixed {
                     "f32 masters, working copies in the compute dtype"
+                } else if sharded.is_some() && !lora {
+                    "f32 master shards, each unit gathered in the compute dtype"
                 } else {
                     "the base in the compute dtype, the adapters in f32"
                 }

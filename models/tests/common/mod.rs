@@ -17,6 +17,13 @@ pub const ARCHS: &[&str] = &[
     "gpt2",
     "bert_mlm",
     "bert_cls",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen3_moe",
+    "qwen2_moe",
+    "phi3",
 ];
 
 /// The folder of fixture `name`: under `ACCELERATE_RS_MODELS_FIXTURES` when set (a test binary

@@ -32,19 +32,43 @@ pub struct LlamaRun {
 }
 
 impl LlamaRun {
-    /// Its `config.json`, as Hugging Face writes Llama's.
-    pub fn config_json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "model_type": "llama",
-            "hidden_size": self.hidden,
-            "intermediate_size": self.intermediate,
-            "num_hidden_layers": self.layers,
-            "num_attention_heads": self.heads,
-            "num_key_value_heads": self.kv_heads,
-            "vocab_size": self.vocab,
-            "max_position_embeddings": self.seq,
-            "tie_word_embeddings": false,
-        })
+    /// The model as `estimate-memory` sees it: its parameters (from a dry run of its
+    /// constructor, nothing allocated) and what its blocks keep per token, counted as
+    /// `accelerate-rs-models` counts Llama's (the same layers).
+    pub fn architecture(&self) -> accelerate_rs::memory::Architecture {
+        let (vb, shapes) = accelerate_rs::shape_only_var_builder(DType::F32, &Device::Cpu);
+        if let Err(e) = Model::new(self, vb, DType::F32) {
+            panic!("the test model's dry run failed: {e}");
+        }
+        let parameters = shapes
+            .specs()
+            .into_iter()
+            .map(|s| accelerate_rs::memory::TensorInfo {
+                name: s.name,
+                shape: s.shape,
+                dtype: "F32".into(),
+            })
+            .collect();
+        let (h, i) = (self.hidden as u64, self.intermediate as u64);
+        let d = self.hidden / self.heads;
+        let (q, kv) = (h, (self.kv_heads * d) as u64);
+        let gqa = if self.kv_heads < self.heads { 2 * q } else { 0 };
+        accelerate_rs::memory::Architecture {
+            name: "llama".into(),
+            hidden: self.hidden,
+            intermediate: self.intermediate,
+            layers: self.layers,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: d,
+            vocab: self.vocab,
+            max_positions: self.seq,
+            block_elements: 6 * h + 5 * q + 4 * kv + 3 * i + gqa,
+            outer_elements: 2 * h,
+            lm_head: true,
+            default_lora_targets: vec!["q_proj".into(), "v_proj".into()],
+            parameters,
+        }
     }
 
     /// The run as one line of text (for a child process's environment), and back.
