@@ -167,7 +167,10 @@ impl Accelerator {
     /// The mixed-precision mode, checked against the parameters (f32 masters).
     fn checked_mode(&self, named: &[(String, candle_core::Var)]) -> Result<MixedPrecision> {
         let mode = self.inner.state.mixed_precision();
-        check_mode(mode)?;
+        // Below stage 3 `prepare_sharded` is `prepare`, which takes every mode.
+        if self.inner.state.zero_stage() >= 3 {
+            check_mode(mode)?;
+        }
         if mode != MixedPrecision::No {
             if let Some((n, v)) = named.iter().find(|(_, v)| v.dtype() != DType::F32) {
                 return Err(masters_err(
