@@ -61,6 +61,7 @@
 
 mod attention;
 mod checkpoint;
+mod cross_entropy_options;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod dropout;
@@ -80,6 +81,7 @@ mod mask;
 mod norm;
 mod relu;
 mod rope;
+mod rope_geometry;
 mod silu;
 mod softmax;
 
@@ -87,6 +89,7 @@ pub use attention::{packed_self_attention, scaled_dot_product_attention, Attenti
 pub use candle_nn::LayerNormConfig;
 pub(crate) use checkpoint::checkpoint_then;
 pub use checkpoint::{backward, checkpoint, checkpoint_fn};
+pub use cross_entropy_options::CrossEntropyOptions;
 pub use dropout::{dropout, set_dropout_seed};
 pub use flash::{flash_attention, Documents, FlashAttentionOptions};
 pub use gelu::gelu;
@@ -94,7 +97,7 @@ pub use head_loss::linear_cross_entropy;
 pub use linear::{linear, linear_no_bias, linear_relu, Linear};
 pub use linear4bit::Linear4bit;
 pub use lora::{Lora, LoraConfig, LoraLinear, TargetModules};
-pub use loss::{cross_entropy, cross_entropy_with, CrossEntropyOptions};
+pub use loss::{cross_entropy, cross_entropy_with};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
 pub use relu::relu;
 pub use rope::{rope, rope_i, rope_thd};
