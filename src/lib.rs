@@ -140,7 +140,7 @@
 //!   fusions Candle has no counterpart for: [`nn::swiglu`],
 //!   [`nn::scaled_dot_product_attention`] / [`nn::packed_self_attention`] (the whole attention
 //!   as one op), [`nn::causal_softmax`] and [`nn::linear_cross_entropy`] (a language model's
-//!   head and loss). Activation checkpointing ([`nn::checkpoint`]), dropout that checkpointing
+//!   head and loss). Activation recomputation ([`nn::recompute`]), dropout that checkpointing
 //!   replays ([`nn::dropout`]), and LoRA adapters on `nn::Linear` layers ([`nn::LoraLinear`],
 //!   [`nn::LoraConfig`]: PEFT's settings) whose frozen base stays out of the optimizer and the
 //!   gradient all-reduce ([`Accelerator::gradient_bytes_reduced`] counts what is sent).
@@ -178,6 +178,7 @@
 
 mod accelerator;
 pub mod allocator;
+pub mod checkpoint;
 pub mod collective;
 #[cfg(feature = "cuda")]
 mod cuda_ptx;
@@ -194,6 +195,7 @@ mod readback;
 mod settings;
 pub mod tracking;
 mod train;
+pub mod weights;
 
 pub use settings::{gpu, limits};
 
@@ -207,7 +209,7 @@ pub mod env {
     pub use crate::settings::env::*;
     pub use crate::settings::worker_env::{CommonEnv, EnvSpec};
 }
-pub use train::{checkpoint, scheduler};
+pub use train::scheduler;
 
 /// Defaults of the settings, and what this build and machine offer (for the command line and
 /// for config files written by programs).
