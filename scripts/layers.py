@@ -42,6 +42,7 @@ PLAN = {
     "error": 0, "inplace": 0, "cuda_ptx": 0, "files": 0, "readback": 0,
     "settings": 1, "logging": 1,
     "allocator": 2, "collective": 2, "data": 2, "optim": 2, "nn": 2, "tracking": 2, "train": 2, "memory": 2, "quant": 2,
+    "checkpoint": 2, "weights": 2,
     "accelerator": 3,
     "lib": 4,
 }
@@ -49,8 +50,8 @@ PLAN = {
 
 # The most functions over 80 lines the workspace may have, and the most circles between files
 # (all three crates together): lowered as functions are split and circles broken, never raised.
-FUNCTION_CEILING = 54
-FILE_CIRCLE_CEILING = 3
+FUNCTION_CEILING = 52
+FILE_CIRCLE_CEILING = 0
 
 
 def top_modules() -> set[str]:

@@ -44,6 +44,18 @@ macro_rules! setters {
     };
 }
 
+impl Accelerator {
+    /// Reads the environment and the config file and joins the run.
+    pub fn new() -> Result<Self> {
+        Self::builder().build()
+    }
+
+    /// A builder to override settings in code.
+    pub fn builder() -> AcceleratorBuilder {
+        AcceleratorBuilder::default()
+    }
+}
+
 impl AcceleratorBuilder {
     setters! {
         /// Force the CPU even when GPUs are present.
@@ -203,5 +215,27 @@ fn self_launch(o: &Overrides, getenv: &dyn Fn(&str) -> Option<String>) -> Result
     match crate::settings::self_launch(o, getenv)? {
         Some(plan) => match super::spawn::run(&plan)? {},
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::settings::env;
+
+    #[test]
+    fn build_refuses_data_parallel_replicas_and_says_to_run() {
+        // A private empty config file, so a developer's config cannot interfere.
+        let cfg = tempfile::NamedTempFile::new().unwrap();
+        let builder = AcceleratorBuilder {
+            o: Overrides {
+                config_file: Some(cfg.path().to_path_buf()),
+                ..Overrides::default()
+            },
+            collective: None,
+        };
+        let getenv = |k: &str| (k == env::DATA_PARALLEL).then(|| "2".to_string());
+        let e = builder.build_with(&getenv).unwrap_err().to_string();
+        assert!(e.contains("run") && e.contains("data_parallel"), "{e}");
     }
 }

@@ -4,10 +4,11 @@
 use std::path::{Path, PathBuf};
 
 use super::Accelerator;
+use crate::checkpoint::{self, CheckpointParts, LoadTargets, Manifest};
 use crate::error::Result;
 use crate::optim::StatefulOptimizer;
-use crate::train::checkpoint::{self, CheckpointParts, LoadTargets, Manifest};
 use crate::train::params::Parameters;
+use crate::weights;
 
 impl Accelerator {
     /// Saves a checkpoint of `parts` into `dir` (replacing a previous one there, atomically; see
@@ -48,7 +49,7 @@ impl Accelerator {
     /// process writes (atomically, through `<path>.tmp-<pid>`). Read it back with
     /// [`load_model`](Self::load_model).
     pub fn save_model(&self, path: impl AsRef<Path>, model: &dyn Parameters) -> Result<()> {
-        checkpoint::save_model(self.collective().as_ref(), path.as_ref(), model)
+        weights::save_model(self.collective().as_ref(), path.as_ref(), model)
     }
 
     /// Saves the model's parameters for Hugging Face tooling into the directory `dir`, in
@@ -65,7 +66,7 @@ impl Accelerator {
         model: &dyn Parameters,
         max_shard_bytes: usize,
     ) -> Result<()> {
-        checkpoint::save_model_sharded(
+        weights::save_model_sharded(
             self.collective().as_ref(),
             dir.as_ref(),
             model,
@@ -84,7 +85,7 @@ impl Accelerator {
         config: &serde_json::Value,
         max_shard_bytes: usize,
     ) -> Result<()> {
-        checkpoint::save_model_sharded(
+        weights::save_model_sharded(
             self.collective().as_ref(),
             dir.as_ref(),
             model,
@@ -100,7 +101,7 @@ impl Accelerator {
     /// conversion; see [`checkpoint::load_weights`](crate::checkpoint::load_weights). Every rank
     /// reads the files itself; nothing communicates.
     pub fn load_model(&self, path: impl AsRef<Path>, model: &dyn Parameters) -> Result<()> {
-        checkpoint::load_weights(path, model)
+        weights::load_weights(path, model)
     }
 
     /// Loads the checkpoint in `dir` (or its `.old` copy, after a crash mid-save) into `model`

@@ -316,7 +316,6 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::accelerator::AcceleratorBuilder;
     use crate::settings::place::data_parallel as replicas;
     use std::collections::HashMap;
 
@@ -405,7 +404,7 @@ mod tests {
     }
 
     #[test]
-    fn env_dp_with_several_processes_or_build_is_an_error() {
+    fn env_dp_with_several_processes_is_an_error() {
         let cfg = tempfile::NamedTempFile::new().unwrap();
         let getenv = env_of(&[
             (env::DATA_PARALLEL, "2"),
@@ -421,13 +420,5 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("one process") && e.contains("launch -n"), "{e}");
-        // A single accelerator cannot be DP.
-        let getenv = env_of(&[(env::DATA_PARALLEL, "2")]);
-        let builder = AcceleratorBuilder {
-            o: overrides(&cfg),
-            collective: None,
-        };
-        let e = builder.build_with(&getenv).unwrap_err().to_string();
-        assert!(e.contains("run"), "{e}");
     }
 }

@@ -116,6 +116,7 @@ macro_rules! uninhabited_collective {
     };
 }
 
+mod agree;
 mod base;
 mod buffer;
 pub mod fallback;
@@ -132,6 +133,7 @@ mod single;
 mod tcp;
 mod threads;
 
+pub(crate) use agree::agree_on_write;
 pub(crate) use base::{agree_on_rows, check_root};
 pub use base::{chunk_range, Collective, Gate};
 pub(crate) use buffer::{tensor_from_bytes, HostVec};

@@ -21,9 +21,13 @@
 //!   overflow and matches the tensor's byte range, ranges that tile the data section, no tensor
 //!   named twice (a JSON object with a repeated key would otherwise keep only the last).
 
+mod durable;
 mod regular;
 mod safetensors;
 
+pub(crate) use durable::{
+    io_err, sync_dir, sync_file, with_suffix, write_err, write_json, write_safetensors,
+};
 pub use regular::{
     check_regular, open_regular, read_bounded, read_json, read_to_string_bounded, MAX_JSON_BYTES,
     MAX_TEXT_BYTES, MAX_TOKENIZER_BYTES,

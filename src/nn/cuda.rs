@@ -535,7 +535,7 @@ pub(super) fn rope(
     (xs, xl): (&CudaStorage, &Layout),
     (cs, cl): (&CudaStorage, &Layout),
     (ss, sl): (&CudaStorage, &Layout),
-    g: super::rope::Geometry,
+    g: super::rope_geometry::Geometry,
     sign: f32,
 ) -> Result<(CudaStorage, Shape)> {
     const OP: &str = "rope_fwd";
@@ -589,7 +589,7 @@ pub(super) fn rope(
 pub(super) fn rope_tables(
     (xs, xl): (&CudaStorage, &Layout),
     (gs, gl): (&CudaStorage, &Layout),
-    g: super::rope::Geometry,
+    g: super::rope_geometry::Geometry,
     sign: f32,
 ) -> Result<(CudaStorage, Shape)> {
     const OP: &str = "rope_tables";

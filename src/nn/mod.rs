@@ -18,7 +18,7 @@
 //! ops. `docs/candle-transformers.md` in the repository lists which `candle-transformers` models
 //! call the ops without a backward pass, and how to switch.
 //!
-//! [`checkpoint`] / [`checkpoint_fn`] add activation checkpointing to any block (its
+//! [`recompute`] / [`recompute_fn`] add activation recomputation (checkpointing) to any block (its
 //! activations are recomputed in the backward pass instead of kept); [`backward`] is the
 //! backward pass that collects the checkpointed blocks' parameter gradients. [`dropout`] draws
 //! its masks from a per-thread stream that checkpointing replays, so checkpointed blocks may
@@ -60,7 +60,7 @@
 //! ```
 
 mod attention;
-mod checkpoint;
+mod cross_entropy_options;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod dropout;
@@ -78,15 +78,16 @@ mod lora_op;
 mod loss;
 mod mask;
 mod norm;
+mod recompute;
 mod relu;
 mod rope;
+mod rope_geometry;
 mod silu;
 mod softmax;
 
 pub use attention::{packed_self_attention, scaled_dot_product_attention, AttentionOptions};
 pub use candle_nn::LayerNormConfig;
-pub(crate) use checkpoint::checkpoint_then;
-pub use checkpoint::{backward, checkpoint, checkpoint_fn};
+pub use cross_entropy_options::CrossEntropyOptions;
 pub use dropout::{dropout, set_dropout_seed};
 pub use flash::{flash_attention, Documents, FlashAttentionOptions};
 pub use gelu::gelu;
@@ -94,8 +95,15 @@ pub use head_loss::linear_cross_entropy;
 pub use linear::{linear, linear_no_bias, linear_relu, Linear};
 pub use linear4bit::Linear4bit;
 pub use lora::{Lora, LoraConfig, LoraLinear, TargetModules};
-pub use loss::{cross_entropy, cross_entropy_with, CrossEntropyOptions};
+pub use loss::{cross_entropy, cross_entropy_with};
 pub use norm::{layer_norm, rms_norm, LayerNorm, RmsNorm};
+pub(crate) use recompute::recompute_then;
+pub use recompute::{backward, recompute, recompute_fn};
+/// The old names of [`recompute`] and [`recompute_fn`] (PyTorch's `torch.utils.checkpoint`),
+/// kept so existing code compiles; "checkpoint" now names the training-state checkpoints
+/// ([`crate::checkpoint`]).
+#[deprecated(since = "0.2.0", note = "renamed `nn::recompute` / `nn::recompute_fn`")]
+pub use recompute::{recompute as checkpoint, recompute_fn as checkpoint_fn};
 pub use relu::relu;
 pub use rope::{rope, rope_i, rope_thd};
 pub use silu::{silu, swiglu};

@@ -12,41 +12,10 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tenso
 use rayon::prelude::*;
 
 use super::elem::{binary_float, fused_unproven, multiversion, slice, Elem};
+use super::rope_geometry::{Geometry, Variant};
 
 /// Elements per Rayon task (rows are grouped up to this size).
 const CHUNK: usize = 8192;
-
-/// Which of Candle's three layouts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Variant {
-    /// `rope`: `xs` `[B, H, T, D]`, pairs `(i, i + D/2)` (the two halves of each row).
-    Halves,
-    /// `rope_i`: `xs` `[B, H, T, D]`, pairs `(2i, 2i + 1)` (interleaved).
-    Interleaved,
-    /// `rope_thd`: `xs` `[B, T, H, D]`, pairs of halves.
-    Thd,
-}
-
-impl Variant {
-    fn name(self) -> &'static str {
-        match self {
-            Variant::Halves => "accelerate_rs::nn::rope",
-            Variant::Interleaved => "accelerate_rs::nn::rope_i",
-            Variant::Thd => "accelerate_rs::nn::rope_thd",
-        }
-    }
-
-    fn layout(self) -> &'static str {
-        match self {
-            Variant::Thd => "[batch, seq, heads, head_dim]",
-            _ => "[batch, heads, seq, head_dim]",
-        }
-    }
-
-    fn interleaved(self) -> bool {
-        self == Variant::Interleaved
-    }
-}
 
 /// Rotary embeddings on the two halves of each row: `xs` `[batch, heads, seq, head_dim]`, `cos`
 /// and `sin` `[positions, head_dim / 2]` (the first `seq` positions are used) or
@@ -188,87 +157,6 @@ fn composed(variant: Variant, xs: &Tensor, cos: &Tensor, sin: &Tensor) -> Result
     } else {
         let (ya, yb) = turn(&xs.narrow(3, 0, half)?, &xs.narrow(3, half, half)?)?;
         Tensor::cat(&[ya, yb], 3)
-    }
-}
-
-/// The geometry of one application: rows of `d` features, and the table row each uses (the CUDA
-/// kernels take it too).
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Geometry {
-    variant: Variant,
-    /// `[B, H, T, D]` (or `[B, T, H, D]` for [`Variant::Thd`]), as `(b, h, t, d)`.
-    pub(super) b: usize,
-    pub(super) h: usize,
-    pub(super) t: usize,
-    pub(super) d: usize,
-    /// One table per sequence (`[B, T, D/2]`) rather than one shared (`[T, D/2]`).
-    pub(super) batched: bool,
-}
-
-impl Geometry {
-    fn new(variant: Variant, x: &Layout, cs: &Layout) -> Result<Geometry> {
-        let (b, a, c, d) = x.shape().dims4()?;
-        let (h, t) = if variant == Variant::Thd {
-            (c, a)
-        } else {
-            (a, c)
-        };
-        Ok(Geometry {
-            variant,
-            b,
-            h,
-            t,
-            d,
-            batched: cs.dims().len() == 3,
-        })
-    }
-
-    /// The table row of `xs`'s row `r`.
-    #[inline]
-    fn table_row(&self, r: usize) -> usize {
-        let (bi, ti) = match self.variant {
-            Variant::Thd => (r / (self.t * self.h), (r / self.h) % self.t),
-            _ => (r / (self.h * self.t), r % self.t),
-        };
-        if self.batched {
-            bi * self.t + ti
-        } else {
-            ti
-        }
-    }
-
-    /// The rows of `xs` that use table row `p` (the table's gradient sums over them).
-    fn rows_of(&self, p: usize) -> impl Iterator<Item = usize> + '_ {
-        let (ti, batches) = if self.batched {
-            (p % self.t, p / self.t..p / self.t + 1)
-        } else {
-            (p, 0..self.b)
-        };
-        batches.flat_map(move |bi| {
-            (0..self.h).map(move |hi| match self.variant {
-                Variant::Thd => (bi * self.t + ti) * self.h + hi,
-                _ => (bi * self.h + hi) * self.t + ti,
-            })
-        })
-    }
-
-    /// The layout as the CUDA kernels number it: 0 halves, 1 interleaved, 2 `[B, T, H, D]`.
-    #[cfg(feature = "cuda")]
-    pub(super) fn kernel_variant(&self) -> i32 {
-        match self.variant {
-            Variant::Halves => 0,
-            Variant::Interleaved => 1,
-            Variant::Thd => 2,
-        }
-    }
-
-    /// Rows of the tables.
-    pub(super) fn table_rows(&self) -> usize {
-        if self.batched {
-            self.b * self.t
-        } else {
-            self.t
-        }
     }
 }
 

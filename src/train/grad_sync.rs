@@ -3,7 +3,8 @@
 //! accumulation, the averaging across ranks (the one place that asks whether there is more than
 //! one rank), clipping and flushing. [`AcceleratedOptimizer`](crate::AcceleratedOptimizer),
 //! [`MixedPrecisionOptimizer`](crate::MixedPrecisionOptimizer) and
-//! [`Accelerator::backward`](crate::Accelerator::backward) all go through it.
+//! [`Accelerator::backward`](crate::Accelerator::backward) all go through it. Where it stands on
+//! a gradient's way from the loss to the parameters: ARCHITECTURE.md, "The path of one gradient".
 //!
 //! ## Gradient accumulation
 //!

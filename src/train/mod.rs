@@ -2,7 +2,6 @@
 //! the optimizer wrappers, mixed precision, learning-rate schedules and the checkpoint format.
 
 pub(crate) mod batch_size;
-pub mod checkpoint;
 pub(crate) mod clip;
 pub(crate) mod grad_sync;
 pub(crate) mod init;

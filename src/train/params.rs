@@ -345,6 +345,23 @@ impl ParamSet {
     }
 }
 
+/// Parameters as a name → tensor map, checking that names are unique.
+pub(crate) fn named_tensors(model: &dyn Parameters) -> Result<Vec<(String, Tensor)>> {
+    let mut named: Vec<(String, Tensor)> = model
+        .named_parameters()
+        .into_iter()
+        .map(|(n, v)| (n, v.as_tensor().clone()))
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    if let Some(w) = named.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(Error::invalid(
+            "model parameters",
+            format!("the name `{}` is used twice", w[0].0),
+        ));
+    }
+    Ok(named)
+}
+
 #[cfg(test)]
 #[path = "params_tests.rs"]
 mod tests;

@@ -35,7 +35,6 @@
 use std::f64::consts::PI;
 
 use crate::error::{Error, Result};
-use crate::train::checkpoint::Checkpointable;
 use crate::train::optimizer::TrainOptimizer;
 
 /// A learning rate as a function of the optimizer step count (0 for the first step).
@@ -317,19 +316,6 @@ impl<S: LrScheduler> Schedule<S> {
     /// The scheduler.
     pub fn scheduler(&self) -> &S {
         &self.scheduler
-    }
-}
-
-impl<S: LrScheduler> Checkpointable for Schedule<S> {
-    fn checkpoint_state(&self) -> Result<serde_json::Value> {
-        Ok(serde_json::json!({ "step": self.current_step() }))
-    }
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<()> {
-        let step = state["step"].as_u64().ok_or_else(|| {
-            Error::invalid("schedule state", "`step` is not a non-negative integer")
-        })?;
-        self.set_step(step);
-        Ok(())
     }
 }
 

@@ -263,7 +263,7 @@ impl ShardedModel {
     /// them (by their full names: `vb.pp(unit)` reaches the unit's own) and builds and runs the
     /// unit's layers. At stage 3 the unit is all-gathered for the call and dropped after it;
     /// the backward pass gathers it again and recomputes `block` (activation checkpointing,
-    /// as [`nn::checkpoint_fn`](crate::nn::checkpoint_fn): `block` must be deterministic, and
+    /// as [`nn::recompute_fn`](crate::nn::recompute_fn): `block` must be deterministic, and
     /// gradients must be computed through the accelerator, not `loss.backward()`), then
     /// reduce-scatters the unit's gradients. Every rank must run the same units in the same
     /// order. Below stage 3 `block` runs once on the model's variables.
@@ -296,7 +296,7 @@ impl ShardedModel {
             drop(vars);
             Ok(inner.reduce_unit(idx, gs)?)
         };
-        let y = crate::nn::checkpoint_then(Arc::new(f), Arc::new(after), x)?;
+        let y = crate::nn::recompute_then(Arc::new(f), Arc::new(after), x)?;
         replaying.store(true, Ordering::Relaxed);
         Ok(y)
     }

@@ -17,11 +17,11 @@ use crate::collective::Collective;
 use crate::error::{Error, Result};
 use crate::train::pieces::ShardedParameters;
 
-use super::io::sync_file;
-use super::load::agree;
-use super::model_files::{check_finite, model_write_err, write_json, SHARD_INDEX_FILE};
+use super::model_file::{check_finite, is_model_weights_file, model_write_err, SHARD_INDEX_FILE};
 use super::place::{check_folder_target, fresh_tmp, place_files};
-use super::{io_err, with_suffix, write_err, CONFIG_FILE, MODEL_FILE};
+use crate::collective::agree_on_write;
+use crate::files::{io_err, sync_file, with_suffix, write_err, write_json};
+use crate::train::weights::{CONFIG_FILE, SINGLE_FILE as MODEL_FILE};
 
 /// Where a streamed model goes.
 pub(super) enum Target<'a> {
@@ -220,7 +220,7 @@ pub(super) fn save(
         Some(w) => finish(w, &target),
         None => Ok(()),
     };
-    agree(c, what, &at, result).map_err(model_write_err)
+    agree_on_write(c, what, &at, result).map_err(model_write_err)
 }
 
 /// Rank 0's preparation: the plan and the temporary place of the files.
@@ -281,7 +281,7 @@ fn finish(writer: Result<Writer>, target: &Target<'_>) -> Result<()> {
                 .map_err(|e| io_err("renaming the model into", path, e)),
             Target::Folder { dir, config, .. } => {
                 index_and_config(&w, *config).and_then(|()| match tmp_of(&w) {
-                    Some(tmp) => place_files(&tmp, dir, super::model_files::is_model_weights_file),
+                    Some(tmp) => place_files(&tmp, dir, is_model_weights_file),
                     None => Ok(()),
                 })
             }

@@ -20,8 +20,20 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{corrupt, io_err, with_suffix, LoaderPosition, MANIFEST_FILE, MODEL_FILE};
+use super::io::corrupt;
+use super::names::{MANIFEST_FILE, MODEL_FILE};
 use crate::error::{Error, Result};
+use crate::files::{io_err, with_suffix};
+
+/// Where a data loader stands: `batches_done` batches of `epoch` were consumed. Give it back to
+/// [`DataLoader::resume_at`](crate::DataLoader::resume_at).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderPosition {
+    /// The epoch in progress.
+    pub epoch: u64,
+    /// Batches of that epoch already trained on (per rank; the same on every rank).
+    pub batches_done: usize,
+}
 
 /// The optimizer's scalars in a [`Manifest`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

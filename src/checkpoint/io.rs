@@ -10,39 +10,7 @@ use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
 
-use super::{checkpoint_err, io_err, write_err};
-
-pub(super) fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
-    let map: HashMap<String, Tensor> = tensors.iter().cloned().collect();
-    // Create it first, so that a refusal (missing folder, no space, no permission) comes with
-    // its OS error, and so that it gets the permissions a new file gets here (the umask's):
-    // the safetensors writer puts a file of its own in place, readable by its owner only.
-    let created = fs::File::create(path)
-        .map_err(|e| write_err(path, "could not create the file", Some(e)))?;
-    let permissions = created.metadata().map(|m| m.permissions()).ok();
-    drop(created);
-    candle_core::safetensors::save(&map, path).map_err(|e| match e {
-        candle_core::Error::Io(io) => write_err(path, "the file system refused it", Some(io)),
-        e => write_err(path, e.to_string(), None),
-    })?;
-    if let Some(p) = permissions {
-        fs::set_permissions(path, p).map_err(|e| io_err("setting the permissions of", path, e))?;
-    }
-    sync_file(path)
-}
-
-pub(super) fn sync_file(path: &Path) -> Result<()> {
-    fs::File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| io_err("syncing", path, e))
-}
-
-pub(super) fn sync_dir(path: &Path) {
-    // Best effort: not every platform can fsync a directory.
-    if let Ok(f) = fs::File::open(path) {
-        let _ = f.sync_all();
-    }
-}
+use crate::files::{io_err, write_err};
 
 /// Test-only hook ([`env::TEST_CRASH_AFTER`](crate::env::TEST_CRASH_AFTER)`=<file>`): the main process exits (code 3)
 /// right after writing that file of a checkpoint, as a kill would.
@@ -129,4 +97,54 @@ pub(super) fn lock_folder(folder: &Path) -> Result<()> {
         .map_err(|e| io_err("writing the lock file", &path, e))?;
     locks.push((key, f));
     Ok(())
+}
+
+/// [`Error::CheckpointCorrupt`] naming `path`.
+pub(super) fn corrupt(path: &Path, reason: impl Into<String>) -> Error {
+    Error::CheckpointCorrupt {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// A checkpoint that cannot be used, naming `path`.
+pub(super) fn checkpoint_err(path: &Path, reason: impl Into<String>) -> Error {
+    Error::invalid(format!("checkpoint {}", path.display()), reason)
+}
+
+/// Before a save replaces or removes `path`, which must then be its own: `Ok` when `path` is
+/// absent, or a folder whose entry names `ours` accepts. Anything else (a file, a symbolic link,
+/// a folder `ours` refuses) is [`Error::CheckpointWrite`] naming it, saying `not_ours` and up to
+/// three of the names it holds, then `advice`; nothing is touched.
+pub(super) fn check_ours(
+    path: &Path,
+    ours: impl Fn(&[String]) -> bool,
+    not_ours: &str,
+    advice: &str,
+) -> Result<()> {
+    let Ok(meta) = fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    let what = if meta.file_type().is_symlink() {
+        "it is a symbolic link (which would be replaced, not written through)".to_string()
+    } else if !meta.is_dir() {
+        "it exists and is not a folder".to_string()
+    } else {
+        let mut names = Vec::new();
+        for entry in fs::read_dir(path).map_err(|e| io_err("listing", path, e))? {
+            let entry = entry.map_err(|e| io_err("listing", path, e))?;
+            names.push(entry.file_name().to_string_lossy().into_owned());
+        }
+        if ours(&names) {
+            return Ok(());
+        }
+        names.sort();
+        let shown: Vec<_> = names.iter().take(3).map(|n| format!("`{n}`")).collect();
+        let more = match names.len().saturating_sub(3) {
+            0 => String::new(),
+            n => format!(" and {n} more"),
+        };
+        format!("{not_ours} and holds {}{more}", shown.join(", "))
+    };
+    Err(write_err(path, format!("{what}; {advice}"), None))
 }

@@ -1,15 +1,17 @@
-//! Activation checkpointing: a block's forward pass keeps only its input; the backward pass runs
+//! Activation recomputation ("activation checkpointing"; not to be confused with the
+//! training-state checkpoints of [`crate::checkpoint`]): a block's forward pass keeps only its
+//! input; the backward pass runs
 //! the block again and back-propagates through the recomputed graph (PyTorch's
 //! `torch.utils.checkpoint`).
 //!
-//! How it fits Candle's graph: [`checkpoint`] runs the block on a detached copy of its input, so
+//! How it fits Candle's graph: [`recompute`] runs the block on a detached copy of its input, so
 //! the intermediate activations are freed as soon as the output is taken, and returns that
 //! output through one custom op whose only input is the block's input. When Candle's backward
 //! reaches the op, it runs the block again on a fresh variable holding the input, back-propagates
 //! the op's output gradient through it, returns the input's gradient to Candle, and sets the
 //! parameters' gradients aside on this thread. [`backward`] (which `Accelerator::backward` and
 //! the optimizer wrappers call) adds them to the store `loss.backward()` returned. A plain
-//! `loss.backward()` would miss them: the next [`checkpoint`] call then fails naming this.
+//! `loss.backward()` would miss them: the next [`recompute`] call then fails naming this.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -21,13 +23,13 @@ use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Module, Result, Sh
 use candle_core::{Tensor, TensorId, Var};
 use rand_chacha::ChaCha8Rng;
 
-/// A block's forward function, as [`checkpoint_fn`] takes it.
+/// A block's forward function, as [`recompute_fn`] takes it.
 type Block = dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync;
 
-/// What [`checkpoint_then`] runs right after a recomputed block's backward pass, inside Candle's
+/// What [`recompute_then`] runs right after a recomputed block's backward pass, inside Candle's
 /// backward: it gets the gradients of the variables the recomputation used and takes those it
 /// owns out of the store (ZeRO-3 reduce-scatters a unit's gradients there); the others go where
-/// [`checkpoint_fn`] sends them.
+/// [`recompute_fn`] sends them.
 pub(crate) type AfterBackward = dyn Fn(&mut GradStore) -> Result<()> + Send + Sync;
 
 thread_local! {
@@ -61,31 +63,31 @@ thread_local! {
 /// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
 /// let block = linear(8, 8, vb.pp("block"))?;
 /// let x = Tensor::randn(0f32, 1.0, (4, 8), &Device::Cpu)?;
-/// let y = nn::checkpoint(&block, &x)?;
+/// let y = nn::recompute(&block, &x)?;
 /// let grads = nn::backward(&y.sqr()?.sum_all()?)?;
 /// assert!(grads.get(block.weight()).is_some());
 /// # Ok(()) }
 /// ```
-pub fn checkpoint<M>(module: &M, x: &Tensor) -> Result<Tensor>
+pub fn recompute<M>(module: &M, x: &Tensor) -> Result<Tensor>
 where
     M: Module + Clone + Send + Sync + 'static,
 {
     let m = module.clone();
-    checkpoint_fn(move |x: &Tensor| m.forward(x), x)
+    recompute_fn(move |x: &Tensor| m.forward(x), x)
 }
 
-/// [`checkpoint`] for a closure: `checkpoint_fn(move |x| block.forward(x, &mask), &x)` (move
+/// [`recompute`] for a closure: `recompute_fn(move |x| block.forward(x, &mask), &x)` (move
 /// in clones of what it needs: it is kept in the graph until the backward pass).
-pub fn checkpoint_fn<F>(f: F, x: &Tensor) -> Result<Tensor>
+pub fn recompute_fn<F>(f: F, x: &Tensor) -> Result<Tensor>
 where
     F: Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
 {
     checkpointed(Arc::new(f), None, x)
 }
 
-/// [`checkpoint_fn`] with `after` run on the recomputed block's parameter gradients as soon as
+/// [`recompute_fn`] with `after` run on the recomputed block's parameter gradients as soon as
 /// its backward pass is done (see [`AfterBackward`]).
-pub(crate) fn checkpoint_then(
+pub(crate) fn recompute_then(
     f: Arc<Block>,
     after: Arc<AfterBackward>,
     x: &Tensor,
@@ -102,7 +104,7 @@ fn checkpointed(f: Arc<Block>, after: Option<Arc<AfterBackward>>, x: &Tensor) ->
     };
     if uncollected > 0 {
         candle_core::bail!(
-            "accelerate_rs::nn::checkpoint: the gradients of {uncollected} parameter(s) inside checkpointed blocks were never collected: compute gradients with `accelerator.backward(&loss)`, an optimizer wrapper's `backward_step`, or `accelerate_rs::nn::backward(&loss)` instead of `loss.backward()`"
+            "accelerate_rs::nn::recompute: the gradients of {uncollected} parameter(s) inside checkpointed blocks were never collected: compute gradients with `accelerator.backward(&loss)`, an optimizer wrapper's `backward_step`, or `accelerate_rs::nn::backward(&loss)` instead of `loss.backward()`"
         );
     }
     let rng = super::dropout::stream_state();
@@ -128,7 +130,7 @@ fn checkpointed(f: Arc<Block>, after: Option<Arc<AfterBackward>>, x: &Tensor) ->
     input.apply_op1_arc(Arc::new(Box::new(op)))
 }
 
-/// `loss.backward()`, plus the gradients of the parameters inside [`checkpoint`]ed blocks. The
+/// `loss.backward()`, plus the gradients of the parameters inside [`recompute`]ed blocks. The
 /// one backward pass accelerate-rs runs; call it instead of `loss.backward()` when not going
 /// through an [`Accelerator`](crate::Accelerator) or optimizer wrapper.
 pub fn backward(loss: &Tensor) -> Result<GradStore> {
@@ -205,7 +207,7 @@ fn check_memory_limit(loss: &Tensor) -> Result<()> {
     .into())
 }
 
-/// The checkpoint node: forward hands out the output computed in [`checkpoint_fn`]; backward
+/// The checkpoint node: forward hands out the output computed in [`recompute_fn`]; backward
 /// recomputes the block.
 struct Checkpointed {
     f: Arc<Block>,
@@ -230,7 +232,7 @@ impl Checkpointed {
             .take()
             .ok_or_else(|| {
                 candle_core::Error::Msg(
-                    "accelerate_rs::nn::checkpoint: the op's forward ran twice".into(),
+                    "accelerate_rs::nn::recompute: the op's forward ran twice".into(),
                 )
             })?;
         let y = if y.is_contiguous() && y.layout().start_offset() == 0 {
@@ -241,7 +243,7 @@ impl Checkpointed {
         let (storage, layout) = y.storage_and_layout();
         let s = pick(&storage).ok_or_else(|| {
             candle_core::Error::Msg(
-                "accelerate_rs::nn::checkpoint: the block's output is on another device than its input"
+                "accelerate_rs::nn::recompute: the block's output is on another device than its input"
                     .into(),
             )
         })?;
@@ -277,7 +279,7 @@ impl CustomOp1 for Checkpointed {
         let y = y?;
         if y.shape() != grad.shape() {
             candle_core::bail!(
-                "accelerate_rs::nn::checkpoint: the recomputed block gives shape {:?}, the first pass gave {:?} (the block must be deterministic)",
+                "accelerate_rs::nn::recompute: the recomputed block gives shape {:?}, the first pass gave {:?} (the block must be deterministic)",
                 y.shape(),
                 grad.shape()
             );

@@ -7,13 +7,12 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::io::write_safetensors;
-use super::model_files::{model_write_err, write_json};
-use super::named_tensors;
+use super::model_file::{check_finite, model_write_err};
 use super::place::{check_folder_target, fresh_tmp, place_files};
 use crate::error::{Error, Result};
+use crate::files::{write_json, write_safetensors};
 use crate::nn::LoraConfig;
-use crate::train::params::Parameters;
+use crate::train::params::{named_tensors, Parameters};
 use crate::train::weights::load_weights_mapped;
 
 /// The adapter's settings in a PEFT adapter folder.
@@ -70,7 +69,7 @@ fn write_adapter(dir: &Path, config: &Value, adapters: &dyn Parameters) -> Resul
         ));
     }
     check_folder_target(dir)?;
-    super::model_files::check_finite(dir, &tensors)?;
+    check_finite(dir, &tensors)?;
     let tmp = fresh_tmp(dir)?;
     let written = write_safetensors(&tmp.join(ADAPTER_WEIGHTS_FILE), &tensors)
         .and_then(|()| write_json(&tmp.join(ADAPTER_CONFIG_FILE), config));

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
-use super::{io_err, with_suffix, write_err};
+use crate::files::{io_err, sync_dir, with_suffix, write_err};
 
 /// An error unless `dir` is absent or a folder (links followed): a model is saved as a folder,
 /// written into an existing one, never in place of a file; a link that leads nowhere is refused.
@@ -78,7 +78,7 @@ pub(super) fn place_files(tmp: &Path, dir: &Path, stale: fn(&str) -> bool) -> Re
 }
 
 fn place(tmp: &Path, dir: &Path, stale: fn(&str) -> bool) -> Result<()> {
-    super::io::sync_dir(tmp);
+    sync_dir(tmp);
     if fs::symlink_metadata(dir).is_err() {
         fs::rename(tmp, dir).map_err(|e| io_err("renaming the new folder into", dir, e))?;
         sync_parent(dir);
@@ -96,7 +96,7 @@ fn place(tmp: &Path, dir: &Path, stale: fn(&str) -> bool) -> Result<()> {
             _ => keep(&dir.join(&name), &tmp.join(&name), kind)?,
         }
     }
-    super::io::sync_dir(tmp);
+    sync_dir(tmp);
     exchange(tmp, dir)?;
     sync_parent(dir);
     // `tmp` now holds the old folder: its subfolders move into the new one, then it goes.
@@ -110,7 +110,7 @@ fn place(tmp: &Path, dir: &Path, stale: fn(&str) -> bool) -> Result<()> {
 
 fn sync_parent(dir: &Path) {
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        super::io::sync_dir(parent);
+        sync_dir(parent);
     }
 }
 

@@ -15,8 +15,9 @@ use crate::train::pieces::ShardedParameters;
 use crate::train::weights::{read_piece_overlaps, read_slices, ParamSpec};
 
 use super::io::read_safetensors;
+use super::io::{checkpoint_err, corrupt};
 use super::manifest::{model_shard_file, Manifest};
-use super::{corrupt, MODEL_FILE};
+use super::names::{MANIFEST_FILE, MODEL_FILE};
 
 /// The model of a checkpoint written by `n` ZeRO-3 ranks, whole: every parameter of the
 /// manifest put together from its pieces, which must cover it exactly once.
@@ -26,7 +27,7 @@ pub(super) fn read_whole(
     n: usize,
     device: &Device,
 ) -> Result<HashMap<String, Tensor>> {
-    let mpath = dir.join(super::MANIFEST_FILE);
+    let mpath = dir.join(MANIFEST_FILE);
     if manifest.model_shapes.len() != manifest.parameters.len() {
         return Err(corrupt(
             &mpath,
@@ -134,7 +135,7 @@ pub(super) fn read_local(
 
 /// The checkpoint's parameters (names, shapes) against the model's.
 fn check_parameters(dir: &Path, manifest: &Manifest, specs: &[ParamSpec]) -> Result<()> {
-    let path = dir.join(super::MANIFEST_FILE);
+    let path = dir.join(MANIFEST_FILE);
     let saved: HashMap<&str, &Vec<usize>> = manifest
         .parameters
         .iter()
@@ -144,7 +145,7 @@ fn check_parameters(dir: &Path, manifest: &Manifest, specs: &[ParamSpec]) -> Res
     for s in specs {
         match saved.get(s.name.as_str()) {
             None => {
-                return Err(super::checkpoint_err(
+                return Err(checkpoint_err(
                     &path,
                     format!(
                         "parameter `{}` is missing (the model has it, the checkpoint does not)",
@@ -153,7 +154,7 @@ fn check_parameters(dir: &Path, manifest: &Manifest, specs: &[ParamSpec]) -> Res
                 ))
             }
             Some(shape) if **shape != s.shape => {
-                return Err(super::checkpoint_err(
+                return Err(checkpoint_err(
                     &path,
                     format!(
                     "parameter `{}` has shape {shape:?} in the checkpoint, but {:?} in the model",
@@ -169,7 +170,7 @@ fn check_parameters(dir: &Path, manifest: &Manifest, specs: &[ParamSpec]) -> Res
         .iter()
         .find(|p| !specs.iter().any(|s| &s.name == *p))
     {
-        return Err(super::checkpoint_err(
+        return Err(checkpoint_err(
             &path,
             format!("parameter `{extra}` is in the checkpoint but not in the model"),
         ));

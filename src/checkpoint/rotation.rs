@@ -5,8 +5,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use super::manifest::{is_complete, read_manifest, resolve_checkpoint, verify_checkpoint};
-use super::{io_err, with_suffix, AUTO_PREFIX};
+use super::names::AUTO_PREFIX;
 use crate::error::{Error, Result};
+use crate::files::{io_err, with_suffix};
 
 /// The number `N` of a `checkpoint_<N>` directory name.
 fn auto_number(name: &str) -> Option<u64> {

@@ -6,17 +6,18 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 
-use crate::collective::Collective;
 use crate::error::Result;
 use crate::train::params::Parameters;
 
 use super::io::read_safetensors;
+use super::io::{checkpoint_err, corrupt};
 use super::manifest::{resolve_checkpoint, verify_checkpoint, Manifest};
-use super::optimizer::{optimizer_files, read_optimizer};
-use super::{
-    checkpoint_err, corrupt, io_err, named_model_file, named_optimizer_base, write_err,
-    LoadTargets, MODEL_FILE, OPTIMIZER_BASE, STATES_FILE,
+use super::names::{
+    named_model_file, named_optimizer_base, MODEL_FILE, OPTIMIZER_BASE, STATES_FILE,
 };
+use super::optimizer::{optimizer_files, read_optimizer};
+use super::parts::LoadTargets;
+use crate::files::io_err;
 
 /// Whether a float tensor holds a NaN or an infinity.
 pub(super) fn non_finite(t: &Tensor) -> Result<bool> {
@@ -252,19 +253,4 @@ fn read_model(
         }
     };
     Ok((sets, None))
-}
-
-/// Makes every rank return the main process's result of a write.
-pub(super) fn agree(c: &dyn Collective, op: &str, path: &Path, result: Result<()>) -> Result<()> {
-    let mut ok = [if result.is_ok() { 1f32 } else { 0f32 }];
-    c.broadcast((&mut ok[..]).into(), 0)?;
-    result?;
-    if ok[0] != 1.0 {
-        return Err(write_err(
-            path,
-            format!("{op} failed on the main process, rank 0 (see its error)"),
-            None,
-        ));
-    }
-    Ok(())
 }

@@ -9,30 +9,13 @@ use candle_core::Tensor;
 
 use crate::collective::Collective;
 use crate::error::{Error, Result};
-use crate::train::params::Parameters;
+use crate::files::{io_err, with_suffix, write_err, write_json, write_safetensors};
+use crate::train::params::{named_tensors, Parameters};
+use crate::train::weights::{CONFIG_FILE, SINGLE_FILE as MODEL_FILE};
 
-use super::io::{sync_file, write_safetensors};
-use super::load::agree;
+use super::model_file::{check_finite, is_model_weights_file, model_write_err, SHARD_INDEX_FILE};
 use super::place::{check_folder_target, fresh_tmp, place_files};
-use super::{io_err, named_tensors, with_suffix, write_err, CONFIG_FILE, MODEL_FILE};
-
-/// A model file's write error as [`Error::ModelFile`] (the checkpoint writers' errors say
-/// "checkpoint").
-pub(super) fn model_write_err(e: Error) -> Error {
-    match e {
-        Error::CheckpointWrite {
-            path,
-            reason,
-            source,
-        } => Error::ModelFile {
-            path,
-            tensor: None,
-            reason: format!("could not write it: {reason}"),
-            source,
-        },
-        e => e,
-    }
-}
+use crate::collective::agree_on_write;
 
 /// See [`Accelerator::save_model`](crate::Accelerator::save_model).
 pub(crate) fn save_model(c: &dyn Collective, path: &Path, model: &dyn Parameters) -> Result<()> {
@@ -69,31 +52,8 @@ pub(crate) fn save_model(c: &dyn Collective, path: &Path, model: &dyn Parameters
     } else {
         Ok(())
     };
-    agree(c, "save_model", path, result).map_err(model_write_err)
+    agree_on_write(c, "save_model", path, result).map_err(model_write_err)
 }
-
-/// An error naming the first tensor of `tensors` that holds a NaN or an infinity: a model folder
-/// is never written with non-finite weights (they would replace a sound save with a model that
-/// only computes NaN). One reduction per tensor.
-pub(super) fn check_finite(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
-    for (name, t) in tensors {
-        if let Some(what) = crate::train::clip::non_finite(t)? {
-            return Err(Error::ModelFile {
-                path: path.to_path_buf(),
-                tensor: Some(name.clone()),
-                reason: format!(
-                    "not saved: the parameter holds {what} (training diverged; nothing was \
-                     written, an earlier save there is untouched)"
-                ),
-                source: None,
-            });
-        }
-    }
-    Ok(())
-}
-
-/// The index Hugging Face tooling reads next to sharded safetensors files.
-pub const SHARD_INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// Groups `tensors` (in name order) into shards of at most `max_bytes` each (a tensor larger
 /// than that gets a shard of its own).
@@ -178,26 +138,6 @@ fn write_shards(
     Ok(())
 }
 
-/// `value` as pretty JSON in the file `path`, synced.
-pub(super) fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
-    let text = serde_json::to_string_pretty(value)
-        .map_err(|e| write_err(path, format!("could not serialize it: {e}"), None))?;
-    fs::write(path, text).map_err(|e| write_err(path, "could not write it", Some(e)))?;
-    sync_file(path)
-}
-
-/// The weight files of a Hugging Face model folder: `model.safetensors`, the shard index and
-/// `model-NNNNN-of-NNNNN.safetensors` shards.
-pub(super) fn is_model_weights_file(name: &str) -> bool {
-    let shard = || {
-        let middle = name.strip_prefix("model-")?.strip_suffix(".safetensors")?;
-        let (i, n) = middle.split_once("-of-")?;
-        let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
-        Some(digits(i) && digits(n))
-    };
-    name == MODEL_FILE || name == SHARD_INDEX_FILE || shard() == Some(true)
-}
-
 /// See [`Accelerator::save_model_sharded`](crate::Accelerator::save_model_sharded).
 pub(crate) fn save_model_sharded(
     c: &dyn Collective,
@@ -219,7 +159,7 @@ pub(crate) fn save_model_sharded(
     } else {
         Ok(())
     };
-    agree(c, "save_model_sharded", dir, result).map_err(model_write_err)
+    agree_on_write(c, "save_model_sharded", dir, result).map_err(model_write_err)
 }
 
 /// What the main process does in

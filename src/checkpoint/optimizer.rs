@@ -12,13 +12,12 @@ use crate::collective::Collective;
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, StateShard, StatefulOptimizer};
 
-use super::io::{crash_hook, lock_folder, read_safetensors, write_safetensors};
-use super::load::agree;
+use super::io::{check_ours, checkpoint_err, corrupt, crash_hook, lock_folder, read_safetensors};
 use super::manifest::{model_shard_file, OptimizerManifest};
-use super::{
-    check_ours, checkpoint_err, corrupt, io_err, named_optimizer_base, with_suffix, write_err,
-    CheckpointParts, MANIFEST_FILE, OPTIMIZER_BASE,
-};
+use super::names::{named_optimizer_base, MANIFEST_FILE, OPTIMIZER_BASE};
+use super::parts::CheckpointParts;
+use crate::collective::agree_on_write;
+use crate::files::{io_err, with_suffix, write_err, write_safetensors};
 
 /// Puts an optimizer's state into `tmp`: `<base>.safetensors`, or for a sharded one
 /// ([`Took::Shard`]) the `world_size` per-rank files moved in from `stage`; returns its manifest
@@ -239,7 +238,7 @@ pub(super) fn stage_shards(
     } else {
         Ok(())
     };
-    agree(
+    agree_on_write(
         c,
         "save_state (making the folder of the optimizer shards)",
         &stage,

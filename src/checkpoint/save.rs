@@ -9,15 +9,17 @@ use std::path::{Path, PathBuf};
 use crate::collective::Collective;
 use crate::error::{Error, Result};
 
-use super::io::{crash_hook, lock_folder, sync_dir, sync_file, write_safetensors};
+use super::io::{check_ours, crash_hook, lock_folder};
 use super::manifest::{checksum_file, model_shard_file, Manifest};
-use super::optimizer::{remove_stage, stage_shards, take_on_every_rank, write_optimizer, Taken};
-use super::rotation::{auto_entries, latest_number, rotate};
-use super::{
-    check_ours, io_err, named_model_file, named_optimizer_base, named_tensors, with_suffix,
-    write_err, CheckpointParts, AUTO_PREFIX, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_BASE,
+use super::names::{
+    named_model_file, named_optimizer_base, AUTO_PREFIX, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_BASE,
     STATES_FILE,
 };
+use super::optimizer::{remove_stage, stage_shards, take_on_every_rank, write_optimizer, Taken};
+use super::parts::CheckpointParts;
+use super::rotation::{auto_entries, latest_number, rotate};
+use crate::files::{io_err, sync_dir, sync_file, with_suffix, write_err, write_safetensors};
+use crate::train::params::named_tensors;
 
 /// Writes a checkpoint into `tmp` (which must not exist).
 pub(super) fn write_checkpoint(
