@@ -228,7 +228,8 @@ pub use settings::{
 };
 pub use train::batch_size::BatchSizeSearch;
 pub use train::init::seeded_var_builder;
-pub use train::mixed_precision::{LossScaler, MixedPrecisionOptimizer};
+pub use train::loss_scaler::LossScaler;
+pub use train::mixed_precision::MixedPrecisionOptimizer;
 pub use train::optimizer::{AcceleratedOptimizer, TrainOptimizer};
 pub use train::params::Parameters;
 pub use train::shapes::{check_allocatable, shape_only_var_builder, spec_bytes, ParamShapes};

@@ -119,7 +119,6 @@ impl Accelerator {
         if mode != MixedPrecision::No && dtype != DType::F32 {
             return Err(masters_err(&format!("the model's dtype {dtype:?}"), mode));
         }
-        check_mode(mode)?;
         let b = self.sharding(policy, mode, trainable);
         let model = zero3::from_source(b, dtype, build, source)?;
         self.inner.grads.register_sharded(model.inner().clone())?;
@@ -167,10 +166,6 @@ impl Accelerator {
     /// The mixed-precision mode, checked against the parameters (f32 masters).
     fn checked_mode(&self, named: &[(String, candle_core::Var)]) -> Result<MixedPrecision> {
         let mode = self.inner.state.mixed_precision();
-        // Below stage 3 `prepare_sharded` is `prepare`, which takes every mode.
-        if self.inner.state.zero_stage() >= 3 {
-            check_mode(mode)?;
-        }
         if mode != MixedPrecision::No {
             if let Some((n, v)) = named.iter().find(|(_, v)| v.dtype() != DType::F32) {
                 return Err(masters_err(
@@ -181,16 +176,6 @@ impl Accelerator {
         }
         Ok(mode)
     }
-}
-
-fn check_mode(mode: MixedPrecision) -> Result<()> {
-    if mode == MixedPrecision::Fp16 {
-        return Err(zero3::unsupported(
-            "fp16 mixed precision (loss scaling of sharded gradients)",
-            "use bf16, which needs no loss scaling",
-        ));
-    }
-    Ok(())
 }
 
 fn masters_err(what: &str, mode: MixedPrecision) -> Error {

@@ -326,31 +326,41 @@ impl GradSync {
     /// One micro-step from a loss (see [the module](self)); `end` forces a sync step. `Some`
     /// holds the gradients averaged across ranks, on sync steps only.
     pub(crate) fn backward(&self, loss: &Tensor, end: bool) -> Result<Option<GradStore>> {
-        // `nn::backward`: `loss.backward()` plus the parameters inside checkpointed blocks.
-        let sharded = self.sharded();
-        if let Some(s) = &sharded {
-            s.begin_backward(1.0);
-        }
-        let grads = self.clock.measure(Phase::Backward, || {
-            if self.steps == 1 {
-                crate::nn::backward(loss)
-            } else {
-                crate::nn::backward(&(loss / self.steps as f64)?)
-            }
-        })?;
-        let grads = match &sharded {
-            Some(s) => self.collect_sharded(s, &grads)?,
-            None => grads,
-        };
+        let grads = self.backward_pass(loss, 1.0 / self.steps as f64)?;
         self.accumulate(grads, end)
     }
 
+    /// The gradients of `factor · loss` (`nn::backward`: `loss.backward()` plus the parameters
+    /// inside checkpointed blocks); at stage 3 the held units reduce-scatter theirs, and under
+    /// fp16 the loss is multiplied by the loss scale, divided out of the gradients again.
+    fn backward_pass(&self, loss: &Tensor, factor: f64) -> Result<GradStore> {
+        let sharded = self.sharded();
+        let scale = sharded.as_ref().and_then(|s| s.loss_scale()).unwrap_or(1.0);
+        if let Some(s) = &sharded {
+            s.begin_backward(scale);
+        }
+        let factor = factor * scale;
+        let grads = self.clock.measure(Phase::Backward, || {
+            if factor == 1.0 {
+                crate::nn::backward(loss)
+            } else {
+                crate::nn::backward(&(loss * factor)?)
+            }
+        })?;
+        match &sharded {
+            Some(s) => self.collect_sharded(s, &grads, scale),
+            None => Ok(grads),
+        }
+    }
+
     /// Stage 3, after a backward pass: the held units reduce-scatter their gradients; returns
-    /// the shards' gradients (averaged over the ranks) and the replicated parameters' (local).
+    /// the shards' gradients (averaged over the ranks) and the replicated parameters' (local),
+    /// the fp16 loss `scale` divided out of both.
     pub(crate) fn collect_sharded(
         &self,
         sharded: &zero3::Inner,
         grads: &GradStore,
+        scale: f64,
     ) -> Result<GradStore> {
         let mut out = self
             .clock
@@ -358,20 +368,44 @@ impl GradSync {
         if let Some(p) = self.params() {
             for v in p.vars() {
                 if let Some(g) = grads.get(v.as_tensor()) {
-                    out.insert(v.as_tensor(), g.clone());
+                    let g = if scale == 1.0 {
+                        g.clone()
+                    } else {
+                        g.affine(1.0 / scale, 0.0)?
+                    };
+                    out.insert(v.as_tensor(), g);
                 }
             }
         }
         Ok(out)
     }
 
+    /// Stage 3 under fp16, at a step: whether the step's gradients are finite on every rank (one
+    /// flag all-reduced). The loss scale follows the verdict (halved after an overflow, whose
+    /// step every rank skips); a finite verdict also answers the `nonfinite` check. True
+    /// without a loss scale.
+    pub(crate) fn loss_scale_verdict(&self, grads: &GradStore) -> Result<bool> {
+        let Some(s) = self.sharded().filter(|s| s.loss_scale().is_some()) else {
+            return Ok(true);
+        };
+        let named = self.grad_vars("fp16 loss scaling")?;
+        let mine = clip::grads_finite(&Self::vars_of(&named), grads)?;
+        let mut overflow = [if mine { 0f32 } else { 1f32 }];
+        self.collective
+            .all_reduce((&mut overflow[..]).into(), crate::collective::ReduceOp::Max)?;
+        let finite = overflow[0] == 0.0;
+        s.update_scale(finite);
+        if finite {
+            self.mark_finite();
+        }
+        Ok(finite)
+    }
+
     /// One micro-step from a token-weighted loss ([`TokenLoss`]): the gradient of its sum,
     /// accumulated with its token count; a sync step averages the sums over every token of the
     /// step (see [`token_weights`]).
     pub(crate) fn backward_tokens(&self, loss: &TokenLoss, end: bool) -> Result<Option<GradStore>> {
-        let grads = self
-            .clock
-            .measure(Phase::Backward, || crate::nn::backward(loss.sum()))?;
+        let grads = self.backward_pass(loss.sum(), 1.0)?;
         self.accumulate_weighted(grads, Some(loss.tokens()), end)
     }
 

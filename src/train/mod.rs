@@ -5,6 +5,7 @@ pub(crate) mod batch_size;
 pub(crate) mod clip;
 pub(crate) mod grad_sync;
 pub(crate) mod init;
+pub(crate) mod loss_scaler;
 pub(crate) mod missing;
 pub(crate) mod mixed_precision;
 pub(crate) mod optimizer;

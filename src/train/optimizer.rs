@@ -11,6 +11,7 @@ use candle_nn::Optimizer;
 use crate::data::Batch;
 use crate::error::Result;
 use crate::train::grad_sync::{Clipping, GradSync};
+use crate::train::loss_scaler::{SCALER_CLEAN, SCALER_SCALE};
 use crate::train::token_weights::TokenLoss;
 
 /// The learning rate of an optimizer, as a schedule ([`Schedule`](crate::scheduler::Schedule))
@@ -172,6 +173,10 @@ impl<O: Optimizer + 'static> AcceleratedOptimizer<O> {
         }
         let clock = std::sync::Arc::clone(self.grads.clock());
         clock.measure(crate::tracking::timing::Phase::Optimizer, || {
+            // ZeRO-3 under fp16: an overflow on any rank skips the step on every rank.
+            if !self.grads.loss_scale_verdict(grads)? {
+                return Ok(());
+            }
             match self.grads.clipped(grads, self.clip)? {
                 None => {
                     if self.grads.check_finite(grads, None)? {
@@ -305,6 +310,10 @@ impl<O: Optimizer> AcceleratedOptimizer<O> {
 /// [`state_needs_every_rank`](StatefulOptimizer::state_needs_every_rank)); its
 /// [`optimizer_state_shard`](StatefulOptimizer::optimizer_state_shard) is this rank's slices,
 /// which checkpoints write one file per rank.
+///
+/// At ZeRO stage 3 under fp16 the sharded model's loss scale and clean-step count are saved too
+/// (the scalar tensors `loss_scaler.scale` and `loss_scaler.clean_steps`, with rank 0's
+/// slices), so a resumed run scales as the uninterrupted one.
 impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for AcceleratedOptimizer<O> {
     fn optimizer_state(&self) -> Result<OptimizerState> {
         let mut state = self.inner().optimizer_state()?;
@@ -315,19 +324,70 @@ impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for Accelera
                 *t = c.all_reduce_tensor(t, crate::collective::ReduceOp::Sum)?;
             }
         }
+        for (name, value) in self.scale_state() {
+            let t = Tensor::new(value, &candle_core::Device::Cpu)?;
+            state.tensors.push((name.into(), t));
+        }
         Ok(state)
     }
     fn state_needs_every_rank(&self) -> bool {
         self.is_sharded()
     }
     fn optimizer_state_shard(&self) -> Result<Option<StateShard>> {
-        if self.is_sharded() {
-            self.inner().optimizer_state_shard()
-        } else {
-            Ok(None)
+        if !self.is_sharded() {
+            return Ok(None);
         }
+        let Some(mut shard) = self.inner().optimizer_state_shard()? else {
+            return Ok(None);
+        };
+        let rank0 = self.engine().collective().rank() == 0;
+        for (name, value) in self.scale_state() {
+            shard.layout.push((name.into(), Vec::new()));
+            if rank0 {
+                let t = Tensor::new(&[value], &candle_core::Device::Cpu)?;
+                shard.pieces.push((name.into(), 0, t));
+            }
+        }
+        Ok(Some(shard))
     }
-    fn load_optimizer_state(&mut self, state: OptimizerState) -> Result<()> {
-        self.inner_mut().load_optimizer_state(state)
+    fn load_optimizer_state(&mut self, mut state: OptimizerState) -> Result<()> {
+        let mut take = |name: &str| -> Result<Option<f64>> {
+            match state.tensors.iter().position(|(n, _)| n == name) {
+                Some(i) => {
+                    let t = state.tensors.remove(i).1;
+                    Ok(Some(
+                        t.flatten_all()?
+                            .to_dtype(candle_core::DType::F64)?
+                            .to_vec1::<f64>()?
+                            .first()
+                            .copied()
+                            .unwrap_or(0.0),
+                    ))
+                }
+                None => Ok(None),
+            }
+        };
+        let (scale, clean) = (take(SCALER_SCALE)?, take(SCALER_CLEAN)?);
+        self.inner_mut().load_optimizer_state(state)?;
+        if let (Some(s), Some(scale)) = (self.grads.sharded(), scale) {
+            if !(scale.is_finite() && scale > 0.0) {
+                return Err(crate::error::Error::invalid(
+                    "loss scaler state",
+                    format!("the saved scale {scale} is not a positive number"),
+                ));
+            }
+            s.restore_scale(scale, clean.unwrap_or(0.0).max(0.0) as u64);
+        }
+        Ok(())
+    }
+}
+
+impl<O> AcceleratedOptimizer<O> {
+    /// ZeRO-3 under fp16: the loss scale's state to checkpoint, by name (empty otherwise).
+    fn scale_state(&self) -> Vec<(&'static str, f64)> {
+        match self.grads.sharded().and_then(|s| s.scale_state()) {
+            Some((scale, clean)) => vec![(SCALER_SCALE, scale), (SCALER_CLEAN, clean as f64)],
+            None => Vec::new(),
+        }
     }
 }

@@ -91,8 +91,12 @@ impl TokenLoss {
             None => flat.elem_count(),
         } as u64;
         if tokens == 0 {
-            // Zero, with a (zero) gradient for the logits' producers.
-            let sum = (logits.sum_all()? * 0.0)?;
+            // Zero, with a (zero) gradient for the logits' producers: multiplied by a zero
+            // tensor, not the number 0, which Candle's backward pass prunes from the graph (the
+            // blocks behind the logits would then not run their backward pass on this rank
+            // only, and at ZeRO stage 3 every rank must recompute and reduce the same units).
+            let zero = Tensor::zeros((), logits.dtype(), logits.device())?;
+            let sum = logits.sum_all()?.mul(&zero)?;
             return TokenLoss::new(sum, 0);
         }
         let options = CrossEntropyOptions {

@@ -306,6 +306,64 @@ fn token_weighting_holds_under_zero_stage_2() {
     }
 }
 
+/// ZeRO stage 3 (the parameters sharded, one unit): the token-weighted step on 2 ranks with
+/// accumulation is one big batch's.
+#[test]
+fn token_weighting_holds_under_zero_stage_3() {
+    let want = stepped();
+    let results = in_process_with(
+        2,
+        |c| {
+            Accelerator::builder()
+                .collective(c)
+                .gradient_accumulation_steps(SEQS / 4)
+                .zero_stage(3)
+        },
+        |acc| {
+            let p = params();
+            let vars = p.iter().map(|(_, v)| v.clone()).collect();
+            let sgd = accelerate_rs::optim::Sgd::new(vars, 1.0.into()).unwrap();
+            let loader = accelerate_rs::DataLoader::new(
+                accelerate_rs::TensorDataset::new(vec![
+                    Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap()
+                ])
+                .unwrap(),
+                1,
+            );
+            let policy = accelerate_rs::WrapPolicy::one_unit();
+            let (mut opt, _, model) = acc.prepare_sharded(&p, &policy, sgd, loader).unwrap();
+            let (wd, bd) = (p[0].1.dims().to_vec(), p[1].1.dims().to_vec());
+            for g in mine(&acc) {
+                let (x, y) = micro_batch(g);
+                let (wd, bd) = (wd.clone(), bd.clone());
+                let out = model
+                    .run("", &x, move |vb, x| {
+                        let w = vb.get(wd.clone(), "w")?;
+                        let b = vb.get(bd.clone(), "b")?;
+                        let dims = x.dims().to_vec();
+                        let rows = x.reshape(((), IN))?.matmul(&w)?.broadcast_add(&b)?;
+                        rows.reshape([&dims[..dims.len() - 1], &[CLASSES]].concat())
+                    })
+                    .unwrap();
+                let loss = TokenLoss::cross_entropy(&out, &y, Some(IGNORE));
+                opt.backward_step_tokens(&loss.unwrap()).unwrap();
+            }
+            assert!(opt.is_sync_step() && model.is_sharded());
+            model
+                .full_parameters()
+                .unwrap()
+                .into_iter()
+                .collect::<HashMap<_, _>>()
+        },
+    );
+    for got in results {
+        for k in ["w", "b"] {
+            let d = max_diff(&got[k], &want[k]);
+            assert!(d < 1e-6, "{k}: off by {d}");
+        }
+    }
+}
+
 /// Mixed precision (bf16 and f16 working copies, f32 masters) on 2 in-process ranks: the masters
 /// take one big batch's step, within the half types' rounding.
 #[test]

@@ -21,6 +21,7 @@ use candle_nn::{Init, VarBuilder};
 use crate::collective::Collective;
 use crate::error::{Error, Result};
 use crate::optim::ParamPieces;
+use crate::train::loss_scaler::LossScaler;
 use crate::train::weights::ParamSpec;
 
 use crate::train::params::Parameters;
@@ -95,6 +96,8 @@ pub(crate) struct Inner {
     collected: Mutex<GradStore>,
     /// What the gradients are divided by before they are reduced (an f16 loss scale).
     divide: Mutex<f64>,
+    /// fp16 (units gathered in f16): the dynamic loss scale, and the steps it skipped.
+    scaler: Option<Mutex<(LossScaler, u64)>>,
     /// Parameters (by name) the optimizer does not decay, for an optimizer built over none.
     no_decay: Mutex<Vec<String>>,
 }
@@ -241,6 +244,18 @@ impl ShardedModel {
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)
+    }
+
+    /// fp16 mixed precision (units gathered in f16): the dynamic loss scale the next backward
+    /// pass multiplies the loss by; `None` in f32 and bf16.
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.inner.loss_scale()
+    }
+
+    /// fp16: the optimizer steps skipped so far because some rank's gradients overflowed (every
+    /// rank skips together, and the loss scale is halved).
+    pub fn skipped_steps(&self) -> u64 {
+        self.inner.skipped_steps()
     }
 
     /// Freezes every unit: no gradient is computed or reduced for the model from now on (the
@@ -436,8 +451,46 @@ impl Inner {
             ids,
             collected: Mutex::new(GradStore::default()),
             divide: Mutex::new(1.0),
+            scaler: (compute == DType::F16).then(|| Mutex::new((LossScaler::default(), 0))),
             no_decay: Mutex::new(Vec::new()),
         }
+    }
+
+    /// fp16: the loss scale of the coming backward pass (`None` in f32 and bf16).
+    pub(crate) fn loss_scale(&self) -> Option<f64> {
+        self.scaler.as_ref().map(|s| lock(s).0.scale())
+    }
+
+    /// fp16: the agreed verdict of a step's gradients moves the loss scale (halved after an
+    /// overflow, which skips the step; doubled after the growth interval of clean steps).
+    pub(crate) fn update_scale(&self, finite: bool) {
+        if let Some(s) = &self.scaler {
+            let mut s = lock(s);
+            s.0.update(finite);
+            if !finite {
+                s.1 += 1;
+            }
+        }
+    }
+
+    /// fp16: the steps skipped for overflowing gradients so far.
+    pub(crate) fn skipped_steps(&self) -> u64 {
+        self.scaler.as_ref().map_or(0, |s| lock(s).1)
+    }
+
+    /// fp16: puts a checkpoint's loss scale back (scale, clean steps in a row).
+    pub(crate) fn restore_scale(&self, scale: f64, clean_steps: u64) {
+        if let Some(s) = &self.scaler {
+            lock(s).0.restore(scale, clean_steps);
+        }
+    }
+
+    /// fp16: the loss scale's state to checkpoint (scale, clean steps in a row).
+    pub(crate) fn scale_state(&self) -> Option<(f64, u64)> {
+        self.scaler.as_ref().map(|s| {
+            let s = lock(s);
+            (s.0.scale(), s.0.clean_steps())
+        })
     }
 
     fn builder(&self, idx: usize, tensors: Vec<(String, Tensor)>) -> VarBuilder<'static> {
