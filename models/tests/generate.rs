@@ -1,0 +1,270 @@
+//! Generation on every causal architecture: greedy token ids equal to `transformers`' greedy
+//! `generate` (golden files of `scripts/generate_reference.py`: a prompt past the sliding window,
+//! and two prompts of different lengths left-padded in one batch), the key/value cache equal to
+//! recomputing the whole sequence (and to the training forward pass, token by token, far past
+//! the sliding windows), LoRA adapters applied, sampling seeded and within its top-k / top-p,
+//! stop tokens, evaluation mode, and clear errors for bad settings.
+
+mod common;
+
+use accelerate_rs_models::{AutoModel, Error, GenerationConfig};
+use candle_core::{DType, Device, Tensor};
+use common::{fixture, with_dropout};
+use serde_json::Value;
+
+/// The causal fixtures (`generate.json` beside each).
+const CAUSAL: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "phi3",
+    "gpt2",
+];
+
+fn load(name: &str) -> AutoModel {
+    AutoModel::from_pretrained(fixture(name), &Device::Cpu, DType::F32).unwrap()
+}
+
+/// One golden case: its name, the prompts, the expected new ids.
+type Case = (String, Vec<Vec<u32>>, Vec<Vec<u32>>);
+
+/// The golden cases of fixture `name` and the token budget.
+fn cases(name: &str) -> (usize, Vec<Case>) {
+    let text = std::fs::read_to_string(fixture(name).join("generate.json")).unwrap();
+    let g: Value = serde_json::from_str(&text).unwrap();
+    let ids = |v: &Value| -> Vec<Vec<u32>> { serde_json::from_value(v.clone()).unwrap() };
+    let cases = g["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let name = c["name"].as_str().unwrap().to_string();
+            (name, ids(&c["prompts"]), ids(&c["expected"]))
+        })
+        .collect();
+    (g["max_new_tokens"].as_u64().unwrap() as usize, cases)
+}
+
+/// Greedy decoding by the training forward pass (no cache, no padding): the whole sequence
+/// again at every step, the last position's largest logit.
+fn forward_greedy(model: &AutoModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut seq = prompt.to_vec();
+    for _ in 0..n {
+        let ids = Tensor::new(seq.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let logits = model.forward(&ids, None).unwrap();
+        let last = logits.get(0).unwrap().get(seq.len() - 1).unwrap();
+        let next = last.argmax(0).unwrap().to_scalar::<u32>().unwrap();
+        seq.push(next);
+    }
+    seq[prompt.len()..].to_vec()
+}
+
+fn matches_transformers(name: &str) {
+    let model = load(name);
+    let (n, cases) = cases(name);
+    for (case, prompts, expected) in cases {
+        for cache in [true, false] {
+            let config = GenerationConfig::default()
+                .max_new_tokens(n)
+                .use_cache(cache);
+            let got = model.generate(&prompts, &config).unwrap();
+            assert_eq!(
+                got, expected,
+                "{name}, {case}, cache {cache}: greedy ids differ from transformers'"
+            );
+        }
+        // Each prompt alone gives what it gave in the batch.
+        for (p, want) in prompts.iter().zip(&expected) {
+            let config = GenerationConfig::default().max_new_tokens(n);
+            let alone = model.generate(std::slice::from_ref(p), &config).unwrap();
+            assert_eq!(&alone[0], want, "{name}, {case}: a prompt alone");
+        }
+    }
+}
+
+macro_rules! parity_tests {
+    ($($test:ident => $name:literal),* $(,)?) => {
+        $(
+            #[test]
+            fn $test() {
+                matches_transformers($name);
+            }
+        )*
+    };
+}
+
+parity_tests! {
+    llama_generates_as_transformers => "llama",
+    mistral_generates_as_transformers => "mistral",
+    qwen2_generates_as_transformers => "qwen2",
+    qwen3_generates_as_transformers => "qwen3",
+    gemma2_generates_as_transformers => "gemma2",
+    gemma3_generates_as_transformers => "gemma3",
+    mixtral_generates_as_transformers => "mixtral",
+    qwen2_moe_generates_as_transformers => "qwen2_moe",
+    qwen3_moe_generates_as_transformers => "qwen3_moe",
+    phi3_generates_as_transformers => "phi3",
+    gpt2_generates_as_transformers => "gpt2",
+}
+
+#[test]
+fn the_cache_equals_the_training_forward_far_past_the_windows() {
+    for name in CAUSAL {
+        let model = load(name);
+        let (_, cases) = cases(name);
+        let prompt = &cases[0].1[0];
+        // Windows are 4 and 6 tokens: 12 new ones go well past them (GPT-2: 16 positions).
+        let n = if *name == "gpt2" {
+            16 - prompt.len()
+        } else {
+            12
+        };
+        let want = forward_greedy(&model, prompt, n);
+        let config = GenerationConfig::default().max_new_tokens(n);
+        let got = model
+            .generate(std::slice::from_ref(prompt), &config)
+            .unwrap();
+        assert_eq!(
+            got[0], want,
+            "{name}: cached generation vs the forward pass"
+        );
+    }
+}
+
+#[test]
+fn lora_adapters_generate_as_peft() {
+    let mut model = load("llama");
+    let (n, cases) = cases("lora_llama");
+    let config = GenerationConfig::default().max_new_tokens(n);
+    let base: Vec<_> = cases
+        .iter()
+        .map(|(_, p, _)| model.generate(p, &config).unwrap())
+        .collect();
+    model
+        .load_adapter(fixture("lora_llama").join("adapter"))
+        .unwrap();
+    let mut differs = false;
+    for ((case, prompts, expected), base) in cases.iter().zip(base) {
+        let got = model.generate(prompts, &config).unwrap();
+        assert_eq!(&got, expected, "lora_llama, {case}: ids differ from peft's");
+        differs |= got != base;
+    }
+    assert!(differs, "the adapter changed no generated token");
+}
+
+#[test]
+fn sampling_is_seeded_and_stays_within_top_k_and_top_p() {
+    let model = load("mistral");
+    let prompts = cases("mistral").1[1].1.clone();
+    let run = |c: GenerationConfig| model.generate(&prompts, &c.max_new_tokens(12)).unwrap();
+    let greedy = run(GenerationConfig::default());
+    let hot = GenerationConfig::default().temperature(1.5);
+    assert_eq!(run(hot.clone().seed(1)), run(hot.clone().seed(1)));
+    let seeds: Vec<_> = (0..4).map(|s| run(hot.clone().seed(s))).collect();
+    assert!(
+        seeds.iter().any(|s| s != &greedy),
+        "sampling never left greedy"
+    );
+    assert!(
+        seeds.windows(2).any(|w| w[0] != w[1]),
+        "seeds give the same draws"
+    );
+    assert_eq!(run(hot.clone().top_k(1)), greedy, "top_k 1 is greedy");
+    assert_eq!(
+        run(hot.clone().top_p(1e-6)),
+        greedy,
+        "a tiny top_p is greedy"
+    );
+    assert_eq!(run(GenerationConfig::default().temperature(0.0)), greedy);
+    for s in &seeds {
+        assert!(
+            s.iter().flatten().all(|&t| t < 64),
+            "an id outside the vocabulary"
+        );
+    }
+    // With the cache or without, the same draws.
+    assert_eq!(run(hot.clone().seed(9)), run(hot.seed(9).use_cache(false)));
+}
+
+#[test]
+fn stop_tokens_end_each_sequence_on_its_own() {
+    let model = load("qwen2");
+    let (_, cases) = cases("qwen2");
+    let prompts = cases[1].1.clone();
+    let long = GenerationConfig::default().max_new_tokens(10);
+    let free = model.generate(&prompts, &long).unwrap();
+    let stop = free[0][2];
+    let stopped = model
+        .generate(&prompts, &long.clone().stop_tokens([stop]))
+        .unwrap();
+    for (row, (got, all)) in stopped.iter().zip(&free).enumerate() {
+        let end = all
+            .iter()
+            .position(|&t| t == stop)
+            .map_or(all.len(), |i| i + 1);
+        assert_eq!(got, &all[..end], "row {row}: stops at its first {stop}");
+    }
+    assert!(stopped[0].len() <= 3);
+    let none = model.generate(&prompts, &long.max_new_tokens(0)).unwrap();
+    assert_eq!(none, vec![Vec::<u32>::new(); 2]);
+}
+
+#[test]
+fn generation_runs_in_evaluation_mode() {
+    let (_tmp, dir) = with_dropout("llama");
+    let mut model = AutoModel::from_pretrained(&dir, &Device::Cpu, DType::F32).unwrap();
+    let prompts = cases("llama").1[1].1.clone();
+    let config = GenerationConfig::default().max_new_tokens(8);
+    let eval = model.generate(&prompts, &config).unwrap();
+    model.train(true);
+    assert_eq!(model.generate(&prompts, &config).unwrap(), eval);
+    assert!(model.is_training(), "generate left the mode as it was");
+}
+
+fn generation_error(result: accelerate_rs_models::Result<Vec<Vec<u32>>>) -> (String, String) {
+    match result {
+        Err(Error::Generation { what, reason }) => (what, reason),
+        other => panic!("expected a generation error, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_settings_and_prompts_are_named() {
+    let model = load("gpt2");
+    let p = vec![vec![5u32, 6, 7]];
+    let d = GenerationConfig::default();
+    let cases = [
+        (d.clone().temperature(-1.0), "temperature"),
+        (d.clone().temperature(f64::NAN), "temperature"),
+        (d.clone().top_k(0), "top_k"),
+        (d.clone().top_p(0.0), "top_p"),
+        (d.clone().top_p(1.5), "top_p"),
+    ];
+    for (config, what) in cases {
+        assert_eq!(generation_error(model.generate(&p, &config)).0, what);
+    }
+    assert_eq!(generation_error(model.generate(&[], &d)).0, "prompts");
+    let (what, _) = generation_error(model.generate(&[vec![1], vec![]], &d));
+    assert_eq!(what, "prompts[1]");
+    // GPT-2's 16 positions: a clear error past them, naming n_positions.
+    let err = model
+        .generate(&[vec![1; 12]], &d.clone().max_new_tokens(8))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("n_positions = 16"), "{err}");
+    let err = model.generate(&[vec![99]], &d).unwrap_err().to_string();
+    assert!(err.contains("id 99"), "{err}");
+    let bert = load("bert_mlm");
+    let (what, reason) = generation_error(bert.generate(&p, &d));
+    assert_eq!(what, "model");
+    assert!(reason.contains("BertForMaskedLM"), "{reason}");
+}
