@@ -150,7 +150,7 @@ pub use config::Activation;
 pub use error::{ChatErrorKind, Error, Result};
 pub use estimate::model_spec;
 pub use gemma::{Gemma, GemmaConfig, GemmaForCausalLm};
-pub use generate::{DecodeInputs, GenerationConfig, KvCache};
+pub use generate::{eos_token_ids, DecodeInputs, GenerationConfig, KvCache};
 pub use gpt2::{Gpt2, Gpt2Config, Gpt2LmHeadModel};
 pub use layers::IGNORE_INDEX;
 pub use llama::{Llama, LlamaConfig, LlamaForCausalLm};

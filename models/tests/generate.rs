@@ -3,11 +3,18 @@
 //! and two prompts of different lengths left-padded in one batch), the key/value cache equal to
 //! recomputing the whole sequence (and to the training forward pass, token by token, far past
 //! the sliding windows), LoRA adapters applied, sampling seeded and within its top-k / top-p,
-//! stop tokens, evaluation mode, and clear errors for bad settings.
+//! stop tokens, evaluation mode, and clear errors for bad settings; `examples/generate` prints
+//! the text the library generates (plain, sampled, chat with an adapter) and names what is
+//! missing.
 
 mod common;
 
-use accelerate_rs_models::{AutoModel, Error, GenerationConfig};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use accelerate_rs_models::chat::{ChatEncoder, Conversation, Role};
+use accelerate_rs_models::{eos_token_ids, load_tokenizer, AutoModel, Error, GenerationConfig};
 use candle_core::{DType, Device, Tensor};
 use common::{fixture, with_dropout};
 use serde_json::Value;
@@ -267,4 +274,217 @@ fn bad_settings_and_prompts_are_named() {
     let (what, reason) = generation_error(bert.generate(&p, &d));
     assert_eq!(what, "model");
     assert!(reason.contains("BertForMaskedLM"), "{reason}");
+}
+
+/// `examples/generate`, built (once) into the target folder this test runs from.
+fn example_generate() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().unwrap();
+            let profile = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
+            let target = profile.parent().unwrap();
+            let mut cargo = Command::new(env!("CARGO"));
+            cargo
+                .args([
+                    "build",
+                    "-q",
+                    "-p",
+                    "accelerate-rs-models",
+                    "--example",
+                    "generate",
+                ])
+                .arg("--target-dir")
+                .arg(target)
+                .current_dir(env!("CARGO_MANIFEST_DIR"));
+            if profile.ends_with("release") {
+                cargo.arg("--release");
+            }
+            assert!(
+                cargo.status().unwrap().success(),
+                "building examples/generate"
+            );
+            profile.join("examples").join("generate")
+        })
+        .clone()
+}
+
+/// Runs the example: (stdout, stderr, success).
+fn run_example(args: &[&str]) -> (String, String, bool) {
+    let out = Command::new(example_generate())
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    let text = |b: Vec<u8>| String::from_utf8(b).unwrap();
+    let ok = out.status.success();
+    (text(out.stdout), text(out.stderr), ok)
+}
+
+fn tiny() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/tiny-llama")
+}
+
+/// What the library generates for `prompt` on the folder `dir`, decoded as the example decodes.
+fn library_text(
+    model: &AutoModel,
+    dir: &Path,
+    prompt: Vec<u32>,
+    config: GenerationConfig,
+) -> String {
+    let mut stop = config.stop_tokens.clone();
+    stop.extend(eos_token_ids(dir).unwrap());
+    let new = model
+        .generate(&[prompt], &config.stop_tokens(stop))
+        .unwrap();
+    load_tokenizer(dir).unwrap().decode(&new[0], true).unwrap()
+}
+
+#[test]
+fn the_example_prints_what_the_library_generates() {
+    let dir = tiny();
+    let model = AutoModel::from_pretrained(&dir, &Device::Cpu, DType::F32).unwrap();
+    let ids = load_tokenizer(&dir)
+        .unwrap()
+        .encode("Hello accelerate", true)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    let d = dir.to_str().unwrap();
+    let base = [
+        "--model",
+        d,
+        "--prompt",
+        "Hello accelerate",
+        "--max-new-tokens",
+        "12",
+    ];
+    let (out, err, ok) = run_example(&base);
+    assert!(ok, "{err}");
+    let want = library_text(
+        &model,
+        &dir,
+        ids.clone(),
+        GenerationConfig::default().max_new_tokens(12),
+    );
+    assert_eq!(out, format!("{want}\n"));
+    assert!(!want.is_empty());
+    let sampled = [
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "5",
+    ];
+    let (out, err, ok) = run_example(&[&base[..], &sampled[..]].concat());
+    assert!(ok, "{err}");
+    let config = GenerationConfig::default()
+        .max_new_tokens(12)
+        .temperature(0.9)
+        .top_k(20)
+        .top_p(0.95)
+        .seed(5);
+    assert_eq!(
+        out,
+        format!("{}\n", library_text(&model, &dir, ids, config))
+    );
+}
+
+const TEMPLATE: &str =
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}\
+{% if add_generation_prompt %}assistant:{% endif %}";
+
+#[test]
+fn the_example_chats_with_the_template_and_an_adapter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tiny-chat");
+    std::fs::create_dir(&dir).unwrap();
+    for entry in std::fs::read_dir(tiny()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+    }
+    std::fs::write(dir.join("chat_template.jinja"), TEMPLATE).unwrap();
+    // An adapter whose weights are not zero (fresh ones would change nothing).
+    let mut model = AutoModel::from_pretrained(&dir, &Device::Cpu, DType::F32).unwrap();
+    model
+        .add_lora(&accelerate_rs::nn::LoraConfig::new(4, 8.0))
+        .unwrap();
+    for var in model.trainable_parameters().all_vars() {
+        let noise = Tensor::randn(0f32, 0.5, var.shape(), &Device::Cpu).unwrap();
+        var.set(&noise).unwrap();
+    }
+    let adapter = tmp.path().join("adapter");
+    model.save_adapter(&adapter).unwrap();
+
+    let encoder = ChatEncoder::from_folder(&dir).unwrap();
+    let turns = [(Role::System, "Be brief."), (Role::User, "Hi there")];
+    let prompt = encoder
+        .encode_prompt(&Conversation::new(turns).unwrap())
+        .unwrap();
+    let eot: Vec<u32> = encoder.special_token_id("eos_token").into_iter().collect();
+    assert_eq!(eot, vec![2], "the template's end of turn, </s>");
+    let config = GenerationConfig::default()
+        .max_new_tokens(10)
+        .stop_tokens(eot);
+    let want = library_text(&model, &dir, prompt, config);
+    let (d, a) = (dir.to_str().unwrap(), adapter.to_str().unwrap());
+    let (out, err, ok) = run_example(&[
+        "--model",
+        d,
+        "--chat",
+        "--system",
+        "Be brief.",
+        "--prompt",
+        "Hi there",
+        "--max-new-tokens",
+        "10",
+        "--adapter",
+        a,
+    ]);
+    assert!(ok, "{err}");
+    assert_eq!(out, format!("{want}\n"));
+    let (plain, err, ok) = run_example(&[
+        "--model",
+        d,
+        "--chat",
+        "--system",
+        "Be brief.",
+        "--prompt",
+        "Hi there",
+        "--max-new-tokens",
+        "10",
+    ]);
+    assert!(ok, "{err}");
+    assert_ne!(plain, out, "the adapter changed nothing");
+}
+
+#[test]
+fn the_example_names_what_is_missing() {
+    let tiny = tiny();
+    let t = tiny.to_str().unwrap();
+    let llama = fixture("llama");
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--model", t, "--prompt", "Hi", "--chat"],
+            "no chat template",
+        ),
+        (
+            &["--model", llama.to_str().unwrap(), "--prompt", "Hi"],
+            "tokenizer.json",
+        ),
+        (
+            &["--model", t, "--prompt", "Hi", "--adapter", "/nonexistent"],
+            "adapter_config.json",
+        ),
+        (&["--model", t, "--prompt", "Hi", "--top-p", "2"], "top_p"),
+    ];
+    for (args, says) in cases {
+        let (_, err, ok) = run_example(args);
+        assert!(!ok, "{args:?} succeeded");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
 }

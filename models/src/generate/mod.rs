@@ -18,8 +18,11 @@ mod sampling;
 pub(crate) use cache::{CacheSlot, CachedSpec};
 pub use cache::{DecodeInputs, KvCache};
 
+use std::path::Path;
+
 use candle_core::{Device, Tensor};
 
+use crate::config::read_json;
 use crate::error::{Error, Result};
 use sampling::Sampler;
 
@@ -151,6 +154,51 @@ impl GenerationConfig {
         }
         Ok(())
     }
+}
+
+/// The end-of-sequence ids of the model folder `dir`: `eos_token_id` (a number or a list) of
+/// its `generation_config.json` (when it has one) and of its `config.json`, without repeats;
+/// the stop tokens `transformers`' `generate` uses for the folder. An error names the file and
+/// the key when a value is not an id or a list of ids.
+pub fn eos_token_ids(dir: impl AsRef<Path>) -> Result<Vec<u32>> {
+    let dir = dir.as_ref();
+    let mut ids = Vec::new();
+    let generation = dir.join("generation_config.json");
+    let files = [
+        Some(generation).filter(|p| p.exists()),
+        Some(dir.to_path_buf()),
+    ];
+    for file in files.into_iter().flatten() {
+        let (path, json) = read_json(&file)?;
+        let bad = || {
+            Error::config(
+                &path,
+                Some("eos_token_id"),
+                "expected an id or a list of ids",
+            )
+        };
+        let found: Vec<u32> = match json.get("eos_token_id") {
+            None | Some(serde_json::Value::Null) => Vec::new(),
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|v| u32::try_from(v).ok())
+                        .ok_or_else(bad)
+                })
+                .collect::<Result<_>>()?,
+            Some(v) => vec![v
+                .as_u64()
+                .and_then(|v| u32::try_from(v).ok())
+                .ok_or_else(bad)?],
+        };
+        for id in found {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+    }
+    Ok(ids)
 }
 
 /// The prompts left-padded to one length: `[B][T]` ids, mask and positions
