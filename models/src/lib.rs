@@ -108,6 +108,24 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## Generation
+//!
+//! Every causal model generates with a key/value cache ([`generate`]): greedy or sampled
+//! (temperature, top-k, top-p, a seed), stop tokens, prompts batched with left padding, sliding
+//! windows, LoRA adapters applied; greedy ids equal `transformers`' `generate`.
+//!
+//! ```no_run
+//! use accelerate_rs_models::{AutoModel, GenerationConfig};
+//! use candle_core::{DType, Device};
+//!
+//! # fn main() -> accelerate_rs_models::Result<()> {
+//! let model = AutoModel::from_pretrained("my-llama", &Device::Cpu, DType::F32)?;
+//! let config = GenerationConfig::default().max_new_tokens(32).stop_tokens([2]);
+//! let new_ids = model.generate(&[vec![1, 15043, 3186]], &config)?;
+//! # let _ = new_ids;
+//! # Ok(()) }
+//! ```
+//!
 //! The `hub` feature adds `hub::download` (the `hf-hub` crate).
 #![deny(missing_docs)]
 #![deny(rustdoc::broken_intra_doc_links)]
