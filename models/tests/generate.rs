@@ -276,13 +276,19 @@ fn bad_settings_and_prompts_are_named() {
     assert!(reason.contains("BertForMaskedLM"), "{reason}");
 }
 
-/// `examples/generate`, built (once) into the target folder this test runs from.
+/// `examples/generate` in the target folder this test runs from: the one the whole `cargo test`
+/// built, or (missing, or older than this test) built here once.
 fn example_generate() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT
         .get_or_init(|| {
             let exe = std::env::current_exe().unwrap();
             let profile = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
+            let bin = profile.join("examples").join("generate");
+            let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+            if modified(&bin).is_some_and(|b| modified(&exe).is_some_and(|e| b >= e)) {
+                return bin;
+            }
             let target = profile.parent().unwrap();
             let mut cargo = Command::new(env!("CARGO"));
             cargo
@@ -486,5 +492,25 @@ fn the_example_names_what_is_missing() {
         assert!(!ok, "{args:?} succeeded");
         assert!(err.contains(says), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+/// bf16 models run the cached path (rounding may pick other tokens than f32: lengths and
+/// ranges only).
+#[test]
+fn half_precision_models_generate() {
+    for name in ["gemma2", "phi3", "gpt2"] {
+        let model = AutoModel::from_pretrained(fixture(name), &Device::Cpu, DType::BF16).unwrap();
+        let prompts = cases(name).1[1].1.clone();
+        let config = GenerationConfig::default().max_new_tokens(4);
+        let cached = model.generate(&prompts, &config).unwrap();
+        assert!(cached
+            .iter()
+            .all(|r| r.len() == 4 && r.iter().all(|&t| t < 64)));
+        let full = model.generate(&prompts, &config.use_cache(false)).unwrap();
+        assert!(
+            full.iter().all(|r| r.len() == 4),
+            "{name} in bf16 without the cache"
+        );
     }
 }
