@@ -13,6 +13,7 @@ use accelerate_rs::{ShardedModel, WrapPolicy};
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
+use crate::generate::{DecodeInputs, KvCache};
 pub use crate::lora::Proj;
 use crate::weights::Adapters;
 
@@ -255,6 +256,18 @@ pub trait Architecture: Clone + std::fmt::Debug + Send + Sync + Sized + 'static 
 
     /// What `estimate-memory` needs beyond the parameters.
     fn memory_profile(config: &Self::Config) -> MemoryProfile;
+
+    /// One step of generation, in evaluation mode: the layers over the new tokens of `inputs`
+    /// (at their positions), each attending over the keys and values `cache` holds and
+    /// appending the new ones; the `[B, vocab]` logits of the last new token, detached. An
+    /// error for an architecture that does not generate (the default).
+    fn decode(&self, inputs: &DecodeInputs<'_>, cache: &mut KvCache) -> Result<Tensor> {
+        let _ = (inputs, cache);
+        Err(candle_core::Error::Msg(format!(
+            "{}: this architecture does not generate text",
+            Self::CLASSES[0]
+        )))
+    }
 
     /// ZeRO-3's units (FSDP's wrap policy): the embeddings, each block, and the root unit (the
     /// final norm and the head), or `None` where the architecture does not run sharded yet.

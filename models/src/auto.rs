@@ -11,6 +11,7 @@ use candle_nn::VarMap;
 use crate::arch::{Architecture, Inputs, Task};
 use crate::config::{model_folder, read_json};
 use crate::error::Result as CrateResult;
+use crate::generate::GenerationConfig;
 use crate::pretrained::{DynModel, Pretrained};
 use crate::registry::Config;
 use crate::weights::DEFAULT_MAX_SHARD_BYTES;
@@ -167,6 +168,16 @@ impl AutoModel {
     /// [`loss`](Self::loss) with every input the architecture takes.
     pub fn loss_with(&self, inputs: &Inputs<'_>, labels: &Tensor) -> Result<Tensor> {
         self.0.loss_with(inputs, labels)
+    }
+
+    /// Generates from `prompts` (token ids, batched with left padding): the new tokens of each
+    /// (see [`Pretrained::generate`]).
+    pub fn generate(
+        &self,
+        prompts: &[Vec<u32>],
+        config: &GenerationConfig,
+    ) -> CrateResult<Vec<Vec<u32>>> {
+        self.0.generate(prompts, config)
     }
 
     /// The parameters, for `accelerate_rs::Accelerator::prepare` and the optimizer.

@@ -5,9 +5,10 @@
 //! soft-capped or not), and [`CausalDecoder`]: embeddings, a stack of blocks run with or without
 //! activation checkpointing, the final norm and the head.
 //!
-//! A KV cache for generation would sit in [`SelfAttention::forward`], between the projections
-//! (after RoPE) and [`attention`]: each block's attention is one value, reached through
-//! [`Block`].
+//! Generation's key/value cache sits in [`SelfAttention::forward`], between the projections
+//! (after RoPE) and the attention: a cached step ([`CausalDecoder::decode`]) gives each block a
+//! [`Context`] holding its layer's [`CacheSlot`], which appends the keys and values and attends
+//! over every cached one.
 
 use std::sync::Arc;
 
@@ -18,6 +19,7 @@ use candle_nn::{Init, VarBuilder};
 
 use crate::arch::{Hidden, Inputs, Mode, Proj, ShardedRun};
 use crate::config::Activation;
+use crate::generate::{CacheSlot, CachedSpec, DecodeInputs, KvCache};
 use crate::layers::{
     attention, causal_lm_loss, causal_lm_loss_from_logits, check_mask, embedding, linear, lookup,
     repeat_kv, softcap, AttentionSpec,
@@ -82,6 +84,26 @@ impl Rope {
         let scale = self.config.attention_factor() as f32;
         rope::tables(&inv, t, scale, dtype, device)
     }
+
+    /// cos and sin `[B, T, rotary_dim / 2]` for the positions `[B][T]` of a generation step
+    /// (`longrope` picks its factors by the largest position, as `transformers` does).
+    pub(crate) fn tables_at(
+        &self,
+        positions: &[Vec<u32>],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let (b, t) = (positions.len(), positions.first().map_or(0, Vec::len));
+        let flat: Vec<u32> = positions.concat();
+        let n = flat.iter().copied().max().map_or(1, |m| m as usize + 1);
+        let (cos, sin) = self.tables(n, dtype, device)?;
+        let at = Tensor::from_vec(flat, b * t, device)?;
+        let half = cos.dim(1)?;
+        Ok((
+            cos.index_select(&at, 0)?.reshape((b, t, half))?,
+            sin.index_select(&at, 0)?.reshape((b, t, half))?,
+        ))
+    }
 }
 
 /// What every block of one forward pass sees besides its input: the RoPE tables (one pair per
@@ -93,6 +115,9 @@ pub(crate) struct Context {
     pub(crate) rope: Vec<(Tensor, Tensor)>,
     /// `[B, T]`, 1 token, 0 padding.
     pub(crate) mask: Option<Tensor>,
+    /// A generation step: this block's part of the key/value cache (the step's mask and
+    /// positions with it; `mask` is then unused).
+    pub(crate) cache: Option<CacheSlot>,
 }
 
 /// The shape of one layer's self-attention.
@@ -230,6 +255,16 @@ impl SelfAttention {
         })?;
         let q = apply_rope(&q, cos, sin)?;
         let k = apply_rope(&k, cos, sin)?;
+        if let Some(slot) = &ctx.cache {
+            let spec = CachedSpec {
+                window: self.options.window,
+                scale: self.options.scale,
+                softcap: self.options.softcap,
+            };
+            let y = slot.attend(&q, &k, &v, spec)?;
+            let y = y.transpose(1, 2)?.reshape((b, t, h * d))?;
+            return self.o.forward(&y, false);
+        }
         let rep = h / kv;
         let (k, v) = (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?);
         let spec = AttentionSpec {
@@ -596,7 +631,36 @@ impl<B: Block> CausalDecoder<B> {
         Ok(Context {
             rope,
             mask: inputs.attention_mask.cloned(),
+            cache: None,
         })
+    }
+
+    /// One generation step (evaluation mode, no autograd graph kept): the blocks over the new
+    /// tokens of `inputs`, each attending over its cached keys and values (the new ones
+    /// appended to `cache`); the `[B, vocab]` logits of the last position.
+    pub(crate) fn decode(&self, inputs: &DecodeInputs<'_>, cache: &mut KvCache) -> Result<Tensor> {
+        let ids = inputs.input_ids;
+        let (_, t) = ids.dims2()?;
+        let step = cache.begin(inputs, self.layers.len())?;
+        let mut h = lookup(&self.embed_tokens, ids, self.pad, "input_ids")?;
+        if let Some(s) = self.embed_scale {
+            h = h.affine(s, 0.0)?;
+        }
+        let rope = self
+            .ropes
+            .iter()
+            .map(|r| r.tables_at(inputs.position_ids, h.dtype(), h.device()))
+            .collect::<Result<Vec<_>>>()?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let ctx = Context {
+                rope: rope.clone(),
+                mask: None,
+                cache: Some(step.slot(i)?),
+            };
+            h = layer.forward(&h, &ctx, false)?.hidden;
+        }
+        let last = self.norm.forward(&h.narrow(1, t - 1, 1)?)?;
+        Ok(self.head.logits(&last)?.squeeze(1)?.detach())
     }
 
     /// The output layer's `[B, T, vocab]` logits of `hidden`.

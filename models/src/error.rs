@@ -60,6 +60,16 @@ pub enum Error {
         reason: String,
     },
 
+    /// Generation cannot start: a setting of `GenerationConfig` out of range, no prompt or an
+    /// empty one, a model that does not generate (names the parameter or the prompt).
+    #[error("generate: `{what}`: {reason}")]
+    Generation {
+        /// The parameter (`top_p`) or prompt (`prompts[1]`) to blame.
+        what: String,
+        /// What is wrong and what was expected.
+        reason: String,
+    },
+
     /// Downloading from the Hugging Face Hub failed (`hub` feature).
     #[error("Hugging Face Hub, repository `{repo}`: {reason}")]
     Hub {

@@ -18,6 +18,7 @@ use crate::config::{
     ensure_probabilities, ensure_sizes, parse, read_json, Activation, Origin,
 };
 use crate::error::Result as CrateResult;
+use crate::generate::{CacheSlot, CachedSpec, DecodeInputs, KvCache};
 use crate::layers::{
     attention, causal_lm_loss, check_mask, dropout, embedding, linear, lookup, norm_params,
     AttentionSpec,
@@ -236,9 +237,30 @@ impl Block {
     }
 
     fn forward(&self, x: &Tensor, mask: Option<&Tensor>, train: bool) -> Result<Tensor> {
-        let a = self
-            .c_proj
-            .forward(&self.attention(&self.ln_1.forward(x)?, mask, train)?, train)?;
+        let a = self.attention(&self.ln_1.forward(x)?, mask, train)?;
+        self.after_attention(x, &a, train)
+    }
+
+    /// A generation step: the attention over the cached keys and values of `slot` (the new
+    /// ones appended), evaluation mode.
+    fn forward_cached(&self, x: &Tensor, slot: &CacheSlot) -> Result<Tensor> {
+        let qkv = self.c_attn.forward(&self.ln_1.forward(x)?, false)?;
+        let (b, t, c3) = qkv.dims3()?;
+        let (h, d) = (self.heads, c3 / 3 / self.heads);
+        let split = qkv.reshape((b, t, 3, h, d))?.permute((2, 0, 3, 1, 4))?;
+        let spec = CachedSpec {
+            window: None,
+            scale: self.scale,
+            softcap: None,
+        };
+        let y = slot.attend(&split.get(0)?, &split.get(1)?, &split.get(2)?, spec)?;
+        let y = y.transpose(1, 2)?.reshape((b, t, h * d))?;
+        self.after_attention(x, &y, false)
+    }
+
+    /// The rest of the block after the attention `a` (heads merged) of `ln_1(x)`.
+    fn after_attention(&self, x: &Tensor, a: &Tensor, train: bool) -> Result<Tensor> {
+        let a = self.c_proj.forward(a, train)?;
         let h = (x + dropout(&a, self.resid_pdrop, train)?)?;
         let m = self.mlp_proj.forward(
             &self
@@ -363,6 +385,33 @@ impl Architecture for Gpt2 {
             };
         }
         Ok(Hidden::new(self.ln_f.forward(&h)?))
+    }
+
+    /// A generation step: learned positions at `inputs.position_ids` (below `n_positions`).
+    fn decode(&self, inputs: &DecodeInputs<'_>, cache: &mut KvCache) -> Result<Tensor> {
+        let ids = inputs.input_ids;
+        let (b, t) = ids.dims2()?;
+        let step = cache.begin(inputs, self.blocks.len())?;
+        let flat: Vec<u32> = inputs.position_ids.concat();
+        if let Some(&p) = flat
+            .iter()
+            .max()
+            .filter(|&&p| p as usize >= self.n_positions)
+        {
+            candle_core::bail!(
+                "position {p}: GPT-2 has positions for n_positions = {} only (prompt and new \
+                 tokens together)",
+                self.n_positions
+            );
+        }
+        let at = Tensor::from_vec(flat, b * t, ids.device())?;
+        let pos = self.wpe.index_select(&at, 0)?.reshape((b, t, ()))?;
+        let mut h = (lookup(&self.wte, ids, None, "input_ids")? + pos)?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            h = block.forward_cached(&h, &step.slot(i)?)?;
+        }
+        let last = self.ln_f.forward(&h.narrow(1, t - 1, 1)?)?;
+        Ok(self.lm_head.forward(&last)?.squeeze(1)?.detach())
     }
 
     fn logits(&self, hidden: &Hidden, _mode: Mode) -> Result<Tensor> {

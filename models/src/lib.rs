@@ -108,6 +108,24 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## Generation
+//!
+//! Every causal model generates with a key/value cache ([`generate`]): greedy or sampled
+//! (temperature, top-k, top-p, a seed), stop tokens, prompts batched with left padding, sliding
+//! windows, LoRA adapters applied; greedy ids equal `transformers`' `generate`.
+//!
+//! ```no_run
+//! use accelerate_rs_models::{AutoModel, GenerationConfig};
+//! use candle_core::{DType, Device};
+//!
+//! # fn main() -> accelerate_rs_models::Result<()> {
+//! let model = AutoModel::from_pretrained("my-llama", &Device::Cpu, DType::F32)?;
+//! let config = GenerationConfig::default().max_new_tokens(32).stop_tokens([2]);
+//! let new_ids = model.generate(&[vec![1, 15043, 3186]], &config)?;
+//! # let _ = new_ids;
+//! # Ok(()) }
+//! ```
+//!
 //! The `hub` feature adds `hub::download` (the `hf-hub` crate).
 #![deny(missing_docs)]
 #![deny(rustdoc::broken_intra_doc_links)]
@@ -121,6 +139,7 @@ mod decoder;
 mod error;
 mod estimate;
 mod gemma;
+pub mod generate;
 mod gpt2;
 #[cfg(feature = "hub")]
 pub mod hub;
@@ -149,6 +168,7 @@ pub use config::Activation;
 pub use error::{ChatErrorKind, Error, Result};
 pub use estimate::model_spec;
 pub use gemma::{Gemma, GemmaConfig, GemmaForCausalLm};
+pub use generate::{eos_token_ids, DecodeInputs, GenerationConfig, KvCache};
 pub use gpt2::{Gpt2, Gpt2Config, Gpt2LmHeadModel};
 pub use layers::IGNORE_INDEX;
 pub use llama::{Llama, LlamaConfig, LlamaForCausalLm};

@@ -24,6 +24,7 @@ use crate::decoder::{
     Context, GatedMlp, LmHead, MlpNames, Norm, Rope, SelfAttention,
 };
 use crate::error::Result as CrateResult;
+use crate::generate::{DecodeInputs, KvCache};
 use crate::layers::padding_idx;
 use crate::rope::RopeConfig;
 
@@ -446,6 +447,10 @@ impl Architecture for Llama {
 
     fn wrap_policy(config: &Self::Config) -> Option<WrapPolicy> {
         Some(decoder::wrap_policy(config.num_hidden_layers))
+    }
+
+    fn decode(&self, inputs: &DecodeInputs<'_>, cache: &mut KvCache) -> Result<Tensor> {
+        self.decoder.decode(inputs, cache)
     }
 
     fn logits(&self, hidden: &Hidden, _mode: Mode) -> Result<Tensor> {

@@ -26,6 +26,7 @@ use crate::decoder::{
     Context, DecoderOutput, GatedMlp, LmHead, MlpNames, Norm, Rope, SelfAttention,
 };
 use crate::error::Result as CrateResult;
+use crate::generate::{DecodeInputs, KvCache};
 use crate::layers::{check_mask, lookup, padding_idx};
 use crate::moe::{load_balancing_loss, MoeShape, SparseMoe};
 use crate::rope::RopeConfig;
@@ -565,6 +566,7 @@ impl Mixtral {
         let ctx = Context {
             rope,
             mask: inputs.attention_mask.cloned(),
+            cache: None,
         };
         let mut loads = Vec::new();
         for layer in &d.layers {
@@ -678,6 +680,10 @@ impl Architecture for Mixtral {
 
     fn wrap_policy(config: &Self::Config) -> Option<WrapPolicy> {
         Some(decoder::wrap_policy(config.num_hidden_layers))
+    }
+
+    fn decode(&self, inputs: &DecodeInputs<'_>, cache: &mut KvCache) -> Result<Tensor> {
+        self.decoder.decode(inputs, cache)
     }
 
     fn logits(&self, hidden: &Hidden, _mode: Mode) -> Result<Tensor> {

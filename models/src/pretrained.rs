@@ -14,6 +14,7 @@ use candle_nn::{VarBuilder, VarMap};
 use crate::arch::{Architecture, Hidden, Inputs, Mode, ModelConfig, Proj, ShardedRun, Task};
 use crate::config::{model_folder, read_json, to_config_json};
 use crate::error::{Error, Result};
+use crate::generate::{self, GenerationConfig};
 use crate::lora::{self, Adaptable};
 use crate::weights::{parameters_dtype, Source, Weights, DEFAULT_MAX_SHARD_BYTES};
 
@@ -465,6 +466,33 @@ impl<A: Architecture> Pretrained<A> {
         self.layers.loss(&hidden, labels, self.mode())
     }
 
+    /// Generates from `prompts` (token ids; batched with left padding): the new tokens of each
+    /// prompt, at most `config.max_new_tokens`, a stop token included as the last (see
+    /// [`GenerationConfig`] and the [`generate`](crate::generate) module). Runs in evaluation
+    /// mode (no dropout, whatever [`train`](Self::train) says) with a key/value cache, keeping
+    /// no autograd graph; LoRA adapters apply. An error for an architecture that does not
+    /// generate, for a model sharded at ZeRO stage 3, and for bad settings or prompts.
+    pub fn generate(
+        &self,
+        prompts: &[Vec<u32>],
+        config: &GenerationConfig,
+    ) -> Result<Vec<Vec<u32>>> {
+        if A::TASK != Task::CausalLm || self.weights.sharded.is_some() {
+            return Err(Error::Generation {
+                what: "model".into(),
+                reason: format!(
+                    "{} generates only as a causal language model with its parameters on this \
+                     process (not sharded at ZeRO stage 3)",
+                    A::class_name(&self.config)
+                ),
+            });
+        }
+        let decode = |inputs: &generate::DecodeInputs<'_>, cache: &mut generate::KvCache| {
+            self.layers.decode(inputs, cache)
+        };
+        generate::generate(&decode, &self.weights.device, prompts, config)
+    }
+
     /// Floating-point operations per trained token of a forward and backward pass over windows
     /// of `seq_len` tokens (model FLOPs, the PaLM paper's convention, for
     /// `StepTimer::flops_per_step` and a FLOP/s or MFU figure): 2 per parameter forward, 2 per
@@ -585,6 +613,7 @@ pub(crate) trait DynModel: std::fmt::Debug + Send + Sync {
     fn flops_per_token(&self, seq_len: usize) -> f64;
     fn memory_architecture(&self) -> Result<accelerate_rs::memory::Architecture>;
     fn sharded_parameters(&self) -> Option<&ShardedModel>;
+    fn generate(&self, prompts: &[Vec<u32>], config: &GenerationConfig) -> Result<Vec<Vec<u32>>>;
 }
 
 impl<A: Architecture> DynModel for Pretrained<A> {
@@ -662,6 +691,9 @@ impl<A: Architecture> DynModel for Pretrained<A> {
     }
     fn sharded_parameters(&self) -> Option<&ShardedModel> {
         Pretrained::sharded_parameters(self)
+    }
+    fn generate(&self, prompts: &[Vec<u32>], config: &GenerationConfig) -> Result<Vec<Vec<u32>>> {
+        Pretrained::generate(self, prompts, config)
     }
 }
 
