@@ -333,13 +333,14 @@ pub(crate) fn tables(
     Ok((cos, sin))
 }
 
-/// RoPE on `x` `[B, H, T, D]` with `cos`, `sin` `[T, R / 2]`, the halves of the first `R`
+/// RoPE on `x` `[B, H, T, D]` with `cos`, `sin` `[T, R / 2]` (or `[B, T, R / 2]`: one table
+/// per row, at its position ids), the halves of the first `R`
 /// features rotated (`transformers`' `rotate_half`), the other `D - R` passed as they are:
 /// `accelerate_rs::nn::rope`, fused and differentiable (its backward reaches the query and key
 /// projections).
 pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let d = x.dim(3)?;
-    let r = 2 * cos.dim(1)?;
+    let r = 2 * cos.dim(candle_core::D::Minus1)?;
     if r >= d {
         return accelerate_rs::nn::rope(&x.contiguous()?, cos, sin);
     }
