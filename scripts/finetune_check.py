@@ -18,9 +18,17 @@
    expert takes on the held-out text (printed) after 200 steps with and without the
    load-balancing loss; with it (coefficient 0.1) every expert keeps at least 0.15x its fair
    share.
-4. With `--python PY` (an interpreter that has torch, transformers and peft): the saved folders
+4. Conversations (data/chat_tiny.jsonl, the tiny model's chat template), with and without
+   `--pack`, gradient accumulation 2, warmup + cosine: the same token-weighted losses on 1 and 2
+   processes, the held-out assistant-token loss (data/chat_tiny_eval.jsonl) falling, the weights
+   within 1e-5. Bad input (a row without an assistant turn, an unknown role, a folder without a
+   template, a template that fails to render): an error naming it, no panic; over-long
+   examples truncated and counted.
+5. With `--python PY` (an interpreter that has torch, transformers and peft): the saved folders
    load in `transformers` / `peft` with the logits the example computed
-   (`scripts/hf_reference.py check` / `check-adapter`), every family's too.
+   (`scripts/hf_reference.py check` / `check-adapter`), every family's too; the chat folders
+   have a lower held-out assistant-token loss than the base in `transformers`
+   (`hf_reference.py chat-loss`).
 
 Usage: python3 scripts/finetune_check.py [--no-build] [--python PY] [--keep DIR]
 Stdlib only (the safetensors files are read by hand). Exits non-zero on the first failure.
@@ -43,6 +51,7 @@ LAUNCHER = os.path.join(ROOT, "target", "release", "accelerate-rs")
 FINETUNE = os.path.join(ROOT, "target", "release", "examples", "finetune")
 MODEL = os.path.join(ROOT, "models", "examples", "tiny-llama")
 TRAIN = os.path.join(ROOT, "data", "corpus.txt")
+CHAT_EVAL = os.path.join(ROOT, "data", "chat_tiny_eval.jsonl")
 STEPS = 20
 
 
@@ -62,12 +71,14 @@ def run(cmd: list[str], env: dict[str, str] | None = None) -> str:
 
 
 def finetune(n: int, out: str, extra: list[str], model: str = MODEL, steps: int = STEPS,
-             launch: list[str] | None = None) -> dict:
-    """Runs the example on `n` processes with split batches (`launch`: more launcher flags);
-    returns what it printed."""
+             launch: list[str] | None = None, data: list[str] | None = None) -> dict:
+    """Runs the example on `n` processes with split batches (`launch`: more launcher flags;
+    `data`: the data flags, by default the text corpus in windows of 64); returns what it
+    printed."""
+    data = data or ["--train", TRAIN, "--seq-len", "64"]
     cmd = [LAUNCHER, "launch", "--cpu", "-n", str(n)] + (launch or []) + [FINETUNE, "--model", model,
-           "--train", TRAIN, "--max-steps", str(steps), "--seq-len", "64", "--batch-size", "8",
-           "--log-every", "1", "--output", out] + extra
+           "--max-steps", str(steps), "--batch-size", "8", "--log-every", "1",
+           "--output", out] + data + extra
     text = run(cmd, {"ACCELERATE_RS_SPLIT_BATCHES": "1"})
     rank0 = [line.split("] ", 1)[1] for line in text.splitlines()
              if line.startswith("[rank 0] ")]
@@ -233,6 +244,88 @@ def need(folder: str, names: list[str]) -> None:
             fail(f"{folder}: {n} was not written")
 
 
+CHAT = ["--train", os.path.join(ROOT, "data", "chat_tiny.jsonl"), "--eval", CHAT_EVAL,
+        "--seq-len", "128", "--lr", "3e-3", "--gradient-accumulation", "2", "--warmup-steps", "5",
+        "--lr-schedule", "cosine"]
+
+
+def check_chat(work: str) -> list[str]:
+    """Conversations (the shipped tiny chat data and template), with and without --pack: the
+    same token-weighted losses on 1 and 2 processes (split batches, gradient accumulation 2), the
+    held-out assistant-token loss falling, the weights within 1e-5; returns the 2-process output
+    folders."""
+    outs = []
+    for pack in ([], ["--pack"]):
+        tag = "chat-pack" if pack else "chat"
+        one = finetune(1, os.path.join(work, f"{tag}-1"), pack, data=CHAT)
+        two = finetune(2, os.path.join(work, f"{tag}-2"), pack, data=CHAT)
+        if one["losses"] != two["losses"]:
+            fail(f"{tag}: 1 and 2 processes print different losses:\n{one['losses']}\n"
+                 f"{two['losses']}")
+        if not two["after"] < two["before"]:
+            fail(f"{tag}: held-out assistant loss did not fall ({two['before']} -> {two['after']})")
+        if "0 truncated and 0 skipped" not in two["text"]:
+            fail(f"{tag}: the data's counts were not printed:\n{two['text']}")
+        worst = compare(os.path.join(work, f"{tag}-1", "model.safetensors"),
+                        os.path.join(work, f"{tag}-2", "model.safetensors"), 1e-5,
+                        f"{tag} 1 vs 2")
+        print(f"{tag}: {STEPS} token-weighted losses equal on 1 and 2 processes "
+              f"({one['losses'][0]} -> {one['losses'][-1]}), held-out assistant loss "
+              f"{two['before']} -> {two['after']}, weights within {worst:.2g}")
+        outs.append(os.path.join(work, f"{tag}-2"))
+    return outs
+
+
+def check_chat_errors(work: str) -> None:
+    """Bad conversations and folders: a clear error (exit code 1, the culprit named, no panic),
+    or for an over-long example a count of the truncated ones."""
+    bad = os.path.join(work, "bad")
+    os.makedirs(bad, exist_ok=True)
+    no_template = os.path.join(bad, "no-template")
+    shutil.copytree(MODEL, no_template, dirs_exist_ok=True)
+    os.remove(os.path.join(no_template, "chat_template.jinja"))
+    failing = os.path.join(bad, "failing-template")
+    shutil.copytree(MODEL, failing, dirs_exist_ok=True)
+    with open(os.path.join(failing, "chat_template.jinja"), "w") as f:
+        f.write("{{ raise_exception('this template refuses every conversation') }}")
+    user = {"role": "user", "content": "hi"}
+    rows = {
+        "no-assistant.jsonl": [{"messages": [user]}] * 3,
+        "unknown-role.jsonl": [{"messages": [user, {"role": "robot", "content": "x"}]}],
+        "ok.jsonl": [{"messages": [user, {"role": "assistant", "content": "hello"}]}] * 3,
+        "long.jsonl": [{"messages": [user, {"role": "assistant", "content": "word " * 40}]}] * 4
+        + [{"messages": [user, {"role": "assistant", "content": "short"}]}] * 4,
+    }
+    for name, content in rows.items():
+        with open(os.path.join(bad, name), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in content)
+    cases = [  # (model, train file, what the error must name)
+        (MODEL, "no-assistant.jsonl", "assistant"),
+        (MODEL, "unknown-role.jsonl", "robot"),
+        (no_template, "ok.jsonl", "chat_template"),
+        (failing, "ok.jsonl", "refuses every conversation"),
+    ]
+    for model, file, word in cases:
+        cmd = [FINETUNE, "--model", model, "--train", os.path.join(bad, file), "--eval",
+               os.path.join(bad, "ok.jsonl"), "--max-steps", "1", "--batch-size", "1",
+               "--output", os.path.join(bad, "out"), "--overwrite"]
+        env = dict(os.environ, RUST_BACKTRACE="0")
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        text = p.stdout + p.stderr
+        if p.returncode == 0 or "panicked" in text or word not in text:
+            fail(f"bad input {file} with {os.path.basename(model)}: exit {p.returncode}, expected "
+                 f"an error naming {word!r}:\n{text}")
+        error = next((l for l in text.splitlines() if l.startswith("Error")), text.strip())
+        print(f"bad input {file} ({os.path.basename(model)}): {error}")
+    cmd = [FINETUNE, "--model", MODEL, "--train", os.path.join(bad, "long.jsonl"), "--eval",
+           os.path.join(bad, "ok.jsonl"), "--seq-len", "24", "--max-steps", "2", "--batch-size",
+           "2", "--output", os.path.join(bad, "out"), "--overwrite"]
+    text = run(cmd)
+    if "4 truncated" not in text:
+        fail(f"over-long examples were not counted:\n{text}")
+    print("over-long examples: " + next(l for l in text.splitlines() if "truncated" in l))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-build", action="store_true", help="use the release binaries as they are")
@@ -319,7 +412,11 @@ def main() -> int:
         # 4. The families added after Llama.
         families = [check_family(work, name) for name in FAMILIES]
 
-        # 5. transformers / peft load what was saved, with the same logits.
+        # 5. Conversations, with and without packing; bad chat input.
+        chats = check_chat(work)
+        check_chat_errors(work)
+
+        # 6. transformers / peft load what was saved, with the same logits.
         if args.python:
             ref = os.path.join(ROOT, "scripts", "hf_reference.py")
             for sub in (["check", os.path.join(work, "full-2"), "--probe",
@@ -334,6 +431,9 @@ def main() -> int:
             for out in families:
                 print(run([args.python, ref, "check", out, "--probe",
                            out + ".probe.safetensors"]).strip())
+            for out in chats:
+                print(run([args.python, ref, "chat-loss", out, "--base", MODEL, "--data",
+                           CHAT_EVAL]).strip())
         else:
             print("transformers/peft checks skipped (no --python given)")
         print("finetune_check: PASS")

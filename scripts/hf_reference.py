@@ -20,6 +20,11 @@ Python.
         `cargo run -p accelerate-rs-models --example roundtrip -- OUT` writes such folders for
         every fixture; `finetune --probe FILE` writes one for its output.
 
+    python scripts/hf_reference.py chat-loss DIR --base BASE --data FILE.jsonl
+        The held-out assistant-token loss (the last assistant turn of each `messages` row,
+        rendered with the folder's chat template by `apply_chat_template`) of the fine-tuned
+        folder DIR and of BASE in `transformers`: exits 1 unless DIR's is lower.
+
     python scripts/hf_reference.py lora [--out models/tests/fixtures]
         Needs `pip install peft` too. For a tiny Llama (rsLoRA on q_proj, v_proj and down_proj)
         and a tiny GPT-2 (LoRA on its Conv1D layers c_attn and c_fc, fan_in_fan_out): the base
@@ -703,6 +708,42 @@ def make_tokenizer(corpus, out, vocab_size, arch):
     print(f"{out}: tokenizer of {vocab} tokens and a tiny {arch}, {size / 1024:.0f} KiB")
 
 
+def assistant_loss(folder, rows):
+    """The mean cross-entropy of the assistant's last turn over `rows` (conversations), with the
+    model and tokenizer (and chat template) of `folder` in `transformers`: the tokens the template
+    adds after the generation prompt, predicted from everything before them."""
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    for messages in rows:
+        prompt = tok.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        full = tok.apply_chat_template(messages, tokenize=False)
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        ids = tok(full, add_special_tokens=False)["input_ids"]
+        if ids[: len(p)] != p:
+            raise SystemExit(f"{folder}: the prompt's tokens are not a prefix of the conversation's")
+        labels = [-100] * len(p) + ids[len(p):]
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), labels=torch.tensor([labels]))
+        n = sum(1 for x in labels[1:] if x != -100)
+        total += out.loss.item() * n
+        count += n
+    return total / count
+
+
+def chat_loss(folder, base, data):
+    """Held-out assistant-token loss of the fine-tuned `folder` against `base`: lower, or exit 1."""
+    with open(data, encoding="utf-8") as f:
+        rows = [json.loads(line)["messages"] for line in f if line.strip()]
+    rows = [r for r in rows if r and r[-1]["role"] == "assistant"]
+    before, after = assistant_loss(base, rows), assistant_loss(folder, rows)
+    ok = after < before
+    print(f"{folder}: transformers' held-out assistant-token loss {before:.4f} (base) -> "
+          f"{after:.4f} (fine-tuned) over {len(rows)} conversations: "
+          f"{'lower' if ok else 'NOT LOWER'}")
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -718,6 +759,10 @@ def main():
     ca.add_argument("adapter")
     ca.add_argument("--base", required=True)
     ca.add_argument("--probe")
+    cl = sub.add_parser("chat-loss")
+    cl.add_argument("folder")
+    cl.add_argument("--base", required=True)
+    cl.add_argument("--data", required=True)
     t = sub.add_parser("tokenizer")
     t.add_argument("--corpus", default="data/corpus.txt")
     t.add_argument("--out", default="models/examples/tiny-llama")
@@ -736,6 +781,8 @@ def main():
     elif args.cmd == "lora":
         for i, name in enumerate(LORA_CASES):
             make_lora_fixture(name, args.out, seed=2000 + i)
+    elif args.cmd == "chat-loss":
+        sys.exit(0 if chat_loss(args.folder, args.base, args.data) else 1)
     elif args.cmd == "check-adapter":
         sys.exit(0 if check_adapter(args.adapter, args.base, args.probe) else 1)
     else:

@@ -14,6 +14,7 @@ use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::generate::{DecodeInputs, KvCache};
+pub use crate::layers::AttentionBackend;
 pub use crate::lora::Proj;
 use crate::weights::Adapters;
 
@@ -50,8 +51,13 @@ pub trait ModelConfig: Clone + std::fmt::Debug + Send + Sync + 'static {
 }
 
 /// What a forward pass is given: the token ids and what else the architecture takes. Built with
-/// [`Inputs::new`] and the setters; more inputs (position ids, a document mask for packed
-/// sequences) are added as new setters, so code written against it keeps compiling.
+/// [`Inputs::new`] and the setters; more inputs are added as new setters, so code written
+/// against it keeps compiling.
+///
+/// Packed rows (several documents in one row, [`chat::Packer`](crate::chat::Packer)): give
+/// [`position_ids`](Self::position_ids) restarting at each document and
+/// [`document_ids`](Self::document_ids); every causal architecture then runs each document as
+/// if it were alone (its positions, block-diagonal causal attention). BERT refuses documents.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct Inputs<'a> {
@@ -61,6 +67,12 @@ pub struct Inputs<'a> {
     pub attention_mask: Option<&'a Tensor>,
     /// `[B, T]` segment ids (BERT); architectures without token types ignore them.
     pub token_type_ids: Option<&'a Tensor>,
+    /// `[B, T]` integer positions (RoPE angles, learned position embeddings); `None`: `0..T` in
+    /// every row, as `transformers` defaults them.
+    pub position_ids: Option<&'a Tensor>,
+    /// `[B, T]` integer document ids: a token attends to the tokens of its own document only
+    /// (with the causal mask: block-diagonal causal attention); `None`: one document per row.
+    pub document_ids: Option<&'a Tensor>,
 }
 
 impl<'a> Inputs<'a> {
@@ -70,6 +82,8 @@ impl<'a> Inputs<'a> {
             input_ids,
             attention_mask: None,
             token_type_ids: None,
+            position_ids: None,
+            document_ids: None,
         }
     }
 
@@ -84,6 +98,18 @@ impl<'a> Inputs<'a> {
         self.token_type_ids = ids;
         self
     }
+
+    /// With position ids `[B, T]` (see [`Inputs::position_ids`](Self#structfield.position_ids)).
+    pub fn position_ids(mut self, ids: Option<&'a Tensor>) -> Self {
+        self.position_ids = ids;
+        self
+    }
+
+    /// With document ids `[B, T]` (see [`Inputs::document_ids`](Self#structfield.document_ids)).
+    pub fn document_ids(mut self, ids: Option<&'a Tensor>) -> Self {
+        self.document_ids = ids;
+        self
+    }
 }
 
 /// How a forward pass runs: training mode (dropout applies) and activation checkpointing (every
@@ -94,6 +120,8 @@ pub struct Mode {
     pub training: bool,
     /// Every block recomputes its activations in the backward pass.
     pub checkpointing: bool,
+    /// Which attention runs.
+    pub attention: AttentionBackend,
 }
 
 /// The output of the layers, before the head: the hidden states and, for a mixture of experts

@@ -8,7 +8,7 @@ use accelerate_rs::{Accelerator, ShardedModel};
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarMap;
 
-use crate::arch::{Architecture, Inputs, Task};
+use crate::arch::{Architecture, AttentionBackend, Inputs, Task};
 use crate::config::{model_folder, read_json};
 use crate::error::Result as CrateResult;
 use crate::generate::GenerationConfig;
@@ -231,6 +231,16 @@ impl AutoModel {
     /// Whether activation checkpointing is on.
     pub fn is_gradient_checkpointing(&self) -> bool {
         self.0.is_gradient_checkpointing()
+    }
+
+    /// Which attention the layers run (see [`Pretrained::set_attention_backend`]).
+    pub fn set_attention_backend(&mut self, backend: AttentionBackend) {
+        self.0.set_attention_backend(backend)
+    }
+
+    /// Which attention the layers run.
+    pub fn attention_backend(&self) -> AttentionBackend {
+        self.0.attention_backend()
     }
 
     /// Adds LoRA adapters (see [`Pretrained::add_lora`]).

@@ -17,8 +17,9 @@ use crate::config::{
 };
 use crate::error::Result as CrateResult;
 use crate::layers::{
-    attention, bce_with_logits, check_mask, classification_loss, dropout, embedding, linear,
-    lookup, masked_lm_loss, mse, norm_params, padding_idx, AttentionSpec,
+    attention, bce_with_logits, check_documents, check_mask, classification_loss, dropout,
+    embedding, linear, lookup, masked_lm_loss, mse, norm_params, padding_idx, position_ids,
+    AttentionSpec, Masks,
 };
 
 fn default_act() -> Activation {
@@ -270,7 +271,7 @@ impl EncoderLayer {
         })
     }
 
-    fn forward(&self, x: &Tensor, mask: Option<&Tensor>, train: bool) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, masks: &Masks, train: bool) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let d = c / self.heads;
         let split = |y: Tensor| y.reshape((b, t, self.heads, d))?.transpose(1, 2);
@@ -279,11 +280,13 @@ impl EncoderLayer {
         let v = split(self.value.forward(x, train)?)?;
         let spec = AttentionSpec {
             causal: false,
-            mask,
+            mask: masks.mask.as_ref(),
+            documents: masks.documents.as_ref(),
             window: None,
             scale: 1.0 / (d as f64).sqrt(),
             dropout: self.attn_dropout,
             softcap: None,
+            backend: masks.backend,
         };
         let y = attention(&q, &k, &v, &spec, train)?
             .transpose(1, 2)?
@@ -344,6 +347,7 @@ impl Encoder {
         let (train, checkpointing) = (mode.training, mode.checkpointing);
         let (b, t) = input_ids.dims2()?;
         check_mask(mask, b, t)?;
+        check_documents(inputs.document_ids, b, t)?;
         if t > self.max_positions {
             candle_core::bail!(
                 "input_ids: {t} tokens, but BERT has positions for max_position_embeddings = {} only",
@@ -367,15 +371,26 @@ impl Encoder {
                 .unsqueeze(0)?
                 .broadcast_as(words.shape())?,
         };
-        let pos = self.position.narrow(0, 0, t)?.unsqueeze(0)?;
+        let pos = match inputs.position_ids {
+            Some(p) => {
+                position_ids(Some(p), b, t)?;
+                lookup(&self.position, p, None, "position_ids")?
+            }
+            None => self.position.narrow(0, 0, t)?.unsqueeze(0)?,
+        };
         let e = (words + types)?.broadcast_add(&pos)?;
         let mut h = dropout(&self.embed_norm.forward(&e)?, self.dropout, train)?;
+        let masks = Masks {
+            mask: mask.cloned(),
+            documents: inputs.document_ids.cloned(),
+            backend: mode.attention,
+        };
         for layer in &self.layers {
             h = if checkpointing {
-                let (layer, mask) = (layer.clone(), mask.cloned());
-                checkpoint_fn(move |x| layer.forward(x, mask.as_ref(), train), &h)?
+                let (layer, masks) = (layer.clone(), masks.clone());
+                checkpoint_fn(move |x| layer.forward(x, &masks, train), &h)?
             } else {
-                layer.forward(&h, mask, train)?
+                layer.forward(&h, &masks, train)?
             };
         }
         Ok(h)

@@ -17,12 +17,12 @@ use accelerate_rs::WrapPolicy;
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 
-use crate::arch::{Hidden, Inputs, Mode, Proj, ShardedRun};
+use crate::arch::{AttentionBackend, Hidden, Inputs, Mode, Proj, ShardedRun};
 use crate::config::Activation;
 use crate::generate::{CacheSlot, CachedSpec, DecodeInputs, KvCache};
 use crate::layers::{
-    attention, causal_lm_loss, causal_lm_loss_from_logits, check_mask, embedding, linear, lookup,
-    repeat_kv, softcap, AttentionSpec,
+    attention, causal_lm_loss, causal_lm_loss_from_logits, check_documents, check_mask, embedding,
+    linear, lookup, position_ids, softcap, AttentionSpec,
 };
 use crate::rope::{self, apply_rope, RopeConfig};
 
@@ -87,7 +87,7 @@ impl Rope {
 
     /// cos and sin `[B, T, rotary_dim / 2]` for the positions `[B][T]` of a generation step
     /// (`longrope` picks its factors by the largest position, as `transformers` does).
-    pub(crate) fn tables_at(
+    pub(crate) fn tables_for_steps(
         &self,
         positions: &[Vec<u32>],
         dtype: DType,
@@ -104,11 +104,26 @@ impl Rope {
             sin.index_select(&at, 0)?.reshape((b, t, half))?,
         ))
     }
+
+    /// cos and sin `[B, T, rotary_dim / 2]` at `positions` (`[B·T]` u32, flattened, the largest
+    /// `max`): the tables of positions `0..=max` (`longrope` picks its factors by `max + 1`, as
+    /// `transformers` does from `position_ids`), gathered.
+    pub(crate) fn tables_at(
+        &self,
+        (positions, max): (&Tensor, usize),
+        (b, t): (usize, usize),
+        dtype: DType,
+    ) -> Result<(Tensor, Tensor)> {
+        let (cos, sin) = self.tables(max + 1, dtype, positions.device())?;
+        let pick = |table: Tensor| table.index_select(positions, 0)?.reshape((b, t, ()));
+        Ok((pick(cos)?, pick(sin)?))
+    }
 }
 
 /// What every block of one forward pass sees besides its input: the RoPE tables (one pair per
-/// kind of layer: Gemma 3's local and global layers rotate with different bases) and the padding
-/// mask. Cloned into a checkpointed block's closure.
+/// kind of layer: Gemma 3's local and global layers rotate with different bases; `[T, R/2]`, or
+/// `[B, T, R/2]` at given position ids), the padding mask, the documents of packed rows and the
+/// attention backend. Cloned into a checkpointed block's closure.
 #[derive(Debug, Clone)]
 pub(crate) struct Context {
     /// `(cos, sin)` per RoPE kind.
@@ -118,6 +133,10 @@ pub(crate) struct Context {
     /// A generation step: this block's part of the key/value cache (the step's mask and
     /// positions with it; `mask` is then unused).
     pub(crate) cache: Option<CacheSlot>,
+    /// `[B, T]` document ids (packed rows).
+    pub(crate) documents: Option<Tensor>,
+    /// Which attention runs.
+    pub(crate) backend: AttentionBackend,
 }
 
 /// The shape of one layer's self-attention.
@@ -265,15 +284,16 @@ impl SelfAttention {
             let y = y.transpose(1, 2)?.reshape((b, t, h * d))?;
             return self.o.forward(&y, false);
         }
-        let rep = h / kv;
-        let (k, v) = (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?);
+        // `attention` repeats the key/value heads where its path needs them (flash does not).
         let spec = AttentionSpec {
             causal: true,
             mask: ctx.mask.as_ref(),
+            documents: ctx.documents.as_ref(),
             window: self.options.window,
             scale: self.options.scale,
             dropout: self.options.dropout,
             softcap: self.options.softcap,
+            backend: ctx.backend,
         };
         let y = attention(&q, &k, &v, &spec, train)?;
         let y = y.transpose(1, 2)?.reshape((b, t, h * d))?;
@@ -552,13 +572,11 @@ impl<B: Block> CausalDecoder<B> {
     /// The blocks over the embeddings of `inputs`, then the final norm.
     pub(crate) fn run(&self, inputs: &Inputs<'_>, mode: Mode) -> Result<DecoderOutput> {
         let ids = inputs.input_ids;
-        let (b, t) = ids.dims2()?;
-        check_mask(inputs.attention_mask, b, t)?;
         let mut h = lookup(&self.embed_tokens, ids, self.pad, "input_ids")?;
         if let Some(s) = self.embed_scale {
             h = h.affine(s, 0.0)?;
         }
-        let ctx = self.context(inputs, t, &h)?;
+        let ctx = self.context(inputs, mode, &h)?;
         let mut router_logits = Vec::new();
         for layer in &self.layers {
             let out = run_block(layer, &h, &ctx, mode)?;
@@ -584,7 +602,6 @@ impl<B: Block> CausalDecoder<B> {
     ) -> Result<DecoderOutput> {
         let ids = inputs.input_ids;
         let (b, t) = ids.dims2()?;
-        check_mask(inputs.attention_mask, b, t)?;
         let embed = s
             .model
             .gather(EMBED_UNIT)?
@@ -593,7 +610,7 @@ impl<B: Block> CausalDecoder<B> {
         if let Some(scale) = self.embed_scale {
             h = h.affine(scale, 0.0)?;
         }
-        let ctx = self.context(inputs, t, &h)?;
+        let ctx = self.context(inputs, mode, &h)?;
         let mut router_logits = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             let (build, ctx, run) = (self.build.clone(), ctx.clone(), s.clone());
@@ -621,17 +638,28 @@ impl<B: Block> CausalDecoder<B> {
         })
     }
 
-    /// What every block sees besides its input: the RoPE tables and the padding mask.
-    fn context(&self, inputs: &Inputs<'_>, t: usize, h: &Tensor) -> Result<Context> {
+    /// What every block sees besides its input `h` (the embeddings of `inputs`): the RoPE
+    /// tables (at the position ids, if given), the padding mask, the documents and the backend,
+    /// each checked against the input ids' shape.
+    pub(crate) fn context(&self, inputs: &Inputs<'_>, mode: Mode, h: &Tensor) -> Result<Context> {
+        let (b, t) = inputs.input_ids.dims2()?;
+        check_mask(inputs.attention_mask, b, t)?;
+        check_documents(inputs.document_ids, b, t)?;
+        let positions = position_ids(inputs.position_ids, b, t)?;
         let rope = self
             .ropes
             .iter()
-            .map(|r| r.tables(t, h.dtype(), h.device()))
+            .map(|r| match &positions {
+                Some((p, max)) => r.tables_at((p, *max), (b, t), h.dtype()),
+                None => r.tables(t, h.dtype(), h.device()),
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(Context {
             rope,
             mask: inputs.attention_mask.cloned(),
             cache: None,
+            documents: inputs.document_ids.cloned(),
+            backend: mode.attention,
         })
     }
 
@@ -649,13 +677,15 @@ impl<B: Block> CausalDecoder<B> {
         let rope = self
             .ropes
             .iter()
-            .map(|r| r.tables_at(inputs.position_ids, h.dtype(), h.device()))
+            .map(|r| r.tables_for_steps(inputs.position_ids, h.dtype(), h.device()))
             .collect::<Result<Vec<_>>>()?;
         for (i, layer) in self.layers.iter().enumerate() {
             let ctx = Context {
                 rope: rope.clone(),
                 mask: None,
                 cache: Some(step.slot(i)?),
+                documents: None,
+                backend: AttentionBackend::default(),
             };
             h = layer.forward(&h, &ctx, false)?.hidden;
         }

@@ -12,7 +12,9 @@ use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::arch::{Architecture, Hidden, Inputs, MemoryProfile, Mode, ModelConfig, Proj, Task};
+use crate::arch::{
+    Architecture, AttentionBackend, Hidden, Inputs, MemoryProfile, Mode, ModelConfig, Proj, Task,
+};
 use crate::config::{
     config_value, ensure_init_range, ensure_layers, ensure_multiple, ensure_positive,
     ensure_probabilities, ensure_sizes, parse, read_json, Activation, Origin,
@@ -20,8 +22,8 @@ use crate::config::{
 use crate::error::Result as CrateResult;
 use crate::generate::{CacheSlot, CachedSpec, DecodeInputs, KvCache};
 use crate::layers::{
-    attention, causal_lm_loss, check_mask, dropout, embedding, linear, lookup, norm_params,
-    AttentionSpec,
+    attention, causal_lm_loss, check_documents, check_mask, dropout, embedding, linear, lookup,
+    norm_params, position_ids, AttentionSpec, Masks,
 };
 
 fn default_act() -> Activation {
@@ -212,32 +214,41 @@ impl Block {
         })
     }
 
-    fn attention(&self, x: &Tensor, mask: Option<&Tensor>, train: bool) -> Result<Tensor> {
+    /// The fused `packed_self_attention` over `c_attn`'s output, except on the CPU (tiled
+    /// flash attention), with documents, attention dropout or the composed backend (through
+    /// [`attention`]).
+    fn attention(&self, x: &Tensor, masks: &Masks, train: bool) -> Result<Tensor> {
         let qkv = self.c_attn.forward(x, train)?;
-        if train && self.attn_pdrop > 0.0 {
+        let fused = masks.backend == AttentionBackend::Auto
+            && !qkv.device().is_cpu()
+            && masks.documents.is_none()
+            && !(train && self.attn_pdrop > 0.0);
+        if !fused {
             let (b, t, c3) = qkv.dims3()?;
             let (h, d) = (self.heads, c3 / 3 / self.heads);
             let split = qkv.reshape((b, t, 3, h, d))?.permute((2, 0, 3, 1, 4))?;
             let spec = AttentionSpec {
                 causal: true,
-                mask,
+                mask: masks.mask.as_ref(),
+                documents: masks.documents.as_ref(),
                 window: None,
                 scale: self.scale,
                 dropout: self.attn_pdrop,
                 softcap: None,
+                backend: masks.backend,
             };
             let y = attention(&split.get(0)?, &split.get(1)?, &split.get(2)?, &spec, train)?;
             return y.transpose(1, 2)?.reshape((b, t, h * d));
         }
         let mut options = AttentionOptions::default().causal(true).scale(self.scale);
-        if let Some(m) = mask {
+        if let Some(m) = &masks.mask {
             options = options.key_padding_mask(m.eq(0.0)?);
         }
         packed_self_attention(&qkv, self.heads, &options)
     }
 
-    fn forward(&self, x: &Tensor, mask: Option<&Tensor>, train: bool) -> Result<Tensor> {
-        let a = self.attention(&self.ln_1.forward(x)?, mask, train)?;
+    fn forward(&self, x: &Tensor, masks: &Masks, train: bool) -> Result<Tensor> {
+        let a = self.attention(&self.ln_1.forward(x)?, masks, train)?;
         self.after_attention(x, &a, train)
     }
 
@@ -359,29 +370,41 @@ impl Architecture for Gpt2 {
             .collect()
     }
 
-    /// The final hidden states `[B, T, n_embd]` (after `ln_f`). Positions are `0..T`; a
-    /// sequence longer than `n_positions` is an error.
+    /// The final hidden states `[B, T, n_embd]` (after `ln_f`). Positions are the position ids,
+    /// else `0..T`; a position at or past `n_positions` is an error.
     fn hidden_states(&self, inputs: &Inputs<'_>, mode: Mode) -> Result<Hidden> {
         let (input_ids, attention_mask) = (inputs.input_ids, inputs.attention_mask);
         let (b, t) = input_ids.dims2()?;
         check_mask(attention_mask, b, t)?;
-        if t > self.n_positions {
+        check_documents(inputs.document_ids, b, t)?;
+        let positions = position_ids(inputs.position_ids, b, t)?;
+        let last = positions.as_ref().map_or(t, |(_, max)| max + 1);
+        if last > self.n_positions {
             candle_core::bail!(
-                "input_ids: {t} tokens, but GPT-2 has positions for n_positions = {} only",
+                "input_ids: position {} reached, but GPT-2 has positions for n_positions = {} only",
+                last - 1,
                 self.n_positions
             );
         }
         // GPT-2's embedding has no padding index.
         let tok = lookup(&self.wte, input_ids, None, "input_ids")?;
-        let pos = self.wpe.narrow(0, 0, t)?.unsqueeze(0)?;
+        let pos = match &positions {
+            Some((p, _)) => self.wpe.index_select(p, 0)?.reshape((b, t, ()))?,
+            None => self.wpe.narrow(0, 0, t)?.unsqueeze(0)?,
+        };
         let train = mode.training;
         let mut h = dropout(&tok.broadcast_add(&pos)?, self.embd_pdrop, train)?;
+        let masks = Masks {
+            mask: attention_mask.cloned(),
+            documents: inputs.document_ids.cloned(),
+            backend: mode.attention,
+        };
         for block in &self.blocks {
             h = if mode.checkpointing {
-                let (block, mask) = (block.clone(), attention_mask.cloned());
-                checkpoint_fn(move |x| block.forward(x, mask.as_ref(), train), &h)?
+                let (block, masks) = (block.clone(), masks.clone());
+                checkpoint_fn(move |x| block.forward(x, &masks, train), &h)?
             } else {
-                block.forward(&h, attention_mask, train)?
+                block.forward(&h, &masks, train)?
             };
         }
         Ok(Hidden::new(self.ln_f.forward(&h)?))

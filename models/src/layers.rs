@@ -1,13 +1,30 @@
 //! Building blocks shared by the architectures: parameters initialized as `transformers` does,
-//! attention with padding masks (fused, or composed when a sliding window or attention dropout
-//! needs it), dropout, and the language-model losses.
+//! attention with padding masks, sliding windows and packed documents (tiled flash attention on
+//! the CPU, fused, or composed where soft-capping or attention dropout needs it), position and
+//! document ids checked, dropout, and the language-model losses.
 
 use accelerate_rs::nn::{
-    cross_entropy_with, linear_cross_entropy, scaled_dot_product_attention, softmax_last_dim,
-    AttentionOptions, CrossEntropyOptions, Linear,
+    cross_entropy_with, flash_attention, linear_cross_entropy, scaled_dot_product_attention,
+    softmax_last_dim, AttentionOptions, CrossEntropyOptions, FlashAttentionOptions, Linear,
 };
 use candle_core::{DType, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
+
+/// Which attention the layers run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum AttentionBackend {
+    /// `accelerate_rs::nn::flash_attention` on the CPU (tiled: memory linear in the sequence,
+    /// grouped-query attention without repeating the keys and values) wherever the layer's
+    /// options allow it (not with Gemma 2's soft-capped scores nor with attention dropout in
+    /// training); elsewhere the fused `scaled_dot_product_attention`, or composed ops where a
+    /// sliding window, documents, soft-capping or dropout need them. Other devices keep the
+    /// fused or composed ops.
+    #[default]
+    Auto,
+    /// Composed Candle ops everywhere (the attention weights materialized): the reference.
+    Composed,
+}
 
 /// The label value that adds nothing to a loss (`transformers`' and PyTorch's `-100`).
 pub const IGNORE_INDEX: i64 = -100;
@@ -156,6 +173,60 @@ pub(crate) fn check_mask(mask: Option<&Tensor>, b: usize, t: usize) -> Result<()
     Ok(())
 }
 
+/// Position ids `[B, T]` (`None`: `0..T`) checked: integers, none negative. Returns them
+/// flattened (`[B·T]` u32, on the ids' device) with the largest one.
+pub(crate) fn position_ids(
+    ids: Option<&Tensor>,
+    b: usize,
+    t: usize,
+) -> Result<Option<(Tensor, usize)>> {
+    let Some(ids) = ids else {
+        return Ok(None);
+    };
+    let values = integer_ids(ids, "position_ids", b, t)?;
+    if let Some((i, bad)) = values.iter().enumerate().find(|(_, &v)| v < 0) {
+        candle_core::bail!("position_ids: {bad} at position {i} is negative");
+    }
+    let max = values.iter().copied().max().unwrap_or(0) as usize;
+    let flat: Vec<u32> = values.iter().map(|&v| v as u32).collect();
+    Ok(Some((Tensor::from_vec(flat, b * t, ids.device())?, max)))
+}
+
+/// Document ids `[B, T]` (packed rows) checked: integers of the input's shape.
+pub(crate) fn check_documents(ids: Option<&Tensor>, b: usize, t: usize) -> Result<()> {
+    if let Some(ids) = ids {
+        integer_ids(ids, "document_ids", b, t)?;
+    }
+    Ok(())
+}
+
+/// `ids` `[b, t]` of an integer dtype, as i64 values (`what` names them in errors).
+fn integer_ids(ids: &Tensor, what: &str, b: usize, t: usize) -> Result<Vec<i64>> {
+    if ids.dims() != [b, t] {
+        candle_core::bail!(
+            "{what} has shape {:?}, expected the input ids' [batch, seq] = [{b}, {t}]",
+            ids.dims()
+        );
+    }
+    if ids.dtype().is_float() {
+        candle_core::bail!("{what} must be integers, got {:?}", ids.dtype());
+    }
+    ids.flatten_all()?.to_dtype(DType::I64)?.to_vec1::<i64>()
+}
+
+/// What the attention of every block of a forward pass sees besides its input (GPT-2, BERT):
+/// the padding mask, the documents of packed rows, the backend. Cloned into a checkpointed
+/// block's closure.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Masks {
+    /// `[B, T]`, 1 = token, 0 = padding.
+    pub mask: Option<Tensor>,
+    /// `[B, T]` document ids.
+    pub documents: Option<Tensor>,
+    /// Which attention runs.
+    pub backend: AttentionBackend,
+}
+
 /// The attention of one layer: what each query may see.
 #[derive(Debug, Clone)]
 pub(crate) struct AttentionSpec<'a> {
@@ -163,6 +234,8 @@ pub(crate) struct AttentionSpec<'a> {
     pub causal: bool,
     /// `[B, T]`, 1 = token, 0 = padding.
     pub mask: Option<&'a Tensor>,
+    /// `[B, T]` document ids: a query sees the keys of its own document only.
+    pub documents: Option<&'a Tensor>,
     /// Query `i` sees keys `j` with `i - j < window` only (Mistral's sliding window).
     pub window: Option<usize>,
     /// The factor on the scores.
@@ -171,11 +244,16 @@ pub(crate) struct AttentionSpec<'a> {
     pub dropout: f64,
     /// Gemma 2's soft-capping of the scores: `cap · tanh(scores / cap)` before the mask.
     pub softcap: Option<f64>,
+    /// Which attention runs.
+    pub backend: AttentionBackend,
 }
 
-/// `softmax(scale q kᵀ + mask) v` for `q`, `k`, `v` `[B, H, T, D]` (as many heads in each):
-/// `accelerate_rs::nn::scaled_dot_product_attention` (one fused op on the CPU) unless a sliding
-/// window that cuts something or attention dropout asks for the composed path.
+/// `softmax(scale q kᵀ + mask) v` for `q` `[B, H, T, D]` and `k`, `v` `[B, KV, T, D]` (`KV`
+/// divides `H`: grouped-query attention). With [`AttentionBackend::Auto`] on the CPU, and
+/// neither soft-capping nor attention dropout, `accelerate_rs::nn::flash_attention` (tiled,
+/// the keys and values not repeated); else `accelerate_rs::nn::scaled_dot_product_attention`
+/// (one fused op on the CPU) unless a sliding window that cuts something, documents, soft-capping,
+/// dropout or the `Composed` backend ask for the composed path.
 pub(crate) fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -183,19 +261,44 @@ pub(crate) fn attention(
     spec: &AttentionSpec<'_>,
     train: bool,
 ) -> Result<Tensor> {
-    let t = q.dim(2)?;
-    let window_cuts = spec.window.is_some_and(|w| w < t);
+    let (h, kv, t) = (q.dim(1)?, k.dim(1)?, q.dim(2)?);
+    if kv == 0 || h % kv != 0 {
+        candle_core::bail!("attention: {h} query heads are not a multiple of {kv} key/value heads");
+    }
     let drops = train && spec.dropout > 0.0;
-    if !window_cuts && !drops && spec.softcap.is_none() {
+    let auto = spec.backend == AttentionBackend::Auto;
+    if auto && q.device().is_cpu() && !drops && spec.softcap.is_none() {
+        return flash(q, k, v, spec);
+    }
+    let (k, v) = (repeat_kv(k, h / kv)?, repeat_kv(v, h / kv)?);
+    let window_cuts = spec.window.is_some_and(|w| w < t);
+    if auto && !window_cuts && !drops && spec.softcap.is_none() && spec.documents.is_none() {
         let mut options = AttentionOptions::default()
             .causal(spec.causal)
             .scale(spec.scale);
         if let Some(m) = spec.mask {
             options = options.key_padding_mask(m.eq(0.0)?);
         }
-        return scaled_dot_product_attention(q, k, v, &options);
+        return scaled_dot_product_attention(q, &k, &v, &options);
     }
-    composed_attention(q, k, v, spec, train)
+    composed_attention(q, &k, &v, spec, train)
+}
+
+/// The attention through `accelerate_rs::nn::flash_attention` (no dropout, no soft-capping).
+fn flash(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec<'_>) -> Result<Tensor> {
+    let mut options = FlashAttentionOptions::default()
+        .causal(spec.causal)
+        .scale(spec.scale);
+    if let Some(m) = spec.mask {
+        options = options.key_padding_mask(m.eq(0.0)?);
+    }
+    if let Some(w) = spec.window {
+        options = options.window(w);
+    }
+    if let Some(d) = spec.documents {
+        options = options.document_ids(d.clone());
+    }
+    flash_attention(q, k, v, &options)
 }
 
 /// The attention as composed (differentiable) Candle ops, with any mask.
@@ -209,18 +312,20 @@ fn composed_attention(
     let (b, h, tq, _) = q.dims4()?;
     let tk = k.dim(2)?;
     let dev = q.device();
-    let pad = match spec.mask {
-        Some(m) => Some(m.to_dtype(DType::F32)?.to_vec2::<f32>()?),
-        None => None,
+    let rows = |m: Option<&Tensor>| -> Result<Option<Vec<Vec<i64>>>> {
+        m.map(|m| m.to_dtype(DType::I64)?.to_vec2::<i64>())
+            .transpose()
     };
+    let (pad, docs) = (rows(spec.mask)?, rows(spec.documents)?);
     let mut visible = vec![0u8; b * tq * tk];
     for bi in 0..b {
         for i in 0..tq {
             for j in 0..tk {
                 let future = spec.causal && j > i;
                 let outside = spec.window.is_some_and(|w| i >= j + w);
-                let padded = pad.as_ref().is_some_and(|p| p[bi][j] == 0.0);
-                visible[(bi * tq + i) * tk + j] = u8::from(!(future || outside || padded));
+                let padded = pad.as_ref().is_some_and(|p| p[bi][j] == 0);
+                let other = docs.as_ref().is_some_and(|d| d[bi][i] != d[bi][j]);
+                visible[(bi * tq + i) * tk + j] = u8::from(!(future || outside || padded || other));
             }
         }
     }

@@ -156,7 +156,7 @@ mod rope;
 mod tokenizer;
 mod weights;
 
-pub use arch::{Architecture, Inputs, ModelConfig, Task};
+pub use arch::{Architecture, AttentionBackend, Inputs, ModelConfig, Task};
 pub use auto::AutoModel;
 pub use bert::{
     BertClassifier, BertConfig, BertForMaskedLm, BertForSequenceClassification, BertMlm,

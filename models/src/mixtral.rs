@@ -558,16 +558,7 @@ impl Mixtral {
         };
         let d = &self.decoder;
         let mut h = lookup(&d.embed_tokens, ids, d.pad, "input_ids")?;
-        let rope = d
-            .ropes
-            .iter()
-            .map(|r| r.tables(t, h.dtype(), h.device()))
-            .collect::<Result<Vec<_>>>()?;
-        let ctx = Context {
-            rope,
-            mask: inputs.attention_mask.cloned(),
-            cache: None,
-        };
+        let ctx = d.context(inputs, Mode::default(), &h)?;
         let mut loads = Vec::new();
         for layer in &d.layers {
             if let Mlp::Sparse(moe) = &layer.mlp {

@@ -11,7 +11,9 @@ use accelerate_rs::{Accelerator, ShardSource, ShardedModel};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 
-use crate::arch::{Architecture, Hidden, Inputs, Mode, ModelConfig, Proj, ShardedRun, Task};
+use crate::arch::{
+    Architecture, AttentionBackend, Hidden, Inputs, Mode, ModelConfig, Proj, ShardedRun, Task,
+};
 use crate::config::{model_folder, read_json, to_config_json};
 use crate::error::{Error, Result};
 use crate::generate::{self, GenerationConfig};
@@ -272,6 +274,7 @@ impl<A: Architecture> Pretrained<A> {
         )?;
         model.weights.training = self.weights.training;
         model.weights.checkpointing = self.weights.checkpointing;
+        model.weights.attention = self.weights.attention;
         Ok(model)
     }
 
@@ -390,7 +393,20 @@ impl<A: Architecture> Pretrained<A> {
         Mode {
             training: self.weights.training,
             checkpointing: self.weights.checkpointing,
+            attention: self.weights.attention,
         }
+    }
+
+    /// Which attention the layers run (see [`AttentionBackend`]): `Auto` after loading (tiled
+    /// flash attention on the CPU where a layer's options allow it), `Composed` for the
+    /// reference path.
+    pub fn set_attention_backend(&mut self, backend: AttentionBackend) {
+        self.weights.attention = backend;
+    }
+
+    /// Which attention the layers run.
+    pub fn attention_backend(&self) -> AttentionBackend {
+        self.weights.attention
     }
 
     /// The layers' output for `inputs` (see [`Architecture::hidden_states`]).
@@ -604,6 +620,8 @@ pub(crate) trait DynModel: std::fmt::Debug + Send + Sync {
     fn is_training(&self) -> bool;
     fn set_gradient_checkpointing(&mut self, on: bool);
     fn is_gradient_checkpointing(&self) -> bool;
+    fn set_attention_backend(&mut self, backend: AttentionBackend);
+    fn attention_backend(&self) -> AttentionBackend;
     fn add_lora(&mut self, config: &LoraConfig) -> Result<()>;
     fn load_adapter(&mut self, dir: &Path) -> Result<()>;
     fn save_adapter(&self, dir: &Path) -> Result<()>;
@@ -664,6 +682,12 @@ impl<A: Architecture> DynModel for Pretrained<A> {
     }
     fn is_gradient_checkpointing(&self) -> bool {
         Pretrained::is_gradient_checkpointing(self)
+    }
+    fn set_attention_backend(&mut self, backend: AttentionBackend) {
+        Pretrained::set_attention_backend(self, backend)
+    }
+    fn attention_backend(&self) -> AttentionBackend {
+        Pretrained::attention_backend(self)
     }
     fn add_lora(&mut self, config: &LoraConfig) -> Result<()> {
         Pretrained::add_lora(self, config)

@@ -333,8 +333,8 @@ pub(crate) fn tables(
     Ok((cos, sin))
 }
 
-/// RoPE on `x` `[B, H, T, D]` with `cos`, `sin` `[T, R / 2]` (or `[B, T, R / 2]`, one table
-/// per sequence), the halves of the first `R`
+/// RoPE on `x` `[B, H, T, D]` with `cos`, `sin` `[T, R / 2]` (or `[B, T, R / 2]`: one table
+/// per row, at its position ids), the halves of the first `R`
 /// features rotated (`transformers`' `rotate_half`), the other `D - R` passed as they are:
 /// `accelerate_rs::nn::rope`, fused and differentiable (its backward reaches the query and key
 /// projections).

@@ -35,6 +35,8 @@ pub(crate) struct Weights {
     pub(crate) training: bool,
     /// Every block runs through `accelerate_rs::nn::checkpoint_fn`.
     pub(crate) checkpointing: bool,
+    /// Which attention the layers run.
+    pub(crate) attention: crate::arch::AttentionBackend,
     /// ZeRO-3: the parameters, sharded over the ranks (then `varmap` is empty and the layers
     /// hold shape-only placeholders: every forward pass builds them from the gathered units).
     pub(crate) sharded: Option<accelerate_rs::ShardedModel>,
@@ -130,6 +132,7 @@ impl Weights {
             adapters: None,
             training: false,
             checkpointing: false,
+            attention: Default::default(),
             sharded: None,
         };
         Ok((model, weights))
@@ -176,6 +179,7 @@ impl Weights {
             adapters: None,
             training: false,
             checkpointing: false,
+            attention: Default::default(),
             sharded: Some(sharded),
         }
     }

@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::chat::{self, ids_and_index, is_conversation_file, ChatRows};
 use crate::Args;
 
 /// The training and held-out windows, with what building inputs from them needs.
@@ -22,12 +23,38 @@ pub(crate) struct Data {
     pub train: (Tensor, Tensor),
     /// Held-out windows and their indices.
     pub val: (Tensor, Tensor),
+    /// Conversations: the rows (`train` and `val` hold their ids).
+    pub chat: Option<ChatRows>,
 }
 
 impl Data {
     /// Reads and tokenizes `--train` with the model folder's tokenizer and cuts it into windows
-    /// of `--seq-len` tokens, the last `--eval-fraction` held out.
-    pub(crate) fn load(args: &Args, model: &AutoModel) -> Result<Self> {
+    /// of `--seq-len` tokens, the last `--eval-fraction` held out; or, for conversations, the
+    /// rows of [`ChatRows::load`].
+    pub(crate) fn load(accelerator: &Accelerator, args: &Args, model: &AutoModel) -> Result<Self> {
+        if is_conversation_file(&args.train)? {
+            let rows = ChatRows::load(accelerator, args, model)?;
+            let (train, val) = (ids_and_index(&rows.train)?, ids_and_index(&rows.val)?);
+            return Ok(Data {
+                task: model.task(),
+                mask_id: None,
+                tokens: rows
+                    .train
+                    .iter()
+                    .map(|r| r.attention_mask.iter().sum::<u32>() as usize)
+                    .sum(),
+                train,
+                val,
+                chat: Some(rows),
+            });
+        }
+        if args.eval.is_some() || args.pack || args.train_on_everything {
+            bail!(
+                "{}: plain text (not JSONL conversations with `messages` or `prompt`): --eval, \
+                 --pack and --train-on-everything apply to conversations",
+                args.train.display()
+            );
+        }
         let task = model.task();
         if task == Task::SequenceClassification {
             bail!(
@@ -68,6 +95,7 @@ impl Data {
             tokens: tokens.len(),
             train: windows(&tokens[..split], args.seq_len, 0)?,
             val: windows(&tokens[split..], args.seq_len, args.eval_windows)?,
+            chat: None,
         })
     }
 }
@@ -136,6 +164,9 @@ pub(crate) fn evaluate(
     data: &Data,
     args: &Args,
 ) -> Result<f64> {
+    if let Some(rows) = &data.chat {
+        return chat::evaluate(accelerator, model, rows, args.batch_size);
+    }
     let (task, val, mask_id) = (data.task, &data.val, data.mask_id);
     let device = accelerator.device();
     let n = val.0.dim(0)?;

@@ -1,5 +1,22 @@
-//! Fine-tunes a Hugging Face model folder on a plain-text file, data-parallel with
-//! accelerate-rs, and saves a folder `transformers` loads.
+//! Fine-tunes a Hugging Face model folder on a plain-text file or on conversations,
+//! data-parallel with accelerate-rs, and saves a folder `transformers` loads.
+//!
+//! Conversations: `--train FILE.jsonl` whose rows hold `messages` (`{"role", "content"}`
+//! lists) or `prompt`/`completion` (detected from the first row; anything else is plain text)
+//! are rendered with the folder's chat template (`chat_template.jinja` or `tokenizer_config.json`)
+//! and labelled on the assistant's tokens (`--train-on-everything`: on every token); examples
+//! longer than `--seq-len` are truncated (counted and printed). Each example is a row, padded,
+//! or with `--pack` examples are packed into rows of `--seq-len` tokens without padding
+//! (position ids restarting per example, block-diagonal attention). The held-out loss is the
+//! assistant-token loss of `--eval FILE.jsonl` (else of the last `--eval-fraction` of the
+//! conversations). The training loss is token-weighted: the mean over every target token of
+//! the step, all micro-batches (`--gradient-accumulation N`) and all processes.
+//!
+//!     cargo run --release -- launch --cpu -n 2 target/release/examples/finetune \
+//!         --model models/examples/tiny-llama --train data/chat_tiny.jsonl \
+//!         --eval data/chat_tiny_eval.jsonl --pack --seq-len 128 --batch-size 4 \
+//!         --gradient-accumulation 2 --warmup-steps 10 --lr-schedule cosine --max-steps 60 \
+//!         --output runs/tiny-chat
 //!
 //! Any folder of a supported architecture that `save_pretrained` wrote, with its
 //! `tokenizer.json`: the decoders (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3, Mixtral and the
@@ -44,6 +61,7 @@
 //! logits of the trained model, for `python scripts/hf_reference.py check OUTPUT --probe FILE`
 //! (with LoRA: `check-adapter OUTPUT --base MODEL --probe FILE`, or `check MERGED --probe FILE`).
 
+mod chat;
 mod data;
 mod outputs;
 mod train;
@@ -67,9 +85,32 @@ pub(crate) struct Args {
     /// tokenizer.json).
     #[arg(long)]
     model: PathBuf,
-    /// The training text (plain UTF-8).
+    /// The training text (plain UTF-8), or conversations (JSONL rows with `messages`, or with
+    /// `prompt` and `completion`).
     #[arg(long)]
     train: PathBuf,
+    /// Held-out conversations (JSONL): the assistant-token loss before and after training.
+    #[arg(long)]
+    eval: Option<PathBuf>,
+    /// Conversations: pack examples into rows of `--seq-len` tokens (no padding but at the end;
+    /// each example attends to itself only) instead of one padded example per row.
+    #[arg(long)]
+    pack: bool,
+    /// Conversations: labels on every token, not only the assistant's.
+    #[arg(long)]
+    train_on_everything: bool,
+    /// Micro-batches per optimizer step (instead of `ACCELERATE_RS_GRADIENT_ACCUMULATION_STEPS`).
+    #[arg(long, value_parser = at_least_one)]
+    gradient_accumulation: Option<usize>,
+    /// Optimizer steps of linear warmup from 0 to `--lr`.
+    #[arg(long, default_value_t = 0)]
+    warmup_steps: u64,
+    /// After the warmup: `constant` (`--lr`) or `cosine` (decay to `--min-lr` at `--max-steps`).
+    #[arg(long, default_value = "constant")]
+    lr_schedule: String,
+    /// The learning rate `cosine` ends at.
+    #[arg(long, default_value_t = 0.0)]
+    min_lr: f64,
     /// Optimizer steps.
     #[arg(long, default_value_t = 100)]
     max_steps: u64,
@@ -164,12 +205,17 @@ fn at_least_one(s: &str) -> std::result::Result<usize, String> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let accelerator = Accelerator::new()?;
+    let accelerator = match args.gradient_accumulation {
+        Some(n) => Accelerator::builder()
+            .gradient_accumulation_steps(n)
+            .build()?,
+        None => Accelerator::new()?,
+    };
     accelerator.set_seed(args.seed)?;
     let dtype = compute_dtype(&args, &accelerator)?;
     outputs::check_outputs(&args)?;
     let mut model = load_model(&args, &accelerator, dtype)?;
-    let data = Data::load(&args, &model)?;
+    let data = Data::load(&accelerator, &args, &model)?;
     describe(&accelerator, &args, &model, &data)?;
 
     let before = evaluate(&accelerator, &model, &data, &args)?;

@@ -106,7 +106,8 @@ fn save_main(
     Ok(())
 }
 
-/// Copies the tokenizer files of the model folder `model` into `dir` (nothing to do when `dir`
+/// Copies the tokenizer files (and the chat template) of the model folder `model` into `dir`
+/// (nothing to do when `dir`
 /// is that folder: a file copied onto itself would be emptied).
 fn copy_tokenizer(model: &std::path::Path, dir: &std::path::Path) -> Result<()> {
     if let (Ok(from), Ok(to)) = (model.canonicalize(), dir.canonicalize()) {
@@ -118,6 +119,7 @@ fn copy_tokenizer(model: &std::path::Path, dir: &std::path::Path) -> Result<()> 
         "tokenizer.json",
         "tokenizer_config.json",
         "special_tokens_map.json",
+        accelerate_rs_models::chat::CHAT_TEMPLATE_FILE,
     ] {
         let src = model.join(file);
         if src.is_file() {

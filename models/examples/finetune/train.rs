@@ -3,16 +3,18 @@
 use std::time::Instant;
 
 use accelerate_rs::optim::{AdamW, ParamsAdamW};
+use accelerate_rs::scheduler::{Cosine, Schedule, WarmupDecay};
 use accelerate_rs::tracking::{self, HParams, StepTimer, Trackers};
 use accelerate_rs::{
-    AcceleratedOptimizer, Accelerator, DataLoader, MixedPrecision, MixedPrecisionOptimizer,
-    TensorDataset,
+    AcceleratedOptimizer, Accelerator, Batch, DataLoader, MixedPrecision, MixedPrecisionOptimizer,
+    ReduceOp, TensorDataset, TokenLoss, TrainOptimizer,
 };
 use accelerate_rs_models::AutoModel;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Optimizer;
 
+use crate::chat;
 use crate::data::{inputs_and_labels, Data};
 use crate::Args;
 
@@ -23,12 +25,59 @@ pub(crate) enum Opt {
 }
 
 impl Opt {
-    fn backward_step(&mut self, loss: &Tensor) -> accelerate_rs::Result<()> {
+    /// One micro-step (the optimizer steps at the end of an accumulation cycle, or at the
+    /// loader's last batch).
+    fn backward_step(&mut self, loss: &Tensor, batch: &Batch) -> accelerate_rs::Result<()> {
         match self {
-            Opt::Plain(o) => o.backward_step(loss),
-            Opt::Mixed(o) => o.backward_step(loss).map(drop),
+            Opt::Plain(o) => o.backward_step_batch(loss, batch),
+            Opt::Mixed(o) => o.backward_step_batch(loss, batch).map(drop),
         }
     }
+
+    /// One token-weighted micro-step.
+    fn backward_step_tokens(
+        &mut self,
+        loss: &TokenLoss,
+        batch: &Batch,
+    ) -> accelerate_rs::Result<()> {
+        match self {
+            Opt::Plain(o) => o.backward_step_tokens_batch(loss, batch),
+            Opt::Mixed(o) => o.backward_step_tokens_batch(loss, batch).map(drop),
+        }
+    }
+}
+
+impl TrainOptimizer for Opt {
+    fn lr(&self) -> f64 {
+        match self {
+            Opt::Plain(o) => o.lr(),
+            Opt::Mixed(o) => o.lr(),
+        }
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        match self {
+            Opt::Plain(o) => o.set_lr(lr),
+            Opt::Mixed(o) => o.set_lr(lr),
+        }
+    }
+}
+
+/// The learning rate of each optimizer step: `--warmup-steps` of linear warmup, then `--lr`
+/// (`constant`) or a cosine decay to `--min-lr` at `--max-steps`.
+fn schedule(args: &Args) -> Result<Schedule<WarmupDecay<Cosine>>> {
+    let end = match args.lr_schedule.as_str() {
+        "constant" => args.lr,
+        "cosine" => args.min_lr,
+        other => bail!("--lr-schedule {other}: expected constant or cosine"),
+    };
+    let total = args.max_steps.max(args.warmup_steps + 1);
+    Ok(Schedule::new(WarmupDecay::<Cosine>::new(
+        args.lr,
+        args.warmup_steps,
+        total,
+        end,
+    )?))
 }
 
 /// A prepared run: the optimizer, the loader, and under full mixed-precision fine-tuning the
@@ -39,6 +88,7 @@ pub(crate) struct Run {
     working: Option<AutoModel>,
     timer: StepTimer,
     trackers: Option<Trackers>,
+    schedule: Schedule<WarmupDecay<Cosine>>,
 }
 
 impl Run {
@@ -122,6 +172,7 @@ impl Run {
             working,
             timer,
             trackers,
+            schedule: schedule(args)?,
         })
     }
 
@@ -136,22 +187,30 @@ impl Run {
     ) -> Result<(u64, f64)> {
         let start = Instant::now();
         let (mut step, mut epoch) = (0u64, 0u64);
-        let mut window = (0f64, 0usize);
+        // The losses since the last line: (sum, count) of micro-batch means, or for
+        // conversations of token losses (reduced over the processes when printed).
+        let mut window = (0f64, 0f64);
         while step < args.max_steps {
             self.loader.set_epoch(epoch);
             let before = step;
             for batch in self.loader.iter()? {
                 let batch = batch?;
+                if accelerator.pending_micro_steps() == 0 {
+                    self.schedule.step(&mut self.opt);
+                }
+                let value = self.step(accelerator, args, model, data, &batch, epoch, step + 1)?;
+                window = (window.0 + value.0, window.1 + value.1);
+                if !accelerator.sync_gradients() {
+                    continue;
+                }
                 step += 1;
-                let value = self.step(accelerator, args, model, data, &batch, epoch, step)?;
-                window = (window.0 + value.0, window.1 + 1);
                 if step % args.log_every == 0 || step == args.max_steps {
-                    let mean = accelerator.average(window.0 / window.1 as f64)?;
+                    let mean = window_mean(accelerator, data, window)?;
                     accelerator.print(format!(
                         "step {step:4}/{} epoch {epoch} training loss {mean:.4}; step {}",
-                        args.max_steps, value.1
+                        args.max_steps, value.2
                     ));
-                    window = (0.0, 0);
+                    window = (0.0, 0.0);
                 }
                 if step >= args.max_steps {
                     break;
@@ -174,7 +233,8 @@ impl Run {
         Ok((step, start.elapsed().as_secs_f64()))
     }
 
-    /// One optimizer step on `batch` (window ids and indices): its loss and its times.
+    /// One micro-step on `batch` (window ids and indices): its loss as (sum, count) (a mean and
+    /// 1; for conversations the summed token loss and its tokens) and its times.
     #[allow(clippy::too_many_arguments)]
     fn step(
         &mut self,
@@ -182,11 +242,23 @@ impl Run {
         args: &Args,
         model: &AutoModel,
         data: &Data,
-        batch: &[Tensor],
+        batch: &Batch,
         epoch: u64,
         step: u64,
-    ) -> Result<(f64, accelerate_rs::tracking::StepTimes)> {
+    ) -> Result<(f64, f64, accelerate_rs::tracking::StepTimes)> {
         let device = accelerator.device();
+        if let Some(rows) = &data.chat {
+            let index = batch[1].to_device(&Device::Cpu)?.to_vec1::<u32>()?;
+            let b = chat::batch(&rows.train, &index, device)?;
+            let trained = self.working.as_ref().unwrap_or(model);
+            self.timer.start();
+            let loss = chat::token_loss(trained, &b, rows.pack)?;
+            self.opt.backward_step_tokens(&loss, batch)?;
+            let sum = loss.sum().to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let times = self.timer.stop()?;
+            self.log(step, sum / (loss.tokens().max(1) as f64), &times)?;
+            return Ok((sum, loss.tokens() as f64, times));
+        }
         let (x, y) = inputs_and_labels(
             data.task,
             &batch[0].to_device(&Device::Cpu)?,
@@ -198,16 +270,41 @@ impl Run {
         let trained = self.working.as_ref().unwrap_or(model);
         self.timer.start();
         let loss = trained.loss(&x.to_device(device)?, &y.to_device(device)?)?;
-        self.opt.backward_step(&loss)?;
+        self.opt.backward_step(&loss, batch)?;
         let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let times = self.timer.stop()?;
+        self.log(step, value, &times)?;
+        Ok((value, 1.0, times))
+    }
+
+    /// The trackers' record of a micro-step.
+    fn log(
+        &mut self,
+        step: u64,
+        loss: f64,
+        times: &accelerate_rs::tracking::StepTimes,
+    ) -> Result<()> {
         if let Some(t) = self.trackers.as_mut() {
             let mut metrics = times.metrics();
-            metrics.push(("loss", value));
+            metrics.push(("loss", loss));
+            metrics.push(("lr", self.opt.lr()));
             t.log(&metrics, step)?;
         }
-        Ok((value, times))
+        Ok(())
     }
+}
+
+/// The training loss of the steps since the last line: the mean of the micro-batch means
+/// (averaged over the processes), or for conversations the token-weighted mean over every
+/// process's tokens.
+fn window_mean(accelerator: &Accelerator, data: &Data, (sum, count): (f64, f64)) -> Result<f64> {
+    if data.chat.is_none() {
+        return Ok(accelerator.average(sum / count.max(1.0))?);
+    }
+    let device = accelerator.device();
+    let totals = accelerator.reduce(&Tensor::new(&[sum, count], device)?, ReduceOp::Sum)?;
+    let totals = totals.to_vec1::<f64>()?;
+    Ok(totals[0] / totals[1].max(1.0))
 }
 
 /// The trackers of `--log-dir`: `metrics.jsonl` and TensorBoard, with the run's settings.
@@ -232,7 +329,15 @@ fn trackers(
             .set("lora_r", args.lora_r.unwrap_or(0))
             .set("checkpoint_activations", args.checkpoint_activations)
             .set("dtype", args.dtype.clone())
-            .set("seed", args.seed),
+            .set("seed", args.seed)
+            .set(
+                "gradient_accumulation",
+                accelerator.gradient_accumulation_steps(),
+            )
+            .set("warmup_steps", args.warmup_steps)
+            .set("lr_schedule", args.lr_schedule.clone())
+            .set("pack", args.pack)
+            .set("train_on_everything", args.train_on_everything),
     )?;
     Ok(t)
 }

@@ -19,8 +19,10 @@
 //! - [`ChatDataset`] streams [`ChatExample`]s from files, at most `max_len` tokens each (longer
 //!   ones truncated or skipped, [`Overlong`], counted in [`ChatStats`] and reported in the
 //!   log), for a loop of your own or for `accelerate_rs::StreamingLoader` (padded samples
-//!   `[input_ids, labels, attention_mask]`). Packing several examples into a row is not done
-//!   here.
+//!   `[input_ids, labels, attention_mask]`).
+//! - [`Packer`] packs examples into rows of a fixed length without padding ([`PackedRow`]:
+//!   position ids restarting per document, document ids for block-diagonal attention, no loss
+//!   across a boundary); [`PackedBatch`] stacks rows into the model's [`Inputs`](crate::Inputs).
 //!
 //! # Which tokens are the assistant's
 //!
@@ -58,6 +60,7 @@
 mod conversation;
 mod dataset;
 mod encoder;
+mod pack;
 mod python;
 mod reader;
 mod template;
@@ -65,5 +68,6 @@ mod template;
 pub use conversation::{Conversation, Role, RowSource};
 pub use dataset::{ChatDataset, ChatExamples, ChatStats, Overlong};
 pub use encoder::{AssistantSpans, ChatEncoder, ChatExample};
+pub use pack::{PackedBatch, PackedRow, Packer};
 pub use reader::{ConversationReader, DEFAULT_MAX_LINE_BYTES};
 pub use template::{ChatTemplate, CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE};
