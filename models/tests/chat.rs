@@ -524,8 +524,13 @@ fn a_template_that_fails_names_the_row_and_the_template_message() {
 
 #[test]
 fn a_folder_without_a_usable_template_is_an_error() {
-    // The example model: a tokenizer but no chat template.
-    let tiny = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/tiny-llama");
+    // The example model's tokenizer without its chat template.
+    let ex = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/tiny-llama");
+    let bare = tempfile::tempdir().unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(ex.join(f), bare.path().join(f)).unwrap();
+    }
+    let tiny = bare.path().to_path_buf();
     match ChatEncoder::from_folder(&tiny).unwrap_err() {
         Error::ChatTemplate { path, reason } => {
             assert_eq!(path, tiny);

@@ -472,9 +472,15 @@ fn the_example_names_what_is_missing() {
     let tiny = tiny();
     let t = tiny.to_str().unwrap();
     let llama = fixture("llama");
+    // The example model's weights and tokenizer without its chat template.
+    let bare = tempfile::tempdir().unwrap();
+    for f in ["config.json", "tokenizer.json", "model.safetensors"] {
+        std::fs::copy(tiny.join(f), bare.path().join(f)).unwrap();
+    }
+    let b = bare.path().to_str().unwrap();
     let cases: [(&[&str], &str); 4] = [
         (
-            &["--model", t, "--prompt", "Hi", "--chat"],
+            &["--model", b, "--prompt", "Hi", "--chat"],
             "no chat template",
         ),
         (
