@@ -49,7 +49,7 @@ PLAN = {
 
 # The most functions over 80 lines the workspace may have, and the most circles between files
 # (all three crates together): lowered as functions are split and circles broken, never raised.
-FUNCTION_CEILING = 54
+FUNCTION_CEILING = 53
 FILE_CIRCLE_CEILING = 3
 
 

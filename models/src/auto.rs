@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use accelerate_rs::nn::LoraConfig;
+use accelerate_rs::quant::Quant4bitConfig;
 use accelerate_rs::{Accelerator, ShardedModel};
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarMap;
@@ -57,7 +58,21 @@ impl AutoModel {
         let dir = model_folder(dir.as_ref())?;
         let (path, json) = read_json(dir)?;
         let config = Config::from_json(&path, &json)?;
-        Ok(AutoModel(config.load(dir, device, dtype)?))
+        Ok(AutoModel(config.load(dir, device, dtype, None)?))
+    }
+
+    /// Loads the folder `dir` with a 4-bit base (QLoRA): see
+    /// [`Pretrained::from_pretrained_4bit`].
+    pub fn from_pretrained_4bit(
+        dir: impl AsRef<Path>,
+        device: &Device,
+        dtype: DType,
+        quant: &Quant4bitConfig,
+    ) -> CrateResult<Self> {
+        let dir = model_folder(dir.as_ref())?;
+        let (path, json) = read_json(dir)?;
+        let config = Config::from_json(&path, &json)?;
+        Ok(AutoModel(config.load(dir, device, dtype, Some(quant))?))
     }
 
     /// A model with fresh parameters for `config` (the class it names, as
