@@ -124,6 +124,12 @@ impl AutoModel {
         self.0.sharded_parameters()
     }
 
+    /// The 4-bit base's bytes and elements, when the model has one (see
+    /// [`Pretrained::base_4bit_size`]).
+    pub fn base_4bit_size(&self) -> Option<(usize, usize)> {
+        self.0.base_4bit_size()
+    }
+
     /// The model inside, if it is a `Pretrained<A>` (`model.downcast_ref::<Llama>()`, or with the
     /// alias's type: `let m: &LlamaForCausalLm = model.downcast_ref()?`).
     pub fn downcast_ref<A: Architecture>(&self) -> Option<&Pretrained<A>> {

@@ -731,6 +731,7 @@ pub(crate) trait DynModel: std::fmt::Debug + Send + Sync {
     fn flops_per_token(&self, seq_len: usize) -> f64;
     fn memory_architecture(&self) -> Result<accelerate_rs::memory::Architecture>;
     fn sharded_parameters(&self) -> Option<&ShardedModel>;
+    fn base_4bit_size(&self) -> Option<(usize, usize)>;
 }
 
 impl<A: Architecture> DynModel for Pretrained<A> {
@@ -808,6 +809,9 @@ impl<A: Architecture> DynModel for Pretrained<A> {
     }
     fn sharded_parameters(&self) -> Option<&ShardedModel> {
         Pretrained::sharded_parameters(self)
+    }
+    fn base_4bit_size(&self) -> Option<(usize, usize)> {
+        Pretrained::base_4bit_size(self)
     }
 }
 

@@ -397,3 +397,34 @@ fn every_architecture_runs_and_trains_adapters_on_a_4bit_base() {
         assert!(d <= 1e-5, "{name}: merged logits differ by {d:e}");
     }
 }
+
+#[test]
+fn estimate_memory_counts_the_bytes_a_4bit_model_holds() {
+    use accelerate_rs::memory::{estimate_4bit, Lora, Plan};
+    let spec = accelerate_rs_models::model_spec(&fixture("llama")).unwrap();
+    let plan = Plan {
+        lora: Some(Lora {
+            r: 4,
+            targets: vec![],
+        }),
+        ..Plan::default()
+    };
+    let est = estimate_4bit(&spec, &plan, 64, true).unwrap();
+    let mut model = quantized_on_load();
+    model.add_lora(&LoraConfig::new(4, 8.0)).unwrap();
+    let bytes = |m: &candle_nn::VarMap| -> usize {
+        m.all_vars()
+            .iter()
+            .map(|v| v.elem_count() * v.dtype().size_in_bytes())
+            .sum()
+    };
+    let (base4, _) = model.base_4bit_size().unwrap();
+    // The largest quantized layer dequantized in f32: the MLP's 16 x 32.
+    let held = bytes(model.varmap()) + base4 + bytes(model.trainable_parameters()) + 16 * 32 * 4;
+    assert_eq!(est.parameters as usize, held);
+    // Refused where a 4-bit base cannot go.
+    let e = estimate_4bit(&spec, &Plan::default(), 64, true)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("frozen"), "{e}");
+}
