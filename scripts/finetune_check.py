@@ -30,7 +30,15 @@
    have a lower held-out assistant-token loss than the base in `transformers`
    (`hf_reference.py chat-loss`).
 
-Usage: python3 scripts/finetune_check.py [--no-build] [--python PY] [--keep DIR]
+With `--load-in-4bit`, QLoRA alone instead: LoRA (r = 8, activation checkpointing, `--merge`)
+over the tiny Llama's base quantized on load to 4 bits (NF4, double quantization) on 2 processes
+against 1 process: the same losses, the adapters within 1e-5, the held-out loss falling, only the
+adapters' gradients all-reduced, a PEFT adapter folder and a merged (dequantized) folder written;
+with `--python PY` (bitsandbytes installed too), peft loads the adapter on the base quantized by
+`transformers` + bitsandbytes with the example's logits (`scripts/qlora_reference.py
+check-adapter`), and `transformers` loads the merged folder with them.
+
+Usage: python3 scripts/finetune_check.py [--no-build] [--python PY] [--keep DIR] [--load-in-4bit]
 Stdlib only (the safetensors files are read by hand). Exits non-zero on the first failure.
 """
 
@@ -326,11 +334,49 @@ def check_chat_errors(work: str) -> None:
     print("over-long examples: " + next(l for l in text.splitlines() if "truncated" in l))
 
 
+def check_qlora(work: str, python: str | None) -> None:
+    """LoRA over a 4-bit base: 1 process = 2 processes, the held-out loss falls, only the
+    adapters all-reduced; peft and transformers load what was saved (with `python`)."""
+    qlora = ["--load-in-4bit", "--lora-r", "8", "--lr", "5e-3", "--checkpoint-activations"]
+    q1 = finetune(1, os.path.join(work, "qlora-1"), qlora)
+    q2 = finetune(2, os.path.join(work, "qlora-2"), qlora + [
+        "--merge", os.path.join(work, "qlora-2-merged"),
+        "--probe", os.path.join(work, "qlora-2.probe.safetensors")])
+    if q1["losses"] != q2["losses"]:
+        fail(f"QLoRA: 1 and 2 processes print different losses:\n{q1['losses']}\n{q2['losses']}")
+    if not q2["after"] < q2["before"]:
+        fail(f"QLoRA: held-out loss did not fall ({q2['before']} -> {q2['after']})")
+    if "in a 4-bit base of" not in q2["text"]:
+        fail(f"QLoRA: the run does not say its base is 4-bit:\n{q2['text']}")
+    need(os.path.join(work, "qlora-2"), ["adapter_config.json", "adapter_model.safetensors"])
+    need(os.path.join(work, "qlora-2-merged"), ["config.json", "model.safetensors"])
+    adapter = lambda d: os.path.join(work, d, "adapter_model.safetensors")  # noqa: E731
+    worst = compare(adapter("qlora-1"), adapter("qlora-2"), 1e-5, "QLoRA 1 vs 2")
+    sizes = tensors(adapter("qlora-2"))
+    values = sum(len(v[2]) for v in sizes.values())
+    expected = 4 * (values + len(sizes))
+    if q2["reduced"] != expected:
+        fail(f"QLoRA: {q2['reduced']} bytes all-reduced per step, expected {expected}")
+    print(f"QLoRA (NF4 base, LoRA r=8, activation checkpointing): {STEPS} losses equal on 1 and 2 "
+          f"processes ({q1['losses'][0]} -> {q1['losses'][-1]}), adapters within {worst:.2g}, "
+          f"held-out {q2['before']} -> {q2['after']}; all-reduce {q2['reduced']} bytes/step "
+          f"(the adapters only)")
+    if not python:
+        print("peft/bitsandbytes checks skipped (no --python given)")
+        return
+    probe = os.path.join(work, "qlora-2.probe.safetensors")
+    print(run([python, os.path.join(ROOT, "scripts", "qlora_reference.py"), "check-adapter",
+               os.path.join(work, "qlora-2"), "--base", MODEL, "--probe", probe]).strip())
+    print(run([python, os.path.join(ROOT, "scripts", "hf_reference.py"), "check",
+               os.path.join(work, "qlora-2-merged"), "--probe", probe]).strip())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-build", action="store_true", help="use the release binaries as they are")
     ap.add_argument("--python", help="an interpreter with torch, transformers and peft")
     ap.add_argument("--keep", help="write the runs here (default: a temporary folder, removed)")
+    ap.add_argument("--load-in-4bit", action="store_true", help="check QLoRA (a 4-bit base) only")
     args = ap.parse_args()
 
     if not args.no_build:
@@ -340,6 +386,10 @@ def main() -> int:
     work = args.keep or tempfile.mkdtemp(prefix="finetune-check-")
     os.makedirs(work, exist_ok=True)
     try:
+        if args.load_in_4bit:
+            check_qlora(work, args.python)
+            print("finetune_check --load-in-4bit: PASS")
+            return 0
         # 1. Full fine-tuning: 1 process = 2 processes with the same global batch.
         one = finetune(1, os.path.join(work, "full-1"), [])
         two = finetune(2, os.path.join(work, "full-2"),

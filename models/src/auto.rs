@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use accelerate_rs::nn::LoraConfig;
+use accelerate_rs::quant::Quant4bitConfig;
 use accelerate_rs::{Accelerator, ShardedModel};
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarMap;
@@ -58,7 +59,21 @@ impl AutoModel {
         let dir = model_folder(dir.as_ref())?;
         let (path, json) = read_json(dir)?;
         let config = Config::from_json(&path, &json)?;
-        Ok(AutoModel(config.load(dir, device, dtype)?))
+        Ok(AutoModel(config.load(dir, device, dtype, None)?))
+    }
+
+    /// Loads the folder `dir` with a 4-bit base (QLoRA): see
+    /// [`Pretrained::from_pretrained_4bit`].
+    pub fn from_pretrained_4bit(
+        dir: impl AsRef<Path>,
+        device: &Device,
+        dtype: DType,
+        quant: &Quant4bitConfig,
+    ) -> CrateResult<Self> {
+        let dir = model_folder(dir.as_ref())?;
+        let (path, json) = read_json(dir)?;
+        let config = Config::from_json(&path, &json)?;
+        Ok(AutoModel(config.load(dir, device, dtype, Some(quant))?))
     }
 
     /// A model with fresh parameters for `config` (the class it names, as
@@ -108,6 +123,12 @@ impl AutoModel {
     /// [`Pretrained::sharded_parameters`]).
     pub fn sharded_parameters(&self) -> Option<&ShardedModel> {
         self.0.sharded_parameters()
+    }
+
+    /// The 4-bit base's bytes and elements, when the model has one (see
+    /// [`Pretrained::base_4bit_size`]).
+    pub fn base_4bit_size(&self) -> Option<(usize, usize)> {
+        self.0.base_4bit_size()
     }
 
     /// The model inside, if it is a `Pretrained<A>` (`model.downcast_ref::<Llama>()`, or with the

@@ -132,6 +132,7 @@
 
 pub mod arch;
 mod auto;
+mod base4bit;
 mod bert;
 pub mod chat;
 mod config;

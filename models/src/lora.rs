@@ -6,12 +6,13 @@
 use std::path::{Path, PathBuf};
 
 use accelerate_rs::checkpoint::{load_adapter, read_adapter_config, save_adapter};
-use accelerate_rs::nn::{Linear, Lora, LoraConfig, TargetModules};
+use accelerate_rs::nn::{Linear, Linear4bit, Lora, LoraConfig, TargetModules};
 use candle_core::{DType, Device, Module, Result, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder, VarMap};
 use serde_json::{json, Value};
 
+use crate::base4bit::Placeholders;
 use crate::error::{Error, Result as CrateResult};
 use crate::weights::{Adapters, Weights};
 
@@ -19,14 +20,21 @@ use crate::weights::{Adapters, Weights};
 /// for GPT-2's `Conv1D`, `fan_in_fan_out`), its module path (`model.layers.0.self_attn.q_proj`)
 /// and its LoRA adapter once `add_lora` targeted it. Architectures build their linear layers as
 /// `Proj`s so that LoRA can adapt them ([`Architecture::projections_mut`](crate::Architecture::projections_mut)).
+///
+/// In a model loaded with a 4-bit base (`Pretrained::from_pretrained_4bit`, QLoRA) the weight
+/// is a frozen [`Linear4bit`] ([`weight_4bit`](Self::weight_4bit)) and the bias stays in the
+/// compute dtype.
 #[derive(Debug, Clone)]
 pub struct Proj {
     path: String,
+    /// The weight, or for a 4-bit layer a placeholder of its shape (no storage).
     weight: Tensor,
     bias: Option<Tensor>,
     /// `weight` is `[in, out]` (`Conv1D`).
     fan_in_fan_out: bool,
     lora: Option<Lora>,
+    /// The 4-bit weight (`[out, in]`, no bias), when the base is quantized.
+    base4: Option<Linear4bit>,
 }
 
 impl Proj {
@@ -46,6 +54,7 @@ impl Proj {
             bias,
             fan_in_fan_out: false,
             lora: None,
+            base4: None,
         })
     }
 
@@ -57,6 +66,7 @@ impl Proj {
             bias: Some(vb.get_with_hints(out_dim, "bias", Init::Const(0.0))?),
             fan_in_fan_out: true,
             lora: None,
+            base4: None,
         })
     }
 
@@ -64,7 +74,10 @@ impl Proj {
     /// a mixture of experts' output for an expert no token chose, so that its parameters get a
     /// zero gradient rather than none.
     pub fn zero_contribution(&self) -> Result<Tensor> {
-        let mut parts = vec![&self.weight];
+        let mut parts = Vec::new();
+        if self.base4.is_none() {
+            parts.push(&self.weight);
+        }
         parts.extend(self.bias.as_ref());
         if let Some(lora) = &self.lora {
             parts.push(lora.a());
@@ -84,9 +97,42 @@ impl Proj {
         &self.path
     }
 
-    /// The weight as stored (`[out, in]`, or `[in, out]` for `Conv1D`).
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
+    /// The weight as stored (`[out, in]`, or `[in, out]` for `Conv1D`); `None` for a 4-bit
+    /// layer (see [`weight_4bit`](Self::weight_4bit)).
+    pub fn weight(&self) -> Option<&Tensor> {
+        match self.base4 {
+            Some(_) => None,
+            None => Some(&self.weight),
+        }
+    }
+
+    /// The 4-bit weight (`[out, in]`, frozen, without the bias), when the base is quantized.
+    pub fn weight_4bit(&self) -> Option<&Linear4bit> {
+        self.base4.as_ref()
+    }
+
+    /// The bias, if the layer has one.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// Holds the weight in 4 bits: `layer` (`[out, in]`, its dimensions this layer's).
+    pub(crate) fn set_4bit(&mut self, layer: Linear4bit) -> Result<()> {
+        let (i, o) = self.dims()?;
+        if layer.dims() != (o, i) {
+            candle_core::bail!(
+                "`{}.weight`: the 4-bit weight is {:?}, the layer is [{o}, {i}]",
+                self.path,
+                layer.dims()
+            );
+        }
+        self.base4 = Some(layer);
+        Ok(())
+    }
+
+    /// Whether the weight is stored `[in, out]` (GPT-2's `Conv1D`).
+    pub(crate) fn is_fan_in_fan_out(&self) -> bool {
+        self.fan_in_fan_out
     }
 
     /// `(in, out)` features.
@@ -98,6 +144,16 @@ impl Proj {
     /// The output for `x` `[.., in]`: the base layer (one fused op), plus the adapter's update
     /// if there is one (its dropout only if `train`).
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        if let Some(q) = &self.base4 {
+            let y = match &self.lora {
+                Some(lora) => q.forward_with_lora(x, lora, train)?,
+                None => q.forward(x)?,
+            };
+            return match &self.bias {
+                Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?),
+                None => Ok(y),
+            };
+        }
         // The fused ops take `[out, in]`: for `Conv1D`, one transposed copy of the weight per
         // call (its gradient, when the weight trains, flows back through the copy).
         let w = if self.fan_in_fan_out {
@@ -143,17 +199,22 @@ impl SimpleBackend for Frozen {
 }
 
 /// A builder over `weights`' existing parameters: frozen (detached tensors) or trainable (the
-/// variables themselves).
+/// variables themselves); a 4-bit base's quantized weights are placeholders (see
+/// `base4bit::Placeholders`).
 pub(crate) fn rebuild_vb(weights: &Weights, frozen: bool) -> VarBuilder<'static> {
-    if frozen {
-        VarBuilder::from_backend(
-            Box::new(Frozen(weights.varmap.clone())),
-            weights.dtype,
-            weights.device.clone(),
-        )
+    let backend: Box<dyn SimpleBackend> = if frozen {
+        Box::new(Frozen(weights.varmap.clone()))
     } else {
-        VarBuilder::from_varmap(&weights.varmap, weights.dtype, &weights.device)
-    }
+        Box::new(weights.varmap.clone())
+    };
+    let backend: Box<dyn SimpleBackend> = match &weights.base4 {
+        Some(base) => Box::new(Placeholders {
+            inner: backend,
+            base: base.clone(),
+        }),
+        None => backend,
+    };
+    VarBuilder::from_backend(backend, weights.dtype, weights.device.clone())
 }
 
 /// What the shared LoRA code needs from an architecture.
@@ -350,7 +411,9 @@ pub(crate) fn load<M: Adaptable>(model: &mut M, dir: &Path) -> CrateResult<()> {
 }
 
 /// Merges the adapters into the base weights (`W + s · B A`, in the parameters' storage) and
-/// drops them; the model is trainable again, every parameter.
+/// drops them; the model is trainable again, every parameter. A 4-bit base is dequantized (in
+/// the parameters' dtype) and the adapters merged into it: the model is a full-precision one
+/// after.
 pub(crate) fn merge<M: Adaptable>(model: &mut M) -> CrateResult<()> {
     adapters(model, "merge_lora")?;
     if model.weights().sharded.is_some() {
@@ -362,6 +425,7 @@ pub(crate) fn merge<M: Adaptable>(model: &mut M) -> CrateResult<()> {
     }
     let weights = model.weights().clone();
     let mut merged = Vec::new();
+    let mut added = Vec::new();
     {
         let data = weights
             .varmap
@@ -370,8 +434,25 @@ pub(crate) fn merge<M: Adaptable>(model: &mut M) -> CrateResult<()> {
             .unwrap_or_else(|p| p.into_inner());
         let mut m = model.clone();
         for p in m.projections_mut() {
-            let Some(lora) = &p.lora else { continue };
             let name = format!("{}.weight", p.path);
+            if let Some(q) = &p.base4 {
+                let w = q
+                    .dequantized_weight()?
+                    .to_dtype(weights.dtype)?
+                    .to_device(&weights.device)?;
+                let w = if p.fan_in_fan_out {
+                    w.t()?.contiguous()?
+                } else {
+                    w
+                };
+                let w = match &p.lora {
+                    Some(lora) => lora.merged_weight(&w, p.fan_in_fan_out)?,
+                    None => w,
+                };
+                added.push((name, w));
+                continue;
+            }
+            let Some(lora) = &p.lora else { continue };
             let var = data.get(&name).ok_or_else(|| {
                 candle_core::Error::Msg(format!("merge_lora: `{name}` is not a parameter"))
             })?;
@@ -385,7 +466,18 @@ pub(crate) fn merge<M: Adaptable>(model: &mut M) -> CrateResult<()> {
     for (var, w) in merged {
         var.set(&w)?;
     }
+    {
+        let mut data = weights
+            .varmap
+            .data()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        for (name, w) in added {
+            data.insert(name, candle_core::Var::from_tensor(&w)?);
+        }
+    }
     model.weights_mut().adapters = None;
+    model.weights_mut().base4 = None;
     *model = model.rebuild(false)?;
     Ok(())
 }

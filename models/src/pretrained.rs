@@ -5,8 +5,10 @@
 
 use std::any::Any;
 use std::path::Path;
+use std::sync::Arc;
 
 use accelerate_rs::nn::LoraConfig;
+use accelerate_rs::quant::Quant4bitConfig;
 use accelerate_rs::{Accelerator, ShardSource, ShardedModel};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
@@ -14,6 +16,7 @@ use candle_nn::{VarBuilder, VarMap};
 use crate::arch::{
     Architecture, AttentionBackend, Hidden, Inputs, Mode, ModelConfig, Proj, ShardedRun, Task,
 };
+use crate::base4bit::{self, Base4bit, Target};
 use crate::config::{model_folder, read_json, to_config_json};
 use crate::error::{Error, Result};
 use crate::generate::{self, GenerationConfig};
@@ -55,9 +58,25 @@ impl<A: Architecture> Pretrained<A> {
         std: f64,
         origin: (Option<Source<'_>>, Option<u64>),
     ) -> Result<Self> {
-        let (layers, weights) = Weights::build(varmap, device, dtype, origin, |vb| {
-            Ok(A::assemble(config, vb, std)?)
-        })?;
+        Self::build_over(config, varmap, (device, dtype), std, origin, None)
+    }
+
+    /// [`build`](Self::build) over a 4-bit base (when given): its layers hold their weights in
+    /// 4 bits, which `varmap` does not hold.
+    fn build_over(
+        config: &A::Config,
+        varmap: VarMap,
+        (device, dtype): (&Device, DType),
+        std: f64,
+        origin: (Option<Source<'_>>, Option<u64>),
+        base4: Option<Arc<Base4bit>>,
+    ) -> Result<Self> {
+        let (layers, weights) =
+            Weights::build(varmap, device, dtype, origin, base4.clone(), |vb| {
+                let mut layers = A::assemble(config, vb, std)?;
+                attach_4bit(&mut layers, base4.as_deref())?;
+                Ok(layers)
+            })?;
         Ok(Pretrained {
             config: config.clone(),
             layers,
@@ -74,9 +93,11 @@ impl<A: Architecture> Pretrained<A> {
             }
             None => lora::rebuild_vb(&self.weights, frozen),
         };
+        let mut layers = A::assemble(&self.config, vb, 0.0)?;
+        attach_4bit(&mut layers, self.weights.base4.as_deref())?;
         Ok(Pretrained {
             config: self.config.clone(),
-            layers: A::assemble(&self.config, vb, 0.0)?,
+            layers,
             weights: self.weights.clone(),
         })
     }
@@ -111,10 +132,37 @@ impl<A: Architecture> Pretrained<A> {
     /// on `device` in `dtype` (a bf16 checkpoint into f32 parameters, or the reverse). All or
     /// nothing; errors name the file and the key or tensor. The folder's `architectures` must be
     /// one of the architecture's classes ([`Architecture::CLASSES`]) or absent, its
-    /// `model_type` one of [`Architecture::MODEL_TYPES`].
+    /// `model_type` one of [`Architecture::MODEL_TYPES`]. A `transformers` 4-bit folder (a
+    /// bitsandbytes `quantization_config` in `config.json`) loads with its 4-bit base, as
+    /// [`from_pretrained_4bit`](Self::from_pretrained_4bit) reads it, `dtype` the compute dtype.
     pub fn from_pretrained(dir: impl AsRef<Path>, device: &Device, dtype: DType) -> Result<Self> {
         let dir = model_folder(dir.as_ref())?;
-        Self::load(Self::read_config(dir)?, dir, device, dtype)
+        Self::load(Self::read_config(dir)?, dir, device, dtype, None)
+    }
+
+    /// Loads a folder with a 4-bit base (QLoRA; `transformers`' `from_pretrained(dir,
+    /// quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))`): every linear layer
+    /// LoRA may target ([`Architecture::projections_mut`]; the output layer never) holds its
+    /// weight in 4 bits (`accelerate_rs::nn::Linear4bit`, frozen), while the embeddings, norms,
+    /// biases and the output layer are parameters in `dtype`, the compute dtype. From a float
+    /// folder (bf16, f32) each weight is read in `dtype` and quantized by `quant` on load, one
+    /// at a time (`Quant4bitConfig::nf4()`: QLoRA's NF4 with double quantization, bitsandbytes'
+    /// bytes); a `transformers` 4-bit folder is read as saved (its `quantization_config` must
+    /// agree with `quant`'s type and double quantization).
+    ///
+    /// Then add LoRA adapters ([`add_lora`](Self::add_lora)) and train them: the base gets no
+    /// gradient. [`merge_lora`](Self::merge_lora) merges them into the dequantized base (the
+    /// model is a full-precision one after); [`save_pretrained`](Self::save_pretrained) without
+    /// merging writes `transformers`' 4-bit format. Not at ZeRO stage 3, nor under mixed
+    /// precision's working copies ([`with_parameters`](Self::with_parameters)).
+    pub fn from_pretrained_4bit(
+        dir: impl AsRef<Path>,
+        device: &Device,
+        dtype: DType,
+        quant: &Quant4bitConfig,
+    ) -> Result<Self> {
+        let dir = model_folder(dir.as_ref())?;
+        Self::load(Self::read_config(dir)?, dir, device, dtype, Some(quant))
     }
 
     /// The configuration of the folder `dir`, whose `architectures` and `model_type` must be
@@ -164,6 +212,18 @@ impl<A: Architecture> Pretrained<A> {
         accelerator: &Accelerator,
         dtype: DType,
     ) -> Result<Self> {
+        let (path, json) = read_json(dir)?;
+        if base4bit::declared(&path, &json)?.is_some() {
+            return Err(Error::Accelerate(accelerate_rs::Error::invalid(
+                "zero_stage",
+                format!(
+                    "{} holds a 4-bit model: a 4-bit base is not sharded (ZeRO-3); load it on \
+                     every process with `from_pretrained` (it is frozen: only the LoRA adapters \
+                     are all-reduced)",
+                    dir.display()
+                ),
+            )));
+        }
         let map = |name: &str| A::parameter_name(&config, name);
         let source = ShardSource::Files {
             path: dir,
@@ -219,18 +279,75 @@ impl<A: Architecture> Pretrained<A> {
     }
 
     /// Builds from `config` (nothing allocated until the weight files' headers and the machine
-    /// are checked) and loads the weights at `dir` into it.
+    /// are checked) and loads the weights at `dir` into it; with a 4-bit base when `quant` is
+    /// given or the folder is a `transformers` 4-bit one.
     pub(crate) fn load(
         config: A::Config,
         dir: &Path,
         device: &Device,
         dtype: DType,
+        quant: Option<&Quant4bitConfig>,
     ) -> Result<Self> {
+        let (path, json) = read_json(dir)?;
+        let quant = match (base4bit::declared(&path, &json)?, quant) {
+            (Some(saved), Some(asked))
+                if (saved.quant_type, saved.double_quant)
+                    != (asked.quant_type, asked.double_quant) =>
+            {
+                return Err(Error::config(
+                    &path,
+                    Some("quantization_config"),
+                    format!(
+                        "the folder is quantized {} (double quantization {}); {} ({}) was asked",
+                        saved.quant_type.name(),
+                        saved.double_quant,
+                        asked.quant_type.name(),
+                        asked.double_quant
+                    ),
+                ))
+            }
+            (saved, asked) => asked.copied().or(saved),
+        };
         let map = |name: &str| A::parameter_name(&config, name);
-        let source = (Some((dir, &map as &dyn Fn(&str) -> Option<String>)), None);
-        let model = Self::build(&config, VarMap::new(), (device, dtype), 0.0, source)?;
-        model.weights.load(dir, map)?;
+        let base4 = match quant {
+            Some(q) => {
+                q.check()?;
+                let targets = Self::targets(&config)?;
+                Some(Arc::new(base4bit::read(dir, &targets, &map, dtype, &q)?))
+            }
+            None => None,
+        };
+        let skip = |name: &str| match &base4 {
+            Some(b) => base4bit::skipping(b, &map)(name),
+            None => map(name),
+        };
+        let source = (Some((dir, &skip as &dyn Fn(&str) -> Option<String>)), None);
+        let model = Self::build_over(
+            &config,
+            VarMap::new(),
+            (device, dtype),
+            0.0,
+            source,
+            base4.clone(),
+        )?;
+        model.weights.load(dir, skip)?;
         Ok(model)
+    }
+
+    /// The linear layers a 4-bit base quantizes: every one LoRA may target, from a dry run of
+    /// the layers' constructor (nothing allocated).
+    fn targets(config: &A::Config) -> Result<Vec<Target>> {
+        let (vb, _) = accelerate_rs::shape_only_var_builder(DType::F32, &Device::Cpu);
+        let mut layers = A::assemble(config, vb, 0.0)?;
+        let targets = layers
+            .projections_mut()
+            .into_iter()
+            .map(|p| Target {
+                path: p.path().to_string(),
+                fan_in_fan_out: p.is_fan_in_fan_out(),
+            })
+            .collect();
+        Ok(targets)
     }
 
     /// The configuration.
@@ -263,6 +380,13 @@ impl<A: Architecture> Pretrained<A> {
     /// it. Not for a model with LoRA adapters (train the adapters in f32 over a bf16 base
     /// instead).
     pub fn with_parameters(&self, varmap: &VarMap) -> Result<Self> {
+        if self.weights.base4.is_some() {
+            return Err(Error::Accelerate(accelerate_rs::Error::invalid(
+                "with_parameters",
+                "the model has a 4-bit base: load it in the compute dtype and train LoRA \
+                 adapters (in f32) instead of mixed-precision working copies",
+            )));
+        }
         let dtype = parameters_dtype(varmap, self.weights.adapters.is_some())?;
         let device = self.weights.device.clone();
         let mut model = Self::build(
@@ -286,11 +410,32 @@ impl<A: Architecture> Pretrained<A> {
     /// The configuration as `config.json` (unknown keys of the loaded file kept,
     /// `architectures` and `dtype` set).
     pub fn config_json(&self) -> serde_json::Value {
-        to_config_json(
+        let mut json = to_config_json(
             self.config.to_json(),
             A::class_name(&self.config),
             self.weights.dtype,
-        )
+        );
+        if let Some(map) = json.as_object_mut() {
+            match &self.weights.base4 {
+                Some(base) => {
+                    let q = base.quantization_config(self.weights.dtype);
+                    map.insert("quantization_config".into(), q);
+                }
+                None => {
+                    map.remove("quantization_config");
+                }
+            }
+        }
+        json
+    }
+
+    /// The 4-bit base's bytes (codes, scales, maps) and elements, when the model has one
+    /// ([`from_pretrained_4bit`](Self::from_pretrained_4bit)).
+    pub fn base_4bit_size(&self) -> Option<(usize, usize)> {
+        self.weights
+            .base4
+            .as_ref()
+            .map(|b| (b.nbytes(), b.elem_count()))
     }
 
     /// Writes a folder `transformers`' `from_pretrained` loads: `config.json` and
@@ -523,8 +668,9 @@ impl<A: Architecture> Pretrained<A> {
         let count =
             |m: &VarMap| -> f64 { m.all_vars().iter().map(|v| v.elem_count() as f64).sum() };
         let trained = count(self.trainable_parameters());
+        let quantized = self.base_4bit_size().map_or(0.0, |(_, n)| n as f64);
         let all = if self.lora_config().is_some() {
-            count(self.varmap()) + trained
+            count(self.varmap()) + quantized + trained
         } else {
             trained
         };
@@ -632,6 +778,7 @@ pub(crate) trait DynModel: std::fmt::Debug + Send + Sync {
     fn memory_architecture(&self) -> Result<accelerate_rs::memory::Architecture>;
     fn sharded_parameters(&self) -> Option<&ShardedModel>;
     fn generate(&self, prompts: &[Vec<u32>], config: &GenerationConfig) -> Result<Vec<Vec<u32>>>;
+    fn base_4bit_size(&self) -> Option<(usize, usize)>;
 }
 
 impl<A: Architecture> DynModel for Pretrained<A> {
@@ -719,6 +866,9 @@ impl<A: Architecture> DynModel for Pretrained<A> {
     fn generate(&self, prompts: &[Vec<u32>], config: &GenerationConfig) -> Result<Vec<Vec<u32>>> {
         Pretrained::generate(self, prompts, config)
     }
+    fn base_4bit_size(&self) -> Option<(usize, usize)> {
+        Pretrained::base_4bit_size(self)
+    }
 }
 
 /// Checks `config.json`'s `architectures` against the classes a type implements: absent, or
@@ -747,4 +897,18 @@ pub(crate) fn check_architecture(
             accepted.join(", ")
         ),
     ))
+}
+
+/// Puts the 4-bit weights of `base` on `layers`' linear layers it quantized.
+fn attach_4bit<A: Architecture>(
+    layers: &mut A,
+    base: Option<&Base4bit>,
+) -> candle_core::Result<()> {
+    let Some(base) = base else { return Ok(()) };
+    for p in layers.projections_mut() {
+        if let Some(q) = base.layer(p.path()) {
+            p.set_4bit(q.clone())?;
+        }
+    }
+    Ok(())
 }

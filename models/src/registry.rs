@@ -7,6 +7,7 @@ use std::any::Any;
 use std::path::Path;
 use std::sync::Arc;
 
+use accelerate_rs::quant::Quant4bitConfig;
 use accelerate_rs::Accelerator;
 use candle_core::{DType, Device};
 use serde_json::Value;
@@ -59,7 +60,7 @@ pub(crate) struct Entry {
     pub(crate) classes: &'static [&'static str],
     pub(crate) task: Task,
     parse: fn(&Path, &Value) -> Result<Parsed>,
-    load: fn(&Parsed, &Path, &Device, DType) -> Model,
+    load: fn(&Parsed, &Path, &Device, DType, Option<&Quant4bitConfig>) -> Model,
     fresh: fn(&Parsed, Option<u64>, &Device, DType) -> Model,
     sharded: fn(&Parsed, std::result::Result<&Path, u64>, &Accelerator, DType) -> Model,
     memory: fn(&Parsed) -> Result<accelerate_rs::memory::Architecture>,
@@ -102,9 +103,12 @@ fn load<A: Architecture>(
     dir: &Path,
     device: &Device,
     dtype: DType,
+    quant: Option<&Quant4bitConfig>,
 ) -> Result<Box<dyn DynModel>> {
     let config = config_of::<A>(parsed)?.clone();
-    Ok(Box::new(Pretrained::<A>::load(config, dir, device, dtype)?))
+    Ok(Box::new(Pretrained::<A>::load(
+        config, dir, device, dtype, quant,
+    )?))
 }
 
 fn fresh<A: Architecture>(
@@ -271,14 +275,16 @@ impl Config {
         Ok(self.entry()?.task)
     }
 
-    /// The model of this configuration, its weights loaded from `dir`.
+    /// The model of this configuration, its weights loaded from `dir` (with a 4-bit base
+    /// quantized by `quant` when given, or when the folder is a 4-bit one).
     pub(crate) fn load(
         &self,
         dir: &Path,
         device: &Device,
         dtype: DType,
+        quant: Option<&Quant4bitConfig>,
     ) -> Result<Box<dyn DynModel>> {
-        (self.entry()?.load)(&self.parsed, dir, device, dtype)
+        (self.entry()?.load)(&self.parsed, dir, device, dtype, quant)
     }
 
     /// The model of this configuration with fresh parameters (drawn from `(seed, name)` when

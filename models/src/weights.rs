@@ -5,12 +5,15 @@
 //! `transformers` loads.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use accelerate_rs::checkpoint::{load_weights_mapped, write_model_folder};
 use accelerate_rs::nn::LoraConfig;
+use accelerate_rs::Parameters;
 use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 
+use crate::base4bit::{saved_tensors, Base4bit, Placeholders};
 use crate::error::{Error, Result};
 
 /// The weight files a fresh model is checked against before it is allocated: the folder (or
@@ -40,6 +43,9 @@ pub(crate) struct Weights {
     /// ZeRO-3: the parameters, sharded over the ranks (then `varmap` is empty and the layers
     /// hold shape-only placeholders: every forward pass builds them from the gathered units).
     pub(crate) sharded: Option<accelerate_rs::ShardedModel>,
+    /// A 4-bit base (QLoRA): the quantized linear layers, which `varmap` does not hold (their
+    /// biases, the embeddings, norms and head it does, in `dtype`).
+    pub(crate) base4: Option<Arc<Base4bit>>,
 }
 
 impl std::fmt::Debug for Weights {
@@ -69,11 +75,14 @@ impl Weights {
     /// only then is it allocated.
     /// `seed`, for a fresh model: its values are drawn from `(seed, name)`
     /// (`accelerate_rs::seeded_var_builder`), the same on every process and in any order.
+    /// With a 4-bit base, its layers' weights are placeholders, neither in `varmap` nor in the
+    /// checks (see `base4bit::Placeholders`).
     pub(crate) fn build<M>(
         varmap: VarMap,
         device: &Device,
         dtype: DType,
         (source, seed): (Option<Source<'_>>, Option<u64>),
+        base4: Option<Arc<Base4bit>>,
         build: impl Fn(VarBuilder) -> Result<M>,
     ) -> Result<(M, Weights)> {
         if !dtype.is_float() {
@@ -90,18 +99,22 @@ impl Weights {
         if given.is_empty() {
             let (vb, shapes) = accelerate_rs::shape_only_var_builder(dtype, device);
             build(vb)?;
-            let specs = shapes.specs();
+            let mut specs = shapes.specs();
+            if let Some(base) = &base4 {
+                specs.retain(|s| !base.holds(&s.name));
+            }
             if let Some((dir, map)) = source {
                 accelerate_rs::checkpoint::check_weights_mapped(dir, &specs, map)?;
             }
             accelerate_rs::check_allocatable(&specs, device)?;
         }
-        let vb = match seed {
-            Some(seed) if given.is_empty() => {
-                accelerate_rs::seeded_var_builder(&varmap, seed, dtype, device)
-            }
-            _ => VarBuilder::from_varmap(&varmap, dtype, device),
-        };
+        let vb = var_builder(
+            &varmap,
+            seed.filter(|_| given.is_empty()),
+            base4.as_ref(),
+            dtype,
+            device,
+        );
         let model = build(vb)?;
         if !given.is_empty() {
             let mut missing: Vec<String> = names(&varmap)
@@ -134,6 +147,7 @@ impl Weights {
             checkpointing: false,
             attention: Default::default(),
             sharded: None,
+            base4,
         };
         Ok((model, weights))
     }
@@ -162,7 +176,17 @@ impl Weights {
                  through rank 0",
             )));
         }
-        write_model_folder(dir, &self.varmap, max_shard_bytes, Some(config))?;
+        match &self.base4 {
+            Some(base) => {
+                let mut params = self.varmap.named_parameters();
+                for (name, t) in saved_tensors(base)? {
+                    params.push((name, candle_core::Var::from_tensor(&t)?));
+                }
+                params.sort_by(|a, b| a.0.cmp(&b.0));
+                write_model_folder(dir, &Saved(params), max_shard_bytes, Some(config))?;
+            }
+            None => write_model_folder(dir, &self.varmap, max_shard_bytes, Some(config))?,
+        }
         Ok(())
     }
 
@@ -181,7 +205,41 @@ impl Weights {
             checkpointing: false,
             attention: Default::default(),
             sharded: Some(sharded),
+            base4: None,
         }
+    }
+}
+
+/// A builder over `varmap` (values drawn from `(seed, name)` when given), a 4-bit base's
+/// quantized weights placeholders (see `base4bit::Placeholders`).
+fn var_builder(
+    varmap: &VarMap,
+    seed: Option<u64>,
+    base4: Option<&Arc<Base4bit>>,
+    dtype: DType,
+    device: &Device,
+) -> VarBuilder<'static> {
+    match (seed, base4) {
+        (Some(seed), _) => accelerate_rs::seeded_var_builder(varmap, seed, dtype, device),
+        (None, Some(base)) => VarBuilder::from_backend(
+            Box::new(Placeholders {
+                inner: Box::new(varmap.clone()),
+                base: base.clone(),
+            }),
+            dtype,
+            device.clone(),
+        ),
+        (None, None) => VarBuilder::from_varmap(varmap, dtype, device),
+    }
+}
+
+/// The tensors of a 4-bit model's folder: the dense parameters and the quantized layers' saved
+/// tensors, sorted by name.
+struct Saved(Vec<(String, candle_core::Var)>);
+
+impl Parameters for Saved {
+    fn named_parameters(&self) -> Vec<(String, candle_core::Var)> {
+        self.0.clone()
     }
 }
 

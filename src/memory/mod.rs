@@ -475,6 +475,58 @@ fn block_of(name: &str) -> Option<usize> {
 /// units outside the blocks (embeddings, final norm, head) gathered for the whole step, and
 /// about two blocks at a time (the block gathered for its forward or its recomputation, and
 /// the copy its gather goes through); every block is recomputed in the backward pass.
+/// [`estimate`] with a 4-bit base (QLoRA: `load_in_4bit`, bitsandbytes' NF4/FP4 with blocks of
+/// `blocksize`): the Linear layers of the frozen base (every one but the embeddings and the
+/// output layer, as `all-linear` takes them) held in half a byte a weight plus their scales
+/// (with `double_quant`, one byte a block, an f32 a 256 blocks and the 1 KiB 8-bit map per layer;
+/// without, an f32 a block) instead of the compute dtype, plus the largest such layer
+/// dequantized in the compute dtype (the working copy its forward and backward products use);
+/// the embeddings, norms, biases and head stay in the compute dtype. Needs [`Plan::lora`] (a
+/// 4-bit base is frozen) and a ZeRO stage below 3 (a 4-bit base is not sharded).
+pub fn estimate_4bit(
+    model: &ModelSpec,
+    plan: &Plan,
+    blocksize: usize,
+    double_quant: bool,
+) -> Result<Estimate> {
+    if plan.lora.is_none() {
+        return Err(Error::invalid(
+            "load in 4 bits",
+            "a 4-bit base is frozen: train LoRA adapters over it (a LoRA rank)",
+        ));
+    }
+    if plan.zero_stage == 3 {
+        return Err(Error::invalid(
+            "load in 4 bits",
+            "a 4-bit base is not sharded (ZeRO stage 3): use stage 0-2",
+        ));
+    }
+    if blocksize == 0 {
+        return Err(Error::invalid("4-bit block size", "must be at least 1"));
+    }
+    let mut est = estimate(model, plan)?;
+    let e = compute_bytes(plan.precision);
+    let all = ["all-linear".to_string()];
+    let (mut dense, mut packed, mut largest) = (0u128, 0u128, 0u128);
+    for t in &model.tensors {
+        if linear_module(t).is_some_and(|m| is_target(m, &all)) {
+            let n = t.elem_count() as u128;
+            let blocks = n.div_ceil(blocksize as u128);
+            let scales = if double_quant {
+                blocks + blocks.div_ceil(256) * 4 + 256 * 4
+            } else {
+                blocks * 4
+            };
+            dense += n * e;
+            packed += n.div_ceil(2) + scales;
+            largest = largest.max(n * e);
+        }
+    }
+    let parameters = est.parameters as u128 - dense.min(est.parameters as u128) + packed + largest;
+    est.parameters = fit(parameters, "the parameters")?;
+    Ok(est)
+}
+
 /// `lora`: (trainable, frozen, adapter layers, adapter elements per token and block).
 fn stage3(model: &ModelSpec, plan: &Plan, lora: (u128, u128, usize, u128)) -> Result<Estimate> {
     let (trainable, frozen, lora_layers, adapter_tokens) = lora;

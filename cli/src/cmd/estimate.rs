@@ -10,7 +10,8 @@ use std::path::PathBuf;
 use clap::{Args, ValueEnum};
 
 use accelerate_rs::memory::{
-    estimate, Estimate, Lora, ModelSpec, OptimizerKind, Plan, TensorSource, NOT_COUNTED,
+    estimate, estimate_4bit, Estimate, Lora, ModelSpec, OptimizerKind, Plan, TensorSource,
+    NOT_COUNTED,
 };
 use accelerate_rs::{Error, MixedPrecision};
 
@@ -51,6 +52,11 @@ pub(crate) struct EstimateArgs {
     /// default: peft's defaults for the architecture).
     #[arg(long, value_delimiter = ',', value_name = "NAMES", requires = "lora_r")]
     lora_targets: Vec<String>,
+    /// QLoRA: the frozen base's Linear layers in 4 bits (NF4 with double quantization, blocks
+    /// of 64: half a byte a weight plus the scales), the rest of the model in the compute
+    /// dtype. Needs --lora-r; ZeRO stages 0-2.
+    #[arg(long, requires = "lora_r")]
+    load_in_4bit: bool,
     /// The model's output layer and loss are composed (a Linear, then a cross-entropy on its
     /// logits) rather than one fused op (`nn::linear_cross_entropy`, as accelerate-rs-models'
     /// loss): the backward pass then starts with three logits-sized f32 tensors.
@@ -134,6 +140,8 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
     };
     let stages = if !args.zero_stage.is_empty() {
         args.zero_stage.clone()
+    } else if args.world_size > 1 && args.load_in_4bit {
+        vec![0, 1, 2]
     } else if args.world_size > 1 {
         vec![0, 1, 2, 3]
     } else {
@@ -225,14 +233,15 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
                 zero_stage: s,
                 ..base.clone()
             };
-            let plain = estimate(model, &plan)?;
-            let ckpt = estimate(
-                model,
-                &Plan {
-                    checkpointing: true,
-                    ..plan
-                },
-            )?;
+            let run = |plan: &Plan| match args.load_in_4bit {
+                true => estimate_4bit(model, plan, 64, true),
+                false => estimate(model, plan),
+            };
+            let plain = run(&plan)?;
+            let ckpt = run(&Plan {
+                checkpointing: true,
+                ..plan
+            })?;
             rows.push((p, s, plain, ckpt));
         }
     }
@@ -240,11 +249,16 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
     let training = match &base.lora {
         None => "full fine-tuning".to_string(),
         Some(l) => format!(
-            "LoRA r={} on {} Linear layers: {} trainable parameters, {} frozen",
+            "LoRA r={} on {} Linear layers: {} trainable parameters, {} frozen{}",
             l.r,
             first.lora_layers,
             grouped(first.trainable_params),
-            grouped(first.frozen_params)
+            grouped(first.frozen_params),
+            if args.load_in_4bit {
+                " (QLoRA: the Linear layers in 4 bits, NF4 with double quantization)"
+            } else {
+                ""
+            }
         ),
     };
     let _ = writeln!(
@@ -329,7 +343,7 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
         }
     }
     let counted = format!(
-        "Counted: parameters (bf16/fp16: the working copies; LoRA: the frozen base in the compute dtype plus the adapters), gradients of the trainable parameters (mixed precision: the half-precision ones and their f32 copies), {} state, f32 masters, and activations: what the backward pass keeps per block as accelerate-rs's nn layers keep it (attention weights of heads x sequence length included: no flash attention), the logits, and the backward pass's working set ({}); \"ckpt\": every block checkpointed (nn::checkpoint). ZeRO as accelerate-rs implements it: stage 1 shards the optimizer state over the ranks, stage 2 also the averaged gradients, stage 3 also the parameters (f32 masters under mixed precision), with the embeddings and head gathered for the whole step, about two blocks gathered at a time and every block recomputed (its \"activations\" are the checkpointed ones; LoRA: the frozen base sharded, the adapters whole on every rank).",
+        "Counted: parameters (bf16/fp16: the working copies; LoRA: the frozen base in the compute dtype plus the adapters; --load-in-4bit: its Linear layers in 4 bits, half a byte a weight plus the double-quantized scales, and the largest of them dequantized in the compute dtype), gradients of the trainable parameters (mixed precision: the half-precision ones and their f32 copies), {} state, f32 masters, and activations: what the backward pass keeps per block as accelerate-rs's nn layers keep it (attention weights of heads x sequence length included: no flash attention), the logits, and the backward pass's working set ({}); \"ckpt\": every block checkpointed (nn::checkpoint). ZeRO as accelerate-rs implements it: stage 1 shards the optimizer state over the ranks, stage 2 also the averaged gradients, stage 3 also the parameters (f32 masters under mixed precision), with the embeddings and head gathered for the whole step, about two blocks gathered at a time and every block recomputed (its \"activations\" are the checkpointed ones; LoRA: the frozen base sharded, the adapters whole on every rank).",
         optimizer.name(),
         if args.composed_head {
             "a composed output layer and loss: three logits-sized f32 tensors at its start"

@@ -192,7 +192,7 @@ fn bad_models_and_flags_are_clear_errors() {
 }
 
 /// The README's "Fine-tune a 7B model on one GPU" shows what the tool prints: every table row
-/// there is a row of one of its three commands.
+/// there is a row of one of its commands.
 #[test]
 fn the_readme_shows_what_the_tool_prints() {
     let readme =
@@ -211,6 +211,7 @@ fn the_readme_shows_what_the_tool_prints() {
     let outputs = [
         ok(&common),
         ok(&[&common[..], &["--lora-r", "16"]].concat()),
+        ok(&[&common[..], &["--lora-r", "16", "--load-in-4bit"]].concat()),
         ok(&[&common[..], &["-n", "8", "--zero-stage", "2"]].concat()),
         ok(&[&common[..], &["-n", "8", "--zero-stage", "3"]].concat()),
         ok(&[

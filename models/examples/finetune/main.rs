@@ -40,6 +40,10 @@
 //! writes the adapters merged into a plain Hugging Face folder. `--checkpoint-activations`
 //! recomputes each block's activations in the backward pass instead of keeping them.
 //! `--dtype bf16` keeps the model in bf16 (LoRA adapters still train in f32).
+//! `--load-in-4bit` (with `--lora-r` or `--adapter`: QLoRA) holds the frozen base's linear
+//! layers in 4 bits (NF4 with double quantization, bitsandbytes' format: quantized on load from
+//! a float folder, or read from a `transformers` 4-bit folder), the rest of the model in the
+//! compute dtype; `--merge` then writes the adapters merged into the dequantized base.
 //!
 //! Mixed precision (`accelerate-rs launch --mixed-precision bf16|fp16`, or
 //! `ACCELERATE_RS_MIXED_PRECISION`): full fine-tuning keeps f32 masters (stepped, evaluated and
@@ -69,6 +73,7 @@ mod train;
 use std::path::PathBuf;
 
 use accelerate_rs::nn::LoraConfig;
+use accelerate_rs::quant::Quant4bitConfig;
 use accelerate_rs::{Accelerator, MixedPrecision};
 use accelerate_rs_models::{AutoModel, Config, Inputs, Mixtral};
 use anyhow::{bail, Result};
@@ -179,6 +184,10 @@ pub(crate) struct Args {
     /// Seed of the data order, the masks, the dropout and the LoRA adapters' initial values.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// QLoRA: hold the frozen base's linear layers in 4 bits (NF4, double quantization) and
+    /// train LoRA adapters over it (needs `--lora-r` or `--adapter`).
+    #[arg(long, conflicts_with = "init_seed")]
+    load_in_4bit: bool,
     /// Also write held-out inputs and the trained model's logits to this file.
     #[arg(long)]
     probe: Option<PathBuf>,
@@ -252,6 +261,19 @@ fn compute_dtype(args: &Args, accelerator: &Accelerator) -> Result<DType> {
     if args.merge.is_some() && !lora {
         bail!("--merge writes merged LoRA adapters: it needs --lora-r or --adapter");
     }
+    if args.load_in_4bit && !lora {
+        bail!(
+            "--load-in-4bit: a 4-bit base is frozen (no gradient reaches its weights); train \
+             LoRA adapters over it with --lora-r R (or --adapter DIR)"
+        );
+    }
+    if args.load_in_4bit && accelerator.state().zero_stage() == 3 {
+        bail!(
+            "--load-in-4bit at ZeRO stage 3: a 4-bit base is not sharded; launch without \
+             --zero-stage 3 (every process holds the 4-bit base, only the adapters are \
+             all-reduced)"
+        );
+    }
     if args.merge.is_some() && accelerator.state().zero_stage() == 3 {
         bail!(
             "--merge at ZeRO stage 3: the base is sharded over the processes; save the adapters \
@@ -298,6 +320,9 @@ fn load_model(args: &Args, accelerator: &Accelerator, dtype: DType) -> Result<Au
             let config = Config::from_file(&args.model)?;
             AutoModel::from_config_sharded(&config, accelerator, dtype, seed)?
         }
+        (None, false) if args.load_in_4bit => {
+            AutoModel::from_pretrained_4bit(&args.model, device, dtype, &Quant4bitConfig::nf4())?
+        }
         (None, false) => AutoModel::from_pretrained(&args.model, device, dtype)?,
         (None, true) => AutoModel::from_pretrained_sharded(&args.model, accelerator, dtype)?,
     };
@@ -333,6 +358,13 @@ fn describe(accelerator: &Accelerator, args: &Args, model: &AutoModel, data: &Da
                 .sum::<usize>()
         ),
         None => format!("{} parameters", count(model.varmap())),
+    };
+    let parameters = match model.base_4bit_size() {
+        Some((bytes, n)) => format!(
+            "{parameters} + {n} in a 4-bit base of {:.1} MiB",
+            bytes as f64 / (1 << 20) as f64
+        ),
+        None => parameters,
     };
     let trained = match model.lora_config() {
         Some(c) => format!(
