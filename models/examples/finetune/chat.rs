@@ -28,7 +28,8 @@ pub(crate) struct ChatRows {
 /// `messages` or `prompt` (an object with neither is an error naming the file); otherwise it is
 /// plain text.
 pub(crate) fn is_conversation_file(path: &Path) -> Result<bool> {
-    let file = std::fs::File::open(path).with_context(|| format!("{}", path.display()))?;
+    // Only a regular file (a FIFO or a device would block or never end).
+    let (file, _) = accelerate_rs::files::open_regular(path)?;
     let mut reader = std::io::BufReader::new(file);
     let mut line = String::new();
     loop {
