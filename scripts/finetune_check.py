@@ -23,16 +23,16 @@
    processes, the held-out assistant-token loss (data/chat_tiny_eval.jsonl) falling, the weights
    within 1e-5. Bad input (a row without an assistant turn, an unknown role, a folder without a
    template, a template that fails to render): an error naming it, no panic; over-long
-   examples truncated and counted. Then 200 steps on 2 processes with `--eval-samples 3
-   --eval-every 100 --log-dir`: the held-out samples (split over the processes) printed and in
-   `samples.jsonl` in prompt order at steps 0, 100 and 200, the last ones equal to what the
+   examples truncated and counted. Then 300 steps on 2 processes with `--eval-samples 3
+   --eval-every 150 --log-dir`: the held-out samples (split over the processes) printed and in
+   `samples.jsonl` in prompt order at steps 0, 150 and 300, the last ones equal to what the
    generate example answers from the saved folder, and that folder answering training prompts
    with their training answers (the generate example, greedy).
 5. With `--python PY` (an interpreter that has torch, transformers and peft): the saved folders
    load in `transformers` / `peft` with the logits the example computed
    (`scripts/hf_reference.py check` / `check-adapter`), every family's too; the chat folders
    have a lower held-out assistant-token loss than the base in `transformers`
-   (`hf_reference.py chat-loss`), and `transformers`' greedy `generate` on the 200-step chat
+   (`hf_reference.py chat-loss`), and `transformers`' greedy `generate` on the 300-step chat
    folder gives the generate example's token ids on training prompts and answers at least one
    with its training answer (`hf_reference.py generate-check`).
 
@@ -370,19 +370,19 @@ CHAT_SAMPLES = 3
 def check_chat_answers(work: str) -> str:
     """The tiny model fine-tuned on the chat data on 2 processes for long enough to learn it,
     with samples: the samples of the held-out prompts are printed and written to samples.jsonl
-    (prompt order, at the start, every 100 steps and at the end; split over the 2 processes),
+    (prompt order, at the start, every 150 steps and at the end; split over the 2 processes),
     the last ones equal to what our generate example answers from the saved folder, and that
     folder answers training prompts with their training answers. Returns the folder."""
     out, logs = os.path.join(work, "chat-answers"), os.path.join(work, "chat-answers-log")
-    steps = 200
+    steps, every = 300, 150
     r = finetune(2, out, ["--pack", "--eval-samples", str(CHAT_SAMPLES),
-                          "--eval-every", "100", "--log-dir", logs], steps=steps,
+                          "--eval-every", str(every), "--log-dir", logs], steps=steps,
                  data=["--train", CHAT_TRAIN, "--eval", CHAT_EVAL, "--seq-len", "128",
                        "--lr", "1e-2", "--warmup-steps", "10", "--lr-schedule", "cosine"])
     with open(os.path.join(logs, "samples.jsonl"), encoding="utf-8") as f:
         samples = [json.loads(line) for line in f]
     held = conversations(CHAT_EVAL)[:CHAT_SAMPLES]
-    expected = [(step, i) for step in (0, 100, steps) for i in range(CHAT_SAMPLES)]
+    expected = [(step, i) for step in (0, every, steps) for i in range(CHAT_SAMPLES)]
     if [(s["step"], s["index"]) for s in samples] != expected:
         fail(f"samples.jsonl: expected (step, index) {expected}, got {samples}")
     for s in samples:
@@ -405,7 +405,7 @@ def check_chat_answers(work: str) -> str:
     if not r["after"] < r["before"] / 4:
         fail(f"chat answers: held-out loss {r['before']} -> {r['after']}, not far lower")
     print(f"chat answers: {steps} steps on 2 processes, held-out loss {r['before']} -> "
-          f"{r['after']}; samples.jsonl in prompt order at steps 0, 100, {steps}, the last equal "
+          f"{r['after']}; samples.jsonl in prompt order at steps 0, {every}, {steps}, the last equal "
           f"to the generate example on the saved folder; {len(right)}/{len(picked)} training "
           f"prompts answered with their training answer by the generate example (e.g. "
           f"{right[0][0]!r} -> {right[0][1]!r})")
