@@ -23,12 +23,18 @@
    processes, the held-out assistant-token loss (data/chat_tiny_eval.jsonl) falling, the weights
    within 1e-5. Bad input (a row without an assistant turn, an unknown role, a folder without a
    template, a template that fails to render): an error naming it, no panic; over-long
-   examples truncated and counted.
+   examples truncated and counted. Then 300 steps on 2 processes with `--eval-samples 3
+   --eval-every 150 --log-dir`: the held-out samples (split over the processes) printed and in
+   `samples.jsonl` in prompt order at steps 0, 150 and 300, the last ones equal to what the
+   generate example answers from the saved folder, and that folder answering training prompts
+   with their training answers (the generate example, greedy).
 5. With `--python PY` (an interpreter that has torch, transformers and peft): the saved folders
    load in `transformers` / `peft` with the logits the example computed
    (`scripts/hf_reference.py check` / `check-adapter`), every family's too; the chat folders
    have a lower held-out assistant-token loss than the base in `transformers`
-   (`hf_reference.py chat-loss`).
+   (`hf_reference.py chat-loss`), and `transformers`' greedy `generate` on the 300-step chat
+   folder gives the generate example's token ids on training prompts and answers at least one
+   with its training answer (`hf_reference.py generate-check`).
 
 With `--load-in-4bit`, QLoRA alone instead: LoRA (r = 8, activation checkpointing, `--merge`)
 over the tiny Llama's base quantized on load to 4 bits (NF4, double quantization) on 2 processes
@@ -57,8 +63,10 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, "target", "release", "accelerate-rs")
 FINETUNE = os.path.join(ROOT, "target", "release", "examples", "finetune")
+GENERATE = os.path.join(ROOT, "target", "release", "examples", "generate")
 MODEL = os.path.join(ROOT, "models", "examples", "tiny-llama")
 TRAIN = os.path.join(ROOT, "data", "corpus.txt")
+CHAT_TRAIN = os.path.join(ROOT, "data", "chat_tiny.jsonl")
 CHAT_EVAL = os.path.join(ROOT, "data", "chat_tiny_eval.jsonl")
 STEPS = 20
 
@@ -252,7 +260,7 @@ def need(folder: str, names: list[str]) -> None:
             fail(f"{folder}: {n} was not written")
 
 
-CHAT = ["--train", os.path.join(ROOT, "data", "chat_tiny.jsonl"), "--eval", CHAT_EVAL,
+CHAT = ["--train", CHAT_TRAIN, "--eval", CHAT_EVAL,
         "--seq-len", "128", "--lr", "3e-3", "--gradient-accumulation", "2", "--warmup-steps", "5",
         "--lr-schedule", "cosine"]
 
@@ -334,6 +342,76 @@ def check_chat_errors(work: str) -> None:
     print("over-long examples: " + next(l for l in text.splitlines() if "truncated" in l))
 
 
+def generate(folder: str, user: str, system: str | None = None) -> dict:
+    """Our generate example's greedy answer to `user` (a chat turn) from `folder`: ids and text."""
+    cmd = [GENERATE, "--model", folder, "--chat", "--prompt", user, "--json"]
+    out = run(cmd + (["--system", system] if system else []))
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def conversations(path: str) -> list[tuple[str | None, str, str]]:
+    """(system, user, answer) of each row of `path` that is a user turn (after an optional
+    system turn) and an assistant turn."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            m = json.loads(line)["messages"] if line.strip() else []
+            roles = [x["role"] for x in m]
+            if roles == ["user", "assistant"]:
+                out.append((None, m[0]["content"], m[1]["content"]))
+            elif roles == ["system", "user", "assistant"]:
+                out.append((m[0]["content"], m[1]["content"], m[2]["content"]))
+    return out
+
+
+CHAT_SAMPLES = 3
+
+
+def check_chat_answers(work: str) -> str:
+    """The tiny model fine-tuned on the chat data on 2 processes for long enough to learn it,
+    with samples: the samples of the held-out prompts are printed and written to samples.jsonl
+    (prompt order, at the start, every 150 steps and at the end; split over the 2 processes),
+    the last ones equal to what our generate example answers from the saved folder, and that
+    folder answers training prompts with their training answers. Returns the folder."""
+    out, logs = os.path.join(work, "chat-answers"), os.path.join(work, "chat-answers-log")
+    steps, every = 300, 150
+    r = finetune(2, out, ["--pack", "--eval-samples", str(CHAT_SAMPLES),
+                          "--eval-every", str(every), "--log-dir", logs], steps=steps,
+                 data=["--train", CHAT_TRAIN, "--eval", CHAT_EVAL, "--seq-len", "128",
+                       "--lr", "1e-2", "--warmup-steps", "10", "--lr-schedule", "cosine"])
+    with open(os.path.join(logs, "samples.jsonl"), encoding="utf-8") as f:
+        samples = [json.loads(line) for line in f]
+    held = conversations(CHAT_EVAL)[:CHAT_SAMPLES]
+    expected = [(step, i) for step in (0, every, steps) for i in range(CHAT_SAMPLES)]
+    if [(s["step"], s["index"]) for s in samples] != expected:
+        fail(f"samples.jsonl: expected (step, index) {expected}, got {samples}")
+    for s in samples:
+        if s["prompt"] != held[s["index"]][1] or s["reference"] != held[s["index"]][2]:
+            fail(f"sample {s} is not held-out conversation {s['index']} {held[s['index']]}")
+    printed = [l for l in r["text"].splitlines() if l.startswith("[rank 0] sample ")]
+    if len(printed) != len(expected):
+        fail(f"expected {len(expected)} printed samples:\n{r['text']}")
+    for s in samples[-CHAT_SAMPLES:]:
+        system, user, _ = held[s["index"]]
+        ours = generate(out, user, system)
+        if ours["text"] != s["generated"] or len(ours["ids"]) != s["tokens"]:
+            fail(f"sample {s['index']} (generated on rank {s['index'] % 2}) says {s}, the "
+                 f"generate example on the saved folder {ours}")
+    trained = conversations(CHAT_TRAIN)
+    picked = [trained[i] for i in range(0, len(trained), len(trained) // 8)][:8]
+    right = [(u, a) for (sys_, u, a) in picked if generate(out, u, sys_)["text"] == a]
+    if not right:
+        fail(f"the fine-tuned folder answers none of the training prompts {picked}")
+    if not r["after"] < r["before"] / 4:
+        fail(f"chat answers: held-out loss {r['before']} -> {r['after']}, not far lower")
+    print(f"chat answers: {steps} steps on 2 processes, held-out loss {r['before']} -> "
+          f"{r['after']}; samples.jsonl in prompt order at steps 0, {every}, {steps}, the last equal "
+          f"to the generate example on the saved folder; {len(right)}/{len(picked)} training "
+          f"prompts answered with their training answer by the generate example (e.g. "
+          f"{right[0][0]!r} -> {right[0][1]!r})")
+    return out
+
+
 def check_qlora(work: str, python: str | None) -> None:
     """LoRA over a 4-bit base: 1 process = 2 processes, the held-out loss falls, only the
     adapters all-reduced; peft and transformers load what was saved (with `python`)."""
@@ -381,7 +459,8 @@ def main() -> int:
 
     if not args.no_build:
         for cmd in (["cargo", "build", "--release", "-p", "accelerate-rs-models", "--example",
-                     "finetune"], ["cargo", "build", "--release", "-p", "accelerate-rs-cli"]):
+                     "finetune", "--example", "generate"],
+                    ["cargo", "build", "--release", "-p", "accelerate-rs-cli"]):
             subprocess.run(cmd, cwd=ROOT, check=True)
     work = args.keep or tempfile.mkdtemp(prefix="finetune-check-")
     os.makedirs(work, exist_ok=True)
@@ -465,6 +544,7 @@ def main() -> int:
         # 5. Conversations, with and without packing; bad chat input.
         chats = check_chat(work)
         check_chat_errors(work)
+        answers = check_chat_answers(work)
 
         # 6. transformers / peft load what was saved, with the same logits.
         if args.python:
@@ -481,9 +561,11 @@ def main() -> int:
             for out in families:
                 print(run([args.python, ref, "check", out, "--probe",
                            out + ".probe.safetensors"]).strip())
-            for out in chats:
+            for out in chats + [answers]:
                 print(run([args.python, ref, "chat-loss", out, "--base", MODEL, "--data",
                            CHAT_EVAL]).strip())
+            print(run([args.python, ref, "generate-check", answers, "--data", CHAT_TRAIN,
+                       "--generate", GENERATE]).strip())
         else:
             print("transformers/peft checks skipped (no --python given)")
         print("finetune_check: PASS")

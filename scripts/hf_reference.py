@@ -25,6 +25,16 @@ Python.
         rendered with the folder's chat template by `apply_chat_template`) of the fine-tuned
         folder DIR and of BASE in `transformers`: exits 1 unless DIR's is lower.
 
+    python scripts/hf_reference.py generate-check DIR --data FILE.jsonl --generate BIN
+            [--prompts N] [--max-new-tokens M]
+        The first N different prompts (a user turn, after an optional system turn) of the
+        conversations in FILE: `transformers`' greedy `generate` on the chat-template prompt
+        (`apply_chat_template(..., add_generation_prompt=True)`) of the folder DIR, stopping at
+        the tokenizer's `eos_token` and the folder's `eos_token_id`, against accelerate-rs'
+        generate example BIN (`BIN --model DIR --chat --prompt USER [--system S] --json`): exits
+        1 unless every prompt gives the same new token ids, or unless at least one answer is
+        the conversation's own assistant turn (a fine-tuned folder answers its training prompts).
+
     python scripts/hf_reference.py lora [--out models/tests/fixtures]
         Needs `pip install peft` too. For a tiny Llama (rsLoRA on q_proj, v_proj and down_proj)
         and a tiny GPT-2 (LoRA on its Conv1D layers c_attn and c_fc, fan_in_fan_out): the base
@@ -51,6 +61,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 
 import torch
@@ -744,6 +755,75 @@ def chat_loss(folder, base, data):
     return ok
 
 
+def chat_prompts(data, n):
+    """The first `n` different (system, user, answer) of the conversations in `data` whose
+    messages are a user turn (after an optional system turn) and an assistant turn."""
+    seen, out = set(), []
+    with open(data, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            m = json.loads(line)["messages"]
+            roles = [x["role"] for x in m]
+            if roles == ["user", "assistant"]:
+                key = (None, m[0]["content"], m[1]["content"])
+            elif roles == ["system", "user", "assistant"]:
+                key = (m[0]["content"], m[1]["content"], m[2]["content"])
+            else:
+                continue
+            if key[:2] not in seen:
+                seen.add(key[:2])
+                out.append(key)
+            if len(out) == n:
+                break
+    if not out:
+        raise SystemExit(f"{data}: no conversation of a user turn and an assistant turn")
+    return out
+
+
+def generate_check(folder, data, binary, n, max_new_tokens):
+    """transformers' greedy generate against accelerate-rs' generate example on the chat
+    prompts of `data`: the same new ids for every prompt, and at least one training answer."""
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    eos = model.generation_config.eos_token_id
+    stop += [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None and e not in stop]
+    same, answered = 0, 0
+    for system, user, answer in chat_prompts(data, n):
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": user}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                 dtype=torch.long), do_sample=False, max_new_tokens=max_new_tokens,
+                                 eos_token_id=stop, pad_token_id=tok.pad_token_id or 0,
+                                 output_scores=True, return_dict_in_generate=True)
+        theirs = out.sequences[0, len(ids):].tolist()
+        margin = min((s[0].topk(2).values[0] - s[0].topk(2).values[1]).item() for s in out.scores)
+        cmd = [binary, "--model", folder, "--chat", "--prompt", user, "--max-new-tokens",
+               str(max_new_tokens), "--json"] + (["--system", system] if system else [])
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if p.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}{p.stderr}")
+        ours = json.loads(p.stdout.strip().splitlines()[-1])
+        reply = tok.decode(theirs, skip_special_tokens=True)
+        equal = ours["ids"] == theirs
+        same += equal
+        answered += reply.strip() == answer.strip()
+        print(f"  {user!r} -> transformers {reply!r}, ours {ours['text']!r}: "
+              f"{'same ids' if equal else 'DIFFERENT ids'} ({len(theirs)} tokens, smallest "
+              f"greedy margin {margin:.3g}); training answer {answer!r}")
+        if not equal:
+            print(f"    transformers {theirs}\n    ours         {ours['ids']}")
+    total = len(chat_prompts(data, n))
+    ok = same == total and answered > 0
+    print(f"{folder}: greedy generate equal to transformers on {same}/{total} chat prompts, "
+          f"{answered}/{total} answered with the training answer: {'OK' if ok else 'FAIL'}")
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -763,6 +843,12 @@ def main():
     cl.add_argument("folder")
     cl.add_argument("--base", required=True)
     cl.add_argument("--data", required=True)
+    g = sub.add_parser("generate-check")
+    g.add_argument("folder")
+    g.add_argument("--data", required=True)
+    g.add_argument("--generate", required=True, help="accelerate-rs' generate example binary")
+    g.add_argument("--prompts", type=int, default=6)
+    g.add_argument("--max-new-tokens", type=int, default=32)
     t = sub.add_parser("tokenizer")
     t.add_argument("--corpus", default="data/corpus.txt")
     t.add_argument("--out", default="models/examples/tiny-llama")
@@ -783,6 +869,9 @@ def main():
             make_lora_fixture(name, args.out, seed=2000 + i)
     elif args.cmd == "chat-loss":
         sys.exit(0 if chat_loss(args.folder, args.base, args.data) else 1)
+    elif args.cmd == "generate-check":
+        sys.exit(0 if generate_check(args.folder, args.data, args.generate, args.prompts,
+                                     args.max_new_tokens) else 1)
     elif args.cmd == "check-adapter":
         sys.exit(0 if check_adapter(args.adapter, args.base, args.probe) else 1)
     else:

@@ -11,7 +11,9 @@
 //! token (the tokenizer's `eos_token`). Greedy by default; `--temperature T` samples (with
 //! `--top-k K`, `--top-p P`, `--seed S`). `--adapter DIR` loads a PEFT LoRA adapter folder onto
 //! the model first. It stops at the folder's `eos_token_id` or after `--max-new-tokens`, and
-//! prints the new text alone (special tokens skipped) on stdout.
+//! prints the new text alone (special tokens skipped) on stdout; with `--json`, one JSON line
+//! `{"ids": [...], "text": "..."}` holding the new token ids (a stop token included) and that
+//! text, for scripts (`scripts/hf_reference.py generate-check` compares them with `transformers`).
 
 use std::path::PathBuf;
 
@@ -54,6 +56,9 @@ struct Args {
     /// A PEFT LoRA adapter folder to load onto the model.
     #[arg(long)]
     adapter: Option<PathBuf>,
+    /// Print `{"ids": [...], "text": "..."}` (the new token ids and text) as one JSON line.
+    #[arg(long)]
+    json: bool,
 }
 
 fn main() -> Result<()> {
@@ -82,7 +87,11 @@ fn main() -> Result<()> {
     let text = tokenizer
         .decode(&new[0], true)
         .map_err(|e| anyhow!("decoding the generated ids: {e}"))?;
-    println!("{text}");
+    if args.json {
+        println!("{}", serde_json::json!({ "ids": new[0], "text": text }));
+    } else {
+        println!("{text}");
+    }
     Ok(())
 }
 

@@ -146,7 +146,9 @@ impl ChatRows {
         };
         Ok(ChatRows {
             train: rows(&train, args.seq_len, pad, args.pack)?,
-            val: rows(&val, args.seq_len, pad, args.pack)?,
+            // Held out one example per row even with `--pack`: packing cuts an example at a row's
+            // end, and its continuation would be scored without its beginning.
+            val: rows(&val, args.seq_len, pad, false)?,
             pack: args.pack,
         })
     }
@@ -207,7 +209,7 @@ pub(crate) fn token_loss(model: &AutoModel, batch: &PackedBatch, pack: bool) -> 
 }
 
 /// The held-out assistant-token loss: the mean over every held-out target token (each process
-/// takes every `world_size`-th row; the sums are reduced).
+/// takes every `world_size`-th row, one example each; the sums are reduced).
 pub(crate) fn evaluate(
     accelerator: &Accelerator,
     model: &AutoModel,
@@ -235,7 +237,7 @@ pub(crate) fn evaluate(
             c => (c, 1.0),
         };
         let b = batch(&rows.val, chunk, device)?;
-        let loss = token_loss(model, &b, rows.pack)?;
+        let loss = token_loss(model, &b, false)?;
         sum += loss.sum().to_dtype(DType::F64)?.to_scalar::<f64>()? * weight;
         count += loss.tokens() as f64 * weight;
     }

@@ -10,7 +10,14 @@
 //! (position ids restarting per example, block-diagonal attention). The held-out loss is the
 //! assistant-token loss of `--eval FILE.jsonl` (else of the last `--eval-fraction` of the
 //! conversations). The training loss is token-weighted: the mean over every target token of
-//! the step, all micro-batches (`--gradient-accumulation N`) and all processes.
+//! the step, all micro-batches (`--gradient-accumulation N`) and all processes. With `--eval`,
+//! the first `--eval-samples` held-out conversations (default 2) are also answered greedily (at
+//! most `--eval-max-new-tokens` tokens) before and after training and every `--eval-every`
+//! steps: generation is split across the processes and gathered once per prompt; the main
+//! process prints the answers and, with `--log-dir`, appends them to `samples.jsonl` beside
+//! `metrics.jsonl` (which gets `eval_loss` and `eval_sample_match`, the share of answers equal
+//! to their reference). At ZeRO stage 3 (sharded parameters do not generate) a note says they
+//! are skipped.
 //!
 //!     cargo run --release -- launch --cpu -n 2 target/release/examples/finetune \
 //!         --model models/examples/tiny-llama --train data/chat_tiny.jsonl \
@@ -68,6 +75,7 @@
 mod chat;
 mod data;
 mod outputs;
+mod samples;
 mod train;
 
 use std::path::PathBuf;
@@ -80,7 +88,7 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 use clap::Parser;
 
-use data::{evaluate, Data};
+use data::Data;
 use train::Run;
 
 #[derive(Parser, Debug)]
@@ -172,6 +180,19 @@ pub(crate) struct Args {
     /// The share of the text held out for evaluation (its end).
     #[arg(long, default_value_t = 0.1)]
     eval_fraction: f64,
+    /// Conversations with `--eval`: the first N held-out conversations are answered greedily
+    /// (each process generates its share) and the answers printed and logged
+    /// (`samples.jsonl` in `--log-dir`) at the start and the end of training, and every
+    /// `--eval-every` steps; 0: none.
+    #[arg(long, default_value_t = 2)]
+    eval_samples: usize,
+    /// The tokens each sample may generate at most.
+    #[arg(long, default_value_t = 32)]
+    eval_max_new_tokens: usize,
+    /// Also evaluate (the held-out loss, and the samples) every K optimizer steps during
+    /// training; 0: only at the start and the end.
+    #[arg(long, default_value_t = 0)]
+    eval_every: u64,
     /// At most this many held-out windows are evaluated (0: all).
     #[arg(long, default_value_t = 256)]
     eval_windows: usize,
@@ -227,13 +248,15 @@ fn main() -> Result<()> {
     let data = Data::load(&accelerator, &args, &model)?;
     describe(&accelerator, &args, &model, &data)?;
 
-    let before = evaluate(&accelerator, &model, &data, &args)?;
+    let mut run = Run::prepare(&accelerator, &args, &mut model, &data)?;
+    model.train(false);
+    let before = run.evaluate(&accelerator, &args, &model, &data, 0)?;
     accelerator.print(format!("held-out loss before: {before:.4}"));
     print_expert_load(&accelerator, &model, &data.val, "before")?;
-    let run = Run::prepare(&accelerator, &args, &mut model, &data)?;
-    let (steps, secs) = run.train(&accelerator, &args, &model, &data)?;
+    model.train(true);
+    let (steps, secs) = run.train(&accelerator, &args, &mut model, &data)?;
     model.train(false);
-    let after = evaluate(&accelerator, &model, &data, &args)?;
+    let after = run.evaluate(&accelerator, &args, &model, &data, steps)?;
     accelerator.print(format!(
         "trained {steps} steps in {secs:.1} s; held-out loss {before:.4} -> {after:.4}"
     ));

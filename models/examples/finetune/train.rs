@@ -15,7 +15,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::Optimizer;
 
 use crate::chat;
-use crate::data::{inputs_and_labels, Data};
+use crate::data::{evaluate, inputs_and_labels, Data};
+use crate::samples::Samples;
 use crate::Args;
 
 /// The prepared optimizer: plain, or stepping f32 masters from half-precision gradients.
@@ -89,6 +90,7 @@ pub(crate) struct Run {
     timer: StepTimer,
     trackers: Option<Trackers>,
     schedule: Schedule<WarmupDecay<Cosine>>,
+    samples: Option<Samples>,
 }
 
 impl Run {
@@ -162,27 +164,48 @@ impl Run {
             .step_timer()
             .tokens_per_step(tokens_per_step)
             .flops_per_step(model.flops_per_token(args.seq_len) * tokens_per_step as f64);
-        let trackers = match &args.log_dir {
-            Some(dir) => Some(trackers(accelerator, args, model, dir)?),
-            None => None,
-        };
+        let trackers = args.log_dir.as_ref();
         Ok(Run {
             opt,
             loader,
             working,
             timer,
-            trackers,
+            trackers: trackers
+                .map(|d| trackers_in(accelerator, args, model, d))
+                .transpose()?,
             schedule: schedule(args)?,
+            samples: Samples::load(accelerator, args, model, data.chat.is_some())?,
         })
+    }
+
+    /// The held-out loss at optimizer step `step` (logged to the trackers as `eval_loss`) and,
+    /// for conversations with `--eval`, the samples: every rank calls it, with `model` in
+    /// evaluation mode.
+    pub(crate) fn evaluate(
+        &mut self,
+        accelerator: &Accelerator,
+        args: &Args,
+        model: &AutoModel,
+        data: &Data,
+        step: u64,
+    ) -> Result<f64> {
+        let loss = evaluate(accelerator, model, data, args)?;
+        if let Some(t) = self.trackers.as_mut() {
+            t.log(&[("eval_loss", loss)], step)?;
+        }
+        if let Some(samples) = self.samples.as_mut() {
+            samples.run(accelerator, model, step, self.trackers.as_mut())?;
+        }
+        Ok(loss)
     }
 
     /// `--max-steps` optimizer steps over as many epochs as it takes, printing the training
     /// loss every `--log-every` steps; returns the steps taken and the seconds they took.
     pub(crate) fn train(
-        mut self,
+        &mut self,
         accelerator: &Accelerator,
         args: &Args,
-        model: &AutoModel,
+        model: &mut AutoModel,
         data: &Data,
     ) -> Result<(u64, f64)> {
         let start = Instant::now();
@@ -214,6 +237,12 @@ impl Run {
                 }
                 if step >= args.max_steps {
                     break;
+                }
+                if args.eval_every > 0 && step % args.eval_every == 0 {
+                    model.train(false);
+                    let loss = self.evaluate(accelerator, args, model, data, step)?;
+                    model.train(true);
+                    accelerator.print(format!("step {step:4} held-out loss {loss:.4}"));
                 }
             }
             if step == before {
@@ -308,7 +337,7 @@ fn window_mean(accelerator: &Accelerator, data: &Data, (sum, count): (f64, f64))
 }
 
 /// The trackers of `--log-dir`: `metrics.jsonl` and TensorBoard, with the run's settings.
-fn trackers(
+fn trackers_in(
     accelerator: &Accelerator,
     args: &Args,
     model: &AutoModel,
