@@ -12,7 +12,9 @@ loss (`model(input_ids, labels=input_ids)`, shifted inside), AdamW lr 1e-3; f32,
 thread per process. PyTorch runs `transformers`' default (SDPA) attention.
   - PyTorch: `transformers.LlamaForCausalLM`, 1 process, and 2 under `DistributedDataParallel`.
   - accelerate-rs: `models/examples/hf_bench.rs` (the same configuration through
-    `LlamaForCausalLm::from_config`), 1 and 2 processes under `accelerate-rs launch --cpu`.
+    `AutoModel::from_config`), 1 and 2 processes under `accelerate-rs launch --cpu`.
+`--family qwen3`: `Qwen3ForCausalLM` of the same shape on both sides (q/k norms, head_dim
+hidden / heads) instead of Llama.
 Each round runs PyTorch 1, PyTorch 2, accelerate-rs 1, accelerate-rs 2, so drift hits every
 side alike; one table at the end (means of the rounds' means, medians of their medians).
 
@@ -47,7 +49,7 @@ def single_thread_env(env):
 
 def worker(args):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -61,12 +63,15 @@ def worker(args):
             "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10)
         )
     torch.manual_seed(0)
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=SEQ,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config)
+    if args.family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=HIDDEN // HEADS, **shape))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape))
     model.train()
     if ddp:
         from torch.nn.parallel import DistributedDataParallel
@@ -120,7 +125,7 @@ def run_torch(world, args):
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         cmd = [sys.executable, os.path.abspath(__file__), "--steps", str(args.steps),
-               "--warmup", str(args.warmup)]
+               "--warmup", str(args.warmup), "--family", args.family]
         procs.append(subprocess.Popen(cmd, env=env, text=True,
                                       stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL))
@@ -138,7 +143,7 @@ def run_rust(world, args):
         if not os.path.exists(f):
             raise RuntimeError(f"{f} is missing: build it first (see --help)")
     cmd = [launcher, "launch", "--cpu", "-n", str(world), bench, "--steps", str(args.steps),
-           "--warmup", str(args.warmup)]
+           "--warmup", str(args.warmup), "--family", args.family]
     env = single_thread_env(dict(os.environ))
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -151,6 +156,8 @@ def main():
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--family", choices=["llama", "qwen3"], default="llama",
+                   help="the architecture on both sides (Qwen3: q/k norms, head_dim hidden/heads)")
     p.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR", "target"),
                    help="cargo's target folder (default $CARGO_TARGET_DIR or target)")
     args = p.parse_args()
@@ -160,7 +167,7 @@ def main():
     import torch
     import transformers
 
-    print(f"Llama-style model: hidden {HIDDEN}, {LAYERS} layers, {HEADS} heads, {KV_HEADS} KV "
+    print(f"{args.family}: hidden {HIDDEN}, {LAYERS} layers, {HEADS} heads, {KV_HEADS} KV "
           f"heads, FFN {FFN}, vocab {VOCAB}; seq {SEQ}, batch {BATCH}/process; f32, AdamW; "
           f"1 thread/process")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "

@@ -1,6 +1,7 @@
 //! The accelerate-rs side of `scripts/pytorch_hf_bench.py`: a Llama-style
 //! `LlamaForCausalLm` (default hidden 512, 4 layers, 8 heads, 2 key/value heads, vocab 8000,
-//! SwiGLU 1408) trained on random tokens (sequences of 256, batch 4 per process) with AdamW,
+//! SwiGLU 1408), or with `--family qwen3` a Qwen3 of the same shape (q/k norms, `head_dim`
+//! hidden / heads), trained on random tokens (sequences of 256, batch 4 per process) with AdamW,
 //! timed per step. Run it under the launcher; rank 0 prints one line
 //! `RESULT-DDP world=W ms_mean=... ms_median=... samples_per_s=...`.
 //!
@@ -11,7 +12,7 @@ use std::time::Instant;
 
 use accelerate_rs::optim::{AdamW, ParamsAdamW};
 use accelerate_rs::Accelerator;
-use accelerate_rs_models::{LlamaConfig, LlamaForCausalLm};
+use accelerate_rs_models::{AutoModel, Config};
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_nn::Optimizer;
@@ -35,15 +36,27 @@ struct Args {
     seq: usize,
     #[arg(long, default_value_t = 4)]
     batch: usize,
+    /// `llama` or `qwen3`.
+    #[arg(long, default_value = "llama")]
+    family: String,
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
     let accelerator = Accelerator::new()?;
     let device = accelerator.device().clone();
-    let json = args.model.config_json(args.seq);
-    let config = LlamaConfig::from_json(std::path::Path::new("<hf_bench>"), &json)?;
-    let model = LlamaForCausalLm::from_config(&config, &device, DType::F32)?;
+    let mut json = args.model.config_json(args.seq);
+    match args.family.as_str() {
+        "llama" => {}
+        "qwen3" => {
+            json["model_type"] = "qwen3".into();
+            json["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]);
+            json["head_dim"] = (args.model.hidden / args.model.heads).into();
+        }
+        other => anyhow::bail!("--family {other}: llama or qwen3"),
+    }
+    let config = Config::from_json(std::path::Path::new("<hf_bench>"), &json)?;
+    let model = AutoModel::from_config(&config, &device, DType::F32)?;
     let opt = AdamW::new(
         model.varmap().all_vars(),
         ParamsAdamW {
