@@ -15,6 +15,8 @@
 //! and checks a random token; once all have mapped it (a TCP all-gather), rank 0 closes its file.
 //! The segment never has a name in the file system, so a crash at any moment leaves nothing
 //! behind: the memory goes with the last process that maps it.
+//! Agreeing on the transport and setting the segment up is `segment.rs`'s; this file owns the
+//! mapped segment ([`Shm`]) and the collectives through it.
 //!
 //! | offset | content |
 //! |---|---|
