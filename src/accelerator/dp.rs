@@ -235,34 +235,8 @@ where
         let mut handles = Vec::with_capacity(n);
         for (i, (c, device)) in collectives.into_iter().zip(devices).enumerate() {
             let order = &order;
-            let o = Overrides {
-                data_parallel: Some(n),
-                replica_device: Some(device),
-                rank: Some(i),
-                world_size: Some(n),
-                local_rank: Some(i),
-                local_world_size: Some(n),
-                external_collective: true,
-                ..o.clone()
-            };
-            let body = move || -> Result<R> {
-                // Declared before the guard, so dropped after it: this replica's failure is
-                // recorded before its collective goes and the other replicas fail in turn.
-                let keep = c.clone();
-                let mut guard = FailureOrder {
-                    order,
-                    replica: i,
-                    armed: true,
-                };
-                let result = ProcessState::resolve(&o, getenv)
-                    .map(|state| Accelerator::from_parts(state, c))
-                    .and_then(f);
-                guard.armed = result.is_err();
-                drop(guard);
-                keep.set_run_outcome(result.is_ok());
-                drop(keep);
-                result
-            };
+            let o = replica_overrides(o, n, i, device);
+            let body = move || run_replica(&o, c, i, order, getenv, f);
             let spawned = std::thread::Builder::new()
                 .name(format!("accelerate-rs-replica-{i}"))
                 .spawn_scoped(s, body);
@@ -283,9 +257,63 @@ where
             })
             .collect()
     });
-    let mut outcomes: Vec<Option<_>> = outcomes.into_iter().map(Some).collect();
     let order = order.into_inner().unwrap_or_else(|p| p.into_inner());
-    // The first replica to fail, else (should the order be incomplete) the lowest failed index.
+    first_failure_or_all(outcomes, order)
+}
+
+/// Replica `i` of `n`'s overrides: `o` with its place in the DP group and its device.
+fn replica_overrides(o: &Overrides, n: usize, i: usize, device: Device) -> Overrides {
+    Overrides {
+        data_parallel: Some(n),
+        replica_device: Some(device),
+        rank: Some(i),
+        world_size: Some(n),
+        local_rank: Some(i),
+        local_world_size: Some(n),
+        external_collective: true,
+        ..o.clone()
+    }
+}
+
+/// Replica `i`'s thread: its accelerator over collective `c`, then `f`; its failure recorded in
+/// `order` before its collective goes (so the replicas that fail because of it come after).
+fn run_replica<R, F>(
+    o: &Overrides,
+    c: Arc<dyn Collective>,
+    i: usize,
+    order: &Mutex<Vec<usize>>,
+    getenv: &(dyn Fn(&str) -> Option<String> + Sync),
+    f: &F,
+) -> Result<R>
+where
+    F: Fn(Accelerator) -> Result<R>,
+{
+    // Declared before the guard, so dropped after it: this replica's failure is recorded before
+    // its collective goes and the other replicas fail in turn.
+    let keep = c.clone();
+    let mut guard = FailureOrder {
+        order,
+        replica: i,
+        armed: true,
+    };
+    let result = ProcessState::resolve(o, getenv)
+        .map(|state| Accelerator::from_parts(state, c))
+        .and_then(f);
+    guard.armed = result.is_err();
+    drop(guard);
+    keep.set_run_outcome(result.is_ok());
+    drop(keep);
+    result
+}
+
+/// The replicas' results, or the first failure in `order` (the cause; else, should the order be
+/// incomplete, the lowest failed replica).
+fn first_failure_or_all<R>(
+    outcomes: Vec<std::result::Result<R, ReplicaCause>>,
+    order: Vec<usize>,
+) -> Result<Vec<R>> {
+    let n = outcomes.len();
+    let mut outcomes: Vec<Option<_>> = outcomes.into_iter().map(Some).collect();
     let failed = order
         .into_iter()
         .chain(0..n)

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
@@ -16,8 +16,9 @@ use super::names::{
     named_model_file, named_optimizer_base, MODEL_FILE, OPTIMIZER_BASE, STATES_FILE,
 };
 use super::optimizer::{optimizer_files, read_optimizer};
-use super::parts::LoadTargets;
+use super::parts::{Checkpointable, LoadTargets};
 use crate::files::io_err;
+use crate::optim::{OptimizerState, StatefulOptimizer};
 
 /// Whether a float tensor holds a NaN or an infinity.
 pub(super) fn non_finite(t: &Tensor) -> Result<bool> {
@@ -90,23 +91,7 @@ pub(crate) fn load_state(
     dir: &Path,
     targets: LoadTargets<'_>,
 ) -> Result<Manifest> {
-    let manifest = verify_checkpoint(dir)?;
-    let found = resolve_checkpoint(dir).unwrap_or_else(|| dir.to_path_buf());
-    if found != dir {
-        log::warn!(
-            "checkpoint {} is incomplete; loading {} (a save was interrupted)",
-            dir.display(),
-            found.display()
-        );
-    }
-    if manifest.world_size != world_size {
-        log::info!(
-            "checkpoint {} was written by {} process(es), loading into {}",
-            found.display(),
-            manifest.world_size,
-            world_size
-        );
-    }
+    let (manifest, found) = find(dir, world_size)?;
     let LoadTargets {
         model,
         optimizer,
@@ -120,19 +105,7 @@ pub(crate) fn load_state(
     }
     // Read and check everything first.
     let (mut sets, pieces) = read_model(&found, &manifest, model, device)?;
-    for (name, m) in &models {
-        if !manifest.models.contains_key(name) {
-            return Err(checkpoint_err(
-                &found,
-                format!(
-                    "model `{name}` is not in the checkpoint (it has: {:?})",
-                    manifest.models.keys().collect::<Vec<_>>()
-                ),
-            ));
-        }
-        let path = found.join(named_model_file(name));
-        sets.extend(fit_model(&path, read_safetensors(&path, device)?, *m)?);
-    }
+    sets.extend(read_named_models(&found, &manifest, &models, device)?);
     let opt_state = match (&optimizer, &manifest.optimizer) {
         (Some(_), Some(m)) => Some(read_optimizer(&found, OPTIMIZER_BASE, m, device)?),
         (Some(_), None) => {
@@ -143,53 +116,8 @@ pub(crate) fn load_state(
         }
         (None, _) => None,
     };
-    let mut named_states = Vec::with_capacity(optimizers.len());
-    for (name, opt) in optimizers {
-        let m = manifest.optimizers.get(&name).ok_or_else(|| {
-            checkpoint_err(
-                &found,
-                format!(
-                    "optimizer `{name}` is not in the checkpoint (it has: {:?})",
-                    manifest.optimizers.keys().collect::<Vec<_>>()
-                ),
-            )
-        })?;
-        let base = named_optimizer_base(&name);
-        let state = read_optimizer(&found, &base, m, device)?;
-        named_states.push((optimizer_files(&found, &base, m), opt, state));
-    }
-    let mine = if states.is_empty() {
-        serde_json::Value::Null
-    } else {
-        let path = found.join(STATES_FILE);
-        let text = fs::read_to_string(&path).map_err(|e| io_err("reading", &path, e))?;
-        let doc: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| corrupt(&path, format!("it does not parse: {e}")))?;
-        let ranks = doc["ranks"]
-            .as_array()
-            .filter(|r| !r.is_empty())
-            .ok_or_else(|| corrupt(&path, "it holds no per-rank states"))?;
-        if rank >= ranks.len() {
-            crate::logging::warn_always(format_args!(
-                "checkpoint {} holds states of {} rank(s); rank {rank} takes rank {}'s",
-                found.display(),
-                ranks.len(),
-                rank % ranks.len()
-            ));
-        }
-        ranks[rank % ranks.len()].clone()
-    };
-    for (name, _) in &states {
-        if mine.get(name).is_none() {
-            return Err(checkpoint_err(
-                &found,
-                format!(
-                    "state `{name}` is not in the checkpoint (it has: {:?})",
-                    manifest.states
-                ),
-            ));
-        }
-    }
+    let named_states = read_named_optimizers(&found, &manifest, optimizers, device)?;
+    let mine = read_rank_states(&found, &manifest, rank, &states)?;
     // Then change things.
     if let (Some(opt), Some(state), Some(m)) = (optimizer, opt_state, &manifest.optimizer) {
         opt.load_optimizer_state(state).map_err(|e| {
@@ -215,6 +143,124 @@ pub(crate) fn load_state(
         target.write_local(&values)?;
     }
     Ok(manifest)
+}
+
+/// The verified manifest of `dir` and the folder to load (`dir`, or the complete checkpoint an
+/// interrupted save left it for), with a word when either surprises.
+fn find(dir: &Path, world_size: usize) -> Result<(Manifest, PathBuf)> {
+    let manifest = verify_checkpoint(dir)?;
+    let found = resolve_checkpoint(dir).unwrap_or_else(|| dir.to_path_buf());
+    if found != dir {
+        log::warn!(
+            "checkpoint {} is incomplete; loading {} (a save was interrupted)",
+            dir.display(),
+            found.display()
+        );
+    }
+    if manifest.world_size != world_size {
+        log::info!(
+            "checkpoint {} was written by {} process(es), loading into {}",
+            found.display(),
+            manifest.world_size,
+            world_size
+        );
+    }
+    Ok((manifest, found))
+}
+
+/// The named models' values, read from their files and checked against the models.
+fn read_named_models(
+    found: &Path,
+    manifest: &Manifest,
+    models: &[(String, &dyn Parameters)],
+    device: &Device,
+) -> Result<Vec<(candle_core::Var, Tensor)>> {
+    let mut sets = Vec::new();
+    for (name, m) in models {
+        if !manifest.models.contains_key(name) {
+            return Err(checkpoint_err(
+                found,
+                format!(
+                    "model `{name}` is not in the checkpoint (it has: {:?})",
+                    manifest.models.keys().collect::<Vec<_>>()
+                ),
+            ));
+        }
+        let path = found.join(named_model_file(name));
+        sets.extend(fit_model(&path, read_safetensors(&path, device)?, *m)?);
+    }
+    Ok(sets)
+}
+
+/// A named optimizer's state to load: its files (for errors), the optimizer, the state.
+type NamedState<'a> = (PathBuf, &'a mut dyn StatefulOptimizer, OptimizerState);
+
+/// The named optimizers' states, read (not yet loaded).
+fn read_named_optimizers<'a>(
+    found: &Path,
+    manifest: &Manifest,
+    optimizers: Vec<(String, &'a mut dyn StatefulOptimizer)>,
+    device: &Device,
+) -> Result<Vec<NamedState<'a>>> {
+    let mut named_states = Vec::with_capacity(optimizers.len());
+    for (name, opt) in optimizers {
+        let m = manifest.optimizers.get(&name).ok_or_else(|| {
+            checkpoint_err(
+                found,
+                format!(
+                    "optimizer `{name}` is not in the checkpoint (it has: {:?})",
+                    manifest.optimizers.keys().collect::<Vec<_>>()
+                ),
+            )
+        })?;
+        let base = named_optimizer_base(&name);
+        let state = read_optimizer(found, &base, m, device)?;
+        named_states.push((optimizer_files(found, &base, m), opt, state));
+    }
+    Ok(named_states)
+}
+
+/// This rank's saved states (`rank % ranks` when the writer had fewer ranks), checked to hold
+/// every named state; `Null` when none is asked for.
+fn read_rank_states(
+    found: &Path,
+    manifest: &Manifest,
+    rank: usize,
+    states: &[(String, &mut dyn Checkpointable)],
+) -> Result<serde_json::Value> {
+    let mine = if states.is_empty() {
+        serde_json::Value::Null
+    } else {
+        let path = found.join(STATES_FILE);
+        let text = fs::read_to_string(&path).map_err(|e| io_err("reading", &path, e))?;
+        let doc: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| corrupt(&path, format!("it does not parse: {e}")))?;
+        let ranks = doc["ranks"]
+            .as_array()
+            .filter(|r| !r.is_empty())
+            .ok_or_else(|| corrupt(&path, "it holds no per-rank states"))?;
+        if rank >= ranks.len() {
+            crate::logging::warn_always(format_args!(
+                "checkpoint {} holds states of {} rank(s); rank {rank} takes rank {}'s",
+                found.display(),
+                ranks.len(),
+                rank % ranks.len()
+            ));
+        }
+        ranks[rank % ranks.len()].clone()
+    };
+    for (name, _) in states {
+        if mine.get(name).is_none() {
+            return Err(checkpoint_err(
+                found,
+                format!(
+                    "state `{name}` is not in the checkpoint (it has: {:?})",
+                    manifest.states
+                ),
+            ));
+        }
+    }
+    Ok(mine)
 }
 
 /// The values to give the model: whole parameters to set, or, for a ZeRO-3 model, this rank's

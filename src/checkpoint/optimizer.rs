@@ -374,7 +374,33 @@ pub(super) fn read_optimizer_shards(
             ),
         ));
     }
-    let mut pieces: HashMap<String, Vec<(usize, Tensor, PathBuf)>> = HashMap::new();
+    let mut pieces = read_shard_pieces(dir, base, m, n, device)?;
+    let mut tensors = Vec::with_capacity(m.tensors.len());
+    for (name, shape) in m.tensors.iter().zip(&m.shapes) {
+        let list = pieces.remove(name).unwrap_or_default();
+        let whole = join_pieces(dir, base, m, (name, shape), list, device)?;
+        tensors.push((name.clone(), whole));
+    }
+    Ok(OptimizerState {
+        step: m.step,
+        lr: m.lr,
+        tensors,
+    })
+}
+
+/// The pieces of a sharded optimizer's tensors: `(first element, values, file)` by tensor name,
+/// from the `n` per-rank files (tensors named `<name>@<first element>`).
+type Pieces = HashMap<String, Vec<(usize, Tensor, PathBuf)>>;
+
+/// Every piece of the `n` per-rank files, checked to name a tensor the manifest lists.
+fn read_shard_pieces(
+    dir: &Path,
+    base: &str,
+    m: &OptimizerManifest,
+    n: usize,
+    device: &Device,
+) -> Result<Pieces> {
+    let mut pieces: Pieces = HashMap::new();
     for r in 0..n {
         let path = dir.join(shard_file(base, r, n));
         for (key, t) in read_safetensors(&path, device)? {
@@ -395,49 +421,54 @@ pub(super) fn read_optimizer_shards(
                 .push((start, t, path.clone()));
         }
     }
-    let mut tensors = Vec::with_capacity(m.tensors.len());
-    for (name, shape) in m.tensors.iter().zip(&m.shapes) {
-        let total: usize = shape.iter().product();
-        let mut list = pieces.remove(name).unwrap_or_default();
-        list.sort_by_key(|(start, _, _)| *start);
-        let mut at = 0;
-        let mut flat = Vec::with_capacity(list.len());
-        for (start, t, path) in list {
-            if start != at || t.rank() != 1 || start + t.elem_count() > total {
-                return Err(corrupt(
-                    &path,
-                    format!(
-                        "optimizer tensor `{name}` ({total} elements): a piece of {} element(s) at {start} does not follow element {at}",
-                        t.elem_count()
-                    ),
-                ));
-            }
-            at += t.elem_count();
-            flat.push(t);
-        }
-        if at != total {
+    Ok(pieces)
+}
+
+/// One tensor (`name`, `shape`) put together from its pieces, which must follow each other from
+/// element 0 to the last.
+fn join_pieces(
+    dir: &Path,
+    base: &str,
+    m: &OptimizerManifest,
+    (name, shape): (&String, &Vec<usize>),
+    mut list: Vec<(usize, Tensor, PathBuf)>,
+    device: &Device,
+) -> Result<Tensor> {
+    let total: usize = shape.iter().product();
+    list.sort_by_key(|(start, _, _)| *start);
+    let mut at = 0;
+    let mut flat = Vec::with_capacity(list.len());
+    for (start, t, path) in list {
+        if start != at || t.rank() != 1 || start + t.elem_count() > total {
             return Err(corrupt(
-                &optimizer_files(dir, base, m),
-                format!("optimizer tensor `{name}` has {at} of its {total} elements in the ranks' files"),
+                &path,
+                format!(
+                    "optimizer tensor `{name}` ({total} elements): a piece of {} element(s) at {start} does not follow element {at}",
+                    t.elem_count()
+                ),
             ));
         }
-        let whole = if flat.is_empty() {
-            // A parameter without elements.
-            Tensor::zeros(shape.as_slice(), candle_core::DType::F32, device)
-        } else {
-            Tensor::cat(&flat, 0).and_then(|t| t.reshape(shape.as_slice()))
-        }
-        .map_err(|e| {
-            corrupt(
-                &optimizer_files(dir, base, m),
-                format!("optimizer tensor `{name}`: {e}"),
-            )
-        })?;
-        tensors.push((name.clone(), whole));
+        at += t.elem_count();
+        flat.push(t);
     }
-    Ok(OptimizerState {
-        step: m.step,
-        lr: m.lr,
-        tensors,
+    if at != total {
+        return Err(corrupt(
+            &optimizer_files(dir, base, m),
+            format!(
+                "optimizer tensor `{name}` has {at} of its {total} elements in the ranks' files"
+            ),
+        ));
+    }
+    let whole = if flat.is_empty() {
+        // A parameter without elements.
+        Tensor::zeros(shape.as_slice(), candle_core::DType::F32, device)
+    } else {
+        Tensor::cat(&flat, 0).and_then(|t| t.reshape(shape.as_slice()))
+    };
+    whole.map_err(|e| {
+        corrupt(
+            &optimizer_files(dir, base, m),
+            format!("optimizer tensor `{name}`: {e}"),
+        )
     })
 }

@@ -10,7 +10,7 @@ use crate::collective::Collective;
 use crate::error::{Error, Result};
 
 use super::io::{check_ours, crash_hook, lock_folder};
-use super::manifest::{checksum_file, model_shard_file, Manifest};
+use super::manifest::{checksum_file, model_shard_file, FileChecksum, Manifest, OptimizerManifest};
 use super::names::{
     named_model_file, named_optimizer_base, AUTO_PREFIX, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_BASE,
     STATES_FILE,
@@ -32,25 +32,8 @@ pub(super) fn write_checkpoint(
     let states = taken.states.as_deref();
     check_part_names(parts)?;
     fs::create_dir_all(tmp).map_err(|e| io_err("creating", tmp, e))?;
-    let mut models = BTreeMap::new();
-    for (name, m) in &parts.models {
-        if m.sharded_parameters().is_some() {
-            return Err(crate::train::zero3::unsupported(
-                &format!("a sharded model saved under a name (`{name}`)"),
-                "save it as the checkpoint's model",
-            ));
-        }
-        let tensors = named_tensors(*m)?;
-        write_safetensors(&tmp.join(named_model_file(name)), &tensors)?;
-        models.insert(name.clone(), tensors.into_iter().map(|(n, _)| n).collect());
-    }
-    let mut optimizers = BTreeMap::new();
-    for (i, (name, o)) in parts.optimizers.iter().enumerate() {
-        let took = taken.named.get(i).cloned().flatten();
-        let base = named_optimizer_base(name);
-        let m = write_optimizer(tmp, &base, took, *o, stage, world_size)?;
-        optimizers.insert(name.clone(), m);
-    }
+    let models = write_named_models(tmp, parts)?;
+    let optimizers = write_named_optimizers(tmp, parts, world_size, taken, stage)?;
     for hook in &parts.hooks {
         hook(tmp)?;
     }
@@ -74,20 +57,7 @@ pub(super) fn write_checkpoint(
         }
         None => None,
     };
-    // Checksums of every file as it is on disk.
-    let mut files = BTreeMap::new();
-    for entry in fs::read_dir(tmp).map_err(|e| io_err("listing", tmp, e))? {
-        let entry = entry.map_err(|e| io_err("listing", tmp, e))?;
-        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
-            continue;
-        };
-        if name == MANIFEST_FILE {
-            continue;
-        }
-        let path = entry.path();
-        let sum = checksum_file(&path).map_err(|e| io_err("reading back", &path, e))?;
-        files.insert(name, sum);
-    }
+    let files = checksums(tmp)?;
     let path = tmp.join(MANIFEST_FILE);
     let manifest = Manifest {
         version: env!("CARGO_PKG_VERSION").to_string(),
@@ -115,6 +85,64 @@ pub(super) fn write_checkpoint(
         .map_err(|e| io_err("writing", &path, e))?;
     sync_dir(tmp);
     Ok(())
+}
+
+/// The named models ([`CheckpointParts::model_named`]), each in its own file: the manifest's
+/// names of each one's tensors.
+fn write_named_models(
+    tmp: &Path,
+    parts: &CheckpointParts<'_>,
+) -> Result<BTreeMap<String, Vec<String>>> {
+    let mut models = BTreeMap::new();
+    for (name, m) in &parts.models {
+        if m.sharded_parameters().is_some() {
+            return Err(crate::train::zero3::unsupported(
+                &format!("a sharded model saved under a name (`{name}`)"),
+                "save it as the checkpoint's model",
+            ));
+        }
+        let tensors = named_tensors(*m)?;
+        write_safetensors(&tmp.join(named_model_file(name)), &tensors)?;
+        models.insert(name.clone(), tensors.into_iter().map(|(n, _)| n).collect());
+    }
+    Ok(models)
+}
+
+/// The named optimizers' states ([`CheckpointParts::optimizer_named`]): the manifest's entry of
+/// each.
+fn write_named_optimizers(
+    tmp: &Path,
+    parts: &CheckpointParts<'_>,
+    world_size: usize,
+    taken: &Taken,
+    stage: Option<&Path>,
+) -> Result<BTreeMap<String, OptimizerManifest>> {
+    let mut optimizers = BTreeMap::new();
+    for (i, (name, o)) in parts.optimizers.iter().enumerate() {
+        let took = taken.named.get(i).cloned().flatten();
+        let base = named_optimizer_base(name);
+        let m = write_optimizer(tmp, &base, took, *o, stage, world_size)?;
+        optimizers.insert(name.clone(), m);
+    }
+    Ok(optimizers)
+}
+
+/// Checksums of every file in `tmp` but the manifest, as it is on disk.
+fn checksums(tmp: &Path) -> Result<BTreeMap<String, FileChecksum>> {
+    let mut files = BTreeMap::new();
+    for entry in fs::read_dir(tmp).map_err(|e| io_err("listing", tmp, e))? {
+        let entry = entry.map_err(|e| io_err("listing", tmp, e))?;
+        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        if name == MANIFEST_FILE {
+            continue;
+        }
+        let path = entry.path();
+        let sum = checksum_file(&path).map_err(|e| io_err("reading back", &path, e))?;
+        files.insert(name, sum);
+    }
+    Ok(files)
 }
 
 /// The model's part of a checkpoint in `tmp`: `model.safetensors`, or for a ZeRO-3 model the

@@ -163,6 +163,30 @@ pub(crate) fn reduce_into(elem: ElemType, op: ReduceOp, dst: &mut [u8], src: &[u
     Ok(())
 }
 
+/// `dst = f(dst, src)` element by element (as `T`, named `what` in errors), the result also
+/// written to `copy` when given: [`reduce_last`]'s one pass.
+fn combine_and_copy<T: bytemuck::Pod>(
+    dst: &mut [u8],
+    src: &[u8],
+    copy: Option<&mut [u8]>,
+    what: &str,
+    f: impl Fn(T, T) -> T,
+) -> Result<()> {
+    let (d, s) = (view_mut::<T>(dst, what)?, view::<T>(src, what)?);
+    match copy {
+        Some(c) => {
+            let c = view_mut::<T>(c, what)?;
+            for ((d, s), c) in d.iter_mut().zip(s).zip(c.iter_mut()) {
+                let v = f(*d, *s);
+                *d = v;
+                *c = v;
+            }
+        }
+        None => combine(d, s, f),
+    }
+    Ok(())
+}
+
 /// The last [`reduce_into`] of a reduction with everything after it in the same pass:
 /// `dst = dst (op) src`, divided by `world_size` when `op` is `Mean` (as [`finish_mean`] would,
 /// with the same roundings, so the same bits), and the result also written to `copy` when given
@@ -187,63 +211,64 @@ pub(crate) fn reduce_last(
         ));
     }
     let n = world_size as f64;
-    fn run<T: bytemuck::Pod>(
-        dst: &mut [u8],
-        src: &[u8],
-        copy: Option<&mut [u8]>,
-        what: &str,
-        f: impl Fn(T, T) -> T,
-    ) -> Result<()> {
-        let (d, s) = (view_mut::<T>(dst, what)?, view::<T>(src, what)?);
-        match copy {
-            Some(c) => {
-                let c = view_mut::<T>(c, what)?;
-                for ((d, s), c) in d.iter_mut().zip(s).zip(c.iter_mut()) {
-                    let v = f(*d, *s);
-                    *d = v;
-                    *c = v;
-                }
-            }
-            None => combine(d, s, f),
-        }
-        Ok(())
-    }
     match (elem, op) {
-        (ElemType::F32, ReduceOp::Sum) => run(dst, src, copy, "f32", |a: f32, b| a + b),
+        (ElemType::F32, ReduceOp::Sum) => {
+            combine_and_copy(dst, src, copy, "f32", |a: f32, b| a + b)
+        }
         (ElemType::F32, ReduceOp::Mean) => {
             let n = n as f32;
-            run(dst, src, copy, "f32", |a: f32, b| (a + b) / n)
+            combine_and_copy(dst, src, copy, "f32", |a: f32, b| (a + b) / n)
         }
-        (ElemType::F32, ReduceOp::Max) => run(dst, src, copy, "f32", fmax32),
-        (ElemType::F32, ReduceOp::Min) => run(dst, src, copy, "f32", fmin32),
-        (ElemType::F64, ReduceOp::Sum) => run(dst, src, copy, "f64", |a: f64, b| a + b),
-        (ElemType::F64, ReduceOp::Mean) => run(dst, src, copy, "f64", |a: f64, b| (a + b) / n),
-        (ElemType::F64, ReduceOp::Max) => run(dst, src, copy, "f64", fmax64),
-        (ElemType::F64, ReduceOp::Min) => run(dst, src, copy, "f64", fmin64),
-        (ElemType::F16, ReduceOp::Sum) => run(dst, src, copy, "f16", |a: f16, b: f16| {
-            f16::from_f32(a.to_f32() + b.to_f32())
-        }),
-        (ElemType::F16, ReduceOp::Mean) => run(dst, src, copy, "f16", |a: f16, b: f16| {
-            f16::from_f64(f16::from_f32(a.to_f32() + b.to_f32()).to_f64() / n)
-        }),
-        (ElemType::F16, ReduceOp::Max) => run(dst, src, copy, "f16", |a: f16, b: f16| {
-            f16::from_f32(fmax32(a.to_f32(), b.to_f32()))
-        }),
-        (ElemType::F16, ReduceOp::Min) => run(dst, src, copy, "f16", |a: f16, b: f16| {
-            f16::from_f32(fmin32(a.to_f32(), b.to_f32()))
-        }),
-        (ElemType::BF16, ReduceOp::Sum) => run(dst, src, copy, "bf16", |a: bf16, b: bf16| {
-            bf16::from_f32(a.to_f32() + b.to_f32())
-        }),
-        (ElemType::BF16, ReduceOp::Mean) => run(dst, src, copy, "bf16", |a: bf16, b: bf16| {
-            bf16::from_f64(bf16::from_f32(a.to_f32() + b.to_f32()).to_f64() / n)
-        }),
-        (ElemType::BF16, ReduceOp::Max) => run(dst, src, copy, "bf16", |a: bf16, b: bf16| {
-            bf16::from_f32(fmax32(a.to_f32(), b.to_f32()))
-        }),
-        (ElemType::BF16, ReduceOp::Min) => run(dst, src, copy, "bf16", |a: bf16, b: bf16| {
-            bf16::from_f32(fmin32(a.to_f32(), b.to_f32()))
-        }),
+        (ElemType::F32, ReduceOp::Max) => combine_and_copy(dst, src, copy, "f32", fmax32),
+        (ElemType::F32, ReduceOp::Min) => combine_and_copy(dst, src, copy, "f32", fmin32),
+        (ElemType::F64, ReduceOp::Sum) => {
+            combine_and_copy(dst, src, copy, "f64", |a: f64, b| a + b)
+        }
+        (ElemType::F64, ReduceOp::Mean) => {
+            combine_and_copy(dst, src, copy, "f64", |a: f64, b| (a + b) / n)
+        }
+        (ElemType::F64, ReduceOp::Max) => combine_and_copy(dst, src, copy, "f64", fmax64),
+        (ElemType::F64, ReduceOp::Min) => combine_and_copy(dst, src, copy, "f64", fmin64),
+        (ElemType::F16, ReduceOp::Sum) => {
+            combine_and_copy(dst, src, copy, "f16", |a: f16, b: f16| {
+                f16::from_f32(a.to_f32() + b.to_f32())
+            })
+        }
+        (ElemType::F16, ReduceOp::Mean) => {
+            combine_and_copy(dst, src, copy, "f16", |a: f16, b: f16| {
+                f16::from_f64(f16::from_f32(a.to_f32() + b.to_f32()).to_f64() / n)
+            })
+        }
+        (ElemType::F16, ReduceOp::Max) => {
+            combine_and_copy(dst, src, copy, "f16", |a: f16, b: f16| {
+                f16::from_f32(fmax32(a.to_f32(), b.to_f32()))
+            })
+        }
+        (ElemType::F16, ReduceOp::Min) => {
+            combine_and_copy(dst, src, copy, "f16", |a: f16, b: f16| {
+                f16::from_f32(fmin32(a.to_f32(), b.to_f32()))
+            })
+        }
+        (ElemType::BF16, ReduceOp::Sum) => {
+            combine_and_copy(dst, src, copy, "bf16", |a: bf16, b: bf16| {
+                bf16::from_f32(a.to_f32() + b.to_f32())
+            })
+        }
+        (ElemType::BF16, ReduceOp::Mean) => {
+            combine_and_copy(dst, src, copy, "bf16", |a: bf16, b: bf16| {
+                bf16::from_f64(bf16::from_f32(a.to_f32() + b.to_f32()).to_f64() / n)
+            })
+        }
+        (ElemType::BF16, ReduceOp::Max) => {
+            combine_and_copy(dst, src, copy, "bf16", |a: bf16, b: bf16| {
+                bf16::from_f32(fmax32(a.to_f32(), b.to_f32()))
+            })
+        }
+        (ElemType::BF16, ReduceOp::Min) => {
+            combine_and_copy(dst, src, copy, "bf16", |a: bf16, b: bf16| {
+                bf16::from_f32(fmin32(a.to_f32(), b.to_f32()))
+            })
+        }
         (ElemType::U8, _) => Err(Error::UnsupportedDType {
             op: format!("all_reduce({})", op.name()),
             dtype: elem.name().to_string(),

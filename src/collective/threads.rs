@@ -157,6 +157,9 @@ impl ThreadCollective {
         err
     }
 
+    /// One operation: wait for the previous one to be read by everyone, deposit this rank's
+    /// slot, wait for every rank's, check they agree and `compute` the result; the last rank to
+    /// read clears the slots.
     fn rendezvous<R>(
         &self,
         desc: OpDesc,
@@ -166,61 +169,16 @@ impl ThreadCollective {
         let n = self.shared.n;
         let op = desc.op;
         let deadline = crate::settings::limits::deadline_after(self.shared.timeout);
-        let mut st = self.lock();
         let mut spins = 0;
-        // Wait until the previous operation's results have been read by everyone.
-        while !st.collecting {
-            if let Some(first) = &st.broken {
-                return Err(self.broken(op, first));
-            }
-            let (g, timed_out) = self.wait(st, deadline, &mut spins);
-            st = g;
-            if timed_out && !st.collecting {
-                let err = Error::Timeout {
-                    rank: self.rank,
-                    peer: self.first_missing(&st).unwrap_or(self.rank),
-                    op: op.into(),
-                    timeout: self.shared.timeout,
-                };
-                return Err(self.fail(&mut st, err));
-            }
-        }
-        if let Some(first) = &st.broken {
-            return Err(self.broken(op, first));
-        }
+        let st = self.lock();
+        let mut st = self.await_previous(st, op, deadline, &mut spins)?;
         st.slots[self.rank] = Some((desc, data));
         st.arrived += 1;
         if st.arrived == n {
             st.collecting = false;
             self.shared.cv.notify_all();
         }
-        while st.collecting {
-            if let Some(first) = &st.broken {
-                let err = self.broken(op, first);
-                return Err(err);
-            }
-            if let Some(peer) = (0..n).find(|&r| st.departed[r] && st.slots[r].is_none()) {
-                let err = Error::Peer {
-                    rank: self.rank,
-                    peer,
-                    op: op.into(),
-                    reason: "that rank left the group (its communicator was dropped)".into(),
-                    source: None,
-                };
-                return Err(self.fail(&mut st, err));
-            }
-            let (g, timed_out) = self.wait(st, deadline, &mut spins);
-            st = g;
-            if timed_out && st.collecting {
-                let err = Error::Timeout {
-                    rank: self.rank,
-                    peer: self.first_missing(&st).unwrap_or(self.rank),
-                    op: op.into(),
-                    timeout: self.shared.timeout,
-                };
-                return Err(self.fail(&mut st, err));
-            }
-        }
+        let mut st = self.await_everyone(st, op, deadline, &mut spins)?;
         let result = match mismatch(&st.slots) {
             Some(detail) => Err(Error::Mismatch {
                 rank: self.rank,
@@ -243,6 +201,77 @@ impl ThreadCollective {
             self.shared.cv.notify_all();
         }
         result
+    }
+
+    /// Waits until the previous operation's results have been read by everyone (the group
+    /// collects again), or fails: the group is broken, or the deadline passed.
+    fn await_previous<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        op: &'static str,
+        deadline: Instant,
+        spins: &mut u32,
+    ) -> Result<MutexGuard<'a, State>> {
+        while !st.collecting {
+            if let Some(first) = &st.broken {
+                return Err(self.broken(op, first));
+            }
+            let (g, timed_out) = self.wait(st, deadline, spins);
+            st = g;
+            if timed_out && !st.collecting {
+                let err = Error::Timeout {
+                    rank: self.rank,
+                    peer: self.first_missing(&st).unwrap_or(self.rank),
+                    op: op.into(),
+                    timeout: self.shared.timeout,
+                };
+                return Err(self.fail(&mut st, err));
+            }
+        }
+        if let Some(first) = &st.broken {
+            return Err(self.broken(op, first));
+        }
+        Ok(st)
+    }
+
+    /// Waits until every rank has deposited its slot, or fails: the group is broken, a rank left
+    /// without depositing, or the deadline passed.
+    fn await_everyone<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        op: &'static str,
+        deadline: Instant,
+        spins: &mut u32,
+    ) -> Result<MutexGuard<'a, State>> {
+        let n = self.shared.n;
+        while st.collecting {
+            if let Some(first) = &st.broken {
+                let err = self.broken(op, first);
+                return Err(err);
+            }
+            if let Some(peer) = (0..n).find(|&r| st.departed[r] && st.slots[r].is_none()) {
+                let err = Error::Peer {
+                    rank: self.rank,
+                    peer,
+                    op: op.into(),
+                    reason: "that rank left the group (its communicator was dropped)".into(),
+                    source: None,
+                };
+                return Err(self.fail(&mut st, err));
+            }
+            let (g, timed_out) = self.wait(st, deadline, spins);
+            st = g;
+            if timed_out && st.collecting {
+                let err = Error::Timeout {
+                    rank: self.rank,
+                    peer: self.first_missing(&st).unwrap_or(self.rank),
+                    op: op.into(),
+                    timeout: self.shared.timeout,
+                };
+                return Err(self.fail(&mut st, err));
+            }
+        }
+        Ok(st)
     }
 
     /// Waits until every other rank has reached this gate or left the group. Never times out:

@@ -237,11 +237,6 @@ impl LoraConfig {
     /// `modules_to_save`, layer selections) are errors when set to anything but their default;
     /// other keys are ignored. `fan_in_fan_out` is decided by the layer type, as PEFT does.
     pub fn from_peft_json(path: &Path, json: &Value) -> crate::error::Result<Self> {
-        let err = |key: &str, reason: String| Error::Config {
-            path: path.to_path_buf(),
-            key: Some(key.to_string()),
-            reason,
-        };
         let Some(obj) = json.as_object() else {
             return Err(Error::Config {
                 path: path.to_path_buf(),
@@ -249,10 +244,11 @@ impl LoraConfig {
                 reason: "is not a JSON object".into(),
             });
         };
+        let peft = PeftJson { path, obj };
         match obj.get("peft_type").and_then(Value::as_str) {
             Some("LORA") => {}
             other => {
-                return Err(err(
+                return Err(peft.err(
                     "peft_type",
                     format!("{other:?}: only LORA adapters are supported"),
                 ))
@@ -263,28 +259,77 @@ impl LoraConfig {
             Some(v) => v
                 .as_u64()
                 .filter(|&r| r > 0)
-                .ok_or_else(|| err("r", format!("{v} is not a positive integer")))?
+                .ok_or_else(|| peft.err("r", format!("{v} is not a positive integer")))?
                 as usize,
         };
-        let number = |key: &str, default: f64| -> crate::error::Result<f64> {
-            match obj.get(key) {
-                None | Some(Value::Null) => Ok(default),
-                Some(v) => v
-                    .as_f64()
-                    .ok_or_else(|| err(key, format!("{v} is not a number"))),
-            }
+        let alpha = peft.number("lora_alpha", 8.0)?;
+        let dropout = peft.number("lora_dropout", 0.0)?;
+        let use_rslora = peft.flag("use_rslora")?;
+        let target_modules = peft.target_modules()?;
+        peft.refuse_unsupported()?;
+        let config = LoraConfig {
+            r,
+            alpha,
+            dropout,
+            target_modules,
+            use_rslora,
+            adapter_dtype: None,
+            init_seed: None,
         };
-        let flag = |key: &str| -> crate::error::Result<bool> {
-            match obj.get(key) {
-                None | Some(Value::Null) => Ok(false),
-                Some(Value::Bool(b)) => Ok(*b),
-                Some(v) => Err(err(key, format!("{v} is not true or false"))),
+        config.check().map_err(|e| match e {
+            Error::InvalidArgument { name, reason } => {
+                let key = match name.as_str() {
+                    "LoRA r" => "r",
+                    "LoRA alpha" => "lora_alpha",
+                    "LoRA dropout" => "lora_dropout",
+                    _ => "target_modules",
+                };
+                peft.err(key, reason)
             }
-        };
-        let alpha = number("lora_alpha", 8.0)?;
-        let dropout = number("lora_dropout", 0.0)?;
-        let use_rslora = flag("use_rslora")?;
-        let target_modules = match obj.get("target_modules") {
+            e => e,
+        })?;
+        Ok(config)
+    }
+}
+
+/// PEFT's `adapter_config.json` as an object, read key by key; errors name the file and key.
+struct PeftJson<'a> {
+    path: &'a Path,
+    obj: &'a serde_json::Map<String, Value>,
+}
+
+impl PeftJson<'_> {
+    /// An error about `key` of this file.
+    fn err(&self, key: &str, reason: String) -> Error {
+        Error::Config {
+            path: self.path.to_path_buf(),
+            key: Some(key.to_string()),
+            reason,
+        }
+    }
+
+    /// A number, `default` when absent or null.
+    fn number(&self, key: &str, default: f64) -> crate::error::Result<f64> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .ok_or_else(|| self.err(key, format!("{v} is not a number"))),
+        }
+    }
+
+    /// A flag, false when absent or null.
+    fn flag(&self, key: &str) -> crate::error::Result<bool> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(self.err(key, format!("{v} is not true or false"))),
+        }
+    }
+
+    /// `target_modules`: a list of names, `all-linear`, or a regular expression.
+    fn target_modules(&self) -> crate::error::Result<TargetModules> {
+        Ok(match self.obj.get("target_modules") {
             None | Some(Value::Null) => TargetModules::Names(Vec::new()),
             Some(Value::String(s)) if s == "all-linear" => TargetModules::AllLinear,
             Some(Value::String(s)) => TargetModules::Regex(s.clone()),
@@ -292,29 +337,35 @@ impl LoraConfig {
                 a.iter()
                     .map(|v| {
                         v.as_str().map(str::to_string).ok_or_else(|| {
-                            err("target_modules", format!("{v} is not a module name"))
+                            self.err("target_modules", format!("{v} is not a module name"))
                         })
                     })
                     .collect::<crate::error::Result<_>>()?,
             ),
             Some(v) => {
-                return Err(err(
+                return Err(self.err(
                     "target_modules",
                     format!("{v} is not a list of names or a regular expression"),
                 ))
             }
-        };
+        })
+    }
+
+    /// The keys of features this crate does not implement: an error when one is set to anything
+    /// but its default.
+    fn refuse_unsupported(&self) -> crate::error::Result<()> {
+        let obj = self.obj;
         // Features that would change what the adapter computes.
         for key in ["use_dora", "lora_bias", "use_qalora"] {
-            if flag(key)? {
-                return Err(err(key, "is not supported (plain LoRA only)".into()));
+            if self.flag(key)? {
+                return Err(self.err(key, "is not supported (plain LoRA only)".into()));
             }
         }
         match obj.get("bias") {
             None | Some(Value::Null) => {}
             Some(Value::String(s)) if s == "none" => {}
             Some(v) => {
-                return Err(err(
+                return Err(self.err(
                     "bias",
                     format!("{v}: trained biases are not supported (\"none\" only)"),
                 ))
@@ -325,10 +376,7 @@ impl LoraConfig {
                 .get(key)
                 .is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|m| !m.is_empty()))
             {
-                return Err(err(
-                    key,
-                    "per-layer ranks and alphas are not supported".into(),
-                ));
+                return Err(self.err(key, "per-layer ranks and alphas are not supported".into()));
             }
         }
         for key in [
@@ -348,31 +396,10 @@ impl LoraConfig {
                 Some(_) => true,
             };
             if set {
-                return Err(err(key, "is not supported: leave it unset".into()));
+                return Err(self.err(key, "is not supported: leave it unset".into()));
             }
         }
-        let config = LoraConfig {
-            r,
-            alpha,
-            dropout,
-            target_modules,
-            use_rslora,
-            adapter_dtype: None,
-            init_seed: None,
-        };
-        config.check().map_err(|e| match e {
-            Error::InvalidArgument { name, reason } => {
-                let key = match name.as_str() {
-                    "LoRA r" => "r",
-                    "LoRA alpha" => "lora_alpha",
-                    "LoRA dropout" => "lora_dropout",
-                    _ => "target_modules",
-                };
-                err(key, reason)
-            }
-            e => e,
-        })?;
-        Ok(config)
+        Ok(())
     }
 }
 

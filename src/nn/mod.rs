@@ -71,6 +71,7 @@ mod flash_cpu;
 mod flash_cuda;
 mod gelu;
 mod head_loss;
+mod kernels;
 mod linear;
 mod linear4bit;
 mod lora;
@@ -92,6 +93,7 @@ pub use dropout::{dropout, set_dropout_seed};
 pub use flash::{flash_attention, Documents, FlashAttentionOptions};
 pub use gelu::gelu;
 pub use head_loss::linear_cross_entropy;
+pub use kernels::{cuda_kernel_launches, set_cuda_kernels, CUDA_KERNELS_BUILT};
 pub use linear::{linear, linear_no_bias, linear_relu, Linear};
 pub use linear4bit::Linear4bit;
 pub use lora::{Lora, LoraConfig, LoraLinear, TargetModules};
@@ -108,29 +110,3 @@ pub use relu::relu;
 pub use rope::{rope, rope_i, rope_thd};
 pub use silu::{silu, swiglu};
 pub use softmax::{causal_softmax, softmax_last_dim};
-
-/// Whether this build has the CUDA kernels (the `cuda` feature).
-pub const CUDA_KERNELS_BUILT: bool = cfg!(feature = "cuda");
-
-/// Number of this module's CUDA kernels launched by this process (0 without the `cuda`
-/// feature): a check can tell that the kernels really ran rather than the composed ops.
-pub fn cuda_kernel_launches() -> u64 {
-    #[cfg(feature = "cuda")]
-    {
-        cuda::launches()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        0
-    }
-}
-
-/// Switches the CUDA kernels on or off for the ops called from now on (overriding
-/// `ACCELERATE_RS_NN_CUDA`); ops already in a graph keep the path they took. Does nothing
-/// without the feature.
-pub fn set_cuda_kernels(on: bool) {
-    #[cfg(feature = "cuda")]
-    cuda::set_enabled(on);
-    #[cfg(not(feature = "cuda"))]
-    let _ = on;
-}

@@ -211,6 +211,13 @@ impl ConfigFile {
     /// the expected form; `None` when every value is acceptable. Loading a file, the `config`
     /// command's questions and its flags all use these rules.
     pub fn problem(&self) -> Option<(&'static str, String)> {
+        self.time_and_size_problem()
+            .or_else(|| self.count_problem())
+            .or_else(|| self.placement_problem())
+    }
+
+    /// The durations and the bucket size out of range.
+    fn time_and_size_problem(&self) -> Option<(&'static str, String)> {
         use crate::settings::limits;
         for (key, v) in [
             ("collective_timeout_secs", self.collective_timeout_secs),
@@ -233,6 +240,12 @@ impl ConfigFile {
                 ));
             }
         }
+        None
+    }
+
+    /// The counts (processes, machines, accumulation, restarts, ZeRO stage) out of range.
+    fn count_problem(&self) -> Option<(&'static str, String)> {
+        use crate::settings::limits;
         for (key, v, max) in [
             ("num_processes", self.num_processes, limits::MAX_PROCESSES),
             ("num_machines", self.num_machines, limits::MAX_MACHINES),
@@ -264,6 +277,11 @@ impl ConfigFile {
                 return Some(("zero_stage", format!("expected 0, 1, 2 or 3, got {n}")));
             }
         }
+        None
+    }
+
+    /// Where rank 0 is and which GPUs and machine rank: malformed or out of range.
+    fn placement_problem(&self) -> Option<(&'static str, String)> {
         if self.main_process_port == Some(0) {
             return Some((
                 "main_process_port",

@@ -11,6 +11,7 @@ pub mod gpu;
 #[cfg(not(feature = "cuda"))]
 #[path = "gpu_stub.rs"]
 pub mod gpu;
+mod groups;
 pub mod limits;
 pub(crate) mod memory;
 mod missing_gradients;

@@ -206,26 +206,58 @@ pub(super) fn place(o: &Overrides, getenv: &dyn Fn(&str) -> Option<String>) -> R
     // Rank and world size: builder, else the first launcher family whose rank is set.
     let family = FAMILIES.iter().find(|f| get(f.rank).is_some());
     if family.is_none() && o.rank.is_none() {
-        for f in &FAMILIES {
-            if let Some(Count(w)) = env_value(getenv, f.world)? {
-                if w > 1 {
-                    return Err(Error::Env {
-                        var: f.rank.into(),
-                        value: String::new(),
-                        reason: format!("{}={w} is set but {} is not; set both (or run under `accelerate-rs launch`)", f.world, f.rank),
-                    });
-                }
+        refuse_world_without_rank(getenv)?;
+    }
+    let (rank, world_size) = rank_and_world(o, getenv, family)?;
+    let (local_rank, local_world_size) = local_place(o, getenv, family, rank, world_size)?;
+    Ok(Place {
+        rank,
+        world_size,
+        local_rank,
+        local_world_size,
+        launcher: match (o.rank, family) {
+            (Some(_), _) => "builder",
+            (None, Some(f)) => f.name,
+            (None, None) => "none",
+        },
+    })
+}
+
+/// No family's rank is set: a family's world size above 1 is an error (its rank is missing).
+fn refuse_world_without_rank(getenv: &dyn Fn(&str) -> Option<String>) -> Result<()> {
+    for f in &FAMILIES {
+        if let Some(Count(w)) = env_value(getenv, f.world)? {
+            if w > 1 {
+                return Err(Error::Env {
+                    var: f.rank.into(),
+                    value: String::new(),
+                    reason: format!("{}={w} is set but {} is not; set both (or run under `accelerate-rs launch`)", f.world, f.rank),
+                });
             }
         }
     }
-    let from_env = |var: Option<&'static str>| -> Result<Option<(usize, &'static str)>> {
-        match var {
-            Some(v) => Ok(env_value::<Count>(getenv, v)?.map(|c| (c.0, v))),
-            None => Ok(None),
-        }
-    };
-    let env_rank = from_env(family.map(|f| f.rank))?;
-    let env_world = from_env(family.map(|f| f.world))?;
+    Ok(())
+}
+
+/// The count in variable `var` of the launcher family (none without a family), with its name.
+fn family_count(
+    getenv: &dyn Fn(&str) -> Option<String>,
+    var: Option<&'static str>,
+) -> Result<Option<(usize, &'static str)>> {
+    match var {
+        Some(v) => Ok(env_value::<Count>(getenv, v)?.map(|c| (c.0, v))),
+        None => Ok(None),
+    }
+}
+
+/// Rank and world size: the builder, else the family's variables (both or neither), checked.
+fn rank_and_world(
+    o: &Overrides,
+    getenv: &dyn Fn(&str) -> Option<String>,
+    family: Option<&Family>,
+) -> Result<(usize, usize)> {
+    let env_rank = family_count(getenv, family.map(|f| f.rank))?;
+    let env_world = family_count(getenv, family.map(|f| f.world))?;
     if let (Some(f), Some(_), None) = (family, env_rank, env_world) {
         if o.world_size.is_none() {
             return Err(Error::Env {
@@ -258,8 +290,20 @@ pub(super) fn place(o: &Overrides, getenv: &dyn Fn(&str) -> Option<String>) -> R
             reason: format!("rank {rank} is not below the world size {world_size} ({world_var})"),
         });
     }
-    let env_local_rank = from_env(family.map(|f| f.local_rank))?;
-    let env_local_world = from_env(family.map(|f| f.local_world))?;
+    Ok((rank, world_size))
+}
+
+/// Local rank and local world size: the builder, else the family's variables, else "every rank
+/// on this machine"; checked.
+fn local_place(
+    o: &Overrides,
+    getenv: &dyn Fn(&str) -> Option<String>,
+    family: Option<&Family>,
+    rank: usize,
+    world_size: usize,
+) -> Result<(usize, usize)> {
+    let env_local_rank = family_count(getenv, family.map(|f| f.local_rank))?;
+    let env_local_world = family_count(getenv, family.map(|f| f.local_world))?;
     let local_world_size = pick(
         o.local_world_size,
         env_local_world.map(|v| v.0),
@@ -278,15 +322,5 @@ pub(super) fn place(o: &Overrides, getenv: &dyn Fn(&str) -> Option<String>) -> R
             ),
         });
     }
-    Ok(Place {
-        rank,
-        world_size,
-        local_rank,
-        local_world_size,
-        launcher: match (o.rank, family) {
-            (Some(_), _) => "builder",
-            (None, Some(f)) => f.name,
-            (None, None) => "none",
-        },
-    })
+    Ok((local_rank, local_world_size))
 }

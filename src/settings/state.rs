@@ -6,20 +6,13 @@ use std::time::Duration;
 
 use candle_core::Device;
 
-use crate::error::{Error, Result};
-use crate::settings::parse::{env_value, pick, Positive, Secs};
-use crate::settings::{
-    env, limits, ConfigFile, MissingGradients, MixedPrecision, NonFinite, Transport,
-};
+use crate::error::Result;
+use crate::settings::{ConfigFile, MissingGradients, MixedPrecision, NonFinite, Transport};
 
-use super::place::{check_single_process, data_parallel, place, select_device, Place};
-
-use super::defaults::{DEFAULT_BUCKET_CAP_MB, DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT};
+use super::groups::{collective_limits, GradientSettings, Rendezvous, RunSettings};
 use super::overrides::Overrides;
 use super::place::DistributedType;
-
-/// The highest ZeRO stage there is.
-const MAX_ZERO_STAGE: usize = 3;
+use super::place::{check_single_process, data_parallel, place, select_device, Place};
 
 /// This process's place in the run and the settings in force.
 #[derive(Clone)]
@@ -112,169 +105,14 @@ impl ProcessState {
         if data_parallel > 1 && o.replica_device.is_none() {
             check_single_process(data_parallel, world_size)?;
         }
-
-        let master_addr = o
-            .master_addr
-            .clone()
-            .or(env_value::<String>(getenv, env::MASTER_ADDR)?)
-            .or(cfg.main_process_ip.clone());
-        let master_port = pick(
-            o.master_port,
-            env_value(getenv, env::MASTER_PORT)?,
-            cfg.main_process_port,
-            DEFAULT_MASTER_PORT,
-        );
-        // Under MPI the ranks find each other without an address (checked again when joining).
-        let transport = pick(
-            o.transport,
-            env_value(getenv, env::TRANSPORT)?,
-            cfg.transport,
-            Transport::Auto,
-        );
-        let over_mpi =
-            transport == Transport::Mpi || (transport == Transport::Auto && launcher == "mpi");
-        let by_address = !(o.external_collective || over_mpi);
-        if world_size > 1 && master_addr.is_none() && by_address {
-            return Err(Error::Env {
-                var: env::MASTER_ADDR.into(),
-                value: String::new(),
-                reason: format!("must be set when the world size is {world_size}: the address of the machine running rank 0 (or start the program with `accelerate-rs launch`)"),
-            });
-        }
-        if world_size > 1 && master_port == 0 && by_address {
-            return Err(Error::Env {
-                var: env::MASTER_PORT.into(),
-                value: "0".into(),
-                reason: "every rank must know rank 0's port: set a real port (`accelerate-rs launch` picks a free one)".into(),
-            });
-        }
-
-        // The config file's value was range-checked when it was read.
-        let from_cfg = cfg
-            .collective_timeout_secs
-            .and_then(|s| limits::checked_secs(s, false).ok());
-        let timeout = pick(
-            o.timeout,
-            env_value::<Secs>(getenv, env::TIMEOUT_SECS)?.map(|s| s.0),
-            from_cfg,
-            DEFAULT_TIMEOUT,
-        );
-        if timeout.is_zero() || timeout.as_secs_f64() > limits::MAX_TIMEOUT_SECS {
-            return Err(Error::invalid(
-                "timeout",
-                format!(
-                    "must be above 0 and at most {} s (a week), got {timeout:?}",
-                    limits::MAX_TIMEOUT_SECS
-                ),
-            ));
-        }
-        let bucket_cap_mb = pick(
-            o.bucket_cap_mb,
-            env_value::<Positive>(getenv, env::BUCKET_CAP_MB)?.map(|p| p.0),
-            cfg.bucket_cap_mb,
-            DEFAULT_BUCKET_CAP_MB,
-        );
-        if !(bucket_cap_mb.is_finite()
-            && bucket_cap_mb > 0.0
-            && bucket_cap_mb <= limits::MAX_BUCKET_CAP_MB)
-        {
-            return Err(Error::invalid(
-                "bucket_cap_mb",
-                format!(
-                    "expected a number of MiB above 0 and at most {}, got {bucket_cap_mb}",
-                    limits::MAX_BUCKET_CAP_MB
-                ),
-            ));
-        }
-        let tune_malloc = pick(
-            o.tune_malloc,
-            env_value(getenv, env::TUNE_MALLOC)?,
-            cfg.tune_malloc,
-            true,
-        );
-        let missing_gradients = pick(
-            o.missing_gradients,
-            env_value(getenv, env::MISSING_GRADIENTS)?,
-            cfg.missing_gradients,
-            MissingGradients::Warn,
-        );
-        let nonfinite = pick(
-            o.nonfinite,
-            env_value(getenv, env::NONFINITE)?,
-            cfg.nonfinite,
-            NonFinite::Error,
-        );
-        let zero_stage = pick(
-            o.zero_stage,
-            env_value(getenv, env::ZERO_STAGE)?,
-            cfg.zero_stage,
-            0,
-        );
-        if zero_stage > MAX_ZERO_STAGE {
-            return Err(Error::invalid(
-                "zero_stage",
-                format!("must be 0, 1, 2 or 3 (builder `zero_stage`, {} or config key `zero_stage`), got {zero_stage}", env::ZERO_STAGE),
-            ));
-        }
-        let offload_optimizer = pick(
-            o.offload_optimizer,
-            env_value(getenv, env::OFFLOAD_OPTIMIZER)?,
-            cfg.offload_optimizer,
-            false,
-        );
-        if offload_optimizer && zero_stage != 3 {
-            return Err(Error::invalid(
-                "offload_optimizer",
-                format!(
-                    "offloads the optimizer state of ZeRO stage 3's shards, but zero_stage is {zero_stage} (builder `offload_optimizer`, {} or config key `offload_optimizer`)",
-                    env::OFFLOAD_OPTIMIZER
-                ),
-            ));
-        }
-        let split_batches = pick(
-            o.split_batches,
-            env_value(getenv, env::SPLIT_BATCHES)?,
-            cfg.split_batches,
-            false,
-        );
-        let overlap = pick(None, env_value(getenv, env::OVERLAP)?, None, true);
-        let debug = pick(None, env_value(getenv, env::DEBUG)?, None, false);
-        // `None`: nobody said; GPUs are used when this build and machine have them.
-        let use_cpu = o.cpu.or(env_value(getenv, env::USE_CPU)?).or(cfg.use_cpu);
-        let secret = pick(
-            o.secret.clone(),
-            env_value(getenv, env::SECRET)?,
-            None,
-            String::new(),
-        )
-        .into_bytes();
-        let mixed_precision = pick(
-            o.mixed_precision,
-            env_value(getenv, env::MIXED_PRECISION)?,
-            cfg.mixed_precision,
-            MixedPrecision::No,
-        );
-        let gradient_accumulation_steps = pick(
-            o.gradient_accumulation_steps,
-            env_value(getenv, env::GRADIENT_ACCUMULATION_STEPS)?,
-            cfg.gradient_accumulation_steps,
-            1,
-        );
-        if gradient_accumulation_steps == 0
-            || gradient_accumulation_steps > limits::MAX_ACCUMULATION_STEPS
-        {
-            return Err(Error::invalid(
-                "gradient_accumulation_steps",
-                format!(
-                    "must be from 1 to {}, got {gradient_accumulation_steps}",
-                    limits::MAX_ACCUMULATION_STEPS
-                ),
-            ));
-        }
+        let meet = Rendezvous::resolve(o, getenv, &cfg, world_size, launcher)?;
+        let (timeout, bucket_cap_mb) = collective_limits(o, getenv, &cfg)?;
+        let grads = GradientSettings::resolve(o, getenv, &cfg)?;
+        let run = RunSettings::resolve(o, getenv, &cfg)?;
 
         let (device, distributed_type) = match &o.replica_device {
             Some(d) => (d.clone(), DistributedType::Dp),
-            None => select_device(use_cpu, rank, local_rank, world_size)?,
+            None => select_device(run.use_cpu, rank, local_rank, world_size)?,
         };
 
         Ok(ProcessState {
@@ -284,26 +122,26 @@ impl ProcessState {
             local_world_size,
             distributed_type,
             device,
-            master_addr,
-            master_port,
+            master_addr: meet.master_addr,
+            master_port: meet.master_port,
             timeout,
             bucket_cap_bytes: (bucket_cap_mb * 1024.0 * 1024.0) as usize,
-            tune_malloc,
-            transport,
-            missing_gradients,
-            nonfinite,
-            zero_stage,
-            offload_optimizer,
-            split_batches,
-            overlap,
-            debug,
+            tune_malloc: grads.tune_malloc,
+            transport: meet.transport,
+            missing_gradients: grads.missing_gradients,
+            nonfinite: grads.nonfinite,
+            zero_stage: grads.zero_stage,
+            offload_optimizer: grads.offload_optimizer,
+            split_batches: run.split_batches,
+            overlap: run.overlap,
+            debug: run.debug,
             data_parallel,
-            secret,
-            mixed_precision,
-            gradient_accumulation_steps,
+            secret: run.secret,
+            mixed_precision: run.mixed_precision,
+            gradient_accumulation_steps: run.gradient_accumulation_steps,
             launcher,
             config_path,
-            use_cpu: use_cpu == Some(true),
+            use_cpu: run.use_cpu == Some(true),
         })
     }
 
@@ -437,6 +275,8 @@ impl ProcessState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::settings::defaults::DEFAULT_TIMEOUT;
+    use crate::settings::env;
     use std::collections::HashMap;
 
     /// Resolves with a private empty config file unless the test names one, so that a config

@@ -576,22 +576,7 @@ impl Searcher<'_> {
                 _ if broken => return result.map_err(|e| e.on_rank(me, self.device)),
                 Some(v) => v,
                 None if !probing => return result.map_err(|e| e.on_rank(me, self.device)),
-                None => {
-                    let vote = match &result {
-                        Ok(_) => Vote::Healthy,
-                        Err(e) if e.is_out_of_memory() => Vote::OutOfMemory(b / 2),
-                        Err(_) => Vote::Failed,
-                    };
-                    if world > 1 {
-                        agree(raw, vote, b)?
-                    } else {
-                        match vote {
-                            Vote::Healthy => Verdict::Continue,
-                            Vote::OutOfMemory(next) => Verdict::OutOfMemory { rank: me, next },
-                            Vote::Failed => Verdict::Failed { rank: me },
-                        }
-                    }
-                }
+                None => self.vote(&result, b)?,
             };
             match verdict {
                 Verdict::Continue => return result,
@@ -619,20 +604,47 @@ impl Searcher<'_> {
                             min_batch_size: search.min,
                         });
                     }
-                    if me == 0 {
-                        crate::logging::warn_always(format_args!(
-                            "find_executable_batch_size: rank {rank} ran out of memory at batch size {b}; every rank retries with batch size {next}"
-                        ));
-                    }
-                    (self.restart)();
-                    // The failed attempt's tensors are gone; what the GPU's pool kept of them
-                    // goes back, so that the smaller attempt can have it in any shape.
-                    if let Err(e) = crate::settings::gpu::release_cached_memory(self.device) {
-                        log::warn!("rank {me}: find_executable_batch_size: {e}");
-                    }
+                    self.prepare_retry(rank, b, next);
                     b = next;
                 }
             }
+        }
+    }
+
+    /// The verdict of an attempt nothing decided during its run: this rank's vote on `result`,
+    /// agreed with the other ranks (one collective) when there are any.
+    fn vote<T>(&self, result: &Result<T>, b: usize) -> Result<Verdict> {
+        let raw = self.probe.raw();
+        let (me, world) = (raw.rank(), raw.world_size());
+        let vote = match result {
+            Ok(_) => Vote::Healthy,
+            Err(e) if e.is_out_of_memory() => Vote::OutOfMemory(b / 2),
+            Err(_) => Vote::Failed,
+        };
+        if world > 1 {
+            return agree(raw, vote, b);
+        }
+        Ok(match vote {
+            Vote::Healthy => Verdict::Continue,
+            Vote::OutOfMemory(next) => Verdict::OutOfMemory { rank: me, next },
+            Vote::Failed => Verdict::Failed { rank: me },
+        })
+    }
+
+    /// Before retrying at `next` after `rank` ran out of memory at `b`: say so (rank 0), forget
+    /// what the attempt prepared, and give the GPU pool's cached memory back.
+    fn prepare_retry(&self, rank: usize, b: usize, next: usize) {
+        let me = self.probe.raw().rank();
+        if me == 0 {
+            crate::logging::warn_always(format_args!(
+                "find_executable_batch_size: rank {rank} ran out of memory at batch size {b}; every rank retries with batch size {next}"
+            ));
+        }
+        (self.restart)();
+        // The failed attempt's tensors are gone; what the GPU's pool kept of them goes back, so
+        // that the smaller attempt can have it in any shape.
+        if let Err(e) = crate::settings::gpu::release_cached_memory(self.device) {
+            log::warn!("rank {me}: find_executable_batch_size: {e}");
         }
     }
 

@@ -133,10 +133,32 @@ impl Causes {
     }
 }
 
+/// The likely causes of the `missing` gradients among `all` parameters: attention cut at the
+/// queries and keys, a fused attention kernel, norms, routers.
 fn guess(missing: &[String], all: &[String]) -> Causes {
     let frozen: BTreeSet<&str> = missing.iter().map(String::as_str).collect();
-    // Per attention block (the module holding the projections): per role, (frozen, training).
-    let mut blocks: BTreeMap<String, BTreeMap<Proj, (usize, usize)>> = BTreeMap::new();
+    let blocks = projection_counts(all, &frozen);
+    let attention: Vec<String> = blocks
+        .iter()
+        .filter(|(_, roles)| qk_frozen(roles) && roles.get(&Proj::V).is_some_and(|&(_, t)| t > 0))
+        .map(|(block, _)| block.clone())
+        .collect();
+    let kernels = kernel_cuts(&blocks, all, &frozen);
+    let (norms, routers) = norms_and_routers(missing, &attention, &kernels);
+    Causes {
+        attention,
+        kernels,
+        norms,
+        routers,
+    }
+}
+
+/// Per attention block (the module holding the projections): per role, (frozen, training).
+type ProjectionCounts = BTreeMap<String, BTreeMap<Proj, (usize, usize)>>;
+
+/// How many parameters of each projection role of each attention block are frozen and training.
+fn projection_counts(all: &[String], frozen: &BTreeSet<&str>) -> ProjectionCounts {
+    let mut blocks: ProjectionCounts = BTreeMap::new();
     for name in all {
         let segs = modules(name);
         if let Some((i, role)) = segs
@@ -156,16 +178,23 @@ fn guess(missing: &[String], all: &[String]) -> Causes {
             }
         }
     }
-    let only_frozen = |r: Option<&(usize, usize)>| r.is_some_and(|&(f, t)| f > 0 && t == 0);
-    let qk_frozen = |roles: &BTreeMap<Proj, (usize, usize)>| {
-        only_frozen(roles.get(&Proj::Q)) && only_frozen(roles.get(&Proj::K))
-    };
-    let attention: Vec<String> = blocks
-        .iter()
-        .filter(|(_, roles)| qk_frozen(roles) && roles.get(&Proj::V).is_some_and(|&(_, t)| t > 0))
-        .map(|(block, _)| block.clone())
-        .collect();
-    let kernels: Vec<String> = blocks
+    blocks
+}
+
+/// Whether a role's parameters are all frozen (and there are some).
+fn only_frozen(r: Option<&(usize, usize)>) -> bool {
+    r.is_some_and(|&(f, t)| f > 0 && t == 0)
+}
+
+/// Whether a block's queries and keys are all frozen.
+fn qk_frozen(roles: &BTreeMap<Proj, (usize, usize)>) -> bool {
+    only_frozen(roles.get(&Proj::Q)) && only_frozen(roles.get(&Proj::K))
+}
+
+/// Blocks whose whole attention (queries, keys, values) is frozen while something else in the
+/// block trains: a fused attention kernel without a backward pass.
+fn kernel_cuts(blocks: &ProjectionCounts, all: &[String], frozen: &BTreeSet<&str>) -> Vec<String> {
+    blocks
         .iter()
         .filter(|(block, roles)| {
             let (prefix, depth) = if block.is_empty() {
@@ -182,7 +211,16 @@ fn guess(missing: &[String], all: &[String]) -> Causes {
                 })
         })
         .map(|(block, _)| block.clone())
-        .collect();
+        .collect()
+}
+
+/// The norms that are causes of their own (not explained by an attention cut) and the routers
+/// among the `missing` parameters' modules.
+fn norms_and_routers(
+    missing: &[String],
+    attention: &[String],
+    kernels: &[String],
+) -> (Vec<String>, Vec<String>) {
     // The parent module of an attention block whose whole attention is cut (a decoder layer):
     // its norms in front of the attention are cut off with it.
     let parent_of = |m: &str| {
@@ -216,12 +254,7 @@ fn guess(missing: &[String], all: &[String]) -> Causes {
             }
         }
     }
-    Causes {
-        attention,
-        kernels,
-        norms: norms.into_iter().collect(),
-        routers: routers.into_iter().collect(),
-    }
+    (norms.into_iter().collect(), routers.into_iter().collect())
 }
 
 /// `a, b (and 3 more)`.

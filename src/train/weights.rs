@@ -523,6 +523,25 @@ fn plan_load(
         .collect::<Result<_>>()?;
     let sources = tensor_sources(&found, &headers, map)?;
     let params: BTreeMap<&str, &ParamSpec> = params.iter().map(|p| (p.name.as_str(), p)).collect();
+    check_coverage(&found, &params, &sources)?;
+    let mut plan = Vec::with_capacity(params.len());
+    for (name, spec) in &params {
+        let Some((i, tensor)) = sources.get(*name) else {
+            continue; // reported above
+        };
+        check_entry(&found.files[*i], &headers[*i], tensor, spec)?;
+        plan.push((name.to_string(), *i, tensor.clone()));
+    }
+    Ok((found, plan))
+}
+
+/// Every parameter has a tensor and every tensor a parameter: the first one missing or
+/// unexpected is an error naming it, its file and the count.
+fn check_coverage(
+    found: &WeightFiles,
+    params: &BTreeMap<&str, &ParamSpec>,
+    sources: &BTreeMap<String, (usize, String)>,
+) -> Result<()> {
     let file_list = || {
         found
             .files
@@ -568,38 +587,41 @@ fn plan_load(
             ),
         ));
     }
-    let mut plan = Vec::with_capacity(params.len());
-    for (name, spec) in &params {
-        let Some((i, tensor)) = sources.get(*name) else {
-            continue; // reported above
-        };
-        let file = &found.files[*i];
-        let Some(entry) = headers[*i].get(tensor) else {
-            return Err(file_err(file, Some(tensor), "not in the file's header"));
-        };
-        if entry.shape != spec.shape {
-            return Err(file_err(
-                file,
-                Some(tensor),
-                format!(
-                    "shape {:?} in the file, but the model's parameter `{name}` is {:?}",
-                    entry.shape, spec.shape
-                ),
-            ));
-        }
-        if st_dtype_is_float(&entry.dtype) != spec.dtype.is_float() {
-            return Err(file_err(
-                file,
-                Some(tensor),
-                format!(
-                    "dtype {} in the file, but the model's parameter `{name}` is {:?}",
-                    entry.dtype, spec.dtype
-                ),
-            ));
-        }
-        plan.push((name.to_string(), *i, tensor.clone()));
+    Ok(())
+}
+
+/// The header entry of `tensor` in `file` matches `spec`: its shape, and float or not.
+fn check_entry(
+    file: &Path,
+    header: &SafetensorsHeader,
+    tensor: &str,
+    spec: &ParamSpec,
+) -> Result<()> {
+    let name = &spec.name;
+    let Some(entry) = header.get(tensor) else {
+        return Err(file_err(file, Some(tensor), "not in the file's header"));
+    };
+    if entry.shape != spec.shape {
+        return Err(file_err(
+            file,
+            Some(tensor),
+            format!(
+                "shape {:?} in the file, but the model's parameter `{name}` is {:?}",
+                entry.shape, spec.shape
+            ),
+        ));
     }
-    Ok((found, plan))
+    if st_dtype_is_float(&entry.dtype) != spec.dtype.is_float() {
+        return Err(file_err(
+            file,
+            Some(tensor),
+            format!(
+                "dtype {} in the file, but the model's parameter `{name}` is {:?}",
+                entry.dtype, spec.dtype
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Which file and tensor each parameter comes from (parameter → (file, tensor)), checked

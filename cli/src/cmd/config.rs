@@ -417,6 +417,15 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
         eof: false,
     };
     let mut cfg = ConfigFile::default();
+    let gpu = ask_machines(&mut a, &mut cfg)?;
+    ask_processes(&mut a, &mut cfg, gpu)?;
+    ask_training(&mut a, &mut cfg)?;
+    Ok(cfg)
+}
+
+/// The machines: CPU or GPU, how many machines, and (for several) this one's rank and where rank
+/// 0 is. `true`: GPUs.
+fn ask_machines(a: &mut Asker<'_>, cfg: &mut ConfigFile) -> Result<bool> {
     let gpu_default = cuda_built() && gpus_seen() > 0;
     if !cuda_built() {
         a.say(
@@ -424,7 +433,7 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
         )?;
     }
     a.ask(
-        &mut cfg,
+        cfg,
         "use_cpu",
         "Compute environment (cpu, gpu)",
         Some(if gpu_default { "gpu" } else { "cpu" }),
@@ -437,9 +446,8 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
             Ok(())
         },
     )?;
-    let gpu = cfg.use_cpu == Some(false);
     a.ask(
-        &mut cfg,
+        cfg,
         "num_machines",
         "Number of machines",
         Some("1"),
@@ -451,7 +459,7 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
     let machines = cfg.num_machines.unwrap_or(1);
     if machines > 1 {
         a.ask(
-            &mut cfg,
+            cfg,
             "machine_rank",
             &format!("Rank of this machine (0 to {})", machines - 1),
             Some("0"),
@@ -461,7 +469,7 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
             },
         )?;
         a.ask(
-            &mut cfg,
+            cfg,
             "main_process_ip",
             "IP address of the machine running rank 0",
             None,
@@ -472,7 +480,7 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
         )?;
         let port = DEFAULT_MAIN_PROCESS_PORT.to_string();
         a.ask(
-            &mut cfg,
+            cfg,
             "main_process_port",
             "Port of the main process",
             Some(&port),
@@ -485,9 +493,14 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
             },
         )?;
     }
+    Ok(cfg.use_cpu == Some(false))
+}
+
+/// The processes of each machine, and which GPUs they use.
+fn ask_processes(a: &mut Asker<'_>, cfg: &mut ConfigFile, gpu: bool) -> Result<()> {
     let procs = default_num_processes(gpu).to_string();
     a.ask(
-        &mut cfg,
+        cfg,
         "num_processes",
         "Number of processes per machine",
         Some(&procs),
@@ -498,7 +511,7 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
     )?;
     if gpu {
         a.ask(
-            &mut cfg,
+            cfg,
             "gpu_ids",
             "GPU ids to use (`all` or a list such as 0,1)",
             Some("all"),
@@ -508,8 +521,13 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
             },
         )?;
     }
+    Ok(())
+}
+
+/// How training runs: precision, accumulation, the collective's timeout, the ZeRO stage.
+fn ask_training(a: &mut Asker<'_>, cfg: &mut ConfigFile) -> Result<()> {
     a.ask(
-        &mut cfg,
+        cfg,
         "mixed_precision",
         "Mixed precision (no, bf16, fp16)",
         Some("no"),
@@ -522,7 +540,7 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
         },
     )?;
     a.ask(
-        &mut cfg,
+        cfg,
         "gradient_accumulation_steps",
         "Gradient accumulation steps",
         Some("1"),
@@ -533,7 +551,7 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
     )?;
     let timeout = DEFAULT_COLLECTIVE_TIMEOUT_SECS.to_string();
     a.ask(
-        &mut cfg,
+        cfg,
         "collective_timeout_secs",
         "Collective timeout in seconds",
         Some(&timeout),
@@ -543,7 +561,7 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
         },
     )?;
     a.ask(
-        &mut cfg,
+        cfg,
         "zero_stage",
         "ZeRO stage (0 none, 1 optimizer state sharded, 2 and gradients, 3 and parameters)",
         Some("0"),
@@ -552,7 +570,7 @@ fn ask_all(input: &mut dyn BufRead, out: &mut dyn Write, echo: bool) -> Result<C
             Ok(())
         },
     )?;
-    Ok(cfg)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -87,6 +87,17 @@ fn cuda_line() -> &'static str {
 
 /// The report, from the environment `vars` and an explicit config file.
 pub(crate) fn report(vars: &BTreeMap<String, String>, config_file: Option<&Path>) -> String {
+    let mut out = String::from(
+        "## accelerate-rs environment\n\nCopy and paste the text below into your bug report.\n\n",
+    );
+    write_build_and_machine(&mut out);
+    write_config_file(&mut out, vars, config_file);
+    write_variables(&mut out, vars);
+    out
+}
+
+/// Versions, build, CUDA, GPUs, OS and CPUs.
+fn write_build_and_machine(out: &mut String) {
     let gpus = if cuda_built() {
         gpus_seen().to_string()
     } else {
@@ -94,9 +105,6 @@ pub(crate) fn report(vars: &BTreeMap<String, String>, config_file: Option<&Path>
     };
     let cpus = std::thread::available_parallelism()
         .map_or_else(|e| format!("unknown ({e})"), |n| n.get().to_string());
-    let mut out = String::from(
-        "## accelerate-rs environment\n\nCopy and paste the text below into your bug report.\n\n",
-    );
     for (k, v) in [
         (
             "accelerate-rs version",
@@ -130,7 +138,14 @@ pub(crate) fn report(vars: &BTreeMap<String, String>, config_file: Option<&Path>
     ] {
         let _ = writeln!(out, "- {k}: {v}");
     }
+}
 
+/// Which config file is in force, where from, and its contents or why it is invalid.
+fn write_config_file(
+    out: &mut String,
+    vars: &BTreeMap<String, String>,
+    config_file: Option<&Path>,
+) {
     let getenv = |k: &str| vars.get(k).cloned();
     match ConfigFile::locate(config_file, &getenv) {
         None => {
@@ -169,7 +184,10 @@ pub(crate) fn report(vars: &BTreeMap<String, String>, config_file: Option<&Path>
             }
         }
     }
+}
 
+/// The relevant environment variables set (secrets as `(set)`).
+fn write_variables(out: &mut String, vars: &BTreeMap<String, String>) {
     let mut names: Vec<&str> = RELEVANT
         .iter()
         .copied()
@@ -196,7 +214,6 @@ pub(crate) fn report(vars: &BTreeMap<String, String>, config_file: Option<&Path>
             let _ = writeln!(out, "    - {k}: {v}");
         }
     }
-    out
 }
 
 #[cfg(test)]

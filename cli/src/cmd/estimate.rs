@@ -124,15 +124,62 @@ fn grouped(n: u64) -> String {
     out
 }
 
+/// One row of the table: a precision and a ZeRO stage, the plan without and with checkpointing.
+type Row = (Precision, usize, Estimate, Estimate);
+
 /// The whole report (a function of the arguments and the model, for tests).
 fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<String> {
     if args.world_size == 0 {
         return Err(Error::invalid("--world-size", "must be at least 1"));
     }
-    let arch = model.architecture.as_ref();
-    let seq_len = args
-        .seq_len
-        .unwrap_or_else(|| arch.map_or(2048, |a| a.max_positions.min(2048)));
+    let base = base_plan(args, model);
+    let rows = estimate_rows(args, model, &base)?;
+    let mut out = String::new();
+    write_model(&mut out, args, model);
+    write_per_rank(&mut out, args, &base, &rows);
+    write_table(&mut out, args, &rows);
+    write_notes(&mut out, args, base.optimizer);
+    Ok(out)
+}
+
+/// The plan the flags describe, before a precision and a stage are chosen: fp32, stage 0.
+fn base_plan(args: &EstimateArgs, model: &ModelSpec) -> Plan {
+    let seq_len = args.seq_len.unwrap_or_else(|| {
+        model
+            .architecture
+            .as_ref()
+            .map_or(2048, |a| a.max_positions.min(2048))
+    });
+    let optimizer = match args.optimizer {
+        Opt::Adamw => OptimizerKind::AdamW,
+        Opt::SgdMomentum => OptimizerKind::SgdMomentum,
+        Opt::Sgd => OptimizerKind::Sgd,
+    };
+    let lora = args.lora_r.map(|r| Lora {
+        r,
+        targets: args.lora_targets.clone(),
+    });
+    Plan {
+        precision: MixedPrecision::No,
+        zero_stage: 0,
+        world_size: args.world_size,
+        optimizer,
+        lora,
+        batch_size: args.batch_size,
+        seq_len,
+        checkpointing: false,
+        fused_head: !args.composed_head,
+        offload_optimizer: args.offload_optimizer,
+    }
+}
+
+/// One row per precision and stage the flags ask for (the defaults when they ask for none):
+/// the plan without and with checkpointing.
+fn estimate_rows(
+    args: &EstimateArgs,
+    model: &ModelSpec,
+    base: &Plan,
+) -> accelerate_rs::Result<Vec<Row>> {
     let precisions = if args.precision.is_empty() {
         vec![Precision::Fp32, Precision::Bf16, Precision::Fp16]
     } else {
@@ -147,20 +194,33 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
     } else {
         vec![0]
     };
-    let optimizer = match args.optimizer {
-        Opt::Adamw => OptimizerKind::AdamW,
-        Opt::SgdMomentum => OptimizerKind::SgdMomentum,
-        Opt::Sgd => OptimizerKind::Sgd,
+    let run = |plan: &Plan| match args.load_in_4bit {
+        true => estimate_4bit(model, plan, 64, true),
+        false => estimate(model, plan),
     };
-    let lora = args.lora_r.map(|r| Lora {
-        r,
-        targets: args.lora_targets.clone(),
-    });
+    let mut rows = Vec::new();
+    for &p in &precisions {
+        for &s in &stages {
+            let plan = Plan {
+                precision: p.mode(),
+                zero_stage: s,
+                ..base.clone()
+            };
+            let plain = run(&plan)?;
+            let ckpt = run(&Plan {
+                checkpointing: true,
+                ..plan
+            })?;
+            rows.push((p, s, plain, ckpt));
+        }
+    }
+    Ok(rows)
+}
 
-    let mut out = String::new();
-    let w = &mut out;
+/// The model's lines: its architecture (or why it is unknown) and its parameter count.
+fn write_model(w: &mut String, args: &EstimateArgs, model: &ModelSpec) {
     let _ = writeln!(w, "Model: {}", args.model.display());
-    match arch {
+    match &model.architecture {
         Some(a) => {
             let _ = writeln!(
                 w,
@@ -211,44 +271,12 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
         params as f64 / 1e9,
         from
     );
+}
 
-    let base = Plan {
-        precision: MixedPrecision::No,
-        zero_stage: 0,
-        world_size: args.world_size,
-        optimizer,
-        lora,
-        batch_size: args.batch_size,
-        seq_len,
-        checkpointing: false,
-        fused_head: !args.composed_head,
-        offload_optimizer: args.offload_optimizer,
-    };
-    // One row per precision and stage: the plan without and with checkpointing.
-    let mut rows: Vec<(Precision, usize, Estimate, Estimate)> = Vec::new();
-    for &p in &precisions {
-        for &s in &stages {
-            let plan = Plan {
-                precision: p.mode(),
-                zero_stage: s,
-                ..base.clone()
-            };
-            let run = |plan: &Plan| match args.load_in_4bit {
-                true => estimate_4bit(model, plan, 64, true),
-                false => estimate(model, plan),
-            };
-            let plain = run(&plan)?;
-            let ckpt = run(&Plan {
-                checkpointing: true,
-                ..plan
-            })?;
-            rows.push((p, s, plain, ckpt));
-        }
-    }
-    let first = &rows[0].2;
-    let training = match &base.lora {
-        None => "full fine-tuning".to_string(),
-        Some(l) => format!(
+/// The per-rank line: processes, optimizer, what is trained, batch.
+fn write_per_rank(w: &mut String, args: &EstimateArgs, base: &Plan, rows: &[Row]) {
+    let training = match (&base.lora, rows.first()) {
+        (Some(l), Some((_, _, first, _))) => format!(
             "LoRA r={} on {} Linear layers: {} trainable parameters, {} frozen{}",
             l.r,
             first.lora_layers,
@@ -260,17 +288,22 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
                 ""
             }
         ),
+        _ => "full fine-tuning".to_string(),
     };
     let _ = writeln!(
         w,
         "\nPer rank: {} process{}, {}, {}; batch {} x {} tokens per rank",
         args.world_size,
         if args.world_size == 1 { "" } else { "es" },
-        optimizer.name(),
+        base.optimizer.name(),
         training,
         args.batch_size,
-        seq_len
+        base.seq_len
     );
+}
+
+/// The table: one line per row, sizes right-aligned under a header and a rule.
+fn write_table(w: &mut String, args: &EstimateArgs, rows: &[Row]) {
     let mut head = vec![
         "precision",
         "ZeRO",
@@ -298,7 +331,7 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
             format!("{} + activations", size(e.total()))
         }
     };
-    for (p, s, plain, ckpt) in &rows {
+    for (p, s, plain, ckpt) in rows {
         let mut row = vec![
             p.label().to_string(),
             s.to_string(),
@@ -342,6 +375,10 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
             let _ = writeln!(w, "|-{}-|", rule.join("-|-"));
         }
     }
+}
+
+/// What is counted and what is not, wrapped.
+fn write_notes(w: &mut String, args: &EstimateArgs, optimizer: OptimizerKind) {
     let counted = format!(
         "Counted: parameters (bf16/fp16: the working copies; LoRA: the frozen base in the compute dtype plus the adapters; --load-in-4bit: its Linear layers in 4 bits, half a byte a weight plus the double-quantized scales, and the largest of them dequantized in the compute dtype), gradients of the trainable parameters (mixed precision: the half-precision ones and their f32 copies), {} state, f32 masters, and activations: what the backward pass keeps per block as accelerate-rs's nn layers keep it (attention weights of heads x sequence length included: no flash attention), the logits, and the backward pass's working set ({}); \"ckpt\": every block checkpointed (nn::checkpoint). ZeRO as accelerate-rs implements it: stage 1 shards the optimizer state over the ranks, stage 2 also the averaged gradients, stage 3 also the parameters (f32 masters under mixed precision), with the embeddings and head gathered for the whole step, about two blocks gathered at a time and every block recomputed (its \"activations\" are the checkpointed ones; LoRA: the frozen base sharded, the adapters whole on every rank).",
         optimizer.name(),
@@ -356,7 +393,6 @@ fn report(args: &EstimateArgs, model: &ModelSpec) -> accelerate_rs::Result<Strin
     for n in NOT_COUNTED {
         let _ = writeln!(w, "  - {}", wrap(n, 96, "    "));
     }
-    Ok(out)
 }
 
 /// `text` broken into lines of at most `width` characters at spaces, continuation lines

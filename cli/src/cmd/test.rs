@@ -183,56 +183,104 @@ fn check_batch_size_search(acc: &Accelerator) -> Result<Outcome> {
     )?))
 }
 
+/// The shapes of the parameters the fused-optimizer check steps.
+const FUSED_SHAPES: [&[usize]; 3] = [&[300, 257], &[300], &[7, 13]];
+
 /// 100 AdamW steps and 50 SGD (momentum, Nesterov, weight decay) steps on this rank's device,
 /// fused and unfused, from the same start with the same gradients: the results must agree.
 fn check_fused_optimizers(acc: &Accelerator) -> Result<Outcome> {
-    use accelerate_rs::optim::{cuda_kernel_launches, AdamW};
+    use accelerate_rs::optim::cuda_kernel_launches;
     let device = acc.device();
     let launched_before = cuda_kernel_launches();
-    let shapes: [&[usize]; 3] = [&[300, 257], &[300], &[7, 13]];
-    let start = |k: usize| -> Result<Vec<Var>> {
-        shapes
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                let n: usize = s.iter().product();
-                let v: Vec<f32> = (0..n).map(|j| value(i + k, j) as f32 * 0.1).collect();
-                Ok(Var::from_tensor(&Tensor::from_vec(v, *s, device)?)?)
-            })
-            .collect()
-    };
-    let grads = |vars: &[Var], step: usize| -> Result<candle_core::backprop::GradStore> {
-        let mut g = candle_core::backprop::GradStore::default();
-        for (i, v) in vars.iter().enumerate() {
-            let n = v.elem_count();
-            let x: Vec<f32> = (0..n)
-                .map(|j| value(step + i, j * 7 + step) as f32 * 0.01)
-                .collect();
-            g.insert(v.as_tensor(), Tensor::from_vec(x, v.shape(), device)?);
+    let shapes = FUSED_SHAPES;
+    fused_matches_unfused(device, &shapes)?;
+    if !device.is_cuda() {
+        return Ok(Outcome::Passed);
+    }
+    let mut half_report = String::new();
+    // bf16 and f16: the CUDA kernels against the CPU's fused kernels (the same f32 arithmetic
+    // and rounding), 20 AdamW and 20 SGD steps from the same start.
+    for (dtype, tol) in [(DType::BF16, 1e-2f32), (DType::F16, 2e-3)] {
+        let d = half_precision_steps(device, dtype, &shapes)?;
+        if d > tol {
+            return Err(fail(format!(
+                "{dtype:?}: the fused CUDA kernels and the CPU's differ by {d} (tolerance {tol})"
+            )));
         }
-        Ok(g)
-    };
-    let diff = |a: &[Var], b: &[Var]| -> Result<f32> {
-        let mut d = 0f32;
-        for (x, y) in a.iter().zip(b) {
-            let m = (x.as_tensor() - y.as_tensor())?
-                .abs()?
-                .flatten_all()?
-                .max(0)?
-                .to_scalar::<f32>()?;
-            d = d.max(m);
-        }
-        Ok(d)
-    };
-    let (a, b) = (start(0)?, start(0)?);
+        half_report.push_str(&format!(", {dtype:?} vs CPU max diff {d}"));
+    }
+    // Both sides agreeing proves nothing if the fused side fell back to tensor ops.
+    let launched = cuda_kernel_launches() - launched_before;
+    let want = (100 + 50 + 2 * (20 + 20)) * shapes.len() as u64;
+    if launched < want {
+        return Err(fail(format!(
+            "the fused CUDA kernels did not run: {launched} launches for {want} parameter updates (see the warning above: NVRTC or module loading failed)"
+        )));
+    }
+    Ok(Outcome::PassedVia(format!(
+        "{launched} fused CUDA kernel launches{half_report}"
+    )))
+}
+
+/// Parameters of `shapes` on `device` (`k` picks the values).
+fn fused_start(device: &Device, shapes: &[&[usize]], k: usize) -> Result<Vec<Var>> {
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let n: usize = s.iter().product();
+            let v: Vec<f32> = (0..n).map(|j| value(i + k, j) as f32 * 0.1).collect();
+            Ok(Var::from_tensor(&Tensor::from_vec(v, *s, device)?)?)
+        })
+        .collect()
+}
+
+/// The gradients of step `step` for `vars`, the same for every optimizer compared.
+fn fused_grads(
+    vars: &[Var],
+    step: usize,
+    device: &Device,
+) -> Result<candle_core::backprop::GradStore> {
+    let mut g = candle_core::backprop::GradStore::default();
+    for (i, v) in vars.iter().enumerate() {
+        let n = v.elem_count();
+        let x: Vec<f32> = (0..n)
+            .map(|j| value(step + i, j * 7 + step) as f32 * 0.01)
+            .collect();
+        g.insert(v.as_tensor(), Tensor::from_vec(x, v.shape(), device)?);
+    }
+    Ok(g)
+}
+
+/// The largest difference between two sets of parameters.
+fn max_diff(a: &[Var], b: &[Var]) -> Result<f32> {
+    let mut d = 0f32;
+    for (x, y) in a.iter().zip(b) {
+        let m = (x.as_tensor() - y.as_tensor())?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        d = d.max(m);
+    }
+    Ok(d)
+}
+
+/// 100 AdamW and 50 SGD steps, fused and unfused, on `device`: within 1e-5 of each other.
+fn fused_matches_unfused(device: &Device, shapes: &[&[usize]]) -> Result<()> {
+    use accelerate_rs::optim::AdamW;
+    let (a, b) = (
+        fused_start(device, shapes, 0)?,
+        fused_start(device, shapes, 0)?,
+    );
     let mut fused = AdamW::new_lr(a.clone(), 1e-2)?;
     let mut chain = AdamW::new_lr(b.clone(), 1e-2)?;
     chain.set_fused(false);
     for step in 0..100 {
-        fused.step(&grads(&a, step)?)?;
-        chain.step(&grads(&b, step)?)?;
+        fused.step(&fused_grads(&a, step, device)?)?;
+        chain.step(&fused_grads(&b, step, device)?)?;
     }
-    let d = diff(&a, &b)?;
+    let d = max_diff(&a, &b)?;
     if d > 1e-5 {
         return Err(fail(format!(
             "AdamW on {device:?}: fused and unfused differ by {d} after 100 steps"
@@ -242,46 +290,24 @@ fn check_fused_optimizers(acc: &Accelerator) -> Result<Outcome> {
         .momentum(0.9)
         .nesterov(true)
         .weight_decay(1e-3);
-    let (a, b) = (start(1)?, start(1)?);
+    let (a, b) = (
+        fused_start(device, shapes, 1)?,
+        fused_start(device, shapes, 1)?,
+    );
     let mut fused = Sgd::new(a.clone(), config.clone())?;
     let mut chain = Sgd::new(b.clone(), config)?;
     chain.set_fused(false);
     for step in 0..50 {
-        fused.step(&grads(&a, step)?)?;
-        chain.step(&grads(&b, step)?)?;
+        fused.step(&fused_grads(&a, step, device)?)?;
+        chain.step(&fused_grads(&b, step, device)?)?;
     }
-    let d = diff(&a, &b)?;
+    let d = max_diff(&a, &b)?;
     if d > 1e-5 {
         return Err(fail(format!(
             "Sgd on {device:?}: fused and unfused differ by {d} after 50 steps"
         )));
     }
-    let mut half_report = String::new();
-    if device.is_cuda() {
-        // bf16 and f16: the CUDA kernels against the CPU's fused kernels (the same f32
-        // arithmetic and rounding), 20 AdamW and 20 SGD steps from the same start.
-        for (dtype, tol) in [(DType::BF16, 1e-2f32), (DType::F16, 2e-3)] {
-            let d = half_precision_steps(device, dtype, &shapes)?;
-            if d > tol {
-                return Err(fail(format!(
-                    "{dtype:?}: the fused CUDA kernels and the CPU's differ by {d} (tolerance {tol})"
-                )));
-            }
-            half_report.push_str(&format!(", {dtype:?} vs CPU max diff {d}"));
-        }
-        // Both sides agreeing proves nothing if the fused side fell back to tensor ops.
-        let launched = cuda_kernel_launches() - launched_before;
-        let want = (100 + 50 + 2 * (20 + 20)) * shapes.len() as u64;
-        if launched < want {
-            return Err(fail(format!(
-                "the fused CUDA kernels did not run: {launched} launches for {want} parameter updates (see the warning above: NVRTC or module loading failed)"
-            )));
-        }
-        return Ok(Outcome::PassedVia(format!(
-            "{launched} fused CUDA kernel launches{half_report}"
-        )));
-    }
-    Ok(Outcome::Passed)
+    Ok(())
 }
 
 /// 20 AdamW and 20 SGD (momentum, Nesterov, weight decay) steps in `dtype` with the fused kernels
@@ -518,94 +544,14 @@ fn check_gpu_tensors(acc: &Accelerator) -> Result<Outcome> {
         Some(one) => one,
         None => acc.collective().as_ref(),
     };
-    let (rank, n) = (c.rank(), c.world_size());
     let dtypes = [DType::F32, DType::BF16, DType::F16];
-    // One NCCL call per all_reduce below, plus a broadcast, all_gather, reduce_scatter and
+    // One NCCL call per all_reduce, plus a broadcast, all_gather, reduce_scatter and
     // all_gather_into.
     let mut calls_per_dtype = 0;
     for dtype in dtypes {
-        let t = Tensor::new(&[rank as f32 + 1.0; 5], device)?.to_dtype(dtype)?;
-        let sum: f32 = (1..=n).map(|r| r as f32).sum();
-        let reductions = [
-            (ReduceOp::Sum, sum),
-            (ReduceOp::Mean, sum / n as f32),
-            (ReduceOp::Max, n as f32),
-            (ReduceOp::Min, 1.0),
-        ];
-        calls_per_dtype = reductions.len() as u64 + 4;
-        for (op, want) in reductions {
-            let out = c.all_reduce_tensor(&t, op)?;
-            let got = out.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            if !out.device().is_cuda()
-                || got
-                    .iter()
-                    .any(|g| (g - want).abs() > 1e-2 * want.abs().max(1.0))
-            {
-                return Err(fail(format!(
-                    "all_reduce {dtype:?} {op:?}: got {got:?} on {:?}, want {want} on the GPU",
-                    out.device()
-                )));
-            }
-        }
-        let b = c.broadcast_tensor(
-            &Tensor::new(&[rank as f32 + 7.0; 3], device)?.to_dtype(dtype)?,
-            0,
-        )?;
-        let got = b.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        if got != vec![7.0; 3] || !b.device().is_cuda() {
-            return Err(fail(format!(
-                "broadcast {dtype:?} from rank 0: got {got:?} on {:?}",
-                b.device()
-            )));
-        }
-        let rows = Tensor::full(rank as f32, (rank + 1, 2), device)?.to_dtype(dtype)?;
-        let g = c.all_gather_tensor(&rows)?;
-        let want: Vec<f32> = (0..n)
-            .flat_map(|r| std::iter::repeat_n(r as f32, 2 * (r + 1)))
-            .collect();
-        let got = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        if g.dims() != [want.len() / 2, 2] || got != want || !g.device().is_cuda() {
-            return Err(fail(format!(
-                "all_gather {dtype:?}: got {:?} {got:?} on {:?}, want {want:?}",
-                g.dims(),
-                g.device()
-            )));
-        }
-        // ZeRO's pair on an odd length: element i is (rank + 1) * (i + 1) on every rank.
-        let len = 7;
-        let x: Vec<f32> = (0..len).map(|i| ((rank + 1) * (i + 1)) as f32).collect();
-        let x = Tensor::new(x.as_slice(), device)?.to_dtype(dtype)?;
-        let mine = c.reduce_scatter_tensor(&x, ReduceOp::Sum)?;
-        let own = accelerate_rs::collective::chunk_range(len, n, rank);
-        let total: usize = (1..=n).sum();
-        let want: Vec<f32> = own.clone().map(|i| (total * (i + 1)) as f32).collect();
-        let got = mine.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        if got != want || !mine.device().is_cuda() {
-            return Err(fail(format!(
-                "reduce_scatter {dtype:?} of {len} elements: rank {rank} got {got:?} on {:?}, want {want:?}",
-                mine.device()
-            )));
-        }
-        // Each rank fills its own chunk with its rank (the rest is garbage the gather replaces).
-        let mut v = vec![-1f32; len];
-        for e in &mut v[own] {
-            *e = rank as f32;
-        }
-        let all = c.all_gather_into_tensor(&Tensor::new(v.as_slice(), device)?.to_dtype(dtype)?)?;
-        let want: Vec<f32> = (0..len)
-            .map(|i| {
-                (0..n)
-                    .find(|&r| accelerate_rs::collective::chunk_range(len, n, r).contains(&i))
-                    .unwrap_or(usize::MAX) as f32
-            })
-            .collect();
-        let got = all.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        if got != want || !all.device().is_cuda() {
-            return Err(fail(format!(
-                "all_gather_into {dtype:?} of {len} elements: got {got:?} on {:?}, want {want:?}",
-                all.device()
-            )));
-        }
+        calls_per_dtype = gpu_all_reduces(c, device, dtype)? + 4;
+        gpu_broadcast_and_gather(c, device, dtype)?;
+        gpu_zero_pair(c, device, dtype)?;
     }
     if let Some(own) = &own {
         let calls = own.nccl_calls();
@@ -620,6 +566,105 @@ fn check_gpu_tensors(acc: &Accelerator) -> Result<Outcome> {
         )));
     }
     Ok(Outcome::PassedVia(format!("through {}", c.backend())))
+}
+
+/// Every reduction of GPU tensors of `dtype` through `c`, checked; returns how many calls.
+fn gpu_all_reduces(c: &dyn Collective, device: &Device, dtype: DType) -> Result<u64> {
+    let (rank, n) = (c.rank(), c.world_size());
+    let t = Tensor::new(&[rank as f32 + 1.0; 5], device)?.to_dtype(dtype)?;
+    let sum: f32 = (1..=n).map(|r| r as f32).sum();
+    let reductions = [
+        (ReduceOp::Sum, sum),
+        (ReduceOp::Mean, sum / n as f32),
+        (ReduceOp::Max, n as f32),
+        (ReduceOp::Min, 1.0),
+    ];
+    for (op, want) in reductions {
+        let out = c.all_reduce_tensor(&t, op)?;
+        let got = out.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        if !out.device().is_cuda()
+            || got
+                .iter()
+                .any(|g| (g - want).abs() > 1e-2 * want.abs().max(1.0))
+        {
+            return Err(fail(format!(
+                "all_reduce {dtype:?} {op:?}: got {got:?} on {:?}, want {want} on the GPU",
+                out.device()
+            )));
+        }
+    }
+    Ok(reductions.len() as u64)
+}
+
+/// A broadcast from rank 0 and an all_gather of rows of different counts, on the GPU, checked.
+fn gpu_broadcast_and_gather(c: &dyn Collective, device: &Device, dtype: DType) -> Result<()> {
+    let (rank, n) = (c.rank(), c.world_size());
+    let b = c.broadcast_tensor(
+        &Tensor::new(&[rank as f32 + 7.0; 3], device)?.to_dtype(dtype)?,
+        0,
+    )?;
+    let got = b.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    if got != vec![7.0; 3] || !b.device().is_cuda() {
+        return Err(fail(format!(
+            "broadcast {dtype:?} from rank 0: got {got:?} on {:?}",
+            b.device()
+        )));
+    }
+    let rows = Tensor::full(rank as f32, (rank + 1, 2), device)?.to_dtype(dtype)?;
+    let g = c.all_gather_tensor(&rows)?;
+    let want: Vec<f32> = (0..n)
+        .flat_map(|r| std::iter::repeat_n(r as f32, 2 * (r + 1)))
+        .collect();
+    let got = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    if g.dims() != [want.len() / 2, 2] || got != want || !g.device().is_cuda() {
+        return Err(fail(format!(
+            "all_gather {dtype:?}: got {:?} {got:?} on {:?}, want {want:?}",
+            g.dims(),
+            g.device()
+        )));
+    }
+    Ok(())
+}
+
+/// ZeRO's pair (reduce_scatter, then all_gather_into) on an odd length, on the GPU, checked.
+fn gpu_zero_pair(c: &dyn Collective, device: &Device, dtype: DType) -> Result<()> {
+    let (rank, n) = (c.rank(), c.world_size());
+    // ZeRO's pair on an odd length: element i is (rank + 1) * (i + 1) on every rank.
+    let len = 7;
+    let x: Vec<f32> = (0..len).map(|i| ((rank + 1) * (i + 1)) as f32).collect();
+    let x = Tensor::new(x.as_slice(), device)?.to_dtype(dtype)?;
+    let mine = c.reduce_scatter_tensor(&x, ReduceOp::Sum)?;
+    let own = accelerate_rs::collective::chunk_range(len, n, rank);
+    let total: usize = (1..=n).sum();
+    let want: Vec<f32> = own.clone().map(|i| (total * (i + 1)) as f32).collect();
+    let got = mine.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    if got != want || !mine.device().is_cuda() {
+        return Err(fail(format!(
+            "reduce_scatter {dtype:?} of {len} elements: rank {rank} got {got:?} on {:?}, want {want:?}",
+            mine.device()
+        )));
+    }
+    // Each rank fills its own chunk with its rank (the rest is garbage the gather replaces).
+    let mut v = vec![-1f32; len];
+    for e in &mut v[own] {
+        *e = rank as f32;
+    }
+    let all = c.all_gather_into_tensor(&Tensor::new(v.as_slice(), device)?.to_dtype(dtype)?)?;
+    let want: Vec<f32> = (0..len)
+        .map(|i| {
+            (0..n)
+                .find(|&r| accelerate_rs::collective::chunk_range(len, n, r).contains(&i))
+                .unwrap_or(usize::MAX) as f32
+        })
+        .collect();
+    let got = all.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    if got != want || !all.device().is_cuda() {
+        return Err(fail(format!(
+            "all_gather_into {dtype:?} of {len} elements: got {got:?} on {:?}, want {want:?}",
+            all.device()
+        )));
+    }
+    Ok(())
 }
 
 const B: usize = 4;

@@ -9,6 +9,7 @@ use accelerate_rs::env::CommonEnv;
 use accelerate_rs::{Error, Result};
 
 use super::options::{notice, LaunchOptions};
+use super::output::Tails;
 use super::plan::{env_spec, no_gpu_notice, plan, print_dry_run, reserve_port, Plan};
 use super::supervise::{self, Outcome};
 use super::workers;
@@ -40,22 +41,9 @@ use super::{blame, output, signals};
 pub fn launch(opts: &LaunchOptions) -> crate::Result<()> {
     let plan = plan(opts)?;
     if opts.dry_run {
-        let (port, _store) = reserve_port(opts, &plan)?;
-        let env = CommonEnv::new(&env_spec(opts, &plan, port, 0), |var| {
-            std::env::var_os(var).is_some()
-        });
-        print_dry_run(opts, &env, port, &plan.master_addr);
-        return Ok(());
+        return dry_run(opts, &plan);
     }
-    if let Some(msg) = no_gpu_notice(opts) {
-        notice(opts, &msg);
-    }
-    if let Some(dir) = &plan.log_dir {
-        notice(
-            opts,
-            &format!("writing each rank's output to {}", dir.display()),
-        );
-    }
+    announce(opts, &plan);
     let signals = signals::SignalWatch::install();
     let tick = opts.monitor_interval.max(Duration::from_millis(1));
     let mut attempt = 0;
@@ -73,37 +61,8 @@ pub fn launch(opts: &LaunchOptions) -> crate::Result<()> {
         );
         let outcome = run_group(opts, &plan, &env, store.as_ref(), attempt, &signals, tick)?;
         drop(store);
-        let (rank, pid, code, status) = match outcome {
-            Outcome::Success => return Ok(()),
-            Outcome::Failed {
-                rank,
-                pid,
-                code,
-                status,
-                ..
-            } => (rank, pid, code, status),
-            Outcome::Interrupted {
-                signo,
-                signal,
-                stopped,
-            } => {
-                eprintln!("accelerate-rs: received {signal}; stopped {stopped} worker(s)");
-                return Err(crate::Error::Interrupted {
-                    signal,
-                    code: 128 + signo,
-                    stopped,
-                });
-            }
-            Outcome::WaitFailed { rank, source } => {
-                return Err(Error::Io {
-                    context: format!(
-                        "launch: waiting for rank {rank} failed; stopped all workers of"
-                    ),
-                    path: opts.program.clone().into(),
-                    source,
-                }
-                .into())
-            }
+        let Some((rank, pid, code, status)) = failure_of(outcome, opts)? else {
+            return Ok(());
         };
         if attempt >= opts.max_restarts || signals.first().is_some() {
             if opts.max_restarts > 0 {
@@ -130,6 +89,69 @@ pub fn launch(opts: &LaunchOptions) -> crate::Result<()> {
     }
 }
 
+/// `--dry-run`: prints what the launch would run (a port reserved and let go), starts nothing.
+fn dry_run(opts: &LaunchOptions, plan: &Plan) -> crate::Result<()> {
+    let (port, _store) = reserve_port(opts, plan)?;
+    let env = CommonEnv::new(&env_spec(opts, plan, port, 0), |var| {
+        std::env::var_os(var).is_some()
+    });
+    print_dry_run(opts, &env, port, &plan.master_addr);
+    Ok(())
+}
+
+/// The notices before the first attempt: no GPU, where the output goes.
+fn announce(opts: &LaunchOptions, plan: &Plan) {
+    if let Some(msg) = no_gpu_notice(opts) {
+        notice(opts, &msg);
+    }
+    if let Some(dir) = &plan.log_dir {
+        notice(
+            opts,
+            &format!("writing each rank's output to {}", dir.display()),
+        );
+    }
+}
+
+/// A failed worker's rank, pid, exit code and status.
+type Failure = (usize, u32, i32, String);
+
+/// What an attempt's outcome means for the launch: `None` when every worker succeeded, the
+/// failure to restart after or report, or the error that ends the launch at once (interrupted,
+/// waiting failed).
+fn failure_of(outcome: Outcome, opts: &LaunchOptions) -> crate::Result<Option<Failure>> {
+    let failed = match outcome {
+        Outcome::Success => return Ok(None),
+        Outcome::Failed {
+            rank,
+            pid,
+            code,
+            status,
+            ..
+        } => (rank, pid, code, status),
+        Outcome::Interrupted {
+            signo,
+            signal,
+            stopped,
+        } => {
+            eprintln!("accelerate-rs: received {signal}; stopped {stopped} worker(s)");
+            return Err(crate::Error::Interrupted {
+                signal,
+                code: 128 + signo,
+                stopped,
+            });
+        }
+        Outcome::WaitFailed { rank, source } => {
+            return Err(Error::Io {
+                context: format!("launch: waiting for rank {rank} failed; stopped all workers of"),
+                path: opts.program.clone().into(),
+                source,
+            }
+            .into())
+        }
+    };
+    Ok(Some(failed))
+}
+
 /// Runs one attempt: starts the group, supervises it, reports a failure with its last lines.
 fn run_group(
     opts: &LaunchOptions,
@@ -140,6 +162,30 @@ fn run_group(
     signals: &signals::SignalWatch,
     tick: Duration,
 ) -> Result<Outcome> {
+    let mut output = start_output(opts, plan, env, attempt)?;
+    let (tx, rx) = channel();
+    let mut workers = Vec::with_capacity(opts.num_processes);
+    let spawned = workers::spawn_all(opts, env, store, &mut output, &tx, &mut workers);
+    if let Err(e) = spawned {
+        supervise::stop_all(&mut workers, &rx, signals, Duration::ZERO, tick);
+        output.finish(opts.grace_period);
+        return Err(e);
+    }
+    let mut outcome = supervise::supervise(&mut workers, &rx, signals, opts.grace_period, tick);
+    let tails = output.finish(opts.grace_period.max(Duration::from_secs(1)));
+    let first_note = blame_culprit(&mut outcome, &workers, &tails);
+    report_failure(&outcome, &tails, &first_note);
+    Ok(outcome)
+}
+
+/// The forwarder of the workers' output, writing each rank's to its log file too when the plan
+/// has a log folder (appending on a restart).
+fn start_output(
+    opts: &LaunchOptions,
+    plan: &Plan,
+    env: &CommonEnv,
+    attempt: usize,
+) -> Result<output::Forwarder> {
     let logs = match &plan.log_dir {
         Some(dir) => {
             let ranks = (0..opts.num_processes).map(|i| env.global_rank(i));
@@ -151,78 +197,80 @@ fn run_group(
         }
         None => Default::default(),
     };
-    let mut output = output::Forwarder::start(logs).map_err(|source| Error::Spawn {
+    output::Forwarder::start(logs).map_err(|source| Error::Spawn {
         rank: env.global_rank(0),
         program: opts.program.clone(),
         source,
-    })?;
-    let (tx, rx) = channel();
-    let mut workers = Vec::with_capacity(opts.num_processes);
-    let spawned = workers::spawn_all(opts, env, store, &mut output, &tx, &mut workers);
-    if let Err(e) = spawned {
-        supervise::stop_all(&mut workers, &rx, signals, Duration::ZERO, tick);
-        output.finish(opts.grace_period);
-        return Err(e);
-    }
-    let mut outcome = supervise::supervise(&mut workers, &rx, signals, opts.grace_period, tick);
-    let tails = output.finish(opts.grace_period.max(Duration::from_secs(1)));
-    // The rank seen failing first may have failed because of another one: blame the rank whose
-    // own output shows the real error.
-    let mut first_note = String::new();
-    if let Outcome::Failed {
+    })
+}
+
+/// The rank seen failing first may have failed because of another one: puts the rank whose own
+/// output shows the real error in `outcome`, and returns the note saying so (empty when the
+/// first rank is the culprit).
+fn blame_culprit(outcome: &mut Outcome, workers: &[workers::Worker], tails: &Tails) -> String {
+    let Outcome::Failed {
         rank,
         pid,
         code,
         status,
         ..
-    } = &mut outcome
-    {
-        let failed: Vec<usize> = workers
-            .iter()
-            .filter(|w| matches!(&w.status, Some(Ok(s)) if !s.success()))
-            .map(|w| w.rank)
-            .collect();
-        let culprit = blame::blame(*rank, &failed, &tails);
-        if culprit != *rank {
-            if let Some(w) = workers.iter().find(|w| w.rank == culprit) {
-                if let Some(Ok(s)) = &w.status {
-                    let (c, st) = workers::describe(*s);
-                    first_note = format!(
-                        "accelerate-rs: (rank {rank} exited first, {status}, because its collective with the others failed)\n"
-                    );
-                    *rank = culprit;
-                    *pid = w.pid();
-                    *code = c;
-                    *status = st;
-                }
-            }
-        }
+    } = outcome
+    else {
+        return String::new();
+    };
+    let failed: Vec<usize> = workers
+        .iter()
+        .filter(|w| matches!(&w.status, Some(Ok(s)) if !s.success()))
+        .map(|w| w.rank)
+        .collect();
+    let culprit = blame::blame(*rank, &failed, tails);
+    if culprit == *rank {
+        return String::new();
     }
-    if let Outcome::Failed {
+    let Some(w) = workers.iter().find(|w| w.rank == culprit) else {
+        return String::new();
+    };
+    let Some(Ok(s)) = &w.status else {
+        return String::new();
+    };
+    let (c, st) = workers::describe(*s);
+    let note = format!(
+        "accelerate-rs: (rank {rank} exited first, {status}, because its collective with the others failed)\n"
+    );
+    *rank = culprit;
+    *pid = w.pid();
+    *code = c;
+    *status = st;
+    note
+}
+
+/// A failure's report on stderr: the rank, its status, and its last lines of output.
+fn report_failure(outcome: &Outcome, tails: &Tails, first_note: &str) {
+    let Outcome::Failed {
         rank,
         pid,
         status,
         stopped,
         ..
-    } = &outcome
-    {
-        let mut report = format!(
-            "accelerate-rs: rank {rank} (pid {pid}) {status}; stopped {stopped} other worker(s)\n{first_note}"
-        );
-        match tails.get(rank).filter(|t| !t.is_empty()) {
-            Some(tail) => {
-                report.push_str(&format!(
-                    "accelerate-rs: last {} line(s) of rank {rank}'s output:\n",
-                    tail.len()
-                ));
-                for line in tail {
-                    report.push_str(&format!("  [rank {rank}] {line}\n"));
-                }
+    } = outcome
+    else {
+        return;
+    };
+    let mut report = format!(
+        "accelerate-rs: rank {rank} (pid {pid}) {status}; stopped {stopped} other worker(s)\n{first_note}"
+    );
+    match tails.get(rank).filter(|t| !t.is_empty()) {
+        Some(tail) => {
+            report.push_str(&format!(
+                "accelerate-rs: last {} line(s) of rank {rank}'s output:\n",
+                tail.len()
+            ));
+            for line in tail {
+                report.push_str(&format!("  [rank {rank}] {line}\n"));
             }
-            None => report.push_str(&format!("accelerate-rs: rank {rank} printed nothing\n")),
         }
-        let mut err = std::io::stderr().lock();
-        let _ = err.write_all(report.as_bytes()).and_then(|()| err.flush());
+        None => report.push_str(&format!("accelerate-rs: rank {rank} printed nothing\n")),
     }
-    Ok(outcome)
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_all(report.as_bytes()).and_then(|()| err.flush());
 }

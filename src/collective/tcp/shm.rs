@@ -15,6 +15,8 @@
 //! and checks a random token; once all have mapped it (a TCP all-gather), rank 0 closes its file.
 //! The segment never has a name in the file system, so a crash at any moment leaves nothing
 //! behind: the memory goes with the last process that maps it.
+//! Agreeing on the transport and setting the segment up is `segment.rs`'s; this file owns the
+//! mapped segment ([`Shm`]) and the collectives through it.
 //!
 //! | offset | content |
 //! |---|---|
@@ -52,10 +54,6 @@
 //! while this rank is in a shared-memory one ([`Error::Mismatch`]). A rank that fails writes the
 //! abort word, so the ranks waiting on it fail at once instead of at their next socket check.
 
-use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -63,19 +61,18 @@ use memmap2::MmapRaw;
 
 use super::ring::Ring;
 use super::wire::OpHeader;
-use crate::collective::{finish_mean, reduce_into, reduce_last, Buffer, ElemType, ReduceOp};
+use crate::collective::{finish_mean, reduce_into, reduce_last, ElemType, ReduceOp};
 use crate::error::{Error, Result};
-use crate::settings::{env, Transport};
 
-const MAGIC: u64 = u64::from_le_bytes(*b"ACRSshm1");
+pub(super) const MAGIC: u64 = u64::from_le_bytes(*b"ACRSshm1");
 const PAGE: usize = 4096;
 /// Bytes of control per rank: `state` on its own cache line, then two 64-byte header lines.
 const CTRL_STRIDE: usize = 256;
 /// Offsets in the first page.
-const OFF_MAGIC: usize = 0;
-const OFF_TOKEN: usize = 8;
-const OFF_WORLD: usize = 16;
-const OFF_CAP: usize = 24;
+pub(super) const OFF_MAGIC: usize = 0;
+pub(super) const OFF_TOKEN: usize = 8;
+pub(super) const OFF_WORLD: usize = 16;
+pub(super) const OFF_CAP: usize = 24;
 const OFF_ABORT: usize = 64;
 
 /// Bytes of one slot (per rank, per buffer set): the chunk size, for up to 16 ranks.
@@ -127,7 +124,7 @@ impl std::fmt::Debug for Shm {
 }
 
 /// Slot size for `world` ranks: a multiple of the page size.
-fn slot_cap(world: usize) -> usize {
+pub(super) fn slot_cap(world: usize) -> usize {
     (SLOTS_BUDGET / (2 * world.max(1))).clamp(MIN_SLOT_CAP, SLOT_CAP) / PAGE * PAGE
 }
 
@@ -135,305 +132,8 @@ fn data_offset(world: usize) -> usize {
     (PAGE + world * CTRL_STRIDE).div_ceil(PAGE) * PAGE
 }
 
-fn segment_len(world: usize, cap: usize) -> usize {
+pub(super) fn segment_len(world: usize, cap: usize) -> usize {
     data_offset(world) + 2 * world * cap
-}
-
-/// This host's identity: hostname and boot id (empty boot id when unknown).
-fn host_identity() -> (String, String) {
-    let mut name = [0u8; 256];
-    // SAFETY: `name` is valid for writes of `name.len()` bytes, the most gethostname writes.
-    let rc = unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) };
-    let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
-    let host = match rc {
-        0 => String::from_utf8(name[..end].to_vec()).unwrap_or_default(),
-        _ => String::new(),
-    };
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default();
-    (host, boot)
-}
-
-fn gather_strings(ring: &mut Ring, mine: &str) -> Result<Vec<String>> {
-    Ok(ring
-        .all_gather(Buffer::from(mine.as_bytes()))?
-        .iter()
-        .map(|b| String::from_utf8_lossy(b.bytes()).into_owned())
-        .collect())
-}
-
-/// Decides the transport with the other ranks and, for shared memory, sets up the segment.
-/// `Ok(None)`: use TCP.
-pub(crate) fn setup(ring: &mut Ring, mode: Transport) -> Result<Option<Shm>> {
-    let (rank, world) = (ring.rank, ring.world);
-    let (host, boot) = host_identity();
-    let infos = gather_strings(ring, &format!("{}\n{host}\n{boot}", mode.name()))?;
-    let mut modes = Vec::with_capacity(world);
-    let mut idents = Vec::with_capacity(world);
-    for (r, info) in infos.iter().enumerate() {
-        let mut parts = info.splitn(3, '\n');
-        let m = parts
-            .next()
-            .and_then(Transport::parse)
-            .ok_or_else(|| Error::Peer {
-                rank,
-                peer: r,
-                op: "connect".into(),
-                reason: format!("sent an invalid transport record {info:?}"),
-                source: None,
-            })?;
-        modes.push(m);
-        idents.push((
-            parts.next().unwrap_or("").to_string(),
-            parts.next().unwrap_or("").to_string(),
-        ));
-    }
-    let list = |f: &dyn Fn(usize) -> String| {
-        (0..world)
-            .map(|r| format!("rank {r}: {}", f(r)))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let wants_tcp = modes.contains(&Transport::Tcp);
-    let required = modes.contains(&Transport::Shm);
-    if wants_tcp && required {
-        return Err(Error::Env {
-            var: env::TRANSPORT.into(),
-            value: mode.name().into(),
-            reason: format!(
-                "ranks disagree on the transport ({}); set the same value everywhere",
-                list(&|r| modes[r].name().to_string())
-            ),
-        });
-    }
-    if wants_tcp {
-        return Ok(None);
-    }
-    let same_host = !idents[0].1.is_empty() && idents.iter().all(|i| *i == idents[0]);
-    if !same_host {
-        if required {
-            return Err(Error::Env {
-                var: env::TRANSPORT.into(),
-                value: "shm".into(),
-                reason: format!(
-                    "shared memory needs every rank on one host, but they are on several ({}); use `auto` or `tcp`",
-                    list(&|r| {
-                        let (h, b) = &idents[r];
-                        if b.is_empty() {
-                            format!("{h} (boot id unknown)")
-                        } else {
-                            format!("{h} (boot {})", b.get(..8).unwrap_or(b))
-                        }
-                    })
-                ),
-            });
-        }
-        return Ok(None);
-    }
-
-    // Rank 0 creates the segment; the others learn its name, size and token.
-    let cap = slot_cap(world);
-    let len = segment_len(world, cap);
-    // Rank 0 keeps its file open until every rank has opened its own.
-    let mut file0: Option<File> = None;
-    let mut created: Option<Shm> = None;
-    let mut offer = String::new();
-    if rank == 0 {
-        match create_segment(world, cap, len) {
-            Ok((file, map, token)) => {
-                offer = format!(
-                    "ok\n{token}\n/proc/{}/fd/{}",
-                    std::process::id(),
-                    file.as_raw_fd()
-                );
-                file0 = Some(file);
-                created = Some(Shm::new(map, rank, world, cap));
-            }
-            Err(reason) => offer = format!("err\n{reason}"),
-        }
-    }
-    let offers = gather_strings(ring, &offer)?;
-    let offer0 = offers.first().map(String::as_str).unwrap_or("");
-    let mut status = "ok".to_string();
-    let mut shm = None;
-    let mut where_ = String::new();
-    match offer0.split_once('\n') {
-        Some(("ok", rest)) => {
-            let (token, path) = rest.split_once('\n').unwrap_or(("", ""));
-            where_ = path.to_string();
-            if rank == 0 {
-                shm = created.take();
-            } else {
-                match open_segment(Path::new(path), token, world, cap, len) {
-                    Ok(map) => shm = Some(Shm::new(map, rank, world, cap)),
-                    Err(reason) => status = format!("err: {reason}"),
-                }
-            }
-        }
-        Some(("err", reason)) => status = format!("err: rank 0: {reason}"),
-        _ => status = format!("err: rank 0 sent an invalid offer {offer0:?}"),
-    }
-    // Everyone has mapped it (or failed to) once this returns: rank 0 closes its file.
-    let statuses = gather_strings(ring, &status)?;
-    drop(file0);
-    let failures: Vec<String> = statuses
-        .iter()
-        .enumerate()
-        .filter(|(_, s)| s.as_str() != "ok")
-        .map(|(r, s)| format!("rank {r}: {}", s.trim_start_matches("err: ")))
-        .collect();
-    if !failures.is_empty() {
-        let reason = format!(
-            "cannot set up the shared-memory transport ({})",
-            failures.join("; ")
-        );
-        if required {
-            return Err(Error::Rendezvous {
-                rank,
-                addr: where_,
-                reason,
-                source: None,
-            });
-        }
-        if rank == 0 {
-            log::warn!("{reason}; using TCP");
-        }
-        return Ok(None);
-    }
-    Ok(shm)
-}
-
-/// Creates, sizes, reserves and maps a new segment that has no name in the file system; returns
-/// its file (to share through `/proc/<pid>/fd`), the mapping and the token.
-fn create_segment(
-    world: usize,
-    cap: usize,
-    len: usize,
-) -> std::result::Result<(File, MmapRaw, u64), String> {
-    let token: u64 = rand::random::<u64>() | 1;
-    let file = anonymous_file()?;
-    let map = size_and_map(&file, len)
-        .map_err(|e| format!("cannot size or map a {len}-byte shared-memory segment: {e}"))?;
-    // SAFETY: the mapping is `len` bytes long and page aligned; the header words are 8-aligned
-    // and within the first page; no other process can reach the file yet.
-    unsafe {
-        let base = map.as_mut_ptr();
-        for (off, v) in [
-            (OFF_TOKEN, token),
-            (OFF_WORLD, world as u64),
-            (OFF_CAP, cap as u64),
-            (OFF_MAGIC, MAGIC),
-        ] {
-            (*(base.add(off) as *const AtomicU64)).store(v, Ordering::Release);
-        }
-    }
-    Ok((file, map, token))
-}
-
-/// A new, empty shared-memory file without a name: a memfd, else a file created under
-/// `/dev/shm` (or the temp dir) and unlinked at once.
-fn anonymous_file() -> std::result::Result<File, String> {
-    use std::os::fd::FromRawFd;
-    // SAFETY: the name is a valid NUL-terminated string and the flags are valid memfd flags;
-    // memfd_create only reads them.
-    let fd = unsafe { libc::memfd_create(c"accelerate-rs-shm".as_ptr(), libc::MFD_CLOEXEC) };
-    if fd >= 0 {
-        // SAFETY: `fd` is a new descriptor that nothing else owns.
-        return Ok(unsafe { File::from_raw_fd(fd) });
-    }
-    let memfd_err = std::io::Error::last_os_error();
-    let name = format!(
-        "accelerate-rs-{}-{:016x}",
-        std::process::id(),
-        rand::random::<u64>()
-    );
-    let mut last_err = format!("memfd_create failed: {memfd_err}");
-    for dir in [PathBuf::from("/dev/shm"), std::env::temp_dir()] {
-        if !dir.is_dir() {
-            continue;
-        }
-        let path = dir.join(&name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path);
-        match file {
-            Ok(f) => {
-                // Named for the moment between these two calls only.
-                if let Err(e) = std::fs::remove_file(&path) {
-                    last_err = format!("cannot unlink {}: {e}", path.display());
-                    continue;
-                }
-                return Ok(f);
-            }
-            Err(e) => last_err = format!("{last_err}; cannot create {}: {e}", path.display()),
-        }
-    }
-    Err(last_err)
-}
-
-fn size_and_map(file: &File, len: usize) -> std::io::Result<MmapRaw> {
-    file.set_len(len as u64)?;
-    // Reserve the pages now: on a full tmpfs, touching an unreserved page would be a SIGBUS.
-    // SAFETY: `file` is an open descriptor for the whole call; posix_fallocate touches no memory
-    // of ours.
-    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
-    match rc {
-        0 | libc::EOPNOTSUPP | libc::EINVAL => {}
-        e => return Err(std::io::Error::from_raw_os_error(e)),
-    }
-    MmapRaw::map_raw(file)
-}
-
-/// Opens and maps rank 0's segment and checks that it is the one rank 0 created.
-fn open_segment(
-    path: &Path,
-    token: &str,
-    world: usize,
-    cap: usize,
-    len: usize,
-) -> std::result::Result<MmapRaw, String> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(|e| {
-            format!(
-                "cannot open rank 0's segment {} (are the ranks in one PID namespace, run by one user?): {e}",
-                path.display()
-            )
-        })?;
-    let size = file
-        .metadata()
-        .map_err(|e| format!("cannot stat {}: {e}", path.display()))?
-        .len();
-    if size != len as u64 {
-        return Err(format!(
-            "{} is {size} bytes, expected {len}",
-            path.display()
-        ));
-    }
-    let map = MmapRaw::map_raw(&file).map_err(|e| format!("cannot map {}: {e}", path.display()))?;
-    let want: u64 = token.parse().map_err(|_| format!("bad token {token:?}"))?;
-    // SAFETY: the mapping is `len` bytes (checked above, more than one page) and page aligned;
-    // the header words are 8-aligned and every process accesses them atomically.
-    let word = |off: usize| unsafe {
-        (*(map.as_mut_ptr().add(off) as *const AtomicU64)).load(Ordering::Acquire)
-    };
-    if word(OFF_MAGIC) != MAGIC
-        || word(OFF_TOKEN) != want
-        || word(OFF_WORLD) != world as u64
-        || word(OFF_CAP) != cap as u64
-    {
-        return Err(format!(
-            "{} is not the segment rank 0 created (different PID namespaces?)",
-            path.display()
-        ));
-    }
-    Ok(map)
 }
 
 /// What one collective does with each chunk.
@@ -454,7 +154,7 @@ enum Kind {
 }
 
 impl Shm {
-    fn new(map: MmapRaw, rank: usize, world: usize, cap: usize) -> Self {
+    pub(super) fn new(map: MmapRaw, rank: usize, world: usize, cap: usize) -> Self {
         Shm {
             map,
             rank,
@@ -747,7 +447,8 @@ impl Shm {
         res
     }
 
-    /// One chunk of at most `cap` bytes.
+    /// One chunk of at most `cap` bytes: publish it, check that every rank does the same, then
+    /// combine the slots as `kind` says.
     #[allow(clippy::too_many_arguments)]
     fn chunk(
         &mut self,
@@ -760,25 +461,44 @@ impl Shm {
         offset: usize,
         chunk: &mut [u8],
     ) -> Result<()> {
-        let (me, n) = (self.rank, self.world);
-        // For the whole-buffer kinds: rank `r`'s share of this chunk, as a range within it.
-        let esize = elem.size();
-        let chunk_len = chunk.len();
-        let share_here = |r: usize, count: usize| {
-            let c = crate::collective::chunk_range(count, n, r);
-            let (a, b) = (c.start * esize, c.end * esize);
-            let (lo, hi) = (offset, offset + chunk_len);
-            a.clamp(lo, hi) - lo..b.clamp(lo, hi) - lo
-        };
         let g = self.gen;
         self.gen += 1;
         let set = (g % 2) as usize;
+        debug_assert!(chunk.len() <= self.cap);
+        self.publish(g, set, h, kind, chunk);
+        self.wait_all(ring, name, h, deadline, 2 * g + 1)?;
+        self.compare_headers(name, set, h)?;
         let len = chunk.len();
-        debug_assert!(len <= self.cap);
+        match kind {
+            Kind::Broadcast(root) => {
+                if root != self.rank {
+                    chunk.copy_from_slice(self.published(root, set, 0..len, len));
+                }
+                Ok(())
+            }
+            Kind::ReduceDirect(rop) => self.reduce_direct_chunk(set, elem, rop, chunk),
+            Kind::ReduceScatter(rop) => {
+                self.reduce_scatter_chunk(ring, name, deadline, h, elem, rop, g, chunk)
+            }
+            Kind::ScatterReduce(rop, count) => {
+                let mine = self.share_in_chunk(self.rank, count, elem, offset, len);
+                self.scatter_reduce_chunk(set, elem, rop, mine, chunk)
+            }
+            Kind::GatherInto(count) => {
+                for r in (0..self.world).filter(|&r| r != self.rank) {
+                    let theirs = self.share_in_chunk(r, count, elem, offset, len);
+                    chunk[theirs.clone()].copy_from_slice(self.published(r, set, theirs, len));
+                }
+                Ok(())
+            }
+        }
+    }
 
-        // 1. Publish my chunk and header.
+    /// Step 1 of chunk `g`: my chunk (unless a broadcast's non-root) and header into set `set`,
+    /// then my state `2g + 1`.
+    fn publish(&self, g: u64, set: usize, h: &OpHeader, kind: Kind, chunk: &[u8]) {
         let contributes = match kind {
-            Kind::Broadcast(root) => root == me,
+            Kind::Broadcast(root) => root == self.rank,
             _ => true,
         };
         if contributes {
@@ -786,14 +506,23 @@ impl Shm {
             // `2g + 1` below, and every rank finished reading it (chunk `g - 2`) before it
             // published `2(g - 1) + 1`, which I waited for. `chunk` is ordinary memory of this
             // process, so the two ranges do not overlap.
-            unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), self.slot(me, set), len) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    chunk.as_ptr(),
+                    self.slot(self.rank, set),
+                    chunk.len(),
+                )
+            };
         }
         self.write_header(set, h);
-        self.state(me).store(2 * g + 1, Ordering::Release);
+        self.state(self.rank).store(2 * g + 1, Ordering::Release);
+    }
 
-        // 2. Wait for everyone and compare what they are doing.
-        self.wait_all(ring, name, h, deadline, 2 * g + 1)?;
-        for r in 0..n {
+    /// Step 2: every rank's header of set `set` equals mine (the same collective, sizes and
+    /// types), else a mismatch naming both calls.
+    fn compare_headers(&self, name: &str, set: usize, h: &OpHeader) -> Result<()> {
+        let me = self.rank;
+        for r in 0..self.world {
             let theirs = self.read_header(r, set);
             if theirs != *h {
                 return Err(Error::Mismatch {
@@ -807,101 +536,148 @@ impl Shm {
                 });
             }
         }
+        Ok(())
+    }
 
-        // 3. Combine.
-        let slot_ref = |r: usize, range: std::ops::Range<usize>| -> &[u8] {
-            debug_assert!(range.end <= len);
-            // SAFETY: `range` lies within the `len <= cap` bytes that rank `r` wrote into its
-            // slot of this set for chunk `g` (every rank's header, hence `len`, was compared
-            // above), and it published them (`2g + 1`, or `2g + 2` for reduced shares) before
-            // this rank read them. Slots of this set are only written again at chunk `g + 2`,
-            // after every rank, this one included, has published `2(g + 1) + 1`, i.e. after this
-            // rank is done with them. In this process, a shared slice of slot bytes never
-            // coexists with a mutable one of the same bytes.
-            unsafe { std::slice::from_raw_parts(self.slot(r, set).add(range.start), range.len()) }
-        };
-        match kind {
-            Kind::Broadcast(root) => {
-                if root != me {
-                    chunk.copy_from_slice(slot_ref(root, 0..len));
+    /// `range` of the bytes rank `r` published in its slot of set `set` for the current chunk
+    /// (`len` bytes long).
+    fn published(&self, r: usize, set: usize, range: std::ops::Range<usize>, len: usize) -> &[u8] {
+        debug_assert!(range.end <= len && len <= self.cap);
+        // SAFETY: `range` lies within the `len <= cap` bytes that rank `r` wrote into its slot of
+        // this set for the current chunk `g` (every rank's header, hence `len`, was compared
+        // before any caller reads), and it published them (`2g + 1`, or `2g + 2` for reduced
+        // shares) before this rank read them. Slots of this set are only written again at chunk
+        // `g + 2`, after every rank, this one included, has published `2(g + 1) + 1`, i.e. after
+        // this rank is done with them. In this process, a shared slice of slot bytes never
+        // coexists with a mutable one of the same bytes.
+        unsafe { std::slice::from_raw_parts(self.slot(r, set).add(range.start), range.len()) }
+    }
+
+    /// For the whole-buffer kinds: rank `r`'s share of a buffer of `count` elements, as a range
+    /// of bytes within the chunk of `len` bytes at byte `offset` (empty when outside it).
+    fn share_in_chunk(
+        &self,
+        r: usize,
+        count: usize,
+        elem: ElemType,
+        offset: usize,
+        len: usize,
+    ) -> std::ops::Range<usize> {
+        let esize = elem.size();
+        let c = crate::collective::chunk_range(count, self.world, r);
+        let (a, b) = (c.start * esize, c.end * esize);
+        let (lo, hi) = (offset, offset + len);
+        a.clamp(lo, hi) - lo..b.clamp(lo, hi) - lo
+    }
+
+    /// Step 3 of an all-reduce where every rank folds every slot, in rank order on every rank so
+    /// that the results are bit-identical.
+    fn reduce_direct_chunk(
+        &self,
+        set: usize,
+        elem: ElemType,
+        rop: ReduceOp,
+        chunk: &mut [u8],
+    ) -> Result<()> {
+        let (n, len) = (self.world, chunk.len());
+        if self.rank != 0 {
+            chunk.copy_from_slice(self.published(0, set, 0..len, len));
+        }
+        for r in 1..n {
+            reduce_into(
+                elem,
+                acc_op(rop),
+                chunk,
+                self.published(r, set, 0..len, len),
+            )?;
+        }
+        if rop == ReduceOp::Mean {
+            finish_mean(elem, chunk, n)?;
+        }
+        Ok(())
+    }
+
+    /// Step 3 of a reduce-scatter: my share (`mine`, within the chunk) reduced over every rank's
+    /// slot, in place.
+    fn scatter_reduce_chunk(
+        &self,
+        set: usize,
+        elem: ElemType,
+        rop: ReduceOp,
+        mine: std::ops::Range<usize>,
+        chunk: &mut [u8],
+    ) -> Result<()> {
+        let (me, n, len) = (self.rank, self.world, chunk.len());
+        let slot_ref = |r: usize, range: std::ops::Range<usize>| self.published(r, set, range, len);
+        let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
+        match others.split_last() {
+            Some((&last, rest)) => {
+                let dst = &mut chunk[mine.clone()];
+                for &r in rest {
+                    reduce_into(elem, acc_op(rop), dst, slot_ref(r, mine.clone()))?;
                 }
+                reduce_last(elem, rop, dst, slot_ref(last, mine.clone()), None, n)?;
             }
-            Kind::ScatterReduce(rop, count) => {
-                let mine = share_here(me, count);
-                let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
-                match others.split_last() {
-                    Some((&last, rest)) => {
-                        let dst = &mut chunk[mine.clone()];
-                        for &r in rest {
-                            reduce_into(elem, acc_op(rop), dst, slot_ref(r, mine.clone()))?;
-                        }
-                        reduce_last(elem, rop, dst, slot_ref(last, mine.clone()), None, n)?;
+            None if rop == ReduceOp::Mean => finish_mean(elem, &mut chunk[mine], n)?,
+            None => {}
+        }
+        Ok(())
+    }
+
+    /// Step 3 of an all-reduce by reduce-scatter: reduce my share into my own slot, publish
+    /// `2g + 2`, then copy every other rank's reduced share out as it is published.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter_chunk(
+        &self,
+        ring: &Ring,
+        name: &str,
+        deadline: Instant,
+        h: &OpHeader,
+        elem: ElemType,
+        rop: ReduceOp,
+        g: u64,
+        chunk: &mut [u8],
+    ) -> Result<()> {
+        let (me, n, len) = (self.rank, self.world, chunk.len());
+        let set = (g % 2) as usize;
+        let slot_ref = |r: usize, range: std::ops::Range<usize>| self.published(r, set, range, len);
+        let esize = elem.size();
+        let count = len / esize;
+        let bound = |i: usize| (i * count / n) * esize;
+        let mine = bound(me)..bound(me + 1);
+        {
+            // SAFETY: only this rank touches share `me` of any slot of this set during this step
+            // (every rank reduces its own share), and the others read it from my slot only after
+            // I publish `2g + 2`.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(self.slot(me, set).add(mine.start), mine.len())
+            };
+            // The last peer's share, the mean's division and the copy out in one pass.
+            let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
+            match others.split_last() {
+                Some((&last, rest)) => {
+                    for &r in rest {
+                        reduce_into(elem, acc_op(rop), dst, slot_ref(r, mine.clone()))?;
                     }
-                    None if rop == ReduceOp::Mean => finish_mean(elem, &mut chunk[mine], n)?,
-                    None => {}
+                    let out = Some(&mut chunk[mine.clone()]);
+                    reduce_last(elem, rop, dst, slot_ref(last, mine.clone()), out, n)?;
                 }
-            }
-            Kind::GatherInto(count) => {
-                for r in (0..n).filter(|&r| r != me) {
-                    let theirs = share_here(r, count);
-                    chunk[theirs.clone()].copy_from_slice(slot_ref(r, theirs));
-                }
-            }
-            Kind::ReduceDirect(rop) => {
-                // Fold in rank order on every rank, so that the results are bit-identical.
-                if me != 0 {
-                    chunk.copy_from_slice(slot_ref(0, 0..len));
-                }
-                for r in 1..n {
-                    reduce_into(elem, acc_op(rop), chunk, slot_ref(r, 0..len))?;
-                }
-                if rop == ReduceOp::Mean {
-                    finish_mean(elem, chunk, n)?;
-                }
-            }
-            Kind::ReduceScatter(rop) => {
-                let esize = elem.size();
-                let count = len / esize;
-                let bound = |i: usize| (i * count / n) * esize;
-                let mine = bound(me)..bound(me + 1);
-                {
-                    // SAFETY: only this rank touches share `me` of any slot of this set during
-                    // this step (every rank reduces its own share), and the others read it from
-                    // my slot only after I publish `2g + 2`.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            self.slot(me, set).add(mine.start),
-                            mine.len(),
-                        )
-                    };
-                    // The last peer's share, the mean's division and the copy out in one pass.
-                    let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
-                    match others.split_last() {
-                        Some((&last, rest)) => {
-                            for &r in rest {
-                                reduce_into(elem, acc_op(rop), dst, slot_ref(r, mine.clone()))?;
-                            }
-                            let out = Some(&mut chunk[mine.clone()]);
-                            reduce_last(elem, rop, dst, slot_ref(last, mine.clone()), out, n)?;
-                        }
-                        None => {
-                            if rop == ReduceOp::Mean {
-                                finish_mean(elem, dst, n)?;
-                            }
-                            chunk[mine.clone()].copy_from_slice(dst);
-                        }
+                None => {
+                    if rop == ReduceOp::Mean {
+                        finish_mean(elem, dst, n)?;
                     }
-                }
-                self.state(me).store(2 * g + 2, Ordering::Release);
-                for k in 1..n {
-                    let r = (me + k) % n;
-                    self.wait(ring, name, h, deadline, || {
-                        (self.state(r).load(Ordering::Acquire) < 2 * g + 2).then_some(r)
-                    })?;
-                    let share = bound(r)..bound(r + 1);
-                    chunk[share.clone()].copy_from_slice(slot_ref(r, share));
+                    chunk[mine.clone()].copy_from_slice(dst);
                 }
             }
+        }
+        self.state(me).store(2 * g + 2, Ordering::Release);
+        for k in 1..n {
+            let r = (me + k) % n;
+            self.wait(ring, name, h, deadline, || {
+                (self.state(r).load(Ordering::Acquire) < 2 * g + 2).then_some(r)
+            })?;
+            let share = bound(r)..bound(r + 1);
+            chunk[share.clone()].copy_from_slice(slot_ref(r, share));
         }
         Ok(())
     }

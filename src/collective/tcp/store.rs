@@ -355,6 +355,111 @@ pub(crate) fn startup_hint(timeout: Duration) -> String {
     }
 }
 
+/// A rendezvous error of `rank` about the store at `addr`.
+fn store_err(rank: usize, addr: &str, reason: String, source: Option<io::Error>) -> Error {
+    Error::Rendezvous {
+        rank,
+        addr: addr.to_string(),
+        reason,
+        source,
+    }
+}
+
+/// Connects to the store at `addr`, retrying until `deadline` (rank 0 may not be up yet); the
+/// error past it says what to check.
+fn wait_for_store(
+    addr: &str,
+    rank: usize,
+    timeout: Duration,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let mut last_log = Instant::now();
+    loop {
+        let resolved: Vec<SocketAddr> = match addr.to_socket_addrs() {
+            Ok(a) => a.collect(),
+            Err(e) => {
+                return Err(store_err(
+                    rank,
+                    addr,
+                    "cannot resolve the address".into(),
+                    Some(e),
+                ))
+            }
+        };
+        let mut last_err = None;
+        for a in &resolved {
+            match TcpStream::connect_timeout(a, Duration::from_secs(2)) {
+                Ok(s) => return Ok(s),
+                Err(e) => last_err = Some(e),
+            }
+        }
+        if Instant::now() >= deadline {
+            let reason = if timeout < SHORT_TIMEOUT {
+                format!(
+                    "rank 0's rendezvous store was not up yet when time ran out: {}",
+                    startup_hint(timeout)
+                )
+            } else {
+                format!("rank 0's rendezvous store did not come up in time ({}; is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?)", startup_hint(timeout))
+            };
+            return Err(store_err(rank, addr, reason, last_err));
+        }
+        if last_log.elapsed() > Duration::from_secs(30) {
+            log::info!("rank {rank}: still waiting for the rendezvous store at {addr}");
+            last_log = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Sends `hello` on `stream` and reads the store's answer: `true` accepted, `false` busy, an
+/// error naming the reason otherwise.
+fn client_handshake(
+    stream: &TcpStream,
+    addr: &str,
+    rank: usize,
+    hello: &Hello,
+    deadline: Instant,
+) -> Result<bool> {
+    let fail = |reason: String, source: Option<io::Error>| store_err(rank, addr, reason, source);
+    let io = |e: io::Error| fail("handshake failed".into(), Some(e));
+    stream.set_nodelay(true).map_err(io)?;
+    let mut stream = stream;
+    stream.write_all(&hello.encode()).map_err(io)?;
+    stream
+        .set_read_timeout(Some(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_secs(1)),
+        ))
+        .map_err(io)?;
+    let mut status = [0u8; 1];
+    stream.read_exact(&mut status).map_err(|e| {
+        fail(
+            "the store closed the connection during the handshake without an answer (is MASTER_ADDR:MASTER_PORT rank 0's store, running the same accelerate-rs version?)".into(),
+            Some(e),
+        )
+    })?;
+    match status[0] {
+        wire::STATUS_OK => {}
+        wire::STATUS_BUSY => return Ok(false),
+        wire::STATUS_WRONG_SECRET => return Err(fail(
+            "this store belongs to another run: it rejected this run's secret (did two runs get the same MASTER_PORT? every rank of one run needs the same ACCELERATE_RS_SECRET)".into(),
+            None,
+        )),
+        wire::STATUS_VERSION => return Err(fail(
+            format!("rank 0 runs another accelerate-rs version (this rank speaks protocol version {})", wire::VERSION),
+            None,
+        )),
+        other => return Err(fail(
+            format!("the store answered the handshake with unknown status {other}"),
+            None,
+        )),
+    }
+    stream.set_read_timeout(None).map_err(io)?;
+    Ok(true)
+}
+
 impl StoreClient {
     /// Connects to `addr`, retrying until `deadline` (`timeout` from the start of the group's
     /// set-up) while the server is not up yet or busy.
@@ -394,89 +499,16 @@ impl StoreClient {
         timeout: Duration,
         deadline: Instant,
     ) -> Result<Option<Self>> {
-        let fail = |reason: String, source: Option<io::Error>| Error::Rendezvous {
-            rank,
-            addr: addr.to_string(),
-            reason,
-            source,
-        };
-        let mut last_log = Instant::now();
-        let stream = loop {
-            let resolved: Vec<SocketAddr> = match addr.to_socket_addrs() {
-                Ok(a) => a.collect(),
-                Err(e) => return Err(fail("cannot resolve the address".into(), Some(e))),
-            };
-            let mut last_err = None;
-            let mut connected = None;
-            for a in &resolved {
-                match TcpStream::connect_timeout(a, Duration::from_secs(2)) {
-                    Ok(s) => {
-                        connected = Some(s);
-                        break;
-                    }
-                    Err(e) => last_err = Some(e),
-                }
-            }
-            if let Some(s) = connected {
-                break s;
-            }
-            if Instant::now() >= deadline {
-                let reason = if timeout < SHORT_TIMEOUT {
-                    format!(
-                        "rank 0's rendezvous store was not up yet when time ran out: {}",
-                        startup_hint(timeout)
-                    )
-                } else {
-                    format!("rank 0's rendezvous store did not come up in time ({}; is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?)", startup_hint(timeout))
-                };
-                return Err(fail(reason, last_err));
-            }
-            if last_log.elapsed() > Duration::from_secs(30) {
-                log::info!("rank {rank}: still waiting for the rendezvous store at {addr}");
-                last_log = Instant::now();
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        let io = |e: io::Error| fail("handshake failed".into(), Some(e));
-        stream.set_nodelay(true).map_err(io)?;
+        let stream = wait_for_store(addr, rank, timeout, deadline)?;
         let hello = Hello {
             role: Role::StoreClient,
             rank: rank as u32,
             world: world as u32,
             secret: secret.to_vec(),
         };
-        (&stream).write_all(&hello.encode()).map_err(io)?;
-        stream
-            .set_read_timeout(Some(
-                deadline
-                    .saturating_duration_since(Instant::now())
-                    .max(Duration::from_secs(1)),
-            ))
-            .map_err(io)?;
-        let mut status = [0u8; 1];
-        (&stream).read_exact(&mut status).map_err(|e| {
-            fail(
-                "the store closed the connection during the handshake without an answer (is MASTER_ADDR:MASTER_PORT rank 0's store, running the same accelerate-rs version?)".into(),
-                Some(e),
-            )
-        })?;
-        match status[0] {
-            wire::STATUS_OK => {}
-            wire::STATUS_BUSY => return Ok(None),
-            wire::STATUS_WRONG_SECRET => return Err(fail(
-                "this store belongs to another run: it rejected this run's secret (did two runs get the same MASTER_PORT? every rank of one run needs the same ACCELERATE_RS_SECRET)".into(),
-                None,
-            )),
-            wire::STATUS_VERSION => return Err(fail(
-                format!("rank 0 runs another accelerate-rs version (this rank speaks protocol version {})", wire::VERSION),
-                None,
-            )),
-            other => return Err(fail(
-                format!("the store answered the handshake with unknown status {other}"),
-                None,
-            )),
+        if !client_handshake(&stream, addr, rank, &hello, deadline)? {
+            return Ok(None);
         }
-        stream.set_read_timeout(None).map_err(io)?;
         Ok(Some(StoreClient {
             stream,
             rank,
