@@ -390,10 +390,14 @@ impl GradSync {
         };
         let named = self.grad_vars("fp16 loss scaling")?;
         let mine = clip::grads_finite(&Self::vars_of(&named), grads)?;
-        let mut overflow = [if mine { 0f32 } else { 1f32 }];
-        self.collective
-            .all_reduce((&mut overflow[..]).into(), crate::collective::ReduceOp::Max)?;
-        let finite = overflow[0] == 0.0;
+        let finite = if self.alone() {
+            mine
+        } else {
+            let mut overflow = [if mine { 0f32 } else { 1f32 }];
+            self.collective
+                .all_reduce((&mut overflow[..]).into(), crate::collective::ReduceOp::Max)?;
+            overflow[0] == 0.0
+        };
         s.update_scale(finite);
         if finite {
             self.mark_finite();

@@ -78,3 +78,34 @@ impl LossScaler {
 pub(crate) const SCALER_SCALE: &str = "loss_scaler.scale";
 /// The name of the saved count of clean steps in a row.
 pub(crate) const SCALER_CLEAN: &str = "loss_scaler.clean_steps";
+
+/// Takes a checkpointed loss scale out of an optimizer's `state` (the tensors
+/// [`SCALER_SCALE`] and [`SCALER_CLEAN`], scalars or one-element), leaving the rest for the
+/// wrapped optimizer: `Some((scale, clean steps))` when one was saved. A scale that is not a
+/// positive number is an error.
+pub(crate) fn take_saved(
+    state: &mut crate::optim::OptimizerState,
+) -> crate::error::Result<Option<(f64, u64)>> {
+    let mut take = |name: &str| -> crate::error::Result<Option<f64>> {
+        let Some(i) = state.tensors.iter().position(|(n, _)| n == name) else {
+            return Ok(None);
+        };
+        let t = state.tensors.remove(i).1;
+        let v = t
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F64)?
+            .to_vec1::<f64>()?;
+        Ok(v.first().copied())
+    };
+    let (scale, clean) = (take(SCALER_SCALE)?, take(SCALER_CLEAN)?);
+    let Some(scale) = scale else {
+        return Ok(None);
+    };
+    if !(scale.is_finite() && scale > 0.0) {
+        return Err(crate::error::Error::invalid(
+            "loss scaler state",
+            format!("the saved scale {scale} is not a positive number"),
+        ));
+    }
+    Ok(Some((scale, clean.unwrap_or(0.0).max(0.0) as u64)))
+}

@@ -9,7 +9,7 @@ use candle_nn::{Optimizer, VarMap};
 use crate::data::Batch;
 use crate::error::{Error, Result};
 use crate::settings::MixedPrecision;
-use crate::train::loss_scaler::{LossScaler, SCALER_CLEAN, SCALER_SCALE};
+use crate::train::loss_scaler::{take_saved, LossScaler, SCALER_CLEAN, SCALER_SCALE};
 use crate::train::optimizer::{AcceleratedOptimizer, TrainOptimizer};
 use crate::train::params::Parameters;
 use crate::train::token_weights::TokenLoss;
@@ -459,28 +459,10 @@ impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for MixedPre
         Ok(state)
     }
     fn load_optimizer_state(&mut self, mut state: OptimizerState) -> Result<()> {
-        let mut take = |name: &str| -> Result<Option<f64>> {
-            match state.tensors.iter().position(|(n, _)| n == name) {
-                Some(i) => {
-                    let (_, t) = state.tensors.remove(i);
-                    Ok(Some(
-                        t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
-                    ))
-                }
-                None => Ok(None),
-            }
-        };
-        let scale = take(SCALER_SCALE)?;
-        let clean = take(SCALER_CLEAN)?;
+        let saved = take_saved(&mut state)?;
         self.accelerated_mut().load_optimizer_state(state)?;
-        if let (Some(scaler), Some(scale)) = (self.loss_scaler_mut(), scale) {
-            if !(scale.is_finite() && scale > 0.0) {
-                return Err(Error::invalid(
-                    "loss scaler state",
-                    format!("the saved scale {scale} is not a positive number"),
-                ));
-            }
-            scaler.restore(scale, clean.unwrap_or(0.0).max(0.0) as u64);
+        if let (Some(scaler), Some((scale, clean))) = (self.loss_scaler_mut(), saved) {
+            scaler.restore(scale, clean);
         }
         Ok(())
     }

@@ -11,7 +11,7 @@ use candle_nn::Optimizer;
 use crate::data::Batch;
 use crate::error::Result;
 use crate::train::grad_sync::{Clipping, GradSync};
-use crate::train::loss_scaler::{SCALER_CLEAN, SCALER_SCALE};
+use crate::train::loss_scaler::{take_saved, SCALER_CLEAN, SCALER_SCALE};
 use crate::train::token_weights::TokenLoss;
 
 /// The learning rate of an optimizer, as a schedule ([`Schedule`](crate::scheduler::Schedule))
@@ -351,32 +351,10 @@ impl<O: candle_nn::Optimizer + StatefulOptimizer> StatefulOptimizer for Accelera
         Ok(Some(shard))
     }
     fn load_optimizer_state(&mut self, mut state: OptimizerState) -> Result<()> {
-        let mut take = |name: &str| -> Result<Option<f64>> {
-            match state.tensors.iter().position(|(n, _)| n == name) {
-                Some(i) => {
-                    let t = state.tensors.remove(i).1;
-                    Ok(Some(
-                        t.flatten_all()?
-                            .to_dtype(candle_core::DType::F64)?
-                            .to_vec1::<f64>()?
-                            .first()
-                            .copied()
-                            .unwrap_or(0.0),
-                    ))
-                }
-                None => Ok(None),
-            }
-        };
-        let (scale, clean) = (take(SCALER_SCALE)?, take(SCALER_CLEAN)?);
+        let saved = take_saved(&mut state)?;
         self.inner_mut().load_optimizer_state(state)?;
-        if let (Some(s), Some(scale)) = (self.grads.sharded(), scale) {
-            if !(scale.is_finite() && scale > 0.0) {
-                return Err(crate::error::Error::invalid(
-                    "loss scaler state",
-                    format!("the saved scale {scale} is not a positive number"),
-                ));
-            }
-            s.restore_scale(scale, clean.unwrap_or(0.0).max(0.0) as u64);
+        if let (Some(s), Some((scale, clean))) = (self.grads.sharded(), saved) {
+            s.restore_scale(scale, clean);
         }
         Ok(())
     }
