@@ -82,20 +82,28 @@ pub fn recompute_fn<F>(f: F, x: &Tensor) -> Result<Tensor>
 where
     F: Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
 {
-    checkpointed(Arc::new(f), None, x)
+    checkpointed(Arc::new(f), None, x, false)
 }
 
 /// [`recompute_fn`] with `after` run on the recomputed block's parameter gradients as soon as
-/// its backward pass is done (see [`AfterBackward`]).
+/// its backward pass is done (see [`AfterBackward`]). With `record`, the node is kept even when
+/// the first pass tracked nothing (a block whose first pass reads its parameters as constants
+/// and whose recomputation reads them as variables).
 pub(crate) fn recompute_then(
     f: Arc<Block>,
     after: Arc<AfterBackward>,
     x: &Tensor,
+    record: bool,
 ) -> Result<Tensor> {
-    checkpointed(f, Some(after), x)
+    checkpointed(f, Some(after), x, record)
 }
 
-fn checkpointed(f: Arc<Block>, after: Option<Arc<AfterBackward>>, x: &Tensor) -> Result<Tensor> {
+fn checkpointed(
+    f: Arc<Block>,
+    after: Option<Arc<AfterBackward>>,
+    x: &Tensor,
+    record: bool,
+) -> Result<Tensor> {
     // Reported once, then forgotten: the gradients are lost either way.
     let uncollected = if DEPTH.with(Cell::get) == 0 {
         PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()).len())
@@ -109,8 +117,10 @@ fn checkpointed(f: Arc<Block>, after: Option<Arc<AfterBackward>>, x: &Tensor) ->
     }
     let rng = super::dropout::stream_state();
     let y = f(&x.detach())?;
-    if !y.track_op() {
-        // Nothing inside needs a gradient: no need to keep anything.
+    if !y.track_op() && !record && !x.track_op() {
+        // Neither the block's parameters nor its input need a gradient: nothing to keep. (An
+        // input that needs one is passed on through the node even by a block without
+        // parameters: a frozen layer between trainable ones.)
         return Ok(y);
     }
     let y = y.detach();

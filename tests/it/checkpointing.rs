@@ -188,6 +188,34 @@ fn nested_checkpoints_and_the_input_gradient() {
     assert_eq!(gx(&plain), gx(&nested));
 }
 
+/// A checkpointed block without parameters of its own (a frozen layer, a parameter-free op)
+/// still passes the gradient of its input on: the layers before it train.
+#[test]
+fn a_block_without_parameters_passes_the_input_gradient_on() {
+    let x = Var::from_tensor(&input()).unwrap();
+    let d = x.dim(2).unwrap();
+    let frozen = Tensor::randn(0f32, 1.0, (d, d), &Device::Cpu).unwrap();
+    let run = |checkpointed: bool| {
+        let h = (x.as_tensor() * 1.5).unwrap();
+        let w = frozen.clone();
+        let block = move |h: &Tensor| h.broadcast_matmul(&w)?.tanh();
+        let y = if checkpointed {
+            nn::checkpoint_fn(block, &h).unwrap()
+        } else {
+            block(&h).unwrap()
+        };
+        let grads = nn::backward(&y.sqr().unwrap().sum_all().unwrap()).unwrap();
+        grads
+            .get(x.as_tensor())
+            .expect("the input's gradient")
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    assert_eq!(run(false), run(true));
+}
+
 #[test]
 fn a_plain_backward_is_caught_at_the_next_checkpoint() {
     let varmap = VarMap::new();

@@ -194,8 +194,12 @@ impl ShardedModel {
         let f = {
             let (inner, replaying, slot) = (inner.clone(), replaying.clone(), slot.clone());
             move |x: &Tensor| -> candle_core::Result<Tensor> {
-                let tensors = inner.units[idx].gather(inner.collective.as_ref(), inner.compute)?;
-                if replaying.load(Ordering::Relaxed) && inner.units[idx].trainable() {
+                // The first pass keeps nothing of the block: views of the gathered buffer do;
+                // the recomputation gathers variables, whose gradients are the unit's.
+                let replay = replaying.load(Ordering::Relaxed);
+                let u = &inner.units[idx];
+                let tensors = u.gather(inner.collective.as_ref(), inner.compute, replay)?;
+                if replay && u.trainable() {
                     *lock(&slot) = Some(tensors.iter().map(|(_, t)| t.clone()).collect());
                 }
                 block(inner.builder(idx, tensors), x)
@@ -209,7 +213,10 @@ impl ShardedModel {
             drop(vars);
             Ok(inner.reduce_unit(idx, gs)?)
         };
-        let y = crate::nn::recompute_then(Arc::new(f), Arc::new(after), x)?;
+        // Recorded even when the first pass tracked nothing (its parameters were plain views):
+        // the recomputation gives a trainable unit its gradients.
+        let record = self.inner.units[idx].trainable();
+        let y = crate::nn::recompute_then(Arc::new(f), Arc::new(after), x, record)?;
         replaying.store(true, Ordering::Relaxed);
         Ok(y)
     }
@@ -225,7 +232,7 @@ impl ShardedModel {
             return Ok(self.inner.whole_builder(idx));
         }
         let u = &self.inner.units[idx];
-        let tensors = u.gather(self.inner.collective.as_ref(), self.inner.compute)?;
+        let tensors = u.gather(self.inner.collective.as_ref(), self.inner.compute, true)?;
         if u.trainable() {
             lock(&u.held).push(tensors.iter().map(|(_, t)| t.id()).collect());
         }

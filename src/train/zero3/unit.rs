@@ -7,11 +7,11 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use candle_core::{DType, Device, Storage, Tensor, TensorId, Var};
+use candle_core::{DType, Device, Tensor, TensorId, Var};
 
 use crate::collective::{BufferMut, Collective, ReduceOp};
 use crate::error::{Error, Result};
-use crate::inplace::{copy_cpu, fill_cpu, read_f64, with_cpu_mut, with_cpu_mut_src};
+use crate::inplace::{copy_cpu, read_f64, with_cpu_mut, with_cpu_mut_src};
 
 use super::layout::UnitLayout;
 
@@ -35,13 +35,6 @@ pub(crate) struct Unit {
     pub(crate) held: Mutex<Vec<Vec<TensorId>>>,
     /// Per member, whether some rank gave it a gradient since the presence was last read.
     pub(crate) present: Mutex<Vec<bool>>,
-}
-
-fn cpu_storage<'a>(s: &'a Storage, what: &str) -> Result<&'a candle_core::CpuStorage> {
-    match s {
-        Storage::Cpu(c) => Ok(c),
-        _ => Err(Error::invalid(what, "is not on the CPU")),
-    }
 }
 
 impl Unit {
@@ -134,16 +127,22 @@ impl Unit {
         Ok(flat)
     }
 
-    /// The unit's parameters, gathered in `dtype`, by name: fresh variables when the unit is
-    /// trainable (their gradients are this unit's), else views of one flat buffer.
-    pub(crate) fn gather(&self, c: &dyn Collective, dtype: DType) -> Result<Vec<(String, Tensor)>> {
+    /// The unit's parameters, gathered in `dtype`, by name: fresh variables when `for_grads`
+    /// and the unit is trainable (their gradients are this unit's), else views of one flat
+    /// buffer (no copy: the first pass of a recomputed block needs no gradient).
+    pub(crate) fn gather(
+        &self,
+        c: &dyn Collective,
+        dtype: DType,
+        for_grads: bool,
+    ) -> Result<Vec<(String, Tensor)>> {
         let flat = self.gather_flat(c, dtype, false)?;
         let mut out = Vec::with_capacity(self.layout.members.len());
         for m in &self.layout.members {
             let view = flat
                 .narrow(0, m.offset, m.len)?
                 .reshape(m.shape.as_slice())?;
-            let t = if self.trainable() {
+            let t = if for_grads && self.trainable() {
                 Var::from_tensor(&view)?.into_inner()
             } else {
                 view
@@ -207,42 +206,36 @@ impl Unit {
     }
 
     /// [`reduce`](Self::reduce) on the CPU: one flat buffer (gradients, then one presence flag
-    /// per member), reduce-scattered and flag-reduced in place; this rank's chunk copied out.
+    /// per member, concatenated: written once, never zero-filled first), reduce-scattered and
+    /// flag-reduced in place; this rank's chunk copied out.
     fn reduce_cpu(
         &self,
         c: &dyn Collective,
         parts: &[Option<Tensor>],
     ) -> Result<(Tensor, Vec<f64>)> {
-        let (len, members) = (self.layout.len, self.layout.members.len());
+        let len = self.layout.len;
         let dtype = self.shard.dtype();
-        let flat = Tensor::zeros(len + members, dtype, &Device::Cpu)?;
-        let sources: Vec<Option<Tensor>> = parts
-            .iter()
-            .map(|p| {
-                p.as_ref()
-                    .map(|t| t.to_device(&Device::Cpu)?.contiguous())
-                    .transpose()
-            })
-            .collect::<candle_core::Result<_>>()?;
+        let mut pieces = Vec::with_capacity(parts.len() + 1);
+        let mut presence = Vec::with_capacity(parts.len());
+        for (m, g) in self.layout.members.iter().zip(parts) {
+            pieces.push(match g {
+                Some(g) => g.to_device(&Device::Cpu)?,
+                None => Tensor::zeros(m.len, dtype, &Device::Cpu)?,
+            });
+            presence.push(if g.is_some() { 1f32 } else { 0f32 });
+        }
+        // Members lie end to end from offset 0 (layout.rs); anything after them is zeros.
+        let filled: usize = self.layout.members.iter().map(|m| m.len).sum();
+        if filled < len {
+            pieces.push(Tensor::zeros(len - filled, dtype, &Device::Cpu)?);
+        }
+        let members = presence.len();
+        pieces.push(Tensor::from_vec(presence, members, &Device::Cpu)?.to_dtype(dtype)?);
+        let flat = Tensor::cat(&pieces, 0)?;
+        drop(pieces);
         let mut flags = Vec::new();
         with_cpu_mut(&flat, "ZeRO-3 gradients", |dst, range| {
-            for (m, g) in self.layout.members.iter().zip(&sources) {
-                let at = range.start + m.offset..range.start + m.offset + m.len;
-                match g {
-                    Some(g) => {
-                        let (src, layout) = g.storage_and_layout();
-                        let src = cpu_storage(&src, "gradient")?;
-                        let s = layout.start_offset();
-                        copy_cpu(dst, at, src, s..s + m.len)?;
-                    }
-                    None => fill_cpu(dst, at, 0.0)?,
-                }
-            }
             let fl = range.start + len..range.end;
-            for (i, g) in sources.iter().enumerate() {
-                let f = if g.is_some() { 1.0 } else { 0.0 };
-                fill_cpu(dst, fl.start + i..fl.start + i + 1, f)?;
-            }
             c.reduce_scatter(
                 BufferMut::of_cpu(dst, range.start..range.start + len)?,
                 ReduceOp::Mean,
