@@ -23,21 +23,23 @@
 #      15c. digits, DDP over NCCL (>= 0.95), both communicators destroyed
 #      15d. transformer_lm on 2 ranks x batch 8 equals 1 rank x batch 16 (held-out loss within
 #           2e-3 relative after 40 steps)
-#      15e. ZeRO stages 1 and 2 over NCCL (reduce_scatter/all_gather_into of the device slices),
-#           the DDP check equal to the reference
+#      15e. ZeRO stages 1, 2 and 3 over NCCL (reduce_scatter/all_gather_into of the device
+#           slices; at stage 3 the parameters sharded too), the DDP check equal to the reference
 #      15f. fp16 loss scaling where only rank 1 overflows: every rank skips and halves the scale
 #      15g. LoRA r=8 fine-tuning over NCCL (only the adapters are trainable, so only they are
 #           all-reduced), then peft loads the adapters with the same logits
 #      15h. find_executable_batch_size from a batch far too big with both ranks on the GPU: real
 #           CUDA out-of-memory errors (in a forward pass or while allocating an NCCL output)
 #           become retries on both ranks
+#      15i. ZeRO stage 3 with the optimizer offloaded (ACCELERATE_RS_OFFLOAD_OPTIMIZER=1: the
+#           shards' f32 masters and optimizer state in host memory, stepped by the CPU AdamW)
 #      DP (one process, two threads, two communicators on one device) cannot run NCCL: NCCL_HOSTID
 #      is read once per process, so both communicators would be one host with one GPU twice,
 #      which NCCL refuses; DP on one GPU takes the host path (step 3).
 #   3. DP, 2 replicas sharing GPU 0 (host fallback), equal to a 1-rank reference: `test --dp 2`
 #   4. DDP, 2 processes sharing GPU 0 (host fallback), equal to a 1-rank reference: `test -n 2`
 #      (plus `test -n <GPUs>` over NCCL when the machine has 2 or more)
-#   4d-4h. ZeRO stages 1 and 2 on GPU tensors (ACCELERATE_RS_ZERO_STAGE): the DDP check (momentum
+#   4d-4h. ZeRO stages 1, 2 (and 3 at 4d/4e) on GPU tensors (ACCELERATE_RS_ZERO_STAGE): the DDP check (momentum
 #      SGD equal to a 1-rank reference) at world size 1, with 2 processes sharing GPU 0 and with
 #      2 DP replicas sharing it; step 2 already ran NCCL's reduce_scatter and all_gather_into
 #   5. digits in bf16 on 1 GPU, accuracy >= 0.93
@@ -63,6 +65,10 @@
 #      retries at half the size until a step runs (issue 27). Batch 3000 x 256 tokens needs about
 #      200 GiB, while its largest tensor (the attention scores) stays under 2^31 elements, so the
 #      first failure is running out of memory, not an index overflow in a kernel.
+#  16. ZeRO-3 on the GPU (issue 34): zero3_bench's 42M-parameter Llama-style folder trained on 2
+#      ranks over NCCL (as step 15) at stage 0, stage 3 and stage 3 with the optimizer offloaded;
+#      the device pool's peak per rank, passing when stage 3 peaks below stage 0 and offload
+#      below stage 3.
 # Steps 1-7 and 11-14 run as a user's program does: with the nn CUDA kernels on (the default of a
 # cuda build); `ACCELERATE_RS_NN_CUDA=0 scripts/gpu-smoke.sh` proves them on Candle's composed
 # ops instead. Steps 8 and 9 always switch the kernels on; step 10 times both paths. Step 8 also
@@ -72,8 +78,8 @@
 # several device calls of at most 10 minutes each). With one short loan, run the proofs first and
 # the timings after: ACCEL_SMOKE_ONLY="2 15" (NCCL at world sizes 1 and 2, about 6 minutes), then
 # "1 3 4 6 8 11 12 14" (correctness, including the kernels, the models and the CUDA
-# out-of-memory retry), then "5 7 9 10 13" (bf16 digits, step times, the PyTorch table, peak
-# memory).
+# out-of-memory retry), then "5 7 9 10 13 16" (bf16 digits, step times, the PyTorch table, peak
+# memory, ZeRO-3's peak memory).
 # The summary file gets one line per step plus the figures that matter; bring it back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -133,7 +139,7 @@ step() {
     failed=$((failed + 1))
   fi
   # The figures worth keeping.
-  grep -E "final test accuracy|ok: |skipped: |PASSED|FAILED|resumed from|overhead of|paired per round|\| (candle|accelerate-rs|PyTorch|implementation|composed|kernels|op |[a-z_]+ \[|configuration|plain|ckpt|lora|lora-ckpt) |^(PASS|FAIL) |nn_kernels:|RESULT-LM-GPU|warning: (ranks|DP replicas)|trained [0-9]+ steps|saved |test result|panicked|logits diff|find_executable_batch_size on|peak x|Llama-style|kill -9 of rank|gpu-two-hosts: |2 ranks x 8 over NCCL" "$log" \
+  grep -E "final test accuracy|ok: |skipped: |PASSED|FAILED|resumed from|overhead of|paired per round|\| (candle|accelerate-rs|PyTorch|implementation|composed|kernels|op |[a-z_]+ \[|configuration|plain|ckpt|lora|lora-ckpt) |^(PASS|FAIL) |nn_kernels:|RESULT-LM-GPU|warning: (ranks|DP replicas)|trained [0-9]+ steps|saved |test result|panicked|logits diff|find_executable_batch_size on|peak x|Llama-style|kill -9 of rank|gpu-two-hosts: |2 ranks x 8 over NCCL|zero3 on the GPU" "$log" \
     | sed 's/^/    /' >>"$summary" || true
 }
 
@@ -168,11 +174,15 @@ step "15d. transformer_lm: 2 ranks x 8 over NCCL equal 1 rank x 16" 400 "2 ranks
     awk -v a="$a" -v b="$b" "BEGIN { if (a == \"\" || b == \"\") exit 1; d = (a > b ? a - b : b - a) / a;
       printf \"transformer_lm, 40 steps: held-out loss %s on 1 rank x 16, %s on 2 ranks x 8 over NCCL (relative difference %.1e)\\n\", a, b, d;
       exit d > 2e-3 }"' _ "$B/transformer_lm" "$two" "$work"
-for stage in 1 2; do
+for stage in 1 2 3; do
   step "15e. ZeRO stage $stage over NCCL, 2 ranks on GPU 0" 300 "both ranks passed" \
     env ACCELERATE_RS_ZERO_STAGE=$stage "$two" --expect "zero_stage $stage: sharded true" \
     --expect "GPU tensors.*\(through nccl\)" "$B/accelerate-rs" test-worker
 done
+step "15i. ZeRO stage 3 with the optimizer offloaded to host memory, over NCCL, 2 ranks on GPU 0" \
+  300 "both ranks passed" \
+  env ACCELERATE_RS_ZERO_STAGE=3 ACCELERATE_RS_OFFLOAD_OPTIMIZER=1 "$two" \
+  --expect "zero_stage 3: sharded true" "$B/accelerate-rs" test-worker
 step "15f. fp16 loss scaling over NCCL, overflow on rank 1 only" 300 "both ranks passed" \
   env ACCELERATE_RS_MIXED_PRECISION=fp16 "$two" \
   --expect "ok: fp16 loss scaling.*rank 1 overflowed: every rank skipped" \
@@ -196,7 +206,7 @@ if [ "$N" -ge 2 ]; then
   step "4b. DDP over NCCL, $N processes on $N GPUs" 240 "PASSED" "$B/accelerate-rs" test -n "$N"
   step "4c. DP over NCCL, $N replicas on $N GPUs" 240 "PASSED" "$B/accelerate-rs" test --dp "$N"
 fi
-for stage in 1 2; do
+for stage in 1 2 3; do
   step "4d. ZeRO stage $stage at world size 1 on GPU 0" 240 "zero_stage $stage: sharded true" \
     env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_ZERO_STAGE=$stage "$B/accelerate-rs" test -n 1
   step "4e. ZeRO stage $stage, 2 processes sharing GPU 0" 240 "zero_stage $stage: sharded true" \
@@ -269,6 +279,26 @@ step "13. peak GPU memory and step time: plain, checkpointing, LoRA (memory_benc
 step "14. find_executable_batch_size: CUDA out-of-memory errors become retries" 300 \
   "out-of-memory retries: [1-9]" \
   env CUDA_VISIBLE_DEVICES=0 "$B/memory_bench" --find-batch-size 3000 --seq 256 --vocab 1000
+step "16. ZeRO-3 on GPU 0: a 42M Llama, 2 ranks over NCCL, stages 0 / 3 / 3 + offload, peak device memory" \
+  600 "zero3 on the GPU: stage 3 peak" \
+  bash -c 'set -e
+    "$1" --make "$2/llama-42m" >/dev/null
+    for run in "0 0" "3 0" "3 1"; do
+      read -r stage off <<<"$run"
+      ACCELERATE_RS_ZERO_STAGE=$stage ACCELERATE_RS_OFFLOAD_OPTIMIZER=$off "$3" "$1" \
+        --model "$2/llama-42m" --steps 3 --batch 4 --seq 512 >"$2/z3-$stage-$off.log" 2>&1 \
+        || { cat "$2/z3-$stage-$off.log"; exit 1; }
+      line=$(grep -o "rank=0 world=2 .*" "$2/z3-$stage-$off.log" | tail -1)
+      [ -n "$line" ] || { cat "$2/z3-$stage-$off.log"; exit 1; }
+      echo "zero3 on the GPU: stage $stage offload $off: $line"
+    done
+    p0=$(grep -o "rank=0 world=2 .*" "$2/z3-0-0.log" | grep -o "device_peak=[0-9]*" | cut -d= -f2)
+    p3=$(grep -o "rank=0 world=2 .*" "$2/z3-3-0.log" | grep -o "device_peak=[0-9]*" | cut -d= -f2)
+    p3o=$(grep -o "rank=0 world=2 .*" "$2/z3-3-1.log" | grep -o "device_peak=[0-9]*" | cut -d= -f2)
+    awk -v a="$p0" -v b="$p3" -v c="$p3o" "BEGIN { if (a == \"\" || b == \"\" || c == \"\") exit 1;
+      printf \"zero3 on the GPU: stage 3 peak %.0f MiB (%.2fx stage 0 %.0f MiB), with offload %.0f MiB (%.2fx)\\n\",
+        b / 2^20, b / a, a / 2^20, c / 2^20, c / a; exit (b >= a || c >= b) }"' \
+  _ "$B/zero3_bench" "$work" "$two"
 
 say "gpu-smoke: $passed passed, $failed failed (logs in $work)"
 [ "$failed" -eq 0 ]

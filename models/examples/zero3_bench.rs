@@ -14,7 +14,9 @@
 //!
 //! with `start` the resident set when the program starts, `base` once the accelerator is
 //! built (the collective's buffers), `load_peak` the peak (`VmHWM`) after loading and
-//! `train_peak` at the end, in bytes.
+//! `train_peak` at the end, in bytes; on a GPU also ` device_peak=B`, the high-water mark of
+//! the device's memory pool (`scripts/gpu-smoke.sh` step 16). `ACCELERATE_RS_OFFLOAD_OPTIMIZER=1`
+//! at stage 3 keeps the shards' masters and optimizer state in host memory.
 //!
 //!     cargo build --release -p accelerate-rs-models --example zero3_bench -p accelerate-rs-cli
 //!     target/release/examples/zero3_bench --make /tmp/llama-42m
@@ -197,8 +199,16 @@ fn report(
     times.sort_by(f64::total_cmp);
     let step = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
     let tokens = tokens as f64;
+    // On a GPU: the device pool's high-water mark too (the peak of the training that matters).
+    let device = if acc.device().is_cuda() {
+        acc.device().synchronize()?;
+        let peak = accelerate_rs::gpu::pool_memory(acc.device())?.peak;
+        format!(" device_peak={peak}")
+    } else {
+        String::new()
+    };
     println!(
-        "rank={} world={} stage={stage} start={start} base={base} load_peak={load_peak} train_peak={train_peak} step_ms={:.0} tokens_per_s={:.0}",
+        "rank={} world={} stage={stage} start={start} base={base} load_peak={load_peak} train_peak={train_peak} step_ms={:.0} tokens_per_s={:.0}{device}",
         acc.rank(),
         acc.world_size(),
         step * 1e3,
