@@ -122,6 +122,7 @@ fn train(
     out: Option<&Path>,
 ) -> HashMap<String, Tensor> {
     let n = acc.gradient_accumulation_steps();
+    accelerate_rs::nn::set_dropout_seed(100 + acc.rank() as u64);
     let data = TensorDataset::new(vec![tokens(acc.world_size() * BATCH * STEPS * n)]).unwrap();
     let loader = DataLoader::new(data, BATCH);
     let sharded = acc.state().zero_stage() == 3;
@@ -316,16 +317,29 @@ fn every_decoder_family_at_stage_3_matches_stage_0() {
     }
 }
 
-/// A copy of fixture `name`'s `config.json` alone, with `tie_word_embeddings` false, in `tmp`:
-/// trained from fresh weights (see [`load`]), its output layer a parameter of the root unit.
-fn untied(name: &str, tmp: &Path) -> PathBuf {
+/// A copy of fixture `name`'s `config.json` alone with the keys `edits` changed, in
+/// `tmp/{name}_{suffix}`: trained from fresh weights (see [`load`]).
+fn edited(name: &str, tmp: &Path, suffix: &str, edits: &[(&str, serde_json::Value)]) -> PathBuf {
     let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
     let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    json["tie_word_embeddings"] = serde_json::Value::Bool(false);
-    let dir = tmp.join(format!("{name}_untied"));
+    for (key, value) in edits {
+        json[*key] = value.clone();
+    }
+    let dir = tmp.join(format!("{name}_{suffix}"));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
     dir
+}
+
+/// Fixture `name` with `tie_word_embeddings` false: its output layer a parameter of the root
+/// unit.
+fn untied(name: &str, tmp: &Path) -> PathBuf {
+    edited(
+        name,
+        tmp,
+        "untied",
+        &[("tie_word_embeddings", false.into())],
+    )
 }
 
 /// The parameters of the model folder `dir` before any training.
@@ -490,6 +504,27 @@ fn lora_over_a_sharded_base_saves_whole_adapters() {
     fresh.load_adapter(&folder).unwrap();
     let loaded = snapshot(fresh.trainable_parameters());
     assert_eq!(max_abs_diff(&loaded, &got), 0.0);
+}
+
+/// With dropout on (embeddings, attention probabilities, residual branches), stage 3 draws the
+/// masks of stage 0: the blocks recomputed in the backward pass replay their masks, and the
+/// stream goes on as if they had not been recomputed. Each rank seeds its stream the same way
+/// at both stages.
+#[test]
+fn gpt2_and_bert_with_dropout_at_stage_3_match_stage_0() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = serde_json::Value::from(0.1);
+    let gpt2 = ["resid_pdrop", "embd_pdrop", "attn_pdrop"].map(|k| (k, p.clone()));
+    let bert = ["hidden_dropout_prob", "attention_probs_dropout_prob"].map(|k| (k, p.clone()));
+    for dir in [
+        edited("gpt2", tmp.path(), "dropout", &gpt2),
+        edited("bert_mlm", tmp.path(), "dropout", &bert),
+    ] {
+        let run = |stage| in_process_on(&dir, 2, stage, 1, MixedPrecision::No, Variant::Full);
+        let d = max_abs_diff(&run(0), &run(3));
+        println!("{} world 2: {d:e}", dir.display());
+        assert!(d <= 1e-6, "{}: {d:e}", dir.display());
+    }
 }
 
 /// `save_model_with_config` of a sharded model (fixture `name`, one step trained on 3 ranks)
