@@ -355,7 +355,7 @@ fn initial(dir: &Path) -> HashMap<String, Tensor> {
 
 /// GPT-2 and BERT (masked LM and classifier; tied output layers, and untied from fresh weights)
 /// run sharded through their own units: on 2 ranks, with a padding mask, stage 3 ends where
-/// stage 0 does, full training and LoRA on a sharded base.
+/// stage 0 does, full training and LoRA on a sharded base, and under bf16 mixed precision.
 #[test]
 fn gpt2_and_bert_at_stage_3_match_stage_0() {
     let tmp = tempfile::tempdir().unwrap();
@@ -375,6 +375,13 @@ fn gpt2_and_bert_at_stage_3_match_stage_0() {
         let d = max_abs_diff(&run(0, Variant::Lora), &run(3, Variant::Lora));
         println!("{name} LoRA world 2: {d:e}");
         assert!(d <= 1e-6, "{name} LoRA: {d:e}");
+    }
+    for name in ["gpt2", "bert_mlm"] {
+        let dir = fixture(name);
+        let run = |stage| in_process_on(&dir, 2, stage, 1, MixedPrecision::Bf16, Variant::Full);
+        let d = max_abs_diff(&run(0), &run(3));
+        println!("{name} bf16 world 2: {d:e}");
+        assert!(d <= 1e-6, "{name} bf16: {d:e}");
     }
 }
 
