@@ -6,11 +6,12 @@
 //! architecture is one file implementing these two traits plus one line of the registry (see
 //! ARCHITECTURE.md, "Add an architecture").
 
+use std::any::Any;
 use std::path::Path;
+use std::sync::Arc;
 
-use accelerate_rs::nn::Linear;
 use accelerate_rs::{ShardedModel, WrapPolicy};
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::generate::{DecodeInputs, KvCache};
@@ -133,9 +134,10 @@ pub struct Hidden {
     /// A scalar added to the task's loss (`router_aux_loss_coef` times the load-balancing
     /// loss), when the architecture has one.
     pub aux_loss: Option<Tensor>,
-    /// ZeRO-3: the output layer built from its gathered unit (the head of the layers is then a
-    /// shape-only placeholder).
-    pub(crate) head: Option<Linear>,
+    /// ZeRO-3: the head built from its gathered unit (the head of the layers is then a
+    /// shape-only placeholder), of the type the architecture chose (see
+    /// [`gathered_head`](Self::gathered_head)).
+    pub(crate) head: Option<Arc<dyn Any + Send + Sync>>,
 }
 
 impl Hidden {
@@ -152,6 +154,28 @@ impl Hidden {
     pub fn aux_loss(mut self, aux_loss: Option<Tensor>) -> Self {
         self.aux_loss = aux_loss;
         self
+    }
+
+    /// ZeRO-3: with the head built from its gathered unit (the architecture's own type: the
+    /// output layer of a decoder, BERT's masked-LM head, ...).
+    pub(crate) fn with_head<T: Any + Send + Sync>(mut self, head: T) -> Self {
+        self.head = Some(Arc::new(head));
+        self
+    }
+
+    /// ZeRO-3: the head [`with_head`](Self::with_head) put here, if any; an error naming both
+    /// types if it is not a `T` (hidden states of another architecture).
+    pub(crate) fn gathered_head<T: Any>(&self) -> Result<Option<&T>> {
+        match &self.head {
+            None => Ok(None),
+            Some(head) => head.downcast_ref::<T>().map(Some).ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "these hidden states carry a head gathered by another architecture (not a \
+                     {})",
+                    std::any::type_name::<T>()
+                ))
+            }),
+        }
     }
 
     /// `loss` plus the auxiliary loss, if any.
@@ -175,6 +199,44 @@ pub struct ShardedRun {
     pub(crate) model: ShardedModel,
     pub(crate) adapters: Option<Adapters>,
     pub(crate) dtype: DType,
+}
+
+impl ShardedRun {
+    /// The parameters of `unit`, gathered and held until the backward pass ends (see
+    /// `ShardedModel::gather`), as a `VarBuilder` at the root (full names).
+    pub(crate) fn gather(&self, unit: &str) -> Result<VarBuilder<'static>> {
+        Ok(self.model.gather(unit)?)
+    }
+
+    /// Puts the LoRA adapters, if any, on `projections`, those of a layer just built from a
+    /// gathered unit (as `add_lora` put them on the whole model's).
+    pub(crate) fn attach(&self, projections: Vec<&mut Proj>, device: &Device) -> Result<()> {
+        match &self.adapters {
+            Some(a) => crate::lora::attach(projections, a, self.dtype, device),
+            None => Ok(()),
+        }
+    }
+
+    /// One block on `x` through `ShardedModel::run` (gathered for the call, recomputed in the
+    /// backward pass, its gradients reduce-scattered right after): `build` makes it from the
+    /// gathered unit `unit` (a `VarBuilder` at the root), the LoRA adapters go on the
+    /// projections `projections` lists, and `forward` runs it. Whatever the block reads besides
+    /// `x` (masks, RoPE tables) is moved into `forward`.
+    pub(crate) fn run_block<B: 'static>(
+        &self,
+        unit: &str,
+        x: &Tensor,
+        build: impl Fn(VarBuilder<'static>) -> Result<B> + Send + Sync + 'static,
+        projections: fn(&mut B) -> Vec<&mut Proj>,
+        forward: impl Fn(&B, &Tensor) -> Result<Tensor> + Send + Sync + 'static,
+    ) -> Result<Tensor> {
+        let run = self.clone();
+        Ok(self.model.run(unit, x, move |vb, x| {
+            let mut block = build(vb)?;
+            run.attach(projections(&mut block), x.device())?;
+            forward(&block, x)
+        })?)
+    }
 }
 
 /// What `estimate-memory` needs to know about an architecture beyond its parameters (which come
@@ -322,3 +384,7 @@ pub trait Architecture: Clone + std::fmt::Debug + Send + Sync + Sized + 'static 
         )))
     }
 }
+
+#[cfg(test)]
+#[path = "arch_tests.rs"]
+mod tests;

@@ -1,16 +1,23 @@
 //! BERT: the encoder (`BertModel`) under the masked-LM head (`BertForMaskedLM`) and the
 //! sequence-classification head (`BertForSequenceClassification`), with `transformers`'
-//! parameter names (`bert.encoder.layer.0.attention.self.query.weight`, ...).
+//! parameter names (`bert.encoder.layer.0.attention.self.query.weight`, ...). At ZeRO stage 3
+//! the units are the embeddings (`bert.embeddings`: word, position and token-type embeddings and
+//! their LayerNorm), each layer (`bert.encoder.layer.{i}`) and the root (the head: the MLM
+//! transform and decoder bias, or the pooler and the classifier).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use accelerate_rs::nn::{checkpoint_fn, LayerNorm, Linear};
+use accelerate_rs::WrapPolicy;
 use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::arch::{Architecture, Hidden, Inputs, MemoryProfile, Mode, ModelConfig, Proj, Task};
+use crate::arch::{
+    Architecture, Hidden, Inputs, MemoryProfile, Mode, ModelConfig, Proj, ShardedRun, Task,
+};
 use crate::config::{
     config_value, ensure, ensure_init_range, ensure_layers, ensure_multiple, ensure_positive,
     ensure_probabilities, ensure_sizes, parse, read_json, Activation, Origin,
@@ -209,15 +216,33 @@ impl BertConfig {
     }
 }
 
+/// The ZeRO-3 unit of the embeddings.
+const EMBED_UNIT: &str = "bert.embeddings";
+
+/// The ZeRO-3 units of a BERT of `layers` layers: the embeddings, each layer, and the root unit
+/// holding the head (either class's).
+fn wrap_policy(layers: usize) -> WrapPolicy {
+    let blocks = (0..layers).map(|i| format!("bert.encoder.layer.{i}"));
+    WrapPolicy::prefixes(std::iter::once(EMBED_UNIT.to_string()).chain(blocks))
+}
+
 /// The encoder's parameters: embeddings, layers and (for classification) the pooler.
 #[derive(Debug, Clone)]
 struct Encoder {
+    /// How the layers are made (ZeRO-3 makes them again from their gathered units).
+    config: Arc<BertConfig>,
+    embeddings: Embeddings,
+    layers: Vec<EncoderLayer>,
+    pooler: Option<Proj>,
+}
+
+/// The word, position and token-type embeddings, summed, normalized and dropped out.
+#[derive(Debug, Clone)]
+struct Embeddings {
     word: Tensor,
     position: Tensor,
     token_type: Tensor,
-    embed_norm: LayerNorm,
-    layers: Vec<EncoderLayer>,
-    pooler: Option<Proj>,
+    norm: LayerNorm,
     dropout: f64,
     max_positions: usize,
     /// `pad_token_id`: the word embedding's padding index.
@@ -298,8 +323,8 @@ impl EncoderLayer {
         self.out_norm.forward(&(o + h)?)
     }
 
-    fn projections_mut(&mut self) -> [&mut Proj; 6] {
-        [
+    fn projections_mut(&mut self) -> Vec<&mut Proj> {
+        vec![
             &mut self.query,
             &mut self.key,
             &mut self.value,
@@ -310,41 +335,34 @@ impl EncoderLayer {
     }
 }
 
-impl Encoder {
-    fn new(c: &BertConfig, pooler: bool, std: f64, vb: VarBuilder) -> Result<Self> {
-        let e = vb.pp("embeddings");
+impl Embeddings {
+    /// The embeddings under `vb` (`bert.embeddings`).
+    fn new(c: &BertConfig, std: f64, vb: VarBuilder) -> Result<Self> {
         let h = c.hidden_size;
-        Ok(Encoder {
-            word: embedding(c.vocab_size, h, std, e.pp("word_embeddings"))?,
+        Ok(Embeddings {
+            word: embedding(c.vocab_size, h, std, vb.pp("word_embeddings"))?,
             position: embedding(
                 c.max_position_embeddings,
                 h,
                 std,
-                e.pp("position_embeddings"),
+                vb.pp("position_embeddings"),
             )?,
-            token_type: embedding(c.type_vocab_size, h, std, e.pp("token_type_embeddings"))?,
-            embed_norm: layer_norm(h, c.layer_norm_eps, e.pp("LayerNorm"))?,
-            layers: (0..c.num_hidden_layers)
-                .map(|i| EncoderLayer::new(c, std, vb.pp(format!("encoder.layer.{i}"))))
-                .collect::<Result<Vec<_>>>()?,
-            pooler: if pooler {
-                Some(Proj::linear(h, h, true, std, vb.pp("pooler.dense"))?)
-            } else {
-                None
-            },
+            token_type: embedding(c.type_vocab_size, h, std, vb.pp("token_type_embeddings"))?,
+            norm: layer_norm(h, c.layer_norm_eps, vb.pp("LayerNorm"))?,
             dropout: c.hidden_dropout_prob,
             max_positions: c.max_position_embeddings,
             pad: padding_idx(&c.extra, c.vocab_size),
         })
     }
 
-    fn forward(&self, inputs: &Inputs<'_>, mode: Mode) -> Result<Tensor> {
+    /// The embeddings of `inputs` and what every layer sees besides its input; the inputs'
+    /// shapes checked.
+    fn forward(&self, inputs: &Inputs<'_>, mode: Mode) -> Result<(Tensor, Masks)> {
         let (input_ids, token_type_ids, mask) = (
             inputs.input_ids,
             inputs.token_type_ids,
             inputs.attention_mask,
         );
-        let (train, checkpointing) = (mode.training, mode.checkpointing);
         let (b, t) = input_ids.dims2()?;
         check_mask(mask, b, t)?;
         check_documents(inputs.document_ids, b, t)?;
@@ -379,14 +397,38 @@ impl Encoder {
             None => self.position.narrow(0, 0, t)?.unsqueeze(0)?,
         };
         let e = (words + types)?.broadcast_add(&pos)?;
-        let mut h = dropout(&self.embed_norm.forward(&e)?, self.dropout, train)?;
+        let h = dropout(&self.norm.forward(&e)?, self.dropout, mode.training)?;
         let masks = Masks {
             mask: mask.cloned(),
             documents: inputs.document_ids.cloned(),
             backend: mode.attention,
         };
+        Ok((h, masks))
+    }
+}
+
+impl Encoder {
+    fn new(c: &BertConfig, pooler: bool, std: f64, vb: VarBuilder) -> Result<Self> {
+        let h = c.hidden_size;
+        Ok(Encoder {
+            config: Arc::new(c.clone()),
+            embeddings: Embeddings::new(c, std, vb.pp("embeddings"))?,
+            layers: (0..c.num_hidden_layers)
+                .map(|i| EncoderLayer::new(c, std, vb.pp(format!("encoder.layer.{i}"))))
+                .collect::<Result<Vec<_>>>()?,
+            pooler: if pooler {
+                Some(Proj::linear(h, h, true, std, vb.pp("pooler.dense"))?)
+            } else {
+                None
+            },
+        })
+    }
+
+    fn forward(&self, inputs: &Inputs<'_>, mode: Mode) -> Result<Tensor> {
+        let (mut h, masks) = self.embeddings.forward(inputs, mode)?;
+        let train = mode.training;
         for layer in &self.layers {
-            h = if checkpointing {
+            h = if mode.checkpointing {
                 let (layer, masks) = (layer.clone(), masks.clone());
                 checkpoint_fn(move |x| layer.forward(x, &masks, train), &h)?
             } else {
@@ -394,6 +436,33 @@ impl Encoder {
             };
         }
         Ok(h)
+    }
+
+    /// [`forward`](Self::forward) at ZeRO stage 3: the embeddings unit gathered and held until
+    /// the backward pass ends; each layer built from its gathered unit (LoRA adapters
+    /// attached), run and recomputed in the backward pass. Returns the hidden states and the
+    /// gathered word embeddings (the tied MLM decoder).
+    fn forward_sharded(
+        &self,
+        inputs: &Inputs<'_>,
+        mode: Mode,
+        s: &ShardedRun,
+    ) -> Result<(Tensor, Tensor)> {
+        let embeddings = Embeddings::new(&self.config, 0.0, s.gather(EMBED_UNIT)?.pp(EMBED_UNIT))?;
+        let (mut h, masks) = embeddings.forward(inputs, mode)?;
+        for i in 0..self.layers.len() {
+            let (config, masks, train) = (self.config.clone(), masks.clone(), mode.training);
+            let unit = format!("bert.encoder.layer.{i}");
+            let at = unit.clone();
+            h = s.run_block(
+                &unit,
+                &h,
+                move |vb| EncoderLayer::new(&config, 0.0, vb.pp(&at)),
+                EncoderLayer::projections_mut,
+                move |layer, x| layer.forward(x, &masks, train),
+            )?;
+        }
+        Ok((h, embeddings.word))
     }
 
     /// The encoder's linear layers (the pooler's too, if it has one).
@@ -454,10 +523,45 @@ fn bert_profile(c: &BertConfig) -> MemoryProfile {
 #[derive(Debug, Clone)]
 pub struct BertMlm {
     encoder: Encoder,
+    head: MlmHead,
+}
+
+/// The masked-LM head (`cls.predictions`): the transform (dense, activation, LayerNorm) and the
+/// decoder to the vocabulary (the word embeddings, tied, or its own) with its bias.
+#[derive(Debug, Clone)]
+struct MlmHead {
     transform: Proj,
     transform_norm: LayerNorm,
     decoder: Linear,
     act: Activation,
+}
+
+impl MlmHead {
+    /// The head under `vb` (`cls.predictions`); its decoder is `word` when tied.
+    fn new(c: &BertConfig, word: &Tensor, std: f64, vb: VarBuilder) -> Result<Self> {
+        let h = c.hidden_size;
+        let bias = vb.get_with_hints(c.vocab_size, "bias", candle_nn::Init::Const(0.0))?;
+        let weight = if c.tie_word_embeddings {
+            word.clone()
+        } else {
+            vb.pp("decoder").get_with_hints(
+                (c.vocab_size, h),
+                "weight",
+                crate::layers::normal(std),
+            )?
+        };
+        Ok(MlmHead {
+            transform: Proj::linear(h, h, true, std, vb.pp("transform.dense"))?,
+            transform_norm: layer_norm(h, c.layer_norm_eps, vb.pp("transform.LayerNorm"))?,
+            decoder: Linear::new(weight, Some(bias)),
+            act: c.hidden_act,
+        })
+    }
+
+    fn transformed(&self, hidden: &Tensor, train: bool) -> Result<Tensor> {
+        let x = self.act.apply(&self.transform.forward(hidden, train)?)?;
+        self.transform_norm.forward(&x)
+    }
 }
 
 /// BERT with its masked-language-model head (`BertForMaskedLM`), trainable: every parameter
@@ -468,9 +572,9 @@ pub struct BertMlm {
 pub type BertForMaskedLm = crate::Pretrained<BertMlm>;
 
 impl BertMlm {
-    fn transformed(&self, hidden: &Tensor, train: bool) -> Result<Tensor> {
-        let x = self.act.apply(&self.transform.forward(hidden, train)?)?;
-        self.transform_norm.forward(&x)
+    /// The head: this model's, or (ZeRO-3) the one built from its gathered units.
+    fn head<'a>(&'a self, hidden: &'a Hidden) -> Result<&'a MlmHead> {
+        Ok(hidden.gathered_head::<MlmHead>()?.unwrap_or(&self.head))
     }
 }
 
@@ -495,32 +599,14 @@ impl Architecture for BertMlm {
 
     fn assemble(config: &BertConfig, vb: VarBuilder, std: f64) -> Result<Self> {
         let encoder = Encoder::new(config, false, std, vb.pp("bert"))?;
-        let p = vb.pp("cls.predictions");
-        let h = config.hidden_size;
-        let transform = Proj::linear(h, h, true, std, p.pp("transform.dense"))?;
-        let transform_norm = layer_norm(h, config.layer_norm_eps, p.pp("transform.LayerNorm"))?;
-        let bias = p.get_with_hints(config.vocab_size, "bias", candle_nn::Init::Const(0.0))?;
-        let weight = if config.tie_word_embeddings {
-            encoder.word.clone()
-        } else {
-            p.pp("decoder").get_with_hints(
-                (config.vocab_size, h),
-                "weight",
-                crate::layers::normal(std),
-            )?
-        };
-        Ok(BertMlm {
-            encoder,
-            transform,
-            transform_norm,
-            decoder: Linear::new(weight, Some(bias)),
-            act: config.hidden_act,
-        })
+        let word = encoder.embeddings.word.clone();
+        let head = MlmHead::new(config, &word, std, vb.pp("cls.predictions"))?;
+        Ok(BertMlm { encoder, head })
     }
 
     fn projections_mut(&mut self) -> Vec<&mut Proj> {
         let mut out = self.encoder.projections_mut();
-        out.push(&mut self.transform);
+        out.push(&mut self.head.transform);
         out
     }
 
@@ -529,16 +615,38 @@ impl Architecture for BertMlm {
         Ok(Hidden::new(self.encoder.forward(inputs, mode)?))
     }
 
+    /// [`hidden_states`](Self::hidden_states) at ZeRO stage 3 (see `Encoder::forward_sharded`);
+    /// the head is built from the root unit (`cls.predictions`, LoRA adapters attached) and the
+    /// gathered word embeddings (tied decoder), and comes back in the [`Hidden`].
+    fn hidden_states_sharded(
+        &self,
+        inputs: &Inputs<'_>,
+        mode: Mode,
+        s: &ShardedRun,
+    ) -> Result<Hidden> {
+        let (h, word) = self.encoder.forward_sharded(inputs, mode, s)?;
+        let root = s.gather("")?.pp("cls.predictions");
+        let mut head = MlmHead::new(&self.encoder.config, &word, 0.0, root)?;
+        s.attach(vec![&mut head.transform], h.device())?;
+        Ok(Hidden::new(h).with_head(head))
+    }
+
+    fn wrap_policy(config: &BertConfig) -> Option<WrapPolicy> {
+        Some(wrap_policy(config.num_hidden_layers))
+    }
+
     fn logits(&self, hidden: &Hidden, mode: Mode) -> Result<Tensor> {
-        self.decoder
-            .forward(&self.transformed(&hidden.states, mode.training)?)
+        let head = self.head(hidden)?;
+        head.decoder
+            .forward(&head.transformed(&hidden.states, mode.training)?)
     }
 
     /// The masked-LM loss: `labels` `[B, T]` hold the original token at masked positions and
     /// -100 elsewhere (no shift); the mean over the labelled positions.
     fn loss(&self, hidden: &Hidden, labels: &Tensor, mode: Mode) -> Result<Tensor> {
-        let x = self.transformed(&hidden.states, mode.training)?;
-        hidden.with_aux(masked_lm_loss(&x, &self.decoder, labels)?)
+        let head = self.head(hidden)?;
+        let x = head.transformed(&hidden.states, mode.training)?;
+        hidden.with_aux(masked_lm_loss(&x, &head.decoder, labels)?)
     }
 
     fn memory_profile(c: &BertConfig) -> MemoryProfile {
@@ -553,6 +661,29 @@ pub struct BertClassifier {
     classifier: Linear,
     classifier_dropout: f64,
     problem_type: Option<String>,
+}
+
+/// ZeRO-3: the classifier's head built from the root unit: the pooler (`bert.pooler.dense`) and
+/// the classifier.
+#[derive(Debug, Clone)]
+struct PooledHead {
+    pooler: Proj,
+    classifier: Linear,
+}
+
+impl BertClassifier {
+    /// The pooler and the classifier: this model's, or (ZeRO-3) those built from the root unit.
+    fn head<'a>(&'a self, hidden: &'a Hidden) -> Result<(&'a Proj, &'a Linear)> {
+        if let Some(head) = hidden.gathered_head::<PooledHead>()? {
+            return Ok((&head.pooler, &head.classifier));
+        }
+        let pooler = self
+            .encoder
+            .pooler
+            .as_ref()
+            .ok_or_else(|| candle_core::Error::Msg("the classifier has no pooler".into()))?;
+        Ok((pooler, &self.classifier))
+    }
 }
 
 /// BERT with a sequence-classification head (`BertForSequenceClassification`): the pooled first
@@ -602,17 +733,35 @@ impl Architecture for BertClassifier {
         Ok(Hidden::new(self.encoder.forward(inputs, mode)?))
     }
 
+    /// [`hidden_states`](Self::hidden_states) at ZeRO stage 3 (see `Encoder::forward_sharded`);
+    /// the pooler (LoRA adapters attached) and the classifier are built from the root unit and
+    /// come back in the [`Hidden`].
+    fn hidden_states_sharded(
+        &self,
+        inputs: &Inputs<'_>,
+        mode: Mode,
+        s: &ShardedRun,
+    ) -> Result<Hidden> {
+        let (h, _) = self.encoder.forward_sharded(inputs, mode, s)?;
+        let root = s.gather("")?;
+        let c = &self.encoder.config;
+        let (hidden, labels) = (c.hidden_size, c.num_labels());
+        let mut pooler = Proj::linear(hidden, hidden, true, 0.0, root.pp("bert.pooler.dense"))?;
+        s.attach(vec![&mut pooler], h.device())?;
+        let classifier = linear(hidden, labels, true, 0.0, root.pp("classifier"))?;
+        Ok(Hidden::new(h).with_head(PooledHead { pooler, classifier }))
+    }
+
+    fn wrap_policy(config: &BertConfig) -> Option<WrapPolicy> {
+        Some(wrap_policy(config.num_hidden_layers))
+    }
+
     /// The logits `[B, num_labels]`.
     fn logits(&self, hidden: &Hidden, mode: Mode) -> Result<Tensor> {
         let first = hidden.states.narrow(1, 0, 1)?.squeeze(1)?;
-        let pooler = self
-            .encoder
-            .pooler
-            .as_ref()
-            .ok_or_else(|| candle_core::Error::Msg("the classifier has no pooler".into()))?;
+        let (pooler, classifier) = self.head(hidden)?;
         let pooled = pooler.forward(&first, mode.training)?.tanh()?;
-        self.classifier
-            .forward(&dropout(&pooled, self.classifier_dropout, mode.training)?)
+        classifier.forward(&dropout(&pooled, self.classifier_dropout, mode.training)?)
     }
 
     fn loss(&self, hidden: &Hidden, labels: &Tensor, mode: Mode) -> Result<Tensor> {

@@ -437,15 +437,15 @@ impl LmHead {
     }
 
     /// This head, or (ZeRO-3) the same over the output layer built from its gathered unit.
-    fn of(&self, hidden: &Hidden) -> LmHead {
-        match &hidden.head {
+    fn of(&self, hidden: &Hidden) -> Result<LmHead> {
+        Ok(match hidden.gathered_head::<Linear>()? {
             Some(head) => LmHead {
                 head: head.clone(),
                 softcap: self.softcap,
                 tied: self.tied,
             },
             None => self.clone(),
-        }
+        })
     }
 
     /// `[B, T, vocab]`.
@@ -552,9 +552,11 @@ pub(crate) struct DecoderOutput {
 impl DecoderOutput {
     /// The hidden states (and the gathered head) without an auxiliary loss.
     pub(crate) fn into_hidden(self) -> Hidden {
-        let mut hidden = Hidden::new(self.hidden);
-        hidden.head = self.head;
-        hidden
+        let hidden = Hidden::new(self.hidden);
+        match self.head {
+            Some(head) => hidden.with_head(head),
+            None => hidden,
+        }
     }
 }
 
@@ -603,7 +605,6 @@ impl<B: Block> CausalDecoder<B> {
         let ids = inputs.input_ids;
         let (b, t) = ids.dims2()?;
         let embed = s
-            .model
             .gather(EMBED_UNIT)?
             .get(self.embed_tokens.dims2()?, "model.embed_tokens.weight")?;
         let mut h = lookup(&embed, ids, self.pad, "input_ids")?;
@@ -613,22 +614,19 @@ impl<B: Block> CausalDecoder<B> {
         let ctx = self.context(inputs, mode, &h)?;
         let mut router_logits = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
-            let (build, ctx, run) = (self.build.clone(), ctx.clone(), s.clone());
-            let train = mode.training;
-            let packed = s
-                .model
-                .run(&format!("model.layers.{i}"), &h, move |vb, x| {
-                    let mut block = (build.0)(i, vb)?;
-                    if let Some(a) = &run.adapters {
-                        crate::lora::attach(block.projections_mut(), a, run.dtype, x.device())?;
-                    }
-                    pack(block.forward(x, &ctx, train)?, (b, t))
-                })?;
+            let (build, ctx, train) = (self.build.clone(), ctx.clone(), mode.training);
+            let packed = s.run_block(
+                &format!("model.layers.{i}"),
+                &h,
+                move |vb| (build.0)(i, vb),
+                B::projections_mut,
+                move |block, x| pack(block.forward(x, &ctx, train)?, (b, t)),
+            )?;
             let out = unpack(packed, layer.experts(), (b, t))?;
             h = out.hidden;
             router_logits.extend(out.router_logits);
         }
-        let root = s.model.gather("")?;
+        let root = s.gather("")?;
         let norm = self.norm.rebuilt(root.pp("model").pp("norm"))?;
         let head = LmHead::new(&embed, self.head.tied, None, 0.0, root)?;
         Ok(DecoderOutput {
@@ -695,12 +693,12 @@ impl<B: Block> CausalDecoder<B> {
 
     /// The output layer's `[B, T, vocab]` logits of `hidden`.
     pub(crate) fn logits(&self, hidden: &Hidden) -> Result<Tensor> {
-        self.head.of(hidden).logits(&hidden.states)
+        self.head.of(hidden)?.logits(&hidden.states)
     }
 
     /// The causal language-model loss of `hidden` against `labels`, the auxiliary loss added.
     pub(crate) fn loss(&self, hidden: &Hidden, labels: &Tensor) -> Result<Tensor> {
-        hidden.with_aux(self.head.of(hidden).loss(&hidden.states, labels)?)
+        hidden.with_aux(self.head.of(hidden)?.loss(&hidden.states, labels)?)
     }
 
     pub(crate) fn projections_mut(&mut self) -> Vec<&mut Proj> {

@@ -1,19 +1,24 @@
 //! GPT-2 (`GPT2LMHeadModel`): learned positions, pre-norm blocks, its `Conv1D` weight layout
 //! (`[in, out]`), the output layer tied to the token embeddings; `transformers`' parameter names
-//! (`transformer.h.0.attn.c_attn.weight`, ...).
+//! (`transformer.h.0.attn.c_attn.weight`, ...). At ZeRO stage 3 its units are the parameters
+//! outside the blocks (`transformer`: the token and position embeddings and `ln_f`), each block
+//! (`transformer.h.{i}`), and the root (an untied `lm_head`).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use accelerate_rs::nn::{
     checkpoint_fn, packed_self_attention, AttentionOptions, LayerNorm, Linear,
 };
+use accelerate_rs::WrapPolicy;
 use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::arch::{
-    Architecture, AttentionBackend, Hidden, Inputs, MemoryProfile, Mode, ModelConfig, Proj, Task,
+    Architecture, AttentionBackend, Hidden, Inputs, MemoryProfile, Mode, ModelConfig, Proj,
+    ShardedRun, Task,
 };
 use crate::config::{
     config_value, ensure_init_range, ensure_layers, ensure_multiple, ensure_positive,
@@ -282,8 +287,8 @@ impl Block {
         &h + dropout(&m, self.resid_pdrop, train)?
     }
 
-    fn projections_mut(&mut self) -> [&mut Proj; 4] {
-        [
+    fn projections_mut(&mut self) -> Vec<&mut Proj> {
+        vec![
             &mut self.c_attn,
             &mut self.c_proj,
             &mut self.c_fc,
@@ -292,9 +297,16 @@ impl Block {
     }
 }
 
+/// The ZeRO-3 unit of the parameters outside the blocks: `transformer.wte`, `transformer.wpe`
+/// and `transformer.ln_f` (one prefix holds the three; the blocks' longer prefixes win for
+/// theirs).
+const OUTER_UNIT: &str = "transformer";
+
 /// The layers of GPT-2 with its language-model head ([`Gpt2LmHeadModel`]).
 #[derive(Debug, Clone)]
 pub struct Gpt2 {
+    /// How the blocks are made (ZeRO-3 makes them again from their gathered units).
+    config: Arc<Gpt2Config>,
     wte: Tensor,
     wpe: Tensor,
     blocks: Vec<Block>,
@@ -309,6 +321,51 @@ pub struct Gpt2 {
 /// checkpoints' names. Checkpoints of the bare `GPT2Model` (names without `transformer.`, such
 /// as the original `gpt2`) load too.
 pub type Gpt2LmHeadModel = crate::Pretrained<Gpt2>;
+
+impl Gpt2 {
+    /// The embeddings of `inputs` (token plus position, dropout) over the matrices `wte` and
+    /// `wpe` (this model's, or at ZeRO stage 3 the gathered ones), and what every block sees
+    /// besides its input; the inputs' shapes and positions checked.
+    fn embed(
+        &self,
+        wte: &Tensor,
+        wpe: &Tensor,
+        inputs: &Inputs<'_>,
+        mode: Mode,
+    ) -> Result<(Tensor, Masks)> {
+        let (input_ids, attention_mask) = (inputs.input_ids, inputs.attention_mask);
+        let (b, t) = input_ids.dims2()?;
+        check_mask(attention_mask, b, t)?;
+        check_documents(inputs.document_ids, b, t)?;
+        let positions = position_ids(inputs.position_ids, b, t)?;
+        let last = positions.as_ref().map_or(t, |(_, max)| max + 1);
+        if last > self.n_positions {
+            candle_core::bail!(
+                "input_ids: position {} reached, but GPT-2 has positions for n_positions = {} only",
+                last - 1,
+                self.n_positions
+            );
+        }
+        // GPT-2's embedding has no padding index.
+        let tok = lookup(wte, input_ids, None, "input_ids")?;
+        let pos = match &positions {
+            Some((p, _)) => wpe.index_select(p, 0)?.reshape((b, t, ()))?,
+            None => wpe.narrow(0, 0, t)?.unsqueeze(0)?,
+        };
+        let h = dropout(&tok.broadcast_add(&pos)?, self.embd_pdrop, mode.training)?;
+        let masks = Masks {
+            mask: attention_mask.cloned(),
+            documents: inputs.document_ids.cloned(),
+            backend: mode.attention,
+        };
+        Ok((h, masks))
+    }
+
+    /// The output layer: this model's, or (ZeRO-3) the one built from its gathered unit.
+    fn head<'a>(&'a self, hidden: &'a Hidden) -> Result<&'a Linear> {
+        Ok(hidden.gathered_head::<Linear>()?.unwrap_or(&self.lm_head))
+    }
+}
 
 impl Architecture for Gpt2 {
     type Config = Gpt2Config;
@@ -353,6 +410,7 @@ impl Architecture for Gpt2 {
             )?
         };
         Ok(Gpt2 {
+            config: Arc::new(config.clone()),
             wte,
             wpe,
             blocks,
@@ -373,32 +431,8 @@ impl Architecture for Gpt2 {
     /// The final hidden states `[B, T, n_embd]` (after `ln_f`). Positions are the position ids,
     /// else `0..T`; a position at or past `n_positions` is an error.
     fn hidden_states(&self, inputs: &Inputs<'_>, mode: Mode) -> Result<Hidden> {
-        let (input_ids, attention_mask) = (inputs.input_ids, inputs.attention_mask);
-        let (b, t) = input_ids.dims2()?;
-        check_mask(attention_mask, b, t)?;
-        check_documents(inputs.document_ids, b, t)?;
-        let positions = position_ids(inputs.position_ids, b, t)?;
-        let last = positions.as_ref().map_or(t, |(_, max)| max + 1);
-        if last > self.n_positions {
-            candle_core::bail!(
-                "input_ids: position {} reached, but GPT-2 has positions for n_positions = {} only",
-                last - 1,
-                self.n_positions
-            );
-        }
-        // GPT-2's embedding has no padding index.
-        let tok = lookup(&self.wte, input_ids, None, "input_ids")?;
-        let pos = match &positions {
-            Some((p, _)) => self.wpe.index_select(p, 0)?.reshape((b, t, ()))?,
-            None => self.wpe.narrow(0, 0, t)?.unsqueeze(0)?,
-        };
+        let (mut h, masks) = self.embed(&self.wte, &self.wpe, inputs, mode)?;
         let train = mode.training;
-        let mut h = dropout(&tok.broadcast_add(&pos)?, self.embd_pdrop, train)?;
-        let masks = Masks {
-            mask: attention_mask.cloned(),
-            documents: inputs.document_ids.cloned(),
-            backend: mode.attention,
-        };
         for block in &self.blocks {
             h = if mode.checkpointing {
                 let (block, masks) = (block.clone(), masks.clone());
@@ -408,6 +442,51 @@ impl Architecture for Gpt2 {
             };
         }
         Ok(Hidden::new(self.ln_f.forward(&h)?))
+    }
+
+    /// [`hidden_states`](Self::hidden_states) at ZeRO stage 3: the outer unit (embeddings,
+    /// `ln_f`) gathered and held until the backward pass ends; each block built from its
+    /// gathered unit (LoRA adapters attached), run and recomputed in the backward pass; the
+    /// output layer (the gathered token embeddings, or the root unit's `lm_head`) comes back in
+    /// the [`Hidden`].
+    fn hidden_states_sharded(
+        &self,
+        inputs: &Inputs<'_>,
+        mode: Mode,
+        s: &ShardedRun,
+    ) -> Result<Hidden> {
+        let outer = s.gather(OUTER_UNIT)?.pp(OUTER_UNIT);
+        let wte = outer.get(self.wte.dims2()?, "wte.weight")?;
+        let wpe = outer.get(self.wpe.dims2()?, "wpe.weight")?;
+        let (mut h, masks) = self.embed(&wte, &wpe, inputs, mode)?;
+        let c = &self.config;
+        for i in 0..self.blocks.len() {
+            let (config, masks, train) = (self.config.clone(), masks.clone(), mode.training);
+            let unit = format!("{OUTER_UNIT}.h.{i}");
+            let at = unit.clone();
+            h = s.run_block(
+                &unit,
+                &h,
+                move |vb| Block::new(&config, i, 0.0, vb.pp(&at)),
+                Block::projections_mut,
+                move |block, x| block.forward(x, &masks, train),
+            )?;
+        }
+        let ln_f = layer_norm(c.n_embd, c.layer_norm_epsilon, outer.pp("ln_f"))?;
+        let head = if c.tie_word_embeddings {
+            Linear::new(wte, None)
+        } else {
+            let root = s.gather("")?;
+            linear(c.n_embd, c.vocab_size, false, 0.0, root.pp("lm_head"))?
+        };
+        Ok(Hidden::new(ln_f.forward(&h)?).with_head(head))
+    }
+
+    fn wrap_policy(config: &Gpt2Config) -> Option<WrapPolicy> {
+        let blocks = (0..config.n_layer).map(|i| format!("{OUTER_UNIT}.h.{i}"));
+        Some(WrapPolicy::prefixes(
+            std::iter::once(OUTER_UNIT.to_string()).chain(blocks),
+        ))
     }
 
     /// A generation step: learned positions at `inputs.position_ids` (below `n_positions`).
@@ -438,11 +517,11 @@ impl Architecture for Gpt2 {
     }
 
     fn logits(&self, hidden: &Hidden, _mode: Mode) -> Result<Tensor> {
-        self.lm_head.forward(&hidden.states)
+        self.head(hidden)?.forward(&hidden.states)
     }
 
     fn loss(&self, hidden: &Hidden, labels: &Tensor, _mode: Mode) -> Result<Tensor> {
-        hidden.with_aux(causal_lm_loss(&hidden.states, &self.lm_head, labels)?)
+        hidden.with_aux(causal_lm_loss(&hidden.states, self.head(hidden)?, labels)?)
     }
 
     fn memory_profile(c: &Gpt2Config) -> MemoryProfile {

@@ -2,7 +2,8 @@
 //! attention, untied head): `from_pretrained_sharded` on N ranks, each reading only its slices,
 //! trained K AdamW steps, ends with the parameters of stage 0 on the same N ranks; the same
 //! with gradient accumulation, bf16 mixed precision and LoRA adapters (saved whole, loadable).
-//! Real processes (the library's self-launch over TCP on loopback) and in-process ranks.
+//! Every decoder family, GPT-2 and both BERT heads (tied and untied output layers) the same on 2
+//! ranks. Real processes (the library's self-launch over TCP on loopback) and in-process ranks.
 
 mod common;
 
@@ -15,7 +16,7 @@ use accelerate_rs::collective::{Collective, ThreadGroup};
 use accelerate_rs::nn::LoraConfig;
 use accelerate_rs::optim::{AdamW, ParamsAdamW};
 use accelerate_rs::{Accelerator, DataLoader, MixedPrecision, Parameters, TensorDataset};
-use accelerate_rs_models::{AutoModel, LlamaForCausalLm};
+use accelerate_rs_models::{AutoModel, Config, LlamaForCausalLm, Task};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Optimizer;
 use common::fixture;
@@ -50,12 +51,66 @@ fn tokens(n: usize) -> Tensor {
     Tensor::from_vec(v, (n, SEQ), &Device::Cpu).unwrap()
 }
 
-/// Rank-4 adapters on the attention's query and value projections (or Phi-3's fused `qkv_proj`;
-/// named, because peft has no default for the Qwen mixtures of experts).
+/// Rank-4 adapters on the attention's query and value projections (or Phi-3's fused `qkv_proj`,
+/// GPT-2's fused `c_attn`, BERT's `query` and `value`: peft's defaults, named because peft has
+/// none for the Qwen mixtures of experts).
 fn lora() -> LoraConfig {
-    let mut c = LoraConfig::new(4, 8.0).target_modules(["q_proj", "v_proj", "qkv_proj"]);
+    let targets = [
+        "q_proj", "v_proj", "qkv_proj", "c_attn", "query", "value", "dense",
+    ];
+    let mut c = LoraConfig::new(4, 8.0).target_modules(targets);
     c.init_seed = Some(7);
     c
+}
+
+/// The loss of one batch `ids` `[B, SEQ]` for the model's task: a language model predicts its
+/// own tokens (shifted for a causal one; every position labelled for a masked one), a
+/// classifier the first token's id modulo its 3 labels. GPT-2 and BERT get a padding mask (the
+/// last two tokens of the first row), which their blocks must see at every stage.
+fn batch_loss(model: &AutoModel, ids: &Tensor) -> Tensor {
+    let labels = match model.task() {
+        Task::SequenceClassification => {
+            let first: Vec<u32> = ids
+                .narrow(1, 0, 1)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let v: Vec<u32> = first.iter().map(|t| t % 3).collect();
+            Tensor::from_vec(v, first.len(), ids.device()).unwrap()
+        }
+        _ => ids.clone(),
+    };
+    let mask = matches!(model.model_type(), "gpt2" | "bert").then(|| {
+        let (b, t) = ids.dims2().unwrap();
+        let v: Vec<u32> = (0..b * t).map(|i| u32::from(i < t - 2 || i >= t)).collect();
+        Tensor::from_vec(v, (b, t), ids.device()).unwrap()
+    });
+    model
+        .loss_with_mask(ids, mask.as_ref(), &labels)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+}
+
+/// The model of `dir` at the accelerator's stage: its weights, or for a folder holding only a
+/// `config.json` fresh ones drawn from seed 5 (the same at every stage and world size).
+fn load(acc: &Accelerator, dir: &Path) -> AutoModel {
+    let sharded = acc.state().zero_stage() == 3;
+    if dir.join("model.safetensors").is_file() {
+        return if sharded {
+            AutoModel::from_pretrained_sharded(dir, acc, DType::F32).unwrap()
+        } else {
+            AutoModel::from_pretrained(dir, acc.device(), DType::F32).unwrap()
+        };
+    }
+    let config = Config::from_file(dir.join("config.json")).unwrap();
+    if sharded {
+        AutoModel::from_config_sharded(&config, acc, DType::F32, 5).unwrap()
+    } else {
+        AutoModel::from_config_seeded(&config, 5, acc.device(), DType::F32).unwrap()
+    }
 }
 
 /// `STEPS` optimizer steps at the accelerator's stage; the final trained tensors by name (the
@@ -67,14 +122,11 @@ fn train(
     out: Option<&Path>,
 ) -> HashMap<String, Tensor> {
     let n = acc.gradient_accumulation_steps();
+    accelerate_rs::nn::set_dropout_seed(100 + acc.rank() as u64);
     let data = TensorDataset::new(vec![tokens(acc.world_size() * BATCH * STEPS * n)]).unwrap();
     let loader = DataLoader::new(data, BATCH);
     let sharded = acc.state().zero_stage() == 3;
-    let mut model = if sharded {
-        AutoModel::from_pretrained_sharded(dir, acc, DType::F32).unwrap()
-    } else {
-        AutoModel::from_pretrained(dir, acc.device(), DType::F32).unwrap()
-    };
+    let mut model = load(acc, dir);
     model.train(true);
     if variant == Variant::Lora {
         model.add_lora(&lora()).unwrap();
@@ -84,8 +136,7 @@ fn train(
         ($opt:expr, $loader:expr, $model:expr) => {{
             for b in $loader.iter().unwrap() {
                 let b = b.unwrap();
-                let ids = &b[0];
-                let loss = $model.loss(ids, ids).unwrap().to_dtype(DType::F32).unwrap();
+                let loss = batch_loss(&$model, &b[0]);
                 $opt.backward_step_batch(&loss, &b).unwrap();
             }
         }};
@@ -113,12 +164,7 @@ fn train(
                 working.train(true);
                 for b in loader.iter().unwrap() {
                     let b = b.unwrap();
-                    let ids = &b[0];
-                    let loss = working
-                        .loss(ids, ids)
-                        .unwrap()
-                        .to_dtype(DType::F32)
-                        .unwrap();
+                    let loss = batch_loss(&working, &b[0]);
                     opt.backward_step_batch(&loss, &b).unwrap();
                 }
             }
@@ -160,16 +206,16 @@ fn max_abs_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f32
         .fold(0.0, f32::max)
 }
 
-/// `world` in-process ranks at `stage` training the fixture `name`: rank 0's result.
+/// `world` in-process ranks at `stage` training the model folder `dir`: rank 0's result.
 fn in_process_on(
-    name: &str,
+    dir: &Path,
     world: usize,
     stage: usize,
     accumulate: usize,
     mixed: MixedPrecision,
     variant: Variant,
 ) -> HashMap<String, Tensor> {
-    let dir = fixture(name);
+    let dir = dir.to_path_buf();
     let handles: Vec<_> = ThreadGroup::new(world, Duration::from_secs(60))
         .unwrap()
         .into_iter()
@@ -200,7 +246,7 @@ fn in_process(
     mixed: MixedPrecision,
     variant: Variant,
 ) -> HashMap<String, Tensor> {
-    in_process_on("llama", world, stage, accumulate, mixed, variant)
+    in_process_on(&fixture("llama"), world, stage, accumulate, mixed, variant)
 }
 
 /// How far stage 3 may end from stage 0 after `STEPS` AdamW steps (f32). Bit for bit on one
@@ -260,7 +306,8 @@ fn every_decoder_family_at_stage_3_matches_stage_0() {
         "phi3",
         "llama_tied",
     ] {
-        let run = |stage, variant| in_process_on(name, 2, stage, 1, MixedPrecision::No, variant);
+        let dir = fixture(name);
+        let run = |stage, variant| in_process_on(&dir, 2, stage, 1, MixedPrecision::No, variant);
         let d = max_abs_diff(&run(0, Variant::Full), &run(3, Variant::Full));
         println!("{name} world 2: {d:e}");
         assert!(d <= 1e-6, "{name}: {d:e}");
@@ -270,25 +317,72 @@ fn every_decoder_family_at_stage_3_matches_stage_0() {
     }
 }
 
-/// GPT-2 and BERT have no ZeRO-3 units yet: loading one sharded is an error that says so.
-#[test]
-fn an_architecture_without_units_is_refused_at_stage_3() {
+/// A copy of fixture `name`'s `config.json` alone with the keys `edits` changed, in
+/// `tmp/{name}_{suffix}`: trained from fresh weights (see [`load`]).
+fn edited(name: &str, tmp: &Path, suffix: &str, edits: &[(&str, serde_json::Value)]) -> PathBuf {
+    let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for (key, value) in edits {
+        json[*key] = value.clone();
+    }
+    let dir = tmp.join(format!("{name}_{suffix}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    dir
+}
+
+/// Fixture `name` with `tie_word_embeddings` false: its output layer a parameter of the root
+/// unit.
+fn untied(name: &str, tmp: &Path) -> PathBuf {
+    edited(
+        name,
+        tmp,
+        "untied",
+        &[("tie_word_embeddings", false.into())],
+    )
+}
+
+/// The parameters of the model folder `dir` before any training.
+fn initial(dir: &Path) -> HashMap<String, Tensor> {
     let c: Arc<dyn Collective> = Arc::new(
         ThreadGroup::new(1, Duration::from_secs(60))
             .unwrap()
             .remove(0),
     );
-    let acc = Accelerator::builder()
-        .collective(c)
-        .zero_stage(3)
-        .build()
-        .unwrap();
-    let e = AutoModel::from_pretrained_sharded(fixture("gpt2"), &acc, DType::F32).unwrap_err();
-    let msg = e.to_string();
-    assert!(
-        msg.contains("GPT2LMHeadModel") && msg.contains("stage 3"),
-        "{msg}"
-    );
+    let acc = Accelerator::builder().collective(c).build().unwrap();
+    snapshot(load(&acc, dir).varmap())
+}
+
+/// GPT-2 and BERT (masked LM and classifier; tied output layers, and untied from fresh weights)
+/// run sharded through their own units: on 2 ranks, with a padding mask, stage 3 ends where
+/// stage 0 does, full training and LoRA on a sharded base, and under bf16 mixed precision.
+#[test]
+fn gpt2_and_bert_at_stage_3_match_stage_0() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut dirs: Vec<PathBuf> = ["gpt2", "bert_mlm", "bert_cls"].map(fixture).into();
+    dirs.push(untied("gpt2", tmp.path()));
+    dirs.push(untied("bert_mlm", tmp.path()));
+    for dir in dirs {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let run = |stage, variant| in_process_on(&dir, 2, stage, 1, MixedPrecision::No, variant);
+        let (base, got) = (run(0, Variant::Full), run(3, Variant::Full));
+        let d = max_abs_diff(&base, &got);
+        println!("{name} world 2: {d:e}");
+        assert!(d <= 1e-6, "{name}: {d:e}");
+        // Training moved the parameters (the comparison is not of two untouched models).
+        let moved = max_abs_diff(&initial(&dir), &base);
+        assert!(moved > 1e-4, "{name}: nothing trained ({moved:e})");
+        let d = max_abs_diff(&run(0, Variant::Lora), &run(3, Variant::Lora));
+        println!("{name} LoRA world 2: {d:e}");
+        assert!(d <= 1e-6, "{name} LoRA: {d:e}");
+    }
+    for name in ["gpt2", "bert_mlm"] {
+        let dir = fixture(name);
+        let run = |stage| in_process_on(&dir, 2, stage, 1, MixedPrecision::Bf16, Variant::Full);
+        let d = max_abs_diff(&run(0), &run(3));
+        println!("{name} bf16 world 2: {d:e}");
+        assert!(d <= 1e-6, "{name} bf16: {d:e}");
+    }
 }
 
 const OUT_VAR: &str = "ACCEL_Z3_LLAMA_OUT";
@@ -419,12 +513,33 @@ fn lora_over_a_sharded_base_saves_whole_adapters() {
     assert_eq!(max_abs_diff(&loaded, &got), 0.0);
 }
 
-/// `save_model_with_config` of a sharded Llama streams one unit at a time through rank 0 into
-/// a Hugging Face folder (here cut into shards of at most 2 kB, with their index) that
-/// `from_pretrained` loads back to the very parameters the ranks hold; `save_pretrained` says
-/// what to call instead.
+/// With dropout on (embeddings, attention probabilities, residual branches), stage 3 draws the
+/// masks of stage 0: the blocks recomputed in the backward pass replay their masks, and the
+/// stream goes on as if they had not been recomputed. Each rank seeds its stream the same way
+/// at both stages.
 #[test]
-fn a_sharded_llama_saves_a_folder_from_pretrained_loads() {
+fn gpt2_and_bert_with_dropout_at_stage_3_match_stage_0() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = serde_json::Value::from(0.1);
+    let gpt2 = ["resid_pdrop", "embd_pdrop", "attn_pdrop"].map(|k| (k, p.clone()));
+    let bert = ["hidden_dropout_prob", "attention_probs_dropout_prob"].map(|k| (k, p.clone()));
+    for dir in [
+        edited("gpt2", tmp.path(), "dropout", &gpt2),
+        edited("bert_mlm", tmp.path(), "dropout", &bert),
+    ] {
+        let run = |stage| in_process_on(&dir, 2, stage, 1, MixedPrecision::No, Variant::Full);
+        let d = max_abs_diff(&run(0), &run(3));
+        println!("{} world 2: {d:e}", dir.display());
+        assert!(d <= 1e-6, "{}: {d:e}", dir.display());
+    }
+}
+
+/// `save_model_with_config` of a sharded model (fixture `name`, one step trained on 3 ranks)
+/// streams one unit at a time through rank 0 into a Hugging Face folder (here cut into shards of
+/// at most 2 kB, with their index) that `from_pretrained` loads back to the very parameters the
+/// ranks hold; `save_pretrained` says what to call instead. Returns the tensors the folder's
+/// index names.
+fn sharded_model_saves_a_folder_from_pretrained_loads(name: &'static str) -> Vec<String> {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("saved");
     let handles: Vec<_> = ThreadGroup::new(3, Duration::from_secs(60))
@@ -439,15 +554,13 @@ fn a_sharded_llama_saves_a_folder_from_pretrained_loads() {
                     .zero_stage(3)
                     .build()
                     .unwrap();
-                let model =
-                    LlamaForCausalLm::from_pretrained_sharded(fixture("llama"), &acc, DType::F32)
-                        .unwrap();
+                let model = load(&acc, &fixture(name));
                 let s = model.sharded_parameters().unwrap().clone();
                 let mut opt = acc
                     .prepare_sharded_optimizer(&s, AdamW::new(Vec::new(), cfg()).unwrap())
                     .unwrap();
-                let ids = tokens(BATCH);
-                opt.backward_step(&model.loss(&ids, &ids).unwrap()).unwrap();
+                opt.backward_step(&batch_loss(&model, &tokens(BATCH)))
+                    .unwrap();
                 acc.save_model_with_config(&out, &s, &model.config_json(), 2000)
                     .unwrap();
                 let e = model
@@ -466,6 +579,41 @@ fn a_sharded_llama_saves_a_folder_from_pretrained_loads() {
         handles.into_iter().map(|h| h.join().unwrap()).collect();
     assert!(out.join("model.safetensors.index.json").is_file());
     assert!(out.join("config.json").is_file());
-    let loaded = LlamaForCausalLm::from_pretrained(&out, &Device::Cpu, DType::F32).unwrap();
-    assert_eq!(max_abs_diff(&snapshot(loaded.varmap()), &held[0]), 0.0);
+    let loaded = AutoModel::from_pretrained(&out, &Device::Cpu, DType::F32).unwrap();
+    assert_eq!(
+        max_abs_diff(&snapshot(loaded.varmap()), &held[0]),
+        0.0,
+        "{name}"
+    );
+    let before = initial(&fixture(name));
+    assert!(
+        max_abs_diff(&before, &held[0]) > 0.0,
+        "{name}: the step changed nothing"
+    );
+    let index = std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap();
+    let index: serde_json::Value = serde_json::from_str(&index).unwrap();
+    let names = index["weight_map"].as_object().unwrap().keys().cloned();
+    names.collect()
+}
+
+#[test]
+fn a_sharded_llama_saves_a_folder_from_pretrained_loads() {
+    let names = sharded_model_saves_a_folder_from_pretrained_loads("llama");
+    assert!(names.iter().any(|n| n == "lm_head.weight"), "{names:?}");
+}
+
+/// GPT-2 (tied output layer: the folder holds no `lm_head.weight`) and BERT's masked LM.
+#[test]
+fn a_sharded_gpt2_or_bert_saves_a_folder_from_pretrained_loads() {
+    let names = sharded_model_saves_a_folder_from_pretrained_loads("gpt2");
+    assert!(
+        names.iter().any(|n| n == "transformer.wte.weight"),
+        "{names:?}"
+    );
+    assert!(!names.iter().any(|n| n == "lm_head.weight"), "{names:?}");
+    let names = sharded_model_saves_a_folder_from_pretrained_loads("bert_mlm");
+    assert!(
+        names.iter().any(|n| n == "cls.predictions.bias"),
+        "{names:?}"
+    );
 }
