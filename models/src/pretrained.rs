@@ -663,16 +663,27 @@ impl<A: Architecture> Pretrained<A> {
     /// `12 x layers x seq_len x hidden` (all of them, although a causal mask makes half
     /// unnecessary). Embedding lookups count as products (a small overestimate); activation
     /// checkpointing's recomputation is not counted; a mixture of experts counts every
-    /// expert's parameters (an overestimate: each token runs `top_k` of them).
+    /// expert's parameters (an overestimate: each token runs `top_k` of them). At ZeRO stage 3
+    /// the parameters are counted from their shapes (no rank holds them whole): the same figure
+    /// as at every other stage.
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
         let count =
             |m: &VarMap| -> f64 { m.all_vars().iter().map(|v| v.elem_count() as f64).sum() };
-        let trained = count(self.trainable_parameters());
+        // At stage 3 no rank holds the parameters whole: their shapes say how many there are.
+        let base = match self.sharded_parameters().filter(|s| s.is_sharded()) {
+            Some(s) => s
+                .parameter_specs()
+                .iter()
+                .map(|p| p.shape.iter().product::<usize>() as f64)
+                .sum(),
+            None => count(self.varmap()),
+        };
         let quantized = self.base_4bit_size().map_or(0.0, |(_, n)| n as f64);
-        let all = if self.lora_config().is_some() {
-            count(self.varmap()) + quantized + trained
+        let (all, trained) = if self.lora_config().is_some() {
+            let adapters = count(self.trainable_parameters());
+            (base + quantized + adapters, adapters)
         } else {
-            trained
+            (base, base)
         };
         let p = A::memory_profile(&self.config);
         4.0 * all + 2.0 * trained + 12.0 * p.layers as f64 * seq_len as f64 * p.hidden as f64

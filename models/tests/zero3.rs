@@ -385,6 +385,39 @@ fn gpt2_and_bert_at_stage_3_match_stage_0() {
     }
 }
 
+/// The model FLOPs of a step (what the fine-tuning example's throughput line divides by) are
+/// the same at stage 3, where no rank holds the parameters whole, as at stage 0.
+#[test]
+fn flops_per_token_are_the_same_at_stage_3() {
+    for name in ["llama", "gpt2"] {
+        // One sharded model per accelerator.
+        let c: Arc<dyn Collective> = Arc::new(
+            ThreadGroup::new(1, Duration::from_secs(60))
+                .unwrap()
+                .remove(0),
+        );
+        let acc = Accelerator::builder()
+            .collective(c)
+            .zero_stage(3)
+            .build()
+            .unwrap();
+        let whole = AutoModel::from_pretrained(fixture(name), &Device::Cpu, DType::F32).unwrap();
+        let mut sharded =
+            AutoModel::from_pretrained_sharded(fixture(name), &acc, DType::F32).unwrap();
+        let want = whole.flops_per_token(SEQ);
+        assert!(want > 0.0);
+        assert_eq!(sharded.flops_per_token(SEQ), want, "{name}");
+        sharded.add_lora(&lora()).unwrap();
+        let mut whole = whole;
+        whole.add_lora(&lora()).unwrap();
+        assert_eq!(
+            sharded.flops_per_token(SEQ),
+            whole.flops_per_token(SEQ),
+            "{name} LoRA"
+        );
+    }
+}
+
 const OUT_VAR: &str = "ACCEL_Z3_LLAMA_OUT";
 const VARIANT_VAR: &str = "ACCEL_Z3_LLAMA_VARIANT";
 

@@ -334,7 +334,9 @@ impl Accelerator {
     /// Bytes of gradients this rank has sent through the gradient all-reduce (or ZeRO-2's
     /// reduce-scatter) so far: per sync step, every bucket of the prepared parameters (their
     /// gradients and one presence flag each, in the parameters' dtype). 0 with one process.
-    /// With LoRA, only the adapters are prepared, and this is what they cost.
+    /// With LoRA, only the adapters are prepared, and this is what they cost. At ZeRO stage 3,
+    /// also every unit's reduce-scatter (its gradients and presence flags), once per backward
+    /// pass.
     pub fn gradient_bytes_reduced(&self) -> u64 {
         self.inner.grads.reduced_bytes()
     }

@@ -580,10 +580,11 @@ impl GradSync {
     }
 
     /// Bytes of gradient buckets (gradients and presence flags, in the parameters' dtype) this
-    /// rank has handed to the collective's all-reduce (or reduce-scatter) since it was created:
-    /// nothing when alone.
+    /// rank has handed to the collective's all-reduce (or reduce-scatter) since it was created,
+    /// a sharded model's units included: nothing when alone.
     pub(crate) fn reduced_bytes(&self) -> u64 {
-        self.reduced.load(Ordering::Relaxed)
+        let units = self.sharded().map_or(0, |s| s.reduced_bytes());
+        self.reduced.load(Ordering::Relaxed) + units
     }
 
     /// Whether the gradients handed out at a sync step are only this rank's slices (ZeRO stage 2

@@ -206,6 +206,32 @@ fn stage_3_matches_stage_0_on_1_to_4_ranks() {
     }
 }
 
+/// `gradient_bytes_reduced` counts the units' reduce-scatters at stage 3: every gradient and
+/// one presence flag per parameter, once per step, as stage 0's buckets do.
+#[test]
+fn stage_3_counts_the_bytes_its_units_reduce() {
+    let run = Run {
+        opt: Opt::AdamW,
+        clip: None,
+        bf16: false,
+    };
+    let plain = in_process(2, 0, 1, move |a| {
+        train_plain(&a, run);
+        a.gradient_bytes_reduced()
+    });
+    let sharded = in_process(2, 3, 1, move |a| {
+        train(&a, run);
+        a.gradient_bytes_reduced()
+    });
+    assert!(plain[0] > 0);
+    assert_eq!(sharded, plain, "bytes reduced at stage 3 and at stage 0");
+    let alone = in_process(1, 3, 1, move |a| {
+        train(&a, run);
+        a.gradient_bytes_reduced()
+    });
+    assert_eq!(alone, vec![0], "nothing is reduced by a rank alone");
+}
+
 /// bf16 mixed precision: stage 0's `prepare_mixed` (bf16 working copies, f32 masters) against
 /// stage 3 (f32 shards, units gathered in bf16).
 #[test]

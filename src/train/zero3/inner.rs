@@ -4,6 +4,7 @@
 //! through.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
@@ -41,6 +42,8 @@ pub(crate) struct Inner {
     pub(super) scaler: Option<Mutex<(LossScaler, u64)>>,
     /// Parameters (by name) the optimizer does not decay, for an optimizer built over none.
     pub(super) no_decay: Mutex<Vec<String>>,
+    /// Bytes handed to the units' reduce-scatters so far (gradients and presence flags).
+    reduced: AtomicU64,
 }
 
 impl std::fmt::Debug for Inner {
@@ -136,6 +139,7 @@ impl Inner {
             divide: Mutex::new(1.0),
             scaler: (compute == DType::F16).then(|| Mutex::new((LossScaler::default(), 0))),
             no_decay: Mutex::new(Vec::new()),
+            reduced: AtomicU64::new(0),
         }
     }
 
@@ -206,6 +210,11 @@ impl Inner {
         let unit = &self.units[idx];
         let divide = *lock(&self.divide);
         let chunk = unit.reduce(self.collective.as_ref(), grads, divide)?;
+        if self.collective.world_size() > 1 {
+            let elements = unit.layout.len + unit.layout.members.len();
+            let bytes = elements * unit.shard.dtype().size_in_bytes();
+            self.reduced.fetch_add(bytes as u64, Ordering::Relaxed);
+        }
         let mut collected = lock(&self.collected);
         let sum = match collected.get(unit.shard.as_tensor()) {
             Some(g) => (g + &chunk)?,
@@ -213,6 +222,12 @@ impl Inner {
         };
         collected.insert(unit.shard.as_tensor(), sum);
         Ok(())
+    }
+
+    /// Bytes of gradients (and presence flags) this rank has handed to the units'
+    /// reduce-scatters since the model was sharded: nothing when alone.
+    pub(crate) fn reduced_bytes(&self) -> u64 {
+        self.reduced.load(Ordering::Relaxed)
     }
 
     /// Before a backward pass: the gradients will be divided by `divide` (1, or an f16 loss
