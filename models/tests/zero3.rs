@@ -420,6 +420,8 @@ fn flops_per_token_are_the_same_at_stage_3() {
 
 const OUT_VAR: &str = "ACCEL_Z3_LLAMA_OUT";
 const VARIANT_VAR: &str = "ACCEL_Z3_LLAMA_VARIANT";
+/// The fixture the worker trains (default `llama`).
+const FIXTURE_VAR: &str = "ACCEL_Z3_FIXTURE";
 
 /// A worker process of the tests below; does nothing in a normal test run. Rank 0 writes the
 /// trained tensors (and, for LoRA, the adapter folder) into the folder `OUT_VAR` names.
@@ -439,7 +441,8 @@ fn zero3_llama_process_entry() {
         .unwrap();
     let stage = acc.state().zero_stage();
     let adapter = out.join(format!("adapter-{stage}"));
-    let trained = train(&acc, &fixture("llama"), variant, Some(&adapter));
+    let name = std::env::var(FIXTURE_VAR).unwrap_or_else(|_| "llama".into());
+    let trained = train(&acc, &fixture(&name), variant, Some(&adapter));
     if acc.is_main_process() {
         let name = format!("stage{stage}-world{}.safetensors", acc.world_size());
         candle_core::safetensors::save(&trained, out.join(name)).unwrap();
@@ -465,6 +468,17 @@ fn launcher() -> Option<PathBuf> {
 /// launch --zero-stage` when the launcher is built, else the library's self-launch
 /// (`ACCELERATE_RS_NUM_PROCESSES`); bounded in time. Returns rank 0's tensors.
 fn processes(world: usize, stage: usize, variant: &str, out: &Path) -> HashMap<String, Tensor> {
+    processes_of("llama", world, stage, variant, out)
+}
+
+/// [`processes`] training fixture `name`.
+fn processes_of(
+    name: &str,
+    world: usize,
+    stage: usize,
+    variant: &str,
+    out: &Path,
+) -> HashMap<String, Tensor> {
     let exe = std::env::current_exe().unwrap();
     let entry = [
         "--exact",
@@ -491,6 +505,7 @@ fn processes(world: usize, stage: usize, variant: &str, out: &Path) -> HashMap<S
     };
     cmd.env(OUT_VAR, out)
         .env(VARIANT_VAR, variant)
+        .env(FIXTURE_VAR, name)
         .env_remove("RANK")
         .env_remove("WORLD_SIZE")
         .env_remove("ACCELERATE_RS_SECRET")
@@ -522,6 +537,23 @@ fn stage_3_llama_on_1_to_4_processes_matches_stage_0() {
         let d = max_abs_diff(&base, &got);
         println!("llama on {world} processes: {d:e}");
         assert!(d <= tolerance(world, 1), "{world} processes: {d:e}");
+    }
+}
+
+/// Real processes: GPT-2 and BERT (masked LM) at stage 3 on 2 processes end where stage 0 does,
+/// full training and LoRA.
+#[test]
+fn gpt2_and_bert_on_2_processes_match_stage_0() {
+    for name in ["gpt2", "bert_mlm"] {
+        for variant in ["full", "lora"] {
+            let dir = tempfile::tempdir().unwrap();
+            let base = processes_of(name, 2, 0, variant, dir.path());
+            let got = processes_of(name, 2, 3, variant, dir.path());
+            assert!(!base.is_empty());
+            let d = max_abs_diff(&base, &got);
+            println!("{name} {variant} on 2 processes: {d:e}");
+            assert!(d <= 1e-6, "{name} {variant}: {d:e}");
+        }
     }
 }
 
