@@ -163,38 +163,41 @@ impl Unit {
         grads: Vec<Option<Tensor>>,
         divide: f64,
     ) -> Result<Tensor> {
-        let dtype = self.shard.dtype();
-        let mut parts = Vec::with_capacity(grads.len());
+        let (dtype, device) = (self.shard.dtype(), self.device().clone());
+        // The members' gradients end to end (zeros for a missing one), and this rank's flags.
+        let mut pieces = Vec::with_capacity(grads.len() + 1);
+        let mut flags = Vec::with_capacity(grads.len());
         for (m, g) in self.layout.members.iter().zip(grads) {
-            parts.push(match g {
-                Some(g) => {
-                    if g.dims() != m.shape.as_slice() {
-                        return Err(Error::invalid(
-                            "gradient",
-                            format!(
-                                "rank {}: the gradient of `{}` has shape {:?}, the parameter {:?}",
-                                c.rank(),
-                                m.name,
-                                g.dims(),
-                                m.shape
-                            ),
-                        ));
-                    }
-                    let g = g.to_dtype(dtype)?;
-                    let g = if divide != 1.0 {
-                        g.affine(1.0 / divide, 0.0)?
-                    } else {
-                        g
-                    };
-                    Some(g.flatten_all()?)
-                }
-                None => None,
-            });
+            let Some(g) = g else {
+                pieces.push(Tensor::zeros(m.len, dtype, &device)?);
+                flags.push(0f64);
+                continue;
+            };
+            if g.dims() != m.shape.as_slice() {
+                return Err(Error::invalid(
+                    "gradient",
+                    format!(
+                        "rank {}: the gradient of `{}` has shape {:?}, the parameter {:?}",
+                        c.rank(),
+                        m.name,
+                        g.dims(),
+                        m.shape
+                    ),
+                ));
+            }
+            let g = g.to_dtype(dtype)?;
+            let g = if divide != 1.0 {
+                g.affine(1.0 / divide, 0.0)?
+            } else {
+                g
+            };
+            pieces.push(g.flatten_all()?.to_device(&device)?);
+            flags.push(1f64);
         }
-        let (chunk, flags) = if self.device().is_cpu() {
-            self.reduce_cpu(c, &parts)?
+        let (chunk, flags) = if device.is_cpu() {
+            self.reduce_cpu(c, pieces, flags)?
         } else {
-            self.reduce_device(c, &parts)?
+            self.reduce_device(c, pieces, flags)?
         };
         // Offload: the shard's gradient goes to host memory, where the optimizer steps.
         let chunk = chunk.to_device(self.shard.device())?;
@@ -205,32 +208,18 @@ impl Unit {
         Ok(chunk)
     }
 
-    /// [`reduce`](Self::reduce) on the CPU: one flat buffer (gradients, then one presence flag
-    /// per member, concatenated: written once, never zero-filled first), reduce-scattered and
+    /// [`reduce`](Self::reduce) on the CPU: one flat buffer (the gradients, then the presence
+    /// flags, concatenated: written once, never zero-filled first), reduce-scattered and
     /// flag-reduced in place; this rank's chunk copied out.
     fn reduce_cpu(
         &self,
         c: &dyn Collective,
-        parts: &[Option<Tensor>],
+        mut pieces: Vec<Tensor>,
+        flags: Vec<f64>,
     ) -> Result<(Tensor, Vec<f64>)> {
         let len = self.layout.len;
-        let dtype = self.shard.dtype();
-        let mut pieces = Vec::with_capacity(parts.len() + 1);
-        let mut presence = Vec::with_capacity(parts.len());
-        for (m, g) in self.layout.members.iter().zip(parts) {
-            pieces.push(match g {
-                Some(g) => g.to_device(&Device::Cpu)?,
-                None => Tensor::zeros(m.len, dtype, &Device::Cpu)?,
-            });
-            presence.push(if g.is_some() { 1f32 } else { 0f32 });
-        }
-        // Members lie end to end from offset 0 (layout.rs); anything after them is zeros.
-        let filled: usize = self.layout.members.iter().map(|m| m.len).sum();
-        if filled < len {
-            pieces.push(Tensor::zeros(len - filled, dtype, &Device::Cpu)?);
-        }
-        let members = presence.len();
-        pieces.push(Tensor::from_vec(presence, members, &Device::Cpu)?.to_dtype(dtype)?);
+        let n = flags.len();
+        pieces.push(Tensor::from_vec(flags, n, &Device::Cpu)?.to_dtype(self.shard.dtype())?);
         let flat = Tensor::cat(&pieces, 0)?;
         drop(pieces);
         let mut flags = Vec::new();
@@ -256,24 +245,11 @@ impl Unit {
     fn reduce_device(
         &self,
         c: &dyn Collective,
-        parts: &[Option<Tensor>],
+        pieces: Vec<Tensor>,
+        mut flags: Vec<f64>,
     ) -> Result<(Tensor, Vec<f64>)> {
-        let (dtype, device) = (self.shard.dtype(), self.device().clone());
-        let mut flat = Vec::with_capacity(parts.len());
-        let mut flags = Vec::with_capacity(parts.len());
-        for (m, g) in self.layout.members.iter().zip(parts) {
-            match g {
-                Some(g) => {
-                    flat.push(g.clone());
-                    flags.push(1f64);
-                }
-                None => {
-                    flat.push(Tensor::zeros(m.len, dtype, &device)?);
-                    flags.push(0f64);
-                }
-            }
-        }
-        let flat = Tensor::cat(&flat, 0)?;
+        let flat = Tensor::cat(&pieces, 0)?;
+        drop(pieces);
         // Compact: a backend may hand back a view of the whole reduced buffer.
         let chunk = c
             .reduce_scatter_tensor(&flat, ReduceOp::Mean)?
