@@ -7,7 +7,7 @@
 //! For every op (LayerNorm with and without bias, RMSNorm, softmax, causal softmax, causal
 //! attention, cross-entropy with label smoothing and an ignored index, linear_cross_entropy,
 //! GELU, ReLU; SiLU, SwiGLU, RoPE (`rope`, `rope_i`, `rope_thd`, the tables' gradients too) and
-//! flash attention with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1`) and dtype (f32, bf16, f16): the same inputs through the CPU path and through the
+//! flash attention with `ACCELERATE_RS_NN_CUDA_FLASH=1`) and dtype (f32, bf16, f16): the same inputs through the CPU path and through the
 //! kernels on GPU 0, forward output and every input's gradient (of `sum(out * r)` for a fixed
 //! random `r`) compared within a tolerance per dtype, relative to the CPU values' largest
 //! magnitude; the kernel launch count must grow (the kernels ran, not the composed ops). One
@@ -34,10 +34,9 @@ struct Case {
     /// Whether the op launches this module's own kernels (LoRA's fused op runs cuBLAS and
     /// Candle's kernels: only its results are checked).
     kernels: bool,
-    /// Kernels no device run has proven yet: they run only with
-    /// `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` (set by `scripts/gpu-smoke.sh`), else the case is
-    /// skipped.
-    unproven: bool,
+    /// Flash attention's kernels: they run only with `ACCELERATE_RS_NN_CUDA_FLASH=1` (set by
+    /// `scripts/gpu-smoke.sh`), else the case is skipped.
+    flash: bool,
 }
 
 fn cases() -> Vec<Case> {
@@ -46,7 +45,7 @@ fn cases() -> Vec<Case> {
             name: "layer_norm",
             shapes: vec![vec![64, 256], vec![256], vec![256]],
             kernels: true,
-            unproven: false,
+            flash: false,
             targets: None,
             op: |x, _| LayerNorm::new(x[1].clone(), x[2].clone(), 1e-5).forward(&x[0]),
         },
@@ -54,7 +53,7 @@ fn cases() -> Vec<Case> {
             name: "layer_norm (no bias)",
             shapes: vec![vec![3, 40, 200], vec![200]],
             kernels: true,
-            unproven: false,
+            flash: false,
             targets: None,
             op: |x, _| LayerNorm::new_no_bias(x[1].clone(), 1e-5).forward(&x[0]),
         },
@@ -62,7 +61,7 @@ fn cases() -> Vec<Case> {
             name: "rms_norm",
             shapes: vec![vec![64, 1100], vec![1100]],
             kernels: true,
-            unproven: false,
+            flash: false,
             targets: None,
             op: |x, _| RmsNorm::new(x[1].clone(), 1e-6).forward(&x[0]),
         },
@@ -70,7 +69,7 @@ fn cases() -> Vec<Case> {
             name: "softmax_last_dim",
             shapes: vec![vec![64, 300]],
             kernels: true,
-            unproven: false,
+            flash: false,
             targets: None,
             op: |x, _| nn::softmax_last_dim(&x[0]),
         },
@@ -78,7 +77,7 @@ fn cases() -> Vec<Case> {
             name: "causal_softmax",
             shapes: vec![vec![2, 4, 33, 40]],
             kernels: true,
-            unproven: false,
+            flash: false,
             targets: None,
             op: |x, _| nn::causal_softmax(&x[0], 0.3),
         },
@@ -86,7 +85,7 @@ fn cases() -> Vec<Case> {
             name: "causal attention (composed, kernel softmax)",
             shapes: vec![vec![2, 4, 32, 16], vec![2, 4, 32, 16], vec![2, 4, 32, 16]],
             kernels: true,
-            unproven: false,
+            flash: false,
             targets: None,
             op: |x, _| {
                 let opts = AttentionOptions::default().causal(true);
@@ -97,7 +96,7 @@ fn cases() -> Vec<Case> {
             name: "cross_entropy (smoothing 0.1, ignore 7)",
             shapes: vec![vec![96, 1000]],
             kernels: true,
-            unproven: false,
+            flash: false,
             targets: Some((vec![96], 1000)),
             op: |x, t| {
                 let t = t.ok_or_else(|| candle_core::Error::Msg("targets".into()))?;
@@ -111,7 +110,7 @@ fn cases() -> Vec<Case> {
             name: "linear_cross_entropy",
             shapes: vec![vec![2, 48, 64], vec![500, 64], vec![500]],
             kernels: true,
-            unproven: false,
+            flash: false,
             targets: Some((vec![2, 48], 500)),
             op: |x, t| {
                 let t = t.ok_or_else(|| candle_core::Error::Msg("targets".into()))?;
@@ -123,14 +122,14 @@ fn cases() -> Vec<Case> {
             name: "gelu",
             shapes: vec![vec![4099]],
             kernels: true,
-            unproven: false,
+            flash: false,
             targets: None,
             op: |x, _| nn::gelu(&x[0]),
         },
         Case {
             name: "lora (fused, frozen base with bias, r 8)",
             kernels: false,
-            unproven: false,
+            flash: false,
             shapes: vec![
                 vec![2, 40, 64],
                 vec![48, 64],
@@ -148,7 +147,7 @@ fn cases() -> Vec<Case> {
             name: "silu",
             shapes: vec![vec![4099]],
             kernels: true,
-            unproven: true,
+            flash: false,
             targets: None,
             op: |x, _| nn::silu(&x[0]),
         },
@@ -156,7 +155,7 @@ fn cases() -> Vec<Case> {
             name: "swiglu",
             shapes: vec![vec![3, 1367], vec![3, 1367]],
             kernels: true,
-            unproven: true,
+            flash: false,
             targets: None,
             op: |x, _| nn::swiglu(&x[0], &x[1]),
         },
@@ -164,7 +163,7 @@ fn cases() -> Vec<Case> {
             name: "rope (halves, shared tables of 7 positions)",
             shapes: vec![vec![2, 3, 5, 8], vec![7, 4], vec![7, 4]],
             kernels: true,
-            unproven: true,
+            flash: false,
             targets: None,
             op: |x, _| nn::rope(&x[0], &x[1], &x[2]),
         },
@@ -172,7 +171,7 @@ fn cases() -> Vec<Case> {
             name: "rope_i (interleaved)",
             shapes: vec![vec![2, 3, 5, 8], vec![5, 4], vec![5, 4]],
             kernels: true,
-            unproven: true,
+            flash: false,
             targets: None,
             op: |x, _| nn::rope_i(&x[0], &x[1], &x[2]),
         },
@@ -180,7 +179,7 @@ fn cases() -> Vec<Case> {
             name: "rope_thd (one table per sequence)",
             shapes: vec![vec![2, 5, 3, 64], vec![2, 5, 32], vec![2, 5, 32]],
             kernels: true,
-            unproven: true,
+            flash: false,
             targets: None,
             op: |x, _| nn::rope_thd(&x[0], &x[1], &x[2]),
         },
@@ -188,7 +187,7 @@ fn cases() -> Vec<Case> {
             name: "flash attention (causal, window 9, GQA 4/2, head 40)",
             shapes: vec![vec![2, 4, 37, 40], vec![2, 2, 37, 40], vec![2, 2, 37, 40]],
             kernels: true,
-            unproven: true,
+            flash: true,
             targets: None,
             op: |x, _| {
                 let o = nn::FlashAttentionOptions::default().causal(true).window(9);
@@ -199,7 +198,7 @@ fn cases() -> Vec<Case> {
             name: "flash attention (packed documents 12+1+20, padding, T_q < T_k)",
             shapes: vec![vec![2, 2, 30, 16], vec![2, 2, 33, 16], vec![2, 2, 33, 16]],
             kernels: true,
-            unproven: true,
+            flash: true,
             targets: None,
             op: |x, _| {
                 let pad: Vec<u8> = (0..66).map(|i| u8::from(i >= 62)).collect();
@@ -215,7 +214,7 @@ fn cases() -> Vec<Case> {
             name: "relu",
             shapes: vec![vec![4099]],
             kernels: true,
-            unproven: false,
+            flash: false,
             targets: None,
             op: |x, _| nn::relu(&x[0]),
         },
@@ -372,7 +371,7 @@ fn time_it(dev: &Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> Res
 
 /// Kernels against the composed ops at transformer_lm's shapes (batch 8 x 128 tokens, d_model
 /// 256, 8 heads, vocab 8000), f32 and bf16.
-fn timing(gpu: &Device, unproven_on: bool) -> Result<()> {
+fn timing(gpu: &Device) -> Result<()> {
     println!();
     println!("| op (forward + backward) | dtype | composed ms | kernels ms | speed-up |");
     println!("|---|---|---:|---:|---:|");
@@ -396,7 +395,7 @@ fn timing(gpu: &Device, unproven_on: bool) -> Result<()> {
         let t: Vec<u32> = (0..1024).map(|_| rng.random_range(0..8000)).collect();
         let targets = Tensor::from_vec(t, 1024, gpu)?;
         type Op<'a> = Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>;
-        let mut ops: Vec<(&str, Op)> = vec![
+        let ops: Vec<(&str, Op)> = vec![
             (
                 "layer_norm [1024, 256]",
                 Box::new(|| {
@@ -413,15 +412,13 @@ fn timing(gpu: &Device, unproven_on: bool) -> Result<()> {
             ),
             ("gelu [1024, 1024]", Box::new(|| nn::gelu(&hidden))),
             ("relu [1024, 1024]", Box::new(|| nn::relu(&hidden))),
-        ];
-        if unproven_on {
-            ops.push((
+            (
                 "rope [8, 8, 128, 64]",
                 Box::new(|| nn::rope(&heads, &cos, &sin)),
-            ));
-            ops.push(("silu [1024, 1024]", Box::new(|| nn::silu(&hidden))));
-            ops.push(("swiglu [1024, 1024]", Box::new(|| nn::swiglu(&hidden, &up))));
-        }
+            ),
+            ("silu [1024, 1024]", Box::new(|| nn::silu(&hidden))),
+            ("swiglu [1024, 1024]", Box::new(|| nn::swiglu(&hidden, &up))),
+        ];
         for (name, op) in &ops {
             let mut ms = [0.0; 2];
             for (i, on) in [false, true].into_iter().enumerate() {
@@ -490,12 +487,12 @@ fn main() -> Result<()> {
         }
     };
     nn::set_cuda_kernels(true);
-    let unproven_on = std::env::var("ACCELERATE_RS_NN_CUDA_UNPROVEN").is_ok_and(|v| v == "1");
+    let flash_on = std::env::var("ACCELERATE_RS_NN_CUDA_FLASH").is_ok_and(|v| v == "1");
     let (mut passed, mut failed) = (0, 0);
     for (k, case) in cases().iter().enumerate() {
-        if case.unproven && !unproven_on {
+        if case.flash && !flash_on {
             println!(
-                "SKIP {}: its kernels are not proven yet (ACCELERATE_RS_NN_CUDA_UNPROVEN=1 runs them)",
+                "SKIP {}: flash attention's kernels are off (ACCELERATE_RS_NN_CUDA_FLASH=1 runs them)",
                 case.name
             );
             continue;
@@ -519,7 +516,7 @@ fn main() -> Result<()> {
     }
     println!("nn_kernels: {passed} passed, {failed} failed");
     if !no_timing {
-        if let Err(e) = timing(&gpu, unproven_on) {
+        if let Err(e) = timing(&gpu) {
             println!("nn_kernels: timing failed: {e}");
             failed += 1;
         }

@@ -8,7 +8,7 @@
 # What goes in: the launcher (accelerate-rs), the digits and transformer_lm examples (their data
 # is inside them), the nn_kernels device check and the overhead bench (which also times
 # transformer_lm's step for scripts/pytorch_lm_bench.py --gpu), built with `cuda`; from
-# the models crate, the finetune, memory_bench and zero3_bench examples and the parity test binary (the
+# the models crate, the finetune, memory_bench, zero3_bench and hf_bench examples and the parity test binary (the
 # Hugging Face parity checks against the committed golden files, run on the GPU); stripped, in
 # one xz-compressed tar:
 # gpu-bundle/accelerate-rs-gpu.tar.xz. Its size is printed, and the script fails when it is over
@@ -60,8 +60,8 @@ else
   cargo "${cargo_args[@]}" --message-format=json-render-diagnostics >"$json"
   # The models crate's GPU steps (same accelerate-rs features, so its build is reused).
   models_args=(-p accelerate-rs-models --release --features cuda)
-  echo "gpu-bundle: cargo build ${models_args[*]} --example finetune --example memory_bench --example zero3_bench; cargo test --no-run ... --test parity"
-  cargo build "${models_args[@]}" --example finetune --example memory_bench --example zero3_bench \
+  echo "gpu-bundle: cargo build ${models_args[*]} --example finetune --example memory_bench --example zero3_bench --example hf_bench; cargo test --no-run ... --test parity"
+  cargo build "${models_args[@]}" --example finetune --example memory_bench --example zero3_bench --example hf_bench \
     --message-format=json-render-diagnostics >>"$json"
   cargo test "${models_args[@]}" --test parity --no-run --message-format=json-render-diagnostics >>"$json"
   while IFS= read -r exe; do bins+=("$exe"); done < <(python3 -c '

@@ -18,9 +18,19 @@ hidden / heads) instead of Llama.
 Each round runs PyTorch 1, PyTorch 2, accelerate-rs 1, accelerate-rs 2, so drift hits every
 side alike; one table at the end (means of the rounds' means, medians of their medians).
 
+`--gpu`: one GPU, no DDP, a model of the size people fine-tune (issue 38): hidden 1024, 16 layers,
+16 heads, 8 key/value heads, SwiGLU 2816, vocab 32000 (about 250M parameters), sequences of 1024,
+batch 4, every parameter in bf16 on both sides (AdamW's state too), `transformers`' SDPA attention
+against ours as a user runs it (the nn CUDA kernels on: norms, softmax, cross-entropy, RoPE,
+SiLU/SwiGLU), on Candle's composed ops alone, and with flash attention's CUDA kernel too (`ACCELERATE_RS_NN_CUDA_FLASH=1`); tokens/s, model FLOP utilisation (6N + 6·L·d·T
+FLOPs a token: the causal attention's half, against the 989 TFLOP/s of an H100/H200's dense
+bf16) and peak device memory. `--rust-bin` names the `hf_bench` built with `cuda` (the GPU
+bundle's).
+
 Usage (builds the release binaries first):
     cargo build --release -p accelerate-rs-models --example hf_bench && cargo build --release -p accelerate-rs-cli
     python scripts/pytorch_hf_bench.py --runs 3 --steps 10 --warmup 2
+    python scripts/pytorch_hf_bench.py --gpu --rust-bin BUNDLE/bin/hf_bench   # on a GPU (the unpacked bundle)
 """
 
 import argparse
@@ -33,11 +43,15 @@ import sys
 import time
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, SEQ, BATCH = 8000, 512, 4, 8, 2, 1408, 256, 4
+# --gpu's model: about 250M parameters, sequences of 1024.
+GPU_SHAPE = dict(vocab=32000, hidden=1024, layers=16, heads=16, kv_heads=8, ffn=2816, seq=1024,
+                 batch=4)
+PEAK_BF16_TFLOPS = 989.0
 ROLE_ENV = "PYTORCH_HF_BENCH_ROLE"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_RE = re.compile(
     r"RESULT-DDP world=(\d+) ms_mean=([0-9.eE+-]+) ms_median=([0-9.eE+-]+)"
-    r" samples_per_s=([0-9.eE+-]+)"
+    r" samples_per_s=([0-9.eE+-]+)(?: device_peak=(\d+))?"
 )
 
 
@@ -102,6 +116,147 @@ def worker(args):
         dist.destroy_process_group()
 
 
+def gpu_worker(args):
+    """`transformers`' Llama of GPU_SHAPE on cuda:0 in bf16, one process; prints RESULT-DDP."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    g = GPU_SHAPE
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=g["vocab"], hidden_size=g["hidden"], intermediate_size=g["ffn"],
+        num_hidden_layers=g["layers"], num_attention_heads=g["heads"],
+        num_key_value_heads=g["kv_heads"], max_position_embeddings=g["seq"],
+        tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.01)
+    gen = torch.Generator().manual_seed(0x5EED)
+    times, forwards = [], []
+    for step in range(args.warmup + args.steps):
+        ids = torch.randint(0, g["vocab"], (g["batch"], g["seq"]), generator=gen).cuda()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        torch.cuda.synchronize()
+        forward = (time.perf_counter() - start) * 1e3
+        loss.backward()
+        opt.step()
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+            forwards.append(forward)
+    m = statistics.fmean(times)
+    f = statistics.fmean(forwards)
+    print(f"BREAKDOWN forward_ms={f:.2f} backward_and_step_ms={m - f:.2f}", flush=True)
+    print(f"RESULT-DDP world=1 ms_mean={m:.4f} ms_median={statistics.median(times):.4f} "
+          f"samples_per_s={g['batch'] * 1e3 / m:.4f} "
+          f"device_peak={torch.cuda.max_memory_allocated()}", flush=True)
+
+
+def gpu_params():
+    g = GPU_SHAPE
+    h, kv_width = g["hidden"], g["hidden"] // g["heads"] * g["kv_heads"]
+    layer = 2 * h * h + 2 * h * kv_width + 3 * h * g["ffn"] + 2 * h
+    return g["layers"] * layer + 2 * g["vocab"] * h + h
+
+
+def run_torch_gpu(args):
+    env = dict(os.environ)
+    env[ROLE_ENV] = "gpu-worker"
+    cmd = [sys.executable, os.path.abspath(__file__), "--gpu", "--steps", str(args.steps),
+           "--warmup", str(args.warmup)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the torch GPU worker exited with {proc.returncode}:\n"
+                           f"{proc.stderr[-2000:]}")
+    return parse(proc.stdout, "torch GPU") + (breakdown(proc.stdout),)
+
+
+def run_rust_gpu(args, extra_env):
+    g = GPU_SHAPE
+    bench = args.rust_bin or os.path.join(REPO_ROOT, args.target_dir, "release", "examples",
+                                          "hf_bench")
+    if not os.path.exists(bench):
+        raise RuntimeError(f"{bench} is missing: build hf_bench with --features cuda (the GPU "
+                           "bundle has it) and name it with --rust-bin")
+    cmd = [bench, "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", "bf16",
+           "--vocab", str(g["vocab"]), "--hidden", str(g["hidden"]), "--intermediate",
+           str(g["ffn"]), "--layers", str(g["layers"]), "--heads", str(g["heads"]),
+           "--kv-heads", str(g["kv_heads"]), "--seq", str(g["seq"]), "--batch", str(g["batch"])]
+    env = dict(os.environ)
+    env.setdefault("CUDA_VISIBLE_DEVICES", "0")
+    env.update(extra_env)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n"
+                           f"{proc.stderr[-2000:]}")
+    return parse(proc.stdout, "accelerate-rs GPU") + (breakdown(proc.stdout),)
+
+
+def breakdown(out):
+    """The BREAKDOWN line's text (forward against backward + optimizer step), or ''."""
+    for line in out.splitlines():
+        if line.startswith("BREAKDOWN "):
+            return line[len("BREAKDOWN "):]
+    return ""
+
+
+def gpu_main(args):
+    import torch
+    import transformers
+
+    g = GPU_SHAPE
+    n = gpu_params()
+    tokens = g["batch"] * g["seq"]
+    flops_per_token = 6 * n + 6 * g["layers"] * g["hidden"] * g["seq"]
+    print(f"llama on {torch.cuda.get_device_name(0)}: {n / 1e6:.0f}M parameters (hidden "
+          f"{g['hidden']}, {g['layers']} layers, {g['heads']} heads, {g['kv_heads']} KV heads, "
+          f"FFN {g['ffn']}, vocab {g['vocab']}); seq {g['seq']}, batch {g['batch']}; bf16 "
+          f"parameters and AdamW state; torch {torch.__version__}, transformers "
+          f"{transformers.__version__}; {args.runs} rounds of {args.steps} timed steps after "
+          f"{args.warmup} warm-up", flush=True)
+    sides = [("transformers (SDPA), PyTorch eager", lambda: run_torch_gpu(args)),
+             ("accelerate-rs (nn CUDA kernels, the default)", lambda: run_rust_gpu(args, {})),
+             ("accelerate-rs, Candle's composed ops (ACCELERATE_RS_NN_CUDA=0)",
+              lambda: run_rust_gpu(args, {"ACCELERATE_RS_NN_CUDA": "0"})),
+             ("accelerate-rs + flash attention's CUDA kernel",
+              lambda: run_rust_gpu(args, {"ACCELERATE_RS_NN_CUDA_FLASH": "1"}))]
+    results = {i: [] for i in range(len(sides))}
+    for r in range(args.runs):
+        for i, (name, run) in enumerate(sides):
+            try:
+                res = run()
+            except RuntimeError as e:
+                print(f"  round {r + 1}/{args.runs} {name}: FAILED: {e}", flush=True)
+                continue
+            results[i].append(res)
+            print(f"  round {r + 1}/{args.runs} {name}: {res[0]:.1f} ms/step ({res[4]})",
+                  flush=True)
+    print()
+    print("| implementation | ms/step mean | ms/step median | tokens/s | MFU | peak memory GiB | vs transformers |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    base = None
+    for i, (name, _) in enumerate(sides):
+        if not results[i]:
+            print(f"| {name} | failed | | | | | |")
+            continue
+        m = statistics.fmean(x[0] for x in results[i])
+        md = statistics.median(x[1] for x in results[i])
+        tps = tokens * 1e3 / m
+        mfu = tps * flops_per_token / (PEAK_BF16_TFLOPS * 1e12) * 100
+        peaks = [x[3] for x in results[i] if x[3] is not None]
+        peak = f"{max(peaks) / 2**30:.1f}" if peaks else "-"
+        base = tps if i == 0 else base
+        ratio = f"{tps / base:.2f}x" if base else "-"
+        print(f"| {name} | {m:.1f} | {md:.1f} | {tps:.0f} | {mfu:.1f}% | {peak} | {ratio} |")
+    print("RESULT-HF-GPU done", flush=True)
+    return 0
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -112,7 +267,8 @@ def parse(out, what):
     for line in out.splitlines():
         m = RESULT_RE.search(line)
         if m:
-            return tuple(float(m.group(i)) for i in (2, 3, 4))
+            peak = int(m.group(5)) if m.group(5) else None
+            return tuple(float(m.group(i)) for i in (2, 3, 4)) + (peak,)
     raise RuntimeError(f"no RESULT-DDP line from {what}:\n{out[-2000:]}")
 
 
@@ -160,10 +316,19 @@ def main():
                    help="the architecture on both sides (Qwen3: q/k norms, head_dim hidden/heads)")
     p.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR", "target"),
                    help="cargo's target folder (default $CARGO_TARGET_DIR or target)")
+    p.add_argument("--gpu", action="store_true",
+                   help="one GPU, a 250M-parameter Llama in bf16 at sequence 1024 (see above)")
+    p.add_argument("--rust-bin", default=None,
+                   help="with --gpu: the cuda build of hf_bench (default: the target folder's)")
     args = p.parse_args()
     if os.environ.get(ROLE_ENV) == "worker":
         worker(args)
         return 0
+    if os.environ.get(ROLE_ENV) == "gpu-worker":
+        gpu_worker(args)
+        return 0
+    if args.gpu:
+        return gpu_main(args)
     import torch
     import transformers
 

@@ -84,7 +84,7 @@
 
 //! | GPU memory pool release threshold ([`gpu`]) | - | `ACCELERATE_RS_CUDA_POOL_RELEASE_MB` | - | unset: freed GPU memory stays in the pool |
 //! | `nn`'s CUDA kernels (build feature `cuda`) | [`nn::set_cuda_kernels`] | `ACCELERATE_RS_NN_CUDA`: `1` or `0` | - | on when built with `cuda` |
-//! | `nn`'s CUDA kernels not yet proven on a GPU (SiLU, SwiGLU, RoPE) | - | [`ACCELERATE_RS_NN_CUDA_UNPROVEN`](env::NN_CUDA_UNPROVEN): `1` or `0` | - | off |
+//! | `nn::flash_attention`'s CUDA kernel (slower than the composed attention at training sizes) | - | [`ACCELERATE_RS_NN_CUDA_FLASH`](env::NN_CUDA_FLASH): `1` or `0` | - | off |
 //!
 //! The launcher families are not mixed: the first of torchrun, SLURM, Open MPI whose rank
 //! variable is set provides rank, world size and local rank. Inconsistent values (a rank not below

@@ -2,7 +2,8 @@
 //! `LlamaForCausalLm` (default hidden 512, 4 layers, 8 heads, 2 key/value heads, vocab 8000,
 //! SwiGLU 1408), or with `--family qwen3` a Qwen3 of the same shape (q/k norms, `head_dim`
 //! hidden / heads), trained on random tokens (sequences of 256, batch 4 per process) with AdamW,
-//! timed per step. Run it under the launcher; rank 0 prints one line
+//! timed per step (`--dtype bf16` and the shape flags for `pytorch_hf_bench.py --gpu`, on the GPU
+//! a `cuda` build picks). Run it under the launcher; rank 0 prints one line
 //! `RESULT-DDP world=W ms_mean=... ms_median=... samples_per_s=...`.
 //!
 //!     cargo build --release -p accelerate-rs-models --example hf_bench
@@ -39,12 +40,13 @@ struct Args {
     /// `llama` or `qwen3`.
     #[arg(long, default_value = "llama")]
     family: String,
+    /// The parameters' (and so the compute's) dtype: `f32` or `bf16` (the GPU table's).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    let accelerator = Accelerator::new()?;
-    let device = accelerator.device().clone();
+/// The model of `args` (family, shape, dtype) on `device`.
+fn build(args: &Args, device: &candle_core::Device) -> Result<AutoModel> {
     let mut json = args.model.config_json(args.seq);
     match args.family.as_str() {
         "llama" => {}
@@ -55,8 +57,20 @@ fn main() -> Result<()> {
         }
         other => anyhow::bail!("--family {other}: llama or qwen3"),
     }
+    let dtype = match args.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        other => anyhow::bail!("--dtype {other}: f32 or bf16"),
+    };
     let config = Config::from_json(std::path::Path::new("<hf_bench>"), &json)?;
-    let model = AutoModel::from_config(&config, &device, DType::F32)?;
+    Ok(AutoModel::from_config(&config, device, dtype)?)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let accelerator = Accelerator::new()?;
+    let device = accelerator.device().clone();
+    let model = build(&args, &device)?;
     let opt = AdamW::new(
         model.varmap().all_vars(),
         ParamsAdamW {
@@ -68,7 +82,7 @@ fn main() -> Result<()> {
     let mut opt = accelerator.prepare_optimizer(opt);
 
     let mut rng = ChaCha8Rng::seed_from_u64(0x5EED + accelerator.rank() as u64);
-    let mut times = Vec::new();
+    let (mut times, mut forwards) = (Vec::new(), Vec::new());
     for step in 0..args.warmup + args.steps {
         if step == args.warmup {
             accelerator.wait_for_everyone()?;
@@ -78,12 +92,18 @@ fn main() -> Result<()> {
             .collect();
         let ids = Tensor::from_vec(ids, (args.batch, args.seq), &device)?;
         let labels = ids.to_dtype(DType::I64)?;
+        // A GPU queues its work: the step is timed from an idle device to an idle device.
+        device.synchronize()?;
         let start = Instant::now();
         let loss = model.loss(&ids, &labels)?;
+        device.synchronize()?;
+        let forward = start.elapsed().as_secs_f64() * 1e3;
         opt.backward_step(&loss)?;
+        device.synchronize()?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
         if step >= args.warmup {
             times.push(ms);
+            forwards.push(forward);
         }
     }
     let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
@@ -92,9 +112,21 @@ fn main() -> Result<()> {
     let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
     let world = accelerator.world_size();
     let mean_all = accelerator.average(mean)?;
+    // On a GPU: the device pool's high-water mark (what the step needs at this size).
+    let peak = if device.is_cuda() {
+        let peak = accelerate_rs::gpu::pool_memory(&device)?.peak;
+        format!(" device_peak={peak}")
+    } else {
+        String::new()
+    };
     if accelerator.is_main_process() {
+        let forward = forwards.iter().sum::<f64>() / forwards.len().max(1) as f64;
         println!(
-            "RESULT-DDP world={world} ms_mean={mean_all:.4} ms_median={median:.4} samples_per_s={:.4}",
+            "BREAKDOWN forward_ms={forward:.2} backward_and_step_ms={:.2}",
+            mean - forward
+        );
+        println!(
+            "RESULT-DDP world={world} ms_mean={mean_all:.4} ms_median={median:.4} samples_per_s={:.4}{peak}",
             (world * args.batch) as f64 * 1e3 / mean_all
         );
     }

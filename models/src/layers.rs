@@ -4,8 +4,9 @@
 //! document ids checked, dropout, and the language-model losses.
 
 use accelerate_rs::nn::{
-    cross_entropy_with, flash_attention, linear_cross_entropy, scaled_dot_product_attention,
-    softmax_last_dim, AttentionOptions, CrossEntropyOptions, FlashAttentionOptions, Linear,
+    cross_entropy_with, flash_attention, flash_attention_fused, linear_cross_entropy,
+    scaled_dot_product_attention, softmax_last_dim, AttentionOptions, CrossEntropyOptions,
+    FlashAttentionOptions, Linear,
 };
 use candle_core::{DType, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -18,8 +19,9 @@ pub enum AttentionBackend {
     /// grouped-query attention without repeating the keys and values) wherever the layer's
     /// options allow it (not with Gemma 2's soft-capped scores nor with attention dropout in
     /// training); elsewhere the fused `scaled_dot_product_attention`, or composed ops where a
-    /// sliding window, documents, soft-capping or dropout need them. Other devices keep the
-    /// fused or composed ops.
+    /// sliding window, documents, soft-capping or dropout need them. On a GPU the same flash
+    /// attention where its CUDA kernel is on (`accelerate_rs::nn::flash_attention_fused`),
+    /// else the fused or composed ops.
     #[default]
     Auto,
     /// Composed Candle ops everywhere (the attention weights materialized): the reference.
@@ -249,10 +251,11 @@ pub(crate) struct AttentionSpec<'a> {
 }
 
 /// `softmax(scale q kᵀ + mask) v` for `q` `[B, H, T, D]` and `k`, `v` `[B, KV, T, D]` (`KV`
-/// divides `H`: grouped-query attention). With [`AttentionBackend::Auto`] on the CPU, and
-/// neither soft-capping nor attention dropout, `accelerate_rs::nn::flash_attention` (tiled,
-/// the keys and values not repeated); else `accelerate_rs::nn::scaled_dot_product_attention`
-/// (one fused op on the CPU) unless a sliding window that cuts something, documents, soft-capping,
+/// divides `H`: grouped-query attention). With [`AttentionBackend::Auto`] and neither
+/// soft-capping nor attention dropout, `accelerate_rs::nn::flash_attention` (tiled, the keys
+/// and values not repeated) where it runs fused (on the CPU; on a GPU where its CUDA kernel is
+/// on); else `accelerate_rs::nn::scaled_dot_product_attention` (one fused op on the CPU)
+/// unless a sliding window that cuts something, documents, soft-capping,
 /// dropout or the `Composed` backend ask for the composed path.
 pub(crate) fn attention(
     q: &Tensor,
@@ -267,7 +270,7 @@ pub(crate) fn attention(
     }
     let drops = train && spec.dropout > 0.0;
     let auto = spec.backend == AttentionBackend::Auto;
-    if auto && q.device().is_cpu() && !drops && spec.softcap.is_none() {
+    if auto && !drops && spec.softcap.is_none() && flash_attention_fused(q)? {
         return flash(q, k, v, spec);
     }
     let (k, v) = (repeat_kv(k, h / kv)?, repeat_kv(v, h / kv)?);

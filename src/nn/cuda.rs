@@ -1,11 +1,11 @@
 //! CUDA kernels for `accelerate_rs::nn` (the `cuda` feature): LayerNorm and RMSNorm,
 //! softmax and causal softmax, cross-entropy (also `linear_cross_entropy`'s row pass after the
-//! product), GELU and ReLU, forward and backward, in f32, bf16 and f16 (computed in f32). SiLU,
-//! the SwiGLU gate, RoPE (with its tables' gradients) and flash attention (`flash_cuda.rs`, a
-//! module of its own) have kernels too, checked on the CPU's
-//! emulation of CUDA but not yet on a GPU: they run only with
-//! `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` ([`use_unproven_kernels`]) until a device run
-//! (`scripts/gpu-smoke.sh`, step 8) has proven them.
+//! product), GELU and ReLU, SiLU, the SwiGLU gate and RoPE (with its tables' gradients), forward
+//! and backward, in f32, bf16 and f16 (computed in f32), all proven against the CPU path on a
+//! GPU (`scripts/gpu-smoke.sh`, step 8). Flash attention (`flash_cuda.rs`, a module of its own)
+//! is proven correct too but is slower than Candle's composed attention at training sizes (a
+//! warp per query row, no tensor cores): it runs only with `ACCELERATE_RS_NN_CUDA_FLASH=1`
+//! ([`use_flash_kernel`]).
 //!
 //! The kernels (`kernels.cu`) are compiled with NVRTC at first use for the GPU's architecture
 //! ([`crate::cuda_ptx`]). Whether an op takes them is decided before it is built
@@ -109,12 +109,13 @@ pub(super) fn use_kernels(x: &Tensor) -> Result<bool> {
     }
 }
 
-/// [`use_kernels`] for the kernels no device run has proven yet (SiLU, SwiGLU, RoPE): also needs
-/// `ACCELERATE_RS_NN_CUDA_UNPROVEN` (a flag, default off; read once).
-pub(super) fn use_unproven_kernels(x: &Tensor) -> Result<bool> {
-    static UNPROVEN: once_cell::sync::OnceCell<bool> = once_cell::sync::OnceCell::new();
-    let on = *UNPROVEN.get_or_try_init(|| {
-        crate::settings::parse::process_env::<bool>(crate::settings::env::NN_CUDA_UNPROVEN)
+/// [`use_kernels`] for the flash attention kernel (correct, but slower than Candle's composed
+/// attention at training sizes): also needs `ACCELERATE_RS_NN_CUDA_FLASH` (a flag, default off;
+/// read once).
+pub(super) fn use_flash_kernel(x: &Tensor) -> Result<bool> {
+    static FLASH: once_cell::sync::OnceCell<bool> = once_cell::sync::OnceCell::new();
+    let on = *FLASH.get_or_try_init(|| {
+        crate::settings::parse::process_env::<bool>(crate::settings::env::NN_CUDA_FLASH)
             .map(|v| v.unwrap_or(false))
             .map_err(candle_core::Error::wrap)
     })?;

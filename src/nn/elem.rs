@@ -181,31 +181,15 @@ macro_rules! multiversion {
 /// Whether an op on `x` takes this module's fused ops: on the CPU ([`fused_cpu`]), or on a GPU
 /// with the CUDA kernels of a `cuda` build (switched on and loaded).
 pub(super) fn fused(x: &Tensor) -> candle_core::Result<bool> {
-    fused_with(x, false)
-}
-
-/// [`fused`] for the ops whose CUDA kernels no device run has proven yet (SiLU, SwiGLU, RoPE): on
-/// the CPU, or on a GPU only with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` as well.
-pub(super) fn fused_unproven(x: &Tensor) -> candle_core::Result<bool> {
-    fused_with(x, true)
-}
-
-/// [`fused`] (`unproven` false) or [`fused_unproven`].
-fn fused_with(x: &Tensor, unproven: bool) -> candle_core::Result<bool> {
     if fused_cpu(x) {
         return Ok(true);
     }
     #[cfg(feature = "cuda")]
     {
-        if unproven {
-            super::cuda::use_unproven_kernels(x)
-        } else {
-            super::cuda::use_kernels(x)
-        }
+        super::cuda::use_kernels(x)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = unproven;
         Ok(false)
     }
 }

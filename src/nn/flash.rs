@@ -111,7 +111,8 @@ impl From<&AttentionOptions> for FlashAttentionOptions {
 /// (within f32 rounding), with memory linear in the sequence length: on the CPU (f32, bf16, f16
 /// and f64, computed in f32) one differentiable op whose backward pass recomputes the attention
 /// weights a tile at a time. On other devices Candle's composed ops (quadratic memory), or in a
-/// `cuda` build with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` a CUDA kernel not yet proven on a GPU.
+/// `cuda` build with `ACCELERATE_RS_NN_CUDA_FLASH=1` CUDA kernels (memory linear in the sequence,
+/// proven on an H100, but slower than the composed ops at training sizes).
 ///
 /// ```
 /// # fn main() -> candle_core::Result<()> {
@@ -151,11 +152,37 @@ pub fn flash_attention(
     #[cfg(feature = "cuda")]
     {
         use super::flash_cuda::{forward, MAX_WIDTH};
-        if dims.d.max(dims.dv) <= MAX_WIDTH && super::cuda::use_unproven_kernels(q)? {
+        if dims.d.max(dims.dv) <= MAX_WIDTH && super::cuda::use_flash_kernel(q)? {
             return forward(q, k, v, dims, scale, &visibility(dims, options)?);
         }
     }
     composed(q, k, v, dims, scale, options)
+}
+
+/// Whether [`flash_attention`] runs as one fused op (memory linear in the sequence, the keys
+/// and values of grouped-query attention not repeated) for queries like `q` `[B, H, T, D]`: on
+/// the CPU in a float dtype; in a `cuda` build on a GPU where the CUDA kernels are on
+/// (`ACCELERATE_RS_NN_CUDA_FLASH=1`) and `D <= 256`.
+/// Elsewhere it composes Candle ops, and a caller may prefer its own fused attention.
+///
+/// ```
+/// # fn main() -> candle_core::Result<()> {
+/// let q = candle_core::Tensor::zeros((1, 2, 4, 8), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+/// assert!(accelerate_rs::nn::flash_attention_fused(&q)?);
+/// # Ok(()) }
+/// ```
+pub fn flash_attention_fused(q: &Tensor) -> Result<bool> {
+    if fused_cpu(q) {
+        return Ok(true);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let width = q.dims().last().copied().unwrap_or(0);
+        if width <= super::flash_cuda::MAX_WIDTH && super::cuda::use_flash_kernel(q)? {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// The sizes of q, k and v, checked.

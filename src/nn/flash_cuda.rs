@@ -1,10 +1,12 @@
 //! The CUDA path of [`flash_attention`](super::flash_attention) (`cuda` builds): the kernels of
 //! `flash.cu` (forward, the query gradient, the key and value gradients; a warp per row, nothing
-//! of size `T_q × T_k` stored), compiled with NVRTC as a module of their own at first use. No GPU
-//! has run them yet: `flash.rs` takes this path only where the unproven kernels are allowed
-//! (`ACCELERATE_RS_NN_CUDA_UNPROVEN=1`, see [`super::cuda::use_unproven_kernels`]); they are
-//! checked on the CPU's emulation of CUDA (`tests/cuda_emulation/check_flash.cpp`) and compiled
-//! by NVRTC in CI (`scripts/nvrtc_check.py`).
+//! of size `T_q × T_k` stored), compiled with NVRTC as a module of their own at first use. Proven
+//! against the CPU path on an H100 (`scripts/gpu-smoke.sh` step 8), but a warp per query row
+//! without tensor cores is slower than Candle's composed attention at training sizes (6x slower
+//! steps for a 250M Llama at sequence 1024, BENCHMARKS.md): `flash.rs` takes this path only with
+//! `ACCELERATE_RS_NN_CUDA_FLASH=1` (see [`super::cuda::use_flash_kernel`]). Also checked on the
+//! CPU's emulation of CUDA (`tests/cuda_emulation/check_flash.cpp`) and compiled by NVRTC in CI
+//! (`scripts/nvrtc_check.py`).
 
 use std::sync::Mutex;
 

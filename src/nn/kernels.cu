@@ -329,7 +329,7 @@ __device__ void relu_bwd(const T* y, const T* dy, T* dx, long long n) {
     }
 }
 
-// ---- SiLU and the SwiGLU gate (not yet run on a GPU: behind ACCELERATE_RS_NN_CUDA_UNPROVEN) ----
+// ---- SiLU and the SwiGLU gate --------------------------------------------------------------
 
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -376,7 +376,7 @@ __device__ void swiglu_bwd(const T* gate, const T* up, const T* dy, T* out, long
     }
 }
 
-// ---- rotary embeddings (not yet run on a GPU: behind ACCELERATE_RS_NN_CUDA_UNPROVEN) --------
+// ---- rotary embeddings ---------------------------------------------------------------------
 // variant 0: xs [B, H, T, D], pairs of halves (i, i + D/2); 1: [B, H, T, D], interleaved pairs
 // (2i, 2i + 1); 2: [B, T, H, D], pairs of halves. Tables [T, D/2], or [B, T, D/2] when batched.
 

@@ -38,11 +38,10 @@
 //! at first use. They are on in such a build unless `ACCELERATE_RS_NN_CUDA=0` (or
 //! [`set_cuda_kernels`]); if they cannot be compiled or loaded, one warning and the composed ops.
 //! They are proven against the CPU path on a GPU by `examples/nn_kernels.rs` (step 8 of
-//! `scripts/gpu-smoke.sh`: every op, f32/bf16/f16, forward and backward; passed on an H200).
-//! SiLU, SwiGLU, RoPE (`rope`, `rope_i`, `rope_thd`) and [`flash_attention`] (forward and
-//! backward) have kernels too that no GPU has run yet: they are used only with
-//! `ACCELERATE_RS_NN_CUDA_UNPROVEN=1` (step 8 sets it to prove them); otherwise they run as
-//! Candle's composed ops on a GPU.
+//! `scripts/gpu-smoke.sh`: every op, f32/bf16/f16, forward and backward; passed on an H200, and
+//! with SiLU, SwiGLU and RoPE (`rope`, `rope_i`, `rope_thd`) on an H100). [`flash_attention`]'s
+//! kernels (forward and backward) passed there too but are slower than Candle's composed
+//! attention at training sizes, so they run only with `ACCELERATE_RS_NN_CUDA_FLASH=1`.
 //!
 //! ```
 //! use accelerate_rs::nn::{layer_norm, LayerNormConfig};
@@ -90,7 +89,7 @@ pub use attention::{packed_self_attention, scaled_dot_product_attention, Attenti
 pub use candle_nn::LayerNormConfig;
 pub use cross_entropy_options::CrossEntropyOptions;
 pub use dropout::{dropout, set_dropout_seed};
-pub use flash::{flash_attention, Documents, FlashAttentionOptions};
+pub use flash::{flash_attention, flash_attention_fused, Documents, FlashAttentionOptions};
 pub use gelu::gelu;
 pub use head_loss::linear_cross_entropy;
 pub use kernels::{cuda_kernel_launches, set_cuda_kernels, CUDA_KERNELS_BUILT};

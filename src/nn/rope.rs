@@ -11,7 +11,7 @@
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::elem::{binary_float, fused_unproven, multiversion, slice, Elem};
+use super::elem::{binary_float, fused, multiversion, slice, Elem};
 use super::rope_geometry::{Geometry, Variant};
 
 /// Elements per Rayon task (rows are grouped up to this size).
@@ -26,9 +26,9 @@ const CHUNK: usize = 8192;
 /// `candle_nn::rotary_emb::rope`'s signature and values (within f32 rounding; bf16 and f16 are
 /// computed in f32, f64 in f32 too as the other fused ops), but differentiable: `xs`, `cos` and
 /// `sin` get gradients (the tables' summed over batch and heads). Inputs of any strides are
-/// accepted (Candle's needs them contiguous). Fused on the CPU (f32, f64, bf16, f16); Candle's
-/// composed, differentiable ops elsewhere (on a GPU, CUDA kernels with
-/// `ACCELERATE_RS_NN_CUDA_UNPROVEN=1`, until a device run has proven them).
+/// accepted (Candle's needs them contiguous). Fused on the CPU (f32, f64, bf16, f16) and, in a
+/// `cuda` build, on a GPU (CUDA kernels, proven on an H100); Candle's composed, differentiable
+/// ops elsewhere.
 ///
 /// ```
 /// # fn main() -> candle_core::Result<()> {
@@ -120,7 +120,7 @@ fn apply(variant: Variant, xs: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Te
     let cos = cos.narrow(pos, 0, t)?;
     let sin = sin.narrow(pos, 0, t)?;
     let same = |t: &Tensor| t.device().same_device(xs.device());
-    if !fused_unproven(xs)? || !same(&cos) || !same(&sin) {
+    if !fused(xs)? || !same(&cos) || !same(&sin) {
         return composed(variant, xs, &cos, &sin);
     }
     if xs.elem_count() == 0 {

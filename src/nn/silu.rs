@@ -7,7 +7,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, S
 use rayon::prelude::*;
 
 use super::elem::{
-    binary_float, elementwise_pair, exp_f32, fused_unproven, saved_tensor, slice, unary_float, Elem,
+    binary_float, elementwise_pair, exp_f32, fused, saved_tensor, slice, unary_float, Elem,
 };
 
 /// Elements per Rayon task.
@@ -21,10 +21,10 @@ fn sigmoid(x: f32) -> f32 {
 
 /// SiLU (swish): `x σ(x) = x / (1 + e^{-x})`, the same function as `candle_nn::ops::silu` /
 /// `Tensor::silu` (and PyTorch's `silu`). Fused and differentiable with a one-pass backward on the
-/// CPU (f32, f64, bf16, f16, computed in f32); Candle's op elsewhere (on a GPU, CUDA kernels with
-/// `ACCELERATE_RS_NN_CUDA_UNPROVEN=1`, until a device run has proven them).
+/// CPU (f32, f64, bf16, f16, computed in f32) and, in a `cuda` build, as CUDA kernels on a GPU
+/// (proven on an H100); Candle's op elsewhere.
 pub fn silu(x: &Tensor) -> Result<Tensor> {
-    if !fused_unproven(x)? {
+    if !fused(x)? {
         return x.silu();
     }
     x.contiguous()?.apply_op1(SiluFwd)
@@ -34,9 +34,8 @@ pub fn silu(x: &Tensor) -> Result<Tensor> {
 /// and `up` of one shape and dtype (the `gate_proj` and `up_proj` outputs; the MLP is then
 /// `down_proj(swiglu(gate_proj(x), up_proj(x)))`). The same values as
 /// `(candle_nn::ops::silu(gate)? * up)?`, as one op with a one-pass backward giving both inputs'
-/// gradients on the CPU (f32, f64, bf16, f16, computed in f32); Candle's composed ops elsewhere
-/// (on a GPU, CUDA kernels with `ACCELERATE_RS_NN_CUDA_UNPROVEN=1`, until a device run has
-/// proven them).
+/// gradients on the CPU (f32, f64, bf16, f16, computed in f32) and, in a `cuda` build, on a GPU
+/// (CUDA kernels, proven on an H100); Candle's composed ops elsewhere.
 ///
 /// ```
 /// # fn main() -> candle_core::Result<()> {
@@ -66,7 +65,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             up.dtype()
         );
     }
-    if !fused_unproven(gate)? || !up.device().same_device(gate.device()) {
+    if !fused(gate)? || !up.device().same_device(gate.device()) {
         return gate.silu()? * up;
     }
     gate.contiguous()?.apply_op2(&up.contiguous()?, SwigluFwd)

@@ -60,10 +60,10 @@ pub const CUDA_POOL_RELEASE_MB: &str = "ACCELERATE_RS_CUDA_POOL_RELEASE_MB";
 /// Whether `accelerate_rs::nn`'s CUDA kernels are used in a build with the `cuda` feature
 /// (`0` turns them off; default on). See [`crate::nn`].
 pub const NN_CUDA: &str = "ACCELERATE_RS_NN_CUDA";
-/// Whether `accelerate_rs::nn`'s CUDA kernels that no device run has proven yet (SiLU, the
-/// SwiGLU gate and RoPE) are used (`1` turns them on; default off, the composed ops run instead). Only
-/// with [`NN_CUDA`] on. See [`crate::nn`].
-pub const NN_CUDA_UNPROVEN: &str = "ACCELERATE_RS_NN_CUDA_UNPROVEN";
+/// Whether `accelerate_rs::nn::flash_attention` runs its CUDA kernel on a GPU (`1` turns it on;
+/// default off: correct, but slower than Candle's composed attention at training sizes, see
+/// BENCHMARKS.md). Only with [`NN_CUDA`] on. See [`crate::nn`].
+pub const NN_CUDA_FLASH: &str = "ACCELERATE_RS_NN_CUDA_FLASH";
 /// Whether CPU gradient buckets are all-reduced on a communication thread while the next bucket
 /// is flattened (`0` turns it off; default on). Read when an accelerator is built.
 pub const OVERLAP: &str = "ACCELERATE_RS_OVERLAP";

@@ -336,7 +336,7 @@ impl NcclCollective {
             op,
             || prepare().map_err(|e| e.on_rank(rank, &self.device)),
             |failure| self.pass_gate(op, failure),
-            enqueue,
+            |comm, o| enqueue(comm, o).map_err(|e| self.refused(op, comm, e)),
             |comm| self.watch(op, comm),
         )?;
         self.calls.fetch_add(count, Ordering::Relaxed);
@@ -352,6 +352,11 @@ impl NcclCollective {
             gates.iter().rev().filter_map(Weak::upgrade).collect()
         };
         live.iter().try_for_each(|g| g.pass(op, failure))
+    }
+
+    fn refused(&self, op: &str, comm: &RawComm, e: Error) -> Error {
+        let host = &self.host;
+        comm.refused(host.rank(), op, self.timeout, e, &mut || host.check_peers())
     }
 
     fn watch(&self, op: &str, comm: &RawComm) -> Result<()> {

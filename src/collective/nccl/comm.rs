@@ -132,13 +132,12 @@ impl CommHandle for RawComm {
     }
 }
 
+/// An error NCCL or CUDA returned to this rank's call (no peer named: NCCL does not say).
 pub(super) fn nccl_err(rank: usize, op: &str, what: impl std::fmt::Debug) -> Error {
-    Error::Peer {
+    Error::Nccl {
         rank,
-        peer: rank,
         op: op.into(),
         reason: format!("NCCL error: {what:?}"),
-        source: None,
     }
 }
 
@@ -298,6 +297,25 @@ impl RawComm {
             nccl_life::wait(&w, c, &mut || Ok(true), check_peers)?;
         }
         Ok(owned)
+    }
+
+    /// The error of a call NCCL refused to queue: a dead peer named where the host collective
+    /// knows it (see [`nccl_life::refused`]).
+    pub(super) fn refused(
+        &self,
+        rank: usize,
+        op: &str,
+        timeout: Duration,
+        e: Error,
+        check_peers: &mut dyn FnMut() -> Result<()>,
+    ) -> Error {
+        let w = Wait {
+            rank,
+            op,
+            timeout,
+            hint: nccl_life::OP_HINT,
+        };
+        nccl_life::refused(&w, self, e, check_peers)
     }
 
     /// Waits until a call queued on this (non-blocking) communicator has really been queued on

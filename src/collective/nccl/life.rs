@@ -151,7 +151,30 @@ pub(crate) fn wait(
 }
 
 /// How long an NCCL error waits for the host collective to name a peer that is gone.
-pub(crate) const NAME_THE_PEER: Duration = Duration::from_millis(250);
+pub(crate) const NAME_THE_PEER: Duration = Duration::from_secs(1);
+
+/// The error of a call NCCL refused to queue (`e`). Once a peer has died, NCCL refuses every
+/// further call of the communicator with its asynchronous error (a remote or system error,
+/// naming no rank): then, as for a failed wait, the host collective's peers are checked and a
+/// peer found gone is named. Any other refusal is `e` as it is.
+pub(crate) fn refused(
+    w: &Wait<'_>,
+    comm: &dyn CommHandle,
+    e: Error,
+    check_peers: &mut dyn FnMut() -> Result<()>,
+) -> Error {
+    match comm.state() {
+        CommState::Failed(why) => failed(w, &why, check_peers),
+        _ => {
+            let text = e.to_string();
+            if text.contains("ncclRemoteError") || text.contains("ncclSystemError") {
+                failed(w, &text, check_peers)
+            } else {
+                e
+            }
+        }
+    }
+}
 
 /// The error of a wait that `e` (from `check_peers`) says a peer is gone from, naming it.
 fn gone(w: &Wait<'_>, e: &Error, what: &str) -> Error {
@@ -627,6 +650,64 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(e.to_string().contains("talking to rank 1"), "{e}");
+    }
+
+    /// The error `check_peers` gives once rank 1's connection is closed.
+    fn rank_1_gone() -> Error {
+        Error::Peer {
+            rank: 3,
+            peer: 1,
+            op: "check_peers".into(),
+            reason: "connection closed".into(),
+            source: None,
+        }
+    }
+
+    #[test]
+    fn a_call_refused_after_a_peer_died_names_the_peer() {
+        // What the GPU run of `kill -9` showed: the next all_reduce is refused at once with
+        // ncclRemoteError, before any wait; the error must name rank 1, not this rank.
+        let refusal = || Error::Nccl {
+            rank: 3,
+            op: "all_reduce".into(),
+            reason: "NCCL error: ncclRemoteError".into(),
+        };
+        for state in [state_of(6, || "socket closed".into()), CommState::Ready] {
+            let comm = Fake::new(vec![state]);
+            let mut checks = 0;
+            let e = refused(&w("all_reduce", 60_000), &comm, refusal(), &mut || {
+                checks += 1;
+                if checks < 3 {
+                    Ok(())
+                } else {
+                    Err(rank_1_gone())
+                }
+            });
+            match &e {
+                Error::Peer { rank, peer, op, .. } => {
+                    assert_eq!((*rank, *peer, op.as_str()), (3, 1, "all_reduce"));
+                }
+                other => panic!("{other:?}"),
+            }
+            assert!(e.to_string().contains("talking to rank 1"), "{e}");
+        }
+        // No peer found gone within the second: NCCL's error, naming no peer.
+        let comm = Fake::new(vec![state_of(6, || "socket closed".into())]);
+        let start = Instant::now();
+        let e = refused(&w("all_reduce", 60_000), &comm, refusal(), &mut || Ok(()));
+        assert!(start.elapsed() < Duration::from_secs(3));
+        assert!(matches!(e, Error::Nccl { rank: 3, .. }), "{e:?}");
+        // Any other refusal (a wrong argument) is returned as it is, without waiting.
+        let comm = Fake::new(vec![CommState::Ready]);
+        let other = Error::Nccl {
+            rank: 3,
+            op: "all_reduce".into(),
+            reason: "NCCL error: ncclInvalidArgument".into(),
+        };
+        let e = refused(&w("all_reduce", 60_000), &comm, other, &mut || {
+            Err(rank_1_gone())
+        });
+        assert!(e.to_string().contains("ncclInvalidArgument"), "{e}");
     }
 
     #[test]
