@@ -73,6 +73,9 @@
 #      1024 on GPU 0, `transformers` (SDPA, PyTorch eager) against accelerate-rs with Candle's
 #      kernels and with the nn CUDA kernels (flash attention); tokens/s, MFU and peak memory in
 #      one table (scripts/pytorch_hf_bench.py --gpu, the bundle's hf_bench)
+#  18. where step 17's GPU time goes: both sides under Nsight Compute (scripts/gpu_profile.py, one
+#      warm-up and one step each), kernels grouped by name with their time and share, and the
+#      matrix products against the rest
 # Steps 1-7 and 11-14 run as a user's program does: with the nn CUDA kernels on (the default of a
 # cuda build); `ACCELERATE_RS_NN_CUDA=0 scripts/gpu-smoke.sh` proves them on Candle's composed
 # ops instead. Steps 8 and 9 always switch the kernels on; step 10 times both paths. Step 8 also
@@ -143,7 +146,7 @@ step() {
     failed=$((failed + 1))
   fi
   # The figures worth keeping.
-  grep -E "final test accuracy|ok: |skipped: |PASSED|FAILED|resumed from|overhead of|paired per round|\| (candle|accelerate-rs|PyTorch|implementation|composed|kernels|op |[a-z_]+ \[|configuration|plain|ckpt|lora|lora-ckpt) |^(PASS|FAIL) |nn_kernels:|RESULT-LM-GPU|warning: (ranks|DP replicas)|trained [0-9]+ steps|saved |test result|panicked|logits diff|find_executable_batch_size on|peak x|Llama-style|kill -9 of rank|gpu-two-hosts: |2 ranks x 8 over NCCL|zero3 on the GPU|\\| transformers|^llama on|round [0-9]+/[0-9]+ .*FAILED" "$log" \
+  grep -E "final test accuracy|ok: |skipped: |PASSED|FAILED|resumed from|overhead of|paired per round|\| (candle|accelerate-rs|PyTorch|implementation|composed|kernels|op |[a-z_]+ \[|configuration|plain|ckpt|lora|lora-ckpt) |^(PASS|FAIL) |nn_kernels:|RESULT-LM-GPU|warning: (ranks|DP replicas)|trained [0-9]+ steps|saved |test result|panicked|logits diff|find_executable_batch_size on|peak x|Llama-style|kill -9 of rank|gpu-two-hosts: |2 ranks x 8 over NCCL|zero3 on the GPU|\\| transformers|^llama on|round [0-9]+/[0-9]+ .*FAILED|gpu_profile: total|kernel launches, " "$log" \
     | sed 's/^/    /' >>"$summary" || true
 }
 
@@ -308,6 +311,14 @@ step "17. a 250M Llama in bf16 at sequence 1024: transformers vs accelerate-rs o
   "RESULT-HF-GPU done" \
   env CUDA_VISIBLE_DEVICES=0 python3 "$repo/scripts/pytorch_hf_bench.py" --gpu --runs 2 --steps 10 \
   --warmup 3 --rust-bin "$B/hf_bench"
+
+step "18. where a 250M Llama's GPU step goes, kernel by kernel: transformers and accelerate-rs (ncu)" \
+  500 "gpu_profile: total .*accelerate-rs" \
+  bash -c 'set -e
+    CUDA_VISIBLE_DEVICES=0 python3 "$1/scripts/gpu_profile.py" --label transformers --top 20 --torch
+    CUDA_VISIBLE_DEVICES=0 python3 "$1/scripts/gpu_profile.py" --label accelerate-rs --top 40 -- \
+      "$2" --dtype bf16 --steps 1 --warmup 1 --vocab 32000 --hidden 1024 --intermediate 2816 \
+      --layers 16 --heads 16 --kv-heads 8 --seq 1024 --batch 4' _ "$repo" "$B/hf_bench"
 
 say "gpu-smoke: $passed passed, $failed failed (logs in $work)"
 [ "$failed" -eq 0 ]
