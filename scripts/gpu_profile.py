@@ -12,7 +12,7 @@ NCCL, the rest).
 A tool, not a test. Every launch is timed, set-up and warm-up included, so run one warm-up and one
 timed step and read the shares rather than the totals. `--torch` runs the `transformers` side of
 `scripts/pytorch_hf_bench.py --gpu` (same model, one warm-up and one step). `--csv FILE` keeps
-ncu's raw table. Exit 1 when ncu is missing or its table cannot be read (its first lines are
+ncu's raw table (a new file: an existing one is refused). Exit 1 when ncu is missing or its table cannot be read (its first lines are
 printed then).
 """
 
@@ -97,6 +97,10 @@ def main():
     p.add_argument("--csv", default=None, help="keep ncu's raw CSV here")
     p.add_argument("command", nargs="*", help="the program and its arguments (after --)")
     args = p.parse_args()
+    if args.top < 1:
+        p.error(f"--top {args.top}: at least 1")
+    if args.csv and os.path.lexists(args.csv):
+        p.error(f"--csv {args.csv} exists: name a new file (nothing is written over)")
     ncu = shutil.which("ncu")
     if ncu is None:
         print("gpu_profile: ncu (Nsight Compute) is not on the PATH", file=sys.stderr)
@@ -110,7 +114,11 @@ def main():
         command = args.command
     else:
         p.error("a command after --, or --torch")
-    out = args.csv or tempfile.mktemp(suffix=".csv", prefix="gpu_profile.")
+    if args.csv:
+        out = args.csv
+    else:
+        fd, out = tempfile.mkstemp(suffix=".csv", prefix="gpu_profile.")
+        os.close(fd)
     cmd = [ncu, "--clock-control", "none", "--metrics", METRIC, "--csv", "--page", "raw",
            "--log-file", out] + command
     print(f"gpu_profile: {' '.join(cmd)}", flush=True)

@@ -321,6 +321,9 @@ def main():
     p.add_argument("--rust-bin", default=None,
                    help="with --gpu: the cuda build of hf_bench (default: the target folder's)")
     args = p.parse_args()
+    for name, least in (("runs", 1), ("steps", 1), ("warmup", 0)):
+        if getattr(args, name) < least:
+            p.error(f"--{name} {getattr(args, name)}: at least {least}")
     if os.environ.get(ROLE_ENV) == "worker":
         worker(args)
         return 0

@@ -68,6 +68,10 @@ fn build(args: &Args, device: &candle_core::Device) -> Result<AutoModel> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    anyhow::ensure!(
+        args.steps > 0,
+        "--steps 0: at least one timed step is needed"
+    );
     let accelerator = Accelerator::new()?;
     let device = accelerator.device().clone();
     let model = build(&args, &device)?;

@@ -150,13 +150,25 @@ pub fn flash_attention(
         return y.to_dtype(q.dtype());
     }
     #[cfg(feature = "cuda")]
-    {
-        use super::flash_cuda::{forward, MAX_WIDTH};
-        if dims.d.max(dims.dv) <= MAX_WIDTH && super::cuda::use_flash_kernel(q)? {
-            return forward(q, k, v, dims, scale, &visibility(dims, options)?);
-        }
+    if cuda_takes(q, dims.d.max(dims.dv))? {
+        return super::flash_cuda::forward(q, k, v, dims, scale, &visibility(dims, options)?);
     }
     composed(q, k, v, dims, scale, options)
+}
+
+/// Whether the CUDA kernels take queries `q` with heads `width` wide: a `cuda` build, `q` on a
+/// GPU, the kernels on (`ACCELERATE_RS_NN_CUDA_FLASH=1`) and `width <= 256`. The one decision
+/// of [`flash_attention`] and [`flash_attention_fused`].
+fn cuda_takes(q: &Tensor, width: usize) -> Result<bool> {
+    #[cfg(feature = "cuda")]
+    {
+        Ok(width <= super::flash_cuda::MAX_WIDTH && super::cuda::use_flash_kernel(q)?)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (q, width);
+        Ok(false)
+    }
 }
 
 /// Whether [`flash_attention`] runs as one fused op (memory linear in the sequence, the keys
@@ -172,17 +184,7 @@ pub fn flash_attention(
 /// # Ok(()) }
 /// ```
 pub fn flash_attention_fused(q: &Tensor) -> Result<bool> {
-    if fused_cpu(q) {
-        return Ok(true);
-    }
-    #[cfg(feature = "cuda")]
-    {
-        let width = q.dims().last().copied().unwrap_or(0);
-        if width <= super::flash_cuda::MAX_WIDTH && super::cuda::use_flash_kernel(q)? {
-            return Ok(true);
-        }
-    }
-    Ok(false)
+    Ok(fused_cpu(q) || cuda_takes(q, q.dims().last().copied().unwrap_or(0))?)
 }
 
 /// The sizes of q, k and v, checked.

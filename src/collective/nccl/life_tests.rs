@@ -60,6 +60,17 @@ fn w(op: &str, ms: u64) -> Wait<'_> {
     }
 }
 
+/// The error `check_peers` gives once rank 1's connection is closed.
+fn rank_1_gone() -> Error {
+    Error::Peer {
+        rank: 3,
+        peer: 1,
+        op: "check_peers".into(),
+        reason: "connection closed".into(),
+        source: None,
+    }
+}
+
 #[test]
 fn an_init_that_never_completes_fires_the_watchdog_naming_the_rank() {
     let comm = Fake::new(vec![CommState::Pending]);
@@ -132,13 +143,7 @@ fn an_nccl_error_from_a_dead_peer_names_it() {
             if checks < 3 {
                 Ok(())
             } else {
-                Err(Error::Peer {
-                    rank: 3,
-                    peer: 1,
-                    op: "check_peers".into(),
-                    reason: "connection closed".into(),
-                    source: None,
-                })
+                Err(rank_1_gone())
             }
         },
     )
@@ -160,17 +165,6 @@ fn an_nccl_error_from_a_dead_peer_names_it() {
         other => panic!("{other:?}"),
     }
     assert!(e.to_string().contains("talking to rank 1"), "{e}");
-}
-
-/// The error `check_peers` gives once rank 1's connection is closed.
-fn rank_1_gone() -> Error {
-    Error::Peer {
-        rank: 3,
-        peer: 1,
-        op: "check_peers".into(),
-        reason: "connection closed".into(),
-        source: None,
-    }
 }
 
 #[test]
@@ -227,15 +221,7 @@ fn a_gone_host_peer_fails_the_wait_naming_the_peer() {
         &w("nccl init", 60_000),
         &comm,
         &mut || Ok(true),
-        &mut || {
-            Err(Error::Peer {
-                rank: 3,
-                peer: 1,
-                op: "check_peers".into(),
-                reason: "connection closed".into(),
-                source: None,
-            })
-        },
+        &mut || Err(rank_1_gone()),
     )
     .unwrap_err();
     match e {
