@@ -141,6 +141,13 @@ impl Proj {
         Ok(if self.fan_in_fan_out { (a, b) } else { (b, a) })
     }
 
+    /// The layer as a plain [`Linear`] (`[out, in]` weight), when it is one: no adapter, no
+    /// 4-bit base, not a `Conv1D`. What fused ops over several layers take.
+    pub(crate) fn plain(&self) -> Option<Linear> {
+        let plain = self.lora.is_none() && self.base4.is_none() && !self.fan_in_fan_out;
+        plain.then(|| Linear::new(self.weight.clone(), self.bias.clone()))
+    }
+
     /// The output for `x` `[.., in]`: the base layer (one fused op), plus the adapter's update
     /// if there is one (its dropout only if `train`).
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {

@@ -12,6 +12,7 @@ use candle_nn::VarBuilder;
 use rayon::prelude::*;
 
 use super::elem::{fused_cpu, slice, Elem};
+use super::product::{matmul, parallelism, product, Operand};
 use super::relu::ReluBwd;
 
 /// Rows summed by one Rayon task in the bias gradient.
@@ -182,6 +183,24 @@ impl LinearOp {
             add_bias(&mut y, None, self.relu)?;
             return Ok((y, Shape::from(out)));
         }
+        if let (CpuStorage::F32(x), CpuStorage::F32(w), None) = (sx, sw, b) {
+            // `x` `[rows, k]` row-major; `Wᵀ` read from `W` `[n, k]` (row stride 1, column
+            // stride k).
+            let (x, w) = (slice(x, lx)?, slice(w, lw)?);
+            let xs = Operand {
+                data: x,
+                rs: k,
+                cs: 1,
+            };
+            let wt = Operand {
+                data: w,
+                rs: 1,
+                cs: k,
+            };
+            let mut y = CpuStorage::F32(product(rows, self.n, k, xs, wt)?);
+            add_bias(&mut y, None, self.relu)?;
+            return Ok((y, Shape::from(out)));
+        }
         let lx2 = Layout::contiguous_with_offset((rows, k), lx.start_offset());
         let mut y = sx.matmul(sw, (1, rows, self.n, k), &lx2, &lw.transpose(0, 1)?)?;
         add_bias(&mut y, b, self.relu)?;
@@ -221,13 +240,16 @@ impl LinearOp {
         let rows = x.elem_count() / k;
         // Detached operands: the gradients record no ops, so they do not keep the layer's input
         // (an activation) and weight alive while they are held.
+        let w0 = w;
         let (x, w) = (&x.detach(), &w.detach());
         let dx = match want.x {
-            true => Some(g.matmul(w)?.reshape(x.shape())?),
+            true => Some(matmul(g, false, w)?.reshape(x.shape())?),
             false => None,
         };
+        // A variable's gradient goes to the backward pass's frame when one is open (no
+        // zero-filled copy in Candle's store to add it into).
         let dw = match want.w {
-            true => Some(g.t()?.matmul(&x.reshape((rows, k))?)?),
+            true => super::grad_frames::deposit(w0, matmul(g, true, &x.reshape((rows, k))?)?)?,
             false => None,
         };
         let db = match want.b {
@@ -281,12 +303,6 @@ fn product_f32(x: &[f32], w: &[f32], b: &[f32], rows: usize, k: usize) -> Result
     for _ in 0..rows {
         y.extend_from_slice(b);
     }
-    let threads = candle_core::utils::get_num_threads();
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
     // SAFETY: `x` holds `rows × k` elements read with row stride `k`; `w` holds `n × k`, read as
     // the `k × n` matrix `Wᵀ` (row stride 1, column stride `k`); `y` holds `rows × n` elements
     // (checked above and filled just now), written with row stride `n`, and is a fresh buffer that
@@ -311,7 +327,7 @@ fn product_f32(x: &[f32], w: &[f32], b: &[f32], rows: usize, k: usize) -> Result
             false,
             false,
             false,
-            parallelism,
+            parallelism(),
         );
     }
     Ok(y)

@@ -147,12 +147,12 @@ pub fn backward(loss: &Tensor) -> Result<GradStore> {
     if DEPTH.with(Cell::get) > 0 {
         // Inside a checkpointed block's recomputation: its parameters' gradients stay pending
         // for the outermost call.
-        return loss.backward();
+        return super::grad_frames::backward_collected(loss);
     }
     check_memory_limit(loss)?;
     PENDING.with(|p| p.borrow_mut().clear());
     DEPTH.with(|d| d.set(1));
-    let result = loss.backward();
+    let result = super::grad_frames::backward_collected(loss);
     DEPTH.with(|d| d.set(0));
     let pending = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
     let mut grads = result?;
@@ -297,7 +297,7 @@ impl CustomOp1 for Checkpointed {
         // `sum(y * grad)` back-propagates exactly `grad` into `y` (`1 * g` and `0 + g` are exact),
         // as the first pass's graph would have.
         let seeded = (&y * grad.detach())?.sum_all()?;
-        let mut grads = seeded.backward()?;
+        let mut grads = super::grad_frames::backward_collected(&seeded)?;
         // Detached: a gradient computed with tracked ops keeps the recomputed block (its
         // activations and their gradients) alive for as long as it is held, which would undo
         // the checkpointing for every block until the backward pass ends.

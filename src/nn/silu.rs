@@ -15,7 +15,7 @@ const CHUNK: usize = 4096;
 
 /// `σ(x) = 1 / (1 + e^{-x})` in f32, vectorizable (see [`exp_f32`]).
 #[inline(always)]
-fn sigmoid(x: f32) -> f32 {
+pub(super) fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp_f32(-x))
 }
 
