@@ -24,7 +24,7 @@ use crate::layers::{
     attention, causal_lm_loss, causal_lm_loss_from_logits, check_documents, check_mask, embedding,
     linear, lookup, position_ids, softcap, AttentionSpec,
 };
-use crate::rope::{self, apply_rope_thd, RopeConfig};
+use crate::rope::{self, apply_rope, RopeConfig};
 
 /// RMSNorm over the last dimension, its gain `w` (plain) or `1 + w` (Gemma's, whose `w` starts
 /// at zero).
@@ -258,28 +258,22 @@ impl SelfAttention {
         let (b, t, _) = x.dims3()?;
         let (h, kv, d) = (self.shape.heads, self.shape.kv_heads, self.shape.head_dim);
         let (q, k, v) = self.project(x, train)?;
-        let (cos, sin) = ctx.rope.get(self.options.rope).ok_or_else(|| {
-            candle_core::Error::Msg(format!("no RoPE tables of kind {}", self.options.rope))
-        })?;
-        // Normed and turned as `[B, T, n, d]`, straight from the projection, then seen as
-        // `[B, n, T, d]` (a view: attention takes strided inputs). Turning after the transpose
-        // would first copy each to a contiguous tensor, one more graph node each.
-        let heads = |y: Tensor, n: usize, norm: &Option<Norm>, turn: bool| -> Result<Tensor> {
+        let heads = |y: Tensor, n: usize, norm: &Option<Norm>| -> Result<Tensor> {
             let y = y.reshape((b, t, n, d))?;
             let y = match norm {
                 Some(norm) => norm.forward(&y)?,
                 None => y,
             };
-            let y = if turn {
-                apply_rope_thd(&y, cos, sin)?
-            } else {
-                y
-            };
             y.transpose(1, 2)
         };
-        let q = heads(q, h, &self.q_norm, true)?;
-        let k = heads(k, kv, &self.k_norm, true)?;
-        let v = heads(v, kv, &None, false)?;
+        let q = heads(q, h, &self.q_norm)?;
+        let k = heads(k, kv, &self.k_norm)?;
+        let v = heads(v, kv, &None)?;
+        let (cos, sin) = ctx.rope.get(self.options.rope).ok_or_else(|| {
+            candle_core::Error::Msg(format!("no RoPE tables of kind {}", self.options.rope))
+        })?;
+        let q = apply_rope(&q, cos, sin)?;
+        let k = apply_rope(&k, cos, sin)?;
         if let Some(slot) = &ctx.cache {
             let spec = CachedSpec {
                 window: self.options.window,

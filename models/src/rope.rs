@@ -332,16 +332,19 @@ pub(crate) fn tables(
     let sin = Tensor::from_vec(sin, (t, half), device)?.to_dtype(dtype)?;
     Ok((cos, sin))
 }
-/// Rotary embeddings on `x` `[B, T, H, d]` (the heads straight from the projection), on the
-/// first `2 · cos.dim(-1)` features of each head when that is fewer than `d` (Phi-3's partial
-/// rotary): the rest passes unchanged.
-pub(crate) fn apply_rope_thd(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+
+/// RoPE on `x` `[B, H, T, D]` with `cos`, `sin` `[T, R / 2]` (or `[B, T, R / 2]`: one table
+/// per row, at its position ids), the halves of the first `R`
+/// features rotated (`transformers`' `rotate_half`), the other `D - R` passed as they are:
+/// `accelerate_rs::nn::rope`, fused and differentiable (its backward reaches the query and key
+/// projections).
+pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let d = x.dim(3)?;
     let r = 2 * cos.dim(candle_core::D::Minus1)?;
     if r >= d {
-        return accelerate_rs::nn::rope_thd(&x.contiguous()?, cos, sin);
+        return accelerate_rs::nn::rope(&x.contiguous()?, cos, sin);
     }
-    let rotated = accelerate_rs::nn::rope_thd(&x.narrow(3, 0, r)?.contiguous()?, cos, sin)?;
+    let rotated = accelerate_rs::nn::rope(&x.narrow(3, 0, r)?.contiguous()?, cos, sin)?;
     Tensor::cat(&[&rotated, &x.narrow(3, r, d - r)?], 3)
 }
 
