@@ -517,7 +517,9 @@ impl Grad<'_> {
                 let km = self.x.mats(&self.dims, b, hh)[1];
                 let (klo, khi) = self.vis.keys_of(b, r0, r1);
                 for c0 in (klo / BK * BK..khi).step_by(BK) {
-                    let (c1, dst) = ((c0 + BK).min(self.dims.tk), Mat::rows_mut(dq, d));
+                    // The keys past the last one this tile sees add nothing (their weights are
+                    // zero): the tile stops there, in both passes alike.
+                    let (c1, dst) = ((c0 + BK).min(khi), Mat::rows_mut(dq, d));
                     self.tile((b, hh), (r0, r1), (c0, c1), p, ds);
                     let (n, k) = (c1 - c0, km.at(c0, 0));
                     // SAFETY: `dq` is this task's own rows of `gq`, `ds` its own buffer, k
@@ -558,16 +560,19 @@ impl Grad<'_> {
         mut dq: Option<&mut [f32]>,
     ) {
         let Dims { h, tq, d, dv, .. } = self.dims;
-        let (n, rep) = (c1 - c0, h / self.dims.hkv);
+        let rep = h / self.dims.hkv;
         for hh in g * rep..(g + 1) * rep {
             let [qm, km, _] = self.x.mats(&self.dims, b, hh);
             let row0 = (b * h + hh) * tq;
-            for (t, _) in seen
+            for (t, s) in seen
                 .iter()
                 .enumerate()
                 .filter(|(_, s)| s.0 < c1 && s.1 > c0)
             {
                 let (r0, r1) = self.dims.query_tile(t);
+                // Up to the last key the query tile sees, as in `query_grads`.
+                let c1 = c1.min(s.1);
+                let n = c1 - c0;
                 self.tile((b, hh), (r0, r1), (c0, c1), p, ds);
                 let dym = Mat::rows(&self.up.dy[(row0 + r0) * dv..], dv);
                 let (pm, dsm) = (Mat::rows(p, n).t(), Mat::rows(ds, n).t());
