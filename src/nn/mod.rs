@@ -5,7 +5,8 @@
 //! (attention whose memory grows linearly with the sequence: tiled, with sliding windows, GQA and
 //! packed documents), [`cross_entropy`] (with label smoothing and an ignored
 //! index through [`cross_entropy_with`]; [`linear_cross_entropy`] fuses it with the output layer),
-//! [`gelu`], [`relu`], [`silu`], [`swiglu`] (Llama's MLP gate, `silu(gate) * up`), rotary
+//! [`gelu`], [`relu`], [`silu`], [`swiglu`] (Llama's MLP gate, `silu(gate) * up`;
+//! [`swiglu_linear`] fuses it with the gate and up projections), rotary
 //! embeddings [`rope`] / [`rope_i`] / [`rope_thd`] and [`Linear`] / [`linear`] (its bias
 //! gradient in one pass of row sums), each one pass forward and one pass backward over the data
 //! (Rayon-parallel, f32 arithmetic for f32, bf16 and f16, f64 too).
@@ -20,7 +21,8 @@
 //!
 //! [`recompute`] / [`recompute_fn`] add activation recomputation (checkpointing) to any block (its
 //! activations are recomputed in the backward pass instead of kept); [`backward`] is the
-//! backward pass that collects the checkpointed blocks' parameter gradients. [`dropout`] draws
+//! backward pass that collects the checkpointed blocks' parameter gradients, and the weight
+//! gradients the fused ops hand it directly (past Candle's zero-filled store). [`dropout`] draws
 //! its masks from a per-thread stream that checkpointing replays, so checkpointed blocks may
 //! drop activations.
 //!
