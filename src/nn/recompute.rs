@@ -142,7 +142,9 @@ fn checkpointed(
 
 /// `loss.backward()`, plus the gradients of the parameters inside [`recompute`]ed blocks. The
 /// one backward pass accelerate-rs runs; call it instead of `loss.backward()` when not going
-/// through an [`Accelerator`](crate::Accelerator) or optimizer wrapper.
+/// through an [`Accelerator`](crate::Accelerator) or optimizer wrapper. The fused ops hand it
+/// their variable weights' gradients directly (a plain `loss.backward()` gets the same values
+/// through Candle's store, each added into a zero-filled tensor first).
 pub fn backward(loss: &Tensor) -> Result<GradStore> {
     if DEPTH.with(Cell::get) > 0 {
         // Inside a checkpointed block's recomputation: its parameters' gradients stay pending
