@@ -12,8 +12,8 @@ use rayon::prelude::*;
 
 use super::elem::slice;
 use super::linear::{fusable, Linear};
-use super::product::{product, product_add, Operand};
-use super::silu::sigmoid;
+use super::product::{product, product_add, times_wt, Operand};
+use super::silu::{swiglu_grads, swiglu_value};
 
 /// Elements per Rayon task.
 const CHUNK: usize = 4096;
@@ -73,37 +73,13 @@ fn products(
     k: usize,
 ) -> Result<(Vec<f32>, Vec<f32>)> {
     let n = wg.len() / k.max(1);
-    let xs = Operand {
-        data: x,
-        rs: k,
-        cs: 1,
-    };
-    let t = |w| Operand {
-        data: w,
-        rs: 1,
-        cs: k,
-    };
-    Ok((
-        product(rows, n, k, xs, t(wg))?,
-        product(rows, n, k, xs, t(wu))?,
-    ))
+    Ok((times_wt(x, wg, rows, n, k)?, times_wt(x, wu, rows, n, k)?))
 }
 
 /// The f32 data of a contiguous CPU storage.
 fn f32s<'a>(s: &'a Storage, l: &Layout) -> Result<&'a [f32]> {
     match s {
         Storage::Cpu(CpuStorage::F32(v)) => slice(v, l),
-        _ => candle_core::bail!(
-            "accelerate-rs-swiglu-linear: a contiguous f32 CPU tensor is expected"
-        ),
-    }
-}
-
-/// A copy of the f32 data of a contiguous CPU tensor.
-fn data(t: &Tensor) -> Result<Vec<f32>> {
-    let (s, l) = t.storage_and_layout();
-    match &*s {
-        Storage::Cpu(CpuStorage::F32(v)) => Ok(slice(v, l)?.to_vec()),
         _ => candle_core::bail!(
             "accelerate-rs-swiglu-linear: a contiguous f32 CPU tensor is expected"
         ),
@@ -118,7 +94,9 @@ impl GatedUp {
             return Ok(kept);
         }
         let k = wg.dim(1)?;
-        products(&data(x)?, &data(wg)?, &data(wu)?, x.elem_count() / k, k)
+        let guards = [x, wg, wu].map(Tensor::storage_and_layout);
+        let [xs, wgs, wus] = [0, 1, 2].map(|i| f32s(&guards[i].0, guards[i].1));
+        products(xs?, wgs?, wus?, x.elem_count() / k, k)
     }
 }
 
@@ -148,7 +126,7 @@ impl CustomOp3 for GatedUp {
             .zip(u.par_chunks(CHUNK))
             .for_each(|(y, u)| {
                 for (y, u) in y.iter_mut().zip(u) {
-                    *y = *y * sigmoid(*y) * u;
+                    *y = swiglu_value(*y, *u);
                 }
             });
         *self.kept.lock().unwrap_or_else(|p| p.into_inner()) = Some((g, u));
@@ -186,10 +164,7 @@ impl CustomOp3 for GatedUp {
             .zip(dy.par_chunks(CHUNK))
             .for_each(|((g, u), dy)| {
                 for ((g, u), dy) in g.iter_mut().zip(u.iter_mut()).zip(dy) {
-                    let s = sigmoid(*g);
-                    let (gv, uv) = (*g, *u);
-                    *u = dy * gv * s;
-                    *g = dy * uv * s * (1.0 + gv * (1.0 - s));
+                    (*g, *u) = swiglu_grads(*g, *u, *dy);
                 }
             });
         let rowwise = |d| Operand {

@@ -12,7 +12,7 @@ use candle_nn::VarBuilder;
 use rayon::prelude::*;
 
 use super::elem::{fused_cpu, slice, Elem};
-use super::product::{matmul, parallelism, product, Operand};
+use super::product::{add_times_wt, matmul, times_wt};
 use super::relu::ReluBwd;
 
 /// Rows summed by one Rayon task in the bias gradient.
@@ -157,9 +157,10 @@ pub(super) struct LinearOp {
 }
 
 impl LinearOp {
-    /// `x Wᵀ (+ b)`, then the ReLU if this op has one. In f32 the product is accumulated straight
-    /// onto the bias rows ([`product_f32`]); other dtypes take Candle's CPU matrix product, then
-    /// one pass adding the bias (and applying the ReLU).
+    /// `x Wᵀ (+ b)`, then the ReLU if this op has one. In f32 the product is written once into
+    /// a fresh buffer, or accumulated straight onto the bias rows ([`product_f32`]); other
+    /// dtypes take Candle's CPU matrix product, then one pass adding the bias (and applying the
+    /// ReLU).
     pub(super) fn forward(
         &self,
         sx: &CpuStorage,
@@ -175,31 +176,20 @@ impl LinearOp {
         if let Some(last) = out.last_mut() {
             *last = self.n;
         }
-        if let (CpuStorage::F32(x), CpuStorage::F32(w), Some((CpuStorage::F32(bias), lb))) =
-            (sx, sw, b)
-        {
-            let y = product_f32(slice(x, lx)?, slice(w, lw)?, slice(bias, lb)?, rows, k)?;
-            let mut y = CpuStorage::F32(y);
-            add_bias(&mut y, None, self.relu)?;
-            return Ok((y, Shape::from(out)));
-        }
-        if let (CpuStorage::F32(x), CpuStorage::F32(w), None) = (sx, sw, b) {
-            // `x` `[rows, k]` row-major; `Wᵀ` read from `W` `[n, k]` (row stride 1, column
-            // stride k).
+        if let (CpuStorage::F32(x), CpuStorage::F32(w)) = (sx, sw) {
             let (x, w) = (slice(x, lx)?, slice(w, lw)?);
-            let xs = Operand {
-                data: x,
-                rs: k,
-                cs: 1,
+            let y = match b {
+                None => Some(times_wt(x, w, rows, self.n, k)?),
+                Some((CpuStorage::F32(bias), lb)) => {
+                    Some(product_f32(x, w, slice(bias, lb)?, rows, k)?)
+                }
+                Some(_) => None,
             };
-            let wt = Operand {
-                data: w,
-                rs: 1,
-                cs: k,
-            };
-            let mut y = CpuStorage::F32(product(rows, self.n, k, xs, wt)?);
-            add_bias(&mut y, None, self.relu)?;
-            return Ok((y, Shape::from(out)));
+            if let Some(y) = y {
+                let mut y = CpuStorage::F32(y);
+                add_bias(&mut y, None, self.relu)?;
+                return Ok((y, Shape::from(out)));
+            }
         }
         let lx2 = Layout::contiguous_with_offset((rows, k), lx.start_offset());
         let mut y = sx.matmul(sw, (1, rows, self.n, k), &lx2, &lw.transpose(0, 1)?)?;
@@ -303,33 +293,7 @@ fn product_f32(x: &[f32], w: &[f32], b: &[f32], rows: usize, k: usize) -> Result
     for _ in 0..rows {
         y.extend_from_slice(b);
     }
-    // SAFETY: `x` holds `rows × k` elements read with row stride `k`; `w` holds `n × k`, read as
-    // the `k × n` matrix `Wᵀ` (row stride 1, column stride `k`); `y` holds `rows × n` elements
-    // (checked above and filled just now), written with row stride `n`, and is a fresh buffer that
-    // overlaps neither operand and that no other code sees until `gemm` returns.
-    unsafe {
-        gemm::gemm(
-            rows,
-            n,
-            k,
-            y.as_mut_ptr(),
-            1,
-            n as isize,
-            true,
-            x.as_ptr(),
-            1,
-            k as isize,
-            w.as_ptr(),
-            k as isize,
-            1,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism(),
-        );
-    }
+    add_times_wt(&mut y, x, w, rows, n, k)?;
     Ok(y)
 }
 

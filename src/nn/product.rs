@@ -129,6 +129,43 @@ pub(super) fn product_add(
     Ok(())
 }
 
+/// `x` `[rows, k]` and `W` `[n, k]` (both row-major) as the operands of `x Wᵀ`: `Wᵀ` is read
+/// from `W` with row stride 1 and column stride `k`.
+fn x_and_wt<'a>(x: &'a [f32], w: &'a [f32], k: usize) -> (Operand<'a>, Operand<'a>) {
+    (
+        Operand {
+            data: x,
+            rs: k,
+            cs: 1,
+        },
+        Operand {
+            data: w,
+            rs: 1,
+            cs: k,
+        },
+    )
+}
+
+/// `x Wᵀ` for `x` `[rows, k]` and `W` `[n, k]`: a new `[rows, n]` buffer (a linear layer's
+/// output without bias).
+pub(super) fn times_wt(x: &[f32], w: &[f32], rows: usize, n: usize, k: usize) -> Result<Vec<f32>> {
+    let (x, wt) = x_and_wt(x, w, k);
+    product(rows, n, k, x, wt)
+}
+
+/// `y += x Wᵀ` for `y` `[rows, n]`, `x` `[rows, k]` and `W` `[n, k]`.
+pub(super) fn add_times_wt(
+    y: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    rows: usize,
+    n: usize,
+    k: usize,
+) -> Result<()> {
+    let (x, wt) = x_and_wt(x, w, k);
+    product_add(y, rows, n, k, x, wt)
+}
+
 /// `a · b` for 2-D tensors, where `a` is `a_t`-transposed when asked (`aᵀ · b`): through
 /// [`product`] when both are contiguous f32 CPU tensors, else Candle's `matmul`.
 pub(super) fn matmul(a: &Tensor, a_t: bool, b: &Tensor) -> Result<Tensor> {

@@ -15,8 +15,21 @@ const CHUNK: usize = 4096;
 
 /// `σ(x) = 1 / (1 + e^{-x})` in f32, vectorizable (see [`exp_f32`]).
 #[inline(always)]
-pub(super) fn sigmoid(x: f32) -> f32 {
+fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp_f32(-x))
+}
+
+/// `silu(g) · u`, one element of the SwiGLU gate.
+#[inline(always)]
+pub(super) fn swiglu_value(g: f32, u: f32) -> f32 {
+    g * sigmoid(g) * u
+}
+
+/// `(d gate, d up)` of one SwiGLU element for its output gradient `dy`.
+#[inline(always)]
+pub(super) fn swiglu_grads(g: f32, u: f32, dy: f32) -> (f32, f32) {
+    let s = sigmoid(g);
+    (dy * u * s * (1.0 + g * (1.0 - s)), dy * g * s)
 }
 
 /// SiLU (swish): `x σ(x) = x / (1 + e^{-x})`, the same function as `candle_nn::ops::silu` /
@@ -122,8 +135,7 @@ fn swiglu_fwd<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
         .zip(up.par_chunks(CHUNK))
         .for_each(|(o, u)| {
             for (v, u) in o.iter_mut().zip(u) {
-                let g = v.f();
-                *v = T::of(g * sigmoid(g) * u.f());
+                *v = T::of(swiglu_value(v.f(), u.f()));
             }
         });
     out
@@ -185,10 +197,9 @@ fn swiglu_bwd<T: Elem>(gate: &[T], up: &[T], dy: &[T]) -> Vec<T> {
         .zip(dy.par_chunks(CHUNK))
         .for_each(|(((dg, du), (g, u)), dy)| {
             for ((((dg, du), g), u), dy) in dg.iter_mut().zip(du).zip(g).zip(u).zip(dy) {
-                let (g, dy) = (g.f(), dy.f());
-                let s = sigmoid(g);
-                *du = T::of(dy * g * s);
-                *dg = T::of(dy * u.f() * s * (1.0 + g * (1.0 - s)));
+                let (g_grad, u_grad) = swiglu_grads(g.f(), u.f(), dy.f());
+                *dg = T::of(g_grad);
+                *du = T::of(u_grad);
             }
         });
     out
