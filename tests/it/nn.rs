@@ -942,6 +942,16 @@ fn swiglu_linear_matches_the_composed_mlp_in_values_and_gradients() {
     let g = x.matmul(&w.t().unwrap()).unwrap();
     let want = (ops::silu(&g).unwrap() * &g).unwrap();
     assert!(max_diff(&y, &want) < 1e-5);
+    // Mismatched layers are refused with an error, not a panic.
+    let lin = |r: usize, c: usize| nn::Linear::new(det(&[r, c], 2), None);
+    let x = det(&[3, 4], 1);
+    let e = nn::swiglu_linear(&x, &lin(6, 4), &lin(5, 4))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("one shape"), "{e}");
+    assert!(nn::swiglu_linear(&x, &lin(6, 3), &lin(6, 3)).is_err());
+    let empty = nn::swiglu_linear(&det(&[0, 4], 1), &lin(6, 4), &lin(6, 4)).unwrap();
+    assert_eq!(empty.dims(), [0, 6]);
 }
 
 /// The fused ops hand a variable's gradient to `nn::backward`'s frame instead of Candle's
