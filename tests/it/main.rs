@@ -32,6 +32,7 @@ mod mixed_precision;
 mod mpi;
 mod multinode;
 mod nn;
+mod nn_fused;
 mod nonfinite;
 mod ops;
 mod optim;
