@@ -54,14 +54,19 @@ pub(super) fn exp_f32(x: f32) -> f32 {
     // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
     let c = x.clamp(-87.0, 88.0);
-    let n = (c * LOG2E + ROUND) - ROUND;
+    let t = c * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = c - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    // n is in [-126, 127] here, so the biased exponent is in [1, 254].
-    let e = f32::from_bits(((n as i32 + 127) << 23) as u32) * p;
+    // n is in [-126, 127] here, so the biased exponent n + 127 is in [1, 254]. `t` lies in
+    // [2^23, 2^24), where one unit of the last place is 1: its bits are ROUND's plus n. Taken from
+    // the bits rather than by `n as i32` (a saturating conversion, which LLVM does not vectorize:
+    // it went one lane at a time), the same integer.
+    let biased = t.to_bits().wrapping_sub(ROUND.to_bits()).wrapping_add(127);
+    let e = f32::from_bits(biased << 23) * p;
     if x < -87.0 {
         0.0
     } else {
@@ -368,6 +373,36 @@ mod tests {
         assert_eq!(exp_f32(-1000.0), 0.0);
         assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
         assert!(exp_f32(1000.0).is_finite() && exp_f32(f32::NAN).is_nan());
+    }
+
+    /// The integer part read from the rounded value's bits equals `n as i32`: every `x` whose
+    /// exponent is in range, on a grid over [-90, 90] and at its edges, gives the same bits as
+    /// the scaling by `n as i32` (the form before the bits; it did not vectorize).
+    #[test]
+    fn fast_exp_scales_by_the_same_power_of_two_as_a_conversion() {
+        let by_conversion = |x: f32| -> f32 {
+            let c = x.clamp(-87.0, 88.0);
+            let n = (c * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+            let r = c - n * 0.693_359_4 - n * -2.121_944_4e-4;
+            let p = 1.0
+                + r * (1.0
+                    + r * (0.5
+                        + r * (1.0 / 6.0
+                            + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+            let e = f32::from_bits(((n as i32 + 127) << 23) as u32) * p;
+            if x < -87.0 {
+                0.0
+            } else {
+                e
+            }
+        };
+        let edges = [
+            -87.0f32, -86.99, 88.0, 87.99, 0.0, -0.0, 1e-30, -1e-30, 0.5, -0.5,
+        ];
+        let grid = (-900_000..=900_000).map(|i| i as f32 * 1e-4);
+        for x in grid.chain(edges) {
+            assert_eq!(exp_f32(x).to_bits(), by_conversion(x).to_bits(), "x = {x}");
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use super::elem::slice;
 use super::linear::{fusable, Linear};
 use super::product::{product, product_add, times_wt, Operand};
-use super::silu::{swiglu_grads, swiglu_value};
+use super::silu::{swiglu_chunk, swiglu_grads_chunk};
 
 /// Elements per Rayon task.
 const CHUNK: usize = 4096;
@@ -124,11 +124,7 @@ impl CustomOp3 for GatedUp {
         let mut y = g.clone();
         y.par_chunks_mut(CHUNK)
             .zip(u.par_chunks(CHUNK))
-            .for_each(|(y, u)| {
-                for (y, u) in y.iter_mut().zip(u) {
-                    *y = swiglu_value(*y, *u);
-                }
-            });
+            .for_each(|(y, u)| swiglu_chunk(y, u));
         *self.kept.lock().unwrap_or_else(|p| p.into_inner()) = Some((g, u));
         let mut out = lx.dims().to_vec();
         if let Some(last) = out.last_mut() {
@@ -162,11 +158,7 @@ impl CustomOp3 for GatedUp {
         dg.par_chunks_mut(CHUNK)
             .zip(du.par_chunks_mut(CHUNK))
             .zip(dy.par_chunks(CHUNK))
-            .for_each(|((g, u), dy)| {
-                for ((g, u), dy) in g.iter_mut().zip(u.iter_mut()).zip(dy) {
-                    (*g, *u) = swiglu_grads(*g, *u, *dy);
-                }
-            });
+            .for_each(|((g, u), dy)| swiglu_grads_chunk(g, u, dy));
         let rowwise = |d| Operand {
             data: d,
             rs: n,

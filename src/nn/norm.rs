@@ -4,13 +4,14 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Module, Result, Shape, Tensor};
 use candle_nn::LayerNormConfig;
 use rayon::prelude::*;
 
-use super::elem::{fused, slice, sum2_by, sum_by, Elem};
+use super::elem::{fused, multiversion, slice, sum2_by, sum_by, Elem};
 
 /// Rows handled by one Rayon task in the backward pass (its partial weight/bias gradients are
 /// summed at the end).
 const ROWS_PER_TASK: usize = 32;
 
 /// Mean (0 without `remove_mean`) and 1/sqrt(var + eps) of one row.
+#[inline(always)]
 fn stats<T: Elem>(row: &[T], remove_mean: bool, eps: f32) -> (f32, f32) {
     let d = row.len() as f32;
     let mean = if remove_mean {
@@ -20,6 +21,59 @@ fn stats<T: Elem>(row: &[T], remove_mean: bool, eps: f32) -> (f32, f32) {
     };
     let var = sum_by(row, |v| (v - mean) * (v - mean)) / d;
     (mean, 1.0 / (var + eps).sqrt())
+}
+
+multiversion! {
+    /// One row of the forward pass: `o = (x - mean) * rstd * w (+ b)`.
+    fn fwd_row<T: Elem>(op: &NormFwd, o: &mut [T], row: &[T], w: &[T], b: &[T]) {
+        let (mean, rstd) = stats(row, op.remove_mean, op.eps);
+        if op.has_bias {
+            for (((o, x), w), b) in o.iter_mut().zip(row).zip(w).zip(b) {
+                *o = T::of((x.f() - mean) * rstd * w.f() + b.f());
+            }
+        } else {
+            for ((o, x), w) in o.iter_mut().zip(row).zip(w) {
+                *o = T::of((x.f() - mean) * rstd * w.f());
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// One row of the backward pass: writes `dxr` and adds the row's share of the weight and
+    /// bias gradients to `acc.1` and `acc.2`; `acc.0` is scratch of the row's length.
+    fn bwd_row<T: Elem>(
+        op: &NormBwd,
+        dxr: &mut [T],
+        xr: &[T],
+        dyr: &[T],
+        w: &[T],
+        acc: &mut (Vec<f32>, Vec<f32>, Vec<f32>),
+    ) {
+        let (g, dw, db) = (&mut acc.0[..], &mut acc.1[..], &mut acc.2[..]);
+        let d = xr.len();
+        let (mean, rstd) = stats(xr, op.remove_mean, op.eps);
+        // g = dy * w; dx = rstd * (g - mean(g) - xhat * mean(g * xhat)).
+        for ((((g, dw), db), x), (dy, w)) in g
+            .iter_mut()
+            .zip(dw.iter_mut())
+            .zip(db.iter_mut())
+            .zip(xr)
+            .zip(dyr.iter().zip(w))
+        {
+            let (dy, xhat) = (dy.f(), (x.f() - mean) * rstd);
+            *g = dy * w.f();
+            *dw += dy * xhat;
+            *db += dy;
+        }
+        let mg = sum_by(g, |g| g) / d as f32;
+        let mgx = sum2_by(g, xr, |g, x| g * (x - mean) * rstd) / d as f32;
+        let shift = if op.remove_mean { mg } else { 0.0 };
+        for ((dx, x), g) in dxr.iter_mut().zip(xr).zip(g.iter()) {
+            let xhat = (x.f() - mean) * rstd;
+            *dx = T::of(rstd * (g - shift - xhat * mgx));
+        }
+    }
 }
 
 /// The forward op: `(x, weight, bias)` → `(x - mean) * rstd * weight + bias` over the last dim.
@@ -33,18 +87,7 @@ fn fwd<T: Elem>(op: &NormFwd, x: &[T], w: &[T], b: &[T], d: usize) -> Vec<T> {
     let mut out = vec![T::of(0.0); x.len()];
     out.par_chunks_mut(d)
         .zip(x.par_chunks(d))
-        .for_each(|(o, row)| {
-            let (mean, rstd) = stats(row, op.remove_mean, op.eps);
-            if op.has_bias {
-                for (((o, x), w), b) in o.iter_mut().zip(row).zip(w).zip(b) {
-                    *o = T::of((x.f() - mean) * rstd * w.f() + b.f());
-                }
-            } else {
-                for ((o, x), w) in o.iter_mut().zip(row).zip(w) {
-                    *o = T::of((x.f() - mean) * rstd * w.f());
-                }
-            }
-        });
+        .for_each(|(o, row)| fwd_row(op, o, row, w, b));
     out
 }
 
@@ -150,31 +193,11 @@ fn bwd<T: Elem>(op: &NormBwd, x: &[T], w: &[T], dy: &[T], d: usize) -> Vec<T> {
         .zip(x.par_chunks(d * ROWS_PER_TASK))
         .zip(dy.par_chunks(d * ROWS_PER_TASK))
         .map(|((dxs, xs), dys)| {
-            let (mut dw, mut db, mut g) = (vec![0f32; d], vec![0f32; d], vec![0f32; d]);
+            let mut acc = (vec![0f32; d], vec![0f32; d], vec![0f32; d]);
             for ((dxr, xr), dyr) in dxs.chunks_mut(d).zip(xs.chunks(d)).zip(dys.chunks(d)) {
-                let (mean, rstd) = stats(xr, op.remove_mean, op.eps);
-                // g = dy * w; dx = rstd * (g - mean(g) - xhat * mean(g * xhat)).
-                for ((((g, dw), db), x), (dy, w)) in g
-                    .iter_mut()
-                    .zip(dw.iter_mut())
-                    .zip(db.iter_mut())
-                    .zip(xr)
-                    .zip(dyr.iter().zip(w))
-                {
-                    let (dy, xhat) = (dy.f(), (x.f() - mean) * rstd);
-                    *g = dy * w.f();
-                    *dw += dy * xhat;
-                    *db += dy;
-                }
-                let mg = sum_by(&g, |g| g) / d as f32;
-                let mgx = sum2_by(&g, xr, |g, x| g * (x - mean) * rstd) / d as f32;
-                let shift = if op.remove_mean { mg } else { 0.0 };
-                for ((dx, x), g) in dxr.iter_mut().zip(xr).zip(&g) {
-                    let xhat = (x.f() - mean) * rstd;
-                    *dx = T::of(rstd * (g - shift - xhat * mgx));
-                }
+                bwd_row(op, dxr, xr, dyr, w, &mut acc);
             }
-            (dw, db)
+            (acc.1, acc.2)
         })
         .reduce(
             || (vec![0f32; d], vec![0f32; d]),

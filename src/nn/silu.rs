@@ -7,7 +7,8 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, S
 use rayon::prelude::*;
 
 use super::elem::{
-    binary_float, elementwise_pair, exp_f32, fused, saved_tensor, slice, unary_float, Elem,
+    binary_float, elementwise_pair, exp_f32, fused, multiversion, saved_tensor, slice, unary_float,
+    Elem,
 };
 
 /// Elements per Rayon task.
@@ -30,6 +31,45 @@ pub(super) fn swiglu_value(g: f32, u: f32) -> f32 {
 pub(super) fn swiglu_grads(g: f32, u: f32, dy: f32) -> (f32, f32) {
     let s = sigmoid(g);
     (dy * u * s * (1.0 + g * (1.0 - s)), dy * g * s)
+}
+
+multiversion! {
+    /// `v = silu(v) · u` element by element, in place: one chunk of a SwiGLU forward pass.
+    pub(super) fn swiglu_chunk<T: Elem>(v: &mut [T], u: &[T]) {
+        for (v, u) in v.iter_mut().zip(u) {
+            *v = T::of(swiglu_value(v.f(), u.f()));
+        }
+    }
+}
+
+multiversion! {
+    /// The gate `g` and up `u` values of one chunk become their gradients for the output
+    /// gradient `dy`, in place.
+    pub(super) fn swiglu_grads_chunk<T: Elem>(g: &mut [T], u: &mut [T], dy: &[T]) {
+        for ((g, u), dy) in g.iter_mut().zip(u.iter_mut()).zip(dy) {
+            let (dg, du) = swiglu_grads(g.f(), u.f(), dy.f());
+            (*g, *u) = (T::of(dg), T::of(du));
+        }
+    }
+}
+
+multiversion! {
+    /// `v = silu(v)`, in place.
+    fn silu_chunk<T: Elem>(v: &mut [T]) {
+        for v in v {
+            let x = v.f();
+            *v = T::of(x * sigmoid(x));
+        }
+    }
+}
+
+multiversion! {
+    /// `v = dy · silu'(v)`, in place.
+    fn silu_grad_chunk<T: Elem>(v: &mut [T], dy: &[T]) {
+        for (v, g) in v.iter_mut().zip(dy) {
+            *v = T::of(g.f() * silu_grad(v.f()));
+        }
+    }
 }
 
 /// SiLU (swish): `x σ(x) = x / (1 + e^{-x})`, the same function as `candle_nn::ops::silu` /
@@ -88,12 +128,7 @@ struct SiluFwd;
 
 fn silu_fwd<T: Elem>(x: &[T]) -> Vec<T> {
     let mut out = x.to_vec();
-    out.par_chunks_mut(CHUNK).for_each(|o| {
-        for v in o {
-            let x = v.f();
-            *v = T::of(x * sigmoid(x));
-        }
-    });
+    out.par_chunks_mut(CHUNK).for_each(silu_chunk);
     out
 }
 
@@ -111,11 +146,7 @@ fn silu_bwd<T: Elem>(x: &[T], dy: &[T]) -> Vec<T> {
     let mut out = x.to_vec();
     out.par_chunks_mut(CHUNK)
         .zip(dy.par_chunks(CHUNK))
-        .for_each(|(o, g)| {
-            for (v, g) in o.iter_mut().zip(g) {
-                *v = T::of(g.f() * silu_grad(v.f()));
-            }
-        });
+        .for_each(|(o, g)| silu_grad_chunk(o, g));
     out
 }
 
@@ -133,11 +164,7 @@ fn swiglu_fwd<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
     let mut out = gate.to_vec();
     out.par_chunks_mut(CHUNK)
         .zip(up.par_chunks(CHUNK))
-        .for_each(|(o, u)| {
-            for (v, u) in o.iter_mut().zip(u) {
-                *v = T::of(swiglu_value(v.f(), u.f()));
-            }
-        });
+        .for_each(|(o, u)| swiglu_chunk(o, u));
     out
 }
 
@@ -188,20 +215,16 @@ struct SwigluBwd;
 
 fn swiglu_bwd<T: Elem>(gate: &[T], up: &[T], dy: &[T]) -> Vec<T> {
     let n = gate.len();
-    let mut out = vec![T::of(0.0); 2 * n];
+    // `[gate, up]`, turned into `[dgate, dup]` in place.
+    let mut out = Vec::with_capacity(2 * n);
+    out.extend_from_slice(gate);
+    out.extend_from_slice(up);
     let (dgate, dup) = out.split_at_mut(n);
     dgate
         .par_chunks_mut(CHUNK)
         .zip(dup.par_chunks_mut(CHUNK))
-        .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
         .zip(dy.par_chunks(CHUNK))
-        .for_each(|(((dg, du), (g, u)), dy)| {
-            for ((((dg, du), g), u), dy) in dg.iter_mut().zip(du).zip(g).zip(u).zip(dy) {
-                let (g_grad, u_grad) = swiglu_grads(g.f(), u.f(), dy.f());
-                *dg = T::of(g_grad);
-                *du = T::of(u_grad);
-            }
-        });
+        .for_each(|((g, u), dy)| swiglu_grads_chunk(g, u, dy));
     out
 }
 
