@@ -22,13 +22,13 @@ fn sigmoid(x: f32) -> f32 {
 
 /// `silu(g) · u`, one element of the SwiGLU gate.
 #[inline(always)]
-pub(super) fn swiglu_value(g: f32, u: f32) -> f32 {
+fn swiglu_value(g: f32, u: f32) -> f32 {
     g * sigmoid(g) * u
 }
 
 /// `(d gate, d up)` of one SwiGLU element for its output gradient `dy`.
 #[inline(always)]
-pub(super) fn swiglu_grads(g: f32, u: f32, dy: f32) -> (f32, f32) {
+fn swiglu_grads(g: f32, u: f32, dy: f32) -> (f32, f32) {
     let s = sigmoid(g);
     (dy * u * s * (1.0 + g * (1.0 - s)), dy * g * s)
 }
