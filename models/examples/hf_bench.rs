@@ -87,6 +87,8 @@ fn main() -> Result<()> {
 
     let mut rng = ChaCha8Rng::seed_from_u64(0x5EED + accelerator.rank() as u64);
     let (mut times, mut forwards) = (Vec::new(), Vec::new());
+    let mut timer = accelerator.step_timer();
+    let mut phases = [0f64; 3];
     for step in 0..args.warmup + args.steps {
         if step == args.warmup {
             accelerator.wait_for_everyone()?;
@@ -98,6 +100,7 @@ fn main() -> Result<()> {
         let labels = ids.to_dtype(DType::I64)?;
         // A GPU queues its work: the step is timed from an idle device to an idle device.
         device.synchronize()?;
+        timer.start();
         let start = Instant::now();
         let loss = model.loss(&ids, &labels)?;
         device.synchronize()?;
@@ -105,7 +108,12 @@ fn main() -> Result<()> {
         opt.backward_step(&loss)?;
         device.synchronize()?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
+        let split = timer.stop()?;
         if step >= args.warmup {
+            let split = [split.backward, split.communication, split.optimizer];
+            for (sum, d) in phases.iter_mut().zip(split) {
+                *sum += d.as_secs_f64() * 1e3 / args.steps as f64;
+            }
             times.push(ms);
             forwards.push(forward);
         }
@@ -126,8 +134,12 @@ fn main() -> Result<()> {
     if accelerator.is_main_process() {
         let forward = forwards.iter().sum::<f64>() / forwards.len().max(1) as f64;
         println!(
-            "BREAKDOWN forward_ms={forward:.2} backward_and_step_ms={:.2}",
-            mean - forward
+            "BREAKDOWN forward_ms={forward:.2} backward_and_step_ms={:.2} (backward_ms={:.2} \
+             communication_ms={:.2} optimizer_ms={:.2})",
+            mean - forward,
+            phases[0],
+            phases[1],
+            phases[2]
         );
         println!(
             "RESULT-DDP world={world} ms_mean={mean_all:.4} ms_median={median:.4} samples_per_s={:.4}{peak}",
