@@ -4,7 +4,8 @@
 //! projection, 8 heads; cross-entropy over 1024 tokens x 8000 classes; GELU and ReLU over 8 x 128
 //! x 1024; a 256 -> 1024 linear layer with bias, and with a ReLU), and on a Llama-style model's
 //! (batch 4 x 256 tokens; SiLU and the SwiGLU gate over the 1376-wide MLP; rotary embeddings on
-//! the queries, 8 heads x 64), timed in alternating blocks in one run:
+//! the queries, 8 heads x 64; a token embedding, 1024 ids into 8000 x 512), timed in
+//! alternating blocks in one run, the backward pass being [`nn::backward`]:
 //!
 //!     cargo bench --bench nn
 //!     cargo bench --bench nn -- --quick
@@ -28,7 +29,8 @@ fn time(op: &Op, x: &Var, reps: usize) -> Result<(f64, f64)> {
         fwd += t.elapsed().as_secs_f64();
         let t = Instant::now();
         let y = op(x.as_tensor())?;
-        let _g = y.sum_all()?.backward()?;
+        // The backward pass the accelerator runs (fused ops hand it their weight gradients).
+        let _g = nn::backward(&y.sum_all()?)?;
         both += t.elapsed().as_secs_f64();
         drop(y);
     }
@@ -165,6 +167,18 @@ fn main() -> Result<()> {
         &gate,
         Box::new(move |x| nn::swiglu(x, &up)),
         Box::new(move |x| ops::silu(x)? * up2.as_tensor()),
+    ));
+    // A language model's token embedding: 4 x 256 ids into an 8000 x 512 table (the table's
+    // gradient: scattered once and handed over, or Candle's `index_add` and store addition).
+    let table = Var::from_tensor(&Tensor::randn(0f32, 1.0, (8000, 512), &dev)?)?;
+    let ids: Vec<u32> = (0..1024u32).map(|i| (i * 7919) % 8000).collect();
+    let ids = Tensor::from_vec(ids, (4, 256), &dev)?;
+    let (ids1, ids2) = (ids.clone(), ids.flatten_all()?);
+    cases.push((
+        "embedding 8000x512",
+        &table,
+        Box::new(move |t| nn::embedding(t, &ids1)),
+        Box::new(move |t| t.index_select(&ids2, 0)?.reshape((4, 256, 512))),
     ));
     // Rotary embeddings on the queries (batch 4, 8 heads, 256 tokens, head_dim 64), tables of 512
     // positions (constants); Candle's differentiable composed `rope_slow` / `rope_i_slow`, and for

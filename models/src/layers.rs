@@ -104,7 +104,7 @@ pub(crate) fn lookup(
     let flat = flat.to_dtype(DType::U32)?;
     let mut dims = ids.dims().to_vec();
     dims.push(table.dim(1)?);
-    let rows = table.index_select(&flat, 0)?;
+    let rows = accelerate_rs::nn::embedding(table, &flat)?;
     let rows = match padding_idx {
         Some(pad) if values.iter().any(|&v| v as usize == pad) => {
             // The same values; the padding lookups through a detached copy of the table.

@@ -5,7 +5,7 @@
 //! (attention whose memory grows linearly with the sequence: tiled, with sliding windows, GQA and
 //! packed documents), [`cross_entropy`] (with label smoothing and an ignored
 //! index through [`cross_entropy_with`]; [`linear_cross_entropy`] fuses it with the output layer),
-//! [`gelu`], [`relu`], [`silu`], [`swiglu`] (Llama's MLP gate, `silu(gate) * up`;
+//! [`embedding`] (its table's gradient scattered once), [`gelu`], [`relu`], [`silu`], [`swiglu`] (Llama's MLP gate, `silu(gate) * up`;
 //! [`swiglu_linear`] fuses it with the gate and up projections), rotary
 //! embeddings [`rope`] / [`rope_i`] / [`rope_thd`] and [`Linear`] / [`linear`] (its bias
 //! gradient in one pass of row sums), each one pass forward and one pass backward over the data
@@ -66,6 +66,7 @@ mod cross_entropy_options;
 mod cuda;
 mod dropout;
 mod elem;
+mod embedding;
 mod flash;
 mod flash_cpu;
 #[cfg(feature = "cuda")]
@@ -94,6 +95,7 @@ pub use attention::{packed_self_attention, scaled_dot_product_attention, Attenti
 pub use candle_nn::LayerNormConfig;
 pub use cross_entropy_options::CrossEntropyOptions;
 pub use dropout::{dropout, set_dropout_seed};
+pub use embedding::embedding;
 pub use flash::{flash_attention, flash_attention_fused, Documents, FlashAttentionOptions};
 pub use gated::swiglu_linear;
 pub use gelu::gelu;
