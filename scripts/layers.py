@@ -39,7 +39,7 @@ SRC = os.path.join(ROOT, "src")
 # The plan (ARCHITECTURE.md): a module may import its own floor or the floors below. `lib` (the
 # front door, re-exporting everything) is the top.
 PLAN = {
-    "error": 0, "inplace": 0, "cuda_ptx": 0, "files": 0, "readback": 0,
+    "error": 0, "inplace": 0, "cuda_ptx": 0, "files": 0, "readback": 0, "par": 0,
     "settings": 1, "logging": 1,
     "allocator": 2, "collective": 2, "data": 2, "optim": 2, "nn": 2, "tracking": 2, "train": 2, "memory": 2, "quant": 2,
     "checkpoint": 2, "weights": 2,

@@ -180,6 +180,7 @@ pub mod logging;
 pub mod memory;
 pub mod nn;
 pub mod optim;
+mod par;
 pub mod quant;
 mod readback;
 mod settings;

@@ -86,9 +86,8 @@ fn main() -> Result<()> {
     let mut opt = accelerator.prepare_optimizer(opt);
 
     let mut rng = ChaCha8Rng::seed_from_u64(0x5EED + accelerator.rank() as u64);
-    let (mut times, mut forwards) = (Vec::new(), Vec::new());
+    let mut timed = Timed::default();
     let mut timer = accelerator.step_timer();
-    let mut phases = [0f64; 3];
     for step in 0..args.warmup + args.steps {
         if step == args.warmup {
             accelerator.wait_for_everyone()?;
@@ -111,35 +110,51 @@ fn main() -> Result<()> {
         let split = timer.stop()?;
         if step >= args.warmup {
             let split = [split.backward, split.communication, split.optimizer];
-            for (sum, d) in phases.iter_mut().zip(split) {
+            for (sum, d) in timed.phases.iter_mut().zip(split) {
                 *sum += d.as_secs_f64() * 1e3 / args.steps as f64;
             }
-            times.push(ms);
-            forwards.push(forward);
+            timed.steps.push(ms);
+            timed.forwards.push(forward);
         }
     }
-    let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
-    let mut sorted = times.clone();
+    report(&accelerator, &args, &timed)
+}
+
+/// The timed steps of one process.
+#[derive(Default)]
+struct Timed {
+    /// Milliseconds of each step.
+    steps: Vec<f64>,
+    /// Milliseconds of each step's forward pass.
+    forwards: Vec<f64>,
+    /// Mean milliseconds of the engine's backward, communication and optimizer phases.
+    phases: [f64; 3],
+}
+
+/// Rank 0 prints the BREAKDOWN and RESULT-DDP lines (the mean step over all ranks).
+fn report(accelerator: &Accelerator, args: &Args, timed: &Timed) -> Result<()> {
+    let mean_of = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let mean = mean_of(&timed.steps);
+    let mut sorted = timed.steps.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
     let world = accelerator.world_size();
     let mean_all = accelerator.average(mean)?;
     // On a GPU: the device pool's high-water mark (what the step needs at this size).
+    let device = accelerator.device();
     let peak = if device.is_cuda() {
-        let peak = accelerate_rs::gpu::pool_memory(&device)?.peak;
+        let peak = accelerate_rs::gpu::pool_memory(device)?.peak;
         format!(" device_peak={peak}")
     } else {
         String::new()
     };
     if accelerator.is_main_process() {
-        let forward = forwards.iter().sum::<f64>() / forwards.len().max(1) as f64;
+        let forward = mean_of(&timed.forwards);
+        let [backward, communication, optimizer] = timed.phases;
         println!(
-            "BREAKDOWN forward_ms={forward:.2} backward_and_step_ms={:.2} (backward_ms={:.2} \
-             communication_ms={:.2} optimizer_ms={:.2})",
-            mean - forward,
-            phases[0],
-            phases[1],
-            phases[2]
+            "BREAKDOWN forward_ms={forward:.2} backward_and_step_ms={:.2} (backward_ms=\
+             {backward:.2} communication_ms={communication:.2} optimizer_ms={optimizer:.2})",
+            mean - forward
         );
         println!(
             "RESULT-DDP world={world} ms_mean={mean_all:.4} ms_median={median:.4} samples_per_s={:.4}{peak}",

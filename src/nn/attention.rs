@@ -13,6 +13,8 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::elem::fused_cpu;
 use super::mask::causal_mask;
 use super::softmax::{softmax_grad_in_place, softmax_in_place};
@@ -526,6 +528,7 @@ impl Attention {
         let out = out.map(|(y, v)| (SharedMut(y.as_mut_ptr()), v));
         probs
             .par_chunks_mut(tq * tk)
+            .inline_when_single()
             .enumerate()
             .for_each(|(bh, p)| {
                 let (b, hh) = (bh / h, bh % h);
@@ -576,67 +579,72 @@ impl Attention {
             h, tq, tk, d, dv, ..
         } = self.dims;
         let yv = self.out_view();
-        probs.par_chunks(tq * tk).enumerate().for_each_init(
-            || vec![0f32; tq * tk],
-            |ds, (bh, p)| {
-                let (b, hh) = (bh / h, bh % h);
-                let dym = yv.mat(dy.as_ptr(), b, hh);
-                let [qm, km, vm] = mats(data, views, b, hh);
-                let [(gq, vq), (gk, vk), (gv, vv)] = &out;
-                let pm = Mat::rows(p, tk);
-                // SAFETY: (every product below) `check` bounded q, k and v, `dy` is the output's
-                // contiguous gradient (its size checked), `p`/`ds` are this task's own `tq × tk`
-                // buffers, the blocks stay within `tq` rows and `tk` keys, and the gradient
-                // views (ours, sized for the dims) give head (b, hh) elements that no other task
-                // writes.
-                for (r0, r1, keys) in self.query_blocks() {
-                    // dP = dY Vᵀ, then dS = P ∘ (dP − rowsum(P ∘ dP)) in place (0 past `keys`).
-                    let dsm = Mat::rows_mut(ds, tk).at(r0, 0);
-                    // SAFETY: see above.
-                    unsafe { matmul(r1 - r0, keys, dv, dsm, dym.at(r0, 0), vm.t(), 1.0) };
-                    let rows = ds[r0 * tk..r1 * tk].chunks_mut(tk);
-                    for (dr, pr) in rows.zip(p[r0 * tk..r1 * tk].chunks(tk)) {
-                        let (live, rest) = dr.split_at_mut(keys);
-                        softmax_grad_in_place(live, &pr[..keys], 1.0);
-                        rest.fill(0.0);
+        probs
+            .par_chunks(tq * tk)
+            .inline_when_single()
+            .enumerate()
+            .for_each_init(
+                || vec![0f32; tq * tk],
+                |ds, (bh, p)| {
+                    let (b, hh) = (bh / h, bh % h);
+                    let dym = yv.mat(dy.as_ptr(), b, hh);
+                    let [qm, km, vm] = mats(data, views, b, hh);
+                    let [(gq, vq), (gk, vk), (gv, vv)] = &out;
+                    let pm = Mat::rows(p, tk);
+                    // SAFETY: (every product below) `check` bounded q, k and v, `dy` is the output's
+                    // contiguous gradient (its size checked), `p`/`ds` are this task's own `tq × tk`
+                    // buffers, the blocks stay within `tq` rows and `tk` keys, and the gradient
+                    // views (ours, sized for the dims) give head (b, hh) elements that no other task
+                    // writes.
+                    for (r0, r1, keys) in self.query_blocks() {
+                        // dP = dY Vᵀ, then dS = P ∘ (dP − rowsum(P ∘ dP)) in place (0 past `keys`).
+                        let dsm = Mat::rows_mut(ds, tk).at(r0, 0);
+                        // SAFETY: see above.
+                        unsafe { matmul(r1 - r0, keys, dv, dsm, dym.at(r0, 0), vm.t(), 1.0) };
+                        let rows = ds[r0 * tk..r1 * tk].chunks_mut(tk);
+                        for (dr, pr) in rows.zip(p[r0 * tk..r1 * tk].chunks(tk)) {
+                            let (live, rest) = dr.split_at_mut(keys);
+                            softmax_grad_in_place(live, &pr[..keys], 1.0);
+                            rest.fill(0.0);
+                        }
+                        // dQ = scale · dS K.
+                        let (dq, dsm) = (vq.mat(gq.0, b, hh).at(r0, 0), Mat::rows(ds, tk));
+                        // SAFETY: see above.
+                        unsafe { matmul(r1 - r0, d, keys, dq, dsm.at(r0, 0), km, self.scale) };
                     }
-                    // dQ = scale · dS K.
-                    let (dq, dsm) = (vq.mat(gq.0, b, hh).at(r0, 0), Mat::rows(ds, tk));
-                    // SAFETY: see above.
-                    unsafe { matmul(r1 - r0, d, keys, dq, dsm.at(r0, 0), km, self.scale) };
-                }
-                for (c0, c1, first) in self.key_blocks() {
-                    if first >= tq {
-                        continue; // no query sees these keys: their gradients stay 0
+                    for (c0, c1, first) in self.key_blocks() {
+                        if first >= tq {
+                            continue; // no query sees these keys: their gradients stay 0
+                        }
+                        let rows = tq - first;
+                        // dV = Pᵀ dY and dK = scale · dSᵀ Q, over the rows that see these keys.
+                        let (dvm, dkm) =
+                            (vv.mat(gv.0, b, hh).at(c0, 0), vk.mat(gk.0, b, hh).at(c0, 0));
+                        let dsm = Mat::rows(ds, tk);
+                        // SAFETY: see above.
+                        unsafe {
+                            matmul(
+                                c1 - c0,
+                                dv,
+                                rows,
+                                dvm,
+                                pm.at(first, c0).t(),
+                                dym.at(first, 0),
+                                1.0,
+                            );
+                            matmul(
+                                c1 - c0,
+                                d,
+                                rows,
+                                dkm,
+                                dsm.at(first, c0).t(),
+                                qm.at(first, 0),
+                                self.scale,
+                            );
+                        }
                     }
-                    let rows = tq - first;
-                    // dV = Pᵀ dY and dK = scale · dSᵀ Q, over the rows that see these keys.
-                    let (dvm, dkm) = (vv.mat(gv.0, b, hh).at(c0, 0), vk.mat(gk.0, b, hh).at(c0, 0));
-                    let dsm = Mat::rows(ds, tk);
-                    // SAFETY: see above.
-                    unsafe {
-                        matmul(
-                            c1 - c0,
-                            dv,
-                            rows,
-                            dvm,
-                            pm.at(first, c0).t(),
-                            dym.at(first, 0),
-                            1.0,
-                        );
-                        matmul(
-                            c1 - c0,
-                            d,
-                            rows,
-                            dkm,
-                            dsm.at(first, c0).t(),
-                            qm.at(first, 0),
-                            self.scale,
-                        );
-                    }
-                }
-            },
-        );
+                },
+            );
     }
 
     /// The kept attention weights, or (a second backward pass) recomputed ones.

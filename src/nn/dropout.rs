@@ -11,6 +11,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::elem::{fused_cpu, slice, Elem};
 
 /// Elements per Rayon task (a multiple of 64: whole mask words).
@@ -141,7 +143,8 @@ impl DropoutOp {
     ) -> Vec<T> {
         let mut out = vec![zero; x.len()];
         out.par_chunks_mut(CHUNK)
-            .zip(x.par_chunks(CHUNK))
+            .inline_when_single()
+            .zip(x.par_chunks(CHUNK).inline_when_single())
             .enumerate()
             .for_each(|(c, (o, xs))| {
                 let base = c * CHUNK;

@@ -13,6 +13,8 @@ use std::collections::HashMap;
 
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::attention::{Mat, SharedMut, View};
 use super::elem::{exp_f32, max_by, multiversion, sum2_by, sum_by, Elem};
 
@@ -343,41 +345,47 @@ pub(super) fn forward(
     let Dims { h, tq, dv, .. } = dims;
     let nt = dims.query_tiles();
     let (yp, lp) = (SharedMut(y.as_mut_ptr()), SharedMut(lse.as_mut_ptr()));
-    (0..dims.b * h * nt).into_par_iter().for_each_init(
-        || FwdScratch {
-            s: vec![0.0; BQ * BK],
-            o: vec![0.0; BQ * dv],
-            m: vec![0.0; BQ],
-            l: vec![0.0; BQ],
-        },
-        |sc, task| {
-            // The whole pointers, not their fields (a closure would capture a bare `*mut f32`).
-            let (yp, lp) = (yp, lp);
-            let (bh, (r0, r1)) = (task / nt, dims.query_tile(task % nt));
-            forward_tile(dims, scale, vis, x, sc, (bh / h, bh % h), (r0, r1));
-            // SAFETY: task (b, h, tile) alone writes rows r0..r1 of head (b, h) of `y`
-            // (`[B, H, T_q, D_v]`) and of `lse` (`[B, H, T_q]`), both sized for the dims, and
-            // nothing reads them before every task has finished.
-            let (yo, lo) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut(yp.0.add((bh * tq + r0) * dv), (r1 - r0) * dv),
-                    std::slice::from_raw_parts_mut(lp.0.add(bh * tq + r0), r1 - r0),
-                )
-            };
-            let rows = sc.o.chunks(dv).zip(sc.m.iter().zip(&sc.l));
-            for ((out, lse), (o, (&m, &l))) in yo.chunks_mut(dv).zip(lo.iter_mut()).zip(rows) {
-                if l == 0.0 {
-                    // Every key masked: zeros (a NaN row has l = NaN and stays NaN).
-                    out.fill(0.0);
-                    *lse = f32::NEG_INFINITY;
-                } else {
-                    let inv = 1.0 / l;
-                    out.iter_mut().zip(o).for_each(|(y, o)| *y = o * inv);
-                    *lse = m + l.ln();
+    (0..dims.b * h * nt)
+        .into_par_iter()
+        .inline_when_single()
+        .for_each_init(
+            || FwdScratch {
+                s: vec![0.0; BQ * BK],
+                o: vec![0.0; BQ * dv],
+                m: vec![0.0; BQ],
+                l: vec![0.0; BQ],
+            },
+            |sc, task| {
+                // The whole pointers, not their fields (a closure would capture a bare `*mut f32`).
+                let (yp, lp) = (yp, lp);
+                let (bh, (r0, r1)) = (task / nt, dims.query_tile(task % nt));
+                forward_tile(dims, scale, vis, x, sc, (bh / h, bh % h), (r0, r1));
+                // SAFETY: task (b, h, tile) alone writes rows r0..r1 of head (b, h) of `y`
+                // (`[B, H, T_q, D_v]`) and of `lse` (`[B, H, T_q]`), both sized for the dims, and
+                // nothing reads them before every task has finished.
+                let (yo, lo) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(
+                            yp.0.add((bh * tq + r0) * dv),
+                            (r1 - r0) * dv,
+                        ),
+                        std::slice::from_raw_parts_mut(lp.0.add(bh * tq + r0), r1 - r0),
+                    )
+                };
+                let rows = sc.o.chunks(dv).zip(sc.m.iter().zip(&sc.l));
+                for ((out, lse), (o, (&m, &l))) in yo.chunks_mut(dv).zip(lo.iter_mut()).zip(rows) {
+                    if l == 0.0 {
+                        // Every key masked: zeros (a NaN row has l = NaN and stays NaN).
+                        out.fill(0.0);
+                        *lse = f32::NEG_INFINITY;
+                    } else {
+                        let inv = 1.0 / l;
+                        out.iter_mut().zip(o).for_each(|(y, o)| *y = o * inv);
+                        *lse = m + l.ln();
+                    }
                 }
-            }
-        },
-    );
+            },
+        );
 }
 
 /// Query rows `r0..r1` of head `(b, h)`: the unnormalized output rows, their maxima and sums in
@@ -456,7 +464,8 @@ pub(super) struct Upstream<'a> {
 /// `δ = rowsum(dO ∘ O)` of every query row (`y` and `dy` contiguous `[B, H, T_q, D_v]`).
 pub(super) fn deltas(y: &[f32], dy: &[f32], dv: usize) -> Vec<f32> {
     y.par_chunks(dv)
-        .zip(dy.par_chunks(dv))
+        .inline_when_single()
+        .zip(dy.par_chunks(dv).inline_when_single())
         .map(|(o, g)| sum2_by(o, g, |a, b| a * b))
         .collect()
 }
@@ -510,8 +519,14 @@ impl Grad<'_> {
         let Dims { h, tq, d, .. } = self.dims;
         let scratch = || (vec![0f32; BQ * BK], vec![0f32; BQ * BK]);
         gq.par_chunks_mut(tq * d)
+            .inline_when_single()
             .enumerate()
-            .flat_map(|(bh, g)| g.par_chunks_mut(BQ * d).enumerate().map(move |t| (bh, t)))
+            .flat_map(|(bh, g)| {
+                g.par_chunks_mut(BQ * d)
+                    .inline_when_single()
+                    .enumerate()
+                    .map(move |t| (bh, t))
+            })
             .for_each_init(scratch, |(p, ds), (bh, (t, dq))| {
                 let (b, hh, (r0, r1)) = (bh / h, bh % h, self.dims.query_tile(t));
                 let km = self.x.mats(&self.dims, b, hh)[1];
@@ -599,10 +614,14 @@ impl Grad<'_> {
         let seen = self.seen_by_tiles();
         let scratch = || (vec![0f32; BQ * BK], vec![0f32; BQ * BK]);
         gk.par_chunks_mut(tk * d)
-            .zip(gv.par_chunks_mut(tk * dv))
+            .inline_when_single()
+            .zip(gv.par_chunks_mut(tk * dv).inline_when_single())
             .enumerate()
             .flat_map(|(bg, (k, v))| {
-                let tiles = k.par_chunks_mut(BK * d).zip(v.par_chunks_mut(BK * dv));
+                let tiles = k
+                    .par_chunks_mut(BK * d)
+                    .inline_when_single()
+                    .zip(v.par_chunks_mut(BK * dv).inline_when_single());
                 tiles.enumerate().map(move |t| (bg, t))
             })
             .for_each_init(scratch, |(p, ds), (bg, (kt, out))| {
@@ -630,7 +649,12 @@ impl Grad<'_> {
         let seen = self.seen_by_tiles();
         let scratch = || (vec![0f32; BQ * BK], vec![0f32; BQ * BK]);
         gq.par_chunks_mut(h / hkv * tq * d)
-            .zip(gk.par_chunks_mut(tk * d).zip(gv.par_chunks_mut(tk * dv)))
+            .inline_when_single()
+            .zip(
+                gk.par_chunks_mut(tk * d)
+                    .inline_when_single()
+                    .zip(gv.par_chunks_mut(tk * dv).inline_when_single()),
+            )
             .enumerate()
             .for_each_init(scratch, |(p, ds), (bg, (dq, (dk, dvv)))| {
                 let b = bg / hkv;

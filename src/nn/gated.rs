@@ -10,6 +10,8 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::elem::slice;
 use super::linear::{fusable, Linear};
 use super::product::{product, product_add, times_wt, Operand};
@@ -123,7 +125,8 @@ impl CustomOp3 for GatedUp {
         let (g, u) = products(x, wg, wu, rows, k)?;
         let mut y = g.clone();
         y.par_chunks_mut(CHUNK)
-            .zip(u.par_chunks(CHUNK))
+            .inline_when_single()
+            .zip(u.par_chunks(CHUNK).inline_when_single())
             .for_each(|(y, u)| swiglu_chunk(y, u));
         *self.kept.lock().unwrap_or_else(|p| p.into_inner()) = Some((g, u));
         let mut out = lx.dims().to_vec();
@@ -156,8 +159,9 @@ impl CustomOp3 for GatedUp {
         }
         // In place: the gate product becomes its gradient, the up product its own.
         dg.par_chunks_mut(CHUNK)
-            .zip(du.par_chunks_mut(CHUNK))
-            .zip(dy.par_chunks(CHUNK))
+            .inline_when_single()
+            .zip(du.par_chunks_mut(CHUNK).inline_when_single())
+            .zip(dy.par_chunks(CHUNK).inline_when_single())
             .for_each(|((g, u), dy)| swiglu_grads_chunk(g, u, dy));
         let rowwise = |d| Operand {
             data: d,

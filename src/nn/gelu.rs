@@ -5,6 +5,8 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::elem::{
     binary_float, elementwise_pair, fused, saved_tensor, slice, tanh_f32, unary_float, Elem,
 };
@@ -30,13 +32,15 @@ struct GeluFwd;
 
 fn fwd<T: Elem>(x: &[T]) -> Vec<T> {
     let mut out = x.to_vec();
-    out.par_chunks_mut(CHUNK).for_each(|o| {
-        for v in o {
-            let x = v.f();
-            let t = tanh_f32(K * (x + C * x * x * x));
-            *v = T::of(0.5 * x * (1.0 + t));
-        }
-    });
+    out.par_chunks_mut(CHUNK)
+        .inline_when_single()
+        .for_each(|o| {
+            for v in o {
+                let x = v.f();
+                let t = tanh_f32(K * (x + C * x * x * x));
+                *v = T::of(0.5 * x * (1.0 + t));
+            }
+        });
     out
 }
 
@@ -46,7 +50,8 @@ struct GeluBwd;
 fn bwd<T: Elem>(x: &[T], dy: &[T]) -> Vec<T> {
     let mut out = x.to_vec();
     out.par_chunks_mut(CHUNK)
-        .zip(dy.par_chunks(CHUNK))
+        .inline_when_single()
+        .zip(dy.par_chunks(CHUNK).inline_when_single())
         .for_each(|(o, g)| {
             for (v, g) in o.iter_mut().zip(g) {
                 let x = v.f();

@@ -11,6 +11,8 @@ use candle_core::{
 use candle_nn::VarBuilder;
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::elem::{fused_cpu, slice, Elem};
 use super::product::{add_times_wt, matmul, times_wt};
 use super::relu::ReluBwd;
@@ -329,6 +331,7 @@ fn add_rows<T: Elem>(y: &mut [T], b: Option<&[T]>, relu: bool) {
     let d = b.map_or(1, <[T]>::len).max(1);
     let act = |v: f32| T::of(if relu && v <= 0.0 { 0.0 } else { v });
     y.par_chunks_mut(d.max(64) * ROWS_PER_TASK)
+        .inline_when_single()
         .for_each(|rows| match b {
             Some(b) => {
                 for row in rows.chunks_mut(d) {
@@ -411,6 +414,7 @@ fn column_sums<T: Elem>(g: &[T], d: usize) -> Vec<T> {
     let d = d.max(1);
     let sums = g
         .par_chunks(d * ROWS_PER_TASK)
+        .inline_when_single()
         .map(|rows| {
             let mut acc = vec![0f32; d];
             for row in rows.chunks(d) {
@@ -435,6 +439,7 @@ fn column_sums<T: Elem>(g: &[T], d: usize) -> Vec<T> {
 fn column_sums_f64(g: &[f64], d: usize) -> Vec<f64> {
     let d = d.max(1);
     g.par_chunks(d * ROWS_PER_TASK)
+        .inline_when_single()
         .map(|rows| {
             let mut acc = vec![0f64; d];
             for row in rows.chunks(d) {

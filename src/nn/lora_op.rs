@@ -10,6 +10,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor, WithDType};
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::elem::{float_dtype, fused_cpu, Elem};
 use super::linear::LinearOp;
 
@@ -63,7 +65,8 @@ pub(super) struct LoraOp {
 fn add_scaled(y: &mut CpuStorage, u: &CpuStorage, s: f64) -> Result<()> {
     fn typed<T: Elem + WithDType>(y: &mut [T], u: &[T], s: f32) {
         y.par_chunks_mut(CHUNK)
-            .zip(u.par_chunks(CHUNK))
+            .inline_when_single()
+            .zip(u.par_chunks(CHUNK).inline_when_single())
             .for_each(|(y, u)| {
                 for (y, u) in y.iter_mut().zip(u) {
                     *y = T::of(y.f() + s * u.f());
@@ -76,7 +79,8 @@ fn add_scaled(y: &mut CpuStorage, u: &CpuStorage, s: f64) -> Result<()> {
         (CpuStorage::F16(y), CpuStorage::F16(u)) => typed(y, u, s as f32),
         (CpuStorage::F64(y), CpuStorage::F64(u)) => y
             .par_chunks_mut(CHUNK)
-            .zip(u.par_chunks(CHUNK))
+            .inline_when_single()
+            .zip(u.par_chunks(CHUNK).inline_when_single())
             .for_each(|(y, u)| {
                 for (y, u) in y.iter_mut().zip(u) {
                     *y += s * u;

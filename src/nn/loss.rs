@@ -7,6 +7,8 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::cross_entropy_options::CrossEntropyOptions;
 use super::elem::{exp_f32, fused_cpu, max_by, multiversion, slice, sum_by, unary_float, Elem};
 
@@ -271,8 +273,9 @@ fn forward<T: Elem>(x: &[T], c: usize, op: &CrossEntropy) -> f64 {
     let mut lses = vec![0f32; op.targets.len()];
     let sum = x
         .par_chunks(c)
-        .zip(op.targets.par_iter())
-        .zip(lses.par_iter_mut())
+        .inline_when_single()
+        .zip(op.targets.par_iter().inline_when_single())
+        .zip(lses.par_iter_mut().inline_when_single())
         .map(|((row, &t), keep)| {
             if Some(t) == op.ignore {
                 return 0.0;
@@ -299,8 +302,13 @@ fn forward_in_place<T: Elem>(x: &mut [T], c: usize, op: &CrossEntropy) -> f64 {
     let (mut lses, mut invs) = (vec![0f32; n], vec![0f32; n]);
     let sum = x
         .par_chunks_mut(c)
-        .zip(op.targets.par_iter())
-        .zip(lses.par_iter_mut().zip(invs.par_iter_mut()))
+        .inline_when_single()
+        .zip(op.targets.par_iter().inline_when_single())
+        .zip(
+            lses.par_iter_mut()
+                .inline_when_single()
+                .zip(invs.par_iter_mut().inline_when_single()),
+        )
         .map(|((row, &t), (keep, inv))| {
             if Some(t) == op.ignore {
                 return 0.0;
@@ -337,8 +345,9 @@ pub(super) fn grad_in_place_exp<T: Elem>(
     let (eps, scale) = (op.eps, op.scale);
     let uniform = eps / c as f32;
     z.par_chunks_mut(c)
-        .zip(op.targets.par_iter())
-        .zip(invs.par_iter())
+        .inline_when_single()
+        .zip(op.targets.par_iter().inline_when_single())
+        .zip(invs.par_iter().inline_when_single())
         .for_each(|((row, &t), &inv)| {
             if Some(t) == op.ignore {
                 row.iter_mut().for_each(|v| *v = T::of(0.0));
@@ -359,7 +368,8 @@ pub(super) fn grad_in_place<T: Elem>(
     let (eps, scale) = (op.eps, op.scale);
     let uniform = eps / c as f32;
     z.par_chunks_mut(c)
-        .zip(op.targets.par_iter())
+        .inline_when_single()
+        .zip(op.targets.par_iter().inline_when_single())
         .enumerate()
         .for_each(|(i, (row, &t))| {
             if Some(t) == op.ignore {

@@ -4,6 +4,8 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Module, Result, Shape, Tensor};
 use candle_nn::LayerNormConfig;
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::elem::{fused, multiversion, slice, sum2_by, sum_by, Elem};
 
 /// Rows handled by one Rayon task in the backward pass (its partial weight/bias gradients are
@@ -86,7 +88,8 @@ struct NormFwd {
 fn fwd<T: Elem>(op: &NormFwd, x: &[T], w: &[T], b: &[T], d: usize) -> Vec<T> {
     let mut out = vec![T::of(0.0); x.len()];
     out.par_chunks_mut(d)
-        .zip(x.par_chunks(d))
+        .inline_when_single()
+        .zip(x.par_chunks(d).inline_when_single())
         .for_each(|(o, row)| fwd_row(op, o, row, w, b));
     out
 }
@@ -190,8 +193,9 @@ fn bwd<T: Elem>(op: &NormBwd, x: &[T], w: &[T], dy: &[T], d: usize) -> Vec<T> {
     let mut dx = vec![T::of(0.0); n];
     let (dw, db) = dx
         .par_chunks_mut(d * ROWS_PER_TASK)
-        .zip(x.par_chunks(d * ROWS_PER_TASK))
-        .zip(dy.par_chunks(d * ROWS_PER_TASK))
+        .inline_when_single()
+        .zip(x.par_chunks(d * ROWS_PER_TASK).inline_when_single())
+        .zip(dy.par_chunks(d * ROWS_PER_TASK).inline_when_single())
         .map(|((dxs, xs), dys)| {
             let mut acc = (vec![0f32; d], vec![0f32; d], vec![0f32; d]);
             for ((dxr, xr), dyr) in dxs.chunks_mut(d).zip(xs.chunks(d)).zip(dys.chunks(d)) {

@@ -4,6 +4,8 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::elem::{binary_float, elementwise_pair, fused, saved_tensor, slice, unary_float, Elem};
 
 /// Elements per Rayon task.
@@ -23,6 +25,7 @@ struct ReluFwd;
 
 fn fwd<T: Elem>(x: &[T]) -> Vec<T> {
     x.par_iter()
+        .inline_when_single()
         .with_min_len(CHUNK)
         .map(|v| {
             let x = v.f();
@@ -41,6 +44,7 @@ pub(super) struct ReluBwd;
 
 fn bwd<T: Elem>(y: &[T], dy: &[T]) -> Vec<T> {
     y.par_iter()
+        .inline_when_single()
         .zip(dy)
         .with_min_len(CHUNK)
         .map(|(y, g)| if y.f() > 0.0 { *g } else { T::of(0.0) })

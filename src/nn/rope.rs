@@ -11,6 +11,8 @@
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::elem::{binary_float, fused, multiversion, slice, Elem};
 use super::rope_geometry::{Geometry, Variant};
 
@@ -209,7 +211,8 @@ fn fwd<T: Elem>(x: &[T], cos: &[T], sin: &[T], g: Geometry, sign: f32) -> Vec<T>
     let mut out = vec![T::of(0.0); x.len()];
     let interleaved = g.variant.interleaved();
     out.par_chunks_mut(d)
-        .zip(x.par_chunks(d))
+        .inline_when_single()
+        .zip(x.par_chunks(d).inline_when_single())
         .enumerate()
         .with_min_len((CHUNK / d.max(1)).max(1))
         .for_each(|(r, (y, x))| {
@@ -326,7 +329,8 @@ fn tables_bwd<T: Elem>(x: &[T], dy: &[T], g: Geometry, sign: f32) -> Vec<T> {
     // One task per table row: no partial sums to add up (table rows are few and rows many, so
     // this is parallel enough except for a single position, as in one-token decoding).
     dcos.par_chunks_mut(half.max(1))
-        .zip(dsin.par_chunks_mut(half.max(1)))
+        .inline_when_single()
+        .zip(dsin.par_chunks_mut(half.max(1)).inline_when_single())
         .enumerate()
         .for_each_init(
             || (vec![0f32; half], vec![0f32; half]),

@@ -6,6 +6,8 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::elem::{
     binary_float, elementwise_pair, exp_f32, fused, multiversion, saved_tensor, slice, unary_float,
     Elem,
@@ -128,7 +130,9 @@ struct SiluFwd;
 
 fn silu_fwd<T: Elem>(x: &[T]) -> Vec<T> {
     let mut out = x.to_vec();
-    out.par_chunks_mut(CHUNK).for_each(silu_chunk);
+    out.par_chunks_mut(CHUNK)
+        .inline_when_single()
+        .for_each(silu_chunk);
     out
 }
 
@@ -145,7 +149,8 @@ struct SiluBwd;
 fn silu_bwd<T: Elem>(x: &[T], dy: &[T]) -> Vec<T> {
     let mut out = x.to_vec();
     out.par_chunks_mut(CHUNK)
-        .zip(dy.par_chunks(CHUNK))
+        .inline_when_single()
+        .zip(dy.par_chunks(CHUNK).inline_when_single())
         .for_each(|(o, g)| silu_grad_chunk(o, g));
     out
 }
@@ -163,7 +168,8 @@ struct SwigluFwd;
 fn swiglu_fwd<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
     let mut out = gate.to_vec();
     out.par_chunks_mut(CHUNK)
-        .zip(up.par_chunks(CHUNK))
+        .inline_when_single()
+        .zip(up.par_chunks(CHUNK).inline_when_single())
         .for_each(|(o, u)| swiglu_chunk(o, u));
     out
 }
@@ -222,8 +228,9 @@ fn swiglu_bwd<T: Elem>(gate: &[T], up: &[T], dy: &[T]) -> Vec<T> {
     let (dgate, dup) = out.split_at_mut(n);
     dgate
         .par_chunks_mut(CHUNK)
-        .zip(dup.par_chunks_mut(CHUNK))
-        .zip(dy.par_chunks(CHUNK))
+        .inline_when_single()
+        .zip(dup.par_chunks_mut(CHUNK).inline_when_single())
+        .zip(dy.par_chunks(CHUNK).inline_when_single())
         .for_each(|((g, u), dy)| swiglu_grads_chunk(g, u, dy));
     out
 }

@@ -5,6 +5,8 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::elem::{
     binary_float, exp_f32, fused, max_by, multiversion, slice, sum2_by, sum_by, unary_float, Elem,
 };
@@ -21,7 +23,8 @@ fn fwd<T: Elem>(x: &[T], d: usize, op: SoftmaxFwd) -> Vec<T> {
     // Zeros: the masked tail of each row stays 0.
     let mut out = vec![T::of(0.0); x.len()];
     out.par_chunks_mut(d)
-        .zip(x.par_chunks(d))
+        .inline_when_single()
+        .zip(x.par_chunks(d).inline_when_single())
         .enumerate()
         .for_each_init(
             || vec![0f32; d],
@@ -77,7 +80,8 @@ struct SoftmaxBwd {
 fn bwd<T: Elem>(y: &[T], dy: &[T], d: usize, scale: f32) -> Vec<T> {
     let mut out = dy.to_vec();
     out.par_chunks_mut(d)
-        .zip(y.par_chunks(d))
+        .inline_when_single()
+        .zip(y.par_chunks(d).inline_when_single())
         .for_each(|(g, yr)| softmax_grad_in_place(g, yr, scale));
     out
 }

@@ -13,6 +13,8 @@ use candle_core::{CpuStorage, DType, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use crate::error::{Error, Result};
 use crate::inplace::{with_cpu_mut, with_cpu_mut_src, Elem, Real};
 
@@ -110,7 +112,11 @@ fn sq_sum_kernel<T: Wide>(x: &[T]) -> f64 {
     if x.len() <= CHUNK {
         return sq_sum_chunk(x);
     }
-    let sums: Vec<f64> = x.par_chunks(CHUNK).map(sq_sum_chunk).collect();
+    let sums: Vec<f64> = x
+        .par_chunks(CHUNK)
+        .inline_when_single()
+        .map(sq_sum_chunk)
+        .collect();
     sums.iter().sum()
 }
 
@@ -238,9 +244,10 @@ fn adamw_kernel<T: Elem<C>, C: Real>(
         body(p, m, v, g);
     } else {
         p.par_chunks_mut(CHUNK)
-            .zip(m.par_chunks_mut(CHUNK))
-            .zip(v.par_chunks_mut(CHUNK))
-            .zip(g.par_chunks(CHUNK))
+            .inline_when_single()
+            .zip(m.par_chunks_mut(CHUNK).inline_when_single())
+            .zip(v.par_chunks_mut(CHUNK).inline_when_single())
+            .zip(g.par_chunks(CHUNK).inline_when_single())
             .for_each(|(((p, m), v), g)| body(p, m, v, g));
     }
 }
@@ -376,7 +383,8 @@ fn sgd_kernel<T: Elem<C>, C: Real>(p: &mut [T], buf: Option<&mut [T]>, g: &[T], 
                 body(p, g);
             } else {
                 p.par_chunks_mut(CHUNK)
-                    .zip(g.par_chunks(CHUNK))
+                    .inline_when_single()
+                    .zip(g.par_chunks(CHUNK).inline_when_single())
                     .for_each(|(p, g)| body(p, g));
             }
         }
@@ -428,8 +436,9 @@ fn momentum_pass<
         body(p, buf, g);
     } else {
         p.par_chunks_mut(CHUNK)
-            .zip(buf.par_chunks_mut(CHUNK))
-            .zip(g.par_chunks(CHUNK))
+            .inline_when_single()
+            .zip(buf.par_chunks_mut(CHUNK).inline_when_single())
+            .zip(g.par_chunks(CHUNK).inline_when_single())
             .for_each(|((p, b), g)| body(p, b, g));
     }
 }

@@ -5,6 +5,8 @@
 
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::codes::{Lut8, Rounding4};
 
 /// Blocks quantized by one Rayon task.
@@ -30,8 +32,12 @@ pub(crate) fn quantize4(x: &[f32], blocksize: usize, rounding: &Rounding4) -> (V
     let half = blocksize / 2;
     packed
         .par_chunks_mut(half * BLOCKS_PER_TASK)
-        .zip(absmax.par_chunks_mut(BLOCKS_PER_TASK))
-        .zip(x.par_chunks(blocksize * BLOCKS_PER_TASK))
+        .inline_when_single()
+        .zip(absmax.par_chunks_mut(BLOCKS_PER_TASK).inline_when_single())
+        .zip(
+            x.par_chunks(blocksize * BLOCKS_PER_TASK)
+                .inline_when_single(),
+        )
         .enumerate()
         .for_each(|(task, ((bytes, scales), xs))| {
             let first = task * BLOCKS_PER_TASK;
@@ -90,7 +96,8 @@ pub(crate) fn quantize_nested(
     let mut codes = vec![0u8; centred.len()];
     let nested: Vec<f32> = codes
         .par_chunks_mut(blocksize)
-        .zip(centred.par_chunks(blocksize))
+        .inline_when_single()
+        .zip(centred.par_chunks(blocksize).inline_when_single())
         .map(|(codes, xs)| {
             let m = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
             if m != 0.0 {

@@ -6,6 +6,8 @@ use half::{bf16, f16};
 use once_cell::sync::Lazy;
 use rayon::prelude::*;
 
+use crate::par::Inline;
+
 use super::blockwise::{dequantize4_into, quantize4, quantize_nested};
 use super::codes::{dynamic_map, Lut8, Rounding4};
 use super::state::{JsonState, NestedScales, QuantState, Scales};
@@ -128,6 +130,7 @@ impl Weight4bit {
         let bs = self.state.blocksize();
         let state = &self.state;
         out.par_chunks_mut(DEQUANT_CHUNK)
+            .inline_when_single()
             .enumerate()
             .for_each(|(i, chunk)| {
                 let first = start + i * DEQUANT_CHUNK;
