@@ -5,9 +5,9 @@
 //! from a thread outside the pool (the training loop's own) then still hands its work to that
 //! one pool thread and sleeps until it is done: two wake-ups per op, and the data the op reads
 //! was written on another core whenever the scheduler put the pool thread there. Unsplit, the
-//! loop runs where it was called, the same work in the same order: 2.5-3.5% of a Qwen3 CPU
-//! training step alone, 1-1.5% with two processes on two cores (BENCHMARKS.md, "Kernels on the
-//! caller's thread").
+//! loop runs where it was called, the same work in the same order: 1-4% of a Qwen3 CPU training
+//! step with two processes on two cores, 0-2% with one (BENCHMARKS.md, "Kernels on the caller's
+//! thread").
 
 use rayon::iter::{IndexedParallelIterator, MinLen};
 

@@ -48,9 +48,11 @@ fn check(m: usize, n: usize, k: usize, lhs: &Operand, rhs: &Operand) -> Result<(
 /// a weight's gradient `gᵀ x`, with one row per output feature) is made in blocks of rows.
 /// `gemm` transposes such a product and packs the whole `[k, m]` gradient as its right operand,
 /// in one buffer as large as the output: for a language model's head (`m` = the vocabulary) the
-/// blocks ran 10-12% faster on an AVX-512 core (`BENCHMARKS.md`, "Weight gradients in blocks").
+/// blocks ran 10-12% faster on an AVX-512 core (`BENCHMARKS.md`, "Kernels on the caller's
+/// thread, the head's weight gradient in blocks").
 const ROW_BLOCK_ABOVE: usize = 2048;
-/// The most rows of one block; the blocks of a product are of equal size (rounded up to 64).
+/// The most rows of one block; a product's blocks are of one size (rounded up to 64), the last
+/// one shorter.
 const ROW_BLOCK: usize = 1536;
 
 /// `(start, end)` of the row blocks of an `m`-row product read as [`ROW_BLOCK_ABOVE`] says: one
