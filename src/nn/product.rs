@@ -66,11 +66,12 @@ fn row_blocks(m: usize, lhs_rs: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..m).step_by(size).map(move |r0| (r0, (r0 + size).min(m)))
 }
 
-/// `dst = lhs · rhs`, or `dst += lhs · rhs` when `add`, for a row-major `m × n` `dst`, in the
-/// row blocks of [`row_blocks`].
+/// `dst = lhs · rhs`, or `dst += lhs · rhs` when `add`, for a row-major `m × n` `dst`, one
+/// `gemm` call per row block of [`row_blocks`].
 ///
 /// # Safety
-/// As [`gemm_block`].
+/// The operands passed [`check`]; `dst` has room for `m × n` elements, overlaps neither operand
+/// and nobody else reads or writes it meanwhile; with `add` its elements are initialized.
 unsafe fn gemm_into(
     m: usize,
     n: usize,
@@ -81,55 +82,35 @@ unsafe fn gemm_into(
     rhs: Operand,
 ) {
     for (r0, r1) in row_blocks(m, lhs.rs) {
-        let block = Operand {
-            data: &lhs.data[r0 * lhs.rs..],
-            ..lhs
-        };
-        // SAFETY: rows `r0..r1` of `dst` (row-major, `n` wide) and of `lhs` (starting at
-        // `r0 · rs`) are inside what the caller vouched for over all `m` rows.
-        unsafe { gemm_block(r1 - r0, n, k, dst.add(r0 * n), add, block, rhs) }
-    }
-}
-
-/// `dst = lhs · rhs`, or `dst += lhs · rhs` when `add`, for a row-major `m × n` `dst`.
-///
-/// # Safety
-/// The operands passed [`check`]; `dst` has room for `m × n` elements, overlaps neither operand
-/// and nobody else reads or writes it meanwhile; with `add` its elements are initialized.
-unsafe fn gemm_block(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    add: bool,
-    lhs: Operand,
-    rhs: Operand,
-) {
-    // SAFETY: the caller's guarantees are `gemm`'s (in-bounds operands, an exclusive
-    // destination). With `read_dst` false `gemm` never reads the destination (its `alpha` is set
-    // to zero, and `k > 0`) and writes each of its `m × n` elements.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            n as isize,
-            add,
-            lhs.data.as_ptr(),
-            lhs.cs as isize,
-            lhs.rs as isize,
-            rhs.data.as_ptr(),
-            rhs.cs as isize,
-            rhs.rs as isize,
-            if add { 1.0 } else { 0.0 },
-            1.0,
-            false,
-            false,
-            false,
-            parallelism(),
-        )
+        // Rows `r0..r1` of `lhs` start at `r0 · rs`, inside the slice (`check`: `r0 < m`).
+        let block = &lhs.data[r0 * lhs.rs..];
+        // SAFETY: the caller's guarantees are `gemm`'s (in-bounds operands, an exclusive
+        // destination), and rows `r0..r1` of `dst` (row-major, `n` wide) and of `lhs` lie within
+        // what they cover for all `m` rows. With `read_dst` false `gemm` never reads the
+        // destination (its `alpha` is set to zero, and `k > 0`) and writes each of its elements.
+        unsafe {
+            gemm::gemm(
+                r1 - r0,
+                n,
+                k,
+                dst.add(r0 * n),
+                1,
+                n as isize,
+                add,
+                block.as_ptr(),
+                lhs.cs as isize,
+                lhs.rs as isize,
+                rhs.data.as_ptr(),
+                rhs.cs as isize,
+                rhs.rs as isize,
+                if add { 1.0 } else { 0.0 },
+                1.0,
+                false,
+                false,
+                false,
+                parallelism(),
+            )
+        }
     }
 }
 
