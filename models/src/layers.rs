@@ -82,7 +82,7 @@ pub(crate) fn embedding(n: usize, dim: usize, std: f64, vb: VarBuilder) -> Resul
 /// Rows `ids` (any shape of integer ids) of `table` `[n, dim]`: `[.., dim]`, differentiable
 /// with respect to the table, except the row `padding_idx` (PyTorch's `nn.Embedding` padding
 /// index, `pad_token_id` in `transformers`' Llama and BERT embeddings): its lookups pass no
-/// gradient to the table. An id out of range is an error naming it.
+/// gradient to the table. An id out of range, or ids of a float dtype, are an error naming them.
 pub(crate) fn lookup(
     table: &Tensor,
     ids: &Tensor,
@@ -90,6 +90,12 @@ pub(crate) fn lookup(
     what: &str,
 ) -> Result<Tensor> {
     let n = table.dim(0)?;
+    if ids.dtype().is_float() {
+        candle_core::bail!(
+            "{what}: of dtype {:?}; integer ids are expected",
+            ids.dtype()
+        );
+    }
     let flat = ids.flatten_all()?.to_dtype(DType::I64)?;
     let values = flat.to_vec1::<i64>()?;
     if let Some((i, bad)) = values
@@ -457,4 +463,31 @@ pub(crate) fn bce_with_logits(logits: &Tensor, targets: &Tensor) -> Result<Tenso
     let pos = logits.relu()?;
     let soft = (logits.abs()?.neg()?.exp()? + 1.0)?.log()?;
     ((pos - (logits * y)?)? + soft)?.mean_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn float_or_out_of_range_ids_are_named() -> Result<()> {
+        let dev = Device::Cpu;
+        let table = Tensor::zeros((4, 2), DType::F32, &dev)?;
+        let rows = lookup(&table, &Tensor::new(&[[3u32, 0]], &dev)?, None, "input_ids")?;
+        assert_eq!(rows.dims(), &[1, 2, 2]);
+        for (ids, bad) in [
+            (
+                Tensor::new(&[f32::NAN, 1.0], &dev)?,
+                "input_ids: of dtype F32",
+            ),
+            (Tensor::new(&[7i64], &dev)?, "input_ids: id 7 at position 0"),
+        ] {
+            let err = lookup(&table, &ids, None, "input_ids")
+                .err()
+                .map(|e| e.to_string());
+            assert!(err.as_deref().is_some_and(|e| e.contains(bad)), "{err:?}");
+        }
+        Ok(())
+    }
 }

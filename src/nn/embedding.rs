@@ -5,12 +5,15 @@
 //! scatters once into one zero-filled table and hands it straight to our backward pass
 //! ([`backward`](super::backward)) when it is running; the same sums, in the same order.
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor};
+
+use super::elem::slice;
 
 /// The rows `ids` (any shape of integer ids) of `table` `[n, dim]`, as `[.., dim]`:
 /// `table.index_select(ids, 0)` reshaped, differentiable with respect to the table. On the CPU
 /// in f32 one op whose gradient is the rows' gradients scattered into a table; elsewhere
-/// Candle's `index_select`. An id outside the table is an error naming it.
+/// Candle's `index_select`. An id outside the table, or ids of a float dtype, are an error
+/// naming them.
 ///
 /// ```
 /// # fn main() -> candle_core::Result<()> {
@@ -29,6 +32,12 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let (n, dim) = table.dims2()?;
     let flat = ids.flatten_all()?;
+    if flat.dtype().is_float() {
+        candle_core::bail!(
+            "accelerate_rs::nn::embedding: ids of dtype {:?}: integer ids are expected",
+            flat.dtype()
+        );
+    }
     let values = match flat.dtype() {
         DType::U32 => flat.to_vec1::<u32>()?.into_iter().map(i64::from).collect(),
         _ => flat.to_dtype(DType::I64)?.to_vec1::<i64>()?,
@@ -45,6 +54,9 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     }
     let mut dims = ids.dims().to_vec();
     dims.push(dim);
+    // A strided table (a transposed view) is read through a contiguous copy, a graph node whose
+    // backward pass hands the gradient on to the view.
+    let table = &table.contiguous()?;
     let out = if table.device().is_cpu() && table.dtype() == DType::F32 && dim > 0 {
         table.apply_op1(Lookup { rows })?
     } else {
@@ -65,11 +77,11 @@ impl CustomOp1 for Lookup {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(table), Some((start, end))) = (s, l.contiguous_offsets()) else {
-            candle_core::bail!("accelerate-rs-embedding: expects a contiguous f32 table");
+        let CpuStorage::F32(table) = s else {
+            candle_core::bail!("accelerate-rs-embedding: expects an f32 table");
         };
         let (n, dim) = l.shape().dims2()?;
-        let table = &table[start..end];
+        let table = slice(table, l)?;
         let mut out = Vec::with_capacity(self.rows.len() * dim);
         for &r in &self.rows {
             let r = r as usize;
@@ -83,8 +95,12 @@ impl CustomOp1 for Lookup {
 
     fn bwd(&self, table: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let (n, dim) = table.dims2()?;
-        let grad = grad.to_dtype(DType::F32)?.contiguous()?;
-        let g = grad.flatten_all()?.to_vec1::<f32>()?;
+        let grad = grad.contiguous()?;
+        let (storage, layout) = grad.storage_and_layout();
+        let Storage::Cpu(CpuStorage::F32(g)) = &*storage else {
+            candle_core::bail!("accelerate-rs-embedding: expects an f32 CPU gradient");
+        };
+        let g = slice(g, layout)?;
         if g.len() != self.rows.len() * dim {
             candle_core::bail!(
                 "accelerate-rs-embedding: a gradient of {} elements for {} rows of {dim}",
@@ -100,7 +116,8 @@ impl CustomOp1 for Lookup {
                 *a += b;
             }
         }
-        let d = Tensor::from_vec(d, (n, dim), table.device())?.to_dtype(table.dtype())?;
+        drop(storage);
+        let d = Tensor::from_vec(d, (n, dim), table.device())?;
         super::grad_frames::deposit(table, d)
     }
 }
@@ -154,7 +171,7 @@ mod tests {
     }
 
     #[test]
-    fn other_dtypes_and_id_types_take_index_select() -> Result<()> {
+    fn other_dtypes_id_types_and_strided_tables_give_index_selects_rows() -> Result<()> {
         let dev = Device::Cpu;
         let t64 = Tensor::randn(0f64, 1.0, (5, 3), &dev)?;
         let ids = Tensor::new(&[4i64, 0, 4], &dev)?;
@@ -164,6 +181,12 @@ mod tests {
         let t32 = t64.to_dtype(DType::F32)?;
         let got = embedding(&t32, &ids)?.to_vec2::<f32>()?;
         assert_eq!(got, t32.index_select(&ids, 0)?.to_vec2::<f32>()?);
+        // A strided f32 table (a transposed view), which Candle's `index_select` refuses.
+        let strided = t32.t()?;
+        let ids = Tensor::new(&[2u32, 0], &dev)?;
+        let got = embedding(&strided, &ids)?.to_vec2::<f32>()?;
+        let want = strided.contiguous()?.index_select(&ids, 0)?;
+        assert_eq!(got, want.to_vec2::<f32>()?);
         Ok(())
     }
 
@@ -174,6 +197,7 @@ mod tests {
         for (ids, bad) in [
             (Tensor::new(&[1u32, 4], &dev)?, "id 4 at position 1"),
             (Tensor::new(&[-1i64], &dev)?, "id -1 at position 0"),
+            (Tensor::new(&[f32::NAN], &dev)?, "ids of dtype F32"),
         ] {
             let err = embedding(&table, &ids).err().map(|e| e.to_string());
             assert!(err.as_deref().is_some_and(|e| e.contains(bad)), "{err:?}");
