@@ -82,7 +82,37 @@ fn cases() -> Vec<Case> {
             op: |x, _| nn::causal_softmax(&x[0], 0.3),
         },
         Case {
-            name: "causal attention (composed, kernel softmax)",
+            name: "linear (no bias: one node on the GPU, cuBLAS)",
+            shapes: vec![vec![3, 37, 64], vec![48, 64]],
+            kernels: false,
+            flash: false,
+            targets: None,
+            op: |x, _| Linear::new(x[1].clone(), None).forward(&x[0]),
+        },
+        Case {
+            name: "attention (one node, T_q 20 < T_k 33, D_v 8)",
+            shapes: vec![vec![2, 3, 20, 16], vec![2, 3, 33, 16], vec![2, 3, 33, 8]],
+            kernels: true,
+            flash: false,
+            targets: None,
+            op: |x, _| {
+                let opts = AttentionOptions::default().scale(0.2);
+                nn::scaled_dot_product_attention(&x[0], &x[1], &x[2], &opts)
+            },
+        },
+        Case {
+            name: "causal attention (one node, T_q 20 < T_k 33)",
+            shapes: vec![vec![2, 3, 20, 16], vec![2, 3, 33, 16], vec![2, 3, 33, 8]],
+            kernels: true,
+            flash: false,
+            targets: None,
+            op: |x, _| {
+                let opts = AttentionOptions::default().causal(true);
+                nn::scaled_dot_product_attention(&x[0], &x[1], &x[2], &opts)
+            },
+        },
+        Case {
+            name: "causal attention (one node, kernel softmax)",
             shapes: vec![vec![2, 4, 32, 16], vec![2, 4, 32, 16], vec![2, 4, 32, 16]],
             kernels: true,
             flash: false,

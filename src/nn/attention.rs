@@ -736,6 +736,11 @@ impl Attention {
         let Dims { b, h, tq, tk, .. } = self.dims;
         let dev = q.device();
         let raw = q.contiguous()?.matmul(&k.contiguous()?.t()?)?;
+        if self.padding_mask.is_none() && super::elem::fused(q)? {
+            // On a GPU with `nn`'s kernels: one node (products, softmax kernel, products), its
+            // gradients without score-sized zero-fills (`attention_node`).
+            return super::attention_node::attention_node(q, k, v, self.scale as f64, self.causal);
+        }
         if self.padding_mask.is_none() {
             // Scale, mask and softmax in one op: `causal_softmax` / `softmax_last_dim` (the
             // CUDA kernels when they are on, else Candle's composed ops, as below).

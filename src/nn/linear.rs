@@ -21,9 +21,11 @@ use super::relu::ReluBwd;
 const ROWS_PER_TASK: usize = 64;
 
 /// A fully connected layer, `y = x Wᵀ + b`: `candle_nn::Linear`'s constructor, accessors and
-/// results, computed as one fused, differentiable op on the CPU (float dtypes; Candle's composed
-/// ops elsewhere) whose backward sums the bias gradient's rows in one contiguous pass. Inputs of
-/// any rank are flattened to rows for one matrix product.
+/// results, computed as one fused, differentiable op on the CPU (float dtypes) whose backward
+/// sums the bias gradient's rows in one contiguous pass; on a GPU whose `nn` kernels are on, a
+/// layer without bias is one node too (cuBLAS's product, the weight's gradient straight to the
+/// backward pass); Candle's composed ops elsewhere. Inputs of any rank are flattened to rows for
+/// one matrix product.
 #[derive(Clone, Debug)]
 pub struct Linear {
     weight: Tensor,
@@ -94,6 +96,13 @@ impl Linear {
                 None => x.apply_op2(&self.weight, op),
             };
         }
+        if self.bias.is_none() && !relu && device_node(x, &self.weight, rows, k)? {
+            // On a GPU with `nn`'s kernels: the product as one node too (cuBLAS), so the
+            // weight's gradient is one `gᵀ x` handed to the backward pass's frame, with no
+            // transposed, zero-filled copy to add it into, and no reshape nodes around it.
+            let op = LinearOp { n, relu: false };
+            return x.contiguous()?.apply_op2(&self.weight, op);
+        }
         // One [rows, in] x [in, out] product (a copy first if the input is strided).
         let x2 = x.contiguous()?.reshape((rows, k))?;
         let y = x2.matmul(&self.weight.t()?)?;
@@ -151,8 +160,23 @@ pub(super) fn fusable(
         && n > 0)
 }
 
-/// `y = x Wᵀ (+ b)` over the rows of a contiguous `x` (`[.., k]`), `W` `[n, k]`: Candle's CPU
-/// matrix product on the storages, then the bias added in place (and the ReLU, if `relu`).
+/// Whether the product `x Wᵀ` (no bias, no ReLU) runs as one [`LinearOp`] node off the CPU: on
+/// a device whose `nn` kernels are on (a GPU), `w` `[n, k]` contiguous in `x`'s dtype on `x`'s
+/// device.
+fn device_node(x: &Tensor, w: &Tensor, rows: usize, k: usize) -> Result<bool> {
+    let shaped = matches!(w.dims(), [n, wk] if *wk == k && *n > 0);
+    Ok(!x.device().is_cpu()
+        && shaped
+        && rows > 0
+        && w.is_contiguous()
+        && w.dtype() == x.dtype()
+        && w.device().same_device(x.device())
+        && super::elem::fused(x)?)
+}
+
+/// `y = x Wᵀ (+ b)` over the rows of a contiguous `x` (`[.., k]`), `W` `[n, k]`: the device's
+/// matrix product on the storages (on the CPU then the bias added in place, and the ReLU if
+/// `relu`; on a GPU neither: [`device_node`]).
 pub(super) struct LinearOp {
     pub(super) n: usize,
     pub(super) relu: bool,
@@ -193,9 +217,29 @@ impl LinearOp {
                 return Ok((y, Shape::from(out)));
             }
         }
-        let lx2 = Layout::contiguous_with_offset((rows, k), lx.start_offset());
-        let mut y = sx.matmul(sw, (1, rows, self.n, k), &lx2, &lw.transpose(0, 1)?)?;
+        let (mut y, shape) = self.product(sx, lx, sw, lw)?;
         add_bias(&mut y, b, self.relu)?;
+        Ok((y, shape))
+    }
+
+    /// `x Wᵀ` on any device's storages: the device's matrix product (Candle's) over the rows
+    /// of a contiguous `x` (`[.., k]`), `W` `[n, k]`; the output has `x`'s leading dimensions.
+    fn product<S: BackendStorage>(
+        &self,
+        sx: &S,
+        lx: &Layout,
+        sw: &S,
+        lw: &Layout,
+    ) -> Result<(S, Shape)> {
+        let dims = lx.dims();
+        let k = dims.last().copied().unwrap_or(1).max(1);
+        let rows = lx.shape().elem_count() / k;
+        let mut out = dims.to_vec();
+        if let Some(last) = out.last_mut() {
+            *last = self.n;
+        }
+        let lx2 = Layout::contiguous_with_offset((rows, k), lx.start_offset());
+        let y = sx.matmul(sw, (1, rows, self.n, k), &lx2, &lw.transpose(0, 1)?)?;
         Ok((y, Shape::from(out)))
     }
 
@@ -361,6 +405,20 @@ impl CustomOp2 for LinearOp {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         self.forward(s1, l1, s2, l2, None)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if self.relu {
+            candle_core::bail!("accelerate-rs-linear: the ReLU is fused on the CPU only");
+        }
+        self.product(s1, l1, s2, l2)
     }
 
     fn bwd(

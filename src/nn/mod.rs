@@ -61,6 +61,7 @@
 //! ```
 
 mod attention;
+mod attention_node;
 mod cross_entropy_options;
 #[cfg(feature = "cuda")]
 mod cuda;

@@ -14,9 +14,16 @@ use super::elem::{
 /// `softmax(scale * x)` per row of `d`; when `causal` holds `(t_q, t_k)`, row `r` is query
 /// `i = r % t_q` and sees keys `0..=i + t_k - t_q` only (the rest gets 0).
 #[derive(Clone, Copy)]
-struct SoftmaxFwd {
+pub(super) struct SoftmaxFwd {
     scale: f32,
     causal: Option<(usize, usize)>,
+}
+
+impl SoftmaxFwd {
+    /// `softmax(scale * x)` per row, with the causal mask of `(t_q, t_k)` when given.
+    pub(super) fn new(scale: f32, causal: Option<(usize, usize)>) -> Self {
+        SoftmaxFwd { scale, causal }
+    }
 }
 
 fn fwd<T: Elem>(x: &[T], d: usize, op: SoftmaxFwd) -> Vec<T> {
@@ -73,8 +80,15 @@ impl CustomOp1 for SoftmaxFwd {
 }
 
 /// `(y, dy)` → `dx = scale * y * (dy - sum(dy * y))` per row (masked entries have `y = 0`).
-struct SoftmaxBwd {
+pub(super) struct SoftmaxBwd {
     scale: f32,
+}
+
+impl SoftmaxBwd {
+    /// The backward pass of a softmax of `scale * x`.
+    pub(super) fn new(scale: f32) -> Self {
+        SoftmaxBwd { scale }
+    }
 }
 
 fn bwd<T: Elem>(y: &[T], dy: &[T], d: usize, scale: f32) -> Vec<T> {
