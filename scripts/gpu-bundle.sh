@@ -11,7 +11,8 @@
 # the models crate, the finetune, memory_bench, zero3_bench and hf_bench examples and the parity test binary (the
 # Hugging Face parity checks against the committed golden files, run on the GPU); stripped, in
 # one xz-compressed tar:
-# gpu-bundle/accelerate-rs-gpu.tar.xz. Its size is printed, and the script fails when it is over
+# gpu-bundle/accelerate-rs-gpu.tar.xz, with lib/libcupti_trace.so (scripts/cupti_trace.c, the
+# kernel tracer of scripts/gpu_profile.py --tracer cupti) when it builds. Its size is printed, and the script fails when it is over
 # $ACCEL_BUNDLE_LIMIT_MB (default 60 MiB, what the device tool carries with room to spare).
 #
 # Then, with the device tool: carry `gpu-bundle` and run `scripts/gpu-smoke.sh` there.
@@ -75,6 +76,29 @@ for line in open(sys.argv[1]):
         print(m["executable"])
 ' "$json")
 fi
+# scripts/cupti_trace.c as a shared library (scripts/gpu_profile.py --tracer cupti), against
+# CUPTI 13.0's headers (the wheel PyTorch's cu130 build uses; downloaded once next to the
+# toolchain). Optional: a warning when it cannot be built, and the bundle goes without it.
+cupti_trace() {
+  local dir="${ACCEL_CUDA_HOME:-$HOME/.cache/accel-cuda-13.0}/cupti-13.0.85" wh
+  if [ ! -f "$dir/nvidia/cu13/include/cupti.h" ]; then
+    wh="$(mktemp -d)"
+    python3 -m pip download -q --no-deps --only-binary=:all: -d "$wh" nvidia-cuda-cupti==13.0.85 \
+      && rm -rf "$dir.tmp" && python3 -m zipfile -e "$wh"/*.whl "$dir.tmp" && mv "$dir.tmp" "$dir"
+    rm -rf "$wh"
+  fi
+  gcc -O2 -Wall -shared -fPIC -I "${CUDA_HOME:-}/include" -I "$dir/nvidia/cu13/include" \
+    scripts/cupti_trace.c -L "$dir/nvidia/cu13/lib" -l:libcupti.so.13 -lpthread -o "$1"
+}
+libs=()
+if [ -z "${ACCEL_BUNDLE_BINARIES:-}" ]; then
+  so="$(mktemp -d)/libcupti_trace.so"
+  if cupti_trace "$so"; then
+    libs+=("$so")
+  else
+    echo "gpu-bundle: warning: the CUPTI tracer (scripts/cupti_trace.c) was not built; packed without it" >&2
+  fi
+fi
 if [ "${#bins[@]}" -eq 0 ]; then
   echo "gpu-bundle: no binaries to pack" >&2
   exit 1
@@ -94,6 +118,11 @@ for b in "${bins[@]}"; do
   cp "$b" "$stage/bin/$name"
   strip "$stage/bin/$name" 2>/dev/null || echo "gpu-bundle: warning: could not strip $name; packed as is" >&2
 done
+if [ "${#libs[@]}" -gt 0 ]; then
+  mkdir -p "$stage/lib"
+  cp "${libs[@]}" "$stage/lib/"
+  strip --strip-unneeded "$stage/lib/"* 2>/dev/null || true
+fi
 git rev-parse HEAD >"$stage/COMMIT" 2>/dev/null || echo unknown >"$stage/COMMIT"
 mkdir -p "$out"
 tarball="$out/accelerate-rs-gpu.tar.xz"
@@ -101,7 +130,7 @@ tarball="$out/accelerate-rs-gpu.tar.xz"
 # large as the tar (up to 192 MiB) lets xz store them once, about a quarter of the size of the
 # default 8 MiB window (12.6 instead of 53.2 MiB for the eight binaries; ~2 GiB of memory to
 # compress, the dictionary's size to unpack).
-tar -C "$stage" -cf "$stage.tar" bin COMMIT
+tar -C "$stage" -cf "$stage.tar" bin COMMIT $( [ -d "$stage/lib" ] && echo lib )
 tar_bytes="$(stat -c %s "$stage.tar")"
 dict_mib=$(( (tar_bytes >> 20) + 1 ))
 [ "$dict_mib" -gt 192 ] && dict_mib=192
@@ -110,7 +139,7 @@ rm -f "$stage.tar"
 mv "$tarball.tmp" "$tarball"
 bytes="$(stat -c %s "$tarball")"
 mib="$(awk -v b="$bytes" 'BEGIN { printf "%.1f", b / 1048576 }')"
-echo "gpu-bundle: $tarball: $mib MiB ($bytes bytes) for:$(cd "$stage/bin" && printf ' %s' *)"
+echo "gpu-bundle: $tarball: $mib MiB ($bytes bytes) for:$(cd "$stage/bin" && printf ' %s' *)$( [ -d "$stage/lib" ] && cd "$stage/lib" && printf ' lib/%s' *)"
 if [ "$bytes" -gt $((limit_mb * 1048576)) ]; then
   echo "gpu-bundle: error: the bundle is $mib MiB, over the limit of $limit_mb MiB (ACCEL_BUNDLE_LIMIT_MB)" >&2
   exit 1

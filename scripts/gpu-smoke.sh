@@ -73,15 +73,16 @@
 #      1024 on GPU 0, `transformers` (SDPA, PyTorch eager) against accelerate-rs with Candle's
 #      kernels and with the nn CUDA kernels (flash attention); tokens/s, MFU and peak memory in
 #      one table (scripts/pytorch_hf_bench.py --gpu, the bundle's hf_bench)
-#  18. where step 17's GPU time goes: both sides under Nsight Compute (scripts/gpu_profile.py, one
-#      warm-up and one step each), kernels grouped by name with their time and share, and the
-#      matrix products against the rest
+#  18. where step 17's GPU time goes, one warm-up and one step each side, kernels grouped by name
+#      with their time and share, and the matrix products against the rest (scripts/gpu_profile.py):
+#      18a with CUPTI's activity API (the bundle's lib/libcupti_trace.so; the programs run at
+#      their own pace, also on gVisor; with the span the GPU was busy), 18b under Nsight Compute
 # Steps 1-7 and 11-14 run as a user's program does: with the nn CUDA kernels on (the default of a
 # cuda build); `ACCELERATE_RS_NN_CUDA=0 scripts/gpu-smoke.sh` proves them on Candle's composed
 # ops instead. Steps 8 and 9 always switch the kernels on; step 10 times both paths. Step 8 also
 # switches on flash attention's kernels (ACCELERATE_RS_NN_CUDA_FLASH=1, off by default: slower
 # than the composed attention at training sizes) to keep proving them.
-# ACCEL_SMOKE_ONLY="8 9 10" runs only the steps whose number is listed (e.g. to split the run over
+# ACCEL_SMOKE_ONLY="8 9 10" runs only the steps whose number is listed ("18a": that one step of 18) (e.g. to split the run over
 # several device calls of at most 10 minutes each). With one short loan, run the proofs first and
 # the timings after: ACCEL_SMOKE_ONLY="2 15" (NCCL at world sizes 1 and 2, about 6 minutes), then
 # "1 3 4 6 8 11 12 14" (correctness, including the kernels, the models and the CUDA
@@ -125,9 +126,9 @@ step() {
   local name="$1" limit="$2" pattern="$3"
   shift 3
   if [ -n "${ACCEL_SMOKE_ONLY:-}" ]; then
-    local number="${name%%.*}" wanted=""
-    number="${number%%[a-z]*}"
-    for n in $ACCEL_SMOKE_ONLY; do [ "$n" = "$number" ] && wanted=1; done
+    local label="${name%%.*}" number wanted=""
+    number="${label%%[a-z]*}"
+    for n in $ACCEL_SMOKE_ONLY; do [ "$n" = "$number" ] || [ "$n" = "$label" ] && wanted=1; done
     [ -n "$wanted" ] || return 0
   fi
   local log="$work/$(echo "$name" | tr -c 'A-Za-z0-9' '_').log" start end rc
@@ -146,7 +147,7 @@ step() {
     failed=$((failed + 1))
   fi
   # The figures worth keeping.
-  grep -E "final test accuracy|ok: |skipped: |PASSED|FAILED|resumed from|overhead of|paired per round|\| (candle|accelerate-rs|PyTorch|implementation|composed|kernels|op |[a-z_]+ \[|configuration|plain|ckpt|lora|lora-ckpt) |^(PASS|FAIL) |nn_kernels:|RESULT-LM-GPU|warning: (ranks|DP replicas)|trained [0-9]+ steps|saved |test result|panicked|logits diff|find_executable_batch_size on|peak x|Llama-style|kill -9 of rank|gpu-two-hosts: |2 ranks x 8 over NCCL|zero3 on the GPU|\\| transformers|^llama on|round [0-9]+/[0-9]+ .*FAILED|gpu_profile: total|kernel launches, " "$log" \
+  grep -E "final test accuracy|ok: |skipped: |PASSED|FAILED|resumed from|overhead of|paired per round|\| (candle|accelerate-rs|PyTorch|implementation|composed|kernels|op |[a-z_]+ \[|configuration|plain|ckpt|lora|lora-ckpt) |^(PASS|FAIL) |nn_kernels:|RESULT-LM-GPU|warning: (ranks|DP replicas)|trained [0-9]+ steps|saved |test result|panicked|logits diff|find_executable_batch_size on|peak x|Llama-style|kill -9 of rank|gpu-two-hosts: |2 ranks x 8 over NCCL|zero3 on the GPU|\\| transformers|^llama on|round [0-9]+/[0-9]+ |gpu_profile: total|gpu_profile: span|gpu_profile: mem|kernel launches, |\| [0-9.]+ \| [0-9]+ \| [0-9.]+% \|$" "$log" \
     | sed 's/^/    /' >>"$summary" || true
 }
 
@@ -312,7 +313,18 @@ step "17. a 250M Llama in bf16 at sequence 1024: transformers vs accelerate-rs o
   env CUDA_VISIBLE_DEVICES=0 python3 "$repo/scripts/pytorch_hf_bench.py" --gpu --runs 2 --steps 10 \
   --warmup 3 --rust-bin "$B/hf_bench"
 
-step "18. where a 250M Llama's GPU step goes, kernel by kernel: transformers and accelerate-rs (ncu)" \
+step "18a. where a 250M Llama's GPU step goes, kernel by kernel: transformers and accelerate-rs (CUPTI)" \
+  300 "gpu_profile: total .*accelerate-rs" \
+  bash -c 'set -e
+    lib="$3/../lib/libcupti_trace.so"
+    CUDA_VISIBLE_DEVICES=0 python3 "$1/scripts/gpu_profile.py" --tracer cupti --cupti-lib "$lib" \
+      --label transformers --top 25 --torch
+    CUDA_VISIBLE_DEVICES=0 python3 "$1/scripts/gpu_profile.py" --tracer cupti --cupti-lib "$lib" \
+      --label accelerate-rs --top 40 -- "$2" --dtype bf16 --steps 1 --warmup 1 --vocab 32000 \
+      --hidden 1024 --intermediate 2816 --layers 16 --heads 16 --kv-heads 8 --seq 1024 --batch 4' \
+  _ "$repo" "$B/hf_bench" "$B"
+
+step "18b. where a 250M Llama's GPU step goes, kernel by kernel: transformers and accelerate-rs (ncu)" \
   500 "gpu_profile: total .*accelerate-rs" \
   bash -c 'set -e
     CUDA_VISIBLE_DEVICES=0 python3 "$1/scripts/gpu_profile.py" --label transformers --top 20 --torch

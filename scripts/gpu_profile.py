@@ -8,6 +8,13 @@ NCCL, the rest).
     python3 scripts/gpu_profile.py --label accelerate-rs -- BUNDLE/bin/hf_bench --dtype bf16 \\
         --steps 1 --warmup 1 ...          # any command
     python3 scripts/gpu_profile.py --label transformers --torch   # pytorch_hf_bench.py's GPU model
+    python3 scripts/gpu_profile.py --tracer cupti --cupti-lib BUNDLE/lib/libcupti_trace.so ...
+
+`--tracer cupti` times the kernels with CUPTI's activity API instead (scripts/cupti_trace.c, built
+into the GPU bundle, loaded as the CUDA injection library): the program runs at its own pace (ncu
+serializes and replays every launch), it works where ncu cannot read the hardware counters
+(gVisor), and it also reports the copies, the memsets and the span from the first GPU record to
+the last, so kernel time against span tells how long the GPU sat idle.
 
 A tool, not a test. Every launch is timed, set-up and warm-up included, so run one warm-up and one
 timed step and read the shares rather than the totals. `--torch` runs the `transformers` side of
@@ -87,6 +94,67 @@ def read_table(path):
     return kernels, total
 
 
+def read_cupti(path):
+    """{short name: [ms, launches, kind]}, the total kernel ms and the other rows
+    ({"memcpy"|"memset"|"span"|"dropped": (ms, count)}) from cupti_trace.c's file."""
+    kernels, total, other = {}, 0.0, {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            parts = line.rstrip("\n").split("\t", 3)
+            if len(parts) != 4:
+                continue
+            what, ns, count, name = parts
+            try:
+                ms, count = int(ns) / 1e6, int(count)
+            except ValueError:
+                continue
+            if what == "kernel":
+                entry = kernels.setdefault(short(name), [0.0, 0, kind(name)])
+                entry[0] += ms
+                entry[1] += count
+                total += ms
+            else:
+                other[what] = (ms, count)
+    if not kernels:
+        raise ValueError("no kernel rows")
+    return kernels, total, other
+
+
+def cupti_lib_dirs():
+    """Folders that may hold libcupti.so.13: CUDA's and the pip wheels' (PyTorch's)."""
+    dirs = [os.environ.get("CUPTI_LIB_DIR", ""), "/usr/local/cuda/extras/CUPTI/lib64",
+            "/usr/local/cuda/lib64"]
+    for base in sys.path:
+        for sub in ("nvidia/cu13/lib", "nvidia/cuda_cupti/lib"):
+            dirs.append(os.path.join(base, sub))
+    return [d for d in dirs if d and os.path.exists(os.path.join(d, "libcupti.so.13"))]
+
+
+def run_cupti(args, command, env):
+    """Runs `command` with the CUPTI injection library; (kernels, total, other) or None."""
+    lib = os.path.abspath(args.cupti_lib or "")
+    if not args.cupti_lib or not os.path.isfile(lib):
+        print(f"gpu_profile: --cupti-lib {args.cupti_lib}: no such file", file=sys.stderr)
+        return None
+    fd, out = tempfile.mkstemp(suffix=".tsv", prefix="gpu_profile.")
+    os.close(fd)
+    env["CUDA_INJECTION64_PATH"] = lib
+    env["CUPTI_TRACE_OUT"] = out
+    dirs = cupti_lib_dirs()
+    env["LD_LIBRARY_PATH"] = ":".join(dirs + [env.get("LD_LIBRARY_PATH", "")]).strip(":")
+    print(f"gpu_profile: CUPTI ({lib}; libcupti from {dirs[:1] or 'the loader path'}): "
+          f"{' '.join(command)}", flush=True)
+    proc = subprocess.run(command, env=env)
+    if proc.returncode != 0:
+        print(f"gpu_profile: the profiled program exited with {proc.returncode}", file=sys.stderr)
+        return None
+    try:
+        return read_cupti(out)
+    except (OSError, ValueError) as e:
+        print(f"gpu_profile: cannot read the CUPTI trace {out}: {e}", file=sys.stderr)
+        return None
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,16 +163,16 @@ def main():
     p.add_argument("--torch", action="store_true",
                    help="profile pytorch_hf_bench.py's transformers model instead of a command")
     p.add_argument("--csv", default=None, help="keep ncu's raw CSV here")
+    p.add_argument("--tracer", choices=["ncu", "cupti"], default="ncu",
+                   help="Nsight Compute (default) or CUPTI's activity API (--cupti-lib)")
+    p.add_argument("--cupti-lib", default=None,
+                   help="scripts/cupti_trace.c built as a shared library (the GPU bundle's lib/)")
     p.add_argument("command", nargs="*", help="the program and its arguments (after --)")
     args = p.parse_args()
     if args.top < 1:
         p.error(f"--top {args.top}: at least 1")
     if args.csv and os.path.lexists(args.csv):
         p.error(f"--csv {args.csv} exists: name a new file (nothing is written over)")
-    ncu = shutil.which("ncu")
-    if ncu is None:
-        print("gpu_profile: ncu (Nsight Compute) is not on the PATH", file=sys.stderr)
-        return 1
     env = dict(os.environ)
     if args.torch:
         env["PYTORCH_HF_BENCH_ROLE"] = "gpu-worker"
@@ -114,6 +182,27 @@ def main():
         command = args.command
     else:
         p.error("a command after --, or --torch")
+    if args.tracer == "cupti":
+        traced = run_cupti(args, command, env)
+        if traced is None:
+            return 1
+        kernels, total, other = traced
+        print_tables(args, kernels, total)
+        for what in ("memcpy", "memset"):
+            ms, n = other.get(what, (0.0, 0))
+            print(f"gpu_profile: {what}: {ms:.1f} ms over {n}")
+        span, records = other.get("span", (0.0, 0))
+        busy = total + sum(other.get(w, (0.0, 0))[0] for w in ("memcpy", "memset"))
+        print(f"gpu_profile: span {span:.1f} ms from the first GPU record to the last "
+              f"({records} records); kernels, copies and memsets {busy:.1f} ms "
+              f"({100 * busy / span if span else 0:.0f}% of the span, overlaps counted twice); "
+              f"names past the table's 8192: {other.get('dropped', (0, 0))[1]}")
+        print(f"gpu_profile: total {total:.1f} ms ({args.label})")
+        return 0
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        print("gpu_profile: ncu (Nsight Compute) is not on the PATH", file=sys.stderr)
+        return 1
     if args.csv:
         out = args.csv
     else:
@@ -136,6 +225,13 @@ def main():
         except OSError:
             pass
         return 1
+    print_tables(args, kernels, total)
+    print(f"gpu_profile: total {total:.1f} ms ({args.label})")
+    return 0
+
+
+def print_tables(args, kernels, total):
+    """The kernels by name (the `--top` largest) and the totals per kind."""
     launches = sum(v[1] for v in kernels.values())
     print(f"\n{args.label}: {launches} kernel launches, {total:.1f} ms of kernel time in all")
     print("| kernel | ms | launches | share |")
@@ -152,8 +248,6 @@ def main():
     print("|---|---:|---:|---:|")
     for k, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
         print(f"| {k} | {ms:.2f} | {n} | {100 * ms / total:.1f}% |")
-    print(f"gpu_profile: total {total:.1f} ms ({args.label})")
-    return 0
 
 
 if __name__ == "__main__":

@@ -29,10 +29,11 @@
 //! Activations per block and token are the architecture's
 //! ([`Architecture::block_elements`], in elements of the compute dtype, as `nn`'s layers keep
 //! them), plus the attention weights (heads × sequence length, kept in f32 by `nn`'s fused
-//! attention; Candle's composed attention on a GPU keeps the scores and their softmax, about as
-//! many bytes in bf16). A language model's output layer keeps the logits (vocabulary × tokens in
-//! the compute dtype, plus an f32 copy for the loss under mixed precision); an encoder's task
-//! head is not counted.
+//! attention; on a GPU the one-node attention keeps the softmax in the compute dtype, half as
+//! many bytes in bf16; Candle's composed attention, with a padding mask or the kernels off,
+//! keeps the scores and their softmax, about as many). A language model's output layer keeps the
+//! logits (vocabulary × tokens in the compute dtype, plus an f32 copy for the loss under mixed
+//! precision); an encoder's task head is not counted.
 //!
 //! ```
 //! use accelerate_rs::memory::{estimate, Architecture, ModelSpec, Plan, TensorInfo};

@@ -428,6 +428,12 @@ fn gpu_smoke_runs_the_listed_steps_and_judges_them_by_their_output() {
     assert!(text.contains("out-of-memory retries: 1"), "{text}");
     assert!(!text.contains("12a."), "step 12 ran: {text}");
 
+    // A lettered step alone: "6a" runs 6a, not 6b (the fake trains 30 steps, so 6a fails on
+    // its pattern; only the selection is checked here).
+    let (_, text) = smoke(&good, "6a");
+    assert!(text.contains("6a. transformer_lm 50 steps"), "{text}");
+    assert!(!text.contains("6b."), "step 6b ran: {text}");
+
     let bad = make_bundle(1);
     let (ok, text) = smoke(&bad, "8");
     assert!(!ok, "a failed kernel check must fail the run: {text}");
