@@ -112,6 +112,17 @@ fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "causal attention (one node, grouped key/value heads 6/2)",
+            shapes: vec![vec![2, 6, 24, 16], vec![2, 2, 24, 16], vec![2, 2, 24, 16]],
+            kernels: true,
+            flash: false,
+            targets: None,
+            op: |x, _| {
+                let opts = AttentionOptions::default().causal(true);
+                nn::scaled_dot_product_attention(&x[0], &x[1], &x[2], &opts)
+            },
+        },
+        Case {
             name: "causal attention (one node, kernel softmax)",
             shapes: vec![vec![2, 4, 32, 16], vec![2, 4, 32, 16], vec![2, 4, 32, 16]],
             kernels: true,

@@ -279,7 +279,6 @@ pub(crate) fn attention(
     if auto && !drops && spec.softcap.is_none() && flash_attention_fused(q)? {
         return flash(q, k, v, spec);
     }
-    let (k, v) = (repeat_kv(k, h / kv)?, repeat_kv(v, h / kv)?);
     let window_cuts = spec.window.is_some_and(|w| w < t);
     if auto && !window_cuts && !drops && spec.softcap.is_none() && spec.documents.is_none() {
         let mut options = AttentionOptions::default()
@@ -288,8 +287,11 @@ pub(crate) fn attention(
         if let Some(m) = spec.mask {
             options = options.key_padding_mask(m.eq(0.0)?);
         }
-        return scaled_dot_product_attention(q, &k, &v, &options);
+        // Grouped key/value heads as they are: repeated inside where a path needs it (on a
+        // GPU's one-node attention, read in place).
+        return scaled_dot_product_attention(q, k, v, &options);
     }
+    let (k, v) = (repeat_kv(k, h / kv)?, repeat_kv(v, h / kv)?);
     composed_attention(q, &k, &v, spec, train)
 }
 

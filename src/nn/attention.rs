@@ -59,9 +59,13 @@ impl AttentionOptions {
 }
 
 /// `softmax(scale · q kᵀ + mask) v` per batch entry and head: PyTorch's
-/// `scaled_dot_product_attention` for `q` `[B, H, T_q, D]`, `k` `[B, H, T_k, D]` and `v`
-/// `[B, H, T_k, D_v]` (any strides), giving `[B, H, T_q, D_v]`. On the CPU (float dtypes, computed
-/// in f32) it is one fused, differentiable op; elsewhere Candle's composed ops.
+/// `scaled_dot_product_attention` for `q` `[B, H, T_q, D]`, `k` `[B, KV, T_k, D]` and `v`
+/// `[B, KV, T_k, D_v]` (any strides), giving `[B, H, T_q, D_v]`. `KV` is `H` or divides it
+/// (grouped-query attention, PyTorch's `enable_gqa`: query head `j` reads key/value head
+/// `j / (H / KV)`). On the CPU (float dtypes, computed in f32) it is one fused, differentiable op
+/// (the key/value heads repeated first); on a GPU whose `nn` kernels are on, without a padding
+/// mask, one node too, the key/value heads read where they are; elsewhere Candle's composed
+/// ops.
 ///
 /// ```
 /// # fn main() -> candle_core::Result<()> {
@@ -86,7 +90,7 @@ pub fn scaled_dot_product_attention(
     let shapes = || format!("q {:?}, k {:?}, v {:?}", q.dims(), k.dims(), v.dims());
     let dims = match (q.dims(), k.dims(), v.dims()) {
         (&[b, h, tq, d], &[kb, kh, tk, kd], &[vb, vh, vt, dv])
-            if (kb, kh, kd) == (b, h, d) && (vb, vh, vt) == (b, h, tk) =>
+            if (kb, kd) == (b, d) && (vb, vh, vt) == (b, kh, tk) && kh > 0 && h % kh == 0 =>
         {
             Dims {
                 b,
@@ -99,7 +103,7 @@ pub fn scaled_dot_product_attention(
         }
         _ => candle_core::bail!(
             "accelerate_rs::nn::scaled_dot_product_attention: {}: expected q [B, H, T_q, D], \
-             k [B, H, T_k, D] and v [B, H, T_k, D_v]",
+             k [B, KV, T_k, D] and v [B, KV, T_k, D_v] with KV dividing H",
             shapes()
         ),
     };
@@ -120,7 +124,7 @@ pub fn scaled_dot_product_attention(
     if dims.is_empty() {
         return Tensor::zeros((dims.b, dims.h, dims.tq, dims.dv), q.dtype(), q.device());
     }
-    let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+    let f32_of = |t: &Tensor| repeat_heads(&t.to_dtype(DType::F32)?, dims.h);
     let y = f32_of(q)?.apply_op3(&f32_of(k)?, &f32_of(v)?, op)?;
     y.to_dtype(q.dtype())
 }
@@ -735,12 +739,14 @@ impl Attention {
     fn composed(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let Dims { b, h, tq, tk, .. } = self.dims;
         let dev = q.device();
-        let raw = q.contiguous()?.matmul(&k.contiguous()?.t()?)?;
-        if self.padding_mask.is_none() && super::elem::fused(q)? {
+        if self.padding_mask.is_none() && !q.device().is_cpu() && super::elem::fused(q)? {
             // On a GPU with `nn`'s kernels: one node (products, softmax kernel, products), its
-            // gradients without score-sized zero-fills (`attention_node`).
+            // gradients without score-sized zero-fills, grouped key/value heads not repeated
+            // (`attention_node`).
             return super::attention_node::attention_node(q, k, v, self.scale as f64, self.causal);
         }
+        let (k, v) = (&repeat_heads(k, h)?, &repeat_heads(v, h)?);
+        let raw = q.contiguous()?.matmul(&k.contiguous()?.t()?)?;
         if self.padding_mask.is_none() {
             // Scale, mask and softmax in one op: `causal_softmax` / `softmax_last_dim` (the
             // CUDA kernels when they are on, else Candle's composed ops, as below).
@@ -783,6 +789,19 @@ impl Attention {
         };
         p.matmul(&v.contiguous()?)
     }
+}
+
+/// `t` `[B, KV, T, D]` with each head repeated to `h` heads (`KV` divides `h`): `[B, h, T, D]`,
+/// `t` itself when it has `h` heads. Grouped-query attention's keys and values for the paths
+/// that need one per query head; the gradient sums over the copies.
+fn repeat_heads(t: &Tensor, h: usize) -> Result<Tensor> {
+    let (b, kv, len, d) = t.dims4()?;
+    if kv == h {
+        return Ok(t.clone());
+    }
+    t.unsqueeze(2)?
+        .broadcast_as((b, kv, h / kv.max(1), len, d))?
+        .reshape((b, h, len, d))
 }
 
 /// Head `(b, h)` of q, k and v as matrices.
@@ -892,5 +911,45 @@ mod tests {
                 "causal {causal} padding {pad} {tq}x{tk}: {diff}"
             );
         }
+    }
+
+    /// Grouped key/value heads give what the same heads repeated give, values and gradients, on
+    /// the fused CPU op and on the composed path; a head count that does not divide is named.
+    #[test]
+    fn grouped_key_value_heads_equal_repeated_ones() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, h, kv, tq, tk, d) = (2, 6, 2, 4, 5, 8);
+        let q = candle_core::Var::randn(0f32, 1.0, (b, h, tq, d), &dev)?;
+        let k = candle_core::Var::randn(0f32, 1.0, (b, kv, tk, d), &dev)?;
+        let v = candle_core::Var::randn(0f32, 1.0, (b, kv, tk, d), &dev)?;
+        let opts = AttentionOptions::default().causal(true);
+        let grouped = scaled_dot_product_attention(&q, &k, &v, &opts)?;
+        let (kr, vr) = (repeat_heads(&k, h)?, repeat_heads(&v, h)?);
+        let repeated = scaled_dot_product_attention(&q, &kr, &vr, &opts)?;
+        assert!(max_diff(&grouped, &repeated) < 1e-6);
+        let dims = Dims {
+            b,
+            h,
+            tq,
+            tk,
+            d,
+            dv: d,
+        };
+        let composed = Attention::new(dims, &opts, false, false, "test")?.composed(&q, &k, &v)?;
+        assert!(max_diff(&grouped, &composed) < 1e-5);
+        let g1 = grouped.sqr()?.sum_all()?.backward()?;
+        let g2 = repeated.sqr()?.sum_all()?.backward()?;
+        for x in [q.as_tensor(), k.as_tensor(), v.as_tensor()] {
+            let (Some(a), Some(c)) = (g1.get(x), g2.get(x)) else {
+                candle_core::bail!("no gradient");
+            };
+            assert!(max_diff(a, c) < 1e-5);
+        }
+        let k4 = Tensor::zeros((b, 4, tk, d), DType::F32, &dev)?;
+        let Err(e) = scaled_dot_product_attention(&q, &k4, &k4, &opts) else {
+            candle_core::bail!("6 query heads over 4 key/value heads ran");
+        };
+        assert!(e.to_string().contains("KV dividing H"), "{e}");
+        Ok(())
     }
 }

@@ -8,8 +8,11 @@
 //! for gradients that have one contribution each. Here the probabilities' and the scores'
 //! gradients are fresh tensors used once, and the raw scores are freed as soon as the softmax has
 //! read them. The same products and softmax kernels run (cuBLAS and `nn`'s softmax kernels on a
-//! GPU): only the graph around them changes. The forward pass is written once, generic over
-//! Candle's storages, so the CPU runs it in tests.
+//! GPU): only the graph around them changes. Grouped-query attention needs no repeated keys and
+//! values: the query heads that share a key/value head are one matrix of `n · T_q` rows against
+//! it (the causal softmax finds each row's query as its index modulo `T_q`), so the products are
+//! fewer and larger and the key and value gradients come out summed over the group. The forward
+//! pass is written once, generic over Candle's storages, so the CPU runs it in tests.
 
 use std::sync::{Mutex, PoisonError};
 
@@ -20,8 +23,9 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Stora
 use super::softmax::{SoftmaxBwd, SoftmaxFwd};
 
 /// `softmax(scale · q kᵀ) v`, causally masked if asked (query `i` sees keys
-/// `0..=i + T_k - T_q`), for `q` `[B, H, T_q, D]`, `k` `[B, H, T_k, D]` and `v` `[B, H, T_k, D_v]`
-/// in one float dtype on one device, as one differentiable node. The caller checks the shapes.
+/// `0..=i + T_k - T_q`), for `q` `[B, H, T_q, D]`, `k` `[B, KV, T_k, D]` and `v`
+/// `[B, KV, T_k, D_v]` (`KV` divides `H`: query head `j` reads key/value head `j / (H / KV)`) in
+/// one float dtype on one device, as one differentiable node.
 pub(super) fn attention_node(
     q: &Tensor,
     k: &Tensor,
@@ -46,8 +50,18 @@ struct AttentionNode {
     probs: Mutex<Option<Tensor>>,
 }
 
-/// `(B, H, T_q, T_k, D, D_v)` of the three inputs' layouts.
-type Dims = (usize, usize, usize, usize, usize, usize);
+/// The sizes of the three inputs: batch, key/value heads, query heads per key/value head, queries,
+/// keys, the query/key width and the value width.
+#[derive(Clone, Copy)]
+struct Dims {
+    b: usize,
+    kv: usize,
+    n: usize,
+    tq: usize,
+    tk: usize,
+    d: usize,
+    dv: usize,
+}
 
 impl AttentionNode {
     /// The softmax op over scores of `T_q` rows and `T_k` columns.
@@ -58,45 +72,67 @@ impl AttentionNode {
     /// The dimensions of `q`, `k`, `v`, checked against each other.
     fn dims(&self, l: [&Layout; 3]) -> Result<Dims> {
         match (l[0].dims(), l[1].dims(), l[2].dims()) {
-            (&[b, h, tq, d], &[kb, kh, tk, kd], &[vb, vh, vt, dv])
-                if (kb, kh, kd) == (b, h, d)
-                    && (vb, vh, vt) == (b, h, tk)
+            (&[b, h, tq, d], &[kb, kv, tk, kd], &[vb, vh, vt, dv])
+                if (kb, kd) == (b, d)
+                    && (vb, vh, vt) == (b, kv, tk)
+                    && kv > 0
+                    && h % kv == 0
+                    && l[0].is_contiguous()
                     && (!self.causal || tq <= tk) =>
             {
-                Ok((b, h, tq, tk, d, dv))
+                Ok(Dims {
+                    b,
+                    kv,
+                    n: h / kv,
+                    tq,
+                    tk,
+                    d,
+                    dv,
+                })
             }
             (q, k, v) => candle_core::bail!(
-                "accelerate-rs-attention: q {q:?}, k {k:?}, v {v:?}: expected [B, H, T_q, D], \
-                 [B, H, T_k, D] and [B, H, T_k, D_v]{}",
-                if self.causal { " with T_q <= T_k" } else { "" }
+                "accelerate-rs-attention: q {q:?}, k {k:?}, v {v:?}: expected [B, H, T_q, D] \
+                 (contiguous), [B, KV, T_k, D] and [B, KV, T_k, D_v] with KV dividing H{}",
+                if self.causal { ", T_q <= T_k" } else { "" }
             ),
         }
     }
 
     /// The forward pass on storages `s` of layouts `l`: the scores product, `softmax` (the
-    /// device's softmax kernel), the product with `v`. The probabilities are kept (`wrap` makes
+    /// device's softmax kernel, given the op to run), the product with `v`. The probabilities are kept (`wrap` makes
     /// them a tensor) for the backward pass.
     fn forward<S: BackendStorage>(
         &self,
         s: [&S; 3],
         l: [&Layout; 3],
-        softmax: impl FnOnce(&S, &Layout) -> Result<(S, Shape)>,
+        softmax: impl FnOnce(&S, &Layout, SoftmaxFwd) -> Result<(S, Shape)>,
         wrap: impl FnOnce(S) -> Storage,
     ) -> Result<(S, Shape)> {
-        let (b, h, tq, tk, d, dv) = self.dims(l)?;
-        let scores = Layout::contiguous((b, h, tq, tk));
-        let raw = s[0].matmul(s[1], (b * h, tq, tk, d), l[0], &l[1].transpose(2, 3)?)?;
-        let (p, _) = softmax(&raw, &scores)?;
+        let Dims {
+            b,
+            kv,
+            n,
+            tq,
+            tk,
+            d,
+            dv,
+        } = self.dims(l)?;
+        let rows = n * tq;
+        // The queries of the `n` heads sharing a key/value head as one `[n·T_q, D]` matrix.
+        let lq = Layout::contiguous_with_offset((b, kv, rows, d), l[0].start_offset());
+        let scores = Layout::contiguous((b, kv, rows, tk));
+        let raw = s[0].matmul(s[1], (b * kv, rows, tk, d), &lq, &l[1].transpose(2, 3)?)?;
+        let (p, _) = softmax(&raw, &scores, self.softmax(tq, tk))?;
         drop(raw);
-        let y = p.matmul(s[2], (b * h, tq, dv, tk), &scores, l[2])?;
-        let p = Tensor::from_storage(wrap(p), (b, h, tq, tk), BackpropOp::none(), false);
+        let y = p.matmul(s[2], (b * kv, rows, dv, tk), &scores, l[2])?;
+        let p = Tensor::from_storage(wrap(p), (b, kv, rows, tk), BackpropOp::none(), false);
         *self.probs.lock().unwrap_or_else(PoisonError::into_inner) = Some(p);
-        Ok((y, Shape::from((b, h, tq, dv))))
+        Ok((y, Shape::from((b, kv * n, tq, dv))))
     }
 
     /// The probabilities of the forward pass (taken: they are freed with this backward pass),
     /// or recomputed from `q` and `k` if a second backward pass through this node asks again.
-    fn probs(&self, q: &Tensor, k: &Tensor) -> Result<Tensor> {
+    fn probs(&self, q: &Tensor, k: &Tensor, tq: usize) -> Result<Tensor> {
         let kept = self
             .probs
             .lock()
@@ -104,10 +140,9 @@ impl AttentionNode {
             .take();
         match kept {
             Some(p) => Ok(p),
-            None => {
-                let (tq, tk) = (q.dim(2)?, k.dim(2)?);
-                q.matmul(&k.t()?)?.apply_op1_no_bwd(&self.softmax(tq, tk))
-            }
+            None => q
+                .matmul(&k.t()?)?
+                .apply_op1_no_bwd(&self.softmax(tq, k.dim(2)?)),
         }
     }
 }
@@ -126,19 +161,8 @@ impl CustomOp3 for AttentionNode {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let tq_tk = |l: &Layout| -> (usize, usize) {
-            let d = l.dims();
-            (d[d.len() - 2], d[d.len() - 1])
-        };
-        self.forward(
-            [s1, s2, s3],
-            [l1, l2, l3],
-            |raw, l| {
-                let (tq, tk) = tq_tk(l);
-                self.softmax(tq, tk).cpu_fwd(raw, l)
-            },
-            Storage::Cpu,
-        )
+        let softmax = |raw: &CpuStorage, l: &Layout, op: SoftmaxFwd| op.cpu_fwd(raw, l);
+        self.forward([s1, s2, s3], [l1, l2, l3], softmax, Storage::Cpu)
     }
 
     #[cfg(feature = "cuda")]
@@ -151,16 +175,9 @@ impl CustomOp3 for AttentionNode {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.forward(
-            [s1, s2, s3],
-            [l1, l2, l3],
-            |raw, l| {
-                let d = l.dims();
-                let (tq, tk) = (d[d.len() - 2], d[d.len() - 1]);
-                self.softmax(tq, tk).cuda_fwd(raw, l)
-            },
-            Storage::Cuda,
-        )
+        let softmax =
+            |raw: &candle_core::CudaStorage, l: &Layout, op: SoftmaxFwd| op.cuda_fwd(raw, l);
+        self.forward([s1, s2, s3], [l1, l2, l3], softmax, Storage::Cuda)
     }
 
     /// `dv = pᵀ g`, `ds = softmax'(p, g vᵀ)` (the scale included), `dq = ds k`, `dk = dsᵀ q`:
@@ -175,9 +192,14 @@ impl CustomOp3 for AttentionNode {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let want = [q.track_op(), k.track_op(), v.track_op()];
-        let (q, k, v) = (q.detach(), k.detach(), v.detach());
-        let g = grad.detach().contiguous()?;
-        let p = self.probs(&q, &k)?;
+        let (b, h, tq, d) = q.dims4()?;
+        let (kv, dv) = (k.dim(1)?, v.dim(3)?);
+        let rows = (h / kv.max(1)) * tq;
+        // Grouped as in the forward pass: `[B, KV, n·T_q, ·]`.
+        let q = q.detach().contiguous()?.reshape((b, kv, rows, d))?;
+        let (k, v) = (k.detach(), v.detach());
+        let g = grad.detach().contiguous()?.reshape((b, kv, rows, dv))?;
+        let p = self.probs(&q, &k, tq)?;
         let dv = match want[2] {
             true => Some(p.t()?.matmul(&g)?),
             false => None,
@@ -188,7 +210,7 @@ impl CustomOp3 for AttentionNode {
         let ds = p.apply_op2_no_bwd(&g.matmul(&v.t()?)?, &SoftmaxBwd::new(self.scale))?;
         drop(p);
         let dq = match want[0] {
-            true => Some(ds.matmul(&k)?),
+            true => Some(ds.matmul(&k)?.reshape((b, h, tq, d))?),
             false => None,
         };
         let dk = match want[1] {
@@ -204,10 +226,18 @@ mod tests {
     use super::*;
     use candle_core::{DType, Device, Var};
 
-    /// Values and q/k/v gradients of `softmax(scale q kᵀ + causal mask) v` from Candle's plain ops.
+    /// `softmax(scale q kᵀ + causal mask) v` from Candle's plain ops, the key/value heads
+    /// repeated for their query heads.
     fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
         let (tq, tk) = (q.dim(2)?, k.dim(2)?);
-        let s = (q.matmul(&k.t()?)? * scale)?;
+        let repeat = |t: &Tensor| -> Result<Tensor> {
+            let (b, kv, t2, d) = t.dims4()?;
+            let n = q.dim(1)? / kv;
+            t.unsqueeze(2)?
+                .broadcast_as((b, kv, n, t2, d))?
+                .reshape((b, kv * n, t2, d))
+        };
+        let s = (q.matmul(&repeat(k)?.t()?)? * scale)?;
         let s = match causal {
             true => {
                 let mask: Vec<f32> = (0..tq)
@@ -217,16 +247,18 @@ mod tests {
             }
             false => s,
         };
-        candle_nn::ops::softmax(&s, candle_core::D::Minus1)?.matmul(v)
+        candle_nn::ops::softmax(&s, candle_core::D::Minus1)?.matmul(&repeat(v)?)
     }
 
-    fn check(tq: usize, tk: usize, causal: bool, dtype: DType, tol: f32) -> Result<()> {
+    /// The node against [`reference`]: the output and the three gradients, for 6 query heads
+    /// over `kv` key/value heads.
+    fn check(tq: usize, tk: usize, kv: usize, causal: bool, dtype: DType, tol: f32) -> Result<()> {
         let dev = Device::Cpu;
-        let var = |t: usize, d: usize| -> Result<Var> {
-            Var::from_tensor(&Tensor::randn(0f32, 1.0, (2, 3, t, d), &dev)?.to_dtype(dtype)?)
+        let var = |h: usize, t: usize, d: usize| -> Result<Var> {
+            Var::from_tensor(&Tensor::randn(0f32, 1.0, (2, h, t, d), &dev)?.to_dtype(dtype)?)
         };
-        let (q, k, v) = (var(tq, 8)?, var(tk, 8)?, var(tk, 5)?);
-        let up = Tensor::randn(0f32, 1.0, (2, 3, tq, 5), &dev)?.to_dtype(dtype)?;
+        let (q, k, v) = (var(6, tq, 8)?, var(kv, tk, 8)?, var(kv, tk, 5)?);
+        let up = Tensor::randn(0f32, 1.0, (2, 6, tq, 5), &dev)?.to_dtype(dtype)?;
         let run = |f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>| -> Result<Vec<Tensor>> {
             let y = f(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
             let grads = (&y * &up)?.sum_all()?.backward()?;
@@ -245,11 +277,12 @@ mod tests {
             reference(&f(q)?, &f(k)?, &f(v)?, 0.3, causal)?.to_dtype(dtype)
         })?;
         for (i, (a, b)) in ours.iter().zip(&want).enumerate() {
+            assert_eq!(a.dims(), b.dims(), "output {i}");
             let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
             let d = crate::nn::elem::max_diff(&f32_of(a)?, &f32_of(b)?);
             assert!(
                 d < tol,
-                "{dtype:?} tq {tq} tk {tk} causal {causal}: output {i} differs by {d}"
+                "{dtype:?} tq {tq} tk {tk} kv {kv} causal {causal}: output {i} differs by {d}"
             );
         }
         Ok(())
@@ -262,9 +295,11 @@ mod tests {
                 if causal && tq > tk {
                     continue;
                 }
-                check(tq, tk, causal, DType::F32, 1e-5)?;
-                check(tq, tk, causal, DType::F64, 1e-5)?;
-                check(tq, tk, causal, DType::BF16, 0.1)?;
+                for kv in [6, 2, 1] {
+                    check(tq, tk, kv, causal, DType::F32, 1e-5)?;
+                    check(tq, tk, kv, causal, DType::F64, 1e-5)?;
+                    check(tq, tk, kv, causal, DType::BF16, 0.15)?;
+                }
             }
         }
         Ok(())
@@ -273,15 +308,18 @@ mod tests {
     #[test]
     fn a_second_backward_pass_recomputes_the_probabilities() -> Result<()> {
         let dev = Device::Cpu;
-        let q = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, 2, 4, 3), &dev)?)?;
-        let y = attention_node(q.as_tensor(), q.as_tensor(), q.as_tensor(), 0.5, true)?;
+        let q = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, 4, 4, 3), &dev)?)?;
+        let kv = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, 2, 4, 3), &dev)?)?;
+        let y = attention_node(q.as_tensor(), kv.as_tensor(), kv.as_tensor(), 0.5, true)?;
         let loss = y.sqr()?.sum_all()?;
         let first = loss.backward()?;
         let second = loss.backward()?;
-        let (Some(a), Some(b)) = (first.get(q.as_tensor()), second.get(q.as_tensor())) else {
-            candle_core::bail!("no gradient");
-        };
-        assert!(crate::nn::elem::max_diff(a, b) < 1e-6);
+        for x in [&q, &kv] {
+            let (Some(a), Some(b)) = (first.get(x.as_tensor()), second.get(x.as_tensor())) else {
+                candle_core::bail!("no gradient");
+            };
+            assert!(crate::nn::elem::max_diff(a, b) < 1e-6);
+        }
         Ok(())
     }
 
