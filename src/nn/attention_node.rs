@@ -99,8 +99,8 @@ impl AttentionNode {
     }
 
     /// The forward pass on storages `s` of layouts `l`: the scores product, `softmax` (the
-    /// device's softmax kernel, given the op to run), the product with `v`. The probabilities are kept (`wrap` makes
-    /// them a tensor) for the backward pass.
+    /// device's softmax kernel, given the op to run), the product with `v`. The probabilities
+    /// are kept (`wrap` makes them a tensor) for the backward pass.
     fn forward<S: BackendStorage>(
         &self,
         s: [&S; 3],
