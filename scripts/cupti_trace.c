@@ -141,6 +141,10 @@ int InitializeInjection(void) {
     }
     for (i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
         CUptiResult r = cuptiActivityEnable(kinds[i]);
+        if (r != CUPTI_SUCCESS && kinds[i] == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) {
+            /* The serialized kernel records, where concurrent ones are refused. */
+            r = cuptiActivityEnable(CUPTI_ACTIVITY_KIND_KERNEL);
+        }
         if (r != CUPTI_SUCCESS) {
             const char *why = "?";
             cuptiGetResultString(r, &why);

@@ -76,7 +76,8 @@
 #  18. where step 17's GPU time goes, one warm-up and one step each side, kernels grouped by name
 #      with their time and share, and the matrix products against the rest (scripts/gpu_profile.py):
 #      18a with CUPTI's activity API (the bundle's lib/libcupti_trace.so; the programs run at
-#      their own pace, also on gVisor; with the span the GPU was busy), 18b under Nsight Compute
+#      their own pace, also on gVisor; runs of 1 and 3 steps, so one step's kernels and the span
+#      the GPU was busy come without set-up and warm-up), 18b under Nsight Compute
 # Steps 1-7 and 11-14 run as a user's program does: with the nn CUDA kernels on (the default of a
 # cuda build); `ACCELERATE_RS_NN_CUDA=0 scripts/gpu-smoke.sh` proves them on Candle's composed
 # ops instead. Steps 8 and 9 always switch the kernels on; step 10 times both paths. Step 8 also
@@ -147,7 +148,7 @@ step() {
     failed=$((failed + 1))
   fi
   # The figures worth keeping.
-  grep -E "final test accuracy|ok: |skipped: |PASSED|FAILED|resumed from|overhead of|paired per round|\| (candle|accelerate-rs|PyTorch|implementation|composed|kernels|op |[a-z_]+ \[|configuration|plain|ckpt|lora|lora-ckpt) |^(PASS|FAIL) |nn_kernels:|RESULT-LM-GPU|warning: (ranks|DP replicas)|trained [0-9]+ steps|saved |test result|panicked|logits diff|find_executable_batch_size on|peak x|Llama-style|kill -9 of rank|gpu-two-hosts: |2 ranks x 8 over NCCL|zero3 on the GPU|\\| transformers|^llama on|round [0-9]+/[0-9]+ |gpu_profile: total|gpu_profile: span|gpu_profile: mem|kernel launches, |\| [0-9.]+ \| [0-9]+ \| [0-9.]+% \|$" "$log" \
+  grep -E "final test accuracy|ok: |skipped: |PASSED|FAILED|resumed from|overhead of|paired per round|\| (candle|accelerate-rs|PyTorch|implementation|composed|kernels|op |[a-z_]+ \[|configuration|plain|ckpt|lora|lora-ckpt) |^(PASS|FAIL) |nn_kernels:|RESULT-LM-GPU|warning: (ranks|DP replicas)|trained [0-9]+ steps|saved |test result|panicked|logits diff|find_executable_batch_size on|peak x|Llama-style|kill -9 of rank|gpu-two-hosts: |2 ranks x 8 over NCCL|zero3 on the GPU|\\| transformers|^llama on|round [0-9]+/[0-9]+ |gpu_profile: total|gpu_profile: span|gpu_profile: mem|kernel launches, |\| [0-9.]+ \| [0-9.e+]+ \| [0-9.]+% \|$" "$log" \
     | sed 's/^/    /' >>"$summary" || true
 }
 
@@ -314,14 +315,14 @@ step "17. a 250M Llama in bf16 at sequence 1024: transformers vs accelerate-rs o
   --warmup 3 --rust-bin "$B/hf_bench"
 
 step "18a. where a 250M Llama's GPU step goes, kernel by kernel: transformers and accelerate-rs (CUPTI)" \
-  300 "gpu_profile: total .*accelerate-rs" \
+  400 "gpu_profile: total .*accelerate-rs" \
   bash -c 'set -e
-    lib="$3/../lib/libcupti_trace.so"
-    CUDA_VISIBLE_DEVICES=0 python3 "$1/scripts/gpu_profile.py" --tracer cupti --cupti-lib "$lib" \
-      --label transformers --top 25 --torch
-    CUDA_VISIBLE_DEVICES=0 python3 "$1/scripts/gpu_profile.py" --tracer cupti --cupti-lib "$lib" \
-      --label accelerate-rs --top 40 -- "$2" --dtype bf16 --steps 1 --warmup 1 --vocab 32000 \
-      --hidden 1024 --intermediate 2816 --layers 16 --heads 16 --kv-heads 8 --seq 1024 --batch 4' \
+    p=(python3 "$1/scripts/gpu_profile.py" --tracer cupti --cupti-lib "$3/../lib/libcupti_trace.so"
+       --per-step 1,3)
+    CUDA_VISIBLE_DEVICES=0 "${p[@]}" --label transformers --top 25 --torch
+    CUDA_VISIBLE_DEVICES=0 "${p[@]}" --label accelerate-rs --top 40 -- "$2" --dtype bf16 \
+      --steps "{steps}" --warmup 1 --vocab 32000 --hidden 1024 --intermediate 2816 --layers 16 \
+      --heads 16 --kv-heads 8 --seq 1024 --batch 4' \
   _ "$repo" "$B/hf_bench" "$B"
 
 step "18b. where a 250M Llama's GPU step goes, kernel by kernel: transformers and accelerate-rs (ncu)" \

@@ -130,6 +130,40 @@ def cupti_lib_dirs():
     return [d for d in dirs if d and os.path.exists(os.path.join(d, "libcupti.so.13"))]
 
 
+def per_step(a, b, steps):
+    """What one step adds: (b - a) / steps for every kernel name and for the copies, memsets
+    and span, from two traces of runs that differ only in their number of steps."""
+    (ka, _, oa), (kb, _, ob) = a, b
+    kernels = {}
+    for name, (ms, n, what) in kb.items():
+        ms0, n0 = ka.get(name, [0.0, 0, what])[:2]
+        d_ms, d_n = (ms - ms0) / steps, (n - n0) / steps
+        if d_n > 0 or d_ms > 0:
+            kernels[name] = [max(d_ms, 0.0), d_n, what]
+    other = {}
+    for w in ("memcpy", "memset", "span"):
+        (ms0, n0), (ms1, n1) = oa.get(w, (0.0, 0)), ob.get(w, (0.0, 0))
+        other[w] = ((ms1 - ms0) / steps, (n1 - n0) / steps)
+    other["dropped"] = ob.get("dropped", (0.0, 0))
+    return kernels, sum(v[0] for v in kernels.values()), other
+
+
+def print_cupti(args, traced, what):
+    """The tables of a CUPTI trace (`what`: whose numbers they are) and its summary lines."""
+    kernels, total, other = traced
+    print(f"\n{what}:")
+    print_tables(args, kernels, total)
+    for kind_ in ("memcpy", "memset"):
+        ms, n = other.get(kind_, (0.0, 0))
+        print(f"gpu_profile: {kind_}: {ms:.1f} ms over {n:g}")
+    span, records = other.get("span", (0.0, 0))
+    busy = total + sum(other.get(w, (0.0, 0))[0] for w in ("memcpy", "memset"))
+    print(f"gpu_profile: span {span:.1f} ms from the first GPU record to the last "
+          f"({records:g} records); kernels, copies and memsets {busy:.1f} ms "
+          f"({100 * busy / span if span else 0:.0f}% of the span, overlaps counted twice); "
+          f"names past the table's 8192: {other.get('dropped', (0, 0))[1]:g}")
+
+
 def run_cupti(args, command, env):
     """Runs `command` with the CUPTI injection library; (kernels, total, other) or None."""
     lib = os.path.abspath(args.cupti_lib or "")
@@ -167,37 +201,56 @@ def main():
                    help="Nsight Compute (default) or CUPTI's activity API (--cupti-lib)")
     p.add_argument("--cupti-lib", default=None,
                    help="scripts/cupti_trace.c built as a shared library (the GPU bundle's lib/)")
+    p.add_argument("--per-step", default=None, metavar="A,B",
+                   help="with --tracer cupti: run with A and with B steps ({steps} in the "
+                        "command; --torch fills it) and print what one step adds, set-up and "
+                        "warm-up excluded")
     p.add_argument("command", nargs="*", help="the program and its arguments (after --)")
     args = p.parse_args()
     if args.top < 1:
         p.error(f"--top {args.top}: at least 1")
+    if args.per_step is not None:
+        try:
+            a, b = (int(x) for x in args.per_step.split(","))
+        except ValueError:
+            p.error(f"--per-step {args.per_step}: two whole numbers A,B expected")
+        if not 0 < a < b:
+            p.error(f"--per-step {args.per_step}: 0 < A < B expected")
+        if args.tracer != "cupti":
+            p.error("--per-step needs --tracer cupti")
+        if not args.torch and not any("{steps}" in c for c in args.command):
+            p.error("--per-step: the command needs {steps} where its step count goes")
+        args.per_step = (a, b)
     if args.csv and os.path.lexists(args.csv):
         p.error(f"--csv {args.csv} exists: name a new file (nothing is written over)")
     env = dict(os.environ)
     if args.torch:
         env["PYTORCH_HF_BENCH_ROLE"] = "gpu-worker"
+        steps = "{steps}" if args.per_step else "1"
         command = [sys.executable, os.path.join(REPO_ROOT, "scripts", "pytorch_hf_bench.py"),
-                   "--gpu", "--steps", "1", "--warmup", "1"]
+                   "--gpu", "--steps", steps, "--warmup", "1"]
     elif args.command:
         command = args.command
     else:
         p.error("a command after --, or --torch")
     if args.tracer == "cupti":
-        traced = run_cupti(args, command, env)
+        first = [c.replace("{steps}", str(args.per_step[0])) for c in command] \
+            if args.per_step else command
+        traced = run_cupti(args, first, dict(env))
         if traced is None:
             return 1
-        kernels, total, other = traced
-        print_tables(args, kernels, total)
-        for what in ("memcpy", "memset"):
-            ms, n = other.get(what, (0.0, 0))
-            print(f"gpu_profile: {what}: {ms:.1f} ms over {n}")
-        span, records = other.get("span", (0.0, 0))
-        busy = total + sum(other.get(w, (0.0, 0))[0] for w in ("memcpy", "memset"))
-        print(f"gpu_profile: span {span:.1f} ms from the first GPU record to the last "
-              f"({records} records); kernels, copies and memsets {busy:.1f} ms "
-              f"({100 * busy / span if span else 0:.0f}% of the span, overlaps counted twice); "
-              f"names past the table's 8192: {other.get('dropped', (0, 0))[1]}")
-        print(f"gpu_profile: total {total:.1f} ms ({args.label})")
+        if args.per_step:
+            a, b = args.per_step
+            more = run_cupti(args, [c.replace("{steps}", str(b)) for c in command], dict(env))
+            if more is None:
+                return 1
+            print_cupti(args, traced, f"{args.label}, the whole run with {a} step(s)")
+            traced = per_step(traced, more, b - a)
+            print_cupti(args, traced, f"{args.label}, one step ({b} steps' run less {a}'s, "
+                                      f"divided by {b - a})")
+        else:
+            print_cupti(args, traced, f"{args.label}, the whole run")
+        print(f"gpu_profile: total {traced[1]:.1f} ms ({args.label})")
         return 0
     ncu = shutil.which("ncu")
     if ncu is None:
@@ -233,12 +286,12 @@ def main():
 def print_tables(args, kernels, total):
     """The kernels by name (the `--top` largest) and the totals per kind."""
     launches = sum(v[1] for v in kernels.values())
-    print(f"\n{args.label}: {launches} kernel launches, {total:.1f} ms of kernel time in all")
+    print(f"\n{args.label}: {launches:g} kernel launches, {total:.1f} ms of kernel time in all")
     print("| kernel | ms | launches | share |")
     print("|---|---:|---:|---:|")
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     for name, (ms, n, _) in ranked[:args.top]:
-        print(f"| {name} | {ms:.2f} | {n} | {100 * ms / total:.1f}% |")
+        print(f"| {name} | {ms:.2f} | {n:g} | {100 * ms / total:.1f}% |")
     kinds = {}
     for ms, n, what in kernels.values():
         k = kinds.setdefault(what, [0.0, 0])
@@ -247,7 +300,7 @@ def print_tables(args, kernels, total):
     print("\n| kind | ms | launches | share |")
     print("|---|---:|---:|---:|")
     for k, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
-        print(f"| {k} | {ms:.2f} | {n} | {100 * ms / total:.1f}% |")
+        print(f"| {k} | {ms:.2f} | {n:g} | {100 * ms / total:.1f}% |")
 
 
 if __name__ == "__main__":

@@ -440,3 +440,75 @@ fn gpu_smoke_runs_the_listed_steps_and_judges_them_by_their_output() {
     assert!(text.contains("FAIL 8. nn CUDA kernels"), "{text}");
     assert!(text.contains("0 passed, 1 failed"), "{text}");
 }
+
+/// `scripts/gpu_profile.py --tracer cupti --per-step 1,3` on a fake program that writes the
+/// trace file the CUPTI library would (one-off set-up kernels plus per-step kernels): the
+/// whole run's table has the set-up, the one-step table has exactly the per-step kernels,
+/// launches and span; bad `--per-step` values are refused.
+#[test]
+fn gpu_profile_subtracts_two_cupti_traces_into_one_step() {
+    let t = tempfile::tempdir().unwrap();
+    let prog = t.path().join("fake-program");
+    std::fs::write(
+        &prog,
+        "#!/bin/sh\n\
+         n=$2\n\
+         printf 'kernel\\t%d\\t%d\\tvoid sm90_xmma_gemm_bf16(int)\\nkernel\\t%d\\t%d\\tsoftmax_fwd_bf16\\n\
+         kernel\\t5000000\\t10\\tinit_randn\\nmemcpy\\t%d\\t%d\\t-\\nmemset\\t0\\t0\\t-\\n\
+         span\\t%d\\t%d\\t-\\ndropped\\t0\\t0\\t-\\n' $((2000000*n)) $((4*n)) $((1000000*n)) \
+         $((2*n)) $((100000*n)) $n $((9000000+4000000*n)) $((12+7*n)) > \"$CUPTI_TRACE_OUT\"\n",
+    )
+    .unwrap();
+    let mut perm = std::fs::metadata(&prog).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&prog, perm).unwrap();
+    let lib = t.path().join("libcupti_trace.so");
+    touch(&lib);
+    let profile = |per_step: &str, steps: &str| -> Output {
+        Command::new("python3")
+            .arg(format!("{ROOT}/scripts/gpu_profile.py"))
+            .args(["--tracer", "cupti", "--cupti-lib"])
+            .arg(&lib)
+            .args(["--per-step", per_step, "--label", "fake", "--"])
+            .arg(&prog)
+            .args(["--steps", steps])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let out = profile("1,3", "{steps}");
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let (whole, step) = stdout.split_once("one step").expect("a one-step table");
+    assert!(whole.contains("| init_randn | 5.00 | 10 |"), "{stdout}");
+    assert!(
+        !step.contains("init_randn"),
+        "set-up counted in a step: {stdout}"
+    );
+    assert!(step.contains("fake: 6 kernel launches, 3.0 ms"), "{stdout}");
+    assert!(
+        step.contains("| sm90_xmma_gemm_bf16 | 2.00 | 4 | 66.7% |"),
+        "{stdout}"
+    );
+    assert!(
+        step.contains("| matrix products (cuBLAS) | 2.00 | 4 | 66.7% |"),
+        "{stdout}"
+    );
+    assert!(step.contains("gpu_profile: span 4.0 ms"), "{stdout}");
+    assert!(
+        step.contains("gpu_profile: total 3.0 ms (fake)"),
+        "{stdout}"
+    );
+    for (bad, why) in [
+        ("3,1", "0 < A < B"),
+        ("1", "two whole numbers"),
+        ("0,2", "0 < A < B"),
+    ] {
+        let out = profile(bad, "{steps}");
+        assert!(!out.status.success(), "--per-step {bad} ran");
+        assert!(text(&out).1.contains(why), "{:?}", text(&out));
+    }
+    let out = profile("1,3", "2");
+    assert!(!out.status.success());
+    assert!(text(&out).1.contains("needs {steps}"), "{:?}", text(&out));
+}
