@@ -160,6 +160,17 @@ fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "embedding (Candle's index_select on the GPU, repeated ids)",
+            shapes: vec![vec![50, 16]],
+            kernels: false,
+            flash: false,
+            targets: Some((vec![4, 30], 50)),
+            op: |x, t| {
+                let t = t.ok_or_else(|| candle_core::Error::Msg("ids".into()))?;
+                nn::embedding(&x[0], t)
+            },
+        },
+        Case {
             name: "gelu",
             shapes: vec![vec![4099]],
             kernels: true,
