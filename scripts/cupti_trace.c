@@ -3,7 +3,7 @@
  *
  * The CUDA driver loads the library named by CUDA_INJECTION64_PATH when the program initializes
  * CUDA and calls its InitializeInjection(); at exit the library writes one line per kernel name
- * to the file CUPTI_TRACE_OUT names:
+ * to the file CUPTI_TRACE_OUT names (created: an existing file is refused, not written over):
  *
  *     kernel<TAB>total ns<TAB>launches<TAB>name
  *     memcpy<TAB>total ns<TAB>count<TAB>-        (and memset)
@@ -13,6 +13,7 @@
  * serialize the kernels: the program runs at its own pace. A tool, not part of the library;
  * build: gcc -O2 -shared -fPIC -I CUPTI_INCLUDE cupti_trace.c -L CUPTI_LIB -lcupti -lpthread. */
 #include <cupti.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -112,9 +113,11 @@ static void report(void) {
     FILE *out;
     size_t i;
     cuptiActivityFlushAll(1);
-    out = path ? fopen(path, "w") : stderr;
+    /* "x": a new file only, never one that is already there. */
+    out = path ? fopen(path, "wx") : stderr;
     if (!out) {
-        fprintf(stderr, "cupti_trace: cannot write %s\n", path);
+        fprintf(stderr, "cupti_trace: cannot create CUPTI_TRACE_OUT=%s: %s\n", path,
+                strerror(errno));
         return;
     }
     pthread_mutex_lock(&lock);

@@ -12,8 +12,9 @@
 # Hugging Face parity checks against the committed golden files, run on the GPU); stripped, in
 # one xz-compressed tar:
 # gpu-bundle/accelerate-rs-gpu.tar.xz, with lib/libcupti_trace.so (scripts/cupti_trace.c, the
-# kernel tracer of scripts/gpu_profile.py --tracer cupti) when it builds. Its size is printed, and the script fails when it is over
-# $ACCEL_BUNDLE_LIMIT_MB (default 60 MiB, what the device tool carries with room to spare).
+# kernel tracer of scripts/gpu_profile.py --tracer cupti) when it builds. Its size is printed,
+# and the script fails when it is over $ACCEL_BUNDLE_LIMIT_MB (default 60 MiB, what the device
+# tool carries with room to spare).
 #
 # Then, with the device tool: carry `gpu-bundle` and run `scripts/gpu-smoke.sh` there.
 #
@@ -26,7 +27,7 @@ cd "$(dirname "$0")/.."
 
 for a in "$@"; do
   case "$a" in
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "gpu-bundle: unknown argument: $a (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -90,15 +91,6 @@ cupti_trace() {
   gcc -O2 -Wall -shared -fPIC -I "${CUDA_HOME:-}/include" -I "$dir/nvidia/cu13/include" \
     scripts/cupti_trace.c -L "$dir/nvidia/cu13/lib" -l:libcupti.so.13 -lpthread -o "$1"
 }
-libs=()
-if [ -z "${ACCEL_BUNDLE_BINARIES:-}" ]; then
-  so="$(mktemp -d)/libcupti_trace.so"
-  if cupti_trace "$so"; then
-    libs+=("$so")
-  else
-    echo "gpu-bundle: warning: the CUPTI tracer (scripts/cupti_trace.c) was not built; packed without it" >&2
-  fi
-fi
 if [ "${#bins[@]}" -eq 0 ]; then
   echo "gpu-bundle: no binaries to pack" >&2
   exit 1
@@ -118,10 +110,15 @@ for b in "${bins[@]}"; do
   cp "$b" "$stage/bin/$name"
   strip "$stage/bin/$name" 2>/dev/null || echo "gpu-bundle: warning: could not strip $name; packed as is" >&2
 done
-if [ "${#libs[@]}" -gt 0 ]; then
+if [ -z "${ACCEL_BUNDLE_BINARIES:-}" ]; then
   mkdir -p "$stage/lib"
-  cp "${libs[@]}" "$stage/lib/"
-  strip --strip-unneeded "$stage/lib/"* 2>/dev/null || true
+  if cupti_trace "$stage/lib/libcupti_trace.so"; then
+    strip --strip-unneeded "$stage/lib/libcupti_trace.so" 2>/dev/null || true
+  else
+    echo "gpu-bundle: warning: the CUPTI tracer (scripts/cupti_trace.c) was not built;" \
+      "packed without it" >&2
+    rm -rf "$stage/lib"
+  fi
 fi
 git rev-parse HEAD >"$stage/COMMIT" 2>/dev/null || echo unknown >"$stage/COMMIT"
 mkdir -p "$out"

@@ -170,23 +170,25 @@ def run_cupti(args, command, env):
     if not args.cupti_lib or not os.path.isfile(lib):
         print(f"gpu_profile: --cupti-lib {args.cupti_lib}: no such file", file=sys.stderr)
         return None
-    fd, out = tempfile.mkstemp(suffix=".tsv", prefix="gpu_profile.")
-    os.close(fd)
-    env["CUDA_INJECTION64_PATH"] = lib
-    env["CUPTI_TRACE_OUT"] = out
     dirs = cupti_lib_dirs()
     env["LD_LIBRARY_PATH"] = ":".join(dirs + [env.get("LD_LIBRARY_PATH", "")]).strip(":")
-    print(f"gpu_profile: CUPTI ({lib}; libcupti from {dirs[:1] or 'the loader path'}): "
-          f"{' '.join(command)}", flush=True)
-    proc = subprocess.run(command, env=env)
-    if proc.returncode != 0:
-        print(f"gpu_profile: the profiled program exited with {proc.returncode}", file=sys.stderr)
-        return None
-    try:
-        return read_cupti(out)
-    except (OSError, ValueError) as e:
-        print(f"gpu_profile: cannot read the CUPTI trace {out}: {e}", file=sys.stderr)
-        return None
+    env["CUDA_INJECTION64_PATH"] = lib
+    # The tracer creates the file (it refuses an existing one); the folder goes afterwards.
+    with tempfile.TemporaryDirectory(prefix="gpu_profile.") as folder:
+        out = os.path.join(folder, "trace.tsv")
+        env["CUPTI_TRACE_OUT"] = out
+        print(f"gpu_profile: CUPTI ({lib}; libcupti from {dirs[:1] or 'the loader path'}): "
+              f"{' '.join(command)}", flush=True)
+        proc = subprocess.run(command, env=env)
+        if proc.returncode != 0:
+            print(f"gpu_profile: the profiled program exited with {proc.returncode}",
+                  file=sys.stderr)
+            return None
+        try:
+            return read_cupti(out)
+        except (OSError, ValueError) as e:
+            print(f"gpu_profile: cannot read the CUPTI trace {out}: {e}", file=sys.stderr)
+            return None
 
 
 def main():

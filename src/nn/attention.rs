@@ -124,8 +124,13 @@ pub fn scaled_dot_product_attention(
     if dims.is_empty() {
         return Tensor::zeros((dims.b, dims.h, dims.tq, dims.dv), q.dtype(), q.device());
     }
-    let f32_of = |t: &Tensor| repeat_heads(&t.to_dtype(DType::F32)?, dims.h);
-    let y = f32_of(q)?.apply_op3(&f32_of(k)?, &f32_of(v)?, op)?;
+    let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+    // Grouped key/value heads repeated for the CPU op (after the cast: fewer bytes to convert).
+    let (k, v) = (
+        repeat_heads(&f32_of(k)?, dims.h)?,
+        repeat_heads(&f32_of(v)?, dims.h)?,
+    );
+    let y = f32_of(q)?.apply_op3(&k, &v, op)?;
     y.to_dtype(q.dtype())
 }
 

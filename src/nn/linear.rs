@@ -143,35 +143,33 @@ pub(super) fn fusable(
     rows: usize,
     k: usize,
 ) -> Result<bool> {
-    let n = match w.dims() {
-        [n, wk] if *wk == k => *n,
-        _ => return Ok(false),
+    let Some(n) = fits(x, w, rows, k) else {
+        return Ok(false);
     };
     let bias_ok = b.is_none_or(|b| {
         b.device().is_cpu() && b.dtype() == x.dtype() && b.dims() == [n] && b.is_contiguous()
     });
-    Ok(fused_cpu(x)
-        && w.device().is_cpu()
-        && w.dtype() == x.dtype()
-        && w.is_contiguous()
-        && bias_ok
-        && rows > 0
-        && k > 0
-        && n > 0)
+    Ok(fused_cpu(x) && w.device().is_cpu() && bias_ok)
 }
 
 /// Whether the product `x Wᵀ` (no bias, no ReLU) runs as one [`LinearOp`] node off the CPU: on
-/// a device whose `nn` kernels are on (a GPU), `w` `[n, k]` contiguous in `x`'s dtype on `x`'s
-/// device.
+/// a device whose `nn` kernels are on (a GPU), with [`fits`]'s operands.
 fn device_node(x: &Tensor, w: &Tensor, rows: usize, k: usize) -> Result<bool> {
-    let shaped = matches!(w.dims(), [n, wk] if *wk == k && *n > 0);
     Ok(!x.device().is_cpu()
-        && shaped
-        && rows > 0
-        && w.is_contiguous()
-        && w.dtype() == x.dtype()
+        && fits(x, w, rows, k).is_some()
         && w.device().same_device(x.device())
         && super::elem::fused(x)?)
+}
+
+/// `n` when `w` is a contiguous `[n, k]` in `x`'s dtype and the product has no empty side
+/// (`rows`, `k`, `n` all nonzero): what both fused forms of the layer need of their operands.
+fn fits(x: &Tensor, w: &Tensor, rows: usize, k: usize) -> Option<usize> {
+    match w.dims() {
+        [n, wk] if *wk == k && *n > 0 && k > 0 && rows > 0 => {
+            (w.dtype() == x.dtype() && w.is_contiguous()).then_some(*n)
+        }
+        _ => None,
+    }
 }
 
 /// `y = x Wᵀ (+ b)` over the rows of a contiguous `x` (`[.., k]`), `W` `[n, k]`: the device's
