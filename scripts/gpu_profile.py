@@ -168,7 +168,8 @@ def run_cupti(args, command, env):
     """Runs `command` with the CUPTI injection library; (kernels, total, other) or None."""
     lib = os.path.abspath(args.cupti_lib or "")
     if not args.cupti_lib or not os.path.isfile(lib):
-        print(f"gpu_profile: --cupti-lib {args.cupti_lib}: no such file", file=sys.stderr)
+        print(f"gpu_profile: --cupti-lib {args.cupti_lib}: not a regular file (the bundle's "
+              "lib/libcupti_trace.so)", file=sys.stderr)
         return None
     dirs = cupti_lib_dirs()
     env["LD_LIBRARY_PATH"] = ":".join(dirs + [env.get("LD_LIBRARY_PATH", "")]).strip(":")
