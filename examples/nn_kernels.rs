@@ -7,7 +7,8 @@
 //! For every op (LayerNorm with and without bias, RMSNorm, softmax, causal softmax, causal
 //! attention, cross-entropy with label smoothing and an ignored index, linear_cross_entropy,
 //! GELU, ReLU; SiLU, SwiGLU, RoPE (`rope`, `rope_i`, `rope_thd`, the tables' gradients too) and
-//! flash attention with `ACCELERATE_RS_NN_CUDA_FLASH=1`) and dtype (f32, bf16, f16): the same inputs through the CPU path and through the
+//! flash attention with `ACCELERATE_RS_NN_CUDA_FLASH=1`, the embedding's trial kernels with
+//! `ACCELERATE_RS_NN_CUDA_TRIAL=1`) and dtype (f32, bf16, f16): the same inputs through the CPU path and through the
 //! kernels on GPU 0, forward output and every input's gradient (of `sum(out * r)` for a fixed
 //! random `r`) compared within a tolerance per dtype, relative to the CPU values' largest
 //! magnitude; the kernel launch count must grow (the kernels ran, not the composed ops). One
@@ -25,6 +26,11 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// One op under test: its inputs' shapes and how to compute it from them.
+/// Flash attention's switch.
+const FLASH: &str = "ACCELERATE_RS_NN_CUDA_FLASH";
+/// The trial kernels' switch (kernels not yet proven on a GPU).
+const TRIAL: &str = "ACCELERATE_RS_NN_CUDA_TRIAL";
+
 struct Case {
     name: &'static str,
     shapes: Vec<Vec<usize>>,
@@ -34,9 +40,11 @@ struct Case {
     /// Whether the op launches this module's own kernels (LoRA's fused op runs cuBLAS and
     /// Candle's kernels: only its results are checked).
     kernels: bool,
-    /// Flash attention's kernels: they run only with `ACCELERATE_RS_NN_CUDA_FLASH=1` (set by
-    /// `scripts/gpu-smoke.sh`), else the case is skipped.
-    flash: bool,
+    /// The switch (an environment variable) without which the op does not take its kernels:
+    /// flash attention's (`ACCELERATE_RS_NN_CUDA_FLASH=1`) and the trial kernels
+    /// (`ACCELERATE_RS_NN_CUDA_TRIAL=1`), both set by `scripts/gpu-smoke.sh`; without it the
+    /// case is skipped.
+    needs: Option<&'static str>,
 }
 
 fn cases() -> Vec<Case> {
@@ -45,7 +53,7 @@ fn cases() -> Vec<Case> {
             name: "layer_norm",
             shapes: vec![vec![64, 256], vec![256], vec![256]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| LayerNorm::new(x[1].clone(), x[2].clone(), 1e-5).forward(&x[0]),
         },
@@ -53,7 +61,7 @@ fn cases() -> Vec<Case> {
             name: "layer_norm (no bias)",
             shapes: vec![vec![3, 40, 200], vec![200]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| LayerNorm::new_no_bias(x[1].clone(), 1e-5).forward(&x[0]),
         },
@@ -61,7 +69,7 @@ fn cases() -> Vec<Case> {
             name: "rms_norm",
             shapes: vec![vec![64, 1100], vec![1100]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| RmsNorm::new(x[1].clone(), 1e-6).forward(&x[0]),
         },
@@ -69,7 +77,7 @@ fn cases() -> Vec<Case> {
             name: "softmax_last_dim",
             shapes: vec![vec![64, 300]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| nn::softmax_last_dim(&x[0]),
         },
@@ -77,7 +85,7 @@ fn cases() -> Vec<Case> {
             name: "causal_softmax",
             shapes: vec![vec![2, 4, 33, 40]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| nn::causal_softmax(&x[0], 0.3),
         },
@@ -85,7 +93,7 @@ fn cases() -> Vec<Case> {
             name: "linear (no bias: one node on the GPU, cuBLAS)",
             shapes: vec![vec![3, 37, 64], vec![48, 64]],
             kernels: false,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| Linear::new(x[1].clone(), None).forward(&x[0]),
         },
@@ -93,7 +101,7 @@ fn cases() -> Vec<Case> {
             name: "attention (one node, T_q 20 < T_k 33, D_v 8)",
             shapes: vec![vec![2, 3, 20, 16], vec![2, 3, 33, 16], vec![2, 3, 33, 8]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| {
                 let opts = AttentionOptions::default().scale(0.2);
@@ -104,7 +112,7 @@ fn cases() -> Vec<Case> {
             name: "causal attention (one node, T_q 20 < T_k 33)",
             shapes: vec![vec![2, 3, 20, 16], vec![2, 3, 33, 16], vec![2, 3, 33, 8]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| {
                 let opts = AttentionOptions::default().causal(true);
@@ -115,7 +123,7 @@ fn cases() -> Vec<Case> {
             name: "causal attention (one node, grouped key/value heads 6/2)",
             shapes: vec![vec![2, 6, 24, 16], vec![2, 2, 24, 16], vec![2, 2, 24, 16]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| {
                 let opts = AttentionOptions::default().causal(true);
@@ -126,7 +134,7 @@ fn cases() -> Vec<Case> {
             name: "causal attention (one node, kernel softmax)",
             shapes: vec![vec![2, 4, 32, 16], vec![2, 4, 32, 16], vec![2, 4, 32, 16]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| {
                 let opts = AttentionOptions::default().causal(true);
@@ -137,7 +145,7 @@ fn cases() -> Vec<Case> {
             name: "cross_entropy (smoothing 0.1, ignore 7)",
             shapes: vec![vec![96, 1000]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: Some((vec![96], 1000)),
             op: |x, t| {
                 let t = t.ok_or_else(|| candle_core::Error::Msg("targets".into()))?;
@@ -151,7 +159,7 @@ fn cases() -> Vec<Case> {
             name: "linear_cross_entropy",
             shapes: vec![vec![2, 48, 64], vec![500, 64], vec![500]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: Some((vec![2, 48], 500)),
             op: |x, t| {
                 let t = t.ok_or_else(|| candle_core::Error::Msg("targets".into()))?;
@@ -163,7 +171,21 @@ fn cases() -> Vec<Case> {
             name: "embedding (Candle's index_select on the GPU, repeated ids)",
             shapes: vec![vec![50, 16]],
             kernels: false,
-            flash: false,
+            needs: None,
+            targets: Some((vec![4, 30], 50)),
+            op: |x, t| {
+                let t = t.ok_or_else(|| candle_core::Error::Msg("ids".into()))?;
+                nn::set_cuda_kernels(false);
+                let y = nn::embedding(&x[0], t);
+                nn::set_cuda_kernels(true);
+                y
+            },
+        },
+        Case {
+            name: "embedding (the trial kernels, repeated ids, a row wider than a block)",
+            shapes: vec![vec![50, 1100]],
+            kernels: true,
+            needs: Some(TRIAL),
             targets: Some((vec![4, 30], 50)),
             op: |x, t| {
                 let t = t.ok_or_else(|| candle_core::Error::Msg("ids".into()))?;
@@ -174,14 +196,14 @@ fn cases() -> Vec<Case> {
             name: "gelu",
             shapes: vec![vec![4099]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| nn::gelu(&x[0]),
         },
         Case {
             name: "lora (fused, frozen base with bias, r 8)",
             kernels: false,
-            flash: false,
+            needs: None,
             shapes: vec![
                 vec![2, 40, 64],
                 vec![48, 64],
@@ -199,7 +221,7 @@ fn cases() -> Vec<Case> {
             name: "silu",
             shapes: vec![vec![4099]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| nn::silu(&x[0]),
         },
@@ -207,7 +229,7 @@ fn cases() -> Vec<Case> {
             name: "swiglu",
             shapes: vec![vec![3, 1367], vec![3, 1367]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| nn::swiglu(&x[0], &x[1]),
         },
@@ -215,7 +237,7 @@ fn cases() -> Vec<Case> {
             name: "rope (halves, shared tables of 7 positions)",
             shapes: vec![vec![2, 3, 5, 8], vec![7, 4], vec![7, 4]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| nn::rope(&x[0], &x[1], &x[2]),
         },
@@ -223,7 +245,7 @@ fn cases() -> Vec<Case> {
             name: "rope_i (interleaved)",
             shapes: vec![vec![2, 3, 5, 8], vec![5, 4], vec![5, 4]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| nn::rope_i(&x[0], &x[1], &x[2]),
         },
@@ -231,7 +253,7 @@ fn cases() -> Vec<Case> {
             name: "rope_thd (one table per sequence)",
             shapes: vec![vec![2, 5, 3, 64], vec![2, 5, 32], vec![2, 5, 32]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| nn::rope_thd(&x[0], &x[1], &x[2]),
         },
@@ -239,7 +261,7 @@ fn cases() -> Vec<Case> {
             name: "flash attention (causal, window 9, GQA 4/2, head 40)",
             shapes: vec![vec![2, 4, 37, 40], vec![2, 2, 37, 40], vec![2, 2, 37, 40]],
             kernels: true,
-            flash: true,
+            needs: Some(FLASH),
             targets: None,
             op: |x, _| {
                 let o = nn::FlashAttentionOptions::default().causal(true).window(9);
@@ -250,7 +272,7 @@ fn cases() -> Vec<Case> {
             name: "flash attention (packed documents 12+1+20, padding, T_q < T_k)",
             shapes: vec![vec![2, 2, 30, 16], vec![2, 2, 33, 16], vec![2, 2, 33, 16]],
             kernels: true,
-            flash: true,
+            needs: Some(FLASH),
             targets: None,
             op: |x, _| {
                 let pad: Vec<u8> = (0..66).map(|i| u8::from(i >= 62)).collect();
@@ -266,7 +288,7 @@ fn cases() -> Vec<Case> {
             name: "relu",
             shapes: vec![vec![4099]],
             kernels: true,
-            flash: false,
+            needs: None,
             targets: None,
             op: |x, _| nn::relu(&x[0]),
         },
@@ -446,6 +468,10 @@ fn timing(gpu: &Device) -> Result<()> {
         let sin = var(&[128, 32], &mut rng)?;
         let t: Vec<u32> = (0..1024).map(|_| rng.random_range(0..8000)).collect();
         let targets = Tensor::from_vec(t, 1024, gpu)?;
+        // The 254M Llama's table and batch (step 17): 4 x 1024 ids into [32000, 1024].
+        let table = var(&[32000, 1024], &mut rng)?;
+        let t: Vec<u32> = (0..4096).map(|_| rng.random_range(0..32000)).collect();
+        let ids = Tensor::from_vec(t, (4, 1024), gpu)?;
         type Op<'a> = Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>;
         let ops: Vec<(&str, Op)> = vec![
             (
@@ -467,6 +493,10 @@ fn timing(gpu: &Device) -> Result<()> {
             (
                 "rope [8, 8, 128, 64]",
                 Box::new(|| nn::rope(&heads, &cos, &sin)),
+            ),
+            (
+                "embedding [32000, 1024] x 4096 ids (kernels: ACCELERATE_RS_NN_CUDA_TRIAL=1)",
+                Box::new(|| nn::embedding(&table, &ids)),
             ),
             ("silu [1024, 1024]", Box::new(|| nn::silu(&hidden))),
             ("swiglu [1024, 1024]", Box::new(|| nn::swiglu(&hidden, &up))),
@@ -539,12 +569,14 @@ fn main() -> Result<()> {
         }
     };
     nn::set_cuda_kernels(true);
-    let flash_on = std::env::var("ACCELERATE_RS_NN_CUDA_FLASH").is_ok_and(|v| v == "1");
     let (mut passed, mut failed) = (0, 0);
     for (k, case) in cases().iter().enumerate() {
-        if case.flash && !flash_on {
+        if let Some(var) = case
+            .needs
+            .filter(|v| !std::env::var(v).is_ok_and(|v| v == "1"))
+        {
             println!(
-                "SKIP {}: flash attention's kernels are off (ACCELERATE_RS_NN_CUDA_FLASH=1 runs them)",
+                "SKIP {}: its kernels are off ({var}=1 runs them)",
                 case.name
             );
             continue;

@@ -82,7 +82,9 @@
 # cuda build); `ACCELERATE_RS_NN_CUDA=0 scripts/gpu-smoke.sh` proves them on Candle's composed
 # ops instead. Steps 8 and 9 always switch the kernels on; step 10 times both paths. Step 8 also
 # switches on flash attention's kernels (ACCELERATE_RS_NN_CUDA_FLASH=1, off by default: slower
-# than the composed attention at training sizes) to keep proving them.
+# than the composed attention at training sizes) to keep proving them, and the trial kernels
+# (ACCELERATE_RS_NN_CUDA_TRIAL=1, off by default until step 8 has passed with them on a GPU:
+# the embedding's gradient); step 17 times them in a row of their own.
 # ACCEL_SMOKE_ONLY="8 9 10" runs only the steps whose number is listed ("18a": that one step of 18) (e.g. to split the run over
 # several device calls of at most 10 minutes each). With one short loan, run the proofs first and
 # the timings after: ACCEL_SMOKE_ONLY="2 15" (NCCL at world sizes 1 and 2, about 6 minutes), then
@@ -241,7 +243,8 @@ step "7b. step time, raw Candle vs accelerate-rs: transformer_lm model" 300 "ove
   env CUDA_VISIBLE_DEVICES=0 "$B/overhead" --gpu --model transformer
 step "8. nn CUDA kernels equal the CPU path (f32/bf16/f16, forward and backward)" 300 \
   "nn_kernels: [0-9]+ passed, 0 failed" \
-  env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_NN_CUDA=1 ACCELERATE_RS_NN_CUDA_FLASH=1 "$B/nn_kernels"
+  env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_NN_CUDA=1 ACCELERATE_RS_NN_CUDA_FLASH=1 \
+  ACCELERATE_RS_NN_CUDA_TRIAL=1 "$B/nn_kernels"
 step "9. transformer_lm 30 steps with the nn CUDA kernels" 300 "trained 30 steps" \
   env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_NN_CUDA=1 "$B/transformer_lm" --max-steps 30 \
   --log-every 10 --log-dir "$work/lm-kernels"

@@ -57,6 +57,15 @@ SOURCES = [
                 "gelu_bwd",
                 "relu_fwd",
                 "relu_bwd",
+                "silu_fwd",
+                "silu_bwd",
+                "swiglu_fwd",
+                "swiglu_bwd",
+                "rope_fwd",
+                "rope_tables",
+                # Trial kernels (ACCELERATE_RS_NN_CUDA_TRIAL=1) until a GPU proves them.
+                "embedding_rows",
+                "embedding_grad",
             )
             for t in ("f32", "bf16", "f16")
         ],

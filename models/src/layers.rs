@@ -107,12 +107,16 @@ pub(crate) fn lookup(
             "{what}: id {bad} at position {i} is outside the table's {n} rows (0..{n})"
         );
     }
-    let flat = flat.to_dtype(DType::U32)?;
     let mut dims = ids.dims().to_vec();
     dims.push(table.dim(1)?);
-    let rows = accelerate_rs::nn::embedding(table, &flat)?;
+    // The ids just read, handed over in host memory: the lookup reads them again without
+    // waiting for the device (one host synchronization per lookup, not two).
+    let rows: Vec<u32> = values.iter().map(|&v| v as u32).collect();
+    let host = Tensor::from_vec(rows, values.len(), &candle_core::Device::Cpu)?;
+    let rows = accelerate_rs::nn::embedding(table, &host)?;
     let rows = match padding_idx {
         Some(pad) if values.iter().any(|&v| v as usize == pad) => {
+            let flat = host.to_device(table.device())?;
             // The same values; the padding lookups through a detached copy of the table.
             let keep: Vec<f32> = values
                 .iter()

@@ -122,6 +122,18 @@ pub(super) fn use_flash_kernel(x: &Tensor) -> Result<bool> {
     Ok(on && use_kernels(x)?)
 }
 
+/// [`use_kernels`] for the trial kernels (checked on the CPU's emulation of CUDA, not yet on a
+/// GPU): also needs `ACCELERATE_RS_NN_CUDA_TRIAL` (a flag, default off; read once).
+pub(super) fn use_trial_kernels(x: &Tensor) -> Result<bool> {
+    static TRIAL: once_cell::sync::OnceCell<bool> = once_cell::sync::OnceCell::new();
+    let on = *TRIAL.get_or_try_init(|| {
+        crate::settings::parse::process_env::<bool>(crate::settings::env::NN_CUDA_TRIAL)
+            .map(|v| v.unwrap_or(false))
+            .map_err(candle_core::Error::wrap)
+    })?;
+    Ok(on && use_kernels(x)?)
+}
+
 /// Loads kernel `$name` on `$dev` (compiled and loaded by [`use_kernels`] already). A macro:
 /// Candle does not export the type of the loaded function.
 macro_rules! func {
@@ -637,23 +649,118 @@ pub(super) fn rope_tables(
     })
 }
 
-/// Runs `f` with the targets (`t`, i64 on the GPU, one per row of `rows`) as a view: a kernel
-/// input that is not one of the op's own arguments.
+/// Runs `f` with `t` (`len` elements of `T` on the GPU) as a view: a kernel input that is not
+/// one of the op's own arguments (`what` names it in errors).
+fn with_view<T: CudaDType, R>(
+    t: &Tensor,
+    len: usize,
+    (op, what): (&str, &str),
+    f: impl FnOnce(CudaView<'_, T>) -> Result<R>,
+) -> Result<R> {
+    let (s, l) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*s else {
+        candle_core::bail!("{op}: the {what} are not on the GPU");
+    };
+    let v = view::<T>(s, l, op)?;
+    if v.len() != len {
+        candle_core::bail!("{op}: {} {what} where {len} are expected", v.len());
+    }
+    f(v)
+}
+
+/// Runs `f` with the targets (`t`, i64 on the GPU, one per row of `rows`) as a view.
 fn with_targets<R>(
     t: &Tensor,
     rows: usize,
     op: &str,
     f: impl FnOnce(CudaView<'_, i64>) -> Result<R>,
 ) -> Result<R> {
-    let (s, l) = t.storage_and_layout();
-    let Storage::Cuda(s) = &*s else {
-        candle_core::bail!("{op}: the targets are not on the GPU");
-    };
-    let v = view::<i64>(s, l, op)?;
-    if v.len() != rows {
-        candle_core::bail!("{op}: {} targets for {rows} rows", v.len());
-    }
-    f(v)
+    with_view(t, rows, (op, "targets"), f)
+}
+
+/// The embedding's rows of the table `[n, dim]` (`ts`): the first `count` entries of `plan`,
+/// the packed lookup plan of `embedding.rs` (`[ids (count) | order (count) | starts (uniq + 1)
+/// | uniq (uniq)]`, u32, the ids checked by the caller to lie in the table), as `[count, dim]`.
+pub(super) fn embedding_rows(
+    (ts, tl): (&CudaStorage, &Layout),
+    plan: &Tensor,
+    count: usize,
+) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "accelerate-rs-embedding (CUDA)";
+    let dev = ts.device().clone();
+    let len = plan.elem_count();
+    with_view::<u32, _>(plan, len, (OP, "plan entries"), |p| {
+        by_dtype!(ts.dtype(), OP, |T, s| {
+            let table = view::<T>(ts, tl, OP)?;
+            let (_, dim) = tl.shape().dims2()?;
+            if len < count {
+                candle_core::bail!("{OP}: a plan of {len} for {count} ids");
+            }
+            let n = count * dim;
+            let mut y = output::<T>(&dev, n)?;
+            if n > 0 {
+                let f = func!(dev, format!("embedding_rows_{s}"));
+                let (ids, n64, d32) = (p.slice(0..count), n as i64, as_i32(dim, "width")?);
+                let mut a = f.builder();
+                a.arg(&table).arg(&ids).arg(&mut y).arg(&n64).arg(&d32);
+                // SAFETY: matches `embedding_rows_<T>` (table and u32 ids read-only, out written,
+                // long long n, int dim); out holds `n = count * dim` elements, ids `count`, and
+                // every id was checked to be a row of the table (`[n_rows, dim]`).
+                unsafe { a.launch(elems_config(n)) }.w()?;
+                counted();
+            }
+            Ok((
+                T::wrap_cuda_slice(y, dev.clone()),
+                Shape::from((count, dim)),
+            ))
+        })
+    })
+}
+
+/// The embedding table's gradient `[n, dim]` from the rows' gradients `gs` (`[count, dim]`):
+/// zero-filled, then each of the `uniq` looked-up rows the sum of its lookups' gradients (one
+/// block per row, no atomics). `plan` as in [`embedding_rows`], its rows checked by the caller
+/// to lie below `n`.
+pub(super) fn embedding_grad(
+    (gs, gl): (&CudaStorage, &Layout),
+    plan: &Tensor,
+    (count, uniq): (usize, usize),
+    n: usize,
+    dim: usize,
+) -> Result<(CudaStorage, Shape)> {
+    const OP: &str = "accelerate-rs-embedding-backward (CUDA)";
+    let dev = gs.device().clone();
+    let len = 2 * count + 2 * uniq + 1;
+    with_view::<u32, _>(plan, len, (OP, "plan entries"), |p| {
+        by_dtype!(gs.dtype(), OP, |T, s| {
+            let g = view::<T>(gs, gl, OP)?;
+            if g.len() != count * dim {
+                candle_core::bail!("{OP}: a gradient of {} for {count} rows of {dim}", g.len());
+            }
+            let mut out = dev.alloc_zeros::<T>(n * dim)?;
+            if uniq > 0 && dim > 0 {
+                let f = func!(dev, format!("embedding_grad_{s}"));
+                let order = p.slice(count..2 * count);
+                let starts = p.slice(2 * count..2 * count + uniq + 1);
+                let rows = p.slice(2 * count + uniq + 1..len);
+                let d32 = as_i32(dim, "width")?;
+                let mut a = f.builder();
+                a.arg(&g)
+                    .arg(&order)
+                    .arg(&starts)
+                    .arg(&rows)
+                    .arg(&mut out)
+                    .arg(&d32);
+                // SAFETY: matches `embedding_grad_<T>` (g, u32 order, starts, uniq read-only,
+                // out written, int dim); block u < uniq reads starts[u..=u+1] (uniq + 1 entries),
+                // the positions order[starts[u]..starts[u+1]] < count (rows of g, `count * dim`)
+                // and writes row uniq[u] < n of out (`n * dim`); the plan was built so.
+                unsafe { a.launch(rows_config(uniq, dim)?) }.w()?;
+                counted();
+            }
+            Ok((T::wrap_cuda_slice(out, dev.clone()), Shape::from((n, dim))))
+        })
+    })
 }
 
 /// Cross-entropy over rows of `c` logits on the GPU: the targets (`[N]`, i64, on the logits'

@@ -199,6 +199,21 @@ pub(super) fn fused(x: &Tensor) -> candle_core::Result<bool> {
     }
 }
 
+/// Whether an op on `x` takes this module's trial CUDA kernels (written and checked on the CPU's
+/// emulation of CUDA, not yet proven on a GPU): the kernels of [`fused`] on a GPU, and
+/// `ACCELERATE_RS_NN_CUDA_TRIAL=1`. Always `false` without the `cuda` feature.
+pub(super) fn trial_kernels(x: &Tensor) -> candle_core::Result<bool> {
+    #[cfg(feature = "cuda")]
+    {
+        super::cuda::use_trial_kernels(x)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = x;
+        Ok(false)
+    }
+}
+
 /// Whether the fused CPU kernels take `x`: on the CPU, in a float dtype (f32, f64, bf16, f16).
 pub(super) fn fused_cpu(x: &Tensor) -> bool {
     x.device().is_cpu() && float_dtype(x.dtype())

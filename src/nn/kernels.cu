@@ -454,6 +454,36 @@ __device__ void rope_tables(const T* x, const T* g, T* out, long long n, int bsz
     }
 }
 
+// Embedding lookup: out[r, c] = table[ids[r], c], one thread per output element (`n` = rows *
+// dim); the ids were checked to lie in the table.
+template <typename T>
+__device__ void embedding_rows(const T* table, const unsigned* ids, T* out, long long n, int dim) {
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
+        long long r = k / dim;
+        int c = (int)(k % dim);
+        out[k] = table[(long long)ids[r] * dim + c];
+    }
+}
+
+// The table's gradient, one block per table row that was looked up (`uniq[u]`): the sum, in f32
+// and in the order of the lookups, of the rows `order[starts[u] .. starts[u + 1])` of g (the
+// lookups of that table row, by position). Rows nobody looked up stay as they are (zero-filled
+// by the caller). No atomics: every output element is written by one thread, the same sum in
+// the same order on every run.
+template <typename T>
+__device__ void embedding_grad(const T* g, const unsigned* order, const unsigned* starts,
+                               const unsigned* uniq, T* out, int dim) {
+    unsigned u = blockIdx.x;
+    unsigned a = starts[u], b = starts[u + 1];
+    long long row = (long long)uniq[u] * dim;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+        float acc = 0.0f;
+        for (unsigned p = a; p < b; ++p) acc += to_f(g[(long long)order[p] * dim + c]);
+        out[row + c] = from_f<T>(acc);
+    }
+}
+
 // ---- entry points, one per op and element type --------------------------------------------
 
 #define ENTRIES(T, S)                                                                            \
@@ -517,6 +547,14 @@ extern "C" __global__ void rope_fwd_##S(const T* x, const T* c, const T* s, T* y
 extern "C" __global__ void rope_tables_##S(const T* x, const T* g, T* out, long long n, int b,   \
         int h, int t, int d, int variant, int batched, float sign) {                             \
     rope_tables<T>(x, g, out, n, b, h, t, d, variant, batched, sign);                            \
+}                                                                                                \
+extern "C" __global__ void embedding_rows_##S(const T* table, const unsigned* ids, T* out,       \
+        long long n, int dim) {                                                                  \
+    embedding_rows<T>(table, ids, out, n, dim);                                                  \
+}                                                                                                \
+extern "C" __global__ void embedding_grad_##S(const T* g, const unsigned* order,                 \
+        const unsigned* starts, const unsigned* uniq, T* out, int dim) {                         \
+    embedding_grad<T>(g, order, starts, uniq, out, dim);                                         \
 }
 
 ENTRIES(float, f32)

@@ -331,6 +331,63 @@ static void check_rope(int variant, int B, int H, int T, int D, bool batched) {
     report(name + " tables' gradients (d cos, then d sin)", rel(out, rt), 1e-5);
 }
 
+// ---- embedding -------------------------------------------------------------------------------
+
+// The lookups of `count` ids into a table of `n` rows of `d`: the rows (embedding_rows) and the
+// table's gradient (embedding_grad, one block per looked-up row, launched on a zero-filled
+// table, the packed plan built as src/nn/embedding.rs's Plan does: positions stably sorted by
+// id, the distinct ids ascending, each one's range of positions).
+static void check_embedding(int n, int d, int count, unsigned seed) {
+    std::vector<unsigned> ids(count);
+    unsigned s = seed;
+    for (auto& id : ids) {
+        s = s * 1664525u + 1013904223u;
+        id = (s >> 8) % (unsigned)n;
+    }
+    if (count > 2) ids[count - 1] = ids[0];  // a repeat at least
+    std::vector<unsigned> order(count), starts, uniq;
+    for (int i = 0; i < count; ++i) order[i] = (unsigned)i;
+    std::stable_sort(order.begin(), order.end(), [&](unsigned a, unsigned b) { return ids[a] < ids[b]; });
+    for (int i = 0; i < count; ++i) {
+        if (uniq.empty() || uniq.back() != ids[order[i]]) {
+            uniq.push_back(ids[order[i]]);
+            starts.push_back((unsigned)i);
+        }
+    }
+    starts.push_back((unsigned)count);
+    auto table = data((size_t)n * d, seed + 1), g = data((size_t)count * d, seed + 2);
+    std::string name = "embedding [" + std::to_string(n) + "," + std::to_string(d) + "] x " +
+                       std::to_string(count) + " ids";
+    std::vector<double> ry((size_t)count * d), rg((size_t)n * d, 0.0);
+    for (int r = 0; r < count; ++r)
+        for (int c = 0; c < d; ++c) {
+            ry[(size_t)r * d + c] = table[(size_t)ids[r] * d + c];
+            rg[(size_t)ids[r] * d + c] += g[(size_t)r * d + c];
+        }
+    std::vector<float> y((size_t)count * d), dt((size_t)n * d, 0.0f);
+    long long total = (long long)count * d;
+    emu_launch(elems_grid(total), dim3{256, 1, 1}, [&] {
+        embedding_rows_f32(table.data(), ids.data(), y.data(), total, d);
+    });
+    report(name + " rows", rel(y, ry), 0.0);
+    emu_launch(dim3{(unsigned)uniq.size(), 1, 1}, row_block(d), [&] {
+        embedding_grad_f32(g.data(), order.data(), starts.data(), uniq.data(), dt.data(), d);
+    });
+    report(name + " table's gradient", rel(dt, rg), 1e-6);
+    // bf16: the sums in f32, rounded once.
+    std::vector<bf16_t> gb, db((size_t)n * d, from_f<bf16_t>(0.0f));
+    for (float v : g) gb.push_back(from_f<bf16_t>(v));
+    std::vector<double> rgb((size_t)n * d, 0.0);
+    for (int r = 0; r < count; ++r)
+        for (int c = 0; c < d; ++c) rgb[(size_t)ids[r] * d + c] += to_f(gb[(size_t)r * d + c]);
+    emu_launch(dim3{(unsigned)uniq.size(), 1, 1}, row_block(d), [&] {
+        embedding_grad_bf16(gb.data(), order.data(), starts.data(), uniq.data(), db.data(), d);
+    });
+    std::vector<float> db32;
+    for (auto v : db) db32.push_back(to_f(v));
+    report(name + " table's gradient bf16", rel(db32, rgb), 8e-3);
+}
+
 // ---- bf16 / f16 ------------------------------------------------------------------------------
 
 static void check_half_types() {
@@ -432,6 +489,9 @@ int main() {
     }
     check_rope(0, 1, 1, 1, 2, false);
     check_rope(2, 3, 4, 7, 64, true);
+    check_embedding(50, 16, 120, 3);    // repeats, rows never looked up
+    check_embedding(7, 1100, 9, 4);     // wider than a block
+    check_embedding(3, 1, 1, 5);        // one id
     check_half_types();
     std::printf("cuda_emulation: %d failure(s)\n", failures);
     return failures ? 1 : 0;
