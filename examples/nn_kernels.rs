@@ -6,7 +6,7 @@
 //!
 //! For every op (LayerNorm with and without bias, RMSNorm, softmax, causal softmax, causal
 //! attention, cross-entropy with label smoothing and an ignored index, linear_cross_entropy,
-//! GELU, ReLU; SiLU, SwiGLU, RoPE (`rope`, `rope_i`, `rope_thd`, the tables' gradients too) and
+//! GELU, ReLU; SiLU, SwiGLU, `swiglu_linear`, RoPE (`rope`, `rope_i`, `rope_thd`, the tables' gradients too) and
 //! flash attention with `ACCELERATE_RS_NN_CUDA_FLASH=1`, the embedding's trial kernels with
 //! `ACCELERATE_RS_NN_CUDA_TRIAL=1`) and dtype (f32, bf16, f16): the same inputs through the CPU path and through the
 //! kernels on GPU 0, forward output and every input's gradient (of `sum(out * r)` for a fixed
@@ -232,6 +232,20 @@ fn cases() -> Vec<Case> {
             needs: None,
             targets: None,
             op: |x, _| nn::swiglu(&x[0], &x[1]),
+        },
+        Case {
+            name: "swiglu_linear (one node on the GPU: two products, the SwiGLU kernel)",
+            shapes: vec![vec![2, 40, 64], vec![96, 64], vec![96, 64]],
+            kernels: true,
+            needs: None,
+            targets: None,
+            op: |x, _| {
+                let (g, u) = (
+                    Linear::new(x[1].clone(), None),
+                    Linear::new(x[2].clone(), None),
+                );
+                nn::swiglu_linear(&x[0], &g, &u)
+            },
         },
         Case {
             name: "rope (halves, shared tables of 7 positions)",
@@ -472,6 +486,8 @@ fn timing(gpu: &Device) -> Result<()> {
         let table = var(&[32000, 1024], &mut rng)?;
         let t: Vec<u32> = (0..4096).map(|_| rng.random_range(0..32000)).collect();
         let ids = Tensor::from_vec(t, (4, 1024), gpu)?;
+        let gate_w = Linear::new(var(&[2816, 1024], &mut rng)?.as_tensor().clone(), None);
+        let up_w = Linear::new(var(&[2816, 1024], &mut rng)?.as_tensor().clone(), None);
         type Op<'a> = Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>;
         let ops: Vec<(&str, Op)> = vec![
             (
@@ -500,6 +516,10 @@ fn timing(gpu: &Device) -> Result<()> {
             ),
             ("silu [1024, 1024]", Box::new(|| nn::silu(&hidden))),
             ("swiglu [1024, 1024]", Box::new(|| nn::swiglu(&hidden, &up))),
+            (
+                "swiglu_linear [1024, 1024] x 2 [2816, 1024]",
+                Box::new(|| nn::swiglu_linear(&hidden, &gate_w, &up_w)),
+            ),
         ];
         for (name, op) in &ops {
             let mut ms = [0.0; 2];

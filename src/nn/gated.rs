@@ -3,7 +3,8 @@
 //! MLP's inner width, each given a zero-filled gradient by Candle's backward pass that the
 //! next one is added into; here there is one node, the gate and up products are kept inside it
 //! for the backward pass (as the composed form keeps them as `swiglu`'s inputs) and turned into
-//! their own gradients in place.
+//! their own gradients in place. On a GPU, `gated_node.rs` does the same with the device's
+//! products and kernels.
 
 use std::sync::Mutex;
 
@@ -13,7 +14,7 @@ use rayon::prelude::*;
 use crate::par::Inline;
 
 use super::elem::slice;
-use super::linear::{fusable, Linear};
+use super::linear::{device_node, fusable, Linear};
 use super::product::{product, product_add, times_wt, Operand};
 use super::silu::{swiglu_chunk, swiglu_grads_chunk};
 
@@ -21,8 +22,10 @@ use super::silu::{swiglu_chunk, swiglu_grads_chunk};
 const CHUNK: usize = 4096;
 
 /// `silu(gate.forward(x)) * up.forward(x)` (`swiglu` of the two projections): one fused op for
-/// bias-free f32 layers on the CPU with one weight shape, the composed ops otherwise (other
-/// dtypes, a GPU, biases). The same values and gradients as the composed form, up to rounding.
+/// bias-free f32 layers on the CPU with one weight shape, one graph node for bias-free layers
+/// on a GPU with `nn`'s CUDA kernels on (cuBLAS products and the SwiGLU kernel), the composed
+/// ops otherwise (other CPU dtypes, biases). The same values and gradients as the composed
+/// form, up to rounding.
 ///
 /// ```
 /// # fn main() -> candle_core::Result<()> {
@@ -48,6 +51,17 @@ pub fn swiglu_linear(x: &Tensor, gate: &Linear, up: &Linear) -> Result<Tensor> {
         && wg.dims() == wu.dims()
         && fusable(x, wg, None, rows, k)?
         && fusable(x, wu, None, rows, k)?;
+    if !fuse
+        && gate.bias().is_none()
+        && up.bias().is_none()
+        && wg.dims() == wu.dims()
+        && device_node(x, wg, rows, k)?
+        && device_node(x, wu, rows, k)?
+    {
+        // On a GPU with `nn`'s kernels: one node too (cuBLAS products and the SwiGLU kernel),
+        // so the gate and up gradients are not zero-filled and added into (`gated_node`).
+        return super::gated_node::gated_node(x, wg, wu);
+    }
     if !fuse {
         use candle_core::Module;
         return super::swiglu(&gate.forward(x)?, &up.forward(x)?);

@@ -154,7 +154,7 @@ pub(super) fn fusable(
 
 /// Whether the product `x Wᵀ` (no bias, no ReLU) runs as one [`LinearOp`] node off the CPU: on
 /// a device whose `nn` kernels are on (a GPU), with [`fits`]'s operands.
-fn device_node(x: &Tensor, w: &Tensor, rows: usize, k: usize) -> Result<bool> {
+pub(super) fn device_node(x: &Tensor, w: &Tensor, rows: usize, k: usize) -> Result<bool> {
     Ok(!x.device().is_cpu()
         && fits(x, w, rows, k).is_some()
         && w.device().same_device(x.device())
@@ -222,7 +222,7 @@ impl LinearOp {
 
     /// `x Wᵀ` on any device's storages: the device's matrix product (Candle's) over the rows
     /// of a contiguous `x` (`[.., k]`), `W` `[n, k]`; the output has `x`'s leading dimensions.
-    fn product<S: BackendStorage>(
+    pub(super) fn product<S: BackendStorage>(
         &self,
         sx: &S,
         lx: &Layout,

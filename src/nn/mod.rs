@@ -73,6 +73,7 @@ mod flash_cpu;
 #[cfg(feature = "cuda")]
 mod flash_cuda;
 mod gated;
+mod gated_node;
 mod gelu;
 mod grad_frames;
 mod head_loss;

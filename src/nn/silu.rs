@@ -163,7 +163,7 @@ elementwise_pair!(
 );
 
 /// `(gate, up)` → `silu(gate) · up`.
-struct SwigluFwd;
+pub(super) struct SwigluFwd;
 
 fn swiglu_fwd<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
     let mut out = gate.to_vec();
@@ -217,7 +217,7 @@ impl CustomOp2 for SwigluFwd {
 }
 
 /// `(gate, up, dy)` → `[dgate = dy · up · silu'(gate), dup = dy · silu(gate)]`, flat.
-struct SwigluBwd;
+pub(super) struct SwigluBwd;
 
 fn swiglu_bwd<T: Elem>(gate: &[T], up: &[T], dy: &[T]) -> Vec<T> {
     let n = gate.len();
