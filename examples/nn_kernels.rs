@@ -522,24 +522,35 @@ fn timing(gpu: &Device) -> Result<()> {
             ),
         ];
         for (name, op) in &ops {
-            let mut ms = [0.0; 2];
-            for (i, on) in [false, true].into_iter().enumerate() {
-                nn::set_cuda_kernels(on);
-                ms[i] = time_it(gpu, 50, || {
-                    let y = op()?;
-                    y.to_dtype(DType::F32)?.sum_all()?.backward()?;
-                    Ok(())
-                })?;
-            }
-            println!(
-                "| {name} | {dtype:?} | {:.3} | {:.3} | {:.2}x |",
-                ms[0],
-                ms[1],
-                ms[0] / ms[1]
-            );
+            time_row(gpu, name, dtype, op)?;
         }
     }
     nn::set_cuda_kernels(true);
+    Ok(())
+}
+
+/// One row of [`timing`]'s table: `op` forward + backward with the kernels off, then on.
+fn time_row(
+    gpu: &Device,
+    name: &str,
+    dtype: DType,
+    op: &dyn Fn() -> candle_core::Result<Tensor>,
+) -> Result<()> {
+    let mut ms = [0.0; 2];
+    for (i, on) in [false, true].into_iter().enumerate() {
+        nn::set_cuda_kernels(on);
+        ms[i] = time_it(gpu, 50, || {
+            let y = op()?;
+            y.to_dtype(DType::F32)?.sum_all()?.backward()?;
+            Ok(())
+        })?;
+    }
+    println!(
+        "| {name} | {dtype:?} | {:.3} | {:.3} | {:.2}x |",
+        ms[0],
+        ms[1],
+        ms[0] / ms[1]
+    );
     Ok(())
 }
 
