@@ -8,7 +8,7 @@
 //! attention, cross-entropy with label smoothing and an ignored index, linear_cross_entropy,
 //! GELU, ReLU; SiLU, SwiGLU, `swiglu_linear`, RoPE (`rope`, `rope_i`, `rope_thd`, the tables' gradients too) and
 //! flash attention with `ACCELERATE_RS_NN_CUDA_FLASH=1`, the embedding's trial kernels with
-//! `ACCELERATE_RS_NN_CUDA_TRIAL=1`) and dtype (f32, bf16, f16): the same inputs through the CPU path and through the
+//! `ACCELERATE_RS_CUDA_TRIAL=1`) and dtype (f32, bf16, f16): the same inputs through the CPU path and through the
 //! kernels on GPU 0, forward output and every input's gradient (of `sum(out * r)` for a fixed
 //! random `r`) compared within a tolerance per dtype, relative to the CPU values' largest
 //! magnitude; the kernel launch count must grow (the kernels ran, not the composed ops). One
@@ -29,7 +29,7 @@ use rand_chacha::ChaCha8Rng;
 /// Flash attention's switch.
 const FLASH: &str = "ACCELERATE_RS_NN_CUDA_FLASH";
 /// The trial kernels' switch (kernels not yet proven on a GPU).
-const TRIAL: &str = "ACCELERATE_RS_NN_CUDA_TRIAL";
+const TRIAL: &str = "ACCELERATE_RS_CUDA_TRIAL";
 
 struct Case {
     name: &'static str,
@@ -42,7 +42,7 @@ struct Case {
     kernels: bool,
     /// The switch (an environment variable) without which the op does not take its kernels:
     /// flash attention's (`ACCELERATE_RS_NN_CUDA_FLASH=1`) and the trial kernels
-    /// (`ACCELERATE_RS_NN_CUDA_TRIAL=1`), both set by `scripts/gpu-smoke.sh`; without it the
+    /// (`ACCELERATE_RS_CUDA_TRIAL=1`), both set by `scripts/gpu-smoke.sh`; without it the
     /// case is skipped.
     needs: Option<&'static str>,
 }
@@ -511,7 +511,7 @@ fn timing(gpu: &Device) -> Result<()> {
                 Box::new(|| nn::rope(&heads, &cos, &sin)),
             ),
             (
-                "embedding [32000, 1024] x 4096 ids (kernels: ACCELERATE_RS_NN_CUDA_TRIAL=1)",
+                "embedding [32000, 1024] x 4096 ids (kernels: ACCELERATE_RS_CUDA_TRIAL=1)",
                 Box::new(|| nn::embedding(&table, &ids)),
             ),
             ("silu [1024, 1024]", Box::new(|| nn::silu(&hidden))),

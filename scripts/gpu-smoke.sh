@@ -10,6 +10,9 @@
 #   2. real NCCL collectives at world size 1 (all_reduce, broadcast, all_gather in f32/bf16/f16,
 #      results and call count checked), fused CUDA AdamW/SGD kernels launched and equal to the
 #      unfused path within 1e-5: `accelerate-rs test -n 1`
+#   2b. the same with the trial kernels on (ACCELERATE_RS_CUDA_TRIAL=1): the gradients'
+#      finiteness check is one kernel per gradient into one flag, and a NaN, +inf or -inf in
+#      f32, bf16 and f16 gradients still stops the step
 #  15. (run right after step 2: the most valuable proof of issue 38) two ranks on ONE GPU over
 #      REAL NCCL at world size 2 (scripts/gpu-two-hosts.sh: a distinct NCCL_HOSTID per rank makes
 #      them two hosts to NCCL, joined by its socket transport on loopback; the placement follows
@@ -83,7 +86,7 @@
 # ops instead. Steps 8 and 9 always switch the kernels on; step 10 times both paths. Step 8 also
 # switches on flash attention's kernels (ACCELERATE_RS_NN_CUDA_FLASH=1, off by default: slower
 # than the composed attention at training sizes) to keep proving them, and the trial kernels
-# (ACCELERATE_RS_NN_CUDA_TRIAL=1, off by default until step 8 has passed with them on a GPU:
+# (ACCELERATE_RS_CUDA_TRIAL=1, off by default until step 8 has passed with them on a GPU:
 # the embedding's gradient); step 17 times them in a row of their own.
 # ACCEL_SMOKE_ONLY="8 9 10" runs only the steps whose number is listed ("18a": that one step of 18) (e.g. to split the run over
 # several device calls of at most 10 minutes each). With one short loan, run the proofs first and
@@ -161,6 +164,11 @@ step "1. digits on 1 GPU (>= 0.95)" 240 "final test accuracy" \
   env CUDA_VISIBLE_DEVICES=0 "$B/digits" --min-accuracy 0.95
 step "2. NCCL at world size 1 + fused CUDA optimizers" 240 "NCCL calls on a one-rank communicator" \
   env CUDA_VISIBLE_DEVICES=0 "$B/accelerate-rs" test -n 1
+# 15 launches expected: per dtype, the finite step's check and SGD update, and one check for each
+# of the three non-finite steps (3 without the trial kernel: the SGD updates alone); at least 10.
+step "2b. the trial finiteness kernel: NaN/inf stop the step (ACCELERATE_RS_CUDA_TRIAL=1)" 240 \
+  "stop the step; ([1-9][0-9]|[1-9][0-9][0-9]+) CUDA kernel launches" \
+  env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_CUDA_TRIAL=1 "$B/accelerate-rs" test -n 1
 # Step 15: two ranks on GPU 0, each its own host to NCCL (see the header and gpu-two-hosts.sh).
 two="$repo/scripts/gpu-two-hosts.sh"
 step "15a. 2 ranks on GPU 0 over real NCCL: accelerate-rs test-worker" 300 "both ranks passed" \
@@ -244,7 +252,7 @@ step "7b. step time, raw Candle vs accelerate-rs: transformer_lm model" 300 "ove
 step "8. nn CUDA kernels equal the CPU path (f32/bf16/f16, forward and backward)" 300 \
   "nn_kernels: [0-9]+ passed, 0 failed" \
   env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_NN_CUDA=1 ACCELERATE_RS_NN_CUDA_FLASH=1 \
-  ACCELERATE_RS_NN_CUDA_TRIAL=1 "$B/nn_kernels"
+  ACCELERATE_RS_CUDA_TRIAL=1 "$B/nn_kernels"
 step "9. transformer_lm 30 steps with the nn CUDA kernels" 300 "trained 30 steps" \
   env CUDA_VISIBLE_DEVICES=0 ACCELERATE_RS_NN_CUDA=1 "$B/transformer_lm" --max-steps 30 \
   --log-every 10 --log-dir "$work/lm-kernels"

@@ -36,7 +36,8 @@ SOURCES = [
     (
         "src/optim/fused_optim.cu",
         ["--fmad=false", "--prec-div=true", "--prec-sqrt=true", "--ftz=false"],
-        [f"{op}_{t}" for op in ("adamw", "sgd") for t in ("f32", "bf16", "f16")],
+        # nonfinite: a trial kernel (ACCELERATE_RS_CUDA_TRIAL=1) until a GPU proves it.
+        [f"{op}_{t}" for op in ("adamw", "sgd", "nonfinite") for t in ("f32", "bf16", "f16")],
     ),
     (
         "src/nn/kernels.cu",
@@ -63,7 +64,7 @@ SOURCES = [
                 "swiglu_bwd",
                 "rope_fwd",
                 "rope_tables",
-                # Trial kernels (ACCELERATE_RS_NN_CUDA_TRIAL=1) until a GPU proves them.
+                # Trial kernels (ACCELERATE_RS_CUDA_TRIAL=1) until a GPU proves them.
                 "embedding_rows",
                 "embedding_grad",
             )

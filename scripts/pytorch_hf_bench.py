@@ -22,7 +22,7 @@ side alike; one table at the end (means of the rounds' means, medians of their m
 16 heads, 8 key/value heads, SwiGLU 2816, vocab 32000 (about 250M parameters), sequences of 1024,
 batch 4, every parameter in bf16 on both sides (AdamW's state too), `transformers`' SDPA attention
 against ours as a user runs it (the nn CUDA kernels on: norms, softmax, cross-entropy, RoPE,
-SiLU/SwiGLU), on Candle's composed ops alone, with the trial kernels (`ACCELERATE_RS_NN_CUDA_TRIAL=1`:
+SiLU/SwiGLU), on Candle's composed ops alone, with the trial kernels (`ACCELERATE_RS_CUDA_TRIAL=1`:
 the embedding's gradient) and with flash attention's CUDA kernel too
 (`ACCELERATE_RS_NN_CUDA_FLASH=1`); tokens/s, model FLOP utilisation (6N + 6·L·d·T
 FLOPs a token: the causal attention's half, against the 989 TFLOP/s of an H100/H200's dense
@@ -225,8 +225,8 @@ def gpu_main(args):
              ("accelerate-rs (nn CUDA kernels, the default)", lambda: run_rust_gpu(args, {})),
              ("accelerate-rs, Candle's composed ops (ACCELERATE_RS_NN_CUDA=0)",
               lambda: run_rust_gpu(args, {"ACCELERATE_RS_NN_CUDA": "0"})),
-             ("accelerate-rs + the trial kernels (ACCELERATE_RS_NN_CUDA_TRIAL=1: the embedding)",
-              lambda: run_rust_gpu(args, {"ACCELERATE_RS_NN_CUDA_TRIAL": "1"})),
+             ("accelerate-rs + the trial kernels (ACCELERATE_RS_CUDA_TRIAL=1: the embedding)",
+              lambda: run_rust_gpu(args, {"ACCELERATE_RS_CUDA_TRIAL": "1"})),
              ("accelerate-rs + flash attention's CUDA kernel",
               lambda: run_rust_gpu(args, {"ACCELERATE_RS_NN_CUDA_FLASH": "1"}))]
     results = {i: [] for i in range(len(sides))}

@@ -122,18 +122,6 @@ pub(super) fn use_flash_kernel(x: &Tensor) -> Result<bool> {
     Ok(on && use_kernels(x)?)
 }
 
-/// [`use_kernels`] for the trial kernels (checked on the CPU's emulation of CUDA, not yet on a
-/// GPU): also needs `ACCELERATE_RS_NN_CUDA_TRIAL` (a flag, default off; read once).
-pub(super) fn use_trial_kernels(x: &Tensor) -> Result<bool> {
-    static TRIAL: once_cell::sync::OnceCell<bool> = once_cell::sync::OnceCell::new();
-    let on = *TRIAL.get_or_try_init(|| {
-        crate::settings::parse::process_env::<bool>(crate::settings::env::NN_CUDA_TRIAL)
-            .map(|v| v.unwrap_or(false))
-            .map_err(candle_core::Error::wrap)
-    })?;
-    Ok(on && use_kernels(x)?)
-}
-
 /// Loads kernel `$name` on `$dev` (compiled and loaded by [`use_kernels`] already). A macro:
 /// Candle does not export the type of the loaded function.
 macro_rules! func {

@@ -201,15 +201,19 @@ pub(super) fn fused(x: &Tensor) -> candle_core::Result<bool> {
 
 /// Whether an op on `x` takes this module's trial CUDA kernels (written and checked on the CPU's
 /// emulation of CUDA, not yet proven on a GPU): the kernels of [`fused`] on a GPU, and
-/// `ACCELERATE_RS_NN_CUDA_TRIAL=1`. Always `false` without the `cuda` feature.
+/// `ACCELERATE_RS_CUDA_TRIAL=1`. Always `false` without the `cuda` feature.
 pub(super) fn trial_kernels(x: &Tensor) -> candle_core::Result<bool> {
+    if x.device().is_cpu()
+        || !crate::settings::runtime::cuda_trial().map_err(candle_core::Error::wrap)?
+    {
+        return Ok(false);
+    }
     #[cfg(feature = "cuda")]
     {
-        super::cuda::use_trial_kernels(x)
+        super::cuda::use_kernels(x)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = x;
         Ok(false)
     }
 }

@@ -1,5 +1,5 @@
 //! An embedding lookup as one differentiable op, on the CPU and (with the trial kernels of a
-//! `cuda` build, `ACCELERATE_RS_NN_CUDA_TRIAL=1`) on a GPU. Candle's `index_select` backward
+//! `cuda` build, `ACCELERATE_RS_CUDA_TRIAL=1`) on a GPU. Candle's `index_select` backward
 //! scatters the rows' gradients into a zero-filled table and then, like every op's gradient,
 //! adds that table into a second zero-filled one in its gradient store: for a language model's
 //! vocabulary two table-sized fills and a table-sized addition per step. On a GPU its
@@ -18,7 +18,7 @@ use super::elem::slice;
 
 /// The rows `ids` (any shape of integer ids) of `table` `[n, dim]`, as `[.., dim]`:
 /// `table.index_select(ids, 0)` reshaped, differentiable with respect to the table. On the CPU
-/// in f32, and on a GPU with the trial kernels on (`ACCELERATE_RS_NN_CUDA_TRIAL=1`), one op
+/// in f32, and on a GPU with the trial kernels on (`ACCELERATE_RS_CUDA_TRIAL=1`), one op
 /// whose gradient is the rows' gradients summed into a table; elsewhere Candle's
 /// `index_select`. An id outside the table, or ids of a float dtype, are an error naming them.
 ///

@@ -332,3 +332,79 @@ fn sgd_typed<T: CudaDType + DeviceRepr>(
     })?;
     Ok(true)
 }
+
+/// Whether every element of `grads` is finite, checked on the GPU by a trial kernel
+/// (`ACCELERATE_RS_CUDA_TRIAL=1`): one `nonfinite` launch per tensor into one device flag, then
+/// one read of the flag (counted by [`crate::host_reads`]). Composed, each tensor costs a
+/// tensor-sized `affine`, a sum and a conversion, and the sums a stack and a sum. `Ok(None)`
+/// when this path does not apply: the trial kernels off, no tensor, a tensor not on the first
+/// one's GPU, not f32/bf16/f16 or not contiguous, or the kernels unavailable.
+pub(crate) fn all_finite(grads: &[&Tensor]) -> Result<Option<bool>> {
+    let Some(first) = grads.first() else {
+        return Ok(None);
+    };
+    let candle_core::Device::Cuda(dev) = first.device() else {
+        return Ok(None);
+    };
+    let applies = |g: &&Tensor| {
+        g.device().same_device(first.device())
+            && matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16)
+            && g.is_contiguous()
+    };
+    if !crate::settings::runtime::cuda_trial()? || !grads.iter().all(applies) {
+        return Ok(None);
+    }
+    let Some(ptx) = ptx(dev) else {
+        return Ok(None);
+    };
+    let mut flag = dev.alloc_zeros::<u32>(1)?;
+    for g in grads {
+        let name = match g.dtype() {
+            DType::F32 => "nonfinite_f32",
+            DType::BF16 => "nonfinite_bf16",
+            _ => "nonfinite_f16",
+        };
+        let func = match dev.get_or_load_custom_func(name, MODULE, ptx) {
+            Ok(f) => f,
+            Err(e) => {
+                disable(&format!("loading `{name}`: {e}"));
+                return Ok(None);
+            }
+        };
+        let (storage, layout) = g.storage_and_layout();
+        let candle_core::Storage::Cuda(s) = &*storage else {
+            return Err(not_cuda("finiteness check"));
+        };
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            return Ok(None);
+        };
+        let n = b - a;
+        let n64 = n as u64;
+        let (f32v, bf16v, f16v);
+        let mut args = func.builder();
+        match g.dtype() {
+            DType::F32 => {
+                f32v = f32::as_cuda_slice(s)?.slice(a..b);
+                args.arg(&f32v);
+            }
+            DType::BF16 => {
+                bf16v = half::bf16::as_cuda_slice(s)?.slice(a..b);
+                args.arg(&bf16v);
+            }
+            _ => {
+                f16v = half::f16::as_cuda_slice(s)?.slice(a..b);
+                args.arg(&f16v);
+            }
+        }
+        args.arg(&n64).arg(&mut flag);
+        // SAFETY: the arguments match `nonfinite_<T>`'s signature (a read-only view of the
+        // tensor's element type — f32, or bf16/f16 as 16-bit words — an unsigned 64-bit count,
+        // and a pointer to one unsigned int); the view holds exactly `n` elements and the kernel
+        // reads indices below `n` only and writes the flag's one element. The view borrows the
+        // storage under Candle's read lock until the launch is queued on the device's stream.
+        unsafe { args.launch(launch_config(n.max(1))) }.map_err(|e| launch_err(name, e))?;
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    }
+    let flags = crate::readback::counted(|| dev.clone_dtoh(&flag))?;
+    Ok(Some(flags.first() == Some(&0)))
+}

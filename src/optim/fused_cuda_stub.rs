@@ -32,3 +32,8 @@ pub(crate) fn sgd(
 pub fn launches() -> u64 {
     0
 }
+
+/// Always `Ok(None)`: built without CUDA (the finiteness check takes its other paths).
+pub(crate) fn all_finite(_grads: &[&Tensor]) -> Result<Option<bool>> {
+    Ok(None)
+}

@@ -39,6 +39,22 @@ __device__ void sgd(T* p, T* buf, const T* g, unsigned long long n, float lr, fl
     }
 }
 
+// Sets *flag to 1 when one of x's n elements is not finite (an infinity or a NaN): v - v is 0 for
+// every finite v and NaN otherwise, so the test needs no math library. A trial kernel
+// (ACCELERATE_RS_CUDA_TRIAL=1): the gradients' finiteness check before an optimizer step, one
+// launch per gradient into one flag, read once (src/optim/fused_cuda.rs).
+template <typename T>
+__device__ void nonfinite(const T* x, unsigned long long n, unsigned int* flag) {
+    unsigned long long stride = (unsigned long long)blockDim.x * gridDim.x;
+    bool bad = false;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+            i += stride) {
+        float v = to_f(x[i]);
+        bad = bad || !(v - v == 0.0f);
+    }
+    if (bad) atomicExch(flag, 1u);
+}
+
 #define ENTRY(T, NAME)                                                                          \
 extern "C" __global__ void adamw_##NAME(T* p, T* m, T* v, const T* g, unsigned long long n,    \
         float b1, float c1, float b2, float c2, float sm, float sv, float eps, float decay,     \
@@ -48,6 +64,10 @@ extern "C" __global__ void adamw_##NAME(T* p, T* m, T* v, const T* g, unsigned l
 extern "C" __global__ void sgd_##NAME(T* p, T* buf, const T* g, unsigned long long n, float lr, \
         float wd, int decay, float mu, float c, int use_buf, int first, int nesterov) {         \
     sgd<T>(p, buf, g, n, lr, wd, decay, mu, c, use_buf, first, nesterov);                       \
+}                                                                                               \
+extern "C" __global__ void nonfinite_##NAME(const T* x, unsigned long long n,                   \
+        unsigned int* flag) {                                                                   \
+    nonfinite<T>(x, n, flag);                                                                   \
 }
 
 ENTRY(float, f32)

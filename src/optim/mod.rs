@@ -38,6 +38,7 @@ mod state;
 pub use adamw::AdamW;
 pub use candle_nn::ParamsAdamW;
 pub(crate) use fused::sq_sum;
+pub(crate) use fused_cuda::all_finite as all_finite_on_gpu;
 pub use sgd::{Sgd, SgdConfig};
 
 pub use fused_cuda::launches as cuda_kernel_launches;

@@ -64,11 +64,11 @@ pub const NN_CUDA: &str = "ACCELERATE_RS_NN_CUDA";
 /// default off: correct, but slower than Candle's composed attention at training sizes, see
 /// BENCHMARKS.md). Only with [`NN_CUDA`] on. See [`crate::nn`].
 pub const NN_CUDA_FLASH: &str = "ACCELERATE_RS_NN_CUDA_FLASH";
-/// Whether `accelerate_rs::nn` runs its trial CUDA kernels on a GPU (`1` turns them on; default
-/// off): kernels checked on the CPU's emulation of CUDA but not yet on a GPU, each on by default
-/// once `scripts/gpu-smoke.sh` (step 8) has proven it. Now: the embedding lookup's gradient
-/// (`nn::embedding`). Only with [`NN_CUDA`] on. See [`crate::nn`].
-pub const NN_CUDA_TRIAL: &str = "ACCELERATE_RS_NN_CUDA_TRIAL";
+/// Whether the trial CUDA kernels run on a GPU (`1` turns them on; default off): kernels checked
+/// on the CPU's emulation of CUDA but not yet on a GPU, each on by default once
+/// `scripts/gpu-smoke.sh` has proven it. Now: the embedding lookup's gradient (`nn::embedding`,
+/// only with [`NN_CUDA`] on) and the gradients' finiteness check before an optimizer step.
+pub const CUDA_TRIAL: &str = "ACCELERATE_RS_CUDA_TRIAL";
 /// Whether CPU gradient buckets are all-reduced on a communication thread while the next bucket
 /// is flattened (`0` turns it off; default on). Read when an accelerator is built.
 pub const OVERLAP: &str = "ACCELERATE_RS_OVERLAP";

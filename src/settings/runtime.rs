@@ -1,5 +1,5 @@
 //! Settings read where they are used rather than resolved into [`ProcessState`](super::ProcessState):
-//! the fused-optimizer default (read when an optimizer is created), the store socket the launcher
+//! the fused-optimizer default (read when an optimizer is created), the trial CUDA kernels' switch, the store socket the launcher
 //! hands down, the host name, NCCL's host id, glibc's own allocator variables, the test-only crash
 //! hook, and the process environment that the facade hands to the resolver. Every read of the
 //! environment stays in this floor.
@@ -12,6 +12,16 @@ use crate::error::Result;
 /// on); a value that is not a flag is an error naming it.
 pub(crate) fn fused_optim_default() -> Result<bool> {
     Ok(process_env(env::FUSED_OPTIM)?.unwrap_or(true))
+}
+
+/// Whether the trial CUDA kernels run: `ACCELERATE_RS_CUDA_TRIAL` (a flag, default off), read
+/// once per process; a value that is not a flag is an error naming it (each time it is asked).
+/// Trial kernels are checked on the CPU's emulation of CUDA but not yet on a GPU.
+pub(crate) fn cuda_trial() -> Result<bool> {
+    static TRIAL: once_cell::sync::OnceCell<bool> = once_cell::sync::OnceCell::new();
+    TRIAL
+        .get_or_try_init(|| Ok(process_env(env::CUDA_TRIAL)?.unwrap_or(false)))
+        .copied()
 }
 
 /// The descriptor of the store's listening socket that `accelerate-rs launch` handed to this

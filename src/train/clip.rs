@@ -91,8 +91,18 @@ pub(crate) fn grad_norm(vars: &[Var], grads: &GradStore) -> Result<f64> {
 /// Whether every registered parameter's gradient in `grads` is finite: per gradient `x * 0`
 /// summed on its device (0, or NaN for any NaN or infinity, never an overflow), those sums added
 /// and read back once. Contiguous CPU gradients (below f64) are read in place instead, without
-/// the `x * 0` copy; that read is counted as the one read back, as on a GPU.
+/// the `x * 0` copy; that read is counted as the one read back, as on a GPU. With the trial
+/// kernels on (`ACCELERATE_RS_CUDA_TRIAL=1`), gradients on one GPU set one device flag, one
+/// kernel each, and the flag is the one read.
 pub(crate) fn grads_finite(vars: &[Var], grads: &GradStore) -> Result<bool> {
+    let present: Vec<&Tensor> = vars
+        .iter()
+        .filter_map(|v| grads.get(v.as_tensor()))
+        .filter(|g| g.dtype().is_float())
+        .collect();
+    if let Some(finite) = crate::optim::all_finite_on_gpu(&present)? {
+        return Ok(finite);
+    }
     let mut sums = Vec::new();
     let mut read_in_place = false;
     for v in vars {

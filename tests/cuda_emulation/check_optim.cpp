@@ -83,7 +83,40 @@ static void check(const char* type, unsigned long long n) {
     }
 }
 
+// The finiteness flag: set by one infinity or NaN anywhere (the last element included), left
+// alone by finite values (the largest and smallest too).
+template <typename T>
+static void check_nonfinite(const char* type, unsigned long long n) {
+    std::vector<T> x(n);
+    for (unsigned i = 0; i < n; ++i) x[i] = from_f<T>(val(i, 6));
+    auto flag_of = [&](const std::vector<T>& v) {
+        unsigned int flag = 0;
+        emu_launch(grid_for(n), dim3{256, 1, 1}, [&] { nonfinite<T>(v.data(), n, &flag); });
+        return flag;
+    };
+    bool ok = flag_of(x) == 0;
+    std::vector<T> big = x;
+    big[0] = from_f<T>(-65504.0f);  // the largest f16; finite in every type
+    ok = ok && flag_of(big) == 0;
+    float bad[] = {INFINITY, -INFINITY, NAN};
+    for (float b : bad) {
+        for (unsigned long long at : {0ull, n / 2, n - 1}) {
+            std::vector<T> y = x;
+            y[at] = from_f<T>(b);
+            ok = ok && flag_of(y) == 1;
+        }
+    }
+    std::printf("%s nonfinite %s n=%llu: %s\n", ok ? "PASS" : "FAIL", type, n,
+                ok ? "flags infinities and NaNs only" : "wrong flag");
+    failures += !ok;
+}
+
 int main() {
+    for (unsigned long long n : {1ull, 300ull, 2000ull}) {
+        check_nonfinite<float>("f32", n);
+        check_nonfinite<bf16_t>("bf16", n);
+        check_nonfinite<f16_t>("f16", n);
+    }
     for (unsigned long long n : {1ull, 255ull, 1000ull}) {
         check<float>("f32", n);
         check<bf16_t>("bf16", n);

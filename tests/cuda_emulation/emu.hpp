@@ -5,6 +5,7 @@
 // even, like `cvt.rn.f16.f32`). Used by tests/cuda_emulation/check.cpp.
 #pragma once
 
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -122,6 +123,11 @@ inline unsigned short emu_float_to_half(float f) {
         bits = (unsigned int)((exp + 15) << 10) | ((unsigned int)q & 0x3ff);
     }
     return (unsigned short)(sign | bits);
+}
+
+// CUDA's atomic exchange of an unsigned int: every emulated thread is an OS thread.
+inline unsigned int atomicExch(unsigned int* a, unsigned int v) {
+    return std::atomic_ref<unsigned int>(*a).exchange(v);
 }
 
 // Runs `kernel` (a callable with no arguments reading threadIdx/blockIdx) over `grid` x `block`.

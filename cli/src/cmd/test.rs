@@ -107,7 +107,7 @@ type Check = fn(&Accelerator) -> Result<Outcome>;
 /// then agrees with the others on the verdict.
 fn run_checks(acc: &Accelerator) -> Result<()> {
     let c = acc.collective().as_ref();
-    let checks: [(&str, Check); 10] = [
+    let checks: [(&str, Check); 11] = [
         (
             "all_reduce (sum, mean, max; f32, f64, f16, bf16)",
             check_all_reduce,
@@ -135,6 +135,10 @@ fn run_checks(acc: &Accelerator) -> Result<()> {
         (
             "find_executable_batch_size: the last rank runs out of memory, every rank retries (Min vote)",
             check_batch_size_search,
+        ),
+        (
+            "non-finite gradients (NaN, +inf, -inf in f32, bf16, f16) stop the step",
+            check_nonfinite,
         ),
     ];
     let mut failed = Vec::new();
@@ -181,6 +185,14 @@ fn check_batch_size_search(acc: &Accelerator) -> Result<Outcome> {
     Ok(Outcome::PassedVia(super::test_train::batch_size_search(
         acc,
     )?))
+}
+
+/// See [`super::test_train::nonfinite_detection`].
+fn check_nonfinite(acc: &Accelerator) -> Result<Outcome> {
+    Ok(match super::test_train::nonfinite_detection(acc)? {
+        Some(how) => Outcome::PassedVia(how),
+        None => Outcome::Skipped("`nonfinite` is not `error`"),
+    })
 }
 
 /// The shapes of the parameters the fused-optimizer check steps.

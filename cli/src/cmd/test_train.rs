@@ -1,11 +1,12 @@
-//! Two checks of `accelerate-rs test` on training machinery that must agree across ranks: f16
-//! loss scaling when only one rank overflows, and `find_executable_batch_size` when only one
-//! rank runs out of memory. Each returns how it passed (the first `None` when it does not apply).
+//! Three checks of `accelerate-rs test` on training machinery that must agree across ranks: f16
+//! loss scaling when only one rank overflows, `find_executable_batch_size` when only one rank
+//! runs out of memory, and the gradients' finiteness check. Each returns how it passed (the first `None` when it does not apply).
 
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{linear, Optimizer, VarBuilder, VarMap, SGD};
 
 use accelerate_rs::collective::Buffer;
+use accelerate_rs::optim::SgdConfig;
 use accelerate_rs::{Accelerator, DataLoader, Error, MixedPrecision, ReduceOp, Result};
 use accelerate_rs::{LossScaler, TensorDataset};
 
@@ -138,4 +139,51 @@ pub(super) fn batch_size_search(acc: &Accelerator) -> Result<String> {
         "rank {} ran out at 8 and 4: every rank tried {tried:?} and settled on {used}",
         world - 1
     ))
+}
+
+/// The gradients' finiteness check before an optimizer step (the default `nonfinite = error`),
+/// in f32, bf16 and f16 on this rank's device: a finite step steps, and a NaN, +inf or -inf in
+/// one element of the gradient (on every rank) stops the step with [`Error::NonFinite`]. On a GPU with `ACCELERATE_RS_CUDA_TRIAL=1` the check is the trial kernel's
+/// (its launches are counted). `None` when another `nonfinite` setting is in force.
+pub(super) fn nonfinite_detection(acc: &Accelerator) -> Result<Option<String>> {
+    if acc.state().nonfinite() != accelerate_rs::NonFinite::Error {
+        return Ok(None);
+    }
+    let device = acc.device();
+    let launched = accelerate_rs::optim::cuda_kernel_launches();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let vm = VarMap::new();
+        // A name of its own per dtype: the accelerator registers every prepared model's names.
+        let name = format!("nonfinite_check_{dtype:?}");
+        let w = VarBuilder::from_varmap(&vm, dtype, device).get((300, 257), &name)?;
+        acc.prepare_model(&vm)?;
+        let sgd = accelerate_rs::optim::Sgd::new(vm.all_vars(), SgdConfig::new(0.01))?;
+        let mut opt = acc.prepare_optimizer(sgd);
+        let loss = |bad: f32| -> Result<Tensor> {
+            let mut scale = vec![1e-3f32; 300 * 257];
+            scale[300 * 257 - 2] = bad;
+            let scale = Tensor::from_vec(scale, (300, 257), device)?;
+            Ok((w.to_dtype(DType::F32)? * scale)?.sum_all()?)
+        };
+        let before = w.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+        opt.backward_step(&loss(1e-3)?)?;
+        if w.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? == before {
+            return Err(fail(format!("{dtype:?}: a finite step did not step")));
+        }
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            match opt.backward_step(&loss(bad)?) {
+                Err(Error::NonFinite { .. }) => {}
+                other => {
+                    return Err(fail(format!(
+                        "{dtype:?}: a gradient holding {bad} gave {other:?}, not a non-finite \
+                         gradient error"
+                    )))
+                }
+            }
+        }
+    }
+    let launched = accelerate_rs::optim::cuda_kernel_launches() - launched;
+    Ok(Some(format!(
+        "f32, bf16, f16: NaN, +inf and -inf stop the step; {launched} CUDA kernel launches"
+    )))
 }

@@ -76,6 +76,7 @@ fn passes_on_two_cpu_processes_with_every_check_reported() {
         "skipped: GPU setup: event tracking off (one stream), the memory pool keeps freed memory (this rank runs on the CPU)",
         "skipped: fp16 loss scaling: an overflow on the last rank only skips the step on every rank (mixed precision is not fp16",
         "ok: find_executable_batch_size: the last rank runs out of memory, every rank retries (Min vote) (rank 1 ran out at 8 and 4: every rank tried [8, 4, 2] and settled on 2)",
+        "ok: non-finite gradients (NaN, +inf, -inf in f32, bf16, f16) stop the step (f32, bf16, f16: NaN, +inf and -inf stop the step; 0 CUDA kernel launches)",
     ] {
         assert!(
             stdout.contains(&format!("[rank 0] {check}")),
