@@ -85,7 +85,7 @@
 //! | GPU memory pool release threshold ([`gpu`]) | - | `ACCELERATE_RS_CUDA_POOL_RELEASE_MB` | - | unset: freed GPU memory stays in the pool |
 //! | `nn`'s CUDA kernels (build feature `cuda`) | [`nn::set_cuda_kernels`] | `ACCELERATE_RS_NN_CUDA`: `1` or `0` | - | on when built with `cuda` |
 //! | `nn::flash_attention`'s CUDA kernel (slower than the composed attention at training sizes) | - | [`ACCELERATE_RS_NN_CUDA_FLASH`](env::NN_CUDA_FLASH): `1` or `0` | - | off |
-//! | `nn`'s trial CUDA kernels (checked on an emulation of CUDA, not yet on a GPU: the embedding's gradient) | - | [`ACCELERATE_RS_CUDA_TRIAL`](env::CUDA_TRIAL): `1` or `0` | - | off |
+//! | trial CUDA kernels (checked on an emulation of CUDA, not yet on a GPU: the embedding's gradient, the gradients' finiteness check) | - | [`ACCELERATE_RS_CUDA_TRIAL`](env::CUDA_TRIAL): `1` or `0` | - | off |
 //!
 //! The launcher families are not mixed: the first of torchrun, SLURM, Open MPI whose rank
 //! variable is set provides rank, world size and local rank. Inconsistent values (a rank not below
