@@ -6,7 +6,7 @@
 //!
 //! For every op (LayerNorm with and without bias, RMSNorm, softmax, causal softmax, causal
 //! attention, cross-entropy with label smoothing and an ignored index, linear_cross_entropy,
-//! GELU, ReLU; SiLU, SwiGLU, `swiglu_linear`, RoPE (`rope`, `rope_i`, `rope_thd`, the tables' gradients too) and
+//! GELU, ReLU; SiLU, SwiGLU, `swiglu_linear`, `rope_attention`, RoPE (`rope`, `rope_i`, `rope_thd`, the tables' gradients too) and
 //! flash attention with `ACCELERATE_RS_NN_CUDA_FLASH=1`, the embedding's trial kernels with
 //! `ACCELERATE_RS_CUDA_TRIAL=1`) and dtype (f32, bf16, f16): the same inputs through the CPU path and through the
 //! kernels on GPU 0, forward output and every input's gradient (of `sum(out * r)` for a fixed
@@ -248,6 +248,23 @@ fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "rope_attention (one node on the GPU: RoPE, transposes, causal GQA 4/2)",
+            shapes: vec![
+                vec![2, 33, 4, 16],
+                vec![2, 33, 2, 16],
+                vec![2, 33, 2, 16],
+                vec![40, 8],
+                vec![40, 8],
+            ],
+            kernels: true,
+            needs: None,
+            targets: None,
+            op: |x, _| {
+                let o = AttentionOptions::default().causal(true);
+                nn::rope_attention(&x[0], &x[1], &x[2], &x[3].detach(), &x[4].detach(), &o)
+            },
+        },
+        Case {
             name: "rope (halves, shared tables of 7 positions)",
             shapes: vec![vec![2, 3, 5, 8], vec![7, 4], vec![7, 4]],
             kernels: true,
@@ -457,39 +474,37 @@ fn time_it(dev: &Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> Res
     Ok(start.elapsed().as_secs_f64() * 1e3 / iters as f64)
 }
 
+/// A variable of `shape` on `gpu` in `dtype`, random.
+fn gpu_var(shape: &[usize], dtype: DType, gpu: &Device, rng: &mut ChaCha8Rng) -> Result<Var> {
+    Ok(Var::from_tensor(
+        &random(shape, rng)?.to_dtype(dtype)?.to_device(gpu)?,
+    )?)
+}
+
+/// One timed op of the table: its name and how to run it.
+type Op<'a> = (
+    &'static str,
+    Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>,
+);
+
 /// Kernels against the composed ops at transformer_lm's shapes (batch 8 x 128 tokens, d_model
-/// 256, 8 heads, vocab 8000), f32 and bf16.
+/// 256, 8 heads, vocab 8000), then at the 254M Llama's ([`llama_timing`]), f32 and bf16.
 fn timing(gpu: &Device) -> Result<()> {
     println!();
     println!("| op (forward + backward) | dtype | composed ms | kernels ms | speed-up |");
     println!("|---|---|---:|---:|---:|");
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     for dtype in [DType::F32, DType::BF16] {
-        let var = |shape: &[usize], rng: &mut ChaCha8Rng| -> Result<Var> {
-            Ok(Var::from_tensor(
-                &random(shape, rng)?.to_dtype(dtype)?.to_device(gpu)?,
-            )?)
-        };
-        let x = var(&[1024, 256], &mut rng)?;
-        let w = var(&[256], &mut rng)?;
-        let b = var(&[256], &mut rng)?;
-        let scores = var(&[8, 8, 128, 128], &mut rng)?;
-        let logits = var(&[1024, 8000], &mut rng)?;
-        let hidden = var(&[1024, 1024], &mut rng)?;
-        let up = var(&[1024, 1024], &mut rng)?;
-        let heads = var(&[8, 8, 128, 64], &mut rng)?;
-        let cos = var(&[128, 32], &mut rng)?;
-        let sin = var(&[128, 32], &mut rng)?;
+        let mut var = |shape: &[usize]| gpu_var(shape, dtype, gpu, &mut rng);
+        let (x, w, b) = (var(&[1024, 256])?, var(&[256])?, var(&[256])?);
+        let scores = var(&[8, 8, 128, 128])?;
+        let logits = var(&[1024, 8000])?;
+        let (hidden, up) = (var(&[1024, 1024])?, var(&[1024, 1024])?);
+        let heads = var(&[8, 8, 128, 64])?;
+        let (cos, sin) = (var(&[128, 32])?, var(&[128, 32])?);
         let t: Vec<u32> = (0..1024).map(|_| rng.random_range(0..8000)).collect();
         let targets = Tensor::from_vec(t, 1024, gpu)?;
-        // The 254M Llama's table and batch (step 17): 4 x 1024 ids into [32000, 1024].
-        let table = var(&[32000, 1024], &mut rng)?;
-        let t: Vec<u32> = (0..4096).map(|_| rng.random_range(0..32000)).collect();
-        let ids = Tensor::from_vec(t, (4, 1024), gpu)?;
-        let gate_w = Linear::new(var(&[2816, 1024], &mut rng)?.as_tensor().clone(), None);
-        let up_w = Linear::new(var(&[2816, 1024], &mut rng)?.as_tensor().clone(), None);
-        type Op<'a> = Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>;
-        let ops: Vec<(&str, Op)> = vec![
+        let ops: Vec<Op> = vec![
             (
                 "layer_norm [1024, 256]",
                 Box::new(|| {
@@ -510,22 +525,56 @@ fn timing(gpu: &Device) -> Result<()> {
                 "rope [8, 8, 128, 64]",
                 Box::new(|| nn::rope(&heads, &cos, &sin)),
             ),
-            (
-                "embedding [32000, 1024] x 4096 ids (kernels: ACCELERATE_RS_CUDA_TRIAL=1)",
-                Box::new(|| nn::embedding(&table, &ids)),
-            ),
             ("silu [1024, 1024]", Box::new(|| nn::silu(&hidden))),
             ("swiglu [1024, 1024]", Box::new(|| nn::swiglu(&hidden, &up))),
-            (
-                "swiglu_linear [1024, 1024] x 2 [2816, 1024]",
-                Box::new(|| nn::swiglu_linear(&hidden, &gate_w, &up_w)),
-            ),
         ];
         for (name, op) in &ops {
             time_row(gpu, name, dtype, op)?;
         }
+        llama_timing(gpu, dtype, &mut rng)?;
     }
     nn::set_cuda_kernels(true);
+    Ok(())
+}
+
+/// [`timing`]'s rows at the 254M Llama's shapes (step 17): its embedding table and batch (4 x
+/// 1024 ids into [32000, 1024]), its attention (16 heads over 8 key/value heads of 64) and its
+/// MLP's gate and up projections.
+fn llama_timing(gpu: &Device, dtype: DType, rng: &mut ChaCha8Rng) -> Result<()> {
+    let mut var = |shape: &[usize]| gpu_var(shape, dtype, gpu, rng);
+    let table = var(&[32000, 1024])?;
+    let hidden = var(&[1024, 1024])?;
+    let gate = Linear::new(var(&[2816, 1024])?.as_tensor().clone(), None);
+    let up = Linear::new(var(&[2816, 1024])?.as_tensor().clone(), None);
+    let (q, k, v) = (
+        var(&[4, 1024, 16, 64])?,
+        var(&[4, 1024, 8, 64])?,
+        var(&[4, 1024, 8, 64])?,
+    );
+    let (cos, sin) = (
+        var(&[1024, 32])?.as_tensor().detach(),
+        var(&[1024, 32])?.as_tensor().detach(),
+    );
+    let t: Vec<u32> = (0..4096).map(|_| rng.random_range(0..32000)).collect();
+    let ids = Tensor::from_vec(t, (4, 1024), gpu)?;
+    let causal = AttentionOptions::default().causal(true);
+    let ops: Vec<Op> = vec![
+        (
+            "embedding [32000, 1024] x 4096 ids (kernels: ACCELERATE_RS_CUDA_TRIAL=1)",
+            Box::new(|| nn::embedding(&table, &ids)),
+        ),
+        (
+            "rope_attention [4, 1024, 16/8, 64] causal",
+            Box::new(|| nn::rope_attention(&q, &k, &v, &cos, &sin, &causal)),
+        ),
+        (
+            "swiglu_linear [1024, 1024] x 2 [2816, 1024]",
+            Box::new(|| nn::swiglu_linear(&hidden, &gate, &up)),
+        ),
+    ];
+    for (name, op) in &ops {
+        time_row(gpu, name, dtype, op)?;
+    }
     Ok(())
 }
 

@@ -12,7 +12,10 @@
 
 use std::sync::Arc;
 
-use accelerate_rs::nn::{checkpoint_fn, swiglu, Linear, RmsNorm};
+use accelerate_rs::nn::{
+    checkpoint_fn, flash_attention_fused, rope_attention, swiglu, AttentionOptions as SdpaOptions,
+    Linear, RmsNorm,
+};
 use accelerate_rs::WrapPolicy;
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -258,20 +261,30 @@ impl SelfAttention {
         let (b, t, _) = x.dims3()?;
         let (h, kv, d) = (self.shape.heads, self.shape.kv_heads, self.shape.head_dim);
         let (q, k, v) = self.project(x, train)?;
-        let heads = |y: Tensor, n: usize, norm: &Option<Norm>| -> Result<Tensor> {
+        // Sequence-major heads `[B, T, n, D]` (a free reshape), their norms if any.
+        let seq = |y: Tensor, n: usize, norm: &Option<Norm>| -> Result<Tensor> {
             let y = y.reshape((b, t, n, d))?;
-            let y = match norm {
-                Some(norm) => norm.forward(&y)?,
-                None => y,
-            };
-            y.transpose(1, 2)
+            match norm {
+                Some(norm) => norm.forward(&y),
+                None => Ok(y),
+            }
         };
-        let q = heads(q, h, &self.q_norm)?;
-        let k = heads(k, kv, &self.k_norm)?;
-        let v = heads(v, kv, &None)?;
+        let q = seq(q, h, &self.q_norm)?;
+        let k = seq(k, kv, &self.k_norm)?;
+        let v = seq(v, kv, &None)?;
         let (cos, sin) = ctx.rope.get(self.options.rope).ok_or_else(|| {
             candle_core::Error::Msg(format!("no RoPE tables of kind {}", self.options.rope))
         })?;
+        if self.rope_attention_takes(&q, cos, ctx, train)? {
+            // On a GPU: the rotary embeddings, the heads' transposes and the attention as one
+            // node (`accelerate_rs::nn::rope_attention`), its output already sequence-major.
+            let options = SdpaOptions::default()
+                .causal(true)
+                .scale(self.options.scale);
+            let y = rope_attention(&q, &k, &v, cos, sin, &options)?;
+            return self.o.forward(&y.reshape((b, t, h * d))?, train);
+        }
+        let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
         let q = apply_rope(&q, cos, sin)?;
         let k = apply_rope(&k, cos, sin)?;
         if let Some(slot) = &ctx.cache {
@@ -298,6 +311,31 @@ impl SelfAttention {
         let y = attention(&q, &k, &v, &spec, train)?;
         let y = y.transpose(1, 2)?.reshape((b, t, h * d))?;
         self.o.forward(&y, train)
+    }
+
+    /// Whether the attention of sequence-major `q` runs as `accelerate_rs::nn::rope_attention`:
+    /// off the CPU (where flash attention runs), flash attention's kernel off, the whole head
+    /// turned (no partial rotary), and nothing `rope_attention` does not do: no cache, padding
+    /// mask, documents, cutting window, soft-capping, attention dropout in training or backend
+    /// other than `Auto`.
+    fn rope_attention_takes(
+        &self,
+        q: &Tensor,
+        cos: &Tensor,
+        ctx: &Context,
+        train: bool,
+    ) -> Result<bool> {
+        let t = q.dim(1)?;
+        Ok(!q.device().is_cpu()
+            && ctx.cache.is_none()
+            && ctx.mask.is_none()
+            && ctx.documents.is_none()
+            && ctx.backend == AttentionBackend::Auto
+            && self.options.window.is_none_or(|w| w >= t)
+            && self.options.softcap.is_none()
+            && !(train && self.options.dropout > 0.0)
+            && 2 * cos.dim(candle_core::D::Minus1)? == self.shape.head_dim
+            && !flash_attention_fused(&q.transpose(1, 2)?)?)
     }
 
     pub(crate) fn projections_mut(&mut self) -> Vec<&mut Proj> {

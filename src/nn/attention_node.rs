@@ -33,18 +33,16 @@ pub(super) fn attention_node(
     scale: f64,
     causal: bool,
 ) -> Result<Tensor> {
-    let op = AttentionNode {
-        scale: scale as f32,
-        causal,
-        probs: Mutex::new(None),
-    };
-    q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+    q.contiguous()?.apply_op3(
+        &k.contiguous()?,
+        &v.contiguous()?,
+        AttentionNode::new(scale, causal),
+    )
 }
 
 /// The op: its options, and the probabilities of its forward pass until its backward pass
 /// takes them.
-struct AttentionNode {
+pub(super) struct AttentionNode {
     scale: f32,
     causal: bool,
     probs: Mutex<Option<Tensor>>,
@@ -64,6 +62,14 @@ struct Dims {
 }
 
 impl AttentionNode {
+    pub(super) fn new(scale: f64, causal: bool) -> AttentionNode {
+        AttentionNode {
+            scale: scale as f32,
+            causal,
+            probs: Mutex::new(None),
+        }
+    }
+
     /// The softmax op over scores of `T_q` rows and `T_k` columns.
     fn softmax(&self, tq: usize, tk: usize) -> SoftmaxFwd {
         SoftmaxFwd::new(self.scale, self.causal.then_some((tq, tk)))
@@ -101,7 +107,7 @@ impl AttentionNode {
     /// The forward pass on storages `s` of layouts `l`: the scores product, `softmax` (the
     /// device's softmax kernel, given the op to run), the product with `v`. The probabilities
     /// are kept (`wrap` makes them a tensor) for the backward pass.
-    fn forward<S: BackendStorage>(
+    pub(super) fn forward<S: BackendStorage>(
         &self,
         s: [&S; 3],
         l: [&Layout; 3],
@@ -192,6 +198,21 @@ impl CustomOp3 for AttentionNode {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let want = [q.track_op(), k.track_op(), v.track_op()];
+        self.grads(q, k, v, grad, want)
+    }
+}
+
+impl AttentionNode {
+    /// The gradients of `q`, `k` and `v` (those `want` asks for) from the output's `grad`, with
+    /// the probabilities of the forward pass: see [`CustomOp3::bwd`] above.
+    pub(super) fn grads(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        grad: &Tensor,
+        want: [bool; 3],
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (b, h, tq, d) = q.dims4()?;
         let (kv, dv) = (k.dim(1)?, v.dim(3)?);
         let rows = (h / kv.max(1)) * tq;

@@ -201,9 +201,9 @@ multiversion! {
 
 /// `(xs, cos, sin)` → the turned rows. With `sign = −1` it turns the other way: the backward of
 /// `xs`.
-struct RopeFwd {
-    variant: Variant,
-    sign: f32,
+pub(super) struct RopeFwd {
+    pub(super) variant: Variant,
+    pub(super) sign: f32,
 }
 
 fn fwd<T: Elem>(x: &[T], cos: &[T], sin: &[T], g: Geometry, sign: f32) -> Vec<T> {
