@@ -168,6 +168,19 @@ fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "linear_cross_entropy (no bias: one node on the GPU, ignored targets)",
+            shapes: vec![vec![2, 48, 64], vec![500, 64]],
+            kernels: true,
+            needs: None,
+            targets: Some((vec![2, 48], 500)),
+            op: |x, t| {
+                let t = t.ok_or_else(|| candle_core::Error::Msg("targets".into()))?;
+                let head = Linear::new(x[1].clone(), None);
+                let o = CrossEntropyOptions::default().ignore_index(7);
+                nn::linear_cross_entropy(&x[0], &head, t, o)
+            },
+        },
+        Case {
             name: "embedding (Candle's index_select on the GPU, repeated ids)",
             shapes: vec![vec![50, 16]],
             kernels: false,

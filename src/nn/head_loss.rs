@@ -16,8 +16,10 @@ use super::CrossEntropyOptions;
 /// `cross_entropy_with(&head.forward(x)?, targets, options)` in one fused op on the CPU: the
 /// same value and gradients (of `x`, the head's weight and its bias), with the logits kept only
 /// between the forward and the backward pass and then overwritten by their gradient in place.
+/// On a GPU with `nn`'s CUDA kernels on, a bias-free head is one graph node too (cuBLAS's
+/// product and the cross-entropy kernels, the logits kept for the backward pass).
 /// `x` is `[..., in]` (e.g. a language model's `[B, T, d_model]` hidden states), `targets` the
-/// leading shape (`[B, T]`) or flattened. Elsewhere than on the CPU, the composed ops.
+/// leading shape (`[B, T]`) or flattened. Elsewhere, the composed ops.
 ///
 /// ```
 /// # fn main() -> candle_core::Result<()> {
@@ -41,13 +43,26 @@ pub fn linear_cross_entropy(
     let (w, b) = (head.weight(), head.bias());
     let k = x.dims().last().copied().unwrap_or(0);
     let rows = x.elem_count().checked_div(k).unwrap_or(0);
-    if !fusable(x, w, b, rows, k)? {
-        return cross_entropy_with(&candle_core::Module::forward(head, x)?, targets, options);
-    }
     let n = w.dim(0)?;
     let mut logits_dims = x.dims().to_vec();
     if let Some(last) = logits_dims.last_mut() {
         *last = n;
+    }
+    #[cfg(feature = "cuda")]
+    if b.is_none() && super::linear::device_node(x, w, rows, k)? {
+        // On a GPU with `nn`'s kernels: one node (cuBLAS's product and the cross-entropy
+        // kernels), so no logits-sized gradient is zero-filled and added into.
+        let (t, _, _) = checked_targets(&logits_dims, targets, options)?;
+        let counted = t
+            .iter()
+            .filter(|&&v| Some(v) != options.ignore_index)
+            .count();
+        let t = Tensor::new(t.as_slice(), x.device())?;
+        let loss = Box::new(super::cuda::CrossEntropyCuda::new(t, options, counted));
+        return super::head_loss_node::head_loss_node(x, w, loss);
+    }
+    if !fusable(x, w, b, rows, k)? {
+        return cross_entropy_with(&candle_core::Module::forward(head, x)?, targets, options);
     }
     let (t, _, _) = checked_targets(&logits_dims, targets, options)?;
     let op = HeadLoss {

@@ -77,6 +77,9 @@ mod gated_node;
 mod gelu;
 mod grad_frames;
 mod head_loss;
+// Used by the GPU path only (and tested on the CPU).
+#[cfg(any(feature = "cuda", test))]
+mod head_loss_node;
 mod kernels;
 mod linear;
 mod linear4bit;
