@@ -73,9 +73,10 @@
 #      the device pool's peak per rank, passing when stage 3 peaks below stage 0 and offload
 #      below stage 3.
 #  17. speed at a size people fine-tune (issue 38): a 250M-parameter Llama in bf16 at sequence
-#      1024 on GPU 0, `transformers` (SDPA, PyTorch eager) against accelerate-rs with Candle's
-#      kernels and with the nn CUDA kernels (flash attention); tokens/s, MFU and peak memory in
-#      one table (scripts/pytorch_hf_bench.py --gpu, the bundle's hf_bench)
+#      1024 on GPU 0, `transformers` (SDPA, PyTorch eager) against accelerate-rs with the nn CUDA
+#      kernels (the default), with Candle's composed ops, with the trial kernels
+#      (ACCELERATE_RS_CUDA_TRIAL=1) and with flash attention's kernel; tokens/s, MFU and peak
+#      memory in one table (scripts/pytorch_hf_bench.py --gpu, the bundle's hf_bench)
 #  18. where step 17's GPU time goes, one warm-up and one step each side, kernels grouped by name
 #      with their time and share, and the matrix products against the rest (scripts/gpu_profile.py):
 #      18a with CUPTI's activity API (the bundle's lib/libcupti_trace.so; the programs run at
