@@ -326,7 +326,10 @@ impl SelfAttention {
         train: bool,
     ) -> Result<bool> {
         let t = q.dim(1)?;
-        Ok(!q.device().is_cpu()
+        // Off the CPU, or on it under the test switch that runs a GPU's graph there.
+        let device_graph = accelerate_rs::nn::device_nodes_on_cpu()
+            || (!q.device().is_cpu() && !flash_attention_fused(&q.transpose(1, 2)?)?);
+        Ok(device_graph
             && ctx.cache.is_none()
             && ctx.mask.is_none()
             && ctx.documents.is_none()
@@ -334,8 +337,7 @@ impl SelfAttention {
             && self.options.window.is_none_or(|w| w >= t)
             && self.options.softcap.is_none()
             && !(train && self.options.dropout > 0.0)
-            && 2 * cos.dim(candle_core::D::Minus1)? == self.shape.head_dim
-            && !flash_attention_fused(&q.transpose(1, 2)?)?)
+            && 2 * cos.dim(candle_core::D::Minus1)? == self.shape.head_dim)
     }
 
     pub(crate) fn projections_mut(&mut self) -> Vec<&mut Proj> {

@@ -51,8 +51,7 @@ pub fn swiglu_linear(x: &Tensor, gate: &Linear, up: &Linear) -> Result<Tensor> {
         && wg.dims() == wu.dims()
         && fusable(x, wg, None, rows, k)?
         && fusable(x, wu, None, rows, k)?;
-    if !fuse
-        && gate.bias().is_none()
+    if gate.bias().is_none()
         && up.bias().is_none()
         && wg.dims() == wu.dims()
         && device_node(x, wg, rows, k)?

@@ -48,17 +48,11 @@ pub fn linear_cross_entropy(
     if let Some(last) = logits_dims.last_mut() {
         *last = n;
     }
-    #[cfg(feature = "cuda")]
     if b.is_none() && super::linear::device_node(x, w, rows, k)? {
         // On a GPU with `nn`'s kernels: one node (cuBLAS's product and the cross-entropy
         // kernels), so no logits-sized gradient is zero-filled and added into.
         let (t, _, _) = checked_targets(&logits_dims, targets, options)?;
-        let counted = t
-            .iter()
-            .filter(|&&v| Some(v) != options.ignore_index)
-            .count();
-        let t = Tensor::new(t.as_slice(), x.device())?;
-        let loss = Box::new(super::cuda::CrossEntropyCuda::new(t, options, counted));
+        let loss = super::head_loss_node::loss_op(t, options, x.device())?;
         return super::head_loss_node::head_loss_node(x, w, loss);
     }
     if !fusable(x, w, b, rows, k)? {

@@ -21,6 +21,32 @@ use super::linear::{LinearOp, Wanted};
 /// with a backward pass).
 pub(super) type LossOp = Box<dyn CustomOp1 + Send + Sync>;
 
+/// The cross-entropy op for logits on `device`: the GPU's kernels there, the CPU's op on the
+/// CPU (where the node runs only under `set_device_nodes_on_cpu`, for tests). `t`: the checked
+/// targets, one per row.
+pub(super) fn loss_op(
+    t: Vec<i64>,
+    options: super::CrossEntropyOptions,
+    device: &candle_core::Device,
+) -> Result<LossOp> {
+    if device.is_cpu() {
+        return Ok(Box::new(super::loss::CrossEntropy::new(t, options)));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let counted = t
+            .iter()
+            .filter(|&&v| Some(v) != options.ignore_index)
+            .count();
+        let t = Tensor::new(t.as_slice(), device)?;
+        Ok(Box::new(super::cuda::CrossEntropyCuda::new(
+            t, options, counted,
+        )))
+    }
+    #[cfg(not(feature = "cuda"))]
+    candle_core::bail!("accelerate-rs-linear-cross-entropy: no GPU cross-entropy in this build")
+}
+
 /// `loss(x Wᵀ)` for `x` `[.., k]` and a bias-free head `w` `[n, k]` of `x`'s dtype, the loss
 /// op given (its targets and options inside), as one differentiable node.
 pub(super) fn head_loss_node(x: &Tensor, w: &Tensor, loss: LossOp) -> Result<Tensor> {

@@ -3,6 +3,23 @@
 #[cfg(feature = "cuda")]
 use super::cuda;
 
+/// Set by [`set_device_nodes_on_cpu`].
+static NODES_ON_CPU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// A test switch: the graph nodes a GPU takes (`rope_attention`, `swiglu_linear`, a bias-free
+/// `Linear` and `linear_cross_entropy`) are taken on the CPU too, with the CPU's kernels, so
+/// that tests without a GPU run the GPU's graph. Process-wide; off by default.
+#[doc(hidden)]
+pub fn set_device_nodes_on_cpu(on: bool) {
+    NODES_ON_CPU.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_device_nodes_on_cpu`] is on.
+#[doc(hidden)]
+pub fn device_nodes_on_cpu() -> bool {
+    NODES_ON_CPU.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Whether this build has the CUDA kernels (the `cuda` feature).
 pub const CUDA_KERNELS_BUILT: bool = cfg!(feature = "cuda");
 

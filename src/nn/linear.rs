@@ -153,12 +153,15 @@ pub(super) fn fusable(
 }
 
 /// Whether the product `x Wᵀ` (no bias, no ReLU) runs as one [`LinearOp`] node off the CPU: on
-/// a device whose `nn` kernels are on (a GPU), with [`fits`]'s operands.
+/// a device whose `nn` kernels are on (a GPU), with [`fits`]'s operands. On the CPU too under
+/// the test switch `set_device_nodes_on_cpu` (the GPU's graph with the CPU's kernels).
 pub(super) fn device_node(x: &Tensor, w: &Tensor, rows: usize, k: usize) -> Result<bool> {
-    Ok(!x.device().is_cpu()
-        && fits(x, w, rows, k).is_some()
-        && w.device().same_device(x.device())
-        && super::elem::fused(x)?)
+    Ok(
+        (!x.device().is_cpu() || super::kernels::device_nodes_on_cpu())
+            && fits(x, w, rows, k).is_some()
+            && w.device().same_device(x.device())
+            && super::elem::fused(x)?,
+    )
 }
 
 /// `n` when `w` is a contiguous `[n, k]` in `x`'s dtype and the product has no empty side

@@ -77,8 +77,6 @@ mod gated_node;
 mod gelu;
 mod grad_frames;
 mod head_loss;
-// Used by the GPU path only (and tested on the CPU).
-#[cfg(any(feature = "cuda", test))]
 mod head_loss_node;
 mod kernels;
 mod linear;
@@ -107,6 +105,8 @@ pub use gated::swiglu_linear;
 pub use gelu::gelu;
 pub use head_loss::linear_cross_entropy;
 pub use kernels::{cuda_kernel_launches, set_cuda_kernels, CUDA_KERNELS_BUILT};
+#[doc(hidden)]
+pub use kernels::{device_nodes_on_cpu, set_device_nodes_on_cpu};
 pub use linear::{linear, linear_no_bias, linear_relu, Linear};
 pub use linear4bit::Linear4bit;
 pub use lora::{Lora, LoraConfig, LoraLinear, TargetModules};

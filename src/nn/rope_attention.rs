@@ -119,7 +119,7 @@ fn one_node(
     let same = |x: &Tensor| x.device().same_device(q.device()) && x.dtype() == q.dtype();
     Ok(shapes_fit
         && options.key_padding_mask.is_none()
-        && !q.device().is_cpu()
+        && (!q.device().is_cpu() || super::kernels::device_nodes_on_cpu())
         && [k, v, cos, sin].into_iter().all(same)
         && !cos.track_op()
         && !sin.track_op()
