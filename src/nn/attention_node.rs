@@ -245,6 +245,7 @@ impl AttentionNode {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::elem::{assert_close, output_and_grads};
     use candle_core::{DType, Device, Var};
 
     /// `softmax(scale q kᵀ + causal mask) v` from Candle's plain ops, the key/value heads
@@ -282,31 +283,15 @@ mod tests {
         let up = Tensor::randn(0f32, 1.0, (2, 6, tq, 5), &dev)?.to_dtype(dtype)?;
         let run = |f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>| -> Result<Vec<Tensor>> {
             let y = f(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
-            let grads = (&y * &up)?.sum_all()?.backward()?;
-            let mut out = vec![y];
-            for x in [&q, &k, &v] {
-                match grads.get(x.as_tensor()) {
-                    Some(g) => out.push(g.clone()),
-                    None => candle_core::bail!("no gradient"),
-                }
-            }
-            Ok(out)
+            output_and_grads(y, &up, &[&q, &k, &v])
         };
         let ours = run(&|q, k, v| attention_node(q, k, v, 0.3, causal))?;
         let want = run(&|q, k, v| {
             let f = |t: &Tensor| t.to_dtype(DType::F32);
             reference(&f(q)?, &f(k)?, &f(v)?, 0.3, causal)?.to_dtype(dtype)
         })?;
-        for (i, (a, b)) in ours.iter().zip(&want).enumerate() {
-            assert_eq!(a.dims(), b.dims(), "output {i}");
-            let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
-            let d = crate::nn::elem::max_diff(&f32_of(a)?, &f32_of(b)?);
-            assert!(
-                d < tol,
-                "{dtype:?} tq {tq} tk {tk} kv {kv} causal {causal}: output {i} differs by {d}"
-            );
-        }
-        Ok(())
+        let what = format!("{dtype:?} tq {tq} tk {tk} kv {kv} causal {causal}");
+        assert_close(&ours, &want, tol, &what)
     }
 
     #[test]

@@ -371,6 +371,38 @@ pub(super) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap_or(f32::INFINITY)
 }
 
+/// `y` and the gradients of `vars` of `sum(y * up)`, by Candle's backward pass (for tests of
+/// one-node ops against their composed forms); a variable without a gradient is an error.
+#[cfg(test)]
+pub(super) fn output_and_grads(
+    y: Tensor,
+    up: &Tensor,
+    vars: &[&candle_core::Var],
+) -> Result<Vec<Tensor>> {
+    let grads = (&y * up)?.sum_all()?.backward()?;
+    let mut out = vec![y];
+    for v in vars {
+        match grads.get(v.as_tensor()) {
+            Some(g) => out.push(g.clone()),
+            None => candle_core::bail!("no gradient"),
+        }
+    }
+    Ok(out)
+}
+
+/// Asserts that `ours` and `want` agree tensor by tensor (shapes, then values within `tol`,
+/// compared in f32); `what` names the case in a failure.
+#[cfg(test)]
+pub(super) fn assert_close(ours: &[Tensor], want: &[Tensor], tol: f32, what: &str) -> Result<()> {
+    assert_eq!(ours.len(), want.len(), "{what}");
+    for (i, (a, b)) in ours.iter().zip(want).enumerate() {
+        assert_eq!(a.dims(), b.dims(), "{what}: output {i}");
+        let d = max_diff(&a.to_dtype(DType::F32)?, &b.to_dtype(DType::F32)?);
+        assert!(d < tol, "{what}: output {i} differs by {d}");
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -45,12 +45,6 @@ pub fn swiglu_linear(x: &Tensor, gate: &Linear, up: &Linear) -> Result<Tensor> {
     let (wg, wu) = (gate.weight(), up.weight());
     let k = x.dims().last().copied().unwrap_or(0);
     let rows = x.elem_count().checked_div(k).unwrap_or(0);
-    let fuse = gate.bias().is_none()
-        && up.bias().is_none()
-        && x.dtype() == candle_core::DType::F32
-        && wg.dims() == wu.dims()
-        && fusable(x, wg, None, rows, k)?
-        && fusable(x, wu, None, rows, k)?;
     if gate.bias().is_none()
         && up.bias().is_none()
         && wg.dims() == wu.dims()
@@ -61,6 +55,12 @@ pub fn swiglu_linear(x: &Tensor, gate: &Linear, up: &Linear) -> Result<Tensor> {
         // so the gate and up gradients are not zero-filled and added into (`gated_node`).
         return super::gated_node::gated_node(x, wg, wu);
     }
+    let fuse = gate.bias().is_none()
+        && up.bias().is_none()
+        && x.dtype() == candle_core::DType::F32
+        && wg.dims() == wu.dims()
+        && fusable(x, wg, None, rows, k)?
+        && fusable(x, wu, None, rows, k)?;
     if !fuse {
         use candle_core::Module;
         return super::swiglu(&gate.forward(x)?, &up.forward(x)?);

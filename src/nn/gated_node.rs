@@ -182,6 +182,7 @@ impl CustomOp3 for GatedNode {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::elem::{assert_close, output_and_grads};
     use candle_core::{DType, Device, Var};
 
     /// The node against the composed ops (`silu(x W_gᵀ) · x W_uᵀ` from Candle's plain ops in
@@ -195,15 +196,7 @@ mod tests {
         let up = Tensor::randn(0f32, 1.0, (2, 5, 9), &dev)?.to_dtype(dtype)?;
         let run = |f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>| -> Result<Vec<Tensor>> {
             let y = f(x.as_tensor(), wg.as_tensor(), wu.as_tensor())?;
-            let grads = (&y * &up)?.sum_all()?.backward()?;
-            let mut out = vec![y];
-            for v in [&x, &wg, &wu] {
-                match grads.get(v.as_tensor()) {
-                    Some(g) => out.push(g.clone()),
-                    None => candle_core::bail!("no gradient"),
-                }
-            }
-            Ok(out)
+            output_and_grads(y, &up, &[&x, &wg, &wu])
         };
         let ours = run(&|x, wg, wu| gated_node(x, wg, wu))?;
         let want = run(&|x, wg, wu| {
@@ -211,13 +204,7 @@ mod tests {
             let p = |w: &Tensor| f(x)?.broadcast_matmul(&f(w)?.t()?);
             (p(wg)?.silu()? * p(wu)?)?.to_dtype(dtype)
         })?;
-        for (i, (a, b)) in ours.iter().zip(&want).enumerate() {
-            assert_eq!(a.dims(), b.dims(), "output {i}");
-            let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
-            let d = crate::nn::elem::max_diff(&f32_of(a)?, &f32_of(b)?);
-            assert!(d < tol, "{dtype:?}: output {i} differs by {d}");
-        }
-        Ok(())
+        assert_close(&ours, &want, tol, &format!("{dtype:?}"))
     }
 
     #[test]

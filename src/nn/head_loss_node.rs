@@ -164,6 +164,7 @@ impl CustomOp2 for HeadLossNode {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::elem::{assert_close, output_and_grads};
     use crate::nn::loss::CrossEntropy;
     use crate::nn::CrossEntropyOptions;
     use candle_core::{DType, Device, Var};
@@ -184,24 +185,10 @@ mod tests {
                 let z = x.broadcast_matmul(&w.t()?)?;
                 crate::nn::cross_entropy_with(&z, &targets, options)?
             };
-            let grads = (&loss * 3.0)?.backward()?;
-            let mut out = vec![loss];
-            for v in [&x, &w] {
-                match grads.get(v.as_tensor()) {
-                    Some(g) => out.push(g.clone()),
-                    None => candle_core::bail!("no gradient"),
-                }
-            }
-            Ok(out)
+            output_and_grads(loss, &Tensor::new(3f32, &dev)?.to_dtype(dtype)?, &[&x, &w])
         };
         let (ours, want) = (run(true)?, run(false)?);
-        for (i, (a, b)) in ours.iter().zip(&want).enumerate() {
-            assert_eq!(a.dims(), b.dims(), "output {i}");
-            let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
-            let d = crate::nn::elem::max_diff(&f32_of(a)?, &f32_of(b)?);
-            assert!(d < tol, "{dtype:?}: output {i} differs by {d}");
-        }
-        Ok(())
+        assert_close(&ours, &want, tol, &format!("{dtype:?}"))
     }
 
     #[test]

@@ -300,6 +300,7 @@ impl CustomOp3 for RopeAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::elem::{assert_close, output_and_grads};
     use candle_core::{DType, Device, Var};
 
     /// The one node (forced: the CPU takes the composed form) against the composed form, the
@@ -327,27 +328,11 @@ mod tests {
             } else {
                 rope_attention(&q, &k, &v, &cos, &sin, &options)?
             };
-            let grads = (&y * &up)?.sum_all()?.backward()?;
-            let mut out = vec![y];
-            for x in [&q, &k, &v] {
-                match grads.get(x.as_tensor()) {
-                    Some(g) => out.push(g.clone()),
-                    None => candle_core::bail!("no gradient"),
-                }
-            }
-            Ok(out)
+            output_and_grads(y, &up, &[&q, &k, &v])
         };
         let (ours, want) = (run(true)?, run(false)?);
-        for (i, (a, b)) in ours.iter().zip(&want).enumerate() {
-            assert_eq!(a.dims(), b.dims(), "output {i}");
-            let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
-            let d = crate::nn::elem::max_diff(&f32_of(a)?, &f32_of(b)?);
-            assert!(
-                d < tol,
-                "{dtype:?} t {t} kv {kv} causal {causal}: output {i} differs by {d}"
-            );
-        }
-        Ok(())
+        let what = format!("{dtype:?} t {t} kv {kv} causal {causal}");
+        assert_close(&ours, &want, tol, &what)
     }
 
     #[test]
