@@ -6,10 +6,11 @@
 //!
 //! For every op (LayerNorm with and without bias, RMSNorm, softmax, causal softmax, causal
 //! attention, cross-entropy with label smoothing and an ignored index, linear_cross_entropy,
-//! GELU, ReLU; SiLU, SwiGLU, `swiglu_linear`, `rope_attention`, RoPE (`rope`, `rope_i`, `rope_thd`, the tables' gradients too) and
-//! flash attention with `ACCELERATE_RS_NN_CUDA_FLASH=1`, the embedding's trial kernels with
-//! `ACCELERATE_RS_CUDA_TRIAL=1`) and dtype (f32, bf16, f16): the same inputs through the CPU path and through the
-//! kernels on GPU 0, forward output and every input's gradient (of `sum(out * r)` for a fixed
+//! GELU, ReLU; SiLU, SwiGLU, `swiglu_linear`, `rope_attention`, RoPE (`rope`, `rope_i`,
+//! `rope_thd`, the tables' gradients too) and flash attention with
+//! `ACCELERATE_RS_NN_CUDA_FLASH=1`, the embedding's trial kernels with
+//! `ACCELERATE_RS_CUDA_TRIAL=1`) and dtype (f32, bf16, f16): the same inputs through the CPU
+//! path and through the kernels on GPU 0, forward output and every input's gradient (of `sum(out * r)` for a fixed
 //! random `r`) compared within a tolerance per dtype, relative to the CPU values' largest
 //! magnitude; the kernel launch count must grow (the kernels ran, not the composed ops). One
 //! `PASS`/`FAIL` line per op and dtype, then `nn_kernels: N passed, M failed`; exit 1 on a
@@ -25,12 +26,12 @@ use candle_core::{DType, Device, Module, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-/// One op under test: its inputs' shapes and how to compute it from them.
 /// Flash attention's switch.
 const FLASH: &str = "ACCELERATE_RS_NN_CUDA_FLASH";
 /// The trial kernels' switch (kernels not yet proven on a GPU).
 const TRIAL: &str = "ACCELERATE_RS_CUDA_TRIAL";
 
+/// One op under test: its inputs' shapes and how to compute it from them.
 struct Case {
     name: &'static str,
     shapes: Vec<Vec<usize>>,

@@ -920,21 +920,3 @@ impl CustomOp2 for CrossEntropyCudaGrad {
         })
     }
 }
-
-/// [`super::cross_entropy_with`] on the GPU: `logits` `[..., C]`, `targets` already checked
-/// (`counted` rows are not ignored).
-pub(super) fn cross_entropy(
-    logits: &Tensor,
-    targets: &Tensor,
-    options: super::CrossEntropyOptions,
-    counted: usize,
-) -> Result<Tensor> {
-    let t = targets
-        .flatten_all()?
-        .to_dtype(DType::I64)?
-        .to_device(logits.device())?
-        .contiguous()?;
-    logits
-        .contiguous()?
-        .apply_op1(CrossEntropyCuda::new(t, options, counted))
-}

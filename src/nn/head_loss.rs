@@ -52,7 +52,7 @@ pub fn linear_cross_entropy(
         // On a GPU with `nn`'s kernels: one node (cuBLAS's product and the cross-entropy
         // kernels), so no logits-sized gradient is zero-filled and added into.
         let (t, _, _) = checked_targets(&logits_dims, targets, options)?;
-        let loss = super::head_loss_node::loss_op(t, options, x.device())?;
+        let loss = super::loss::loss_op(t, targets, options, x.device())?;
         return super::head_loss_node::head_loss_node(x, w, loss);
     }
     if !fusable(x, w, b, rows, k)? {

@@ -13,39 +13,10 @@ use std::sync::{Mutex, PoisonError};
 
 use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 
 use super::linear::{LinearOp, Wanted};
-
-/// The cross-entropy op of the node: the CPU's or the GPU's (both a `CustomOp1` on the logits
-/// with a backward pass).
-pub(super) type LossOp = Box<dyn CustomOp1 + Send + Sync>;
-
-/// The cross-entropy op for logits on `device`: the GPU's kernels there, the CPU's op on the
-/// CPU (where the node runs only under `set_device_nodes_on_cpu`, for tests). `t`: the checked
-/// targets, one per row.
-pub(super) fn loss_op(
-    t: Vec<i64>,
-    options: super::CrossEntropyOptions,
-    device: &candle_core::Device,
-) -> Result<LossOp> {
-    if device.is_cpu() {
-        return Ok(Box::new(super::loss::CrossEntropy::new(t, options)));
-    }
-    #[cfg(feature = "cuda")]
-    {
-        let counted = t
-            .iter()
-            .filter(|&&v| Some(v) != options.ignore_index)
-            .count();
-        let t = Tensor::new(t.as_slice(), device)?;
-        Ok(Box::new(super::cuda::CrossEntropyCuda::new(
-            t, options, counted,
-        )))
-    }
-    #[cfg(not(feature = "cuda"))]
-    candle_core::bail!("accelerate-rs-linear-cross-entropy: no GPU cross-entropy in this build")
-}
+use super::loss::LossOp;
 
 /// `loss(x Wᵀ)` for `x` `[.., k]` and a bias-free head `w` `[n, k]` of `x`'s dtype, the loss
 /// op given (its targets and options inside), as one differentiable node.

@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use crate::par::Inline;
 
 use super::cross_entropy_options::CrossEntropyOptions;
-use super::elem::{exp_f32, fused_cpu, max_by, multiversion, slice, sum_by, unary_float, Elem};
+use super::elem::{exp_f32, fused, max_by, multiversion, slice, sum_by, unary_float, Elem};
 
 /// The mean cross-entropy of `logits` (`[N, C]`, unnormalized) against `targets` (`[N]` class
 /// indices, u8/u32/i64): `candle_nn::loss::cross_entropy`'s signature and result, fused and
@@ -33,20 +33,50 @@ pub fn cross_entropy_with(
     options: CrossEntropyOptions,
 ) -> Result<Tensor> {
     let (t, n, c) = checked_targets(logits.dims(), targets, options)?;
+    if !fused(logits)? {
+        return composed(&logits.reshape((n, c))?, &targets.flatten_all()?, options);
+    }
+    let op = loss_op(t, targets, options, logits.device())?;
+    logits.contiguous()?.apply_op1_arc(Arc::new(op))
+}
+
+/// A fused cross-entropy op on the logits (a `CustomOp1` with its backward pass): the CPU's or
+/// a GPU's.
+pub(super) type LossOp = Box<dyn CustomOp1 + Send + Sync>;
+
+/// The fused cross-entropy op for logits on `device`: [`CrossEntropy`] on the CPU, the CUDA
+/// kernels' op on a GPU. `t`: the targets as [`checked_targets`] read them, one per row;
+/// `targets`: the same tensor as given (a GPU's kernels read it on the device: no copy when it
+/// is there already).
+pub(super) fn loss_op(
+    t: Vec<i64>,
+    targets: &Tensor,
+    options: CrossEntropyOptions,
+    device: &candle_core::Device,
+) -> Result<LossOp> {
+    if device.is_cpu() {
+        return Ok(Box::new(CrossEntropy::new(t, options)));
+    }
     #[cfg(feature = "cuda")]
-    if super::cuda::use_kernels(logits)? {
+    {
         let counted = t
             .iter()
             .filter(|&&v| Some(v) != options.ignore_index)
             .count();
-        return super::cuda::cross_entropy(logits, targets, options, counted);
+        let t = targets
+            .flatten_all()?
+            .to_dtype(DType::I64)?
+            .to_device(device)?
+            .contiguous()?;
+        Ok(Box::new(super::cuda::CrossEntropyCuda::new(
+            t, options, counted,
+        )))
     }
-    if !fused_cpu(logits) {
-        return composed(&logits.reshape((n, c))?, &targets.flatten_all()?, options);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = targets;
+        candle_core::bail!("accelerate-rs-cross-entropy: no GPU cross-entropy in this build")
     }
-    logits
-        .contiguous()?
-        .apply_op1(CrossEntropy::new(t, options))
 }
 
 /// The targets as i64 (`[N]` for logits `dims` = `[..., C]`), checked against `dims` and the

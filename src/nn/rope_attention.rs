@@ -69,10 +69,10 @@ pub fn rope_attention(
     sin: &Tensor,
     options: &AttentionOptions,
 ) -> Result<Tensor> {
-    let (t, tk) = (q.dim(1)?, k.dim(1)?);
+    let t = q.dim(1)?;
     let pos = cos.rank().saturating_sub(2);
     let (cos, sin) = (cos.narrow(pos, 0, t)?, sin.narrow(pos, 0, t)?);
-    if one_node(q, k, v, &cos, &sin, options)? && t == tk {
+    if one_node(q, k, v, &cos, &sin, options)? {
         let d = q.dim(3)?;
         let scale = options.scale.unwrap_or(1.0 / (d as f64).sqrt());
         let op = RopeAttention {

@@ -1,8 +1,8 @@
 //! Settings read where they are used rather than resolved into [`ProcessState`](super::ProcessState):
-//! the fused-optimizer default (read when an optimizer is created), the trial CUDA kernels' switch, the store socket the launcher
-//! hands down, the host name, NCCL's host id, glibc's own allocator variables, the test-only crash
-//! hook, and the process environment that the facade hands to the resolver. Every read of the
-//! environment stays in this floor.
+//! the fused-optimizer default (read when an optimizer is created), the trial CUDA kernels'
+//! switch, the store socket the launcher hands down, the host name, NCCL's host id, glibc's own
+//! allocator variables, the test-only crash hook, and the process environment that the facade
+//! hands to the resolver. Every read of the environment stays in this floor.
 
 use super::env;
 use super::parse::process_env;

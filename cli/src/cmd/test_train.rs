@@ -1,6 +1,7 @@
 //! Three checks of `accelerate-rs test` on training machinery that must agree across ranks: f16
 //! loss scaling when only one rank overflows, `find_executable_batch_size` when only one rank
-//! runs out of memory, and the gradients' finiteness check. Each returns how it passed (the first `None` when it does not apply).
+//! runs out of memory, and the gradients' finiteness check. Each returns how it passed (the
+//! first and the third `None` when they do not apply).
 
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{linear, Optimizer, VarBuilder, VarMap, SGD};
@@ -143,8 +144,9 @@ pub(super) fn batch_size_search(acc: &Accelerator) -> Result<String> {
 
 /// The gradients' finiteness check before an optimizer step (the default `nonfinite = error`),
 /// in f32, bf16 and f16 on this rank's device: a finite step steps, and a NaN, +inf or -inf in
-/// one element of the gradient (on every rank) stops the step with [`Error::NonFinite`]. On a GPU with `ACCELERATE_RS_CUDA_TRIAL=1` the check is the trial kernel's
-/// (its launches are counted). `None` when another `nonfinite` setting is in force.
+/// one element of the gradient (on every rank) stops the step with [`Error::NonFinite`]. On a
+/// GPU with `ACCELERATE_RS_CUDA_TRIAL=1` the check is the trial kernel's (its launches are
+/// counted). `None` when another `nonfinite` setting is in force.
 pub(super) fn nonfinite_detection(acc: &Accelerator) -> Result<Option<String>> {
     if acc.state().nonfinite() != accelerate_rs::NonFinite::Error {
         return Ok(None);
