@@ -255,6 +255,33 @@ def with_model(mutate, *extra):
     return setup
 
 
+CHAT_TRAIN = os.path.join(ROOT, "data", "chat_tiny.jsonl")
+
+
+def with_chat_template(template: str, keep: bool = False):
+    """A chat fine-tuning case on a copy of the model whose chat template is `template`
+    (before the folder's own with `keep`)."""
+    def setup(work):
+        m = copy_model(work)
+        path = os.path.join(m, "chat_template.jinja")
+        with open(path) as f:
+            own = f.read()
+        with open(path, "w") as f:
+            f.write(template + (own if keep else ""))
+        return ["--model", m, "--train", CHAT_TRAIN, "--output", os.path.join(work, "out"),
+                *quick_without(["--seq-len"]), "--seq-len", "128"], []
+    return setup
+
+
+def edit_tokenizer(folder: str, **changes) -> None:
+    path = os.path.join(folder, "tokenizer.json")
+    with open(path) as f:
+        tok = json.load(f)
+    tok.update(changes)
+    with open(path, "w") as f:
+        json.dump(tok, f)
+
+
 def est(mutate, *extra):
     def setup(work):
         m = copy_model(work)
@@ -339,6 +366,13 @@ def cases() -> list[Case]:
         Case("tokenizer.json is a FIFO", with_model(lambda m: fifo(tok_file(m))), ["FIFO"]),
         Case("tokenizer.json -> /dev/zero",
              with_model(lambda m: link(tok_file(m), "/dev/zero")), ["character device"]),
+        # Its padding and truncation are dropped, as transformers drops them: a fixed length of
+        # 10^10 aborted on the allocation, and max_length 4 cut every line short silently.
+        Case("tokenizer.json pads every text to 10^10 tokens",
+             with_model(lambda m: edit_tokenizer(m, padding={
+                 "strategy": {"Fixed": 10 ** 10}, "direction": "Right", "pad_to_multiple_of": None,
+                 "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"})), None,
+             check_ok=lambda w: os.path.isfile(os.path.join(out(w), "model.safetensors"))),
         Case("--model FOLDER/config.json",
              lambda w: (["--model", os.path.join(MODEL, "config.json"), "--train", TRAIN,
                          "--output", out(w), *QUICK], []), ["pass the folder"]),
@@ -350,6 +384,18 @@ def cases() -> list[Case]:
         Case("the Hugging Face cache layout (links into blobs/)",
              lambda w: (["--model", hf_cache(w), "--train", TRAIN, "--output", out(w), *QUICK],
                         []), None),
+        # Chat templates: a template's work and text are bounded (minijinja's fuel), and a
+        # namespace stored in itself is copied rather than made a cycle (a stack overflow).
+        Case("chat template loops without end",
+             with_chat_template("{% for i in range(100000) %}{% for j in range(100000) %}"
+                                "{% endfor %}{% endfor %}"), ["chat_template.jinja", "budget"]),
+        Case("chat template builds gigabytes of text",
+             with_chat_template("{% set s = 'x' * 90000000 %}{{ s ~ s ~ s ~ s ~ s ~ s ~ s }}"),
+             ["chat_template.jinja", "budget"]),
+        Case("chat template prints a namespace stored in itself",
+             with_chat_template("{% set ns0 = namespace(x=none) %}{% set ns0.x = ns0 %}"
+                                "{% if ns0 ~ '' == ns0.x ~ '!' %}never{% endif %}", keep=True),
+             None, check_ok=lambda w: os.path.isfile(os.path.join(out(w), "model.safetensors"))),
         # Flags.
         Case("--train /dev/zero", plain("--train", "/dev/zero", "--output", out),
              ["/dev/zero", "character device"]),

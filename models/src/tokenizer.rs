@@ -11,6 +11,13 @@ use crate::error::{Error, Result};
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 /// Reads `tokenizer.json`: the file, or the one in a model folder. The error names the file.
+///
+/// The file's own `padding` and `truncation` settings are dropped, as `transformers` drops them
+/// for every call that does not ask for padding or truncation: kept, a `truncation` block (many
+/// saved tokenizers have `max_length: 512`) would cut every line of a corpus and every
+/// conversation short without a word, and a fixed padding length would pad every text to it
+/// (a hostile 10^10 aborts the process on the allocation). Cut and pad with the loaders'
+/// lengths instead.
 pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
     let given = path.as_ref();
     let path = tokenizer_path(given);
@@ -29,10 +36,18 @@ pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
     }
     let bytes =
         accelerate_rs::files::read_bounded(&path, accelerate_rs::files::MAX_TOKENIZER_BYTES)?;
-    Tokenizer::from_bytes(&bytes).map_err(|e| Error::Tokenizer {
+    let mut tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| Error::Tokenizer {
         reason: format!("could not read it: {e}"),
-        path,
-    })
+        path: path.clone(),
+    })?;
+    tokenizer.with_padding(None);
+    tokenizer
+        .with_truncation(None)
+        .map_err(|e| Error::Tokenizer {
+            reason: format!("could not turn its truncation off: {e}"),
+            path,
+        })?;
+    Ok(tokenizer)
 }
 
 fn tokenizer_path(path: &Path) -> PathBuf {

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use accelerate_rs::StreamingLoader;
 use accelerate_rs_models::chat::{
     AssistantSpans, ChatDataset, ChatEncoder, ChatTemplate, Conversation, ConversationReader,
-    Overlong, Role,
+    Overlong, Role, CHAT_TEMPLATE_FUEL,
 };
 use accelerate_rs_models::{load_tokenizer, ChatErrorKind, Error, IGNORE_INDEX};
 use serde_json::Value;
@@ -627,6 +627,60 @@ fn templates_that_raise_or_mark_nothing_are_errors() {
         .render(&chat)
         .unwrap_err();
     assert_eq!(kind(err), ChatErrorKind::Render);
+}
+
+#[test]
+fn hostile_templates_end_in_errors_naming_the_budget_never_a_hang_or_an_abort() {
+    let tokenizer = || load_tokenizer(folder("qwen2")).unwrap();
+    let chat = Conversation::new([(Role::User, "a"), (Role::Assistant, "b")]).unwrap();
+    let render = |source: &str, fuel: Option<u64>| {
+        let template = ChatTemplate::new(source, Vec::<(String, String)>::new()).unwrap();
+        let template = match fuel {
+            Some(units) => template.with_fuel(units),
+            None => template,
+        };
+        ChatEncoder::new(template, tokenizer()).render(&chat)
+    };
+    // Work without end, at the default budget: 10^10 loop steps.
+    let endless =
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+    let err = render(endless, None).unwrap_err();
+    assert_eq!(kind_ref(&err), ChatErrorKind::Render);
+    let budget = format!("budget of {CHAT_TEMPLATE_FUEL} units");
+    assert!(err.to_string().contains(&budget), "{err}");
+    // Text without end, in the engine's operators and in our printing and `tojson`: at a
+    // smaller budget (64 KiB of text), so that the test is quick.
+    for source in [
+        "{% set s = 'x' * 60000 %}{{ s ~ s ~ s ~ s }}",
+        "{% set l = ['x' * 1000] * 100 %}{{ [l] * 100 }}",
+        "{% set l = ['x' * 1000] * 100 %}{{ ([l] * 100)|string }}",
+        "{{ messages|tojson(indent='x' * 1000) }}{{ [[[[messages]]]]|tojson(indent='x' * 1000) }}",
+        "{{ messages|tojson(separators=('x' * 40000, ': ')) }}",
+    ] {
+        let err = render(source, Some(1000)).unwrap_err();
+        assert_eq!(kind_ref(&err), ChatErrorKind::Render, "{source}");
+        assert!(
+            err.to_string().contains("budget of 1000 units"),
+            "{source}: {err}"
+        );
+    }
+    // A namespace stored in itself: Jinja2 would make a cycle that no print or comparison
+    // survives; here the namespace stores a copy of what it held.
+    let cycle = "{% set ns = namespace(x=none) %}{% set ns.x = ns %}{% set ns.y = [ns, ns] %}\
+                 {{ ns.x }}|{{ ns ~ '' }}|{{ ns == ns }}|{{ ns.y|tojson }}|{{ ns|pprint|length > 0 }}";
+    let text = render(cycle, None).unwrap();
+    assert!(
+        text.starts_with("{'x': None}|") && text.contains("|True|") && text.ends_with("|True"),
+        "{text}"
+    );
+    // What real templates store in namespaces still works.
+    let plain = "{% set ns = namespace(m=none, n=0, seen=[]) %}{% for m in messages %}\
+                 {% set ns.m = m %}{% set ns.n = ns.n + 1 %}{% set ns.seen = ns.seen + [m.role] %}\
+                 {% endfor %}{{ ns.m.content }}{{ ns.n }}{{ ns.seen|join(',') }}";
+    assert_eq!(render(plain, None).unwrap(), "b2user,assistant");
+    // Recursion without end is the engine's error.
+    let err = render("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", None).unwrap_err();
+    assert!(err.to_string().contains("recursion limit"), "{err}");
 }
 
 #[test]

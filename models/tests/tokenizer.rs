@@ -33,3 +33,31 @@ fn missing_or_broken_tokenizer_files_are_named() {
     let msg = load_tokenizer(&bad).unwrap_err().to_string();
     assert!(msg.contains("tokenizer.json"), "{msg}");
 }
+
+#[test]
+fn the_files_padding_and_truncation_are_dropped_as_transformers_drops_them() {
+    // A saved tokenizer that truncates at 4 tokens and pads every text to 10^10 (which would
+    // cut each corpus line short without a word, and abort on the allocation).
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tiny().join("tokenizer.json")).unwrap()).unwrap();
+    json["truncation"] = serde_json::json!({
+        "direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0
+    });
+    json["padding"] = serde_json::json!({
+        "strategy": {"Fixed": 10_000_000_000u64}, "direction": "Right",
+        "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"
+    });
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("tokenizer.json"), json.to_string()).unwrap();
+    let tok = load_tokenizer(tmp.path()).unwrap();
+    assert!(tok.get_padding().is_none() && tok.get_truncation().is_none());
+    let text = "Hello accelerate, hello accelerate\nHello accelerate\n";
+    let clean = load_tokenizer(tiny()).unwrap();
+    let ids = encode_corpus(&tok, text).unwrap();
+    assert!(ids.len() > 8);
+    assert_eq!(ids, encode_corpus(&clean, text).unwrap());
+    assert_eq!(
+        tok.encode(text, false).unwrap().get_ids(),
+        clean.encode(text, false).unwrap().get_ids()
+    );
+}

@@ -63,6 +63,7 @@ mod encoder;
 mod pack;
 mod python;
 mod reader;
+mod tags;
 mod template;
 
 pub use conversation::{Conversation, Role, RowSource};
@@ -70,4 +71,4 @@ pub use dataset::{ChatDataset, ChatExamples, ChatStats, Overlong};
 pub use encoder::{AssistantSpans, ChatEncoder, ChatExample};
 pub use pack::{PackedBatch, PackedRow, Packer};
 pub use reader::{ConversationReader, DEFAULT_MAX_LINE_BYTES};
-pub use template::{ChatTemplate, CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE};
+pub use template::{ChatTemplate, CHAT_TEMPLATE_FILE, CHAT_TEMPLATE_FUEL, TOKENIZER_CONFIG_FILE};

@@ -7,6 +7,66 @@ use std::fmt::Write;
 use minijinja::value::{Value, ValueKind};
 use minijinja::{Error, ErrorKind};
 
+/// The deepest nesting a printed value may have. JSON rows nest at most 128 deep (serde_json's
+/// limit) and templates add a few levels; a deeper value is one that holds itself (a namespace
+/// stored in its own attribute), which would never end printing.
+pub(crate) const MAX_DEPTH: usize = 256;
+
+/// Text printed under a byte budget (what the rendering may still make) and [`MAX_DEPTH`]: a
+/// template can neither print a value past its budget (a short indent repeated at every level
+/// of a large value) nor recurse without end.
+pub(crate) struct Printer {
+    text: String,
+    max_bytes: usize,
+}
+
+impl Printer {
+    /// An empty text that may grow to `max_bytes`.
+    pub(crate) fn new(max_bytes: usize) -> Self {
+        Printer {
+            text: String::new(),
+            max_bytes,
+        }
+    }
+
+    fn push(&mut self, s: &str) -> Result<(), Error> {
+        if self.text.len().saturating_add(s.len()) > self.max_bytes {
+            return Err(Error::new(
+                ErrorKind::OutOfFuel,
+                format!(
+                    "printing a value would make more than the {} bytes the template's budget \
+                     has left",
+                    self.max_bytes
+                ),
+            ));
+        }
+        self.text.push_str(s);
+        Ok(())
+    }
+
+    fn push_char(&mut self, c: char) -> Result<(), Error> {
+        self.push(c.encode_utf8(&mut [0u8; 4]))
+    }
+
+    /// The text printed.
+    pub(crate) fn into_text(self) -> String {
+        self.text
+    }
+}
+
+/// Fails past [`MAX_DEPTH`].
+pub(crate) fn check_depth(depth: usize) -> Result<(), Error> {
+    if depth > MAX_DEPTH {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "a value nested more than {MAX_DEPTH} levels deep (does a namespace hold itself?)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The options of `json.dumps` that `transformers`' `tojson` passes on.
 #[derive(Debug, Clone)]
 pub(crate) struct JsonStyle {
@@ -36,80 +96,52 @@ impl JsonStyle {
     }
 }
 
-/// `json.dumps(value, ...)`.
-pub(crate) fn dumps(value: &Value, style: &JsonStyle) -> Result<String, Error> {
-    let mut out = String::new();
+/// `json.dumps(value, ...)`, at most `max_bytes` long.
+pub(crate) fn dumps(value: &Value, style: &JsonStyle, max_bytes: usize) -> Result<String, Error> {
+    let mut out = Printer::new(max_bytes);
     write_json(&mut out, value, style, 0)?;
-    Ok(out)
+    Ok(out.into_text())
 }
 
-fn newline_indent(out: &mut String, style: &JsonStyle, level: usize) {
+fn newline_indent(out: &mut Printer, style: &JsonStyle, level: usize) -> Result<(), Error> {
     if let Some(indent) = &style.indent {
-        out.push('\n');
+        out.push_char('\n')?;
         for _ in 0..level {
-            out.push_str(indent);
+            out.push(indent)?;
         }
     }
+    Ok(())
 }
 
 fn write_json(
-    out: &mut String,
+    out: &mut Printer,
     value: &Value,
     style: &JsonStyle,
     level: usize,
 ) -> Result<(), Error> {
+    check_depth(level)?;
     match value.kind() {
-        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
-        ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
-        ValueKind::Number => out.push_str(&py_number(value)),
-        ValueKind::String => write_json_string(out, value.as_str().unwrap_or_default(), style),
+        ValueKind::Undefined | ValueKind::None => out.push("null")?,
+        ValueKind::Bool => out.push(if value.is_true() { "true" } else { "false" })?,
+        ValueKind::Number => out.push(&py_number(value))?,
+        ValueKind::String => write_json_string(out, value.as_str().unwrap_or_default(), style)?,
         ValueKind::Seq | ValueKind::Iterable => {
             let items: Vec<Value> = value.try_iter()?.collect();
             if items.is_empty() {
-                out.push_str("[]");
-                return Ok(());
+                return out.push("[]");
             }
-            out.push('[');
+            out.push_char('[')?;
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
-                    out.push_str(&style.item_separator);
+                    out.push(&style.item_separator)?;
                 }
-                newline_indent(out, style, level + 1);
+                newline_indent(out, style, level + 1)?;
                 write_json(out, item, style, level + 1)?;
             }
-            newline_indent(out, style, level);
-            out.push(']');
+            newline_indent(out, style, level)?;
+            out.push_char(']')?;
         }
-        ValueKind::Map => {
-            let mut entries: Vec<(String, Value)> = Vec::new();
-            for key in value.try_iter()? {
-                let item = value.get_item(&key)?;
-                let key = match key.as_str() {
-                    Some(s) => s.to_string(),
-                    None => py_str(&key),
-                };
-                entries.push((key, item));
-            }
-            if style.sort_keys {
-                entries.sort_by(|a, b| a.0.cmp(&b.0));
-            }
-            if entries.is_empty() {
-                out.push_str("{}");
-                return Ok(());
-            }
-            out.push('{');
-            for (i, (key, item)) in entries.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(&style.item_separator);
-                }
-                newline_indent(out, style, level + 1);
-                write_json_string(out, key, style);
-                out.push_str(&style.key_separator);
-                write_json(out, item, style, level + 1)?;
-            }
-            newline_indent(out, style, level);
-            out.push('}');
-        }
+        ValueKind::Map => write_json_map(out, value, style, level)?,
         kind => {
             return Err(Error::new(
                 ErrorKind::InvalidOperation,
@@ -120,31 +152,83 @@ fn write_json(
     Ok(())
 }
 
+fn write_json_map(
+    out: &mut Printer,
+    value: &Value,
+    style: &JsonStyle,
+    level: usize,
+) -> Result<(), Error> {
+    let mut entries: Vec<(String, Value)> = Vec::new();
+    for key in value.try_iter()? {
+        let item = value.get_item(&key)?;
+        let key = match key.as_str() {
+            Some(s) => s.to_string(),
+            None => py_str(&key, out.max_bytes, level + 1)?,
+        };
+        entries.push((key, item));
+    }
+    if style.sort_keys {
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+    }
+    if entries.is_empty() {
+        return out.push("{}");
+    }
+    out.push_char('{')?;
+    for (i, (key, item)) in entries.iter().enumerate() {
+        if i > 0 {
+            out.push(&style.item_separator)?;
+        }
+        newline_indent(out, style, level + 1)?;
+        write_json_string(out, key, style)?;
+        out.push(&style.key_separator)?;
+        write_json(out, item, style, level + 1)?;
+    }
+    newline_indent(out, style, level)?;
+    out.push_char('}')
+}
+
 /// A JSON string as Python's `json` writes it.
-fn write_json_string(out: &mut String, s: &str, style: &JsonStyle) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c if style.ensure_ascii && !c.is_ascii() => {
-                let mut units = [0u16; 2];
-                for unit in c.encode_utf16(&mut units) {
-                    let _ = write!(out, "\\u{unit:04x}");
-                }
-            }
-            c => out.push(c),
+fn write_json_string(out: &mut Printer, s: &str, style: &JsonStyle) -> Result<(), Error> {
+    out.push_char('"')?;
+    write_escaped(out, s, |c| match c {
+        '"' => Some("\\\"".into()),
+        '\\' => Some("\\\\".into()),
+        '\n' => Some("\\n".into()),
+        '\r' => Some("\\r".into()),
+        '\t' => Some("\\t".into()),
+        '\u{8}' => Some("\\b".into()),
+        '\u{c}' => Some("\\f".into()),
+        c if (c as u32) < 0x20 => Some(format!("\\u{:04x}", c as u32)),
+        c if style.ensure_ascii && !c.is_ascii() => {
+            let mut units = [0u16; 2];
+            Some(
+                c.encode_utf16(&mut units)
+                    .iter()
+                    .map(|unit| format!("\\u{unit:04x}"))
+                    .collect(),
+            )
+        }
+        _ => None,
+    })?;
+    out.push_char('"')
+}
+
+/// `s` with each character `escape` has an escape for replaced by it, the runs between pushed
+/// whole.
+fn write_escaped(
+    out: &mut Printer,
+    s: &str,
+    escape: impl Fn(char) -> Option<String>,
+) -> Result<(), Error> {
+    let mut run = 0;
+    for (i, c) in s.char_indices() {
+        if let Some(escaped) = escape(c) {
+            out.push(&s[run..i])?;
+            out.push(&escaped)?;
+            run = i + c.len_utf8();
         }
     }
-    out.push('"');
+    out.push(&s[run..])
 }
 
 /// A number as Python prints it: an integer as is, a float as `repr` (`1.0`, `1e-05`, `inf`).
@@ -201,83 +285,92 @@ pub(crate) fn py_float(x: f64) -> String {
 }
 
 /// `str(value)` in Python: what Jinja2 prints for `{{ value }}` and the `string` filter gives
-/// (`None`, `True`, `['a', 1]`, `{'k': 'v'}`); undefined prints nothing.
-pub(crate) fn py_str(value: &Value) -> String {
+/// (`None`, `True`, `['a', 1]`, `{'k': 'v'}`); undefined prints nothing. At most `max_bytes`
+/// long, `depth` levels below the value printed first.
+pub(crate) fn py_str(value: &Value, max_bytes: usize, depth: usize) -> Result<String, Error> {
     match value.kind() {
-        ValueKind::String => value.as_str().unwrap_or_default().to_string(),
-        ValueKind::Undefined => String::new(),
-        _ => py_repr(value),
+        ValueKind::String => Ok(value.as_str().unwrap_or_default().to_string()),
+        ValueKind::Undefined => Ok(String::new()),
+        _ => {
+            let mut out = Printer::new(max_bytes);
+            write_repr(&mut out, value, depth)?;
+            Ok(out.into_text())
+        }
     }
 }
 
 /// `repr(value)` in Python.
-fn py_repr(value: &Value) -> String {
+fn write_repr(out: &mut Printer, value: &Value, depth: usize) -> Result<(), Error> {
+    check_depth(depth)?;
     match value.kind() {
-        ValueKind::Undefined | ValueKind::None => "None".into(),
-        ValueKind::Bool => if value.is_true() { "True" } else { "False" }.into(),
-        ValueKind::Number => {
-            if value.is_integer() {
-                value.to_string()
-            } else {
-                match f64::try_from(value.clone()) {
-                    Ok(x) if x.is_nan() => "nan".into(),
-                    Ok(x) if x.is_infinite() => if x > 0.0 { "inf" } else { "-inf" }.into(),
-                    Ok(x) => py_float(x),
-                    Err(_) => value.to_string(),
-                }
-            }
-        }
-        ValueKind::String => py_string_repr(value.as_str().unwrap_or_default()),
+        ValueKind::Undefined | ValueKind::None => out.push("None"),
+        ValueKind::Bool => out.push(if value.is_true() { "True" } else { "False" }),
+        ValueKind::Number => out.push(&py_number_repr(value)),
+        ValueKind::String => write_string_repr(out, value.as_str().unwrap_or_default()),
         ValueKind::Seq => match value.try_iter() {
-            Ok(items) => format!(
-                "[{}]",
-                items.map(|v| py_repr(&v)).collect::<Vec<_>>().join(", ")
-            ),
-            Err(_) => value.to_string(),
+            Ok(items) => {
+                out.push_char('[')?;
+                for (i, item) in items.enumerate() {
+                    if i > 0 {
+                        out.push(", ")?;
+                    }
+                    write_repr(out, &item, depth + 1)?;
+                }
+                out.push_char(']')
+            }
+            Err(_) => out.push(&value.to_string()),
         },
         ValueKind::Map => match value.try_iter() {
             Ok(keys) => {
-                let entries: Vec<String> = keys
-                    .map(|k| {
-                        let v = value.get_item(&k).unwrap_or_default();
-                        format!("{}: {}", py_repr(&k), py_repr(&v))
-                    })
-                    .collect();
-                format!("{{{}}}", entries.join(", "))
+                out.push_char('{')?;
+                for (i, key) in keys.enumerate() {
+                    if i > 0 {
+                        out.push(", ")?;
+                    }
+                    let item = value.get_item(&key).unwrap_or_default();
+                    write_repr(out, &key, depth + 1)?;
+                    out.push(": ")?;
+                    write_repr(out, &item, depth + 1)?;
+                }
+                out.push_char('}')
             }
-            Err(_) => value.to_string(),
+            Err(_) => out.push(&value.to_string()),
         },
-        _ => value.to_string(),
+        _ => out.push(&value.to_string()),
+    }
+}
+
+/// `repr(x)` of a number: an integer as is, a float as Python's `repr` (`nan`, `inf`).
+fn py_number_repr(value: &Value) -> String {
+    if value.is_integer() {
+        return value.to_string();
+    }
+    match f64::try_from(value.clone()) {
+        Ok(x) if x.is_nan() => "nan".into(),
+        Ok(x) if x.is_infinite() => if x > 0.0 { "inf" } else { "-inf" }.into(),
+        Ok(x) => py_float(x),
+        Err(_) => value.to_string(),
     }
 }
 
 /// `repr(s)` of a Python string: single quotes unless it holds a single quote and no double.
-fn py_string_repr(s: &str) -> String {
+fn write_string_repr(out: &mut Printer, s: &str) -> Result<(), Error> {
     let quote = if s.contains('\'') && !s.contains('"') {
         '"'
     } else {
         '\''
     };
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push(quote);
-    for c in s.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if c == quote => {
-                out.push('\\');
-                out.push(c);
-            }
-            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
-                let _ = write!(out, "\\x{:02x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push(quote);
-    out
+    out.push_char(quote)?;
+    write_escaped(out, s, |c| match c {
+        '\\' => Some("\\\\".into()),
+        '\n' => Some("\\n".into()),
+        '\r' => Some("\\r".into()),
+        '\t' => Some("\\t".into()),
+        c if c == quote => Some(format!("\\{c}")),
+        c if (c as u32) < 0x20 || c as u32 == 0x7f => Some(format!("\\x{:02x}", c as u32)),
+        _ => None,
+    })?;
+    out.push_char(quote)
 }
 
 const MONTHS: [&str; 12] = [
@@ -431,10 +524,10 @@ mod tests {
             serde_json::from_str(r#"{"b": [1, 2.5, "é\n\"<"], "a": {}, "c": null, "d": true}"#)
                 .unwrap();
         assert_eq!(
-            dumps(&v, &JsonStyle::new(None)).unwrap(),
+            dumps(&v, &JsonStyle::new(None), usize::MAX).unwrap(),
             r#"{"b": [1, 2.5, "é\n\"<"], "a": {}, "c": null, "d": true}"#
         );
-        let indented = dumps(&v, &JsonStyle::new(Some("  ".into()))).unwrap();
+        let indented = dumps(&v, &JsonStyle::new(Some("  ".into())), usize::MAX).unwrap();
         assert_eq!(
             indented,
             "{\n  \"b\": [\n    1,\n    2.5,\n    \"é\\n\\\"<\"\n  ],\n  \"a\": {},\n  \"c\": null,\n  \"d\": true\n}"
@@ -444,7 +537,7 @@ mod tests {
         ascii.sort_keys = true;
         let v: Value = serde_json::from_str(r#"{"z": "é👋", "a": 1}"#).unwrap();
         assert_eq!(
-            dumps(&v, &ascii).unwrap(),
+            dumps(&v, &ascii, usize::MAX).unwrap(),
             r#"{"a": 1, "z": "\u00e9\ud83d\udc4b"}"#
         );
     }
@@ -452,9 +545,41 @@ mod tests {
     #[test]
     fn str_is_python_str() {
         let v: Value = serde_json::from_str(r#"[null, true, 1, "it's", {"k": "v"}]"#).unwrap();
-        assert_eq!(py_str(&v), r#"[None, True, 1, "it's", {'k': 'v'}]"#);
-        assert_eq!(py_str(&Value::from("plain")), "plain");
-        assert_eq!(py_str(&Value::UNDEFINED), "");
+        assert_eq!(
+            py_str(&v, usize::MAX, 0).unwrap(),
+            r#"[None, True, 1, "it's", {'k': 'v'}]"#
+        );
+        assert_eq!(
+            py_str(&Value::from("plain"), usize::MAX, 0).unwrap(),
+            "plain"
+        );
+        assert_eq!(py_str(&Value::UNDEFINED, usize::MAX, 0).unwrap(), "");
+    }
+
+    #[test]
+    fn printing_stops_at_its_budget_and_depth() {
+        let v: Value = serde_json::from_str(r#"[[1, 2], {"k": "v"}, "x"]"#).unwrap();
+        let full = dumps(&v, &JsonStyle::new(Some("  ".into())), usize::MAX).unwrap();
+        let err = dumps(&v, &JsonStyle::new(Some("  ".into())), full.len() - 1).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::OutOfFuel);
+        assert_eq!(
+            dumps(&v, &JsonStyle::new(Some("  ".into())), full.len()).unwrap(),
+            full
+        );
+        let repr = py_str(&v, usize::MAX, 0).unwrap();
+        assert_eq!(repr, "[[1, 2], {'k': 'v'}, 'x']");
+        assert!(py_str(&v, repr.len() - 1, 0).is_err());
+        // One level past the deepest accepted.
+        let mut deep = Value::from(1);
+        for _ in 0..MAX_DEPTH {
+            deep = Value::from(vec![deep]);
+        }
+        assert!(py_str(&deep, usize::MAX, 0).is_ok());
+        assert!(dumps(&deep, &JsonStyle::new(None), usize::MAX).is_ok());
+        let deeper = Value::from(vec![deep]);
+        let err = py_str(&deeper, usize::MAX, 0).unwrap_err();
+        assert!(err.to_string().contains("levels deep"), "{err}");
+        assert!(dumps(&deeper, &JsonStyle::new(None), usize::MAX).is_err());
     }
 
     #[test]

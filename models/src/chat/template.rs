@@ -9,6 +9,7 @@ use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{AutoEscape, Environment, Error as JinjaError, ErrorKind, State};
 
 use super::python::{self, DateTime, JsonStyle};
+use super::tags;
 use crate::error::{Error, Result};
 
 /// The file `transformers` 5 saves a chat template in.
@@ -33,6 +34,19 @@ const NAME: &str = "chat_template";
 /// The filter `{% generation %}` blocks are rewritten to, and the variable that turns it on.
 const GENERATION_FILTER: &str = "__accelerate_rs_generation";
 const TRACK_VARIABLE: &str = "__accelerate_rs_track_generation";
+/// The filter every value assigned into a namespace attribute goes through ([`detach`]).
+const DETACH_FILTER: &str = "__accelerate_rs_detach";
+
+/// The work one rendering may do by default ([`ChatTemplate::with_fuel`]), in minijinja's
+/// fuel: about one instruction, or 64 bytes of text made, per unit. A template that loops
+/// without end or builds gigabytes fails with an error naming the budget instead of hanging
+/// the run or exhausting its memory (8M units: at most 512 MiB of text). Real templates need
+/// far less: a 15 MB conversation of 5,001 messages takes 1.1M to 1.4M units with the
+/// Llama 3.1, Qwen2.5 and Mistral templates of `models/tests/fixtures`, and the longest row
+/// [`ConversationReader`](super::ConversationReader) accepts is 16 MiB.
+pub const CHAT_TEMPLATE_FUEL: u64 = 8 << 20;
+/// The bytes of text one unit of fuel pays for (minijinja's own rate).
+const BYTES_PER_FUEL: u64 = 64;
 /// What the generation filter wraps its text in while tracking (noncharacters around a tag
 /// no text holds).
 const MARK_START: &str = "\u{FDD0}accelerate-rs-generation\u{FDD1}";
@@ -56,6 +70,8 @@ pub struct ChatTemplate {
     path: PathBuf,
     special_tokens: Vec<(String, String)>,
     marked: bool,
+    /// The fuel of one rendering (named by the error when it runs out).
+    fuel: u64,
 }
 
 /// A rendering, with the byte ranges of its `{% generation %}` blocks when they were tracked.
@@ -139,7 +155,7 @@ impl ChatTemplate {
     }
 
     fn compile(source: String, special: Vec<(String, String)>, path: PathBuf) -> Result<Self> {
-        let (source, marked) = rewrite_generation_blocks(&source);
+        let (source, marked) = rewrite_source(&source);
         let mut env = environment().map_err(|e| Error::ChatTemplate {
             path: path.clone(),
             reason: format!("cannot set up the template engine: {}", describe(&e)),
@@ -154,7 +170,16 @@ impl ChatTemplate {
             path,
             special_tokens: special,
             marked,
+            fuel: CHAT_TEMPLATE_FUEL,
         })
+    }
+
+    /// The template with a budget of `units` of fuel per rendering instead of
+    /// [`CHAT_TEMPLATE_FUEL`] (for conversations far longer than any row the reader accepts).
+    pub fn with_fuel(mut self, units: u64) -> Self {
+        self.env.set_fuel(Some(units));
+        self.fuel = units;
+        self
     }
 
     /// The file the template was read from (`<memory>` for [`new`](Self::new)).
@@ -206,7 +231,7 @@ impl ChatTemplate {
         ]);
         let text = template
             .render(Value::from_pairs(context))
-            .map_err(|e| describe(&e))?;
+            .map_err(|e| self.out_of_fuel(&e).unwrap_or_else(|| describe(&e)))?;
         if track && self.marked {
             strip_marks(&text)
         } else {
@@ -216,11 +241,25 @@ impl ChatTemplate {
             })
         }
     }
+
+    /// A rendering's error when it ran out of fuel, naming the budget.
+    fn out_of_fuel(&self, error: &JinjaError) -> Option<String> {
+        (error.kind() == ErrorKind::OutOfFuel).then(|| {
+            format!(
+                "{}: the template did more work than its budget of {} units of fuel allows \
+                 (about one instruction or 64 bytes of text each; ChatTemplate::with_fuel): a \
+                 loop that does not end, or far more text than a conversation needs",
+                describe(error),
+                self.fuel
+            )
+        })
+    }
 }
 
 /// The environment `transformers` sets up for chat templates, in minijinja.
 fn environment() -> std::result::Result<Environment<'static>, JinjaError> {
     let mut env = Environment::new();
+    env.set_fuel(Some(CHAT_TEMPLATE_FUEL));
     env.set_syntax(
         SyntaxConfig::builder()
             .trim_blocks(true)
@@ -230,15 +269,18 @@ fn environment() -> std::result::Result<Environment<'static>, JinjaError> {
     );
     env.set_auto_escape_callback(|_| AutoEscape::None);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.set_formatter(|out, _state, value| {
-        out.write_str(&python::py_str(value))
+    env.set_formatter(|out, state, value| {
+        out.write_str(&python::py_str(value, print_budget(state), 0)?)
             .map_err(|e| JinjaError::new(ErrorKind::WriteFailure, e.to_string()))
     });
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     env.add_filter("tojson", tojson);
-    env.add_filter("string", |value: &Value| python::py_str(value));
+    env.add_filter("string", |state: &State, value: &Value| {
+        python::py_str(value, print_budget(state), 0)
+    });
     env.add_filter(GENERATION_FILTER, generation);
+    env.add_filter(DETACH_FILTER, detach);
     // Python: a string, list, dict or undefined is iterable, None and numbers are not.
     env.add_test("iterable", |value: &Value| {
         matches!(
@@ -270,7 +312,8 @@ const MAX_INDENT: i64 = 1024;
 
 /// `transformers`' `tojson(x, ensure_ascii=False, indent=None, separators=None,
 /// sort_keys=False)`: Python's `json.dumps` (the options by keyword, as templates give them).
-fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<String, JinjaError> {
+fn tojson(state: &State, value: &Value, kwargs: Kwargs) -> std::result::Result<String, JinjaError> {
+    let budget = print_budget(state);
     let pick = |name: &str| -> std::result::Result<Option<Value>, JinjaError> {
         kwargs.get::<Option<Value>>(name)
     };
@@ -297,8 +340,8 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<String, JinjaErr
             let parts: Vec<Value> = v.try_iter()?.collect();
             match parts.as_slice() {
                 [item, key] => {
-                    style.item_separator = python::py_str(item);
-                    style.key_separator = python::py_str(key);
+                    style.item_separator = python::py_str(item, budget, 0)?;
+                    style.key_separator = python::py_str(key, budget, 0)?;
                 }
                 _ => {
                     return Err(JinjaError::new(
@@ -313,7 +356,52 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<String, JinjaErr
         style.sort_keys = v.is_true();
     }
     kwargs.assert_all_used()?;
-    python::dumps(value, &style)
+    python::dumps(value, &style, budget)
+}
+
+/// The bytes a value printed now may take: what the rendering's fuel can still pay for.
+fn print_budget(state: &State) -> usize {
+    let left = state
+        .fuel_levels()
+        .map_or(CHAT_TEMPLATE_FUEL, |(_, remaining)| remaining);
+    usize::try_from(left.saturating_mul(BYTES_PER_FUEL)).unwrap_or(usize::MAX)
+}
+
+/// A value assigned into a namespace attribute (`{% set ns.x = value %}`), copied: lists and
+/// dicts rebuilt (a namespace inside becomes a plain dict of what it holds now). Jinja2 stores
+/// the value itself, but namespaces are the one mutable value, and one stored inside itself
+/// would make every later print or comparison of it recurse without end (a stack overflow
+/// aborts the process). Strings are shared, not copied; every item copied costs fuel.
+fn detach(state: &State, value: Value) -> std::result::Result<Value, JinjaError> {
+    copy_value(state, &value, 0)
+}
+
+fn copy_value(
+    state: &State,
+    value: &Value,
+    depth: usize,
+) -> std::result::Result<Value, JinjaError> {
+    python::check_depth(depth)?;
+    match value.kind() {
+        ValueKind::Seq | ValueKind::Iterable => {
+            let mut items = Vec::new();
+            for item in value.try_iter()? {
+                state.consume_fuel(1)?;
+                items.push(copy_value(state, &item, depth + 1)?);
+            }
+            Ok(Value::from(items))
+        }
+        ValueKind::Map => {
+            let mut pairs = Vec::new();
+            for key in value.try_iter()? {
+                state.consume_fuel(1)?;
+                let item = value.get_item(&key)?;
+                pairs.push((key, copy_value(state, &item, depth + 1)?));
+            }
+            Ok(Value::from_pairs(pairs))
+        }
+        _ => Ok(value.clone()),
+    }
 }
 
 /// The body of a `{% generation %}` block: marked while tracking.
@@ -364,56 +452,24 @@ fn strip_marks(marked: &str) -> std::result::Result<Rendered, String> {
 }
 
 /// Rewrites `{% generation %}`/`{% endgeneration %}` (any `-`/`+` whitespace control) into a
-/// filter block of the same layout: the same trim_blocks/lstrip_blocks behaviour, and a hook.
-/// Returns the text and whether there was such a block.
-fn rewrite_generation_blocks(source: &str) -> (String, bool) {
-    let mut out = String::with_capacity(source.len());
-    let mut rest = source;
+/// filter block of the same layout (the same trim_blocks/lstrip_blocks behaviour, and a hook),
+/// and passes the value of every assignment into a namespace attribute through the filter that
+/// copies it ([`detach`]). Returns the text and whether there was a generation block.
+fn rewrite_source(source: &str) -> (String, bool) {
     let mut found = false;
-    while let Some(at) = rest.find("{%") {
-        out.push_str(&rest[..at]);
-        let tag = &rest[at..];
-        match parse_generation_tag(tag) {
-            Some((len, left, right, end)) => {
-                let body = if end {
-                    " endfilter ".to_string()
-                } else {
-                    format!(" filter {GENERATION_FILTER} ")
-                };
-                out.push_str(&format!("{{%{left}{body}{right}%}}"));
-                rest = &tag[len..];
-                found = true;
-            }
-            None => {
-                out.push_str("{%");
-                rest = &tag[2..];
-            }
+    let text = tags::rewrite_tags(source, |tag| {
+        if let Some((left, right, end)) = tags::generation_tag(tag) {
+            found = true;
+            let body = if end {
+                " endfilter ".to_string()
+            } else {
+                format!(" filter {GENERATION_FILTER} ")
+            };
+            return Some(format!("{left}{body}{right}"));
         }
-    }
-    out.push_str(rest);
-    (out, found)
-}
-
-/// At `{%...`: the length of a `{% generation %}` or `{% endgeneration %}` tag, its whitespace
-/// controls, and whether it is the end tag.
-fn parse_generation_tag(tag: &str) -> Option<(usize, &str, &str, bool)> {
-    let inner = tag.strip_prefix("{%")?;
-    let close = inner.find("%}")?;
-    let body = &inner[..close];
-    let (left, body) = match body.chars().next() {
-        Some(c @ ('-' | '+')) => (&inner[..c.len_utf8()], &body[1..]),
-        _ => ("", body),
-    };
-    let (body, right) = match body.chars().last() {
-        Some(c @ ('-' | '+')) => (&body[..body.len() - 1], &inner[close - c.len_utf8()..close]),
-        _ => (body, ""),
-    };
-    let end = match body.trim() {
-        "generation" => false,
-        "endgeneration" => true,
-        _ => return None,
-    };
-    Some((2 + close + 2, left, right, end))
+        tags::filter_attribute_assignment(tag, DETACH_FILTER)
+    });
+    (text, found)
 }
 
 /// A minijinja error with its line and the cause chain.
@@ -422,6 +478,7 @@ fn describe(error: &JinjaError) -> String {
         Some(detail) => detail.to_string(),
         None => error.to_string(),
     };
+
     if let Some(line) = error.line() {
         text.push_str(&format!(" (template line {line})"));
     }
@@ -504,7 +561,7 @@ mod tests {
 
     #[test]
     fn generation_tags_become_filter_blocks() {
-        let (out, found) = rewrite_generation_blocks(
+        let (out, found) = rewrite_source(
             "a{% generation %}b{%- endgeneration -%}c{%+generation+%}{% if x %}{%endgeneration%}",
         );
         assert!(found);
@@ -515,7 +572,7 @@ mod tests {
                  {GENERATION_FILTER} +%}}{{% if x %}}{{% endfilter %}}"
             )
         );
-        let (same, found) = rewrite_generation_blocks("{% if generation %}{% generations %}{%");
+        let (same, found) = rewrite_source("{% if generation %}{% generations %}{%");
         assert!(!found);
         assert_eq!(same, "{% if generation %}{% generations %}{%");
     }
