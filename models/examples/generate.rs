@@ -18,7 +18,9 @@
 use std::path::PathBuf;
 
 use accelerate_rs_models::chat::{ChatEncoder, Conversation, Role};
-use accelerate_rs_models::{eos_token_ids, load_tokenizer, AutoModel, GenerationConfig};
+use accelerate_rs_models::{
+    decode_ids, eos_token_ids, load_tokenizer, AutoModel, GenerationConfig,
+};
 use anyhow::{anyhow, Context, Result};
 use candle_core::{DType, Device};
 use clap::Parser;
@@ -84,9 +86,7 @@ fn main() -> Result<()> {
     }
     let new = model.generate(&[prompt], &config)?;
     let tokenizer = load_tokenizer(&args.model)?;
-    let text = tokenizer
-        .decode(&new[0], true)
-        .map_err(|e| anyhow!("decoding the generated ids: {e}"))?;
+    let text = decode_ids(&tokenizer, &new[0], true).context("decoding the generated ids")?;
     if args.json {
         println!("{}", serde_json::json!({ "ids": new[0], "text": text }));
     } else {

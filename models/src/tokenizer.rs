@@ -1,6 +1,7 @@
 //! `tokenizer.json` through the `tokenizers` crate (pure Rust here: its regex engine is
 //! `fancy-regex`, no C library).
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
 pub use tokenizers::Tokenizer;
@@ -45,9 +46,48 @@ pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
         .with_truncation(None)
         .map_err(|e| Error::Tokenizer {
             reason: format!("could not turn its truncation off: {e}"),
-            path,
+            path: path.clone(),
         })?;
-    Ok(tokenizer)
+    let probe =
+        call("encode a probe text", || tokenizer.encode(PROBE, false)).and_then(|encoding| {
+            call("decode a probe text", || {
+                tokenizer.decode(encoding.get_ids(), false)
+            })
+        });
+    match probe {
+        Ok(_) => Ok(tokenizer),
+        Err(reason) => Err(Error::Tokenizer { path, reason }),
+    }
+}
+
+/// The text a tokenizer encodes and decodes once when it is loaded: letters, accents, digits,
+/// punctuation, spaces and line breaks.
+const PROBE: &str = "Hello, world! Héllo 123 \t\n  naïve 日本 ok.\n";
+
+/// A call into the `tokenizers` library with its panics caught (some settings of a hostile
+/// `tokenizer.json` make it index out of bounds): `Err` says what failed to happen, with the
+/// library's error or panic message.
+pub(crate) fn call<T>(
+    what: &str,
+    f: impl FnOnce() -> tokenizers::Result<T>,
+) -> std::result::Result<T, String> {
+    // Unwind safety: on a panic the partial result is dropped and an error returned; these
+    // calls only read the tokenizer, so nothing is left half-changed.
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(format!("could not {what}: {e}")),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "no message".to_string());
+            Err(format!(
+                "the tokenizers library failed to {what} (it panicked: {message}): the \
+                 tokenizer.json holds settings it cannot run"
+            ))
+        }
+    }
 }
 
 fn tokenizer_path(path: &Path) -> PathBuf {
@@ -58,16 +98,29 @@ fn tokenizer_path(path: &Path) -> PathBuf {
     }
 }
 
+/// The text of `ids` (`skip_special`: without the special tokens), as
+/// [`Tokenizer::decode`] gives it, with a panic of the `tokenizers` library (a hostile
+/// `tokenizer.json`) turned into an error.
+pub fn decode_ids(tokenizer: &Tokenizer, ids: &[u32], skip_special: bool) -> Result<String> {
+    call("decode the ids", || tokenizer.decode(ids, skip_special)).map_err(|reason| {
+        Error::Tokenizer {
+            path: PathBuf::from("<tokenizer>"),
+            reason,
+        }
+    })
+}
+
 /// The token ids of `text`, without special tokens (for a running corpus that is cut into
 /// windows afterwards). Lines are encoded in parallel, each with its line break, and the ids
 /// joined in order.
 pub fn encode_corpus(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>> {
     let lines: Vec<String> = text.split_inclusive('\n').map(str::to_string).collect();
-    let encodings = tokenizer
-        .encode_batch(lines, false)
-        .map_err(|e| Error::Tokenizer {
-            path: PathBuf::from("<tokenizer>"),
-            reason: format!("could not encode the text: {e}"),
+    let encodings =
+        call("encode the text", || tokenizer.encode_batch(lines, false)).map_err(|reason| {
+            Error::Tokenizer {
+                path: PathBuf::from("<tokenizer>"),
+                reason,
+            }
         })?;
     Ok(encodings
         .iter()

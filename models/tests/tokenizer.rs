@@ -61,3 +61,26 @@ fn the_files_padding_and_truncation_are_dropped_as_transformers_drops_them() {
         clean.encode(text, false).unwrap().get_ids()
     );
 }
+
+#[test]
+fn a_tokenizer_the_library_panics_on_is_an_error_naming_the_file() {
+    // A `Replace` normalizer with an empty pattern: tokenizers 0.23 indexes out of bounds on
+    // every text.
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tiny().join("tokenizer.json")).unwrap()).unwrap();
+    json["normalizer"] =
+        serde_json::json!({"type": "Replace", "pattern": {"Regex": ""}, "content": "xx"});
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("tokenizer.json");
+    std::fs::write(&file, json.to_string()).unwrap();
+    match load_tokenizer(tmp.path()).unwrap_err() {
+        Error::Tokenizer { path, reason } => {
+            assert_eq!(path, file);
+            assert!(
+                reason.contains("panicked") && reason.contains("probe"),
+                "{reason}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}

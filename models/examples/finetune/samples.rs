@@ -22,7 +22,7 @@ use accelerate_rs::tracking::Trackers;
 use accelerate_rs::Accelerator;
 use accelerate_rs_models::chat::{ChatEncoder, ConversationReader, Role};
 use accelerate_rs_models::{eos_token_ids, AutoModel, GenerationConfig};
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 
 use crate::Args;
@@ -174,11 +174,8 @@ impl Samples {
         let mut matched = 0usize;
         let mut lines = String::new();
         for (index, (p, ids)) in self.prompts.iter().zip(answers).enumerate() {
-            let text = self
-                .encoder
-                .tokenizer()
-                .decode(ids, true)
-                .map_err(|e| anyhow!("decoding sample {index}: {e}"))?;
+            let text = accelerate_rs_models::decode_ids(self.encoder.tokenizer(), ids, true)
+                .with_context(|| format!("decoding sample {index}"))?;
             let equal = text.trim() == p.reference.trim();
             matched += usize::from(equal);
             accelerator.print(format!(

@@ -278,12 +278,13 @@ impl ChatEncoder {
 
     /// The ids and byte offsets of `text`, encoded without adding special tokens.
     fn tokenize(&self, conversation: &Conversation, text: &str) -> Result<(Vec<u32>, Offsets)> {
-        let encoding = self.tokenizer.encode(text, false).map_err(|e| {
-            conversation.errors().error(
-                ChatErrorKind::Tokenize,
-                None,
-                format!("the tokenizer failed on the rendered text: {e}"),
-            )
+        let encoding = crate::tokenizer::call("encode the rendered text", || {
+            self.tokenizer.encode(text, false)
+        })
+        .map_err(|reason| {
+            conversation
+                .errors()
+                .error(ChatErrorKind::Tokenize, None, reason)
         })?;
         Ok((encoding.get_ids().to_vec(), encoding.get_offsets().to_vec()))
     }

@@ -163,6 +163,8 @@ impl GenerationConfig {
 pub fn eos_token_ids(dir: impl AsRef<Path>) -> Result<Vec<u32>> {
     let dir = dir.as_ref();
     let mut ids = Vec::new();
+    // Repeats found in a set: a hostile list of millions of ids stays linear.
+    let mut seen = std::collections::HashSet::new();
     let generation = dir.join("generation_config.json");
     let files = [
         Some(generation).filter(|p| p.exists()),
@@ -193,7 +195,7 @@ pub fn eos_token_ids(dir: impl AsRef<Path>) -> Result<Vec<u32>> {
                 .ok_or_else(bad)?],
         };
         for id in found {
-            if !ids.contains(&id) {
+            if seen.insert(id) {
                 ids.push(id);
             }
         }
