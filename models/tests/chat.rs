@@ -678,6 +678,17 @@ fn hostile_templates_end_in_errors_naming_the_budget_never_a_hang_or_an_abort() 
                  {% set ns.m = m %}{% set ns.n = ns.n + 1 %}{% set ns.seen = ns.seen + [m.role] %}\
                  {% endfor %}{{ ns.m.content }}{{ ns.n }}{{ ns.seen|join(',') }}";
     assert_eq!(render(plain, None).unwrap(), "b2user,assistant");
+    // A date format that would print ten times its size is refused before it is expanded.
+    let err = render("{{ strftime_now('%A' * 3000) }}", None).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("strftime_now: a format of 6000 bytes"),
+        "{err}"
+    );
+    assert_eq!(
+        render("{{ strftime_now('%Y')|length }}", None).unwrap(),
+        "4"
+    );
     // Recursion without end is the engine's error.
     let err = render("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", None).unwrap_err();
     assert!(err.to_string().contains("recursion limit"), "{err}");

@@ -299,12 +299,26 @@ fn raise_exception(message: String) -> std::result::Result<Value, JinjaError> {
     Err(JinjaError::new(ErrorKind::InvalidOperation, message))
 }
 
-fn strftime_now(format: String) -> String {
+/// The longest `strftime_now` format accepted (real ones are a few fields: `"%d %b %Y"`); a
+/// field can print ten times its length (`%A`: `Wednesday`), so a format is held to this before
+/// it is expanded rather than charged after.
+const MAX_DATE_FORMAT: usize = 4096;
+
+fn strftime_now(format: String) -> std::result::Result<String, JinjaError> {
+    if format.len() > MAX_DATE_FORMAT {
+        return Err(JinjaError::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "strftime_now: a format of {} bytes (at most {MAX_DATE_FORMAT})",
+                format.len()
+            ),
+        ));
+    }
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
         .unwrap_or(0);
-    DateTime::from_unix(secs).strftime(&format)
+    Ok(DateTime::from_unix(secs).strftime(&format))
 }
 
 /// The largest `tojson(indent=N)` accepted.
