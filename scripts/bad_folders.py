@@ -282,6 +282,16 @@ def edit_tokenizer(folder: str, **changes) -> None:
         json.dump(tok, f)
 
 
+def long_conversation(work: str, turns: int) -> str:
+    """A JSONL file of one conversation of `turns` one-word messages."""
+    path = os.path.join(work, "long.jsonl")
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}
+                for i in range(turns)]
+    with open(path, "w") as f:
+        f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
 def est(mutate, *extra):
     def setup(work):
         m = copy_model(work)
@@ -396,6 +406,10 @@ def cases() -> list[Case]:
              with_chat_template("{% set ns0 = namespace(x=none) %}{% set ns0.x = ns0 %}"
                                 "{% if ns0 ~ '' == ns0.x ~ '!' %}never{% endif %}", keep=True),
              None, check_ok=lambda w: os.path.isfile(os.path.join(out(w), "model.safetensors"))),
+        Case("a conversation of 20,000 turns (the prefix method's work is quadratic)",
+             plain("--train", lambda w: long_conversation(w, 20_000), "--eval",
+                   os.path.join(ROOT, "data", "chat_tiny_eval.jsonl"), "--seq-len", "128",
+                   "--output", out), ["budget", "generation"]),
         # Flags.
         Case("--train /dev/zero", plain("--train", "/dev/zero", "--output", out),
              ["/dev/zero", "character device"]),

@@ -695,6 +695,47 @@ fn hostile_templates_end_in_errors_naming_the_budget_never_a_hang_or_an_abort() 
 }
 
 #[test]
+fn the_prefix_method_holds_a_long_conversation_to_a_budget() {
+    let encoder = |fuel: u64| {
+        let template = ChatTemplate::from_folder(folder("qwen2"))
+            .unwrap()
+            .with_fuel(fuel);
+        let tokenizer = load_tokenizer(folder("qwen2")).unwrap();
+        ChatEncoder::new(template, tokenizer).assistant_spans(AssistantSpans::Prefixes)
+    };
+    let turns = |n: usize| {
+        let messages = (0..n).map(|i| {
+            let role = if i % 2 == 0 {
+                Role::User
+            } else {
+                Role::Assistant
+            };
+            (role, format!("m{i}"))
+        });
+        Conversation::new(messages.collect::<Vec<_>>()).unwrap()
+    };
+    // 40 messages: well within 16 renderings' budgets of 20k units; 400 are not (the work grows
+    // with the square of the length) and end in an error naming the budget and the message.
+    let example = encoder(20_000).encode(&turns(40)).unwrap();
+    assert_eq!(
+        example.num_targets(),
+        encoder(CHAT_TEMPLATE_FUEL)
+            .encode(&turns(40))
+            .unwrap()
+            .num_targets()
+    );
+    let err = encoder(20_000).encode(&turns(400)).unwrap_err();
+    assert_eq!(kind_ref(&err), ChatErrorKind::Render);
+    let text = err.to_string();
+    assert!(
+        text.contains("more than 320000 units") && text.contains("messages["),
+        "{text}"
+    );
+    // The default budget takes 400.
+    assert!(encoder(CHAT_TEMPLATE_FUEL).encode(&turns(400)).is_ok());
+}
+
+#[test]
 fn bad_dataset_parameters_are_errors() {
     let encoder = || ChatEncoder::from_folder(folder("qwen2")).unwrap();
     let file = folder("qwen2").join("conversations.jsonl");

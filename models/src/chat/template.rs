@@ -79,6 +79,8 @@ pub struct ChatTemplate {
 pub(crate) struct Rendered {
     pub text: String,
     pub spans: Vec<Range<usize>>,
+    /// The fuel the rendering used.
+    pub fuel: u64,
 }
 
 impl ChatTemplate {
@@ -229,17 +231,22 @@ impl ChatTemplate {
             ),
             (TRACK_VARIABLE.to_string(), Value::from(track)),
         ]);
-        let text = template
-            .render(Value::from_pairs(context))
+        let captured = template
+            .render_captured(Value::from_pairs(context))
             .map_err(|e| self.out_of_fuel(&e).unwrap_or_else(|| describe(&e)))?;
-        if track && self.marked {
-            strip_marks(&text)
+        let fuel = captured.state().fuel_levels().map_or(0, |(used, _)| used);
+        let text = captured.into_output();
+        let (text, spans) = if track && self.marked {
+            strip_marks(&text)?
         } else {
-            Ok(Rendered {
-                text,
-                spans: Vec::new(),
-            })
-        }
+            (text, Vec::new())
+        };
+        Ok(Rendered { text, spans, fuel })
+    }
+
+    /// The fuel one rendering may use.
+    pub(crate) fn fuel(&self) -> u64 {
+        self.fuel
     }
 
     /// A rendering's error when it ran out of fuel, naming the budget.
@@ -429,7 +436,7 @@ fn generation(state: &State, body: String) -> String {
 }
 
 /// The text without the marks, and the byte ranges they enclosed.
-fn strip_marks(marked: &str) -> std::result::Result<Rendered, String> {
+fn strip_marks(marked: &str) -> std::result::Result<(String, Vec<Range<usize>>), String> {
     let mut text = String::with_capacity(marked.len());
     let mut spans = Vec::new();
     let mut rest = marked;
@@ -462,7 +469,7 @@ fn strip_marks(marked: &str) -> std::result::Result<Rendered, String> {
         return Err("a {% generation %} block is not closed".into());
     }
     text.push_str(rest);
-    Ok(Rendered { text, spans })
+    Ok((text, spans))
 }
 
 /// Rewrites `{% generation %}`/`{% endgeneration %}` (any `-`/`+` whitespace control) into a
@@ -593,9 +600,10 @@ mod tests {
 
     #[test]
     fn marks_give_byte_spans() {
-        let r = strip_marks(&format!("ab{MARK_START}é{MARK_END}c{MARK_START}{MARK_END}")).unwrap();
-        assert_eq!(r.text, "abéc");
-        assert_eq!(r.spans, vec![2..4, 5..5]);
+        let (text, spans) =
+            strip_marks(&format!("ab{MARK_START}é{MARK_END}c{MARK_START}{MARK_END}")).unwrap();
+        assert_eq!(text, "abéc");
+        assert_eq!(spans, vec![2..4, 5..5]);
         assert!(strip_marks(&format!("{MARK_START}{MARK_START}")).is_err());
     }
 }
