@@ -109,6 +109,7 @@ impl ProcessState {
         let (timeout, bucket_cap_mb) = collective_limits(o, getenv, &cfg)?;
         let grads = GradientSettings::resolve(o, getenv, &cfg)?;
         let run = RunSettings::resolve(o, getenv, &cfg)?;
+        check_kernel_switches(getenv)?;
 
         let (device, distributed_type) = match &o.replica_device {
             Some(d) => (d.clone(), DistributedType::Dp),
@@ -272,6 +273,20 @@ impl ProcessState {
     }
 }
 
+/// The switches of `nn`'s CUDA kernels are read where the kernels are first used, on a GPU
+/// only; a value that is not a flag is still an error naming the variable here, at start-up,
+/// on every device (a CPU run would otherwise never say that the variable is wrong).
+fn check_kernel_switches(getenv: &dyn Fn(&str) -> Option<String>) -> Result<()> {
+    for var in [
+        super::env::NN_CUDA,
+        super::env::NN_CUDA_FLASH,
+        super::env::CUDA_TRIAL,
+    ] {
+        super::parse::env_value::<bool>(getenv, var)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -315,6 +330,17 @@ mod tests {
             e.contains("ACCELERATE_RS_NONFINITE") && e.contains("`skip-step`"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn kernel_switches_that_are_not_flags_are_errors_at_start_up() {
+        for var in [env::NN_CUDA, env::NN_CUDA_FLASH, env::CUDA_TRIAL] {
+            assert!(resolve(&[(var, "0")], Overrides::default()).is_ok());
+            let e = resolve(&[(var, "maybe")], Overrides::default())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(var) && e.contains("maybe"), "{e}");
+        }
     }
 
     #[test]
