@@ -64,6 +64,13 @@ const MARK_END: &str = "\u{FDD1}accelerate-rs-generation\u{FDD0}";
 /// The template sees `messages`, `add_generation_prompt`, `tools` and `documents` (none), and
 /// the folder's special tokens (`bos_token`, `eos_token`, and `unk_token`, `sep_token`,
 /// `pad_token`, `cls_token`, `mask_token` where the folder sets them).
+///
+/// A template is code from the folder, so a rendering is bounded: it may do
+/// [`CHAT_TEMPLATE_FUEL`] units of work ([`with_fuel`](Self::with_fuel) sets another budget),
+/// printed values stop at what the budget can still pay for and at 256 levels of nesting, and
+/// a value assigned into a namespace attribute (`{% set ns.x = value %}`) is stored as a copy,
+/// so that no namespace can hold itself. Each ends in an error naming the template, never a
+/// hang, an exhausted memory or a stack overflow.
 #[derive(Debug)]
 pub struct ChatTemplate {
     env: Environment<'static>,
