@@ -50,7 +50,7 @@ PLAN = {
 
 # The most functions over 80 lines the workspace may have, and the most circles between files
 # (all three crates together): lowered as functions are split and circles broken, never raised.
-FUNCTION_CEILING = 28
+FUNCTION_CEILING = 27
 FILE_CIRCLE_CEILING = 0
 
 

@@ -229,49 +229,65 @@ pub(crate) fn reduce_last(
         }
         (ElemType::F64, ReduceOp::Max) => combine_and_copy(dst, src, copy, "f64", fmax64),
         (ElemType::F64, ReduceOp::Min) => combine_and_copy(dst, src, copy, "f64", fmin64),
-        (ElemType::F16, ReduceOp::Sum) => {
-            combine_and_copy(dst, src, copy, "f16", |a: f16, b: f16| {
-                f16::from_f32(a.to_f32() + b.to_f32())
-            })
-        }
-        (ElemType::F16, ReduceOp::Mean) => {
-            combine_and_copy(dst, src, copy, "f16", |a: f16, b: f16| {
-                f16::from_f64(f16::from_f32(a.to_f32() + b.to_f32()).to_f64() / n)
-            })
-        }
-        (ElemType::F16, ReduceOp::Max) => {
-            combine_and_copy(dst, src, copy, "f16", |a: f16, b: f16| {
-                f16::from_f32(fmax32(a.to_f32(), b.to_f32()))
-            })
-        }
-        (ElemType::F16, ReduceOp::Min) => {
-            combine_and_copy(dst, src, copy, "f16", |a: f16, b: f16| {
-                f16::from_f32(fmin32(a.to_f32(), b.to_f32()))
-            })
-        }
-        (ElemType::BF16, ReduceOp::Sum) => {
-            combine_and_copy(dst, src, copy, "bf16", |a: bf16, b: bf16| {
-                bf16::from_f32(a.to_f32() + b.to_f32())
-            })
-        }
-        (ElemType::BF16, ReduceOp::Mean) => {
-            combine_and_copy(dst, src, copy, "bf16", |a: bf16, b: bf16| {
-                bf16::from_f64(bf16::from_f32(a.to_f32() + b.to_f32()).to_f64() / n)
-            })
-        }
-        (ElemType::BF16, ReduceOp::Max) => {
-            combine_and_copy(dst, src, copy, "bf16", |a: bf16, b: bf16| {
-                bf16::from_f32(fmax32(a.to_f32(), b.to_f32()))
-            })
-        }
-        (ElemType::BF16, ReduceOp::Min) => {
-            combine_and_copy(dst, src, copy, "bf16", |a: bf16, b: bf16| {
-                bf16::from_f32(fmin32(a.to_f32(), b.to_f32()))
-            })
-        }
+        (ElemType::F16, _) => reduce_last_half::<f16>(op, dst, src, copy, n, "f16"),
+        (ElemType::BF16, _) => reduce_last_half::<bf16>(op, dst, src, copy, n, "bf16"),
         (ElemType::U8, _) => Err(Error::UnsupportedDType {
             op: format!("all_reduce({})", op.name()),
             dtype: elem.name().to_string(),
+        }),
+    }
+}
+
+/// The 16-bit floats, computed in f32 and rounded once (a `Mean` divides the rounded sum in
+/// f64 and rounds again, as [`finish_mean`] does after a plain sum).
+trait Half: bytemuck::Pod {
+    fn to_f32(self) -> f32;
+    fn to_f64(self) -> f64;
+    fn from_f32(x: f32) -> Self;
+    fn from_f64(x: f64) -> Self;
+}
+
+macro_rules! half_float {
+    ($t:ty) => {
+        impl Half for $t {
+            fn to_f32(self) -> f32 {
+                <$t>::to_f32(self)
+            }
+            fn to_f64(self) -> f64 {
+                <$t>::to_f64(self)
+            }
+            fn from_f32(x: f32) -> Self {
+                <$t>::from_f32(x)
+            }
+            fn from_f64(x: f64) -> Self {
+                <$t>::from_f64(x)
+            }
+        }
+    };
+}
+half_float!(f16);
+half_float!(bf16);
+
+/// [`reduce_last`] for f16 and bf16.
+fn reduce_last_half<T: Half>(
+    op: ReduceOp,
+    dst: &mut [u8],
+    src: &[u8],
+    copy: Option<&mut [u8]>,
+    n: f64,
+    what: &str,
+) -> Result<()> {
+    let sum = |a: T, b: T| T::from_f32(a.to_f32() + b.to_f32());
+    match op {
+        ReduceOp::Sum => combine_and_copy(dst, src, copy, what, sum),
+        ReduceOp::Mean => combine_and_copy(dst, src, copy, what, |a: T, b: T| {
+            T::from_f64(sum(a, b).to_f64() / n)
+        }),
+        ReduceOp::Max => combine_and_copy(dst, src, copy, what, |a: T, b: T| {
+            T::from_f32(fmax32(a.to_f32(), b.to_f32()))
+        }),
+        ReduceOp::Min => combine_and_copy(dst, src, copy, what, |a: T, b: T| {
+            T::from_f32(fmin32(a.to_f32(), b.to_f32()))
         }),
     }
 }
