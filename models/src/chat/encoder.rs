@@ -316,8 +316,8 @@ impl ChatEncoder {
 /// How many renderings' budgets the prefix method may use on one conversation (134M units at
 /// the default budget, a few seconds). The work grows with the square of the conversation's
 /// length: 2,000 one-word messages take 68M units with the Qwen2.5 template and 75M with Llama
-/// 3.1's (1.6 and 1.8 s in a release build on the 2-core development machine), 1,500 take 79M
-/// with Mistral's; a hostile 16 MiB row of 400,000 messages would take hours.
+/// 3.1's, 1,500 take 79M with Mistral's (the fixtures' templates); a hostile 16 MiB row of
+/// 400,000 messages would take hours.
 const PREFIX_WORK: u64 = 16;
 
 /// The byte range of each token in the text.
