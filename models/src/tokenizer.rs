@@ -99,7 +99,7 @@ fn tokenizer_path(path: &Path) -> PathBuf {
 }
 
 /// The text of `ids` (`skip_special`: without the special tokens), as
-/// [`Tokenizer::decode`] gives it, with a panic of the `tokenizers` library (a hostile
+/// `Tokenizer::decode` gives it, with a panic of the `tokenizers` library (a hostile
 /// `tokenizer.json`) turned into an error.
 pub fn decode_ids(tokenizer: &Tokenizer, ids: &[u32], skip_special: bool) -> Result<String> {
     call("decode the ids", || tokenizer.decode(ids, skip_special)).map_err(|reason| {
