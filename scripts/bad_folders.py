@@ -101,13 +101,18 @@ def copy_model(work: str, name: str = "model") -> str:
     return dst
 
 
-def edit_config(folder: str, **changes) -> None:
-    path = os.path.join(folder, "config.json")
+def edit_json(folder: str, name: str, **changes) -> None:
+    """Sets keys of the JSON file `name` of a model folder."""
+    path = os.path.join(folder, name)
     with open(path) as f:
-        cfg = json.load(f)
-    cfg.update(changes)
+        data = json.load(f)
+    data.update(changes)
     with open(path, "w") as f:
-        json.dump(cfg, f)
+        json.dump(data, f)
+
+
+def edit_config(folder: str, **changes) -> None:
+    edit_json(folder, "config.json", **changes)
 
 
 def read_st(path: str) -> tuple[dict, bytes]:
@@ -273,15 +278,6 @@ def with_chat_template(template: str, keep: bool = False):
     return setup
 
 
-def edit_tokenizer(folder: str, **changes) -> None:
-    path = os.path.join(folder, "tokenizer.json")
-    with open(path) as f:
-        tok = json.load(f)
-    tok.update(changes)
-    with open(path, "w") as f:
-        json.dump(tok, f)
-
-
 def long_conversation(work: str, turns: int) -> str:
     """A JSONL file of one conversation of `turns` one-word messages."""
     path = os.path.join(work, "long.jsonl")
@@ -379,7 +375,7 @@ def cases() -> list[Case]:
         # Its padding and truncation are dropped, as transformers drops them: a fixed length of
         # 10^10 aborted on the allocation, and max_length 4 cut every line short silently.
         Case("tokenizer.json pads every text to 10^10 tokens",
-             with_model(lambda m: edit_tokenizer(m, padding={
+             with_model(lambda m: edit_json(m, "tokenizer.json", padding={
                  "strategy": {"Fixed": 10 ** 10}, "direction": "Right", "pad_to_multiple_of": None,
                  "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"})), None,
              check_ok=lambda w: os.path.isfile(os.path.join(out(w), "model.safetensors"))),
