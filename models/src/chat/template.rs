@@ -572,14 +572,29 @@ fn template_of_config(value: &serde_json::Value, path: &Path) -> Result<String> 
                     }
                 }
             }
+            let shown: Vec<&str> = names.iter().take(8).map(String::as_str).collect();
+            let more = names.len().saturating_sub(shown.len());
             Err(error(format!(
-                "a list of named templates without one named \"default\" (names: {})",
-                names.join(", ")
+                "a list of named templates without one named \"default\" (names: {}{})",
+                shown.join(", "),
+                if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                }
             )))
         }
-        other => Err(error(format!(
-            "expected a string or a list of named templates, got {other}"
-        ))),
+        other => {
+            let kind = match other {
+                serde_json::Value::Number(_) => "a number",
+                serde_json::Value::Bool(_) => "a boolean",
+                serde_json::Value::Object(_) => "an object",
+                _ => "null",
+            };
+            Err(error(format!(
+                "expected a string or a list of named templates, got {kind}"
+            )))
+        }
     }
 }
 
@@ -603,6 +618,23 @@ mod tests {
         let (same, found) = rewrite_source("{% if generation %}{% generations %}{%");
         assert!(!found);
         assert_eq!(same, "{% if generation %}{% generations %}{%");
+    }
+
+    #[test]
+    fn a_config_key_that_is_no_template_is_described_not_printed() {
+        let path = Path::new("tokenizer_config.json");
+        let list: Vec<serde_json::Value> = (0..20)
+            .map(|i| serde_json::json!({"name": format!("t{i}"), "template": "x"}))
+            .collect();
+        let err = template_of_config(&serde_json::Value::Array(list), path).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("t0, t1") && text.contains("and 12 more"),
+            "{text}"
+        );
+        let big = serde_json::json!({"k": "v".repeat(10_000)});
+        let text = template_of_config(&big, path).unwrap_err().to_string();
+        assert!(text.contains("got an object") && text.len() < 300, "{text}");
     }
 
     #[test]
