@@ -48,12 +48,13 @@ pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
             reason: format!("could not turn its truncation off: {e}"),
             path: path.clone(),
         })?;
-    let probe =
-        call("encode a probe text", || tokenizer.encode(PROBE, false)).and_then(|encoding| {
-            call("decode a probe text", || {
-                tokenizer.decode(encoding.get_ids(), false)
-            })
-        });
+    // Only a panic fails the load: a tokenizer may refuse the probe's text with an error of its
+    // own (a closed vocabulary without an unknown token), which the real text will tell.
+    let probe = unpanicked("encode and decode a probe text", || {
+        tokenizer
+            .encode(PROBE, false)
+            .map(|encoding| tokenizer.decode(encoding.get_ids(), false))
+    });
     match probe {
         Ok(_) => Ok(tokenizer),
         Err(reason) => Err(Error::Tokenizer { path, reason }),
@@ -71,23 +72,24 @@ pub(crate) fn call<T>(
     what: &str,
     f: impl FnOnce() -> tokenizers::Result<T>,
 ) -> std::result::Result<T, String> {
+    unpanicked(what, f)?.map_err(|e| format!("could not {what}: {e}"))
+}
+
+/// `f()`, or the message of its panic.
+fn unpanicked<T>(what: &str, f: impl FnOnce() -> T) -> std::result::Result<T, String> {
     // Unwind safety: on a panic the partial result is dropped and an error returned; these
     // calls only read the tokenizer, so nothing is left half-changed.
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(e)) => Err(format!("could not {what}: {e}")),
-        Err(panic) => {
-            let message = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "no message".to_string());
-            Err(format!(
-                "the tokenizers library failed to {what} (it panicked: {message}): the \
-                 tokenizer.json holds settings it cannot run"
-            ))
-        }
-    }
+    catch_unwind(AssertUnwindSafe(f)).map_err(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".to_string());
+        format!(
+            "the tokenizers library failed to {what} (it panicked: {message}): the \
+             tokenizer.json holds settings it cannot run"
+        )
+    })
 }
 
 fn tokenizer_path(path: &Path) -> PathBuf {

@@ -84,3 +84,22 @@ fn a_tokenizer_the_library_panics_on_is_an_error_naming_the_file() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn a_closed_vocabulary_that_refuses_the_probe_text_still_loads() {
+    // A word-level vocabulary of two words, its unknown token missing from it: encoding any
+    // other word is an error of the library (not a panic), so the load-time probe must pass it.
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1}, "unk_token": "<unk>"}
+    });
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("tokenizer.json"), json.to_string()).unwrap();
+    let tok = load_tokenizer(tmp.path()).unwrap();
+    assert!(tok.encode("Hello", false).is_err());
+    assert_eq!(encode_corpus(&tok, "a b\nb\n").unwrap(), [0, 1, 1]);
+    let err = encode_corpus(&tok, "a c\n").unwrap_err().to_string();
+    assert!(err.contains("could not encode the text"), "{err}");
+}
