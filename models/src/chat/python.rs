@@ -8,8 +8,9 @@ use minijinja::value::{Value, ValueKind};
 use minijinja::{Error, ErrorKind};
 
 /// The deepest nesting a printed value may have. JSON rows nest at most 128 deep (serde_json's
-/// limit) and templates add a few levels; a deeper value is one that holds itself (a namespace
-/// stored in its own attribute), which would never end printing.
+/// limit) and templates add a few levels; deeper is a template building nests on purpose (a
+/// namespace cannot hold itself: what a namespace stores is a copy), and printing stops there
+/// rather than recursing on.
 pub(crate) const MAX_DEPTH: usize = 256;
 
 /// Text printed under a byte budget (what the rendering may still make) and [`MAX_DEPTH`]: a
@@ -60,7 +61,8 @@ pub(crate) fn check_depth(depth: usize) -> Result<(), Error> {
         return Err(Error::new(
             ErrorKind::InvalidOperation,
             format!(
-                "a value nested more than {MAX_DEPTH} levels deep (does a namespace hold itself?)"
+                "a value nested more than {MAX_DEPTH} levels deep (more than any conversation \
+                 needs)"
             ),
         ));
     }
