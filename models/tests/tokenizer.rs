@@ -103,3 +103,65 @@ fn a_closed_vocabulary_that_refuses_the_probe_text_still_loads() {
     let err = encode_corpus(&tok, "a c\n").unwrap_err().to_string();
     assert!(err.contains("could not encode the text"), "{err}");
 }
+
+#[test]
+fn a_tokenizer_with_its_own_settings_gives_the_ids_transformers_gives() {
+    // `scripts/tokenizer_reference.py`: the tiny tokenizer with `truncation` (4 tokens) and
+    // `padding` (64) blocks of its own, and what `transformers` gives for texts and a chat.
+    let golden: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/tokenizer_settings/golden.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(tiny()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), tmp.path().join(entry.file_name())).unwrap();
+    }
+    let path = tmp.path().join("tokenizer.json");
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    for (key, block) in golden["settings"].as_object().unwrap() {
+        json[key] = block.clone();
+    }
+    std::fs::write(&path, json.to_string()).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let tok = load_tokenizer(tmp.path()).unwrap();
+    for case in golden["texts"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        assert_eq!(
+            tok.encode(text, false).unwrap().get_ids(),
+            ids(&case["ids"]),
+            "{text:?}"
+        );
+    }
+    use accelerate_rs_models::chat::{ChatEncoder, Conversation, Role};
+    let messages: Vec<(Role, String)> = golden["chat"]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let role = match m["role"].as_str().unwrap() {
+                "user" => Role::User,
+                _ => Role::Assistant,
+            };
+            (role, m["content"].as_str().unwrap().to_string())
+        })
+        .collect();
+    let encoder = ChatEncoder::from_folder(tmp.path())
+        .unwrap()
+        .train_on_all(true);
+    let example = encoder
+        .encode(&Conversation::new(messages).unwrap())
+        .unwrap();
+    assert_eq!(example.input_ids, ids(&golden["chat"]["ids"]));
+}
