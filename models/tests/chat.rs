@@ -689,9 +689,38 @@ fn hostile_templates_end_in_errors_naming_the_budget_never_a_hang_or_an_abort() 
         render("{{ strftime_now('%Y')|length }}", None).unwrap(),
         "4"
     );
-    // Recursion without end is the engine's error.
-    let err = render("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", None).unwrap_err();
-    assert!(err.to_string().contains("recursion limit"), "{err}");
+    // Recursion without end is the engine's error, and the deepest recursion allowed, printing
+    // a value 250 levels deep at its bottom, fits in 1.5 MiB of stack in a debug build (it needs
+    // about 1 MiB: half the 2 MiB of a spawned thread, a data loader's worker); at minijinja's
+    // default limit (500) it needs 2 to 3 MiB and overflowed such a thread.
+    let deep = "{% set ns = namespace(v=1) %}{% for i in range(250) %}{% set ns.v = [ns.v] %}\
+                {% endfor %}{% macro m(n) %}{% if n > 0 %}{{ m(n - 1) }}{% else %}{{ ns.v }}\
+                {{ ns.v|tojson }}{{ ns.v ~ '' }}{{ ns.v == ns.v }}{% endif %}{% endmacro %}";
+    let cases = [
+        "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}".to_string(),
+        format!("{deep}{{{{ m(1000) }}}}"),
+        format!("{deep}{{{{ m(25) }}}}"),
+    ];
+    let outcomes = std::thread::scope(|scope| {
+        std::thread::Builder::new()
+            .stack_size(3 << 19)
+            .spawn_scoped(scope, || {
+                cases
+                    .iter()
+                    .map(|source| render(source, None).map_err(|e| e.to_string()))
+                    .collect::<Vec<_>>()
+            })
+            .unwrap()
+            .join()
+            .unwrap()
+    });
+    for (i, outcome) in outcomes.iter().enumerate() {
+        match (i, outcome) {
+            (2, Ok(text)) => assert!(text.ends_with("]True"), "{text}"),
+            (0 | 1, Err(e)) => assert!(e.contains("recursion limit"), "{e}"),
+            _ => panic!("case {i}: {outcome:?}"),
+        }
+    }
 }
 
 #[test]

@@ -381,6 +381,9 @@ proptest! {
             apply(&mut source, e);
         }
         let conversations = common::fixture("chat_llama3").join("conversations.jsonl");
+        if std::env::var_os("MUTATION_DUMP").is_some() {
+            std::fs::write("/tmp/last_template.jinja", &source).unwrap();
+        }
         ends(30, move || {
             let special = [("bos_token", "<s>"), ("eos_token", "</s>")];
             let Ok(template) = ChatTemplate::new(&source, special) else {

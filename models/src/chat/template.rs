@@ -45,6 +45,13 @@ const DETACH_FILTER: &str = "__accelerate_rs_detach";
 /// Llama 3.1, Qwen2.5 and Mistral templates of `models/tests/fixtures`, and the longest row
 /// [`ConversationReader`](super::ConversationReader) accepts is 16 MiB.
 pub const CHAT_TEMPLATE_FUEL: u64 = 8 << 20;
+/// The engine's recursion limit (its default is 500): a macro call counts about 10, a block
+/// 1, so 200 allow some 20 nested macro calls, far more than chat templates nest (a recursive
+/// macro over a tool's JSON schema goes as deep as the schema). A debug build takes about 5 KiB
+/// of stack per level: at 500 a template that recurses without end needs 2 to 3 MiB and
+/// overflowed the 2 MiB stack of a spawned thread (a data loader's worker: an abort); at 200 it
+/// needs about 1 MiB (release builds need far less).
+const RECURSION_LIMIT: usize = 200;
 /// The bytes of text one unit of fuel pays for (minijinja's own rate).
 const BYTES_PER_FUEL: u64 = 64;
 /// What the generation filter wraps its text in while tracking (noncharacters around a tag
@@ -274,6 +281,7 @@ impl ChatTemplate {
 fn environment() -> std::result::Result<Environment<'static>, JinjaError> {
     let mut env = Environment::new();
     env.set_fuel(Some(CHAT_TEMPLATE_FUEL));
+    env.set_recursion_limit(RECURSION_LIMIT);
     env.set_syntax(
         SyntaxConfig::builder()
             .trim_blocks(true)
