@@ -369,7 +369,8 @@ proptest! {
 
     /// A mutated chat template compiles or is an error, and what compiles renders the fixtures'
     /// conversations to a text or an error: every call ends (at a budget of 200k units of
-    /// fuel), none panics, none overflows the stack (which would abort this test binary).
+    /// fuel), none panics, none overflows the stack (which would abort this test binary: run
+    /// with `MUTATION_DUMP=1` and the culprit is left in `/tmp/last_template.jinja`).
     #[test]
     fn chat_template_mutations_never_abort_or_hang(
         which in 0..5usize,
