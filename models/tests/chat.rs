@@ -629,18 +629,20 @@ fn templates_that_raise_or_mark_nothing_are_errors() {
     assert_eq!(kind(err), ChatErrorKind::Render);
 }
 
+/// Renders `source` on a two-turn chat with the Qwen2 tokenizer, at `fuel` units or the default.
+fn render_hostile(source: &str, fuel: Option<u64>) -> Result<String, Error> {
+    let chat = Conversation::new([(Role::User, "a"), (Role::Assistant, "b")]).unwrap();
+    let template = ChatTemplate::new(source, Vec::<(String, String)>::new()).unwrap();
+    let template = match fuel {
+        Some(units) => template.with_fuel(units),
+        None => template,
+    };
+    ChatEncoder::new(template, load_tokenizer(folder("qwen2")).unwrap()).render(&chat)
+}
+
 #[test]
 fn hostile_templates_end_in_errors_naming_the_budget_never_a_hang_or_an_abort() {
-    let tokenizer = || load_tokenizer(folder("qwen2")).unwrap();
-    let chat = Conversation::new([(Role::User, "a"), (Role::Assistant, "b")]).unwrap();
-    let render = |source: &str, fuel: Option<u64>| {
-        let template = ChatTemplate::new(source, Vec::<(String, String)>::new()).unwrap();
-        let template = match fuel {
-            Some(units) => template.with_fuel(units),
-            None => template,
-        };
-        ChatEncoder::new(template, tokenizer()).render(&chat)
-    };
+    let render = render_hostile;
     // Work without end, at the default budget: 10^10 loop steps.
     let endless =
         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
@@ -689,6 +691,11 @@ fn hostile_templates_end_in_errors_naming_the_budget_never_a_hang_or_an_abort() 
         render("{{ strftime_now('%Y')|length }}", None).unwrap(),
         "4"
     );
+}
+
+#[test]
+fn recursion_without_end_is_an_error_and_the_deepest_allowed_fits_a_small_stack() {
+    let render = render_hostile;
     // Recursion without end is the engine's error, and the deepest recursion allowed, printing
     // a value 250 levels deep at its bottom, fits in 1.5 MiB of stack in a debug build (it needs
     // about 1 MiB: half the 2 MiB of a spawned thread, a data loader's worker); at minijinja's
