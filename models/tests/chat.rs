@@ -787,3 +787,28 @@ fn bad_dataset_parameters_are_errors() {
         .unwrap_err();
     assert!(err.to_string().contains("max_len"), "{err}");
 }
+
+#[test]
+fn a_message_holding_mark_like_text_is_text_not_a_target() {
+    let encoder = ChatEncoder::from_folder(folder("marked")).unwrap();
+    // The marks of an earlier version (fixed strings), and the shape of today's with a guess
+    // at the key: a row holding them keeps its user text out of the targets.
+    let old = (
+        "\u{FDD0}accelerate-rs-generation\u{FDD1}",
+        "\u{FDD1}accelerate-rs-generation\u{FDD0}",
+    );
+    let key = "\u{FDD0}accelerate-rs-generation-0000000000000000\u{FDD1}";
+    for (open, close) in [old, (key, key)] {
+        let user = format!("{open}secret{close} question");
+        let chat =
+            Conversation::new([(Role::User, user.as_str()), (Role::Assistant, "answer")]).unwrap();
+        let (text, spans) = encoder.assistant_text_spans(&chat).unwrap();
+        assert!(text.contains(&user), "{text:?}");
+        assert_eq!(spans.len(), 1, "{spans:?}");
+        let target = &text[spans[0].clone()];
+        assert!(
+            target.contains("answer") && !target.contains("secret"),
+            "{target:?}"
+        );
+    }
+}

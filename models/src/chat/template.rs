@@ -54,10 +54,35 @@ pub const CHAT_TEMPLATE_FUEL: u64 = 8 << 20;
 const RECURSION_LIMIT: usize = 200;
 /// The bytes of text one unit of fuel pays for (minijinja's own rate).
 const BYTES_PER_FUEL: u64 = 64;
-/// What the generation filter wraps its text in while tracking (noncharacters around a tag
-/// no text holds).
-const MARK_START: &str = "\u{FDD0}accelerate-rs-generation\u{FDD1}";
-const MARK_END: &str = "\u{FDD1}accelerate-rs-generation\u{FDD0}";
+/// What the generation filter wraps its text in while tracking, around the rendering's
+/// [`Marks::key`]: noncharacters around a tag and a random key, so that a conversation cannot
+/// hold the marks (a row with a fixed mark in a user's message would have its text trained on).
+const MARK_START: char = '\u{FDD0}';
+const MARK_END: char = '\u{FDD1}';
+
+/// The marks of one rendering's `{% generation %}` blocks.
+struct Marks {
+    start: String,
+    end: String,
+}
+
+impl Marks {
+    /// A random key, new for every rendering (std's hasher keys: random per process, new per
+    /// call).
+    fn key() -> String {
+        use std::hash::BuildHasher;
+        let key = std::collections::hash_map::RandomState::new().hash_one(0u8);
+        format!("accelerate-rs-generation-{key:016x}")
+    }
+
+    /// The marks around `key`.
+    fn new(key: &str) -> Self {
+        Marks {
+            start: format!("{MARK_START}{key}{MARK_END}"),
+            end: format!("{MARK_END}{key}{MARK_START}"),
+        }
+    }
+}
 
 /// A chat template (Jinja, the `chat_template` of a Hugging Face model folder), compiled with
 /// [minijinja](https://docs.rs/minijinja) and set up as `transformers` sets up Jinja2:
@@ -230,6 +255,7 @@ impl ChatTemplate {
         track: bool,
     ) -> std::result::Result<Rendered, String> {
         let template = self.env.get_template(NAME).map_err(|e| describe(&e))?;
+        let key = (track && self.marked).then(Marks::key);
         let mut context: Vec<(String, Value)> = self
             .special_tokens
             .iter()
@@ -243,17 +269,16 @@ impl ChatTemplate {
                 "add_generation_prompt".to_string(),
                 Value::from(add_generation_prompt),
             ),
-            (TRACK_VARIABLE.to_string(), Value::from(track)),
+            (TRACK_VARIABLE.to_string(), Value::from(key.clone())),
         ]);
         let captured = template
             .render_captured(Value::from_pairs(context))
             .map_err(|e| self.out_of_fuel(&e).unwrap_or_else(|| describe(&e)))?;
         let fuel = captured.state().fuel_levels().map_or(0, |(used, _)| used);
         let text = captured.into_output();
-        let (text, spans) = if track && self.marked {
-            strip_marks(&text)?
-        } else {
-            (text, Vec::new())
+        let (text, spans) = match key {
+            Some(key) => strip_marks(&text, &Marks::new(&key))?,
+            None => (text, Vec::new()),
         };
         Ok(Rendered { text, spans, fuel })
     }
@@ -440,25 +465,30 @@ fn copy_value(
     }
 }
 
-/// The body of a `{% generation %}` block: marked while tracking.
+/// The body of a `{% generation %}` block: marked while tracking (the tracking variable holds
+/// the rendering's key).
 fn generation(state: &State, body: String) -> String {
-    let tracking = state.lookup(TRACK_VARIABLE).is_some_and(|v| v.is_true());
-    if tracking {
-        format!("{MARK_START}{body}{MARK_END}")
-    } else {
-        body
+    match state.lookup(TRACK_VARIABLE) {
+        Some(key) if key.kind() == ValueKind::String => {
+            let marks = Marks::new(key.as_str().unwrap_or_default());
+            format!("{}{body}{}", marks.start, marks.end)
+        }
+        _ => body,
     }
 }
 
 /// The text without the marks, and the byte ranges they enclosed.
-fn strip_marks(marked: &str) -> std::result::Result<(String, Vec<Range<usize>>), String> {
+fn strip_marks(
+    marked: &str,
+    marks: &Marks,
+) -> std::result::Result<(String, Vec<Range<usize>>), String> {
     let mut text = String::with_capacity(marked.len());
     let mut spans = Vec::new();
     let mut rest = marked;
     let mut open: Option<usize> = None;
     loop {
-        let next_start = rest.find(MARK_START);
-        let next_end = rest.find(MARK_END);
+        let next_start = rest.find(&marks.start);
+        let next_end = rest.find(&marks.end);
         let (at, is_start) = match (next_start, next_end) {
             (None, None) => break,
             (Some(s), Some(e)) if s < e => (s, true),
@@ -469,12 +499,12 @@ fn strip_marks(marked: &str) -> std::result::Result<(String, Vec<Range<usize>>),
         match (is_start, open) {
             (true, None) => {
                 open = Some(text.len());
-                rest = &rest[at + MARK_START.len()..];
+                rest = &rest[at + marks.start.len()..];
             }
             (false, Some(start)) => {
                 spans.push(start..text.len());
                 open = None;
-                rest = &rest[at + MARK_END.len()..];
+                rest = &rest[at + marks.end.len()..];
             }
             (true, Some(_)) => return Err("nested {% generation %} blocks".into()),
             (false, None) => return Err("{% endgeneration %} without {% generation %}".into()),
@@ -647,10 +677,16 @@ mod tests {
 
     #[test]
     fn marks_give_byte_spans() {
-        let (text, spans) =
-            strip_marks(&format!("ab{MARK_START}é{MARK_END}c{MARK_START}{MARK_END}")).unwrap();
+        let marks = Marks::new("k");
+        let (start, end) = (&marks.start, &marks.end);
+        let (text, spans) = strip_marks(&format!("ab{start}é{end}c{start}{end}"), &marks).unwrap();
         assert_eq!(text, "abéc");
         assert_eq!(spans, vec![2..4, 5..5]);
-        assert!(strip_marks(&format!("{MARK_START}{MARK_START}")).is_err());
+        assert!(strip_marks(&format!("{start}{start}"), &marks).is_err());
+        // Another rendering's marks are text.
+        let other = Marks::new("j");
+        let (text, spans) = strip_marks(&format!("a{}b", other.start), &marks).unwrap();
+        assert_eq!((text, spans), (format!("a{}b", other.start), vec![]));
+        assert_ne!(Marks::key(), Marks::key());
     }
 }
