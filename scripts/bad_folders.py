@@ -13,6 +13,8 @@ Verdicts:
     HANG        still running at the time limit (killed)
     SILENT-NAN  exit code 0, but NaN in what it printed or saved
     LOST-FILE   a file of the user's (or the input model) changed or vanished
+    FLOOD       an error, but over 64 KiB of output: a value of the file quoted whole (a 1 MiB
+                string where a number belongs) buries the terminal and the log
     WRONG       any other departure (a success where an error was due, an error that does not
                 name what it must)
 
@@ -342,7 +344,13 @@ def cases() -> list[Case]:
         Case("rms_norm_eps 0", with_model(cfg(rms_norm_eps=0)), ["rms_norm_eps"]),
         Case("rope_theta -1", with_model(cfg(rope_parameters={"rope_type": "default",
                                                               "rope_theta": -1.0})),
-             ["rope"]),
+             ["rope_parameters.rope_theta"]),
+        # Values quoted in the error: cut, not printed whole.
+        Case("hidden_size is a 1 MiB string", with_model(cfg(hidden_size="7" * (1 << 20))),
+             ["hidden_size", "bytes left out"]),
+        Case("rope_type is a 1 MiB string",
+             with_model(cfg(rope_parameters={"rope_type": "y" * (1 << 20)})),
+             ["rope_parameters.rope_type", "bytes left out"]),
         Case("initializer_range NaN-like (-1)", with_model(cfg(initializer_range=-1)),
              ["initializer_range"]),
         # The files themselves.
@@ -472,6 +480,10 @@ def cases() -> list[Case]:
             ["--model", MODEL, "--train", TRAIN, *QUICK, "--adapter",
              adapter_folder(w, target_modules=["no_such_proj"]), "--output", out(w)], []),
             ["matches none"]),
+        Case("--adapter target_modules is a 1 MiB object", lambda w: (
+            ["--model", MODEL, "--train", TRAIN, *QUICK, "--adapter",
+             adapter_folder(w, target_modules={"q" * (1 << 20): 1}), "--output", out(w)], []),
+            ["adapter_config.json", "target_modules", "bytes left out"]),
         Case("--adapter tensor of the wrong shape", lambda w: (
             ["--model", MODEL, "--train", TRAIN, *QUICK, "--adapter",
              adapter_folder(w, _tensor_shape=True), "--output", out(w)], []), ["shape"]),
@@ -522,6 +534,8 @@ def verdict(case: Case, code, text: str, changed: list[str], work: str) -> str:
         return "ok"
     if code == 0:
         return "SILENT-NAN" if "nan" in text.lower() else "WRONG"
+    if len(text.encode()) > 64 << 10:
+        return "FLOOD"
     missing = [s for s in case.expect if s not in text]
     return "WRONG" if missing else "ok"
 
@@ -570,7 +584,7 @@ def main() -> int:
     summary = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
     print(f"\nbad_folders: {total} cases: {summary}")
     bad = total - counts.get("ok", 0)
-    for name in ("ABORT", "HANG", "SILENT-NAN", "LOST-FILE", "WRONG"):
+    for name in ("ABORT", "HANG", "SILENT-NAN", "LOST-FILE", "FLOOD", "WRONG"):
         print(f"  {name}: {counts.get(name, 0)}")
     return 1 if bad else 0
 

@@ -13,7 +13,11 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum Error {
     /// An environment variable holds a value that cannot be used.
-    #[error("environment variable {var}={value:?} is invalid: {reason}")]
+    #[error(
+        "environment variable {var}={:?} is invalid: {}",
+        shown(value, NAME_BYTES),
+        shown(reason, REASON_BYTES)
+    )]
     Env {
         /// The variable's name.
         var: String,
@@ -24,7 +28,7 @@ pub enum Error {
     },
 
     /// The config file cannot be read or holds a bad key or value.
-    #[error("config file {}: {}{reason}", path.display(), key.as_deref().map(|k| format!("key `{k}`: ")).unwrap_or_default())]
+    #[error("config file {}: {}{}", path.display(), key.as_deref().map(|k| format!("key `{}`: ", shown(k, NAME_BYTES))).unwrap_or_default(), shown(reason, REASON_BYTES))]
     Config {
         /// The file.
         path: PathBuf,
@@ -35,7 +39,7 @@ pub enum Error {
     },
 
     /// A builder call, flag or function argument is invalid.
-    #[error("invalid {name}: {reason}")]
+    #[error("invalid {name}: {}", shown(reason, REASON_BYTES))]
     InvalidArgument {
         /// The argument's name.
         name: String,
@@ -148,7 +152,7 @@ pub enum Error {
     },
 
     /// The dataset or data loader was misused or produced bad data.
-    #[error("data: {reason}")]
+    #[error("data: {}", shown(reason, REASON_BYTES))]
     Data {
         /// What is wrong.
         reason: String,
@@ -202,7 +206,7 @@ pub enum Error {
 
     /// A checkpoint file does not match what its manifest recorded when it was written (flipped
     /// bytes, a file replaced or truncated, an edited manifest).
-    #[error("checkpoint file {} is corrupt: {reason}", path.display())]
+    #[error("checkpoint file {} is corrupt: {}", path.display(), shown(reason, REASON_BYTES))]
     CheckpointCorrupt {
         /// The damaged file.
         path: std::path::PathBuf,
@@ -226,7 +230,7 @@ pub enum Error {
     /// A model's files (its safetensors weights, a sharded checkpoint's index, its
     /// `config.json`) cannot be read or written, or do not fit the model: the file and, when one
     /// is to blame, the tensor.
-    #[error("model file {}: {}{reason}", path.display(), tensor.as_deref().map(|t| format!("tensor `{t}`: ")).unwrap_or_default())]
+    #[error("model file {}: {}{}", path.display(), tensor.as_deref().map(|t| format!("tensor `{}`: ", shown(t, NAME_BYTES))).unwrap_or_default(), shown(reason, REASON_BYTES))]
     ModelFile {
         /// The file (or folder).
         path: std::path::PathBuf,
@@ -243,7 +247,7 @@ pub enum Error {
     /// cannot be read as one: it is not a regular file (a folder, a FIFO, a device, a link that
     /// leads nowhere), it is over the size its reader accepts, or it is not the text or JSON
     /// expected (see [`files`](crate::files)).
-    #[error("file {}: {reason}", path.display())]
+    #[error("file {}: {}", path.display(), shown(reason, REASON_BYTES))]
     InputFile {
         /// The file.
         path: PathBuf,
@@ -270,7 +274,7 @@ pub enum Error {
 
     /// An output folder cannot receive what a run would save there (checked before the run
     /// trains, see [`check_output_dir`](crate::checkpoint::check_output_dir)).
-    #[error("output folder {}: {reason}", path.display())]
+    #[error("output folder {}: {}", path.display(), shown(reason, REASON_BYTES))]
     OutputFolder {
         /// The folder.
         path: PathBuf,
@@ -281,7 +285,11 @@ pub enum Error {
     /// A 4-bit quantized weight ([`quant`](crate::quant)) cannot be read from the tensors
     /// given: the tensor to blame (missing, of the wrong dtype or size, a malformed quant state)
     /// and what is wrong.
-    #[error("4-bit weight: tensor `{tensor}`: {reason}")]
+    #[error(
+        "4-bit weight: tensor `{}`: {}",
+        shown(tensor, NAME_BYTES),
+        shown(reason, REASON_BYTES)
+    )]
     Quantized {
         /// The tensor's full name (`model.layers.0.mlp.up_proj.weight.absmax`).
         tensor: String,
@@ -542,6 +550,36 @@ fn cuda_out_of_memory(e: &candle_core::Error) -> Option<String> {
         .then_some(text)
 }
 
+/// The most bytes of a name (a key, a tensor, a variable's value) an error message shows.
+pub(crate) const NAME_BYTES: usize = 256;
+/// The most bytes of a reason an error message shows.
+pub(crate) const REASON_BYTES: usize = 2048;
+
+/// `text` as an error message shows it: whole when it has at most `limit` bytes, else its
+/// first three quarters of `limit` and its last quarter (cut at characters) around the count of
+/// bytes left out. A value a file quotes (a 1 MiB string where a number belongs, a role as long
+/// as a line) then cannot bury the terminal or a log under one line, and what the message says
+/// after the value (what was expected) is kept; the error's fields keep the whole text.
+pub(crate) fn shown(text: &str, limit: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= limit {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut head = limit * 3 / 4;
+    while !text.is_char_boundary(head) {
+        head -= 1;
+    }
+    let mut tail = text.len() - limit / 4;
+    while !text.is_char_boundary(tail) {
+        tail += 1;
+    }
+    std::borrow::Cow::Owned(format!(
+        "{} … [{} bytes left out] … {}",
+        &text[..head],
+        tail - head,
+        &text[tail..]
+    ))
+}
+
 /// `1.5 GiB (1610612736 bytes)`.
 pub(crate) fn human_bytes(b: u64) -> String {
     const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
@@ -670,6 +708,51 @@ mod tests {
 
     fn cuda(text: &'static str) -> candle_core::Error {
         candle_core::Error::Cuda(Box::new(Printed(text)))
+    }
+
+    /// A value quoted whole from a file is cut in the message, at a character, with the count
+    /// of bytes left out; the field keeps it whole.
+    #[test]
+    fn long_values_are_cut_in_messages_and_kept_in_fields() {
+        let huge = "é".repeat(1 << 19);
+        let e = Error::Config {
+            path: "c.toml".into(),
+            key: Some(huge.clone()),
+            reason: format!("expected a number, got {huge}; what the key is for"),
+        };
+        let msg = e.to_string();
+        assert!(
+            msg.len() < NAME_BYTES + REASON_BYTES + 200,
+            "{} bytes",
+            msg.len()
+        );
+        assert!(
+            msg.starts_with("config file c.toml: key `éé"),
+            "{}",
+            &msg[..40]
+        );
+        assert!(msg.contains("expected a number, got éé"));
+        let left_out = huge.len() - NAME_BYTES;
+        assert!(msg.contains(&format!("é … [{left_out} bytes left out] … éé")));
+        assert!(
+            msg.ends_with("éé; what the key is for"),
+            "{}",
+            &msg[msg.len() - 40..]
+        );
+        match e {
+            Error::Config { key, .. } => assert_eq!(key.as_deref(), Some(huge.as_str())),
+            other => panic!("{other}"),
+        }
+        assert_eq!(shown("short", 8), "short");
+        assert_eq!(shown("abcdefghij", 8), "abcdef … [2 bytes left out] … ij");
+        assert_eq!(shown("ééé", 3), "é … [4 bytes left out] … ");
+        let e = Error::ModelFile {
+            path: "m.safetensors".into(),
+            tensor: Some("t".repeat(10_000)),
+            reason: "missing".into(),
+            source: None,
+        };
+        assert!(e.to_string().len() < 400, "{e}");
     }
 
     #[test]

@@ -115,6 +115,17 @@ impl RopeConfig {
             })?,
             None => rope_theta.unwrap_or(10_000.0),
         };
+        if !(theta.is_finite() && theta > 0.0) {
+            let key = match map.and_then(|m| m.get("rope_theta")) {
+                Some(_) => format!("{at}.rope_theta"),
+                None => "rope_theta".to_string(),
+            };
+            return Err(Error::config(
+                path,
+                Some(&key),
+                format!("{theta}: must be a finite number above 0"),
+            ));
+        }
         let Some(map) = map else {
             return Ok(RopeConfig {
                 theta,
@@ -177,7 +188,7 @@ impl RopeConfig {
                 ))
             }
         };
-        check_values(path, at, theta, &scaling)?;
+        check_values(path, at, &scaling)?;
         Ok(RopeConfig {
             theta,
             scaling,
@@ -348,45 +359,75 @@ pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tenso
     Tensor::cat(&[&rotated, &x.narrow(3, r, d - r)?], 3)
 }
 
-/// Checks the numbers of RoPE settings: positive and finite, Llama 3's high frequency factor
-/// above its low one.
-fn check_values(path: &Path, at: &str, theta: f64, scaling: &RopeScaling) -> CrateResult<()> {
+/// Checks the numbers of a RoPE scaling: positive and finite, Llama 3's high frequency factor
+/// above its low one; the error names the first key that is wrong (`rope_parameters.factor`).
+fn check_values(path: &Path, at: &str, scaling: &RopeScaling) -> CrateResult<()> {
     let positive = |v: f64| v.is_finite() && v > 0.0;
-    let ok = positive(theta)
-        && match *scaling {
-            RopeScaling::Default => true,
-            RopeScaling::Linear { factor } => positive(factor),
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            } => {
-                positive(factor)
-                    && positive(low_freq_factor)
-                    && positive(original_max_position_embeddings)
-                    && high_freq_factor > low_freq_factor
+    let mut numbers = vec![];
+    match scaling {
+        RopeScaling::Default => {}
+        RopeScaling::Linear { factor } => numbers.push(("factor", *factor)),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            numbers.extend([
+                ("factor", *factor),
+                ("low_freq_factor", *low_freq_factor),
+                ("high_freq_factor", *high_freq_factor),
+                (
+                    "original_max_position_embeddings",
+                    *original_max_position_embeddings,
+                ),
+            ]);
+        }
+        RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings,
+            attention_factor,
+        } => {
+            let lists = [("short_factor", short_factor), ("long_factor", long_factor)];
+            for (key, list) in lists {
+                if let Some((i, f)) = list.iter().enumerate().find(|(_, &f)| !positive(f)) {
+                    return Err(Error::config(
+                        path,
+                        Some(&format!("{at}.{key}[{i}]")),
+                        format!("{f}: must be a finite number above 0"),
+                    ));
+                }
             }
-            RopeScaling::LongRope {
-                ref short_factor,
-                ref long_factor,
-                original_max_position_embeddings,
-                attention_factor,
-            } => {
-                short_factor.iter().chain(long_factor).all(|&f| positive(f))
-                    && positive(original_max_position_embeddings)
-                    && positive(attention_factor)
-            }
-        };
-    if !ok {
+            numbers.extend([
+                (
+                    "original_max_position_embeddings",
+                    *original_max_position_embeddings,
+                ),
+                ("attention_factor", *attention_factor),
+            ]);
+        }
+    }
+    if let Some((key, v)) = numbers.into_iter().find(|&(_, v)| !positive(v)) {
         return Err(Error::config(
             path,
-            Some(at),
-            format!(
-                "invalid values: theta {theta}, {scaling:?} (positive numbers expected, \
-                 high_freq_factor above low_freq_factor)"
-            ),
+            Some(&format!("{at}.{key}")),
+            format!("{v}: must be a finite number above 0"),
         ));
+    }
+    if let RopeScaling::Llama3 {
+        low_freq_factor: low,
+        high_freq_factor: high,
+        ..
+    } = *scaling
+    {
+        if high <= low {
+            return Err(Error::config(
+                path,
+                Some(&format!("{at}.high_freq_factor")),
+                format!("{high}: must be above low_freq_factor ({low})"),
+            ));
+        }
     }
     Ok(())
 }

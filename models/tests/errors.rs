@@ -177,17 +177,68 @@ fn unknown_model_type_names_the_file_and_the_value() {
     assert!(msg.contains("falcon"), "{msg}");
 }
 
+/// A copy of fixture `name` with its `config.json` edited by `f`.
+fn edit(
+    name: &str,
+    f: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>),
+) -> (tempfile::TempDir, std::path::PathBuf) {
+    let (tmp, dir) = copy_fixture(name);
+    let path = dir.join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    f(json.as_object_mut().unwrap());
+    std::fs::write(&path, serde_json::to_string(&json).unwrap()).unwrap();
+    (tmp, dir)
+}
+
+/// A value quoted from the file (a 1 MiB string where a number belongs, a 1 MiB RoPE type) is
+/// cut in the message, which stays a line a terminal shows; each RoPE number out of range is
+/// named by its own key.
+#[test]
+fn values_a_file_quotes_are_cut_and_rope_numbers_named_by_key() {
+    let huge = "A".repeat(1 << 20);
+    let (_t, dir) = edit("llama", &|m| {
+        m.insert("hidden_size".into(), huge.clone().into());
+    });
+    let msg = config_err(load(&dir).unwrap_err(), "hidden_size");
+    assert!(
+        msg.len() < 4096 && msg.contains("bytes left out]") && msg.contains("expected"),
+        "{} bytes",
+        msg.len()
+    );
+    let (_t, dir) = edit("llama", &|m| {
+        m["rope_parameters"]["rope_type"] = huge.clone().into();
+    });
+    let msg = config_err(load(&dir).unwrap_err(), "rope_parameters.rope_type");
+    assert!(
+        msg.len() < 4096 && msg.contains("AAAA") && msg.contains("supported: default"),
+        "{} bytes",
+        msg.len()
+    );
+
+    for (key, value) in [
+        ("factor", -1.0),
+        ("low_freq_factor", 0.0),
+        ("original_max_position_embeddings", -128.0),
+        ("high_freq_factor", 0.5),
+        ("rope_theta", -1.0),
+    ] {
+        let (_t, dir) = edit("llama", &|m| {
+            m["rope_parameters"][key] = value.into();
+        });
+        let msg = config_err(load(&dir).unwrap_err(), &format!("rope_parameters.{key}"));
+        assert!(msg.contains(&value.to_string()), "{msg}");
+    }
+    // transformers 4's top-level `rope_theta`, without any scaling.
+    let (_t, dir) = edit("llama", &|m| {
+        m.remove("rope_parameters");
+        m.insert("rope_theta".into(), 0.0.into());
+    });
+    config_err(load(&dir).unwrap_err(), "rope_theta");
+}
+
 #[test]
 fn missing_and_mistyped_keys_are_named() {
-    let edit = |name: &str, f: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| {
-        let (tmp, dir) = copy_fixture(name);
-        let path = dir.join("config.json");
-        let mut json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        f(json.as_object_mut().unwrap());
-        std::fs::write(&path, serde_json::to_string(&json).unwrap()).unwrap();
-        (tmp, dir)
-    };
     let (_t, dir) = edit("llama", &|m| {
         m.remove("hidden_size");
     });
