@@ -294,6 +294,8 @@ pub(crate) fn generate(
     let mut out = vec![Vec::new(); prompts.len()];
     let mut done = vec![false; prompts.len()];
     let mut cache = KvCache::new();
+    // A set: a folder's `eos_token_id` list may hold millions of ids, looked up every token.
+    let stop: std::collections::HashSet<u32> = config.stop_tokens.iter().copied().collect();
     for _ in 0..config.max_new_tokens {
         if !config.use_cache {
             cache = KvCache::new();
@@ -315,7 +317,7 @@ pub(crate) fn generate(
             }
             let tok = sampler.pick(row);
             out[i].push(tok);
-            done[i] = config.stop_tokens.contains(&tok);
+            done[i] = stop.contains(&tok);
             next.push(tok);
         }
         if done.iter().all(|&d| d) {
