@@ -15,8 +15,8 @@ pub enum Error {
     /// An environment variable holds a value that cannot be used.
     #[error(
         "environment variable {var}={:?} is invalid: {}",
-        shown(value, NAME_BYTES),
-        shown(reason, REASON_BYTES)
+        excerpt(value, NAME_BYTES),
+        excerpt(reason, REASON_BYTES)
     )]
     Env {
         /// The variable's name.
@@ -28,7 +28,7 @@ pub enum Error {
     },
 
     /// The config file cannot be read or holds a bad key or value.
-    #[error("config file {}: {}{}", path.display(), key.as_deref().map(|k| format!("key `{}`: ", shown(k, NAME_BYTES))).unwrap_or_default(), shown(reason, REASON_BYTES))]
+    #[error("config file {}: {}{}", path.display(), key.as_deref().map(|k| format!("key `{}`: ", excerpt(k, NAME_BYTES))).unwrap_or_default(), excerpt(reason, REASON_BYTES))]
     Config {
         /// The file.
         path: PathBuf,
@@ -39,7 +39,7 @@ pub enum Error {
     },
 
     /// A builder call, flag or function argument is invalid.
-    #[error("invalid {name}: {}", shown(reason, REASON_BYTES))]
+    #[error("invalid {name}: {}", excerpt(reason, REASON_BYTES))]
     InvalidArgument {
         /// The argument's name.
         name: String,
@@ -152,7 +152,7 @@ pub enum Error {
     },
 
     /// The dataset or data loader was misused or produced bad data.
-    #[error("data: {}", shown(reason, REASON_BYTES))]
+    #[error("data: {}", excerpt(reason, REASON_BYTES))]
     Data {
         /// What is wrong.
         reason: String,
@@ -206,7 +206,7 @@ pub enum Error {
 
     /// A checkpoint file does not match what its manifest recorded when it was written (flipped
     /// bytes, a file replaced or truncated, an edited manifest).
-    #[error("checkpoint file {} is corrupt: {}", path.display(), shown(reason, REASON_BYTES))]
+    #[error("checkpoint file {} is corrupt: {}", path.display(), excerpt(reason, REASON_BYTES))]
     CheckpointCorrupt {
         /// The damaged file.
         path: std::path::PathBuf,
@@ -230,7 +230,7 @@ pub enum Error {
     /// A model's files (its safetensors weights, a sharded checkpoint's index, its
     /// `config.json`) cannot be read or written, or do not fit the model: the file and, when one
     /// is to blame, the tensor.
-    #[error("model file {}: {}{}", path.display(), tensor.as_deref().map(|t| format!("tensor `{}`: ", shown(t, NAME_BYTES))).unwrap_or_default(), shown(reason, REASON_BYTES))]
+    #[error("model file {}: {}{}", path.display(), tensor.as_deref().map(|t| format!("tensor `{}`: ", excerpt(t, NAME_BYTES))).unwrap_or_default(), excerpt(reason, REASON_BYTES))]
     ModelFile {
         /// The file (or folder).
         path: std::path::PathBuf,
@@ -247,7 +247,7 @@ pub enum Error {
     /// cannot be read as one: it is not a regular file (a folder, a FIFO, a device, a link that
     /// leads nowhere), it is over the size its reader accepts, or it is not the text or JSON
     /// expected (see [`files`](crate::files)).
-    #[error("file {}: {}", path.display(), shown(reason, REASON_BYTES))]
+    #[error("file {}: {}", path.display(), excerpt(reason, REASON_BYTES))]
     InputFile {
         /// The file.
         path: PathBuf,
@@ -274,7 +274,7 @@ pub enum Error {
 
     /// An output folder cannot receive what a run would save there (checked before the run
     /// trains, see [`check_output_dir`](crate::checkpoint::check_output_dir)).
-    #[error("output folder {}: {}", path.display(), shown(reason, REASON_BYTES))]
+    #[error("output folder {}: {}", path.display(), excerpt(reason, REASON_BYTES))]
     OutputFolder {
         /// The folder.
         path: PathBuf,
@@ -287,8 +287,8 @@ pub enum Error {
     /// and what is wrong.
     #[error(
         "4-bit weight: tensor `{}`: {}",
-        shown(tensor, NAME_BYTES),
-        shown(reason, REASON_BYTES)
+        excerpt(tensor, NAME_BYTES),
+        excerpt(reason, REASON_BYTES)
     )]
     Quantized {
         /// The tensor's full name (`model.layers.0.mlp.up_proj.weight.absmax`).
@@ -560,7 +560,7 @@ pub(crate) const REASON_BYTES: usize = 2048;
 /// bytes left out. A value a file quotes (a 1 MiB string where a number belongs, a role as long
 /// as a line) then cannot bury the terminal or a log under one line, and what the message says
 /// after the value (what was expected) is kept; the error's fields keep the whole text.
-pub(crate) fn shown(text: &str, limit: usize) -> std::borrow::Cow<'_, str> {
+pub fn excerpt(text: &str, limit: usize) -> std::borrow::Cow<'_, str> {
     if text.len() <= limit {
         return std::borrow::Cow::Borrowed(text);
     }
@@ -743,9 +743,9 @@ mod tests {
             Error::Config { key, .. } => assert_eq!(key.as_deref(), Some(huge.as_str())),
             other => panic!("{other}"),
         }
-        assert_eq!(shown("short", 8), "short");
-        assert_eq!(shown("abcdefghij", 8), "abcdef … [2 bytes left out] … ij");
-        assert_eq!(shown("ééé", 3), "é … [4 bytes left out] … ");
+        assert_eq!(excerpt("short", 8), "short");
+        assert_eq!(excerpt("abcdefghij", 8), "abcdef … [2 bytes left out] … ij");
+        assert_eq!(excerpt("ééé", 3), "é … [4 bytes left out] … ");
         let e = Error::ModelFile {
             path: "m.safetensors".into(),
             tensor: Some("t".repeat(10_000)),

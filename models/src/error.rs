@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use accelerate_rs::files::excerpt;
+
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -14,7 +16,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// A `config.json` cannot be read, or a key is missing, of the wrong type or has a value this
     /// crate does not support (an unknown `model_type`, a RoPE scaling it does not implement).
-    #[error("config file {}: {}{}", path.display(), key.as_deref().map(|k| format!("key `{}`: ", shown(k, NAME_BYTES))).unwrap_or_default(), shown(reason, REASON_BYTES))]
+    #[error("config file {}: {}{}", path.display(), key.as_deref().map(|k| format!("key `{}`: ", excerpt(k, NAME_BYTES))).unwrap_or_default(), excerpt(reason, REASON_BYTES))]
     Config {
         /// The file (or `<memory>` for a configuration built in code).
         path: PathBuf,
@@ -25,7 +27,7 @@ pub enum Error {
     },
 
     /// A `tokenizer.json` cannot be read, or a text cannot be encoded.
-    #[error("tokenizer {}: {}", path.display(), shown(reason, REASON_BYTES))]
+    #[error("tokenizer {}: {}", path.display(), excerpt(reason, REASON_BYTES))]
     Tokenizer {
         /// The tokenizer file.
         path: PathBuf,
@@ -36,7 +38,7 @@ pub enum Error {
     /// A conversation (a row of a JSONL file, or one built in code) cannot be read, rendered
     /// with the chat template or tokenized: names the file, the line (from 1) and the field
     /// (`messages[2].role`) when they are known; [`ChatErrorKind`] says what went wrong.
-    #[error("{}: {}{}", chat_location(path, *line), field.as_deref().map(|f| format!("field `{}`: ", shown(f, NAME_BYTES))).unwrap_or_default(), shown(reason, REASON_BYTES))]
+    #[error("{}: {}{}", chat_location(path, *line), field.as_deref().map(|f| format!("field `{}`: ", excerpt(f, NAME_BYTES))).unwrap_or_default(), excerpt(reason, REASON_BYTES))]
     Chat {
         /// What went wrong.
         kind: ChatErrorKind,
@@ -52,7 +54,7 @@ pub enum Error {
 
     /// A model folder has no chat template, or its template (or `tokenizer_config.json`)
     /// cannot be read or compiled.
-    #[error("chat template {}: {}", path.display(), shown(reason, REASON_BYTES))]
+    #[error("chat template {}: {}", path.display(), excerpt(reason, REASON_BYTES))]
     ChatTemplate {
         /// The file (`chat_template.jinja`, `tokenizer_config.json`) or folder.
         path: PathBuf,
@@ -64,8 +66,8 @@ pub enum Error {
     /// empty one, a model that does not generate (names the parameter or the prompt).
     #[error(
         "generate: `{}`: {}",
-        shown(what, NAME_BYTES),
-        shown(reason, REASON_BYTES)
+        excerpt(what, NAME_BYTES),
+        excerpt(reason, REASON_BYTES)
     )]
     Generation {
         /// The parameter (`top_p`) or prompt (`prompts[1]`) to blame.
@@ -77,8 +79,8 @@ pub enum Error {
     /// Downloading from the Hugging Face Hub failed (`hub` feature).
     #[error(
         "Hugging Face Hub, repository `{}`: {}",
-        shown(repo, NAME_BYTES),
-        shown(reason, REASON_BYTES)
+        excerpt(repo, NAME_BYTES),
+        excerpt(reason, REASON_BYTES)
     )]
     Hub {
         /// The repository id (`owner/name`).
@@ -133,31 +135,6 @@ pub enum ChatErrorKind {
 const NAME_BYTES: usize = 256;
 /// The most bytes of a reason an error message shows.
 const REASON_BYTES: usize = 2048;
-
-/// `text` as an error message shows it: whole when it has at most `limit` bytes, else its
-/// first three quarters of `limit` and its last quarter (cut at characters) around the count of
-/// bytes left out. A value a file quotes (a 1 MiB string where a number belongs, a role as long
-/// as a line) then cannot bury the terminal or a log under one line, and what the message says
-/// after the value (what was expected) is kept; the error's fields keep the whole text.
-fn shown(text: &str, limit: usize) -> std::borrow::Cow<'_, str> {
-    if text.len() <= limit {
-        return std::borrow::Cow::Borrowed(text);
-    }
-    let mut head = limit * 3 / 4;
-    while !text.is_char_boundary(head) {
-        head -= 1;
-    }
-    let mut tail = text.len() - limit / 4;
-    while !text.is_char_boundary(tail) {
-        tail += 1;
-    }
-    std::borrow::Cow::Owned(format!(
-        "{} … [{} bytes left out] … {}",
-        &text[..head],
-        tail - head,
-        &text[tail..]
-    ))
-}
 
 /// `file:line`, or the file alone.
 fn chat_location(path: &std::path::Path, line: Option<usize>) -> String {
