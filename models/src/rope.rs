@@ -8,6 +8,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Result, Tensor};
 use serde_json::Value;
 
+use crate::config::ensure_positive;
 use crate::error::{Error, Result as CrateResult};
 
 /// How the inverse frequencies are scaled (`rope_parameters` / `rope_scaling` in `config.json`).
@@ -109,23 +110,18 @@ impl RopeConfig {
                 ))
             }
         };
-        let theta = match map.and_then(|m| m.get("rope_theta")) {
-            Some(v) => v.as_f64().ok_or_else(|| {
-                Error::config(path, Some(&format!("{at}.rope_theta")), "expected a number")
-            })?,
-            None => rope_theta.unwrap_or(10_000.0),
+        // In transformers 5's `rope_parameters` (or a `rope_scaling` holding it), else at the top.
+        let (theta, theta_key) = match map.and_then(|m| m.get("rope_theta")) {
+            Some(v) => {
+                let key = format!("{at}.rope_theta");
+                let theta = v
+                    .as_f64()
+                    .ok_or_else(|| Error::config(path, Some(&key), "expected a number"))?;
+                (theta, key)
+            }
+            None => (rope_theta.unwrap_or(10_000.0), "rope_theta".to_string()),
         };
-        if !(theta.is_finite() && theta > 0.0) {
-            let key = match map.and_then(|m| m.get("rope_theta")) {
-                Some(_) => format!("{at}.rope_theta"),
-                None => "rope_theta".to_string(),
-            };
-            return Err(Error::config(
-                path,
-                Some(&key),
-                format!("{theta}: must be a finite number above 0"),
-            ));
-        }
+        ensure_positive(path, &[(&theta_key, theta)])?;
         let Some(map) = map else {
             return Ok(RopeConfig {
                 theta,
@@ -391,12 +387,8 @@ fn check_values(path: &Path, at: &str, scaling: &RopeScaling) -> CrateResult<()>
         } => {
             let lists = [("short_factor", short_factor), ("long_factor", long_factor)];
             for (key, list) in lists {
-                if let Some((i, f)) = list.iter().enumerate().find(|(_, &f)| !positive(f)) {
-                    return Err(Error::config(
-                        path,
-                        Some(&format!("{at}.{key}[{i}]")),
-                        format!("{f}: must be a finite number above 0"),
-                    ));
+                if let Some((i, &f)) = list.iter().enumerate().find(|(_, &f)| !positive(f)) {
+                    ensure_positive(path, &[(&format!("{at}.{key}[{i}]"), f)])?;
                 }
             }
             numbers.extend([
@@ -408,12 +400,8 @@ fn check_values(path: &Path, at: &str, scaling: &RopeScaling) -> CrateResult<()>
             ]);
         }
     }
-    if let Some((key, v)) = numbers.into_iter().find(|&(_, v)| !positive(v)) {
-        return Err(Error::config(
-            path,
-            Some(&format!("{at}.{key}")),
-            format!("{v}: must be a finite number above 0"),
-        ));
+    for (key, v) in numbers {
+        ensure_positive(path, &[(&format!("{at}.{key}"), v)])?;
     }
     if let RopeScaling::Llama3 {
         low_freq_factor: low,
