@@ -15,8 +15,8 @@ pub enum Error {
     /// An environment variable holds a value that cannot be used.
     #[error(
         "environment variable {var}={:?} is invalid: {}",
-        excerpt(value, NAME_BYTES),
-        excerpt(reason, REASON_BYTES)
+        excerpt(value, EXCERPT_NAME_BYTES),
+        excerpt(reason, EXCERPT_REASON_BYTES)
     )]
     Env {
         /// The variable's name.
@@ -28,7 +28,7 @@ pub enum Error {
     },
 
     /// The config file cannot be read or holds a bad key or value.
-    #[error("config file {}: {}{}", path.display(), key.as_deref().map(|k| format!("key `{}`: ", excerpt(k, NAME_BYTES))).unwrap_or_default(), excerpt(reason, REASON_BYTES))]
+    #[error("config file {}: {}{}", path.display(), key.as_deref().map(|k| format!("key `{}`: ", excerpt(k, EXCERPT_NAME_BYTES))).unwrap_or_default(), excerpt(reason, EXCERPT_REASON_BYTES))]
     Config {
         /// The file.
         path: PathBuf,
@@ -39,7 +39,7 @@ pub enum Error {
     },
 
     /// A builder call, flag or function argument is invalid.
-    #[error("invalid {name}: {}", excerpt(reason, REASON_BYTES))]
+    #[error("invalid {name}: {}", excerpt(reason, EXCERPT_REASON_BYTES))]
     InvalidArgument {
         /// The argument's name.
         name: String,
@@ -152,7 +152,7 @@ pub enum Error {
     },
 
     /// The dataset or data loader was misused or produced bad data.
-    #[error("data: {}", excerpt(reason, REASON_BYTES))]
+    #[error("data: {}", excerpt(reason, EXCERPT_REASON_BYTES))]
     Data {
         /// What is wrong.
         reason: String,
@@ -206,7 +206,7 @@ pub enum Error {
 
     /// A checkpoint file does not match what its manifest recorded when it was written (flipped
     /// bytes, a file replaced or truncated, an edited manifest).
-    #[error("checkpoint file {} is corrupt: {}", path.display(), excerpt(reason, REASON_BYTES))]
+    #[error("checkpoint file {} is corrupt: {}", path.display(), excerpt(reason, EXCERPT_REASON_BYTES))]
     CheckpointCorrupt {
         /// The damaged file.
         path: std::path::PathBuf,
@@ -230,7 +230,7 @@ pub enum Error {
     /// A model's files (its safetensors weights, a sharded checkpoint's index, its
     /// `config.json`) cannot be read or written, or do not fit the model: the file and, when one
     /// is to blame, the tensor.
-    #[error("model file {}: {}{}", path.display(), tensor.as_deref().map(|t| format!("tensor `{}`: ", excerpt(t, NAME_BYTES))).unwrap_or_default(), excerpt(reason, REASON_BYTES))]
+    #[error("model file {}: {}{}", path.display(), tensor.as_deref().map(|t| format!("tensor `{}`: ", excerpt(t, EXCERPT_NAME_BYTES))).unwrap_or_default(), excerpt(reason, EXCERPT_REASON_BYTES))]
     ModelFile {
         /// The file (or folder).
         path: std::path::PathBuf,
@@ -247,7 +247,7 @@ pub enum Error {
     /// cannot be read as one: it is not a regular file (a folder, a FIFO, a device, a link that
     /// leads nowhere), it is over the size its reader accepts, or it is not the text or JSON
     /// expected (see [`files`](crate::files)).
-    #[error("file {}: {}", path.display(), excerpt(reason, REASON_BYTES))]
+    #[error("file {}: {}", path.display(), excerpt(reason, EXCERPT_REASON_BYTES))]
     InputFile {
         /// The file.
         path: PathBuf,
@@ -274,7 +274,7 @@ pub enum Error {
 
     /// An output folder cannot receive what a run would save there (checked before the run
     /// trains, see [`check_output_dir`](crate::checkpoint::check_output_dir)).
-    #[error("output folder {}: {}", path.display(), excerpt(reason, REASON_BYTES))]
+    #[error("output folder {}: {}", path.display(), excerpt(reason, EXCERPT_REASON_BYTES))]
     OutputFolder {
         /// The folder.
         path: PathBuf,
@@ -287,8 +287,8 @@ pub enum Error {
     /// and what is wrong.
     #[error(
         "4-bit weight: tensor `{}`: {}",
-        excerpt(tensor, NAME_BYTES),
-        excerpt(reason, REASON_BYTES)
+        excerpt(tensor, EXCERPT_NAME_BYTES),
+        excerpt(reason, EXCERPT_REASON_BYTES)
     )]
     Quantized {
         /// The tensor's full name (`model.layers.0.mlp.up_proj.weight.absmax`).
@@ -550,10 +550,11 @@ fn cuda_out_of_memory(e: &candle_core::Error) -> Option<String> {
         .then_some(text)
 }
 
-/// The most bytes of a name (a key, a tensor, a variable's value) an error message shows.
-pub(crate) const NAME_BYTES: usize = 256;
-/// The most bytes of a reason an error message shows.
-pub(crate) const REASON_BYTES: usize = 2048;
+/// The most bytes of a name (a key, a tensor, a field, a variable's value) an error message of
+/// either crate shows ([`excerpt`]).
+pub const EXCERPT_NAME_BYTES: usize = 256;
+/// The most bytes of a reason an error message of either crate shows ([`excerpt`]).
+pub const EXCERPT_REASON_BYTES: usize = 2048;
 
 /// `text` as an error message shows it: whole when it has at most `limit` bytes, else its
 /// first three quarters of `limit` and its last quarter (cut at characters) around the count of
@@ -722,7 +723,7 @@ mod tests {
         };
         let msg = e.to_string();
         assert!(
-            msg.len() < NAME_BYTES + REASON_BYTES + 200,
+            msg.len() < EXCERPT_NAME_BYTES + EXCERPT_REASON_BYTES + 200,
             "{} bytes",
             msg.len()
         );
@@ -732,7 +733,7 @@ mod tests {
             &msg[..40]
         );
         assert!(msg.contains("expected a number, got éé"));
-        let left_out = huge.len() - NAME_BYTES;
+        let left_out = huge.len() - EXCERPT_NAME_BYTES;
         assert!(msg.contains(&format!("é … [{left_out} bytes left out] … éé")));
         assert!(
             msg.ends_with("éé; what the key is for"),

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use accelerate_rs::files::excerpt;
+use accelerate_rs::files::{excerpt, EXCERPT_NAME_BYTES, EXCERPT_REASON_BYTES};
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -16,7 +16,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     /// A `config.json` cannot be read, or a key is missing, of the wrong type or has a value this
     /// crate does not support (an unknown `model_type`, a RoPE scaling it does not implement).
-    #[error("config file {}: {}{}", path.display(), key.as_deref().map(|k| format!("key `{}`: ", excerpt(k, NAME_BYTES))).unwrap_or_default(), excerpt(reason, REASON_BYTES))]
+    #[error("config file {}: {}{}", path.display(), key.as_deref().map(|k| format!("key `{}`: ", excerpt(k, EXCERPT_NAME_BYTES))).unwrap_or_default(), excerpt(reason, EXCERPT_REASON_BYTES))]
     Config {
         /// The file (or `<memory>` for a configuration built in code).
         path: PathBuf,
@@ -27,7 +27,7 @@ pub enum Error {
     },
 
     /// A `tokenizer.json` cannot be read, or a text cannot be encoded.
-    #[error("tokenizer {}: {}", path.display(), excerpt(reason, REASON_BYTES))]
+    #[error("tokenizer {}: {}", path.display(), excerpt(reason, EXCERPT_REASON_BYTES))]
     Tokenizer {
         /// The tokenizer file.
         path: PathBuf,
@@ -38,7 +38,7 @@ pub enum Error {
     /// A conversation (a row of a JSONL file, or one built in code) cannot be read, rendered
     /// with the chat template or tokenized: names the file, the line (from 1) and the field
     /// (`messages[2].role`) when they are known; [`ChatErrorKind`] says what went wrong.
-    #[error("{}: {}{}", chat_location(path, *line), field.as_deref().map(|f| format!("field `{}`: ", excerpt(f, NAME_BYTES))).unwrap_or_default(), excerpt(reason, REASON_BYTES))]
+    #[error("{}: {}{}", chat_location(path, *line), field.as_deref().map(|f| format!("field `{}`: ", excerpt(f, EXCERPT_NAME_BYTES))).unwrap_or_default(), excerpt(reason, EXCERPT_REASON_BYTES))]
     Chat {
         /// What went wrong.
         kind: ChatErrorKind,
@@ -54,7 +54,7 @@ pub enum Error {
 
     /// A model folder has no chat template, or its template (or `tokenizer_config.json`)
     /// cannot be read or compiled.
-    #[error("chat template {}: {}", path.display(), excerpt(reason, REASON_BYTES))]
+    #[error("chat template {}: {}", path.display(), excerpt(reason, EXCERPT_REASON_BYTES))]
     ChatTemplate {
         /// The file (`chat_template.jinja`, `tokenizer_config.json`) or folder.
         path: PathBuf,
@@ -66,8 +66,8 @@ pub enum Error {
     /// empty one, a model that does not generate (names the parameter or the prompt).
     #[error(
         "generate: `{}`: {}",
-        excerpt(what, NAME_BYTES),
-        excerpt(reason, REASON_BYTES)
+        excerpt(what, EXCERPT_NAME_BYTES),
+        excerpt(reason, EXCERPT_REASON_BYTES)
     )]
     Generation {
         /// The parameter (`top_p`) or prompt (`prompts[1]`) to blame.
@@ -79,8 +79,8 @@ pub enum Error {
     /// Downloading from the Hugging Face Hub failed (`hub` feature).
     #[error(
         "Hugging Face Hub, repository `{}`: {}",
-        excerpt(repo, NAME_BYTES),
-        excerpt(reason, REASON_BYTES)
+        excerpt(repo, EXCERPT_NAME_BYTES),
+        excerpt(reason, EXCERPT_REASON_BYTES)
     )]
     Hub {
         /// The repository id (`owner/name`).
@@ -130,11 +130,6 @@ pub enum ChatErrorKind {
     /// were cut by truncation).
     NoTarget,
 }
-
-/// The most bytes of a name (a key, a field, a parameter) an error message shows.
-const NAME_BYTES: usize = 256;
-/// The most bytes of a reason an error message shows.
-const REASON_BYTES: usize = 2048;
 
 /// `file:line`, or the file alone.
 fn chat_location(path: &std::path::Path, line: Option<usize>) -> String {

@@ -21,13 +21,14 @@
 //!   overflow and matches the tensor's byte range, ranges that tile the data section, no tensor
 //!   named twice (a JSON object with a repeated key would otherwise keep only the last).
 //! - **A value quoted in an error is an excerpt** ([`excerpt`]): a 1 MiB string where a number
-//!   belongs shows its start and end, not a 1 MiB line in every rank's log.
+//!   belongs shows its start and end, not a 1 MiB line in every rank's log; names at most
+//!   [`EXCERPT_NAME_BYTES`], reasons [`EXCERPT_REASON_BYTES`].
 
 mod durable;
 mod regular;
 mod safetensors;
 
-pub use crate::error::excerpt;
+pub use crate::error::{excerpt, EXCERPT_NAME_BYTES, EXCERPT_REASON_BYTES};
 pub(crate) use durable::{
     io_err, sync_dir, sync_file, with_suffix, write_err, write_json, write_safetensors,
 };
