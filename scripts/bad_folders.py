@@ -290,6 +290,48 @@ def long_conversation(work: str, turns: int) -> str:
     return path
 
 
+# A pre-tokenizer pattern that backtracks: on a run of `a`s every position costs fancy-regex a
+# little under its step limit, so a line of 400,000 takes minutes (quadratic).
+BACKTRACKING = "(?=(a|aa)*c)a"
+
+
+def backtracking_tokenizer(setup_text):
+    """A finetune case on a copy of the model whose pre-tokenizer starts with BACKTRACKING,
+    trained on what `setup_text(work)` writes (its path)."""
+    def setup(work):
+        m = copy_model(work)
+        path = os.path.join(m, "tokenizer.json")
+        with open(path) as f:
+            tok = json.load(f)
+        tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": BACKTRACKING}, "behavior": "Isolated",
+             "invert": False}, tok["pre_tokenizer"]]}
+        with open(path, "w") as f:
+            json.dump(tok, f)
+        train = setup_text(work)
+        args = ["--model", m, "--train", train, "--output", out(work), *quick_without(["--seq-len"]),
+                "--seq-len", "128"]
+        if train.endswith(".jsonl"):
+            args += ["--eval", os.path.join(ROOT, "data", "chat_tiny_eval.jsonl")]
+        return args, []
+    return setup
+
+
+def long_a_text(work: str) -> str:
+    path = os.path.join(work, "a.txt")
+    with open(TRAIN) as f, open(path, "w") as o:
+        o.write(f.read() + "a" * 400_000 + "\n")
+    return path
+
+
+def long_a_chat(work: str) -> str:
+    path = os.path.join(work, "a.jsonl")
+    with open(path, "w") as o:
+        o.write(json.dumps({"messages": [{"role": "user", "content": "a" * 400_000},
+                                         {"role": "assistant", "content": "b"}]}) + "\n")
+    return path
+
+
 def est(mutate, *extra):
     def setup(work):
         m = copy_model(work)
@@ -414,6 +456,11 @@ def cases() -> list[Case]:
              plain("--train", lambda w: long_conversation(w, 20_000), "--eval",
                    os.path.join(ROOT, "data", "chat_tiny_eval.jsonl"), "--seq-len", "128",
                    "--output", out), ["budget", "generation"]),
+        Case("tokenizer.json backtracks on a long line (corpus)",
+             backtracking_tokenizer(long_a_text), ["within its time limit", BACKTRACKING]),
+        Case("tokenizer.json backtracks on a long line (conversation)",
+             backtracking_tokenizer(long_a_chat),
+             ["a.jsonl:1", "within its time limit", BACKTRACKING]),
         # Flags.
         Case("--train /dev/zero", plain("--train", "/dev/zero", "--output", out),
              ["/dev/zero", "character device"]),

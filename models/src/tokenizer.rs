@@ -1,8 +1,17 @@
 //! `tokenizer.json` through the `tokenizers` crate (pure Rust here: its regex engine is
 //! `fancy-regex`, no C library).
+//!
+//! Every call into the library runs on a thread of its own under a time limit
+//! ([`TOKENIZE_GRACE`] plus a second per [`TOKENIZE_BYTES_PER_SECOND`] bytes of text): a
+//! `tokenizer.json`'s regular expressions are code from the folder, and a backtracking pattern
+//! can spend hours on one long line (fancy-regex's step limit only ends the exponential ones).
+//! Past the limit the call returns an error naming the file's patterns; its thread is left to
+//! end on its own (nothing can stop it), busy on one core until then.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
 
 pub use tokenizers::Tokenizer;
 
@@ -19,6 +28,13 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// conversation short without a word, and a fixed padding length would pad every text to it
 /// (a hostile 10^10 aborts the process on the allocation). Cut and pad with the loaders'
 /// lengths instead.
+///
+/// The functions of this crate that call the tokenizer ([`encode_corpus`], [`decode_ids`],
+/// [`ChatEncoder`](crate::chat::ChatEncoder)) run each call on a thread of its own under a
+/// time limit: [`TOKENIZE_GRACE`] plus a second per [`TOKENIZE_BYTES_PER_SECOND`] bytes of
+/// text. A file's regular expressions are code from the folder, and a backtracking one can
+/// spend hours on a long line; past the limit the call is an error naming the patterns, and
+/// its thread, which nothing can stop, ends on its own.
 pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
     let given = path.as_ref();
     let path = tokenizer_path(given);
@@ -48,16 +64,125 @@ pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
             reason: format!("could not turn its truncation off: {e}"),
             path: path.clone(),
         })?;
-    // Only a panic fails the load: a tokenizer may refuse the probe's text with an error of its
-    // own (a closed vocabulary without an unknown token), which the real text will tell.
-    let probe = unpanicked("encode and decode a probe text", || {
-        tokenizer
-            .encode(PROBE, false)
-            .map(|encoding| tokenizer.decode(encoding.get_ids(), false))
-    });
+    // Only a panic or the time limit fails the load: a tokenizer may refuse the probe's text
+    // with an error of its own (a closed vocabulary without an unknown token), which the real
+    // text will tell.
+    let shared = Arc::new(tokenizer);
+    let probe = limited(
+        &shared,
+        "encode and decode a probe text",
+        PROBE.len(),
+        time_limit(PROBE.len()),
+        |tokenizer| {
+            Ok(tokenizer
+                .encode(PROBE, false)
+                .map(|encoding| tokenizer.decode(encoding.get_ids(), false)))
+        },
+    );
     match probe {
-        Ok(_) => Ok(tokenizer),
+        // The probe's thread let go of its copy before it answered.
+        Ok(_) => Ok(Arc::try_unwrap(shared).unwrap_or_else(|shared| (*shared).clone())),
         Err(reason) => Err(Error::Tokenizer { path, reason }),
+    }
+}
+
+/// The time any call into the `tokenizers` library may take, plus a second per
+/// [`TOKENIZE_BYTES_PER_SECOND`] bytes of its text. Real tokenizers encode megabytes a second
+/// on one core, a debug build over 100 KiB.
+pub const TOKENIZE_GRACE: Duration = Duration::from_secs(10);
+
+/// The slowest rate, in bytes a second, a text may be tokenized at beyond
+/// [`TOKENIZE_GRACE`].
+pub const TOKENIZE_BYTES_PER_SECOND: usize = 64 * 1024;
+
+/// The time limit of a call on a text of `bytes` bytes.
+pub(crate) fn time_limit(bytes: usize) -> Duration {
+    TOKENIZE_GRACE + Duration::from_secs_f64(bytes as f64 / TOKENIZE_BYTES_PER_SECOND as f64)
+}
+
+/// `f(tokenizer)` on a thread of its own, given `limit` (a call on a text of `bytes` bytes),
+/// with its panics caught as [`call`] catches them. Past the limit the error names the
+/// tokenizer's regular expressions and the thread is left behind, to end on its own.
+pub(crate) fn limited<T: Send + 'static>(
+    tokenizer: &Arc<Tokenizer>,
+    what: &str,
+    bytes: usize,
+    limit: Duration,
+    f: impl FnOnce(&Tokenizer) -> tokenizers::Result<T> + Send + 'static,
+) -> std::result::Result<T, String> {
+    let (answer, answered) = mpsc::sync_channel(1);
+    let shared = Arc::clone(tokenizer);
+    let doing = what.to_string();
+    std::thread::Builder::new()
+        .name("tokenizer".into())
+        .spawn(move || {
+            let result = call(&doing, || f(&shared));
+            // Let go of the tokenizer before answering, so the caller holds the only copy again.
+            drop(shared);
+            // The caller may have stopped waiting (past the limit): nobody to tell.
+            let _ = answer.send(result);
+        })
+        .map_err(|e| format!("could not start a thread to {what}: {e}"))?;
+    match answered.recv_timeout(limit) {
+        Ok(result) => result,
+        Err(mpsc::RecvTimeoutError::Timeout) => Err(format!(
+            "could not {what} within its time limit: a text of {bytes} bytes took more than \
+             {:.1} s ({} s, plus 1 s per {} KiB); the tokenizer's regular expressions \
+             backtrack on it{} (a real tokenizer takes milliseconds); the call goes on in the \
+             background until it ends",
+            limit.as_secs_f64(),
+            TOKENIZE_GRACE.as_secs(),
+            TOKENIZE_BYTES_PER_SECOND / 1024,
+            patterns(tokenizer),
+        )),
+        Err(mpsc::RecvTimeoutError::Disconnected) => Err(format!(
+            "the thread that was to {what} ended without an answer"
+        )),
+    }
+}
+
+/// The regular expressions of a tokenizer, as `: key = "pattern", ...` (keys of its JSON),
+/// or nothing when it has none (or cannot be written out).
+fn patterns(tokenizer: &Tokenizer) -> String {
+    fn walk(value: &serde_json::Value, key: &str, found: &mut Vec<String>) {
+        match value {
+            serde_json::Value::Object(map) => {
+                for (k, v) in map {
+                    let path = if key.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{key}.{k}")
+                    };
+                    match (k.as_str(), v) {
+                        ("Regex", serde_json::Value::String(pattern)) => found.push(format!(
+                            "{path} = {:?}",
+                            accelerate_rs::files::excerpt(pattern, 200)
+                        )),
+                        _ => walk(v, &path, found),
+                    }
+                }
+            }
+            serde_json::Value::Array(items) => {
+                for (i, v) in items.iter().enumerate() {
+                    walk(v, &format!("{key}[{i}]"), found);
+                }
+            }
+            _ => {}
+        }
+    }
+    let Ok(json) = tokenizer
+        .to_string(false)
+        .map_err(|e| e.to_string())
+        .and_then(|text| serde_json::from_str(&text).map_err(|e| e.to_string()))
+    else {
+        return String::new();
+    };
+    let mut found = Vec::new();
+    walk(&json, "", &mut found);
+    if found.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", found.join(", "))
     }
 }
 
@@ -68,7 +193,7 @@ const PROBE: &str = "Hello, world! Héllo 123 \t\n  naïve 日本 ok.\n";
 /// A call into the `tokenizers` library with its panics caught (some settings of a hostile
 /// `tokenizer.json` make it index out of bounds): `Err` says what failed to happen, with the
 /// library's error or panic message.
-pub(crate) fn call<T>(
+fn call<T>(
     what: &str,
     f: impl FnOnce() -> tokenizers::Result<T>,
 ) -> std::result::Result<T, String> {
@@ -104,11 +229,19 @@ fn tokenizer_path(path: &Path) -> PathBuf {
 /// `Tokenizer::decode` gives it, with a panic of the `tokenizers` library (a hostile
 /// `tokenizer.json`) turned into an error.
 pub fn decode_ids(tokenizer: &Tokenizer, ids: &[u32], skip_special: bool) -> Result<String> {
-    call("decode the ids", || tokenizer.decode(ids, skip_special)).map_err(|reason| {
-        Error::Tokenizer {
-            path: PathBuf::from("<tokenizer>"),
-            reason,
-        }
+    let ids = ids.to_vec();
+    // A decoder's `Replace` can hold a pattern too; the text is about 4 bytes a token.
+    let bytes = ids.len().saturating_mul(4);
+    limited(
+        &Arc::new(tokenizer.clone()),
+        "decode the ids",
+        bytes,
+        time_limit(bytes),
+        move |tokenizer| tokenizer.decode(&ids, skip_special),
+    )
+    .map_err(|reason| Error::Tokenizer {
+        path: PathBuf::from("<tokenizer>"),
+        reason,
     })
 }
 
@@ -116,16 +249,80 @@ pub fn decode_ids(tokenizer: &Tokenizer, ids: &[u32], skip_special: bool) -> Res
 /// windows afterwards). Lines are encoded in parallel, each with its line break, and the ids
 /// joined in order.
 pub fn encode_corpus(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    encode_corpus_within(tokenizer, text, time_limit(text.len()))
+}
+
+/// [`encode_corpus`] given `limit`.
+fn encode_corpus_within(tokenizer: &Tokenizer, text: &str, limit: Duration) -> Result<Vec<u32>> {
     let lines: Vec<String> = text.split_inclusive('\n').map(str::to_string).collect();
-    let encodings =
-        call("encode the text", || tokenizer.encode_batch(lines, false)).map_err(|reason| {
-            Error::Tokenizer {
-                path: PathBuf::from("<tokenizer>"),
-                reason,
-            }
-        })?;
-    Ok(encodings
-        .iter()
-        .flat_map(|e| e.get_ids().iter().copied())
-        .collect())
+    limited(
+        &Arc::new(tokenizer.clone()),
+        "encode the text",
+        text.len(),
+        limit,
+        move |tokenizer| {
+            let encodings = tokenizer.encode_batch(lines, false)?;
+            Ok(encodings
+                .iter()
+                .flat_map(|e| e.get_ids().iter().copied())
+                .collect())
+        },
+    )
+    .map_err(|reason| Error::Tokenizer {
+        path: PathBuf::from("<tokenizer>"),
+        reason,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tiny Llama's tokenizer with a backtracking `Split` in front of its pre-tokenizer:
+    /// on a run of `a`s every position costs a little under fancy-regex's step limit.
+    fn backtracking() -> Tokenizer {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/tiny-llama/tokenizer.json");
+        let mut json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        let byte_level = json["pre_tokenizer"].clone();
+        json["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "(?=(a|aa)*c)a"}, "behavior": "Isolated",
+             "invert": false},
+            byte_level,
+        ]});
+        Tokenizer::from_bytes(json.to_string().as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn a_call_past_its_time_limit_is_an_error_naming_the_patterns() {
+        let tokenizer = backtracking();
+        let text = "a".repeat(4000);
+        let start = std::time::Instant::now();
+        let err = encode_corpus_within(&tokenizer, &text, Duration::from_millis(50))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+        assert!(err.contains("within its time limit"), "{err}");
+        assert!(err.contains("4000 bytes"), "{err}");
+        assert!(
+            err.contains(r#"pre_tokenizer.pretokenizers[0].pattern.Regex = "(?=(a|aa)*c)a""#),
+            "{err}"
+        );
+        // The same tokenizer on a text without the pattern's trap, in time.
+        let ids = encode_corpus_within(&tokenizer, "Hello b\n", Duration::from_secs(60)).unwrap();
+        assert!(!ids.is_empty());
+    }
+
+    #[test]
+    fn the_limit_grows_with_the_text() {
+        assert_eq!(time_limit(0), TOKENIZE_GRACE);
+        assert_eq!(
+            time_limit(2 * TOKENIZE_BYTES_PER_SECOND),
+            TOKENIZE_GRACE + Duration::from_secs(2)
+        );
+    }
 }

@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 
 use tokenizers::Tokenizer;
 
@@ -84,7 +85,9 @@ impl ChatExample {
 #[derive(Debug)]
 pub struct ChatEncoder {
     template: ChatTemplate,
-    tokenizer: Tokenizer,
+    /// Shared with the thread of each call into the `tokenizers` library (which runs under a
+    /// time limit, see [`load_tokenizer`](crate::load_tokenizer)).
+    tokenizer: Arc<Tokenizer>,
     train_on_all: bool,
     spans: AssistantSpans,
 }
@@ -103,7 +106,7 @@ impl ChatEncoder {
     pub fn new(template: ChatTemplate, tokenizer: Tokenizer) -> Self {
         ChatEncoder {
             template,
-            tokenizer,
+            tokenizer: Arc::new(tokenizer),
             train_on_all: false,
             spans: AssistantSpans::Auto,
         }
@@ -299,17 +302,25 @@ impl ChatEncoder {
             })
     }
 
-    /// The ids and byte offsets of `text`, encoded without adding special tokens.
+    /// The ids and byte offsets of `text`, encoded without adding special tokens (within the
+    /// time limit of every call into the `tokenizers` library).
     fn tokenize(&self, conversation: &Conversation, text: &str) -> Result<(Vec<u32>, Offsets)> {
-        let encoding = crate::tokenizer::call("encode the rendered text", || {
-            self.tokenizer.encode(text, false)
-        })
+        let owned = text.to_string();
+        crate::tokenizer::limited(
+            &self.tokenizer,
+            "encode the rendered text",
+            text.len(),
+            crate::tokenizer::time_limit(text.len()),
+            move |tokenizer| {
+                let encoding = tokenizer.encode(owned, false)?;
+                Ok((encoding.get_ids().to_vec(), encoding.get_offsets().to_vec()))
+            },
+        )
         .map_err(|reason| {
             conversation
                 .errors()
                 .error(ChatErrorKind::Tokenize, None, reason)
-        })?;
-        Ok((encoding.get_ids().to_vec(), encoding.get_offsets().to_vec()))
+        })
     }
 }
 
