@@ -72,7 +72,6 @@ pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
         &shared,
         "encode and decode a probe text",
         PROBE.len(),
-        time_limit(PROBE.len()),
         |tokenizer| {
             Ok(tokenizer
                 .encode(PROBE, false)
@@ -96,14 +95,25 @@ pub const TOKENIZE_GRACE: Duration = Duration::from_secs(10);
 pub const TOKENIZE_BYTES_PER_SECOND: usize = 64 * 1024;
 
 /// The time limit of a call on a text of `bytes` bytes.
-pub(crate) fn time_limit(bytes: usize) -> Duration {
+fn time_limit(bytes: usize) -> Duration {
     TOKENIZE_GRACE + Duration::from_secs_f64(bytes as f64 / TOKENIZE_BYTES_PER_SECOND as f64)
 }
 
-/// `f(tokenizer)` on a thread of its own, given `limit` (a call on a text of `bytes` bytes),
-/// with its panics caught as [`call`] catches them. Past the limit the error names the
-/// tokenizer's regular expressions and the thread is left behind, to end on its own.
+/// `f(tokenizer)`, a call on a text of `bytes` bytes, on a thread of its own within the time
+/// limit of such a call, with its panics caught as [`call`] catches them. Past the limit the
+/// error names the tokenizer's regular expressions and the thread is left behind, to end on
+/// its own.
 pub(crate) fn limited<T: Send + 'static>(
+    tokenizer: &Arc<Tokenizer>,
+    what: &str,
+    bytes: usize,
+    f: impl FnOnce(&Tokenizer) -> tokenizers::Result<T> + Send + 'static,
+) -> std::result::Result<T, String> {
+    within(tokenizer, what, bytes, time_limit(bytes), f)
+}
+
+/// [`limited`] given `limit`.
+fn within<T: Send + 'static>(
     tokenizer: &Arc<Tokenizer>,
     what: &str,
     bytes: usize,
@@ -127,8 +137,8 @@ pub(crate) fn limited<T: Send + 'static>(
         Ok(result) => result,
         Err(mpsc::RecvTimeoutError::Timeout) => Err(format!(
             "could not {what} within its time limit: a text of {bytes} bytes took more than \
-             {:.1} s ({} s, plus 1 s per {} KiB); the tokenizer's regular expressions \
-             backtrack on it{} (a real tokenizer takes milliseconds); the call goes on in the \
+             {:.1} s ({} s, plus 1 s per {} KiB); the tokenizer's regular expressions may \
+             backtrack on it{} (real ones encode megabytes a second); the call goes on in the \
              background until it ends",
             limit.as_secs_f64(),
             TOKENIZE_GRACE.as_secs(),
@@ -236,7 +246,6 @@ pub fn decode_ids(tokenizer: &Tokenizer, ids: &[u32], skip_special: bool) -> Res
         &Arc::new(tokenizer.clone()),
         "decode the ids",
         bytes,
-        time_limit(bytes),
         move |tokenizer| tokenizer.decode(&ids, skip_special),
     )
     .map_err(|reason| Error::Tokenizer {
@@ -255,7 +264,7 @@ pub fn encode_corpus(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>> {
 /// [`encode_corpus`] given `limit`.
 fn encode_corpus_within(tokenizer: &Tokenizer, text: &str, limit: Duration) -> Result<Vec<u32>> {
     let lines: Vec<String> = text.split_inclusive('\n').map(str::to_string).collect();
-    limited(
+    within(
         &Arc::new(tokenizer.clone()),
         "encode the text",
         text.len(),

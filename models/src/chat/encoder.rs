@@ -310,7 +310,6 @@ impl ChatEncoder {
             &self.tokenizer,
             "encode the rendered text",
             text.len(),
-            crate::tokenizer::time_limit(text.len()),
             move |tokenizer| {
                 let encoding = tokenizer.encode(owned, false)?;
                 Ok((encoding.get_ids().to_vec(), encoding.get_offsets().to_vec()))
