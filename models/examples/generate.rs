@@ -19,7 +19,7 @@ use std::path::PathBuf;
 
 use accelerate_rs_models::chat::{ChatEncoder, Conversation, Role};
 use accelerate_rs_models::{
-    decode_ids, eos_token_ids, load_tokenizer, AutoModel, GenerationConfig,
+    decode_ids, encode_text, eos_token_ids, load_tokenizer, AutoModel, GenerationConfig,
 };
 use anyhow::{anyhow, Context, Result};
 use candle_core::{DType, Device};
@@ -102,10 +102,8 @@ fn prompt_ids(args: &Args) -> Result<(Vec<u32>, Vec<u32>)> {
             return Err(anyhow!("--system needs --chat"));
         }
         let tokenizer = load_tokenizer(&args.model)?;
-        let encoding = tokenizer
-            .encode(args.prompt.as_str(), true)
-            .map_err(|e| anyhow!("tokenizing --prompt: {e}"))?;
-        return Ok((encoding.get_ids().to_vec(), Vec::new()));
+        let ids = encode_text(&tokenizer, &args.prompt, true).context("tokenizing --prompt")?;
+        return Ok((ids, Vec::new()));
     }
     let encoder = ChatEncoder::from_folder(&args.model).context("--chat")?;
     let mut turns = Vec::new();

@@ -62,8 +62,9 @@ pub enum Error {
         reason: String,
     },
 
-    /// Generation cannot start: a setting of `GenerationConfig` out of range, no prompt or an
-    /// empty one, a model that does not generate (names the parameter or the prompt).
+    /// Generation cannot start or go on: a setting of `GenerationConfig` out of range, no prompt
+    /// or an empty one, a model that does not generate, logits no token can be picked from (NaN,
+    /// +inf, all -inf) (names the parameter or the prompt).
     #[error(
         "generate: `{}`: {}",
         excerpt(what, EXCERPT_NAME_BYTES),

@@ -180,7 +180,7 @@ pub use qwen3::{Qwen3, Qwen3Config, Qwen3ForCausalLm};
 pub use registry::{architectures, model_types, Config};
 pub use rope::{RopeConfig, RopeScaling};
 pub use tokenizer::{
-    decode_ids, encode_corpus, load_tokenizer, Tokenizer, TOKENIZER_FILE,
+    decode_ids, encode_corpus, encode_text, load_tokenizer, Tokenizer, TOKENIZER_FILE,
     TOKENIZE_BYTES_PER_SECOND, TOKENIZE_GRACE,
 };
 pub use weights::DEFAULT_MAX_SHARD_BYTES;

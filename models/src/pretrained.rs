@@ -632,7 +632,8 @@ impl<A: Architecture> Pretrained<A> {
     /// [`GenerationConfig`] and the [`generate`](crate::generate) module). Runs in evaluation
     /// mode (no dropout, whatever [`train`](Self::train) says) with a key/value cache, keeping
     /// no autograd graph; LoRA adapters apply. An error for an architecture that does not
-    /// generate, for a model sharded at ZeRO stage 3, and for bad settings or prompts.
+    /// generate, for a model sharded at ZeRO stage 3, for bad settings or prompts, and for
+    /// logits no token can be picked from (NaN or +inf: the activations overflowed).
     pub fn generate(
         &self,
         prompts: &[Vec<u32>],

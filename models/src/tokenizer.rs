@@ -29,8 +29,8 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// (a hostile 10^10 aborts the process on the allocation). Cut and pad with the loaders'
 /// lengths instead.
 ///
-/// The functions of this crate that call the tokenizer ([`encode_corpus`], [`decode_ids`],
-/// [`ChatEncoder`](crate::chat::ChatEncoder)) run each call on a thread of its own under a
+/// The functions of this crate that call the tokenizer ([`encode_text`], [`encode_corpus`],
+/// [`decode_ids`], [`ChatEncoder`](crate::chat::ChatEncoder)) run each call on a thread of its own under a
 /// time limit: [`TOKENIZE_GRACE`] plus a second per [`TOKENIZE_BYTES_PER_SECOND`] bytes of
 /// text. A file's regular expressions are code from the folder, and a backtracking one can
 /// spend hours on a long line; past the limit the call is an error naming the patterns, and
@@ -238,15 +238,49 @@ fn tokenizer_path(path: &Path) -> PathBuf {
 /// The text of `ids` (`skip_special`: without the special tokens), as
 /// `Tokenizer::decode` gives it, with a panic of the `tokenizers` library (a hostile
 /// `tokenizer.json`) turned into an error.
+///
+/// The call copies the tokenizer for its thread (tens of milliseconds for a vocabulary of
+/// 150,000); [`ChatEncoder::decode`](crate::chat::ChatEncoder::decode) shares its own.
 pub fn decode_ids(tokenizer: &Tokenizer, ids: &[u32], skip_special: bool) -> Result<String> {
+    decode_shared(&Arc::new(tokenizer.clone()), ids, skip_special)
+}
+
+/// [`decode_ids`] with a tokenizer its thread can share.
+pub(crate) fn decode_shared(
+    tokenizer: &Arc<Tokenizer>,
+    ids: &[u32],
+    skip_special: bool,
+) -> Result<String> {
     let ids = ids.to_vec();
     // A decoder's `Replace` can hold a pattern too; the text is about 4 bytes a token.
     let bytes = ids.len().saturating_mul(4);
+    limited(tokenizer, "decode the ids", bytes, move |tokenizer| {
+        tokenizer.decode(&ids, skip_special)
+    })
+    .map_err(|reason| Error::Tokenizer {
+        path: PathBuf::from("<tokenizer>"),
+        reason,
+    })
+}
+
+/// The token ids of `text` as `Tokenizer::encode(text, add_special_tokens)` gives them (a
+/// prompt: `add_special_tokens` puts BOS and the like around it, as `tokenizer(text)` does in
+/// `transformers`), within the time limit of every call into the `tokenizers` library and with
+/// its panics turned into an error.
+pub fn encode_text(
+    tokenizer: &Tokenizer,
+    text: &str,
+    add_special_tokens: bool,
+) -> Result<Vec<u32>> {
+    let owned = text.to_string();
     limited(
         &Arc::new(tokenizer.clone()),
-        "decode the ids",
-        bytes,
-        move |tokenizer| tokenizer.decode(&ids, skip_special),
+        "encode the text",
+        text.len(),
+        move |tokenizer| {
+            let encoding = tokenizer.encode(owned, add_special_tokens)?;
+            Ok(encoding.get_ids().to_vec())
+        },
     )
     .map_err(|reason| Error::Tokenizer {
         path: PathBuf::from("<tokenizer>"),

@@ -13,7 +13,7 @@ use accelerate_rs_models::chat::{
     AssistantSpans, ChatDataset, ChatEncoder, ChatTemplate, Conversation, ConversationReader,
     Overlong, Role, CHAT_TEMPLATE_FUEL,
 };
-use accelerate_rs_models::{load_tokenizer, ChatErrorKind, Error, IGNORE_INDEX};
+use accelerate_rs_models::{decode_ids, load_tokenizer, ChatErrorKind, Error, IGNORE_INDEX};
 use serde_json::Value;
 
 const FAMILIES: &[&str] = &["llama3", "qwen2", "mistral", "marked", "features"];
@@ -122,6 +122,22 @@ fn token_ids_and_masks_equal_transformers() {
                 .unwrap();
             let prompt = encoder.encode_prompt(&chat.prefix(last)).unwrap();
             assert_eq!(prompt, ids(&case["prompt_ids"]), "{at}: prompt ids");
+        }
+    }
+}
+
+/// `ChatEncoder::decode` (the encoder's tokenizer, shared) gives what `decode_ids` (a copy)
+/// gives, with and without the special tokens.
+#[test]
+fn the_encoders_decode_equals_decode_ids() {
+    for family in FAMILIES {
+        let encoder = ChatEncoder::from_folder(folder(family)).unwrap();
+        for case in golden(family)["cases"].as_array().unwrap() {
+            let want_ids = ids(&case["input_ids"]);
+            for skip in [false, true] {
+                let copied = decode_ids(encoder.tokenizer(), &want_ids, skip).unwrap();
+                assert_eq!(encoder.decode(&want_ids, skip).unwrap(), copied, "{family}");
+            }
         }
     }
 }

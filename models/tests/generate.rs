@@ -276,6 +276,33 @@ fn bad_settings_and_prompts_are_named() {
     assert!(reason.contains("BertForMaskedLM"), "{reason}");
 }
 
+/// A model whose activations overflow computes logits no token can be picked from (here a
+/// final norm of 3e38, finite, so loading takes it: the head's products reach inf, then NaN).
+/// Greedy picking took the last id of every row, and a draw the argmax: garbage printed as
+/// text. Both are an error naming the prompt and the new token instead.
+#[test]
+fn logits_without_a_pickable_token_are_an_error() {
+    let (_tmp, dir) = common::copy_fixture("llama");
+    let file = dir.join("model.safetensors");
+    let mut weights = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+    let norm = weights.get_mut("model.norm.weight").unwrap();
+    *norm = (norm.ones_like().unwrap() * 3e38).unwrap();
+    candle_core::safetensors::save(&weights, &file).unwrap();
+    let model = AutoModel::from_pretrained(&dir, &Device::Cpu, DType::F32).unwrap();
+    let prompts = cases("llama").1[1].1.clone();
+    let greedy = GenerationConfig::default().max_new_tokens(4);
+    for config in [greedy.clone(), greedy.temperature(0.8).top_k(5).seed(1)] {
+        let (what, reason) = generation_error(model.generate(&prompts, &config));
+        assert_eq!(what, "prompts[0]", "{reason}");
+        assert!(
+            reason.contains("new token 1 hold NaN at id")
+                || reason.contains("new token 1 hold +inf at id"),
+            "{reason}"
+        );
+        assert!(reason.contains("F32"), "{reason}");
+    }
+}
+
 /// `examples/generate` in the target folder this test runs from: the one the whole `cargo test`
 /// built, or (missing, or older than this test) built here once.
 fn example_generate() -> PathBuf {
@@ -478,7 +505,18 @@ fn the_example_names_what_is_missing() {
         std::fs::copy(tiny.join(f), bare.path().join(f)).unwrap();
     }
     let b = bare.path().to_str().unwrap();
-    let cases: [(&[&str], &str); 4] = [
+    // The example model with a final norm that overflows the head's logits.
+    let overflow = tempfile::tempdir().unwrap();
+    for f in ["config.json", "tokenizer.json", "model.safetensors"] {
+        std::fs::copy(tiny.join(f), overflow.path().join(f)).unwrap();
+    }
+    let file = overflow.path().join("model.safetensors");
+    let mut weights = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+    let norm = weights.get_mut("model.norm.weight").unwrap();
+    *norm = (norm.ones_like().unwrap() * 3e38).unwrap();
+    candle_core::safetensors::save(&weights, &file).unwrap();
+    let o = overflow.path().to_str().unwrap();
+    let cases: [(&[&str], &str); 5] = [
         (
             &["--model", b, "--prompt", "Hi", "--chat"],
             "no chat template",
@@ -492,6 +530,10 @@ fn the_example_names_what_is_missing() {
             "adapter_config.json",
         ),
         (&["--model", t, "--prompt", "Hi", "--top-p", "2"], "top_p"),
+        (
+            &["--model", o, "--prompt", "Hi"],
+            "`prompts[0]`: the model's logits",
+        ),
     ];
     for (args, says) in cases {
         let (_, err, ok) = run_example(args);

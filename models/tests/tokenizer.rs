@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use accelerate_rs_models::{encode_corpus, load_tokenizer, Error};
+use accelerate_rs_models::{encode_corpus, encode_text, load_tokenizer, Error};
 
 fn tiny() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/tiny-llama")
@@ -19,6 +19,12 @@ fn ids_match_transformers() {
     let text = "Hello accelerate\nHello accelerate\n";
     let whole = tok.encode(text, false).unwrap();
     assert_eq!(encode_corpus(&tok, text).unwrap(), whole.get_ids());
+    // A prompt, with and without the special tokens `tokenizer(text)` adds.
+    for special in [false, true] {
+        let direct = tok.encode("Hello accelerate", special).unwrap();
+        let guarded = encode_text(&tok, "Hello accelerate", special).unwrap();
+        assert_eq!(guarded, direct.get_ids(), "add_special_tokens = {special}");
+    }
 }
 
 #[test]

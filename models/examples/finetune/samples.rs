@@ -174,7 +174,9 @@ impl Samples {
         let mut matched = 0usize;
         let mut lines = String::new();
         for (index, (p, ids)) in self.prompts.iter().zip(answers).enumerate() {
-            let text = accelerate_rs_models::decode_ids(self.encoder.tokenizer(), ids, true)
+            let text = self
+                .encoder
+                .decode(ids, true)
                 .with_context(|| format!("decoding sample {index}"))?;
             let equal = text.trim() == p.reference.trim();
             matched += usize::from(equal);

@@ -134,6 +134,13 @@ impl ChatEncoder {
         &self.tokenizer
     }
 
+    /// The text of `ids` (`skip_special`: without the special tokens), as
+    /// [`decode_ids`](crate::decode_ids) gives it, with this encoder's tokenizer shared rather
+    /// than copied for the call's thread.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        crate::tokenizer::decode_shared(&self.tokenizer, ids, skip_special)
+    }
+
     /// The id of the template's special token `name` (`"eos_token"`, `"pad_token"`) in the
     /// tokenizer, if both know it.
     pub fn special_token_id(&self, name: &str) -> Option<u32> {

@@ -296,7 +296,7 @@ pub(crate) fn generate(
     let mut cache = KvCache::new();
     // A set: a folder's `eos_token_id` list may hold millions of ids, looked up every token.
     let stop: std::collections::HashSet<u32> = config.stop_tokens.iter().copied().collect();
-    for _ in 0..config.max_new_tokens {
+    for made in 0..config.max_new_tokens {
         if !config.use_cache {
             cache = KvCache::new();
         }
@@ -307,13 +307,26 @@ pub(crate) fn generate(
             position_ids: &step.positions,
             attention_mask: &step.mask,
         };
-        let logits = decode(&inputs, &mut cache)?.to_dtype(candle_core::DType::F32)?;
+        let logits = decode(&inputs, &mut cache)?;
+        let logits_dtype = logits.dtype();
+        let logits = logits.to_dtype(candle_core::DType::F32)?;
         let rows = logits.to_vec2::<f32>()?;
         let mut next = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter().enumerate() {
             if done[i] {
                 next.push(config.pad_token);
                 continue;
+            }
+            if let Some(what) = sampling::unusable(row) {
+                return Err(Error::Generation {
+                    what: format!("prompts[{i}]"),
+                    reason: format!(
+                        "the model's logits for new token {} {what}, so no token can be picked \
+                         (its activations overflowed {logits_dtype:?}: weights too large for \
+                         that type, or a model whose training diverged)",
+                        made + 1
+                    ),
+                });
             }
             let tok = sampler.pick(row);
             out[i].push(tok);

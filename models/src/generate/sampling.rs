@@ -62,6 +62,28 @@ impl Sampler {
     }
 }
 
+/// What makes a row of logits unusable, as the end of a sentence (`hold NaN at id 3 of 64`), or
+/// `None` when a token can be picked from it: no NaN, no +inf and at least one value above -inf
+/// (-inf alone is a token ruled out). Weights are finite (loading checks them), but activations
+/// can overflow on the way. Greedy picking would take a NaN row's last id and a draw the argmax
+/// of its logits: garbage either way, with nothing to tell.
+pub(crate) fn unusable(logits: &[f32]) -> Option<String> {
+    let vocab = logits.len();
+    if vocab == 0 {
+        return Some("are empty (no vocabulary)".into());
+    }
+    if let Some(id) = logits.iter().position(|x| x.is_nan()) {
+        return Some(format!("hold NaN at id {id} of {vocab}"));
+    }
+    if let Some(id) = logits.iter().position(|&x| x == f32::INFINITY) {
+        return Some(format!("hold +inf at id {id} of {vocab}"));
+    }
+    if logits.iter().all(|&x| x == f32::NEG_INFINITY) {
+        return Some(format!("are -inf at all {vocab} ids"));
+    }
+    None
+}
+
 /// The index of the first largest value (NaN never wins).
 pub(crate) fn argmax(xs: &[f32]) -> u32 {
     let mut best = 0;
@@ -138,6 +160,19 @@ mod tests {
         let mut s = vec![3.0, 2.0, 1.0, 0.0];
         top_p(&mut s, 0.5);
         assert_eq!(s.iter().filter(|x| x.is_finite()).count(), 1);
+    }
+
+    #[test]
+    fn rows_without_a_pickable_token_are_named() {
+        let nan = [0.0, f32::NAN, 1.0];
+        assert_eq!(unusable(&nan).as_deref(), Some("hold NaN at id 1 of 3"));
+        let inf = [f32::NEG_INFINITY, 2.0, f32::INFINITY];
+        assert_eq!(unusable(&inf).as_deref(), Some("hold +inf at id 2 of 3"));
+        let none = [f32::NEG_INFINITY; 4];
+        assert_eq!(unusable(&none).as_deref(), Some("are -inf at all 4 ids"));
+        assert_eq!(unusable(&[]).as_deref(), Some("are empty (no vocabulary)"));
+        // Ruled-out tokens and large finite values are fine.
+        assert_eq!(unusable(&[f32::NEG_INFINITY, f32::MAX, -f32::MAX]), None);
     }
 
     #[test]
