@@ -61,7 +61,21 @@ pub(crate) fn read_json(path: &Path) -> Result<(PathBuf, serde_json::Value)> {
     } else {
         path.to_path_buf()
     };
-    if !path.exists() && std::fs::symlink_metadata(&path).is_err() {
+    read_json_file(&path)
+}
+
+/// Whether anything is at `path`: a file, a folder, a FIFO or a link (one that leads nowhere
+/// too). An optional file of a model folder (`generation_config.json`, `chat_template.jinja`)
+/// that is there but is no readable file is an error naming it when read: taken as absent, a
+/// broken download would change what a run does without a word.
+pub(crate) fn present(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
+}
+
+/// [`read_json`] of the file `path` itself (a folder there is an error, not its `config.json`).
+pub(crate) fn read_json_file(path: &Path) -> Result<(PathBuf, serde_json::Value)> {
+    let path = path.to_path_buf();
+    if !present(&path) {
         return Err(Error::config(
             &path,
             None,

@@ -38,7 +38,8 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
     let given = path.as_ref();
     let path = tokenizer_path(given);
-    if !path.exists() {
+    // A link to nothing is read below, and said to be one.
+    if !crate::config::present(&path) {
         let hint = if given.exists() {
             String::new()
         } else {

@@ -596,6 +596,48 @@ fn a_folder_without_a_usable_template_is_an_error() {
     assert_eq!(encoder.render(&chat).unwrap(), "file</s>");
 }
 
+/// A `chat_template.jinja` or `tokenizer_config.json` that is there but is no readable file (a
+/// link to nothing, a folder: a broken download) is an error naming it. Before, the template
+/// file was taken as absent and the key's template, another one, was used without a word.
+#[test]
+fn template_files_that_are_there_but_unreadable_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"chat_template": "key"}"#,
+    )
+    .unwrap();
+    let jinja = dir.path().join("chat_template.jinja");
+    std::os::unix::fs::symlink(dir.path().join("blobs/gone"), &jinja).unwrap();
+    let message = ChatTemplate::from_folder(dir.path())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("chat_template.jinja") && message.contains("does not exist"),
+        "{message}"
+    );
+    std::fs::remove_file(&jinja).unwrap();
+    std::fs::create_dir(&jinja).unwrap();
+    let message = ChatTemplate::from_folder(dir.path())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("chat_template.jinja") && message.contains("folder"),
+        "{message}"
+    );
+    std::fs::remove_dir(&jinja).unwrap();
+    let config = dir.path().join("tokenizer_config.json");
+    std::fs::remove_file(&config).unwrap();
+    std::os::unix::fs::symlink(dir.path().join("blobs/gone"), &config).unwrap();
+    let message = ChatTemplate::from_folder(dir.path())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("tokenizer_config.json") && message.contains("does not exist"),
+        "{message}"
+    );
+}
+
 #[test]
 fn templates_that_raise_or_mark_nothing_are_errors() {
     let tokenizer = || load_tokenizer(folder("qwen2")).unwrap();

@@ -303,6 +303,45 @@ fn logits_without_a_pickable_token_are_an_error() {
     }
 }
 
+/// `eos_token_ids`: `generation_config.json`'s ids, then `config.json`'s, without repeats; a bad
+/// value names the file and key; a `generation_config.json` that is there but no readable file
+/// (a link to nothing, a folder) names it (before, it was skipped: its stop tokens were lost
+/// without a word, or the folder's `config.json` was looked for inside it).
+#[test]
+fn eos_token_ids_read_both_files_and_name_what_they_cannot_read() {
+    let (_tmp, dir) = common::copy_fixture("llama");
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let from_config = config["eos_token_id"].as_u64().unwrap() as u32;
+    let generation = dir.join("generation_config.json");
+    std::fs::write(&generation, r#"{"eos_token_id": [7, 7, 3]}"#).unwrap();
+    let mut want = vec![7, 3];
+    if !want.contains(&from_config) {
+        want.push(from_config);
+    }
+    assert_eq!(eos_token_ids(&dir).unwrap(), want);
+    std::fs::write(&generation, r#"{"eos_token_id": -1}"#).unwrap();
+    let message = eos_token_ids(&dir).unwrap_err().to_string();
+    assert!(
+        message.contains("generation_config.json") && message.contains("eos_token_id"),
+        "{message}"
+    );
+    std::fs::remove_file(&generation).unwrap();
+    std::os::unix::fs::symlink(dir.join("blobs/gone"), &generation).unwrap();
+    let message = eos_token_ids(&dir).unwrap_err().to_string();
+    assert!(
+        message.contains("generation_config.json") && message.contains("does not exist"),
+        "{message}"
+    );
+    std::fs::remove_file(&generation).unwrap();
+    std::fs::create_dir(&generation).unwrap();
+    let message = eos_token_ids(&dir).unwrap_err().to_string();
+    assert!(
+        message.contains("generation_config.json: it is a folder"),
+        "{message}"
+    );
+}
+
 /// `examples/generate` in the target folder this test runs from: the one the whole `cargo test`
 /// built, or (missing, or older than this test) built here once.
 fn example_generate() -> PathBuf {

@@ -35,6 +35,14 @@ fn missing_or_broken_tokenizer_files_are_named() {
         other => panic!("{other:?}"),
     }
     let bad = tmp.path().join("tokenizer.json");
+    // A link into a cache's blobs that leads nowhere says so.
+    std::os::unix::fs::symlink(tmp.path().join("blobs/gone"), &bad).unwrap();
+    let msg = load_tokenizer(tmp.path()).unwrap_err().to_string();
+    assert!(
+        msg.contains("tokenizer.json") && msg.contains("does not exist"),
+        "{msg}"
+    );
+    std::fs::remove_file(&bad).unwrap();
     std::fs::write(&bad, "{\"model\": 3}").unwrap();
     let msg = load_tokenizer(&bad).unwrap_err().to_string();
     assert!(msg.contains("tokenizer.json"), "{msg}");

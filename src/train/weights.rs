@@ -63,7 +63,9 @@ impl WeightFiles {
         let path = path.as_ref();
         if path.is_dir() {
             let single = path.join(SINGLE_FILE);
-            if single.exists() {
+            // Anything at the name, a link to nothing too (a broken download): read, and its
+            // error told, rather than the index taken in its place.
+            if std::fs::symlink_metadata(&single).is_ok() {
                 crate::files::check_regular(&single)?;
                 return Ok(WeightFiles {
                     files: vec![single],

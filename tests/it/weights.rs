@@ -257,6 +257,24 @@ fn shard_named_in_the_index_but_absent_is_an_error_naming_both() {
     assert!(msg.contains("model.safetensors"), "{msg}");
 }
 
+/// A `model.safetensors` link that leads nowhere (a broken download into a cache's `blobs/`),
+/// beside a sound index, is an error naming it: before, the folder's index was loaded in its
+/// place without a word.
+#[test]
+fn a_single_file_link_to_nothing_is_named_not_passed_over_for_the_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = save_sharded(dir.path(), &params(0.3, HIDDEN));
+    std::os::unix::fs::symlink(dir.path().join("blobs/gone"), out.join("model.safetensors"))
+        .unwrap();
+    let msg = load_weights(&out, &filled(7.0, DType::F32))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("model.safetensors") && msg.contains("does not exist"),
+        "{msg}"
+    );
+}
+
 #[test]
 fn an_index_may_not_point_outside_its_folder() {
     let dir = tempfile::tempdir().unwrap();

@@ -145,7 +145,9 @@ impl ChatTemplate {
             }
         }
         let jinja = dir.join(CHAT_TEMPLATE_FILE);
-        let (source, path) = if jinja.exists() {
+        // There but unreadable (a link to nothing, a folder) is an error naming it: falling
+        // back to `tokenizer_config.json`'s template would train on another one silently.
+        let (source, path) = if crate::config::present(&jinja) {
             let text = accelerate_rs::files::read_to_string_bounded(
                 &jinja,
                 accelerate_rs::files::MAX_JSON_BYTES,
@@ -553,7 +555,7 @@ fn describe(error: &JinjaError) -> String {
 
 /// Reads a JSON file, `None` if it does not exist.
 fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
-    if !path.exists() {
+    if !crate::config::present(path) {
         return Ok(None);
     }
     let text =

@@ -22,7 +22,7 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 
-use crate::config::read_json;
+use crate::config::{present, read_json, read_json_file};
 use crate::error::{Error, Result};
 use sampling::Sampler;
 
@@ -159,19 +159,22 @@ impl GenerationConfig {
 /// The end-of-sequence ids of the model folder `dir`: `eos_token_id` (a number or a list) of
 /// its `generation_config.json` (when it has one) and of its `config.json`, without repeats;
 /// the stop tokens `transformers`' `generate` uses for the folder. An error names the file and
-/// the key when a value is not an id or a list of ids.
+/// the key when a value is not an id or a list of ids, and names `generation_config.json` when
+/// something is there that is no readable file (a folder, a link to nothing).
 pub fn eos_token_ids(dir: impl AsRef<Path>) -> Result<Vec<u32>> {
     let dir = dir.as_ref();
     let mut ids = Vec::new();
     // Repeats found in a set: a hostile list of millions of ids stays linear.
     let mut seen = std::collections::HashSet::new();
     let generation = dir.join("generation_config.json");
-    let files = [
-        Some(generation).filter(|p| p.exists()),
-        Some(dir.to_path_buf()),
-    ];
-    for file in files.into_iter().flatten() {
-        let (path, json) = read_json(&file)?;
+    // A `generation_config.json` that is there but no file (a folder, a link to nothing) is an
+    // error, not skipped: its stop tokens would be lost without a word.
+    let mut files = Vec::new();
+    if present(&generation) {
+        files.push(read_json_file(&generation)?);
+    }
+    files.push(read_json(dir)?);
+    for (path, json) in files {
         let bad = || {
             Error::config(
                 &path,
