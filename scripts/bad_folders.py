@@ -280,6 +280,37 @@ def with_chat_template(template: str, keep: bool = False):
     return setup
 
 
+def dangling_template_beside_the_key(folder: str) -> None:
+    """The template in tokenizer_config.json too, and chat_template.jinja a link to nothing (a
+    broken download): taken as absent, the key's template would be used without a word."""
+    with open(os.path.join(folder, "chat_template.jinja")) as f:
+        own = f.read()
+    edit_json(folder, "tokenizer_config.json", chat_template="key: " + own)
+    link(os.path.join(folder, "chat_template.jinja"), os.path.join(folder, "blobs", "gone"))
+
+
+def dangling_single_beside_an_index(folder: str) -> None:
+    """A sound one-shard index, and model.safetensors a link to nothing: taken as absent, the
+    index would be loaded in its place."""
+    header, _ = read_st(weights(folder))
+    shard = "model-00001-of-00001.safetensors"
+    shutil.copy(weights(folder), os.path.join(folder, shard))
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {k: shard for k in header
+                                                  if k != "__metadata__"}}, f)
+    link(weights(folder), os.path.join(folder, "blobs", "gone"))
+
+
+def with_chat_model(mutate):
+    """A chat fine-tuning case on a copy of the model, mutated by `mutate(folder)`."""
+    def setup(work):
+        m = copy_model(work)
+        mutate(m)
+        return ["--model", m, "--train", CHAT_TRAIN, "--output", os.path.join(work, "out"),
+                *quick_without(["--seq-len"]), "--seq-len", "128"], []
+    return setup
+
+
 def long_conversation(work: str, turns: int) -> str:
     """A JSONL file of one conversation of `turns` one-word messages."""
     path = os.path.join(work, "long.jsonl")
@@ -437,6 +468,11 @@ def cases() -> list[Case]:
                  m, "model.safetensors.index.json"), "w").write(json.dumps(
                      {"weight_map": {"model.norm.weight": "../x.safetensors"}})))),
              ["not a plain file name"]),
+        Case("model.safetensors a link to nothing beside an index",
+             with_model(dangling_single_beside_an_index), ["model.safetensors", "does not exist"]),
+        Case("chat_template.jinja a link to nothing beside the key's template",
+             with_chat_model(dangling_template_beside_the_key),
+             ["chat_template.jinja", "does not exist"]),
         Case("the Hugging Face cache layout (links into blobs/)",
              lambda w: (["--model", hf_cache(w), "--train", TRAIN, "--output", out(w), *QUICK],
                         []), None),

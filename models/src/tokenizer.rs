@@ -10,7 +10,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 pub use tokenizers::Tokenizer;
@@ -134,7 +134,20 @@ fn within<T: Send + 'static>(
             let _ = answer.send(result);
         })
         .map_err(|e| format!("could not start a thread to {what}: {e}"))?;
-    match answered.recv_timeout(limit) {
+    answer_of(answered.recv_timeout(limit), tokenizer, what, bytes, limit)
+}
+
+/// The answer of a call on a text of `bytes` bytes whose thread was waited for `limit`: its
+/// result, or the error of a call past its time limit (naming the tokenizer's regular
+/// expressions) or of a thread that ended without answering.
+fn answer_of<T>(
+    received: std::result::Result<std::result::Result<T, String>, mpsc::RecvTimeoutError>,
+    tokenizer: &Tokenizer,
+    what: &str,
+    bytes: usize,
+    limit: Duration,
+) -> std::result::Result<T, String> {
+    match received {
         Ok(result) => result,
         Err(mpsc::RecvTimeoutError::Timeout) => Err(format!(
             "could not {what} within its time limit: a text of {bytes} bytes took more than \
@@ -149,6 +162,104 @@ fn within<T: Send + 'static>(
         Err(mpsc::RecvTimeoutError::Disconnected) => Err(format!(
             "the thread that was to {what} ended without an answer"
         )),
+    }
+}
+
+/// A call for a [`Worker`]'s thread.
+type Job = Box<dyn FnOnce(&Tokenizer) + Send>;
+
+/// A tokenizer with a thread kept for its calls, for an owner that makes one call per row of a
+/// dataset ([`ChatEncoder`](crate::chat::ChatEncoder)): starting a thread costs about 50 µs,
+/// as much as tokenizing a short conversation. Every call still has its own time limit, as
+/// [`limited`]'s; past it the thread is given up (it ends once its call does) and the next call
+/// starts another. A call made while another is in progress (the owner shared between threads)
+/// runs on a thread of its own, as [`limited`] runs it.
+#[derive(Debug)]
+pub(crate) struct Worker {
+    tokenizer: Arc<Tokenizer>,
+    /// The kept thread's queue; `None` before the first call and after a call past its limit.
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+}
+
+impl Worker {
+    pub(crate) fn new(tokenizer: Tokenizer) -> Worker {
+        Worker {
+            tokenizer: Arc::new(tokenizer),
+            jobs: Mutex::new(None),
+        }
+    }
+
+    pub(crate) fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// [`limited`] on the kept thread.
+    pub(crate) fn limited<T: Send + 'static>(
+        &self,
+        what: &str,
+        bytes: usize,
+        f: impl FnOnce(&Tokenizer) -> tokenizers::Result<T> + Send + 'static,
+    ) -> std::result::Result<T, String> {
+        self.within(what, bytes, time_limit(bytes), f)
+    }
+
+    /// [`Worker::limited`] given `limit`.
+    fn within<T: Send + 'static>(
+        &self,
+        what: &str,
+        bytes: usize,
+        limit: Duration,
+        f: impl FnOnce(&Tokenizer) -> tokenizers::Result<T> + Send + 'static,
+    ) -> std::result::Result<T, String> {
+        // Busy (another thread's call is in progress): a thread of its own, so that no call
+        // waits behind another and every time limit is the call's own.
+        let Ok(mut kept) = self.jobs.try_lock() else {
+            return within(&self.tokenizer, what, bytes, limit, f);
+        };
+        let (answer, answered) = mpsc::sync_channel(1);
+        let doing = what.to_string();
+        let job: Job = Box::new(move |tokenizer| {
+            // The caller may have stopped waiting (past the limit): nobody to tell.
+            let _ = answer.send(call(&doing, || f(tokenizer)));
+        });
+        let jobs = match kept.take() {
+            Some(jobs) => jobs,
+            None => self.start()?,
+        };
+        // The kept thread cannot end while its queue is held (its calls' panics are caught),
+        // but if it did, the call comes back and goes to a new one.
+        let jobs = match jobs.send(job) {
+            Ok(()) => jobs,
+            Err(mpsc::SendError(job)) => {
+                let fresh = self.start()?;
+                fresh
+                    .send(job)
+                    .map_err(|_| format!("the thread that was to {what} ended before its call"))?;
+                fresh
+            }
+        };
+        let received = answered.recv_timeout(limit);
+        // Kept only after an answer: past the limit the thread is busy for good, and dropping
+        // its queue lets it end once its call does.
+        if received.is_ok() {
+            *kept = Some(jobs);
+        }
+        answer_of(received, &self.tokenizer, what, bytes, limit)
+    }
+
+    /// A new thread that runs the calls sent to it, until its queue is dropped.
+    fn start(&self) -> std::result::Result<mpsc::Sender<Job>, String> {
+        let (jobs, taken) = mpsc::channel::<Job>();
+        let shared = Arc::clone(&self.tokenizer);
+        std::thread::Builder::new()
+            .name("tokenizer".into())
+            .spawn(move || {
+                for job in taken {
+                    job(&shared);
+                }
+            })
+            .map_err(|e| format!("could not start a thread for the tokenizer: {e}"))?;
+        Ok(jobs)
     }
 }
 
@@ -243,25 +354,22 @@ fn tokenizer_path(path: &Path) -> PathBuf {
 /// The call copies the tokenizer for its thread (tens of milliseconds for a vocabulary of
 /// 150,000); [`ChatEncoder::decode`](crate::chat::ChatEncoder::decode) shares its own.
 pub fn decode_ids(tokenizer: &Tokenizer, ids: &[u32], skip_special: bool) -> Result<String> {
-    decode_shared(&Arc::new(tokenizer.clone()), ids, skip_special)
+    decode_on(&Worker::new(tokenizer.clone()), ids, skip_special)
 }
 
-/// [`decode_ids`] with a tokenizer its thread can share.
-pub(crate) fn decode_shared(
-    tokenizer: &Arc<Tokenizer>,
-    ids: &[u32],
-    skip_special: bool,
-) -> Result<String> {
+/// [`decode_ids`] on `worker`'s kept thread.
+pub(crate) fn decode_on(worker: &Worker, ids: &[u32], skip_special: bool) -> Result<String> {
     let ids = ids.to_vec();
     // A decoder's `Replace` can hold a pattern too; the text is about 4 bytes a token.
     let bytes = ids.len().saturating_mul(4);
-    limited(tokenizer, "decode the ids", bytes, move |tokenizer| {
-        tokenizer.decode(&ids, skip_special)
-    })
-    .map_err(|reason| Error::Tokenizer {
-        path: PathBuf::from("<tokenizer>"),
-        reason,
-    })
+    worker
+        .limited("decode the ids", bytes, move |tokenizer| {
+            tokenizer.decode(&ids, skip_special)
+        })
+        .map_err(|reason| Error::Tokenizer {
+            path: PathBuf::from("<tokenizer>"),
+            reason,
+        })
 }
 
 /// The token ids of `text` as `Tokenizer::encode(text, add_special_tokens)` gives them (a
@@ -359,6 +467,68 @@ mod tests {
         // The same tokenizer on a text without the pattern's trap, in time.
         let ids = encode_corpus_within(&tokenizer, "Hello b\n", Duration::from_secs(60)).unwrap();
         assert!(!ids.is_empty());
+    }
+
+    /// The thread the call runs on.
+    fn thread_of(worker: &Worker) -> std::thread::ThreadId {
+        worker
+            .within("tell its thread", 0, Duration::from_secs(60), |_| {
+                Ok(std::thread::current().id())
+            })
+            .unwrap()
+    }
+
+    #[test]
+    fn a_worker_keeps_its_thread_and_gives_it_up_past_a_time_limit() {
+        let worker = Worker::new(backtracking());
+        let kept = thread_of(&worker);
+        assert_ne!(kept, std::thread::current().id());
+        for _ in 0..3 {
+            assert_eq!(thread_of(&worker), kept);
+        }
+        let text = "a".repeat(4000);
+        let err = worker
+            .within("encode", text.len(), Duration::from_millis(50), move |t| {
+                t.encode(text, false).map(|e| e.len())
+            })
+            .unwrap_err();
+        assert!(err.contains("within its time limit"), "{err}");
+        // The late call keeps its thread busy: the next one runs on another, in time.
+        let fresh = thread_of(&worker);
+        assert_ne!(fresh, kept);
+        let ids = worker
+            .limited("encode", 8, |t| {
+                t.encode("Hello b\n", false).map(|e| e.len())
+            })
+            .unwrap();
+        assert!(ids > 0);
+        assert_eq!(thread_of(&worker), fresh);
+    }
+
+    #[test]
+    fn a_call_while_the_worker_is_busy_runs_on_a_thread_of_its_own() {
+        let worker = Arc::new(Worker::new(backtracking()));
+        let (started, has_started) = mpsc::channel();
+        let (release, released) = mpsc::channel::<()>();
+        let busy = {
+            let worker = Arc::clone(&worker);
+            std::thread::spawn(move || {
+                worker
+                    .within("wait", 0, Duration::from_secs(60), move |_| {
+                        started.send(std::thread::current().id()).unwrap();
+                        released.recv().unwrap();
+                        Ok(())
+                    })
+                    .unwrap()
+            })
+        };
+        let kept = has_started.recv().unwrap();
+        // The kept thread is blocked in the first call: this one must not wait behind it.
+        let other = thread_of(&worker);
+        assert_ne!(other, kept);
+        release.send(()).unwrap();
+        busy.join().unwrap();
+        assert_eq!(thread_of(&worker), kept);
     }
 
     #[test]

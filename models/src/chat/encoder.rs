@@ -1,9 +1,9 @@
 //! [`ChatEncoder`]: a conversation rendered with the chat template, tokenized, and labelled
 //! (the assistant's tokens, or every token).
 
+use crate::tokenizer::Worker;
 use std::ops::Range;
 use std::path::Path;
-use std::sync::Arc;
 
 use tokenizers::Tokenizer;
 
@@ -85,9 +85,9 @@ impl ChatExample {
 #[derive(Debug)]
 pub struct ChatEncoder {
     template: ChatTemplate,
-    /// Shared with the thread of each call into the `tokenizers` library (which runs under a
-    /// time limit, see [`load_tokenizer`](crate::load_tokenizer)).
-    tokenizer: Arc<Tokenizer>,
+    /// With the thread kept for the calls into the `tokenizers` library (each under a time
+    /// limit, see [`load_tokenizer`](crate::load_tokenizer)).
+    tokenizer: Worker,
     train_on_all: bool,
     spans: AssistantSpans,
 }
@@ -106,7 +106,7 @@ impl ChatEncoder {
     pub fn new(template: ChatTemplate, tokenizer: Tokenizer) -> Self {
         ChatEncoder {
             template,
-            tokenizer: Arc::new(tokenizer),
+            tokenizer: Worker::new(tokenizer),
             train_on_all: false,
             spans: AssistantSpans::Auto,
         }
@@ -131,20 +131,20 @@ impl ChatEncoder {
 
     /// The tokenizer.
     pub fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
+        self.tokenizer.tokenizer()
     }
 
     /// The text of `ids` (`skip_special`: without the special tokens), as
     /// [`decode_ids`](crate::decode_ids) gives it, with this encoder's tokenizer shared rather
     /// than copied for the call's thread.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        crate::tokenizer::decode_shared(&self.tokenizer, ids, skip_special)
+        crate::tokenizer::decode_on(&self.tokenizer, ids, skip_special)
     }
 
     /// The id of the template's special token `name` (`"eos_token"`, `"pad_token"`) in the
     /// tokenizer, if both know it.
     pub fn special_token_id(&self, name: &str) -> Option<u32> {
-        self.tokenizer
+        self.tokenizer()
             .token_to_id(self.template.special_token(name)?)
     }
 
@@ -313,20 +313,16 @@ impl ChatEncoder {
     /// time limit of every call into the `tokenizers` library).
     fn tokenize(&self, conversation: &Conversation, text: &str) -> Result<(Vec<u32>, Offsets)> {
         let owned = text.to_string();
-        crate::tokenizer::limited(
-            &self.tokenizer,
-            "encode the rendered text",
-            text.len(),
-            move |tokenizer| {
+        self.tokenizer
+            .limited("encode the rendered text", text.len(), move |tokenizer| {
                 let encoding = tokenizer.encode(owned, false)?;
                 Ok((encoding.get_ids().to_vec(), encoding.get_offsets().to_vec()))
-            },
-        )
-        .map_err(|reason| {
-            conversation
-                .errors()
-                .error(ChatErrorKind::Tokenize, None, reason)
-        })
+            })
+            .map_err(|reason| {
+                conversation
+                    .errors()
+                    .error(ChatErrorKind::Tokenize, None, reason)
+            })
     }
 }
 
