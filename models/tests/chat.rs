@@ -607,35 +607,27 @@ fn template_files_that_are_there_but_unreadable_are_named() {
         r#"{"chat_template": "key"}"#,
     )
     .unwrap();
+    // The folder's error names `file` and says `what`.
+    let refused = |file: &str, what: &str| {
+        let message = ChatTemplate::from_folder(dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains(file) && message.contains(what),
+            "{message}"
+        );
+    };
     let jinja = dir.path().join("chat_template.jinja");
     std::os::unix::fs::symlink(dir.path().join("blobs/gone"), &jinja).unwrap();
-    let message = ChatTemplate::from_folder(dir.path())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        message.contains("chat_template.jinja") && message.contains("does not exist"),
-        "{message}"
-    );
+    refused("chat_template.jinja", "does not exist");
     std::fs::remove_file(&jinja).unwrap();
     std::fs::create_dir(&jinja).unwrap();
-    let message = ChatTemplate::from_folder(dir.path())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        message.contains("chat_template.jinja") && message.contains("folder"),
-        "{message}"
-    );
+    refused("chat_template.jinja", "folder");
     std::fs::remove_dir(&jinja).unwrap();
     let config = dir.path().join("tokenizer_config.json");
     std::fs::remove_file(&config).unwrap();
     std::os::unix::fs::symlink(dir.path().join("blobs/gone"), &config).unwrap();
-    let message = ChatTemplate::from_folder(dir.path())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        message.contains("tokenizer_config.json") && message.contains("does not exist"),
-        "{message}"
-    );
+    refused("tokenizer_config.json", "does not exist");
 }
 
 #[test]
