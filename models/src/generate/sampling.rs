@@ -95,14 +95,15 @@ pub(crate) fn argmax(xs: &[f32]) -> u32 {
     best as u32
 }
 
-/// Keeps the `k` largest scores (and any tied with the k-th), the others set to -inf.
+/// Keeps the `k` largest scores (and any tied with the k-th), the others set to -inf. The k-th
+/// is found by selection, in time linear in the vocabulary (a sort of 150,000 scores took 7 ms a
+/// token).
 fn top_k(scores: &mut [f64], k: usize) {
     if k == 0 || k >= scores.len() {
         return;
     }
-    let mut sorted = scores.to_vec();
-    sorted.sort_by(|a, b| b.total_cmp(a));
-    let kth = sorted[k - 1];
+    let mut largest = scores.to_vec();
+    let (_, &mut kth, _) = largest.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
     for s in scores.iter_mut() {
         if *s < kth {
             *s = f64::NEG_INFINITY;
@@ -110,29 +111,60 @@ fn top_k(scores: &mut [f64], k: usize) {
     }
 }
 
+/// How many of the most likely tokens [`top_p`] sorts first; 16 times more each time they do not
+/// reach `p`.
+const TOP_P_HEAD: usize = 1024;
+
 /// Keeps the fewest largest scores whose probabilities sum to at least `p` (at least one), the
-/// others set to -inf.
+/// others set to -inf. Tokens are taken by decreasing probability, ties by increasing id.
 fn top_p(scores: &mut [f64], p: f64) {
     if p >= 1.0 {
         return;
     }
     let probs = softmax(scores);
-    let mut order: Vec<usize> = (0..scores.len()).collect();
-    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
-    let mut acc = 0.0;
     let mut keep = vec![false; scores.len()];
-    for &i in &order {
+    for i in nucleus(&probs, p) {
         keep[i] = true;
-        acc += probs[i];
-        if acc >= p {
-            break;
-        }
     }
     for (s, keep) in scores.iter_mut().zip(keep) {
         if !keep {
             *s = f64::NEG_INFINITY;
         }
     }
+}
+
+/// The ids [`top_p`] keeps, from the probabilities: the same tokens as a sort of the whole
+/// vocabulary (7-13 ms a token at 150,000), summed in the same order, found in less time. The
+/// mass of a language model's next token mostly sits in its first few hundred tokens: those are
+/// found by selection (linear time) and sorted, then the next 16 times as many from the rest,
+/// and so on until the sum reaches `p`.
+fn nucleus(probs: &[f64], p: f64) -> Vec<usize> {
+    let before = |&a: &usize, &b: &usize| probs[b].total_cmp(&probs[a]).then(a.cmp(&b));
+    let mut order: Vec<usize> = (0..probs.len()).filter(|&i| probs[i] > 0.0).collect();
+    let likely = order.len();
+    let mut acc = 0.0;
+    let mut done = 0;
+    let mut size = TOP_P_HEAD;
+    while done < likely {
+        let rest = &mut order[done..likely];
+        let take = size.min(rest.len());
+        if take < rest.len() {
+            rest.select_nth_unstable_by(take - 1, before);
+        }
+        rest[..take].sort_unstable_by(before);
+        for n in done..done + take {
+            acc += probs[order[n]];
+            if acc >= p {
+                order.truncate(n + 1);
+                return order;
+            }
+        }
+        done += take;
+        size = size.saturating_mul(16);
+    }
+    // Rounding left every likely token's sum below `p`: tokens of probability 0 add nothing,
+    // and every token is kept.
+    (0..probs.len()).collect()
 }
 
 /// The softmax of `scores` (-inf gives 0).
@@ -160,6 +192,76 @@ mod tests {
         let mut s = vec![3.0, 2.0, 1.0, 0.0];
         top_p(&mut s, 0.5);
         assert_eq!(s.iter().filter(|x| x.is_finite()).count(), 1);
+    }
+
+    /// `top_k` and `top_p` as first written: a sort of the whole vocabulary.
+    fn top_k_by_sorting(scores: &mut [f64], k: usize) {
+        if k == 0 || k >= scores.len() {
+            return;
+        }
+        let mut sorted = scores.to_vec();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let kth = sorted[k - 1];
+        for s in scores.iter_mut() {
+            if *s < kth {
+                *s = f64::NEG_INFINITY;
+            }
+        }
+    }
+
+    fn top_p_by_sorting(scores: &mut [f64], p: f64) {
+        if p >= 1.0 {
+            return;
+        }
+        let probs = softmax(scores);
+        let mut order: Vec<usize> = (0..scores.len()).collect();
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+        let mut acc = 0.0;
+        let mut keep = vec![false; scores.len()];
+        for &i in &order {
+            keep[i] = true;
+            acc += probs[i];
+            if acc >= p {
+                break;
+            }
+        }
+        for (s, keep) in scores.iter_mut().zip(keep) {
+            if !keep {
+                *s = f64::NEG_INFINITY;
+            }
+        }
+    }
+
+    /// Selection keeps exactly the tokens the full sort kept: peaked and flat rows, ties, -inf,
+    /// vocabularies below and far above the sorted head, with and without top-k first.
+    #[test]
+    fn selection_keeps_what_sorting_kept() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        for case in 0..300 {
+            let v = [3, 40, 1000, 1025, 5000, 20000][case % 6];
+            let spread = [0.1, 2.0, 10.0, 40.0][case % 4];
+            let mut logits: Vec<f64> = (0..v)
+                .map(|_| (rng.random::<f64>() - 0.5) * spread)
+                .collect();
+            // Ties (rounded scores) and ruled-out tokens.
+            if case % 3 == 0 {
+                logits.iter_mut().for_each(|x| *x = x.round());
+            }
+            if case % 5 == 0 {
+                logits[case % v] = f64::NEG_INFINITY;
+            }
+            let k = [1, 5, 50, 2000][case % 4];
+            let p = [0.1, 0.5, 0.9, 0.999, 1.0][case % 5];
+            let (mut a, mut b) = (logits.clone(), logits.clone());
+            if case % 2 == 0 {
+                top_k(&mut a, k);
+                top_k_by_sorting(&mut b, k);
+                assert_eq!(a, b, "case {case}: top_k {k} of {v}");
+            }
+            top_p(&mut a, p);
+            top_p_by_sorting(&mut b, p);
+            assert_eq!(a, b, "case {case}: top_p {p} of {v}");
+        }
     }
 
     #[test]
