@@ -1,7 +1,8 @@
 //! `tokenizer.json` through the `tokenizers` crate (pure Rust here: its regex engine is
 //! `fancy-regex`, no C library).
 //!
-//! Every call into the library runs on a thread of its own under a time limit
+//! Every call into the library runs on another thread (a [`Worker`]'s kept one, or one of its
+//! own) under a time limit
 //! ([`TOKENIZE_GRACE`] plus a second per [`TOKENIZE_BYTES_PER_SECOND`] bytes of text): a
 //! `tokenizer.json`'s regular expressions are code from the folder, and a backtracking pattern
 //! can spend hours on one long line (fancy-regex's step limit only ends the exponential ones).
@@ -30,9 +31,9 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// lengths instead.
 ///
 /// The functions of this crate that call the tokenizer ([`encode_text`], [`encode_corpus`],
-/// [`decode_ids`], [`ChatEncoder`](crate::chat::ChatEncoder)) run each call on a thread of its own under a
-/// time limit: [`TOKENIZE_GRACE`] plus a second per [`TOKENIZE_BYTES_PER_SECOND`] bytes of
-/// text. A file's regular expressions are code from the folder, and a backtracking one can
+/// [`decode_ids`], [`ChatEncoder`](crate::chat::ChatEncoder), which keeps one thread for its
+/// calls) run each call on another thread under a time limit: [`TOKENIZE_GRACE`] plus a second
+/// per [`TOKENIZE_BYTES_PER_SECOND`] bytes of text. A file's regular expressions are code from the folder, and a backtracking one can
 /// spend hours on a long line; past the limit the call is an error naming the patterns, and
 /// its thread, which nothing can stop, ends on its own.
 pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
