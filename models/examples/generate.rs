@@ -19,7 +19,7 @@ use std::path::PathBuf;
 
 use accelerate_rs_models::chat::{ChatEncoder, Conversation, Role};
 use accelerate_rs_models::{
-    decode_ids, encode_text, eos_token_ids, load_tokenizer, AutoModel, GenerationConfig,
+    decode_ids, encode_text, eos_token_ids, load_tokenizer, AutoModel, GenerationConfig, Tokenizer,
 };
 use anyhow::{anyhow, Context, Result};
 use candle_core::{DType, Device};
@@ -65,7 +65,7 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let (prompt, mut stop) = prompt_ids(&args)?;
+    let (prompt, mut stop, text_of) = prompt_ids(&args)?;
     stop.extend(eos_token_ids(&args.model)?);
     let mut model = AutoModel::from_pretrained(&args.model, &Device::Cpu, DType::F32)?;
     if let Some(dir) = &args.adapter {
@@ -85,8 +85,9 @@ fn main() -> Result<()> {
         config = config.top_p(p);
     }
     let new = model.generate(&[prompt], &config)?;
-    let tokenizer = load_tokenizer(&args.model)?;
-    let text = decode_ids(&tokenizer, &new[0], true).context("decoding the generated ids")?;
+    let text = text_of
+        .decode(&new[0])
+        .context("decoding the generated ids")?;
     if args.json {
         println!("{}", serde_json::json!({ "ids": new[0], "text": text }));
     } else {
@@ -95,15 +96,33 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// The prompt's ids, and the stop tokens it brings (`--chat`: the template's end of turn).
-fn prompt_ids(args: &Args) -> Result<(Vec<u32>, Vec<u32>)> {
+/// What the new ids are decoded with: the folder's tokenizer, or the chat encoder's (loaded once
+/// for the prompt and the answer).
+enum Decoder {
+    Plain(Box<Tokenizer>),
+    Chat(Box<ChatEncoder>),
+}
+
+impl Decoder {
+    /// The text of `ids`, special tokens skipped.
+    fn decode(&self, ids: &[u32]) -> accelerate_rs_models::Result<String> {
+        match self {
+            Decoder::Plain(tokenizer) => decode_ids(tokenizer, ids, true),
+            Decoder::Chat(encoder) => encoder.decode(ids, true),
+        }
+    }
+}
+
+/// The prompt's ids, the stop tokens it brings (`--chat`: the template's end of turn), and what
+/// the answer is decoded with.
+fn prompt_ids(args: &Args) -> Result<(Vec<u32>, Vec<u32>, Decoder)> {
     if !args.chat {
         if args.system.is_some() {
             return Err(anyhow!("--system needs --chat"));
         }
         let tokenizer = load_tokenizer(&args.model)?;
         let ids = encode_text(&tokenizer, &args.prompt, true).context("tokenizing --prompt")?;
-        return Ok((ids, Vec::new()));
+        return Ok((ids, Vec::new(), Decoder::Plain(Box::new(tokenizer))));
     }
     let encoder = ChatEncoder::from_folder(&args.model).context("--chat")?;
     let mut turns = Vec::new();
@@ -113,5 +132,5 @@ fn prompt_ids(args: &Args) -> Result<(Vec<u32>, Vec<u32>)> {
     turns.push((Role::User, args.prompt.clone()));
     let ids = encoder.encode_prompt(&Conversation::new(turns)?)?;
     let stop = encoder.special_token_id("eos_token").into_iter().collect();
-    Ok((ids, stop))
+    Ok((ids, stop, Decoder::Chat(Box::new(encoder))))
 }
