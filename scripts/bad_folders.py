@@ -265,19 +265,26 @@ def with_model(mutate, *extra):
 CHAT_TRAIN = os.path.join(ROOT, "data", "chat_tiny.jsonl")
 
 
+def with_chat_model(mutate):
+    """A chat fine-tuning case on a copy of the model, mutated by `mutate(folder)`."""
+    def setup(work):
+        m = copy_model(work)
+        mutate(m)
+        return ["--model", m, "--train", CHAT_TRAIN, "--output", os.path.join(work, "out"),
+                *quick_without(["--seq-len"]), "--seq-len", "128"], []
+    return setup
+
+
 def with_chat_template(template: str, keep: bool = False):
     """A chat fine-tuning case on a copy of the model whose chat template is `template`
     (before the folder's own with `keep`)."""
-    def setup(work):
-        m = copy_model(work)
+    def mutate(m):
         path = os.path.join(m, "chat_template.jinja")
         with open(path) as f:
             own = f.read()
         with open(path, "w") as f:
             f.write(template + (own if keep else ""))
-        return ["--model", m, "--train", CHAT_TRAIN, "--output", os.path.join(work, "out"),
-                *quick_without(["--seq-len"]), "--seq-len", "128"], []
-    return setup
+    return with_chat_model(mutate)
 
 
 def dangling_template_beside_the_key(folder: str) -> None:
@@ -299,16 +306,6 @@ def dangling_single_beside_an_index(folder: str) -> None:
         json.dump({"metadata": {}, "weight_map": {k: shard for k in header
                                                   if k != "__metadata__"}}, f)
     link(weights(folder), os.path.join(folder, "blobs", "gone"))
-
-
-def with_chat_model(mutate):
-    """A chat fine-tuning case on a copy of the model, mutated by `mutate(folder)`."""
-    def setup(work):
-        m = copy_model(work)
-        mutate(m)
-        return ["--model", m, "--train", CHAT_TRAIN, "--output", os.path.join(work, "out"),
-                *quick_without(["--seq-len"]), "--seq-len", "128"], []
-    return setup
 
 
 def long_conversation(work: str, turns: int) -> str:

@@ -2,8 +2,8 @@
 //! `fancy-regex`, no C library).
 //!
 //! Every call into the library runs on another thread (a [`Worker`]'s kept one, or one of its
-//! own) under a time limit
-//! ([`TOKENIZE_GRACE`] plus a second per [`TOKENIZE_BYTES_PER_SECOND`] bytes of text): a
+//! own) under a time limit ([`TOKENIZE_GRACE`] plus a second per [`TOKENIZE_BYTES_PER_SECOND`]
+//! bytes of text): a
 //! `tokenizer.json`'s regular expressions are code from the folder, and a backtracking pattern
 //! can spend hours on one long line (fancy-regex's step limit only ends the exponential ones).
 //! Past the limit the call returns an error naming the file's patterns; its thread is left to
@@ -33,9 +33,9 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// The functions of this crate that call the tokenizer ([`encode_text`], [`encode_corpus`],
 /// [`decode_ids`], [`ChatEncoder`](crate::chat::ChatEncoder), which keeps one thread for its
 /// calls) run each call on another thread under a time limit: [`TOKENIZE_GRACE`] plus a second
-/// per [`TOKENIZE_BYTES_PER_SECOND`] bytes of text. A file's regular expressions are code from the folder, and a backtracking one can
-/// spend hours on a long line; past the limit the call is an error naming the patterns, and
-/// its thread, which nothing can stop, ends on its own.
+/// per [`TOKENIZE_BYTES_PER_SECOND`] bytes of text. A file's regular expressions are code from
+/// the folder, and a backtracking one can spend hours on a long line; past the limit the call
+/// is an error naming the patterns, and its thread, which nothing can stop, ends on its own.
 pub fn load_tokenizer(path: impl AsRef<Path>) -> Result<Tokenizer> {
     let given = path.as_ref();
     let path = tokenizer_path(given);

@@ -276,6 +276,16 @@ fn bad_settings_and_prompts_are_named() {
     assert!(reason.contains("BertForMaskedLM"), "{reason}");
 }
 
+/// Sets the final norm of the model folder `dir` to 3e38: finite, so loading takes it, but the
+/// head's products overflow.
+fn overflow_the_head(dir: &Path) {
+    let file = dir.join("model.safetensors");
+    let mut weights = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+    let norm = weights.get_mut("model.norm.weight").unwrap();
+    *norm = (norm.ones_like().unwrap() * 3e38).unwrap();
+    candle_core::safetensors::save(&weights, &file).unwrap();
+}
+
 /// A model whose activations overflow computes logits no token can be picked from (here a
 /// final norm of 3e38, finite, so loading takes it: the head's products reach inf, then NaN).
 /// Greedy picking took the last id of every row, and a draw the argmax: garbage printed as
@@ -283,11 +293,7 @@ fn bad_settings_and_prompts_are_named() {
 #[test]
 fn logits_without_a_pickable_token_are_an_error() {
     let (_tmp, dir) = common::copy_fixture("llama");
-    let file = dir.join("model.safetensors");
-    let mut weights = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
-    let norm = weights.get_mut("model.norm.weight").unwrap();
-    *norm = (norm.ones_like().unwrap() * 3e38).unwrap();
-    candle_core::safetensors::save(&weights, &file).unwrap();
+    overflow_the_head(&dir);
     let model = AutoModel::from_pretrained(&dir, &Device::Cpu, DType::F32).unwrap();
     let prompts = cases("llama").1[1].1.clone();
     let greedy = GenerationConfig::default().max_new_tokens(4);
@@ -549,11 +555,7 @@ fn the_example_names_what_is_missing() {
     for f in ["config.json", "tokenizer.json", "model.safetensors"] {
         std::fs::copy(tiny.join(f), overflow.path().join(f)).unwrap();
     }
-    let file = overflow.path().join("model.safetensors");
-    let mut weights = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
-    let norm = weights.get_mut("model.norm.weight").unwrap();
-    *norm = (norm.ones_like().unwrap() * 3e38).unwrap();
-    candle_core::safetensors::save(&weights, &file).unwrap();
+    overflow_the_head(overflow.path());
     let o = overflow.path().to_str().unwrap();
     let cases: [(&[&str], &str); 5] = [
         (

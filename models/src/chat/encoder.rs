@@ -1,7 +1,6 @@
 //! [`ChatEncoder`]: a conversation rendered with the chat template, tokenized, and labelled
 //! (the assistant's tokens, or every token).
 
-use crate::tokenizer::Worker;
 use std::ops::Range;
 use std::path::Path;
 
@@ -11,6 +10,7 @@ use super::conversation::{Conversation, Role, RowSource};
 use super::template::{ChatTemplate, Rendered};
 use crate::error::{ChatErrorKind, Error, Result};
 use crate::layers::IGNORE_INDEX;
+use crate::tokenizer::Worker;
 
 /// How the assistant's text is found in a rendering (see the [module docs](super)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -69,6 +69,10 @@ impl Sampler {
 /// of its logits: garbage either way, with nothing to tell.
 pub(crate) fn unusable(logits: &[f32]) -> Option<String> {
     let vocab = logits.len();
+    // The common case, every logit finite, in one pass; the rest only to say what is wrong.
+    if vocab > 0 && logits.iter().all(|x| x.is_finite()) {
+        return None;
+    }
     if vocab == 0 {
         return Some("are empty (no vocabulary)".into());
     }
